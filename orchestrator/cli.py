@@ -1,0 +1,161 @@
+"""The ``pdserve`` command line: validate, up, status, down."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+from orchestrator.errors import ClusterNotRunning, PdserveError, SpecError
+
+
+def _print(*parts: object) -> None:
+    print(*parts, flush=True)
+
+
+class _EventPrinter:
+    def __init__(self) -> None:
+        self.t0 = time.time()
+
+    def __call__(self, event: dict[str, Any]) -> None:
+        _print(f"[{event['t'] - self.t0:6.1f}s] {event['message']}")
+
+
+def _usage_hint(status: dict[str, Any]) -> str:
+    url = status["proxy_url"]
+    body = json.dumps(
+        {"model": status["model"], "messages": [{"role": "user", "content": "What is the capital of France?"}]}
+    )
+    return (
+        f"pdserve: cluster {status['name']!r} is ready in {status['ready_s']:.1f}s; "
+        f"OpenAI API at {url}/v1\n"
+        f"  curl {url}/v1/chat/completions -H 'content-type: application/json' -d '{body}'"
+    )
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    from orchestrator.launch import plan_engines
+    from orchestrator.spec import ClusterSpec
+
+    spec = ClusterSpec.from_file(args.config)
+    engines = plan_engines(spec)
+    _print(f"{args.config}: valid: cluster {spec.name!r}, model {spec.model_name!r}, connector {spec.connector}")
+    for engine in engines:
+        where = f"cores {engine.cpu_bind}" if engine.cpu_bind else f"{engine.num_gpus:g} GPU(s)"
+        _print(f"  {engine.engine_id:<10} {engine.url:<24} kv port {engine.kv_port:<6} {where}")
+    _print(f"  proxy      http://{spec.proxy.host}:{spec.proxy.port}")
+    return 0
+
+
+def _follow(get_status: Callable[[], dict[str, Any]], printer: _EventPrinter, seen: int) -> None:
+    """Foreground `up`: keep printing the cluster's events until Ctrl-C or SIGTERM."""
+    while True:
+        time.sleep(1.0)
+        status = get_status()
+        for event in status["events"][seen:]:
+            printer(event)
+        seen = len(status["events"])
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from orchestrator import cluster
+
+    printer = _EventPrinter()
+
+    def on_ready_wait(get_status: Callable[[], dict[str, Any]]) -> None:
+        status = get_status()
+        _print(_usage_hint(status))
+        _print("pdserve: press Ctrl-C to stop the cluster")
+        try:
+            _follow(get_status, printer, len(status["events"]))
+        except KeyboardInterrupt:
+            _print("\npdserve: stopping the cluster")
+
+    cluster.install_stop_signals()
+    try:
+        status = cluster.up(
+            args.config, on_event=printer, detach=args.detach, wait_forever=None if args.detach else on_ready_wait
+        )
+    except KeyboardInterrupt:
+        _print("pdserve: interrupted; the cluster was stopped")
+        return 130
+    if args.detach:
+        _print(_usage_hint(status))
+        _print("pdserve: running in the background; `pdserve status` shows it, `pdserve down` stops it")
+    else:
+        _print("pdserve: cluster stopped")
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from orchestrator import cluster
+
+    status = cluster.status()
+    if args.json:
+        _print(json.dumps(status, indent=2))
+        return 0
+    ready = f" (ready in {status['ready_s']:.1f}s)" if status["ready_s"] else ""
+    _print(f"cluster {status['name']}: {status['phase']}{ready}")
+    _print(f"model     {status['model']}   connector {status['connector']}")
+    _print(f"proxy     {status['proxy_url']}")
+    _print(f"logs      {status['log_dir']}")
+    _print(f"{'ENGINE':<11} {'ROLE':<8} {'STATE':<11} {'URL':<24} {'CORES':<6} {'LOAD':>7} {'RESTARTS':>8}")
+    for e in status["engines"]:
+        load = f"{e['load_s']:.1f}s" if e["load_s"] else "-"
+        _print(
+            f"{e['engine_id']:<11} {e['role']:<8} {e['state']:<11} {e['url'] or '-':<24} "
+            f"{e['cpu_bind'] or '-':<6} {load:>7} {e['restarts']:>8}"
+        )
+    if status["error"]:
+        _print(f"error: {status['error']}")
+    return 0
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    from orchestrator import cluster
+
+    for line in cluster.down():
+        _print(f"pdserve: {line}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pdserve", description="Disaggregated prefill/decode serving on Ray-managed vLLM engines."
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    validate = commands.add_parser("validate", help="check a cluster spec and show the engines it plans")
+    validate.add_argument("config")
+    validate.set_defaults(func=cmd_validate)
+    up = commands.add_parser("up", help="start the cluster a spec describes")
+    up.add_argument("config")
+    up.add_argument("--detach", "-d", action="store_true", help="return once ready; `pdserve down` stops it")
+    up.set_defaults(func=cmd_up)
+    status = commands.add_parser("status", help="show the running cluster")
+    status.add_argument("--json", action="store_true", help="machine-readable output")
+    status.set_defaults(func=cmd_status)
+    down = commands.add_parser("down", help="stop the running cluster and everything it started")
+    down.set_defaults(func=cmd_down)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except SpecError as e:
+        print(f"pdserve: invalid spec:\n{e}", file=sys.stderr)
+        return 2
+    except ClusterNotRunning as e:
+        print(f"pdserve: {e}", file=sys.stderr)
+        return 3
+    except PdserveError as e:
+        print(f"pdserve: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

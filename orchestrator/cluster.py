@@ -1,0 +1,324 @@
+"""Client-side cluster operations behind ``pdserve up``, ``status`` and ``down``.
+
+``up`` validates the spec, joins the Ray cluster the spec (or ``RAY_ADDRESS``)
+names or starts a local Ray head of its own, creates the detached
+``ClusterController`` actor and follows its events until the cluster is
+ready or has failed. What it started is recorded in a state file
+(``$PDSERVE_STATE_DIR/cluster.json``, default ``~/.cache/pdserve/run``), so
+``status`` and ``down`` in another shell find the cluster, and ``down``
+removes exactly what ``up`` made: the actors, every engine process, and the
+local Ray head if ``up`` started it (a joined Ray cluster is left running).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from orchestrator.errors import ClusterNotRunning, PdserveError
+from orchestrator.spec import ClusterSpec
+
+logger = logging.getLogger(__name__)
+
+CONTROLLER_SUFFIX = "-controller"
+STOP_GRACE_S = 10.0
+
+
+def state_dir() -> Path:
+    override = os.environ.get("PDSERVE_STATE_DIR")
+    if override:
+        return Path(override).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "pdserve" / "run"
+
+
+@dataclass(slots=True)
+class ClusterState:
+    name: str
+    namespace: str
+    config: str
+    ray_address: str
+    started_ray: bool
+    ray_temp_dir: str | None
+    log_dir: str
+    proxy_url: str
+
+    @property
+    def controller_name(self) -> str:
+        return self.name + CONTROLLER_SUFFIX
+
+    @staticmethod
+    def path() -> Path:
+        return state_dir() / "cluster.json"
+
+    def save(self) -> None:
+        self.path().parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path().with_suffix(".tmp")
+        tmp.write_text(json.dumps(asdict(self), indent=2))
+        tmp.replace(self.path())
+
+    @classmethod
+    def load(cls) -> ClusterState:
+        try:
+            return cls(**json.loads(cls.path().read_text()))
+        except FileNotFoundError:
+            raise ClusterNotRunning(f"no pdserve cluster is running (no {cls.path()})") from None
+
+    @classmethod
+    def clear(cls) -> None:
+        cls.path().unlink(missing_ok=True)
+
+
+# --- the local Ray head ---------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ray_temp_dir() -> str:
+    # Ray's socket paths must stay short (AF_UNIX limit), hence /tmp and a hash.
+    digest = hashlib.sha1(str(state_dir().resolve()).encode()).hexdigest()[:8]
+    return str(Path(tempfile.gettempdir()) / f"pdserve-ray-{os.getuid()}-{digest}")
+
+
+def start_ray_head(spec: ClusterSpec) -> tuple[str, str]:
+    """Start a Ray head for this cluster alone; return (address, temp_dir)."""
+    port, temp_dir = _free_port(), _ray_temp_dir()
+    cpus = spec.resources.cpus or os.cpu_count() or 1
+    ray_bin = Path(sys.executable).parent / "ray"
+    command = [
+        str(ray_bin) if ray_bin.exists() else "ray", "start", "--head",
+        f"--port={port}", f"--num-cpus={cpus}", f"--num-gpus={spec.resources.gpus}",
+        f"--temp-dir={temp_dir}", "--include-dashboard=false", "--disable-usage-stats",
+        "--node-ip-address=127.0.0.1",
+    ]  # fmt: skip
+    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="token")
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
+    if result.returncode != 0:
+        raise PdserveError(f"could not start a local Ray head:\n{result.stdout}\n{result.stderr}")
+    return f"127.0.0.1:{port}", temp_dir
+
+
+def stop_ray_head(temp_dir: str, address: str) -> None:
+    """Stop the Ray head that ``start_ray_head`` made, and every process under it.
+
+    Ray's own processes name either the head's temp dir or its GCS port
+    (e.g. the client server: ``--address=NODE_IP:PORT``) on their command lines.
+    """
+    gcs_port = re.compile(rf"[:=][0-9.]+:{address.rsplit(':', 1)[1]}\b")
+    roots = []
+    for proc in psutil.process_iter(["cmdline"]):
+        cmdline = " ".join(proc.info["cmdline"] or [])
+        if temp_dir in cmdline or ("ray" in cmdline and gcs_port.search(cmdline)):
+            roots.append(proc)
+    terminate_trees(roots)
+
+
+def terminate_trees(roots: list[psutil.Process]) -> None:
+    procs: dict[int, psutil.Process] = {}
+    for root in roots:
+        with contextlib.suppress(psutil.Error):
+            for proc in [root, *root.children(recursive=True)]:
+                procs[proc.pid] = proc
+    for proc in procs.values():
+        with contextlib.suppress(psutil.Error):
+            proc.terminate()
+    _, alive = psutil.wait_procs(list(procs.values()), timeout=STOP_GRACE_S)
+    for proc in alive:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    psutil.wait_procs(alive, timeout=5)
+
+
+@contextlib.contextmanager
+def ray_connection(state: ClusterState) -> Iterator[Any]:
+    """Connect this process to the cluster's Ray as a driver, for the ``with`` block."""
+    _use_ray_auth(state)
+    import ray
+
+    try:
+        ray.init(
+            address=state.ray_address,
+            namespace=state.namespace,
+            log_to_driver=False,
+            logging_level=logging.WARNING,
+        )
+    except (ConnectionError, RuntimeError) as e:
+        raise PdserveError(f"cannot connect to the Ray cluster at {state.ray_address}: {e}") from e
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+
+
+def _use_ray_auth(state: ClusterState) -> None:
+    """Our own head runs with token auth (Ray's default for new clusters); a
+    client joining an existing cluster must ask for it explicitly, and before
+    Ray is first imported: its C++ config reads the variable once."""
+    if state.started_ray:
+        if "ray" in sys.modules and os.environ.get("RAY_AUTH_MODE") != "token":
+            raise RuntimeError("ray was imported before its auth mode was set")  # a bug of ours, not the user's
+        os.environ["RAY_AUTH_MODE"] = "token"
+
+
+# --- up / status / down -----------------------------------------------------------------------
+
+
+def _cluster_alive(state: ClusterState) -> bool:
+    try:
+        with ray_connection(state) as ray:
+            ray.get_actor(state.controller_name)
+            return True
+    except Exception:  # noqa: BLE001 - unreachable Ray or no controller: not alive
+        return False
+
+
+def up(
+    config: str,
+    on_event: Callable[[dict[str, Any]], None],
+    detach: bool,
+    wait_forever: Callable[[Callable[[], dict[str, Any]]], None] | None = None,
+) -> dict[str, Any]:
+    """Bring the cluster up; return its status once ready. Raises PdserveError on failure."""
+    spec = ClusterSpec.from_file(config)
+    with contextlib.suppress(ClusterNotRunning):
+        previous = ClusterState.load()
+        if _cluster_alive(previous):
+            raise PdserveError(
+                f"cluster {previous.name!r} is already running (from {previous.config}); run `pdserve down` first"
+            )
+        logger.info("removing what a previous cluster left behind")
+        down()
+    address = spec.ray.address or os.environ.get("RAY_ADDRESS")
+    started_ray, temp_dir = False, None
+    if address is None:
+        on_event({"t": time.time(), "message": "starting a local Ray head"})
+        address, temp_dir = start_ray_head(spec)
+        started_ray = True
+    log_dir = Path(tempfile.mkdtemp(prefix=f"{spec.name}-", dir=_mkdir(state_dir() / "logs")))
+    state = ClusterState(
+        name=spec.name,
+        namespace=spec.ray.namespace,
+        config=str(Path(config).resolve()),
+        ray_address=address,
+        started_ray=started_ray,
+        ray_temp_dir=temp_dir,
+        log_dir=str(log_dir),
+        proxy_url=f"http://{spec.proxy.host}:{spec.proxy.port}",
+    )
+    state.save()  # from here on, `pdserve down` can clean up whatever happens
+    try:
+        status = _bring_up(state, spec, on_event)
+    except BaseException:
+        down()
+        raise
+    if not detach and wait_forever is not None:
+        try:
+            with ray_connection(state) as ray:
+                controller = ray.get_actor(state.controller_name)
+                wait_forever(lambda: ray.get(controller.status.remote(), timeout=30))
+        finally:
+            down()
+    return status
+
+
+def _mkdir(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _bring_up(state: ClusterState, spec: ClusterSpec, on_event: Callable[[dict[str, Any]], None]) -> dict:
+    _use_ray_auth(state)
+    from orchestrator.controller import ClusterController
+
+    host = "127.0.0.1" if state.started_ray else "0.0.0.0"
+    with ray_connection(state) as ray:
+        controller = (
+            ray.remote(ClusterController)
+            .options(name=state.controller_name, lifetime="detached", num_cpus=0, max_restarts=0)
+            .remote(spec.model_dump(mode="json"), state.log_dir, host)
+        )
+        ray.get(controller.start.remote(), timeout=120)
+        seen = 0
+        while True:
+            status = ray.get(controller.status.remote(), timeout=60)
+            for event in status["events"][seen:]:
+                on_event(event)
+            seen = len(status["events"])
+            if status["phase"] == "ready":
+                return status
+            if status["phase"] == "failed":
+                raise PdserveError(status["error"])
+            time.sleep(0.5)
+
+
+def status() -> dict[str, Any]:
+    state = ClusterState.load()
+    try:
+        with ray_connection(state) as ray:
+            controller = ray.get_actor(state.controller_name)
+            return ray.get(controller.status.remote(), timeout=30)
+    except (PdserveError, ValueError) as e:
+        raise ClusterNotRunning(
+            f"cluster {state.name!r} is recorded in {ClusterState.path()} but is not running ({e}); "
+            "`pdserve down` cleans up"
+        ) from e
+
+
+def down() -> list[str]:
+    """Stop the recorded cluster; return what was done, for the CLI to print."""
+    state = ClusterState.load()
+    done: list[str] = []
+    engine_procs: list[psutil.Process] = []
+    try:
+        with ray_connection(state) as ray:
+            controller = ray.get_actor(state.controller_name)
+            current = ray.get(controller.status.remote(), timeout=30)
+            engine_procs = _processes([e["pid"] for e in current["engines"] if e.get("pid")])
+            ray.get(controller.shutdown.remote(), timeout=120)
+            ray.kill(controller, no_restart=True)
+            done.append(f"stopped cluster {state.name!r} ({len(current['engines'])} engines and the proxy)")
+    except Exception as e:  # noqa: BLE001 - Ray or controller already gone: clean up the rest
+        done.append(f"controller not reachable ({type(e).__name__}); cleaning up processes")
+    if state.started_ray and state.ray_temp_dir:
+        stop_ray_head(state.ray_temp_dir, state.ray_address)
+        done.append("stopped the local Ray head")
+    terminate_trees(engine_procs)
+    ClusterState.clear()
+    return done
+
+
+def _processes(pids: list[int]) -> list[psutil.Process]:
+    procs = []
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            procs.append(psutil.Process(pid))
+    return procs
+
+
+def install_stop_signals() -> None:
+    """Make SIGTERM behave like Ctrl-C for a foreground ``pdserve up``."""
+
+    def _raise(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, _raise)

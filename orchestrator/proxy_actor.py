@@ -1,0 +1,77 @@
+"""The proxy (``proxy.app``) served by uvicorn inside a Ray actor.
+
+The controller creates it, calls ``start()``, and pushes the pool's ready
+engines with ``set_endpoints()`` whenever an engine becomes ready, dies or
+comes back; the app reads the same ``EnginePool`` object for every request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import Generator
+
+import uvicorn
+
+from orchestrator.logs import redirect_output
+from proxy.app import ProxyConfig, create_app
+from proxy.pool import Endpoint, EnginePool
+
+logger = logging.getLogger(__name__)
+
+
+class _ThreadServer(uvicorn.Server):
+    """uvicorn without signal handlers: Ray owns this process's signals."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        yield
+
+
+class ProxyActor:
+    def __init__(self, config: ProxyConfig, host: str, port: int, log_path: str) -> None:
+        redirect_output(log_path)
+        self.config, self.host, self.port = config, host, port
+        self.pool = EnginePool()
+        self.state = "idle"
+        self._server: _ThreadServer | None = None
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> dict:
+        if self.state == "ready":
+            return await self.info()
+        app = create_app(self.config, self.pool)
+        server_config = uvicorn.Config(
+            app, host=self.host, port=self.port, log_level="warning", access_log=False, timeout_keep_alive=30
+        )
+        self._server = _ThreadServer(server_config)
+        self._task = asyncio.create_task(self._server.serve())
+        while not self._server.started:
+            if self._task.done():
+                self.state = "failed"
+                raise RuntimeError(f"proxy could not listen on {self.host}:{self.port} (is the port taken?)")
+            await asyncio.sleep(0.05)
+        self.state = "ready"
+        logger.info("proxy listening on http://%s:%d", self.host, self.port)
+        return await self.info()
+
+    async def set_endpoints(self, role: str, endpoints: list[tuple[str, str]]) -> None:
+        self.pool.set_endpoints(role, [Endpoint(engine_id, url) for engine_id, url in endpoints])
+        logger.info("proxy: %s pool is now %s", role, [engine_id for engine_id, _ in endpoints] or "empty")
+
+    async def info(self) -> dict:
+        return {
+            "state": self.state,
+            "url": f"http://{self.host}:{self.port}",
+            "pid": os.getpid(),
+            "pool": self.pool.snapshot(),
+        }
+
+    async def stop(self) -> None:
+        if self._server is not None and self._task is not None:
+            self._server.should_exit = True
+            with contextlib.suppress(BaseException):
+                await asyncio.wait_for(self._task, timeout=10)
+        self.state = "idle"

@@ -1,0 +1,211 @@
+"""The cluster spec: one YAML file that describes a pdserve cluster.
+
+``ClusterSpec.from_file(path)`` reads and validates the YAML. Every problem is
+reported at load time as a ``SpecError`` that names the file, the field (as a
+dotted path, e.g. ``prefill.replicas``) and the reason; nothing half-valid
+reaches the orchestrator.
+
+Example (``configs/local-cpu.yaml``)::
+
+    name: local-cpu
+    model: smollm2-135m-instruct
+    device: cpu
+    connector: vllm-nixl
+    proxy: {port: 8000}
+    prefill: {replicas: 1, port: 8100, kv_port: 5600}
+    decode: {replicas: 1, port: 8200, kv_port: 5700}
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from orchestrator.errors import SpecError
+from orchestrator.models import KNOWN_MODELS, model_cache_dir, resolve_model
+
+# Connector names a spec may use, mapped to the vLLM kv_transfer_config they need.
+CONNECTORS = ("vllm-nixl",)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class RaySpec(_Strict):
+    address: str | None = Field(
+        default=None,
+        description="Ray cluster to join (e.g. 'auto' or 'HOST:6379'). "
+        "RAY_ADDRESS overrides; when neither is set pdserve starts a local Ray head.",
+    )
+    namespace: str = Field(default="pdserve", description="Ray namespace of the cluster's actors.")
+
+
+class ProxySpec(_Strict):
+    host: str = Field(default="127.0.0.1", description="Address the OpenAI-compatible proxy binds.")
+    port: int = Field(default=8000, ge=1, le=65535, description="Port of the proxy.")
+    request_timeout_s: float = Field(default=600.0, gt=0, description="Upper bound on one upstream call to an engine.")
+
+
+class PoolSpec(_Strict):
+    replicas: int = Field(default=1, ge=1, description="Number of engines in this pool.")
+    tensor_parallel_size: int = Field(default=1, ge=1, description="TP size of each engine.")
+    cpu_cores: int = Field(default=1, ge=1, description="CPU cores pinned to each engine (per TP rank) on CPU.")
+    port: int = Field(ge=1, le=65535, description="HTTP port of replica 0; replica i uses port+i.")
+    kv_port: int = Field(ge=1, le=65535, description="KV side-channel port of replica 0; replica i uses kv_port+i.")
+
+    def ports(self) -> list[int]:
+        return [self.port + i for i in range(self.replicas)]
+
+    def kv_ports(self) -> list[int]:
+        return [self.kv_port + i * self.tensor_parallel_size for i in range(self.replicas)]
+
+
+class EngineSpec(_Strict):
+    max_model_len: int = Field(default=4096, ge=16, description="Context length of each engine.")
+    kv_cache_gib: int = Field(
+        default=1, ge=1, description="KV cache size per engine in GiB on CPU (VLLM_CPU_KVCACHE_SPACE)."
+    )
+    gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1, description="GPU engines only.")
+    enforce_eager: bool = Field(default=True, description="Skip graph capture (faster start).")
+    dtype: str = Field(default="auto", description="vLLM --dtype.")
+    startup_timeout_s: float = Field(default=600.0, gt=0, description="Give up on an engine after this.")
+    extra_args: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Further vLLM server flags, e.g. {max_num_seqs: 64} -> --max-num-seqs 64.",
+    )
+
+
+class ResourcesSpec(_Strict):
+    cpus: int | None = Field(
+        default=None, ge=1, description="CPU cores pdserve may pin engines to (default: all of this machine's)."
+    )
+    gpus: int = Field(default=0, ge=0, description="GPUs available to engines (device: cuda).")
+
+
+class ClusterSpec(_Strict):
+    name: str = Field(default="pdserve", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+    model: str = Field(description="Known model name, a model directory, or a Hugging Face id.")
+    served_model_name: str | None = Field(
+        default=None, description="Name clients use in 'model' (default: the spec's model)."
+    )
+    device: Literal["cpu", "cuda"] = "cpu"
+    connector: Literal["vllm-nixl"] = Field(
+        default="vllm-nixl", description="KV connector between prefill and decode engines."
+    )
+    ray: RaySpec = Field(default_factory=RaySpec)
+    proxy: ProxySpec = Field(default_factory=ProxySpec)
+    prefill: PoolSpec
+    decode: PoolSpec
+    engine: EngineSpec = Field(default_factory=EngineSpec)
+    resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model
+
+    def pool(self, role: str) -> PoolSpec:
+        return self.prefill if role == "prefill" else self.decode
+
+    @model_validator(mode="after")
+    def _check_model(self) -> ClusterSpec:
+        looks_like_path = self.model.startswith((".", "/", "~"))
+        if looks_like_path and not Path(self.model).expanduser().is_dir():
+            raise _FieldError("model", f"model directory {self.model!r} does not exist")
+        if self.model in KNOWN_MODELS and not Path(resolve_model(self.model)).is_dir():
+            raise _FieldError(
+                "model",
+                f"{self.model!r} is not prepared in {model_cache_dir()}; run `make setup` "
+                "(or `python scripts/prepare_model.py`)",
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _check_ports(self) -> ClusterSpec:
+        owners: dict[int, str] = {self.proxy.port: "proxy.port"}
+        for role in ("prefill", "decode"):
+            pool = self.pool(role)
+            kv_span = [p + r for p in pool.kv_ports() for r in range(pool.tensor_parallel_size)]
+            for field, ports in ((f"{role}.port", pool.ports()), (f"{role}.kv_port", kv_span)):
+                for port in ports:
+                    if port > 65535:
+                        raise _FieldError(field, f"port {port} of its replicas is above 65535")
+                    if port in owners:
+                        raise _FieldError(field, f"port {port} is also used by {owners[port]}")
+                    owners[port] = field
+        return self
+
+    @model_validator(mode="after")
+    def _check_resources(self) -> ClusterSpec:
+        if self.device == "cpu":
+            available = self.resources.cpus or os.cpu_count() or 1
+            needed = sum(p.replicas * p.tensor_parallel_size * p.cpu_cores for p in (self.prefill, self.decode))
+            if needed > available:
+                raise _FieldError(
+                    "prefill",
+                    f"engines need {needed} CPU cores (replicas x tensor_parallel_size x cpu_cores, "
+                    f"both pools) but only {available} are available (resources.cpus)",
+                )
+        else:
+            for role in ("prefill", "decode"):
+                tp = self.pool(role).tensor_parallel_size
+                if tp > self.resources.gpus:
+                    raise _FieldError(
+                        f"{role}.tensor_parallel_size",
+                        f"TP size {tp} needs {tp} GPUs per engine but resources.gpus is {self.resources.gpus}",
+                    )
+        return self
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str]) -> ClusterSpec:
+        path = Path(path)
+        try:
+            text = path.read_text()
+        except OSError as e:
+            raise SpecError(str(path), "", f"cannot read file: {e.strerror}") from e
+        try:
+            raw = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise SpecError(str(path), "", f"not valid YAML: {e}") from e
+        if not isinstance(raw, dict):
+            raise SpecError(str(path), "", "the spec must be a YAML mapping")
+        return cls.from_dict(raw, source=str(path))
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], source: str = "<spec>") -> ClusterSpec:
+        try:
+            return cls.model_validate(raw)
+        except ValidationError as e:
+            raise _spec_error(source, e) from e
+
+
+class _FieldError(ValueError):
+    """Raised inside a model validator to blame one field (turned into SpecError)."""
+
+    def __init__(self, field: str, reason: str) -> None:
+        super().__init__(f"{field}: {reason}")
+        self.field, self.reason = field, reason
+
+
+def _spec_error(source: str, error: ValidationError) -> SpecError:
+    problems = []
+    for item in error.errors():
+        ctx_error = (item.get("ctx") or {}).get("error")
+        if isinstance(ctx_error, _FieldError):
+            problems.append((ctx_error.field, ctx_error.reason))
+            continue
+        field = ".".join(str(part) for part in item["loc"])
+        reason = item["msg"]
+        if item["type"] == "extra_forbidden":
+            reason = "unknown key"
+        elif item["type"] == "missing":
+            reason = "required field is missing"
+        elif "input" in item and item["type"] not in ("model_type", "dict_type"):
+            reason = f"{reason} (got {item['input']!r})"
+        problems.append((field, reason))
+    field, reason = problems[0]
+    return SpecError(source, field, reason, more=problems[1:])

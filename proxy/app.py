@@ -1,0 +1,125 @@
+"""The OpenAI-compatible FastAPI app in front of the prefill and decode pools.
+
+``create_app(config, pool)`` builds the app; its lifespan owns the one
+aiohttp session used for every upstream call. Routes:
+
+- ``POST /v1/chat/completions``, ``POST /v1/completions`` (streaming and not):
+  the two-phase flow of ``proxy.flow``.
+- ``GET /v1/models``: the one served model.
+- ``GET /health``: 200 while both pools have an engine, else 503.
+
+Every response carries ``X-Request-Id`` (the client's, or one made here) and,
+once engines were chosen, ``X-PDServe-Prefill`` / ``X-PDServe-Decode``: the
+engines that served it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import aiohttp
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from proxy.errors import InvalidRequest, ProxyError, error_body, error_response
+from proxy.flow import EngineRejected, Upstream, decode_body, parse_request, prefill_body
+from proxy.pool import EnginePool
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ProxyConfig:
+    model_name: str
+    request_timeout_s: float = 600.0
+
+
+def create_app(config: ProxyConfig, pool: EnginePool | None = None) -> FastAPI:
+    pool = pool if pool is not None else EnginePool()
+    created = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=30)
+        async with aiohttp.ClientSession(connector=connector, auto_decompress=False) as session:
+            app.state.upstream = Upstream(session, config.request_timeout_s)
+            yield
+
+    app = FastAPI(title="pdserve proxy", lifespan=lifespan)
+    app.state.pool = pool
+    app.state.config = config
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        body = error_body(str(exc.detail), kind, code=str(exc.status_code))
+        return Response(orjson.dumps(body), status_code=exc.status_code, media_type="application/json")
+
+    async def serve(request: Request, kind: str, path: str) -> Response:
+        request_id = request.headers.get("x-request-id") or f"pdserve-{uuid.uuid4().hex}"
+        reply_headers = {"X-Request-Id": request_id}
+        upstream: Upstream = request.app.state.upstream
+        try:
+            if "json" not in request.headers.get("content-type", "application/json"):
+                raise InvalidRequest("Content-Type must be application/json")
+            body = parse_request(await request.body(), kind, config.model_name)
+            prefill_engine, decode_engine = pool.pick("prefill"), pool.pick("decode")
+            reply_headers |= {
+                "X-PDServe-Prefill": prefill_engine.engine_id,
+                "X-PDServe-Decode": decode_engine.engine_id,
+            }
+            headers = {"Content-Type": "application/json", "X-Request-Id": request_id}
+            kv_params = await upstream.prefill(prefill_engine, path, prefill_body(body), headers, request_id)
+            if not kv_params:
+                logger.warning(
+                    "request %s: prefill engine %s returned no kv_transfer_params; decode engine %s "
+                    "will compute the prompt itself",
+                    request_id, prefill_engine.engine_id, decode_engine.engine_id,
+                )  # fmt: skip
+            response = await upstream.decode(decode_engine, path, decode_body(body, kv_params), headers, request_id)
+            if body.get("stream"):
+                return StreamingResponse(
+                    upstream.stream(response, decode_engine, request_id),
+                    media_type="text/event-stream",
+                    headers=reply_headers | {"Cache-Control": "no-cache"},
+                )
+            payload = await upstream.read_all(response, decode_engine, request_id)
+            return Response(payload, media_type="application/json", headers=reply_headers)
+        except ProxyError as e:
+            e.headers = reply_headers | e.headers
+            return error_response(e)
+        except EngineRejected as e:
+            return Response(
+                orjson.dumps(e.body), status_code=e.status, media_type="application/json", headers=reply_headers
+            )
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await serve(request, "chat", "/v1/chat/completions")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await serve(request, "completion", "/v1/completions")
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {
+            "object": "list",
+            "data": [{"id": config.model_name, "object": "model", "created": created, "owned_by": "pdserve"}],
+        }
+
+    @app.get("/health")
+    async def health() -> Response:
+        engines = pool.snapshot()
+        healthy = all(engines[role] for role in ("prefill", "decode"))
+        body = {"status": "ok" if healthy else "unavailable", "engines": engines}
+        return Response(orjson.dumps(body), status_code=200 if healthy else 503, media_type="application/json")
+
+    return app

@@ -1,0 +1,185 @@
+"""The two-phase request flow: prefill on one engine, then decode on another.
+
+1. ``parse_request`` validates the client's body (400/404 in OpenAI's format).
+2. ``prefill_body`` asks a prefill engine to compute the prompt's KV and keep
+   it: ``max_tokens=1``, ``stream=false``, ``kv_transfer_params.do_remote_decode``.
+3. The prefill engine answers with ``kv_transfer_params`` that say where the
+   blocks are; ``decode_body`` sends the client's original request with them
+   to a decode engine, which pulls the KV over its connector and generates.
+4. The decode engine's answer (JSON or an SSE stream) goes back to the client.
+
+An engine that cannot be reached, resets, times out or answers 5xx becomes
+``UpstreamFailed`` (502); an engine's 4xx (e.g. a prompt longer than the
+context) is the client's error and is passed through as it came.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import orjson
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from proxy.errors import InvalidRequest, ModelNotFound, UpstreamFailed, error_body
+from proxy.pool import Endpoint
+
+logger = logging.getLogger(__name__)
+
+PREFILL_KV_PARAMS = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+
+class _Request(BaseModel):
+    """The fields the proxy itself relies on; everything else passes through untouched."""
+
+    model_config = ConfigDict(extra="allow", strict=False)
+    model: str = Field(min_length=1)
+    stream: bool = False
+    max_tokens: int | None = Field(default=None, ge=1)
+    n: int = Field(default=1, ge=1)
+
+
+class ChatRequest(_Request):
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+
+
+class CompletionRequest(_Request):
+    prompt: str | list[str] | list[int] | list[list[int]]
+
+
+REQUEST_MODELS: dict[str, type[_Request]] = {"chat": ChatRequest, "completion": CompletionRequest}
+
+
+def parse_request(raw: bytes, kind: str, model_name: str) -> dict[str, Any]:
+    """Validate a request body; return it as a dict (unknown fields kept)."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        raise InvalidRequest(f"request body is not valid JSON: {e}") from e
+    if not isinstance(body, dict):
+        raise InvalidRequest("request body must be a JSON object")
+    try:
+        REQUEST_MODELS[kind].model_validate(body)
+    except ValidationError as e:
+        first = e.errors()[0]
+        param = ".".join(str(part) for part in first["loc"]) or None
+        raise InvalidRequest(f"{param}: {first['msg']}", param=param) from e
+    if body["model"] != model_name:
+        raise ModelNotFound(
+            f"The model `{body['model']}` does not exist; this server serves `{model_name}`", param="model"
+        )
+    return body
+
+
+def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
+    request = dict(body, max_tokens=1, stream=False, n=1, kv_transfer_params=dict(PREFILL_KV_PARAMS))
+    if "max_completion_tokens" in request:
+        request["max_completion_tokens"] = 1
+    request.pop("stream_options", None)
+    return request
+
+
+def decode_body(body: dict[str, Any], kv_transfer_params: dict[str, Any] | None) -> dict[str, Any]:
+    request = dict(body)
+    if kv_transfer_params:
+        request["kv_transfer_params"] = kv_transfer_params
+    return request
+
+
+class Upstream:
+    """HTTP calls to engines, on one shared aiohttp session."""
+
+    def __init__(self, session: aiohttp.ClientSession, timeout_s: float) -> None:
+        self.session = session
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s, connect=10, sock_read=timeout_s)
+
+    async def prefill(self, endpoint: Endpoint, path: str, body: dict, headers: dict, request_id: str) -> dict:
+        """Run the prefill phase; return the engine's ``kv_transfer_params``."""
+        try:
+            async with self.session.post(
+                endpoint.url + path, data=orjson.dumps(body), headers=headers, timeout=self.timeout
+            ) as response:
+                payload = await response.read()
+                status = response.status
+        except (aiohttp.ClientError, TimeoutError) as e:
+            raise _engine_failed(endpoint, "prefill", request_id, e) from e
+        if status >= 500:
+            raise _engine_failed(endpoint, "prefill", request_id, f"HTTP {status}: {payload[:200]!r}")
+        if status >= 400:
+            raise EngineRejected(status, payload)
+        try:
+            return orjson.loads(payload).get("kv_transfer_params")
+        except (orjson.JSONDecodeError, AttributeError) as e:
+            raise _engine_failed(endpoint, "prefill", request_id, f"unreadable answer: {e}") from e
+
+    async def decode(self, endpoint: Endpoint, path: str, body: dict, headers: dict, request_id: str):
+        """Open the decode call; return the response (the caller reads and closes it)."""
+        try:
+            response = await self.session.post(
+                endpoint.url + path, data=orjson.dumps(body), headers=headers, timeout=self.timeout
+            )
+        except (aiohttp.ClientError, TimeoutError) as e:
+            raise _engine_failed(endpoint, "decode", request_id, e) from e
+        if response.status >= 400:
+            payload = await _read_and_release(response)
+            if response.status >= 500:
+                raise _engine_failed(endpoint, "decode", request_id, f"HTTP {response.status}: {payload[:200]!r}")
+            raise EngineRejected(response.status, payload)
+        return response
+
+    async def read_all(self, response: aiohttp.ClientResponse, endpoint: Endpoint, request_id: str) -> bytes:
+        try:
+            return await _read_and_release(response)
+        except (aiohttp.ClientError, TimeoutError) as e:
+            raise _engine_failed(endpoint, "decode", request_id, e) from e
+
+    async def stream(
+        self, response: aiohttp.ClientResponse, endpoint: Endpoint, request_id: str
+    ) -> AsyncIterator[bytes]:
+        """Relay an SSE stream; an engine failing mid-stream ends it with an error event."""
+        try:
+            async for chunk in response.content.iter_any():
+                yield chunk
+        except (aiohttp.ClientError, TimeoutError) as e:
+            failure = _engine_failed(endpoint, "decode", request_id, e)
+            yield b"data: " + orjson.dumps(failure.body()) + b"\n\n"
+        finally:
+            response.release()
+
+
+class EngineRejected(Exception):
+    """An engine answered 4xx: the client's request is at fault; relay the answer."""
+
+    def __init__(self, status: int, payload: bytes) -> None:
+        super().__init__(f"engine answered HTTP {status}")
+        self.status = status
+        try:
+            parsed = orjson.loads(payload)
+        except orjson.JSONDecodeError:
+            parsed = None
+        if not (isinstance(parsed, dict) and "error" in parsed):
+            parsed = error_body(payload.decode(errors="replace")[:500], "invalid_request_error")
+        self.body = parsed
+
+
+async def _read_and_release(response: aiohttp.ClientResponse) -> bytes:
+    try:
+        return await response.read()
+    finally:
+        response.release()
+
+
+def _engine_failed(endpoint: Endpoint, phase: str, request_id: str, cause: object) -> UpstreamFailed:
+    reason = f"{type(cause).__name__}: {cause}" if isinstance(cause, BaseException) else str(cause)
+    logger.warning("request %s: %s engine %s failed: %s", request_id, phase, endpoint.engine_id, reason)
+    return UpstreamFailed(f"{phase} engine {endpoint.engine_id} failed: {reason}")
