@@ -23,6 +23,7 @@ import contextlib
 import logging
 import os
 import re
+import socket
 import sys
 import time
 from pathlib import Path
@@ -36,6 +37,59 @@ logger = logging.getLogger(__name__)
 
 WATCHDOG_INTERVAL_S = 1.0
 _ERROR_LINE = re.compile(r"(Error|Exception|error:|Traceback|raise |failed)", re.IGNORECASE)
+
+
+def parse_cores(cpu_bind: str) -> set[int]:
+    """``'0-1|4'`` (vLLM's VLLM_CPU_OMP_THREADS_BIND) -> ``{0, 1, 4}``."""
+    cores: set[int] = set()
+    for part in cpu_bind.replace("|", ",").split(","):
+        first, _, last = part.partition("-")
+        cores.update(range(int(first), int(last or first) + 1))
+    return cores
+
+
+def pin_process_tree(pid: int, cores: set[int]) -> int:
+    """Confine every thread of ``pid`` and its descendants to ``cores``; return threads pinned.
+
+    vLLM's NixlConnector on CPU moves its worker thread to the last core of each
+    NUMA node (to keep KV transfers off the model's cores). On a small machine that
+    puts the model of every engine on one shared core; this puts each engine back
+    on its own cores.
+    """
+    import psutil
+
+    pinned = 0
+    root = psutil.Process(pid)
+    for proc in [root, *root.children(recursive=True)]:
+        try:
+            threads = proc.threads()
+        except psutil.Error:
+            continue
+        for thread in threads:
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(thread.id, cores)
+                pinned += 1
+    return pinned
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A bound TCP socket for uvicorn, created with IPPROTO_TCP.
+
+    asyncio turns Nagle's algorithm off (TCP_NODELAY) only on sockets whose
+    ``proto`` is IPPROTO_TCP; vLLM's helper makes them with proto 0, and on the
+    default event loop every small response then waits ~40 ms for a delayed ACK.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
 
 
 def error_excerpt(log_text: str, exc: BaseException | None = None, max_lines: int = 12) -> str:
@@ -102,6 +156,9 @@ class EngineActor:
             self.error = error_excerpt(self.log_path.read_text(errors="replace"), e)
             logger.error("engine %s failed to start: %s", self.launch.engine_id, self.error)
             raise EngineStartError(self.launch.engine_id, self.error) from None
+        if self.launch.cpu_bind:
+            pinned = pin_process_tree(os.getpid(), parse_cores(self.launch.cpu_bind))
+            logger.info("engine %s: %d threads pinned to cores %s", self.launch.engine_id, pinned, self.launch.cpu_bind)
         self.load_s = time.monotonic() - started
         self.state = "ready"
         logger.info("engine %s ready at %s in %.1fs", self.launch.engine_id, self.url, self.load_s)
@@ -113,13 +170,13 @@ class EngineActor:
         from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client
         from vllm.entrypoints.launchers.app import build_app
         from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
-        from vllm.entrypoints.launchers.launcher import NoSignalServer, create_server_socket
+        from vllm.entrypoints.launchers.launcher import NoSignalServer
         from vllm.utils.argparse_utils import FlexibleArgumentParser
 
         args = make_arg_parser(FlexibleArgumentParser()).parse_args(self.launch.vllm_args)
         validate_parsed_serve_args(args)
         # Bind before loading the model so that a taken port fails in a second, not a minute.
-        sock = create_server_socket((args.host, args.port), reuse_port=False)
+        sock = listen_socket(args.host, args.port)
         self._stack = contextlib.AsyncExitStack()
         self._stack.callback(sock.close)
         engine_client = await self._stack.enter_async_context(build_async_engine_client(args))

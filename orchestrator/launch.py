@@ -62,6 +62,8 @@ def flag_args(options: dict[str, Any]) -> list[str]:
     args: list[str] = []
     for key, value in options.items():
         flag = "--" + key.replace("_", "-")
+        if value is None:  # `key: null` in YAML: leave vLLM's default
+            continue
         if value is True:
             args.append(flag)
         elif value is False:

@@ -146,7 +146,7 @@ class ClusterSpec(_Strict):
             needed = sum(p.replicas * p.tensor_parallel_size * p.cpu_cores for p in (self.prefill, self.decode))
             if needed > available:
                 raise _FieldError(
-                    "prefill",
+                    "resources.cpus",
                     f"engines need {needed} CPU cores (replicas x tensor_parallel_size x cpu_cores, "
                     f"both pools) but only {available} are available (resources.cpus)",
                 )
@@ -158,6 +158,15 @@ class ClusterSpec(_Strict):
                         f"{role}.tensor_parallel_size",
                         f"TP size {tp} needs {tp} GPUs per engine but resources.gpus is {self.resources.gpus}",
                     )
+            # Each engine asks Ray for tensor_parallel_size whole GPUs, and the Ray head is
+            # started with resources.gpus of them: engines beyond that would wait forever.
+            needed = sum(p.replicas * p.tensor_parallel_size for p in (self.prefill, self.decode))
+            if needed > self.resources.gpus:
+                raise _FieldError(
+                    "resources.gpus",
+                    f"engines need {needed} GPUs (replicas x tensor_parallel_size, both pools) "
+                    f"but resources.gpus is {self.resources.gpus}",
+                )
         return self
 
     @classmethod

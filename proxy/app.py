@@ -75,7 +75,8 @@ def create_app(config: ProxyConfig, pool: EnginePool | None = None) -> FastAPI:
                 "X-PDServe-Prefill": prefill_engine.engine_id,
                 "X-PDServe-Decode": decode_engine.engine_id,
             }
-            headers = {"Content-Type": "application/json", "X-Request-Id": request_id}
+            # identity: answers are relayed byte for byte, so they must not come compressed.
+            headers = {"Content-Type": "application/json", "X-Request-Id": request_id, "Accept-Encoding": "identity"}
             kv_params = await upstream.prefill(prefill_engine, path, prefill_body(body), headers, request_id)
             if not kv_params:
                 logger.warning(

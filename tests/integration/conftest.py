@@ -1,0 +1,124 @@
+"""One real cluster (Ray, two vLLM CPU engines, NIXL, the proxy), shared by the suite.
+
+The ``cluster`` fixture starts it the way a user does, with ``pdserve up
+--detach`` in a private state directory, and stops it with ``pdserve down``
+at the end of the session. Tests marked ``teardown_check`` run last: they
+stop the cluster themselves and check what is left.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).parent
+PDSERVE = [sys.executable, "-m", "orchestrator.cli"]
+UP_TIMEOUT_S = 900
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    items.sort(key=lambda item: item.get_closest_marker("teardown_check") is not None)
+
+
+def run_pdserve(*args: str, env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [*PDSERVE, *args], env=env, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL
+    )
+
+
+@dataclass
+class Cluster:
+    env: dict[str, str]
+    status: dict
+    up_output: str
+    stopped: bool = field(default=False)
+
+    @property
+    def proxy_url(self) -> str:
+        return self.status["proxy_url"]
+
+    def engine(self, role: str) -> dict:
+        return next(e for e in self.status["engines"] if e["role"] == role)
+
+    def refresh(self) -> dict:
+        result = run_pdserve("status", "--json", env=self.env)
+        assert result.returncode == 0, result.stderr
+        self.status = json.loads(result.stdout)
+        return self.status
+
+    def down(self) -> subprocess.CompletedProcess:
+        self.stopped = True
+        return run_pdserve("down", env=self.env, timeout=300)
+
+
+@pytest.fixture(scope="session")
+def state_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("pdserve-state")
+
+
+@pytest.fixture(scope="session")
+def pdserve_env(state_dir: Path) -> dict[str, str]:
+    env = dict(os.environ, PDSERVE_STATE_DIR=str(state_dir))
+    env.pop("RAY_ADDRESS", None)
+    return env
+
+
+@pytest.fixture(scope="session")
+def cluster(pdserve_env: dict[str, str]) -> Cluster:
+    result = run_pdserve("up", str(HERE / "cluster.yaml"), "--detach", env=pdserve_env, timeout=UP_TIMEOUT_S)
+    if result.returncode != 0:
+        run_pdserve("down", env=pdserve_env)
+        pytest.fail(f"pdserve up failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
+    running = Cluster(env=pdserve_env, status={}, up_output=result.stdout)
+    running.refresh()
+    yield running
+    if not running.stopped:
+        running.down()
+
+
+def http_json(url: str, body: dict | None = None, timeout: float = 120) -> tuple[int, dict, dict]:
+    """POST ``body`` (or GET when None); return (status, headers, parsed JSON)."""
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status, dict(response.headers), json.loads(response.read())
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), json.loads(e.read())
+
+
+def http_stream(url: str, body: dict, timeout: float = 120) -> list[dict]:
+    """POST a streaming request; return the parsed SSE events up to [DONE]."""
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    events = []
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        for raw in response:
+            line = raw.decode().strip()
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                return events
+            events.append(json.loads(line[len("data: ") :]))
+    raise AssertionError("stream ended without data: [DONE]")
+
+
+def metric_values(base_url: str, name: str, label: str) -> dict[str, float]:
+    """Values of a Prometheus counter on an engine's /metrics, keyed by one label."""
+    with urllib.request.urlopen(base_url + "/metrics", timeout=30) as response:
+        text = response.read().decode()
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith(name + "{"):
+            labels, value = line[len(name) + 1 :].rsplit("} ", 1)
+            for pair in labels.split(","):
+                key, _, quoted = pair.partition("=")
+                if key == label:
+                    values[quoted.strip('"')] = float(value)
+    return values

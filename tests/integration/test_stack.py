@@ -1,0 +1,173 @@
+"""The whole stack on this machine: YAML -> Ray -> vLLM CPU engines -> NIXL -> proxy.
+
+Every test talks to the cluster the way a user does (HTTP to the proxy, the
+``pdserve`` CLI) and reads the engines' own endpoints only to check what the
+proxy cannot show: the reference answer of one engine alone, and the decode
+engine's metrics that prove the prompt's KV arrived over the connector.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.integration.conftest import Cluster, http_json, http_stream, metric_values, run_pdserve
+
+pytestmark = pytest.mark.integration
+
+MODEL = "smollm2-135m-instruct"
+PROMPTS = [
+    "What is the capital of France?",
+    "Name three primary colors.",
+    "Write one sentence about the ocean.",
+    "What is 12 plus 30?",
+    "Give me a tip for learning to cook.",
+    "Which planet is known as the red planet?",
+    "Describe a cat in five words.",
+    "What do bees make?",
+]
+SOURCE_METRIC = "vllm:prompt_tokens_by_source_total"
+
+
+def chat(prompt: str, **extra) -> dict:
+    return {"model": MODEL, "messages": [{"role": "user", "content": prompt}], **extra}
+
+
+def test_up_reported_progress_and_load_times(cluster: Cluster) -> None:
+    out = cluster.up_output
+    for engine in ("prefill-0", "decode-0"):
+        assert f"{engine} loading (cores" in out
+        assert f"{engine} ready in" in out
+    assert "cluster 'pdserve-test' is ready in" in out
+    status = cluster.refresh()
+    assert status["phase"] == "ready"
+    assert {e["engine_id"]: e["state"] for e in status["engines"]} == {"prefill-0": "ready", "decode-0": "ready"}
+    assert sorted(e["cpu_bind"] for e in status["engines"]) == ["0", "1"]  # each engine on its own core
+    assert all(e["load_s"] > 0 for e in status["engines"])
+
+
+def test_chat_answer_says_paris(cluster: Cluster) -> None:
+    # Exactly the README's curl: no sampling fields, the model's defaults apply.
+    status, headers, body = http_json(cluster.proxy_url + "/v1/chat/completions", chat(PROMPTS[0]))
+    assert status == 200, body
+    assert "Paris" in body["choices"][0]["message"]["content"]
+    assert headers["x-pdserve-prefill"] == "prefill-0"
+    assert headers["x-pdserve-decode"] == "decode-0"
+
+
+def test_disaggregated_greedy_output_equals_one_engine_alone(cluster: Cluster) -> None:
+    """Prefill->decode through the proxy gives the same greedy text as one engine alone;
+    and the decode engine computed none of those prompts: their KV came over NIXL."""
+    decode_url = cluster.engine("decode")["url"]
+    prefill_url = cluster.engine("prefill")["url"]
+    before = metric_values(decode_url, SOURCE_METRIC, "source")
+    prompt_tokens = 0
+    for prompt in PROMPTS:
+        request = chat(prompt, temperature=0, max_tokens=32)
+        status, _, alone = http_json(prefill_url + "/v1/chat/completions", request)
+        assert status == 200, alone
+        status, _, disaggregated = http_json(cluster.proxy_url + "/v1/chat/completions", request)
+        assert status == 200, disaggregated
+        assert disaggregated["choices"][0]["message"]["content"] == alone["choices"][0]["message"]["content"]
+        assert disaggregated["usage"] == alone["usage"]
+        prompt_tokens += disaggregated["usage"]["prompt_tokens"]
+    after = metric_values(decode_url, SOURCE_METRIC, "source")
+    assert after["external_kv_transfer"] - before["external_kv_transfer"] == prompt_tokens
+    assert after["local_compute"] - before["local_compute"] == 0
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+def test_streaming_yields_the_same_text_as_non_streaming(cluster: Cluster, kind: str) -> None:
+    if kind == "chat":
+        path, request = "/v1/chat/completions", chat("Tell me about Paris.", temperature=0, max_tokens=40)
+    else:
+        path = "/v1/completions"
+        request = {
+            "model": MODEL,
+            "prompt": "The three largest cities of France are",
+            "temperature": 0,
+            "max_tokens": 40,
+        }
+    status, _, whole = http_json(cluster.proxy_url + path, request)
+    assert status == 200, whole
+    events = http_stream(cluster.proxy_url + path, dict(request, stream=True))
+    if kind == "chat":
+        expected = whole["choices"][0]["message"]["content"]
+        streamed = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
+    else:
+        expected = whole["choices"][0]["text"]
+        streamed = "".join(e["choices"][0]["text"] for e in events if e["choices"])
+    assert len(events) > 5  # tokens arrived as a stream, not as one block
+    assert streamed == expected
+
+
+def test_bad_requests_get_openai_errors(cluster: Cluster) -> None:
+    status, _, body = http_json(cluster.proxy_url + "/v1/chat/completions", chat("hi", model="gpt-4"))
+    assert status == 404 and body["error"]["code"] == "model_not_found"
+    status, _, body = http_json(cluster.proxy_url + "/v1/chat/completions", {"model": MODEL, "messages": []})
+    assert status == 400 and body["error"]["param"] == "messages"
+    # A prompt longer than the context is the engine's 400, passed through with its words.
+    status, _, body = http_json(cluster.proxy_url + "/v1/completions", {"model": MODEL, "prompt": "hi " * 5000})
+    assert status == 400 and "context" in body["error"]["message"].lower()
+    status, _, body = http_json(cluster.proxy_url + "/v1/models")
+    assert status == 200 and [m["id"] for m in body["data"]] == [MODEL]
+
+
+def test_dead_engine_is_restarted_and_the_pool_follows(cluster: Cluster) -> None:
+    decode = cluster.engine("decode")
+    os.kill(decode["pid"], signal.SIGKILL)
+    # The proxy stops sending to it at once...
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        status, _, health = http_json(cluster.proxy_url + "/health")
+        if status == 503:
+            break
+        time.sleep(0.5)
+    assert status == 503 and health["engines"]["decode"] == []
+    status, headers, body = http_json(cluster.proxy_url + "/v1/chat/completions", chat("hi", max_tokens=4))
+    assert status == 503 and body["error"]["code"] == "no_healthy_engine" and "retry-after" in headers
+    # ...Ray restarts the actor, the controller starts vLLM in it again, and it is back in the pool.
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        engine = cluster.refresh() and cluster.engine("decode")
+        if engine["state"] == "ready" and engine["pid"] != decode["pid"]:
+            break
+        time.sleep(2)
+    assert engine["state"] == "ready" and engine["restarts"] == 1
+    status, _, body = http_json(cluster.proxy_url + "/v1/chat/completions", chat(PROMPTS[0], temperature=0))
+    assert status == 200 and "Paris" in body["choices"][0]["message"]["content"]
+
+
+@pytest.mark.teardown_check
+def test_down_leaves_no_process_behind(cluster: Cluster) -> None:
+    status = cluster.refresh()
+    recorded = json.loads((Path(cluster.env["PDSERVE_STATE_DIR"]) / "cluster.json").read_text())
+    ours = [psutil.Process(e["pid"]) for e in status["engines"]]
+    ours += [child for proc in list(ours) for child in proc.children(recursive=True)]
+    assert any("EngineCore" in p.name() + " ".join(p.cmdline()) for p in ours), "engine cores not found"
+    result = cluster.down()
+    assert result.returncode == 0, result.stderr
+    assert "stopped cluster 'pdserve-test'" in result.stdout
+    assert [p.pid for p in ours if _alive(p)] == []
+    ray_processes = [
+        p.pid for p in psutil.process_iter(["cmdline"]) if recorded["ray_temp_dir"] in " ".join(p.info["cmdline"] or [])
+    ]
+    assert ray_processes == []
+    for port in (18000, 18100, 18200):
+        with socket.socket() as s:
+            assert s.connect_ex(("127.0.0.1", port)) != 0, f"port {port} still answers"
+    assert run_pdserve("status", env=cluster.env).returncode == 3  # nothing is recorded as running
+
+
+def _alive(process: psutil.Process) -> bool:
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False

