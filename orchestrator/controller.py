@@ -129,11 +129,12 @@ class ClusterController:
             return
         for engine_id, launch in self.launches.items():
             self.engines[engine_id].handle = self._create_engine_actor(launch)
-        await asyncio.gather(*(self._start_engine(engine_id) for engine_id in self.engines))
-        failed = [r for r in self.engines.values() if r.state == "failed"]
-        if failed:
-            self._fail("\n".join(f"engine {r.engine_id} failed to start:\n{r.error}" for r in failed))
-            return
+        # Report the first engine that fails at once, rather than after the others loaded.
+        for started in asyncio.as_completed([self._start_engine(engine_id) for engine_id in self.engines]):
+            record = self.engines[await started]
+            if record.state == "failed":
+                self._fail(f"engine {record.engine_id} failed to start:\n{record.error}")
+                return
         self.ready_s = time.time() - self.started_at
         self.phase = "ready"
         self._event(f"cluster ready in {self.ready_s:.1f}s: {self.proxy_url}")
@@ -163,7 +164,7 @@ class ClusterController:
             .remote(launch, self.engines[launch.engine_id].log_path)
         )
 
-    async def _start_engine(self, engine_id: str) -> None:
+    async def _start_engine(self, engine_id: str) -> str:
         record, launch = self.engines[engine_id], self.launches[engine_id]
         record.state, record.error = "starting", None
         where = f"cores {launch.cpu_bind}" if launch.cpu_bind else f"{launch.num_gpus:g} GPU(s)"
@@ -173,12 +174,13 @@ class ClusterController:
         except Exception as e:  # noqa: BLE001 - every failure becomes the engine's error
             record.state, record.error = "failed", self._start_failure(record, e)
             self._event(f"{engine_id} failed to start")
-            return
+            return engine_id
         record.state = "ready"
         record.url, record.pid, record.cpu_bind = info["url"], info["pid"], info["cpu_bind"]
         record.load_s = info["load_s"]
         self._event(f"{engine_id} ready in {record.load_s:.1f}s at {record.url}")
         await self._publish(record.role)
+        return engine_id
 
     def _start_failure(self, record: EngineRecord, error: BaseException) -> str:
         cause = error.cause if isinstance(error, RayTaskError) else error

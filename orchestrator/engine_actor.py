@@ -36,6 +36,7 @@ from orchestrator.logs import redirect_output
 logger = logging.getLogger(__name__)
 
 WATCHDOG_INTERVAL_S = 1.0
+_QUIET_LINE = re.compile(r"\b(INFO|DEBUG)\b")
 _ERROR_LINE = re.compile(r"(Error|Exception|error:|Traceback|raise |failed)", re.IGNORECASE)
 
 
@@ -95,7 +96,9 @@ def listen_socket(host: str, port: int) -> socket.socket:
 def error_excerpt(log_text: str, exc: BaseException | None = None, max_lines: int = 12) -> str:
     """vLLM's own words about why an engine failed: the last error lines of its log."""
     lines = [line.rstrip() for line in log_text.splitlines()[-400:]]
-    picked = [line for line in lines if _ERROR_LINE.search(line) and "Traceback" not in line]
+    picked = [
+        line for line in lines if _ERROR_LINE.search(line) and not _QUIET_LINE.search(line) and "Traceback" not in line
+    ]
     excerpt = list(dict.fromkeys(picked))[-max_lines:]
     if exc is not None:
         summary = f"{type(exc).__name__}: {exc}"

@@ -1,0 +1,144 @@
+"""Start-up time, and TTFT / inter-token latency of prefill->decode vs one engine alone.
+
+Starts the cluster of ``--config`` with ``pdserve up --detach`` (timing it), then,
+for ``--runs`` rounds, streams the same ~``--prompt-tokens`` prompt
+
+- through the proxy (prefill engine -> KV over the connector -> decode engine), and
+- straight to the decode engine, which then computes the prompt alone,
+
+and reports medians and the ratio of the two. Each round starts its prompt with a
+fresh number so no engine can answer it from its prefix cache. Both paths run on
+the same machine in the same minute: compare the ratio, not the absolute times.
+
+    python scripts/bench_latency.py --config configs/local-cpu.yaml [--runs 5] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+
+PDSERVE = [sys.executable, "-m", "orchestrator.cli"]
+WORDS = (
+    "the river carried old leaves past the mill while children counted boats and the baker sang about "
+    "rain over the hills where a lighthouse keeper wrote letters to a friend across the sea "
+).split()
+
+
+def make_prompt(tag: int, approx_tokens: int) -> str:
+    # These words are about one token each for SmolLM2's tokenizer; usage.prompt_tokens reports the truth.
+    words = [WORDS[i % len(WORDS)] for i in range(approx_tokens - 12)]
+    return f"Story {tag}: " + " ".join(words) + "\nSummarise the story in one sentence:"
+
+
+def stream_completion(url: str, model: str, prompt: str, max_tokens: int) -> dict:
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    request = urllib.request.Request(
+        url + "/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    start = time.perf_counter()
+    token_times: list[float] = []
+    usage = None
+    with urllib.request.urlopen(request, timeout=600) as response:
+        for raw in response:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if event.get("usage"):
+                usage = event["usage"]
+            if event.get("choices") and event["choices"][0].get("text"):
+                token_times.append(time.perf_counter())
+    gaps = [b - a for a, b in zip(token_times, token_times[1:], strict=False)]
+    return {
+        "ttft_s": token_times[0] - start,
+        "itl_s": statistics.mean(gaps),
+        "prompt_tokens": usage["prompt_tokens"] if usage else None,
+        "chunks": len(token_times),
+    }
+
+
+def pdserve(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
+    return subprocess.run([*PDSERVE, *args], capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="configs/local-cpu.yaml")
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--prompt-tokens", type=int, default=500)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    args = parser.parse_args()
+
+    started = time.perf_counter()
+    up = pdserve("up", args.config, "--detach")
+    up_s = time.perf_counter() - started
+    if up.returncode != 0:
+        sys.exit(f"pdserve up failed:\n{up.stdout}\n{up.stderr}")
+    try:
+        status = json.loads(pdserve("status", "--json").stdout)
+        decode_url = next(e["url"] for e in status["engines"] if e["role"] == "decode")
+        model = status["model"]
+        results: dict[str, list[dict]] = {"disaggregated": [], "one engine": []}
+        stream_completion(status["proxy_url"], model, make_prompt(-1, 32), 4)  # first-request set-up (handshake)
+        for run in range(args.runs):
+            prompt = make_prompt(run, args.prompt_tokens)
+            paths = [("disaggregated", status["proxy_url"]), ("one engine", decode_url)]
+            for name, url in paths if run % 2 == 0 else paths[::-1]:
+                results[name].append(stream_completion(url, model, f"[{name}] {prompt}", args.max_tokens))
+    finally:
+        pdserve("down")
+
+    summary = {
+        "config": args.config,
+        "cpu_count": os.cpu_count(),
+        "up_to_ready_s": round(up_s, 1),
+        "cluster_ready_s": round(status["ready_s"], 1),
+        "engine_load_s": {e["engine_id"]: round(e["load_s"], 1) for e in status["engines"]},
+        "prompt_tokens": results["disaggregated"][0]["prompt_tokens"],
+        "max_tokens": args.max_tokens,
+        "runs": args.runs,
+    }
+    for name, runs in results.items():
+        summary[name] = {
+            "ttft_p50_ms": round(1000 * statistics.median(r["ttft_s"] for r in runs), 1),
+            "itl_mean_ms": round(1000 * statistics.median(r["itl_s"] for r in runs), 1),
+        }
+    summary["ttft_ratio_disaggregated_over_one_engine"] = round(
+        summary["disaggregated"]["ttft_p50_ms"] / summary["one engine"]["ttft_p50_ms"], 2
+    )
+    summary["itl_ratio_disaggregated_over_one_engine"] = round(
+        summary["disaggregated"]["itl_mean_ms"] / summary["one engine"]["itl_mean_ms"], 2
+    )
+    if args.json:
+        print(json.dumps(summary, indent=2))
+        return
+    print(f"pdserve up -> ready: {summary['up_to_ready_s']}s (cluster ready {summary['cluster_ready_s']}s)")
+    print("engine load times: " + ", ".join(f"{k} {v}s" for k, v in summary["engine_load_s"].items()))
+    print(f"prompt {summary['prompt_tokens']} tokens, {args.max_tokens} output tokens, {args.runs} runs (medians)")
+    print(f"{'path':<15} {'TTFT p50 ms':>12} {'ITL mean ms':>12}")
+    for name in results:
+        print(f"{name:<15} {summary[name]['ttft_p50_ms']:>12} {summary[name]['itl_mean_ms']:>12}")
+    print(
+        f"ratio disaggregated / one engine: TTFT {summary['ttft_ratio_disaggregated_over_one_engine']}, "
+        f"ITL {summary['itl_ratio_disaggregated_over_one_engine']}"
+    )
+
+
+if __name__ == "__main__":
+    main()
