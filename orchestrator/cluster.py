@@ -32,6 +32,7 @@ from typing import Any
 import psutil
 
 from orchestrator.errors import ClusterNotRunning, PdserveError
+from orchestrator.paths import pdserve_dir
 from orchestrator.spec import ClusterSpec
 
 logger = logging.getLogger(__name__)
@@ -41,11 +42,7 @@ STOP_GRACE_S = 10.0
 
 
 def state_dir() -> Path:
-    override = os.environ.get("PDSERVE_STATE_DIR")
-    if override:
-        return Path(override).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "pdserve" / "run"
+    return pdserve_dir("run", "PDSERVE_STATE_DIR")
 
 
 @dataclass(slots=True)
@@ -112,7 +109,9 @@ def start_ray_head(spec: ClusterSpec) -> tuple[str, str]:
         "--node-ip-address=127.0.0.1",
     ]  # fmt: skip
     env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="token")
-    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
+    # A session of its own: Ctrl-C on a foreground `pdserve up` must reach pdserve
+    # (which then stops the cluster in order), not kill Ray under it.
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=120, start_new_session=True)
     if result.returncode != 0:
         raise PdserveError(f"could not start a local Ray head:\n{result.stdout}\n{result.stderr}")
     return f"127.0.0.1:{port}", temp_dir

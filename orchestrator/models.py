@@ -7,9 +7,10 @@ a path to a model directory, or a Hugging Face id passed through to vLLM.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
+
+from orchestrator.paths import pdserve_dir
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,11 +27,7 @@ KNOWN_MODELS = {DEMO_MODEL_NAME: KnownModel("SmolLM2-135M-Instruct", dtype="floa
 
 def model_cache_dir() -> Path:
     """Directory holding prepared models (``PDSERVE_MODEL_CACHE`` overrides)."""
-    override = os.environ.get("PDSERVE_MODEL_CACHE")
-    if override:
-        return Path(override).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "pdserve" / "models"
+    return pdserve_dir("models", "PDSERVE_MODEL_CACHE")
 
 
 def demo_model_dir() -> Path:
