@@ -1,0 +1,41 @@
+"""The connectors package's exception tree: every error it raises on purpose is a ConnectorError.
+
+``TopologyError``, ``BlockMappingError`` and ``TransferShapeError`` are also
+``ValueError``s: each means that what was handed in (a topology, a list of block
+ids, a received buffer) cannot be used as given.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class ConnectorError(Exception):
+    """Base of every error the connectors package raises on purpose."""
+
+
+class TopologyError(ConnectorError, ValueError):
+    """A KV topology is unusable, alone or together with its peer's."""
+
+
+class InvalidTopology(TopologyError):
+    """One side's KV topology is inconsistent in itself (e.g. heads not divisible by TP)."""
+
+
+class TopologyMismatch(TopologyError):
+    """Two KV topologies cannot exchange KV blocks; ``reasons`` lists every cause."""
+
+    def __init__(self, reasons: Sequence[str]):
+        self.reasons = tuple(reasons)
+        super().__init__("cannot exchange KV between these topologies: " + "; ".join(self.reasons))
+
+    def __reduce__(self):  # keeps ``reasons`` when pickled across processes
+        return (type(self), (self.reasons,))
+
+
+class BlockMappingError(ConnectorError, ValueError):
+    """Local and remote block id lists do not describe the same tokens."""
+
+
+class TransferShapeError(ConnectorError, ValueError):
+    """A received buffer does not have the shape its read plan implies."""

@@ -1,0 +1,412 @@
+"""KV-cache topology of one engine rank, and the arithmetic that pairs a reader with a source.
+
+Every TP rank of an engine keeps, per layer, a paged KV cache
+``[2, num_blocks, *block]`` holding the KV heads of its shard, ``block_size``
+tokens per block, laid out NHD (``[tokens, heads, head_dim]``) or HND
+(``[heads, tokens, head_dim]``). ``KVTopology`` describes that for one rank.
+The reading side is called *local* (decode, in pull mode) and the side whose
+blocks are read *remote* (prefill). Before a local rank reads a request's KV:
+
+1. ``plan_reads(local, remote)`` says which remote ranks to read and which head
+   slice of their blocks (``check_compatible`` runs first, so an unsupported
+   pair fails with all its reasons at once);
+2. ``plan_local_fills`` / ``map_local_to_remote`` say which remote blocks fill
+   which local block when the remote block size divides the local one;
+3. ``block_read_ranges`` gives the byte ranges of one remote block plane that
+   hold a head slice, for the transport's descriptors.
+
+The bytes land in staging buffers of ``received_block_shape``;
+``connectors.layout.assemble_local_blocks`` turns them into local blocks. The
+handshake compares ``compatibility_hash`` first and logs ``incompatibilities``.
+
+Head placement is vLLM's: with TP <= H heads, rank r holds heads
+[r*H/TP, (r+1)*H/TP); with TP > H, TP/H consecutive ranks hold copies of one head.
+Nothing here imports torch or vLLM.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hashlib
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from connectors.errors import BlockMappingError, InvalidTopology, TopologyMismatch
+
+__all__ = [
+    "COMPATIBILITY_SCHEMA",
+    "ELEMENT_SIZES",
+    "HeadSlice",
+    "KVLayout",
+    "KVTopology",
+    "LocalBlockFill",
+    "ReadPlan",
+    "block_read_ranges",
+    "block_size_ratio",
+    "check_compatible",
+    "compatibility_factors",
+    "compatibility_hash",
+    "expand_to_remote_granularity",
+    "incompatibilities",
+    "map_local_to_remote",
+    "plan_local_fills",
+    "plan_reads",
+    "reader_ranks",
+    "received_block_shape",
+]
+
+# Bump when the rules of what can exchange KV change: peers on different
+# schemas then fail the hash check instead of misreading each other's blocks.
+COMPATIBILITY_SCHEMA = 1
+
+# Bytes per element of the KV cache dtypes we know; names as torch spells them
+# (``str(tensor.dtype)`` without the ``torch.`` prefix) or as vLLM's cache_dtype.
+ELEMENT_SIZES: dict[str, int] = {
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e4m3fnuz": 1,
+    "float8_e5m2": 1,
+    "float8_e5m2fnuz": 1,
+    "fp8": 1,
+    "fp8_e4m3": 1,
+    "fp8_e5m2": 1,
+    "int8": 1,
+    "uint8": 1,
+}
+
+
+class KVLayout(enum.StrEnum):
+    """Order of the dims inside one K or V block plane."""
+
+    NHD = "NHD"  # [block_size, num_heads, head_dim]: token-major
+    HND = "HND"  # [num_heads, block_size, head_dim]: head-major, a head slice is contiguous
+
+
+@dataclass(frozen=True, slots=True)
+class KVTopology:
+    """One TP rank's KV cache geometry, as exchanged in the handshake.
+
+    ``layout`` and ``dtype`` accept plain strings (``"HND"``, ``"torch.bfloat16"``)
+    and are normalised; an inconsistent topology raises ``InvalidTopology``.
+    """
+
+    tp_size: int
+    tp_rank: int
+    total_num_kv_heads: int
+    block_size: int
+    layout: KVLayout
+    head_dim: int
+    dtype: str
+    num_layers: int
+
+    def __post_init__(self) -> None:
+        problems = [
+            f"{name} must be >= 1, got {getattr(self, name)}"
+            for name in ("tp_size", "total_num_kv_heads", "block_size", "head_dim", "num_layers")
+            if getattr(self, name) < 1
+        ]
+        if problems:
+            raise InvalidTopology("; ".join(problems))
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise InvalidTopology(f"tp_rank {self.tp_rank} is outside [0, tp_size {self.tp_size})")
+        heads, tp = self.total_num_kv_heads, self.tp_size
+        if tp <= heads and heads % tp:
+            raise InvalidTopology(f"total_num_kv_heads {heads} is not divisible by tp_size {tp}")
+        if tp > heads and tp % heads:
+            raise InvalidTopology(
+                f"tp_size {tp} is not a multiple of total_num_kv_heads {heads}, so heads cannot be replicated evenly"
+            )
+        try:
+            object.__setattr__(self, "layout", KVLayout(self.layout))
+        except ValueError:
+            raise InvalidTopology(f"unknown layout {self.layout!r}; expected one of {', '.join(KVLayout)}") from None
+        dtype = str(self.dtype).removeprefix("torch.")
+        if dtype not in ELEMENT_SIZES:
+            raise InvalidTopology(f"unknown KV cache dtype {self.dtype!r}; known: {', '.join(ELEMENT_SIZES)}")
+        object.__setattr__(self, "dtype", dtype)
+
+    @property
+    def num_heads(self) -> int:
+        """KV heads this rank holds (1 when TP exceeds the head count)."""
+        return max(1, self.total_num_kv_heads // self.tp_size)
+
+    @property
+    def is_replicated(self) -> bool:
+        """Whether other ranks of this engine hold copies of this rank's heads."""
+        return self.tp_size > self.total_num_kv_heads
+
+    @property
+    def element_size(self) -> int:
+        return ELEMENT_SIZES[self.dtype]
+
+    @property
+    def block_plane_bytes(self) -> int:
+        """Bytes of one block's K (or V) plane for one layer on this rank."""
+        return self.block_size * self.num_heads * self.head_dim * self.element_size
+
+    def head_start(self, rank: int | None = None) -> int:
+        """First global KV head held by ``rank`` (default: this rank)."""
+        rank = self.tp_rank if rank is None else rank
+        if not 0 <= rank < self.tp_size:
+            raise InvalidTopology(f"rank {rank} is outside [0, tp_size {self.tp_size})")
+        return rank * self.total_num_kv_heads // self.tp_size
+
+    def with_rank(self, tp_rank: int) -> KVTopology:
+        """The same engine's topology as seen by another of its ranks."""
+        return dataclasses.replace(self, tp_rank=tp_rank)
+
+
+@dataclass(frozen=True, slots=True)
+class HeadSlice:
+    """One read: ``num_heads`` heads of every block of ``remote_rank``.
+
+    ``remote_head_start`` indexes the remote rank's own heads, ``local_head_start``
+    the local rank's own heads; both are offsets, not global head numbers.
+    """
+
+    remote_rank: int
+    remote_head_start: int
+    local_head_start: int
+    num_heads: int
+
+
+@dataclass(frozen=True, slots=True)
+class ReadPlan:
+    """Everything one local rank reads from a remote engine, per request block.
+
+    ``slices`` are ordered by ``local_head_start`` and together cover the local
+    rank's heads exactly once.
+    """
+
+    local: KVTopology
+    remote: KVTopology
+    slices: tuple[HeadSlice, ...]
+    block_size_ratio: int
+
+    @property
+    def remote_ranks(self) -> tuple[int, ...]:
+        return tuple(s.remote_rank for s in self.slices)
+
+
+@dataclass(frozen=True, slots=True)
+class LocalBlockFill:
+    """What one local block receives: whole remote blocks, in token order."""
+
+    remote_block_ids: tuple[int, ...]
+    num_tokens: int
+
+
+# ---------------------------------------------------------------- compatibility
+
+
+def block_size_ratio(local_block_size: int, remote_block_size: int) -> int:
+    """How many remote blocks fill one local block; raises ``TopologyMismatch`` if not a whole number >= 1."""
+    reason = _block_size_problem(local_block_size, remote_block_size)
+    if reason:
+        raise TopologyMismatch([reason])
+    return local_block_size // remote_block_size
+
+
+def _block_size_problem(local_block_size: int, remote_block_size: int) -> str | None:
+    if remote_block_size > local_block_size:
+        return (
+            f"remote block size {remote_block_size} is larger than local block size {local_block_size} "
+            "(only a remote block size that divides the local one is supported)"
+        )
+    if local_block_size % remote_block_size:
+        return f"local block size {local_block_size} is not a multiple of remote block size {remote_block_size}"
+    return None
+
+
+def incompatibilities(local: KVTopology, remote: KVTopology) -> list[str]:
+    """Every reason ``local`` cannot read KV from ``remote``; empty when it can.
+
+    Layouts never appear: NHD and HND convert into each other on receive.
+    """
+    reasons = [
+        f"{name} differs: local {getattr(local, name)}, remote {getattr(remote, name)}"
+        for name in ("dtype", "head_dim", "num_layers", "total_num_kv_heads")
+        if getattr(local, name) != getattr(remote, name)
+    ]
+    big, small = max(local.tp_size, remote.tp_size), min(local.tp_size, remote.tp_size)
+    if big % small:
+        reasons.append(f"tp sizes do not divide one another: local {local.tp_size}, remote {remote.tp_size}")
+    block_reason = _block_size_problem(local.block_size, remote.block_size)
+    if block_reason:
+        reasons.append(block_reason)
+    return reasons
+
+
+def check_compatible(local: KVTopology, remote: KVTopology) -> None:
+    """Raise ``TopologyMismatch`` carrying every reason, if ``local`` cannot read from ``remote``."""
+    reasons = incompatibilities(local, remote)
+    if reasons:
+        raise TopologyMismatch(reasons)
+
+
+def compatibility_factors(topology: KVTopology) -> dict[str, object]:
+    """The fields two peers must agree on exactly, as hashed by ``compatibility_hash``.
+
+    TP size and block size are left out: they may differ within the rules
+    ``incompatibilities`` checks pairwise. ``layouts`` names the layouts this
+    code converts between, so a peer that cannot convert hashes differently.
+    """
+    return {
+        "schema": COMPATIBILITY_SCHEMA,
+        "dtype": topology.dtype,
+        "head_dim": topology.head_dim,
+        "num_layers": topology.num_layers,
+        "total_num_kv_heads": topology.total_num_kv_heads,
+        "layouts": sorted(KVLayout),
+    }
+
+
+def compatibility_hash(topology: KVTopology) -> str:
+    """SHA-256 hex digest of ``compatibility_factors``: equal on peers that may try to pair.
+
+    Equal hashes are necessary, not sufficient: ``check_compatible`` still
+    applies the pairwise TP and block-size rules.
+    """
+    encoded = json.dumps(compatibility_factors(topology), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(encoded.encode()).hexdigest()
+
+
+# ---------------------------------------------------------------- TP mapping
+
+
+def plan_reads(local: KVTopology, remote: KVTopology) -> ReadPlan:
+    """Which remote ranks ``local`` reads, and which head slice of each.
+
+    The local rank looks at the remote ranks in its proportional share of the
+    remote engine (one rank when remote TP <= local TP, remote/local TP ranks
+    otherwise) and takes from each the heads it needs that no earlier rank in
+    that share already gave. So several local ranks split one remote rank's
+    heads (remote TP < local TP), one local rank concatenates several remote
+    ranks' heads (remote TP > local TP), and of remote replicas of one head
+    only one is read. Spreading readers over the share also spreads them
+    over the replicas. ``remote.tp_rank`` is not used: the plan is about the whole remote engine.
+    """
+    check_compatible(local, remote)
+    if local.tp_size >= remote.tp_size:
+        first = local.tp_rank * remote.tp_size // local.tp_size
+        share = range(first, first + 1)
+    else:
+        per_local = remote.tp_size // local.tp_size
+        share = range(local.tp_rank * per_local, (local.tp_rank + 1) * per_local)
+    wanted_start = local.head_start()
+    wanted_stop = wanted_start + local.num_heads
+    covered = wanted_start  # remote head ranges grow with rank: heads are gathered in order
+    slices: list[HeadSlice] = []
+    for rank in share:
+        held_start = remote.head_start(rank)
+        start, stop = max(held_start, covered), min(held_start + remote.num_heads, wanted_stop)
+        if start >= stop:
+            continue  # a replica of heads already planned
+        slices.append(HeadSlice(rank, start - held_start, start - wanted_start, stop - start))
+        covered = stop
+    if covered != wanted_stop:  # unreachable for topologies that pass check_compatible
+        raise TopologyMismatch(
+            [f"remote ranks {list(share)} do not hold heads [{covered}, {wanted_stop}) of local rank {local.tp_rank}"]
+        )
+    return ReadPlan(local, remote, tuple(slices), local.block_size // remote.block_size)
+
+
+def reader_ranks(remote_rank: int, local: KVTopology, remote: KVTopology) -> tuple[int, ...]:
+    """Local ranks whose plan reads ``remote_rank``: how many reads a source waits for before freeing blocks."""
+    remote.head_start(remote_rank)  # validates the rank
+    return tuple(
+        rank for rank in range(local.tp_size) if remote_rank in plan_reads(local.with_rank(rank), remote).remote_ranks
+    )
+
+
+def block_read_ranges(remote: KVTopology, head_start: int, num_heads: int) -> list[tuple[int, int]]:
+    """``(byte offset, byte length)`` ranges of one remote K or V block plane holding heads [start, start+n).
+
+    HND keeps a head slice in one range; NHD interleaves heads per token, so a
+    partial slice is one range per token (a whole block is still one range).
+    Read in order, the ranges give a buffer of ``received_block_shape(remote, num_heads)``.
+    """
+    if num_heads < 1 or head_start < 0 or head_start + num_heads > remote.num_heads:
+        raise InvalidTopology(
+            f"heads [{head_start}, {head_start + num_heads}) are not within the remote rank's {remote.num_heads} heads"
+        )
+    head_bytes = remote.head_dim * remote.element_size  # one head of one token
+    if remote.layout is KVLayout.HND:
+        per_head = remote.block_size * head_bytes
+        return [(head_start * per_head, num_heads * per_head)]
+    if num_heads == remote.num_heads:
+        return [(0, remote.block_plane_bytes)]
+    token_bytes = remote.num_heads * head_bytes
+    return [(t * token_bytes + head_start * head_bytes, num_heads * head_bytes) for t in range(remote.block_size)]
+
+
+def received_block_shape(remote: KVTopology, num_heads: int) -> tuple[int, int, int]:
+    """Shape of one received K or V block plane holding ``num_heads`` heads, in the remote layout."""
+    if remote.layout is KVLayout.NHD:
+        return (remote.block_size, num_heads, remote.head_dim)
+    return (num_heads, remote.block_size, remote.head_dim)
+
+
+# ---------------------------------------------------------------- block mapping
+
+
+def plan_local_fills(
+    remote_block_ids: Sequence[int], num_tokens: int, local_block_size: int, remote_block_size: int
+) -> list[LocalBlockFill]:
+    """Local blocks to allocate for ``num_tokens`` tokens held in ``remote_block_ids``, and what fills each.
+
+    Local block i gets remote blocks [i*ratio, (i+1)*ratio); the last one may
+    get fewer and hold fewer tokens.
+    """
+    ratio = block_size_ratio(local_block_size, remote_block_size)
+    expected = math.ceil(num_tokens / remote_block_size)
+    if num_tokens < 0 or len(remote_block_ids) != expected:
+        raise BlockMappingError(
+            f"{num_tokens} tokens take {expected} remote blocks of {remote_block_size}, got {len(remote_block_ids)}"
+        )
+    return [
+        LocalBlockFill(
+            tuple(remote_block_ids[start : start + ratio]),
+            min(local_block_size, num_tokens - start * remote_block_size),
+        )
+        for start in range(0, len(remote_block_ids), ratio)
+    ]
+
+
+def map_local_to_remote(
+    local_block_ids: Sequence[int], remote_block_ids: Sequence[int], ratio: int
+) -> list[tuple[int, tuple[int, ...]]]:
+    """Pair each local block id with the ``ratio`` remote block ids (fewer for the last) that fill it."""
+    if ratio < 1:
+        raise BlockMappingError(f"block size ratio must be >= 1, got {ratio}")
+    needed = math.ceil(len(remote_block_ids) / ratio)
+    if len(local_block_ids) != needed:
+        raise BlockMappingError(
+            f"{len(remote_block_ids)} remote blocks at ratio {ratio} fill {needed} local blocks, "
+            f"got {len(local_block_ids)} local block ids"
+        )
+    return [
+        (local_id, tuple(remote_block_ids[i * ratio : (i + 1) * ratio])) for i, local_id in enumerate(local_block_ids)
+    ]
+
+
+def expand_to_remote_granularity(local_block_ids: Sequence[int], ratio: int, num_remote_blocks: int) -> list[int]:
+    """Local block ids as sub-block ids of the remote block size, one per remote block.
+
+    For a local cache registered with the transport in remote-sized pieces:
+    local block b is sub-blocks [b*ratio, (b+1)*ratio); the tail past
+    ``num_remote_blocks`` is dropped, so the result pairs 1:1 with the remote ids.
+    """
+    sub_blocks = [block_id * ratio + j for block_id in local_block_ids for j in range(ratio)]
+    if not 0 <= num_remote_blocks <= len(sub_blocks) or len(sub_blocks) - num_remote_blocks >= ratio:
+        raise BlockMappingError(
+            f"{len(local_block_ids)} local blocks at ratio {ratio} "
+            f"cannot hold exactly {num_remote_blocks} remote blocks"
+        )
+    return sub_blocks[:num_remote_blocks]
