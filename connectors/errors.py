@@ -39,3 +39,29 @@ class BlockMappingError(ConnectorError, ValueError):
 
 class TransferShapeError(ConnectorError, ValueError):
     """A received buffer does not have the shape its read plan implies."""
+
+
+class TransportError(ConnectorError):
+    """The KV transport cannot move blocks: NIXL is missing, a peer is unknown, or a transfer failed or timed out."""
+
+
+class HandshakeRejected(ConnectorError):
+    """A side-channel handshake message was refused; ``kind`` labels why for metrics.
+
+    ``kind`` is one of ``HANDSHAKE_REJECTION_KINDS``: ``"version"`` (another
+    protocol version), ``"incompatible"`` (the peers' KV caches cannot pair) or
+    ``"malformed"`` (not a well-formed handshake message). ``reasons`` lists every cause.
+    """
+
+    def __init__(self, kind: str, reasons: Sequence[str]):
+        if kind not in HANDSHAKE_REJECTION_KINDS:
+            raise ValueError(f"unknown handshake rejection kind {kind!r}; expected one of {HANDSHAKE_REJECTION_KINDS}")
+        self.kind = kind
+        self.reasons = list(reasons)
+        super().__init__(f"handshake rejected ({kind}): " + "; ".join(self.reasons))
+
+    def __reduce__(self):  # keeps ``kind`` and ``reasons`` when pickled across processes
+        return (type(self), (self.kind, self.reasons))
+
+
+HANDSHAKE_REJECTION_KINDS = ("version", "incompatible", "malformed")

@@ -7,7 +7,6 @@ The full prefill -> decode round trip over TP, block sizes and layouts lives in
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import pytest
 import torch
@@ -22,24 +21,12 @@ from connectors.layout import (
     tokens_to_blocks,
 )
 from connectors.topology import KVLayout, KVTopology, plan_reads
+from tests.unit.kv_factories import topology_factory
 
 
 @pytest.fixture
 def make_topology() -> Callable[..., KVTopology]:
-    def make(**overrides: Any) -> KVTopology:
-        fields: dict[str, Any] = {
-            "tp_size": 1,
-            "tp_rank": 0,
-            "total_num_kv_heads": 2,
-            "block_size": 2,
-            "layout": "NHD",
-            "head_dim": 1,
-            "dtype": "float32",
-            "num_layers": 1,
-        }
-        return KVTopology(**(fields | overrides))
-
-    return make
+    return topology_factory(total_num_kv_heads=2, block_size=2, head_dim=1, dtype="float32", num_layers=1)
 
 
 @pytest.fixture

@@ -37,6 +37,7 @@ from connectors.topology import (
     reader_ranks,
     received_block_shape,
 )
+from tests.unit.kv_factories import topology_factory
 
 HEAD_DIM = 4
 DTYPE = torch.bfloat16
@@ -49,21 +50,7 @@ TopologyFactory = Callable[..., KVTopology]
 @pytest.fixture
 def make_topology() -> TopologyFactory:
     """A valid topology; keyword arguments override single fields."""
-
-    def make(**overrides: Any) -> KVTopology:
-        fields: dict[str, Any] = {
-            "tp_size": 1,
-            "tp_rank": 0,
-            "total_num_kv_heads": 4,
-            "block_size": 16,
-            "layout": "NHD",
-            "head_dim": HEAD_DIM,
-            "dtype": "bfloat16",
-            "num_layers": 2,
-        }
-        return KVTopology(**(fields | overrides))
-
-    return make
+    return topology_factory(head_dim=HEAD_DIM)
 
 
 @pytest.fixture(scope="module", autouse=True)
