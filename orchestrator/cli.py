@@ -76,9 +76,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     cluster.install_stop_signals()
     try:
-        status = cluster.up(
-            args.config, on_event=printer, detach=args.detach, wait_forever=None if args.detach else on_ready_wait
-        )
+        status = cluster.up(args.config, on_event=printer, follow=None if args.detach else on_ready_wait)
     except KeyboardInterrupt:
         _print("pdserve: interrupted; the cluster was stopped")
         return 130

@@ -194,10 +194,13 @@ def _cluster_alive(state: ClusterState) -> bool:
 def up(
     config: str,
     on_event: Callable[[dict[str, Any]], None],
-    detach: bool,
-    wait_forever: Callable[[Callable[[], dict[str, Any]]], None] | None = None,
+    follow: Callable[[Callable[[], dict[str, Any]]], None] | None = None,
 ) -> dict[str, Any]:
-    """Bring the cluster up; return its status once ready. Raises PdserveError on failure."""
+    """Bring the cluster up; return its status once ready. Raises PdserveError on failure.
+
+    With ``follow`` (a foreground ``up``), call it with a status getter once the
+    cluster is ready, and stop the cluster when it returns or raises (Ctrl-C).
+    """
     spec = ClusterSpec.from_file(config)
     with contextlib.suppress(ClusterNotRunning):
         previous = ClusterState.load()
@@ -213,7 +216,8 @@ def up(
         on_event({"t": time.time(), "message": "starting a local Ray head"})
         address, temp_dir = start_ray_head(spec)
         started_ray = True
-    log_dir = Path(tempfile.mkdtemp(prefix=f"{spec.name}-", dir=_mkdir(state_dir() / "logs")))
+    (state_dir() / "logs").mkdir(parents=True, exist_ok=True)
+    log_dir = Path(tempfile.mkdtemp(prefix=f"{spec.name}-", dir=state_dir() / "logs"))
     state = ClusterState(
         name=spec.name,
         namespace=spec.ray.namespace,
@@ -230,19 +234,14 @@ def up(
     except BaseException:
         down()
         raise
-    if not detach and wait_forever is not None:
+    if follow is not None:
         try:
             with ray_connection(state) as ray:
                 controller = ray.get_actor(state.controller_name)
-                wait_forever(lambda: ray.get(controller.status.remote(), timeout=30))
+                follow(lambda: ray.get(controller.status.remote(), timeout=30))
         finally:
             down()
     return status
-
-
-def _mkdir(path: Path) -> Path:
-    path.mkdir(parents=True, exist_ok=True)
-    return path
 
 
 def _bring_up(state: ClusterState, spec: ClusterSpec, on_event: Callable[[dict[str, Any]], None]) -> dict:
