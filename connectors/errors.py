@@ -65,3 +65,7 @@ class HandshakeRejected(ConnectorError):
 
 
 HANDSHAKE_REJECTION_KINDS = ("version", "incompatible", "malformed")
+
+
+class LeaseError(ConnectorError, ValueError):
+    """A KV block lease cannot be taken as asked: the request already holds one, or a count or TTL is out of range."""

@@ -1,0 +1,166 @@
+"""NixlKVTransport against real NIXL (UCX) between two processes on this host, over CPU KV caches.
+
+A *source* child process (spawned, as a prefill worker would be) registers
+caches filled from a seed and answers on a Pipe: first with its NIXL metadata
+and regions, later with the notifications it received. The test process is
+the reader (decode side).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from connectors.errors import BlockMappingError, TransportError
+from connectors.nixl_transport import KVRegions, NixlKVTransport, TransferState
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]  # a safety net: ~4 s per test on an idle host
+
+NUM_LAYERS = 4
+KV_SHAPE = (2, 64, 16, 2, 64)  # [K/V, num_blocks, block_size, heads, head_dim]
+BLOCK_LEN_BYTES = 16 * 2 * 64 * 4  # one float32 K or V plane of one block
+SOURCE_SEED = 1234
+WAIT_S = 20.0
+READ_TIMEOUT_S = 3.0
+
+
+def make_caches(seed: int | None) -> dict[str, torch.Tensor]:
+    """Layer caches filled from ``seed`` (zeros when None): the source's content is reproducible here."""
+    generator = torch.Generator().manual_seed(seed) if seed is not None else None
+    return {
+        f"model.layers.{i}.self_attn": torch.randn(KV_SHAPE, generator=generator)
+        if generator
+        else torch.zeros(KV_SHAPE)
+        for i in range(NUM_LAYERS)
+    }
+
+
+def run_source(conn) -> None:
+    """Child process: serve its caches until told to stop, forwarding notifications to the test."""
+    with NixlKVTransport("prefill-0") as transport:
+        caches = make_caches(SOURCE_SEED)
+        regions = transport.register_kv_caches(caches, BLOCK_LEN_BYTES)
+        conn.send((transport.agent_metadata(), regions))
+        while True:
+            notifications = transport.poll_notifications()
+            if notifications:
+                conn.send(notifications)
+            if conn.poll(0.005) and conn.recv() == "stop":
+                return
+
+
+@dataclass
+class Source:
+    process: mp.Process
+    conn: object
+    metadata: bytes
+    regions: KVRegions
+
+    def next_message(self, timeout: float = WAIT_S):
+        if not self.conn.poll(timeout):
+            raise TimeoutError(f"source sent nothing within {timeout} s")
+        return self.conn.recv()
+
+
+def start_source() -> Source:
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    process = ctx.Process(target=run_source, args=(child,), daemon=True)
+    process.start()
+    if not parent.poll(WAIT_S + 20):  # spawning imports torch and starts UCX
+        process.kill()
+        raise TimeoutError("source process did not send its metadata")
+    metadata, regions = parent.recv()
+    return Source(process, parent, metadata, regions)
+
+
+def stop(source: Source) -> None:
+    if source.process.is_alive():
+        try:
+            source.conn.send("stop")
+        except OSError:
+            pass
+        source.process.join(5)
+    if source.process.is_alive():
+        source.process.kill()
+        source.process.join(5)
+
+
+@pytest.fixture
+def reader() -> Iterator[tuple[NixlKVTransport, dict[str, torch.Tensor]]]:
+    caches = make_caches(None)
+    transport = NixlKVTransport("decode-0", transfer_timeout_s=READ_TIMEOUT_S)
+    transport.register_kv_caches(caches, BLOCK_LEN_BYTES)
+    yield transport, caches
+    transport.close()
+
+
+@pytest.fixture
+def source() -> Iterator[Source]:
+    started = start_source()
+    try:
+        yield started
+    finally:
+        stop(started)
+
+
+def test_read_blocks_copies_every_layer_into_other_block_ids_and_notifies_source(reader, source):
+    transport, caches = reader
+    transport.add_peer("prefill-0", source.metadata, source.regions)
+    generator = torch.Generator().manual_seed(7)
+    remote_ids = torch.randperm(64, generator=generator)[:11].tolist()
+    local_ids = torch.randperm(64, generator=generator)[:11].tolist()
+
+    read = transport.read_blocks("prefill-0", local_ids, remote_ids, notify=b"req-42")
+
+    assert read.wait() is TransferState.DONE, read.failure_reason
+    assert transport.poll(read) is TransferState.DONE
+    assert read.failure_exception() is None
+    assert read.num_bytes == len(remote_ids) * NUM_LAYERS * 2 * BLOCK_LEN_BYTES
+    expected = make_caches(SOURCE_SEED)
+    untouched = sorted(set(range(64)) - set(local_ids))
+    for name, cache in caches.items():
+        assert torch.equal(cache[:, local_ids], expected[name][:, remote_ids]), name
+        assert not cache[:, untouched].any(), f"{name}: blocks outside the read were written"
+    assert source.next_message() == [(transport.agent_name, b"req-42")]
+
+
+def test_read_from_a_source_that_went_away_fails_within_the_deadline(reader, source):
+    transport, _ = reader
+    transport.add_peer("prefill-0", source.metadata, source.regions)
+    warmup = transport.read_blocks("prefill-0", [0], [0], notify=b"warmup")
+    assert warmup.wait() is TransferState.DONE, warmup.failure_reason
+    source.process.terminate()
+    source.process.join(5)
+    assert not source.process.is_alive()
+
+    started = time.monotonic()
+    read = transport.read_blocks("prefill-0", list(range(32)), list(range(32, 64)), notify=b"req-lost")
+    state = read.wait()
+
+    assert state is TransferState.FAILED
+    assert time.monotonic() - started < READ_TIMEOUT_S + 2
+    error = read.failure_exception()
+    assert isinstance(error, TransportError) and "prefill-0" in str(error)
+
+
+def test_read_blocks_rejects_unknown_peers_and_out_of_range_block_ids(reader, source):
+    transport, _ = reader
+    with pytest.raises(TransportError, match="unknown peer"):
+        transport.read_blocks("prefill-0", [0], [0])
+    transport.add_peer("prefill-0", source.metadata, source.regions)
+    with pytest.raises(BlockMappingError, match=r"\[0, 64\)"):
+        transport.read_blocks("prefill-0", [0], [64])
+    with pytest.raises(BlockMappingError, match="2 local block ids for 1 remote"):
+        transport.read_blocks("prefill-0", [0, 1], [5])
+    with pytest.raises(TransportError, match="block_len_bytes differs"):
+        transport.add_peer("prefill-1", source.metadata, KVRegions(**{**_fields(source.regions), "block_len_bytes": 8}))
+
+
+def _fields(regions: KVRegions) -> dict:
+    return {name: getattr(regions, name) for name in KVRegions.__slots__}
