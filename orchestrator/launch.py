@@ -17,6 +17,9 @@ from typing import Any
 from orchestrator.models import resolve_dtype, resolve_model
 from orchestrator.spec import ClusterSpec
 
+# Seconds a prefill engine keeps a request's KV blocks for a decode engine that never reads them.
+DEFAULT_LEASE_TTL_S = 120
+
 ROLES = ("prefill", "decode")
 
 
@@ -38,23 +41,43 @@ class EngineLaunch:
         return f"http://{self.host}:{self.port}"
 
 
-def kv_transfer_config(spec: ClusterSpec, role: str) -> dict[str, Any]:
+def kv_transfer_config(
+    spec: ClusterSpec, role: str, *, host: str = "127.0.0.1", kv_port: int | None = None
+) -> dict[str, Any]:
     """The vLLM ``--kv-transfer-config`` of an engine in ``role``.
 
     Both roles are ``kv_both`` (as vLLM's NIXL examples do): whether an
     engine produces or consumes KV is decided per request by the
-    ``kv_transfer_params`` the proxy sends.
+    ``kv_transfer_params`` the proxy sends. Our own connector (``pdserve``)
+    learns its side channel from ``kv_connector_extra_config``, so it needs
+    the engine's ``host`` and ``kv_port``.
     """
-    if spec.connector != "vllm-nixl":
-        raise ValueError(f"unknown connector {spec.connector!r}")
-    return {
-        "kv_connector": "NixlConnector",
-        "kv_role": "kv_both",
-        "kv_buffer_device": "cpu" if spec.device == "cpu" else "cuda",
-        # A failed KV read makes the decode engine recompute the prompt
-        # instead of failing the request with HTTP 500.
-        "kv_load_failure_policy": "recompute",
-    }
+    buffer_device = "cpu" if spec.device == "cpu" else "cuda"
+    if spec.connector == "vllm-nixl":
+        return {
+            "kv_connector": "NixlConnector",
+            "kv_role": "kv_both",
+            "kv_buffer_device": buffer_device,
+            # A failed KV read makes the decode engine recompute the prompt
+            # instead of failing the request with HTTP 500.
+            "kv_load_failure_policy": "recompute",
+        }
+    if spec.connector == "pdserve":
+        if kv_port is None:
+            raise ValueError(f"connector 'pdserve' needs the {role} engine's kv_port for its side channel")
+        return {
+            "kv_connector": "PdserveConnector",
+            "kv_connector_module_path": "connectors.vllm_connector",
+            "kv_role": "kv_both",
+            "kv_buffer_device": buffer_device,
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {
+                "side_channel_host": host,
+                "side_channel_port": kv_port,
+                "lease_ttl_s": DEFAULT_LEASE_TTL_S,
+            },
+        }
+    raise ValueError(f"unknown connector {spec.connector!r}")
 
 
 def flag_args(options: dict[str, Any]) -> list[str]:
@@ -107,7 +130,7 @@ def plan_engines(spec: ClusterSpec, host: str = "127.0.0.1") -> list[EngineLaunc
                 "--max-model-len", str(spec.engine.max_model_len),
                 "--dtype", resolve_dtype(spec.model, spec.engine.dtype),
                 "--tensor-parallel-size", str(pool.tensor_parallel_size),
-                "--kv-transfer-config", json.dumps(kv_transfer_config(spec, role)),
+                "--kv-transfer-config", json.dumps(kv_transfer_config(spec, role, host=host, kv_port=kv_port)),
                 "--disable-uvicorn-access-log",
             ]  # fmt: skip
             if spec.engine.enforce_eager:

@@ -29,7 +29,7 @@ from orchestrator.errors import SpecError
 from orchestrator.models import KNOWN_MODELS, model_cache_dir, resolve_model
 
 # Connector names a spec may use, mapped to the vLLM kv_transfer_config they need.
-CONNECTORS = ("vllm-nixl",)
+CONNECTORS = ("vllm-nixl", "pdserve")
 
 
 class _Strict(BaseModel):
@@ -94,8 +94,10 @@ class ClusterSpec(_Strict):
         default=None, description="Name clients use in 'model' (default: the spec's model)."
     )
     device: Literal["cpu", "cuda"] = "cpu"
-    connector: Literal["vllm-nixl"] = Field(
-        default="vllm-nixl", description="KV connector between prefill and decode engines."
+    connector: Literal["vllm-nixl", "pdserve"] = Field(
+        default="vllm-nixl",
+        description="KV connector between prefill and decode engines: vLLM's NixlConnector ('vllm-nixl') "
+        "or our own pull-mode connector ('pdserve', connectors.vllm_connector).",
     )
     ray: RaySpec = Field(default_factory=RaySpec)
     proxy: ProxySpec = Field(default_factory=ProxySpec)

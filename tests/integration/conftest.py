@@ -4,7 +4,8 @@ The ``cluster`` fixture starts it the way a user does, with ``pdserve up
 --detach`` in a private state directory, and stops it with ``pdserve down``
 at the end of the session. Tests marked ``teardown_check`` run last: they
 stop the cluster themselves and check what is left; tests marked
-``after_cluster`` run after those, on a machine with no cluster running.
+``after_cluster`` run after those, on a machine with no cluster running
+(the order is set in ``tests/conftest.py``).
 """
 
 from __future__ import annotations
@@ -22,18 +23,6 @@ import pytest
 HERE = Path(__file__).parent
 PDSERVE = [sys.executable, "-m", "orchestrator.cli"]
 UP_TIMEOUT_S = 900
-
-
-ORDER_MARKERS = ("teardown_check", "after_cluster")
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Tests that stop the shared cluster run last; tests that need the machine to themselves after them."""
-
-    def rank(item: pytest.Item) -> int:
-        return next((i + 1 for i, name in enumerate(ORDER_MARKERS) if item.get_closest_marker(name)), 0)
-
-    items.sort(key=rank)
 
 
 def run_pdserve(*args: str, env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess:

@@ -153,6 +153,29 @@ def test_kv_buffer_lives_on_the_gpu_for_cuda(make_spec):
     assert kv_transfer_config(spec, "prefill")["kv_buffer_device"] == "cuda"
 
 
+@pytest.mark.parametrize(("role", "kv_port"), [("prefill", 5600), ("decode", 5700)])
+def test_pdserve_connector_is_loaded_from_our_module_with_its_side_channel(plan, role, kv_port):
+    args = plan(connector="pdserve")[f"{role}-0"].vllm_args
+
+    config = json.loads(flag_value(args, "--kv-transfer-config"))
+    assert config["kv_connector"] == "PdserveConnector"
+    assert config["kv_connector_module_path"] == "connectors.vllm_connector"
+    assert config["kv_role"] == "kv_both"
+    assert config["kv_buffer_device"] == "cpu"
+    assert config["kv_connector_extra_config"] == {
+        "side_channel_host": "127.0.0.1",
+        "side_channel_port": kv_port,
+        "lease_ttl_s": 120,
+    }
+
+
+def test_pdserve_connector_needs_the_engines_kv_port(make_spec):
+    spec = ClusterSpec.from_dict(make_spec(connector="pdserve"))
+
+    with pytest.raises(ValueError, match="kv_port"):
+        kv_transfer_config(spec, "prefill")
+
+
 def test_demo_model_is_loaded_from_the_cache(plan, model_cache: Path):
     args = plan()["prefill-0"].vllm_args
 

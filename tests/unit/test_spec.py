@@ -54,6 +54,12 @@ def test_shipped_local_cpu_spec_loads_with_one_prefill_and_one_decode(local_cpu_
     assert spec.proxy.port == 8000
 
 
+def test_pdserve_connector_can_be_chosen(load):
+    spec = load(connector="pdserve")
+
+    assert spec.connector == "pdserve"
+
+
 def test_defaults_fill_in_everything_optional(load):
     spec = load()
 

@@ -1,0 +1,85 @@
+"""What the scheduler-side connector tells the worker-side connector each step.
+
+``PdserveConnectorMetadata`` is built by ``connectors.scheduler`` in
+``build_connector_meta`` and bound to the worker before the model runs:
+
+- ``reqs_to_receive``: decode side. Requests whose prompt KV lives on a
+  prefill engine; the worker handshakes with that engine (once) and posts one
+  READ of ``remote_block_ids`` into ``local_block_ids``.
+- ``reqs_to_hold``: prefill side. Requests that finished with
+  ``do_remote_decode``; the worker keeps their blocks under a lease until the
+  decode engine's READ notification arrives (or the lease expires).
+
+``KVTransferParams`` parses and checks the ``kv_transfer_params`` a decode
+request carries (the ones our prefill side returned, passed on by the proxy).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+__all__ = ["KVTransferParams", "PdserveConnectorMetadata", "ReceiveSpec"]
+
+_REQUIRED = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port", "remote_block_ids")
+
+
+@dataclass(frozen=True, slots=True)
+class KVTransferParams:
+    """Where a request's prompt KV lies on a prefill engine, as our prefill side reported it."""
+
+    remote_engine_id: str
+    remote_request_id: str
+    remote_host: str
+    remote_port: int
+    remote_block_ids: tuple[int, ...]
+    remote_num_tokens: int
+    tp_size: int = 1
+
+    @classmethod
+    def for_remote_prefill(cls, params: Mapping[str, Any] | None) -> KVTransferParams | None:
+        """The parsed params of a request that asks to load remote KV, or None if it does not ask.
+
+        Raises ``ValueError`` when it asks (``do_remote_prefill``) but a field is missing or mistyped.
+        """
+        if not params or not params.get("do_remote_prefill"):
+            return None
+        missing = [name for name in _REQUIRED if params.get(name) in (None, "")]
+        if missing:
+            raise ValueError(f"kv_transfer_params with do_remote_prefill lack {', '.join(missing)}")
+        block_ids = params["remote_block_ids"]
+        # vLLM's own connector sends one list per KV cache group; accept that shape for one group.
+        if block_ids and isinstance(block_ids[0], list | tuple):
+            if len(block_ids) != 1:
+                raise ValueError(f"remote_block_ids has {len(block_ids)} KV cache groups; only 1 is supported")
+            block_ids = block_ids[0]
+        return cls(
+            remote_engine_id=str(params["remote_engine_id"]),
+            remote_request_id=str(params["remote_request_id"]),
+            remote_host=str(params["remote_host"]),
+            remote_port=int(params["remote_port"]),
+            remote_block_ids=tuple(int(b) for b in block_ids),
+            remote_num_tokens=int(params.get("remote_num_tokens") or 0),
+            tp_size=int(params.get("tp_size") or 1),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ReceiveSpec:
+    """One decode request's READ: remote blocks into local blocks, position by position."""
+
+    request_id: str
+    local_block_ids: tuple[int, ...]
+    remote: KVTransferParams
+    remote_block_ids: tuple[int, ...]
+
+
+@dataclass(slots=True)
+class PdserveConnectorMetadata(KVConnectorMetadata):
+    """One scheduler step's work for the worker-side connector."""
+
+    reqs_to_receive: list[ReceiveSpec] = field(default_factory=list)
+    reqs_to_hold: dict[str, tuple[int, ...]] = field(default_factory=dict)

@@ -1,0 +1,159 @@
+"""Scheduler side of the pdserve connector (pull mode): which tokens to load, which blocks to keep.
+
+A request's life, seen from here:
+
+- Prefill engine: the proxy sends ``kv_transfer_params={"do_remote_decode": true}``
+  and ``max_tokens=1``. When the request finishes, ``request_finished`` keeps
+  its blocks (vLLM must not free them) and answers the ``kv_transfer_params``
+  the decode engine needs: this engine's id and side channel, the block ids,
+  the number of computed tokens. The next ``build_connector_meta`` tells the
+  worker to hold those blocks under a lease; the worker reports them as
+  "finished sending" once read (or expired), and only then vLLM frees them.
+- Decode engine: the proxy passes those params on with ``do_remote_prefill``.
+  ``get_num_new_matched_tokens`` claims every prompt token not computed
+  locally as loadable asynchronously, so the engine computes no prompt token;
+  ``update_state_after_alloc`` pairs the freshly allocated local blocks with
+  the remote ones, position by position; ``build_connector_meta`` hands the
+  pairs to the worker, which posts the READ.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from connectors.metadata import KVTransferParams, PdserveConnectorMetadata, ReceiveSpec
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.request import Request
+
+__all__ = ["PdserveScheduler"]
+
+logger = logging.getLogger(__name__)
+
+
+class PdserveScheduler:
+    """The scheduler-side half of ``PdserveConnector``; one per engine, driven by vLLM's scheduler thread."""
+
+    def __init__(self, vllm_config: VllmConfig, engine_id: str):
+        extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
+        try:
+            self.side_channel_host = str(extra["side_channel_host"])
+            self.side_channel_port = int(extra["side_channel_port"])
+        except KeyError as e:
+            raise ValueError(f"kv_connector_extra_config lacks {e.args[0]!r} (engine {engine_id})") from e
+        self.engine_id = engine_id
+        self.tp_size = vllm_config.parallel_config.tensor_parallel_size
+        self._to_receive: dict[str, ReceiveSpec] = {}
+        self._to_hold: dict[str, tuple[int, ...]] = {}
+
+    # ------------------------------------------------------------ decode side
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        params = self._remote_prefill_params(request)
+        if params is None:
+            return 0, False
+        count = len(request.prompt_token_ids or ()) - num_computed_tokens
+        return (count, True) if count > 0 else (0, False)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        params = self._remote_prefill_params(request)
+        if params is None:
+            return
+        # One transfer per request: vLLM may call this again once the load is done.
+        request.kv_transfer_params["do_remote_prefill"] = False
+        if num_external_tokens == 0:
+            logger.info(
+                "request %s on engine %s: nothing to load from engine %s (local prefix hit); its lease there "
+                "expires on its own",
+                request.request_id,
+                self.engine_id,
+                params.remote_engine_id,
+            )
+            return
+        if len(blocks.blocks) != 1:
+            raise ValueError(f"request {request.request_id}: {len(blocks.blocks)} KV cache groups; only 1 is supported")
+        # Local and remote block lists both start at the prompt's first token, so
+        # position i holds the same tokens on both sides; hashed local blocks are
+        # prefix-cache hits that need no read.
+        local_ids: list[int] = []
+        remote_ids: list[int] = []
+        for position, block in enumerate(blocks.blocks[0]):
+            if position >= len(params.remote_block_ids):
+                break
+            if block.block_hash is None and not block.is_null:
+                local_ids.append(block.block_id)
+                remote_ids.append(params.remote_block_ids[position])
+        self._to_receive[request.request_id] = ReceiveSpec(
+            request_id=request.request_id,
+            local_block_ids=tuple(local_ids),
+            remote=params,
+            remote_block_ids=tuple(remote_ids),
+        )
+        logger.debug(
+            "request %s on engine %s: will read %d blocks (%d tokens) from engine %s",
+            request.request_id,
+            self.engine_id,
+            len(local_ids),
+            num_external_tokens,
+            params.remote_engine_id,
+        )
+
+    def _remote_prefill_params(self, request: Request) -> KVTransferParams | None:
+        try:
+            return KVTransferParams.for_remote_prefill(request.kv_transfer_params)
+        except ValueError as e:
+            logger.warning(
+                "request %s on engine %s: ignoring invalid kv_transfer_params, computing the prompt here: %s",
+                request.request_id,
+                self.engine_id,
+                e,
+            )
+            return None
+
+    # ------------------------------------------------------------ every step
+
+    def build_connector_meta(self) -> PdserveConnectorMetadata:
+        meta = PdserveConnectorMetadata(reqs_to_receive=list(self._to_receive.values()), reqs_to_hold=self._to_hold)
+        self._to_receive = {}
+        self._to_hold = {}
+        return meta
+
+    # ------------------------------------------------------------ prefill side
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        from vllm.v1.request import RequestStatus
+
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_decode"):
+            return False, None  # decode side, or no P/D at all: nothing to keep
+        if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
+            logger.info(
+                "request %s on engine %s ended as %s; its blocks are freed, not offered to a decode engine",
+                request.request_id,
+                self.engine_id,
+                request.status.name,
+            )
+            return False, None
+        if not block_ids:
+            return False, None
+        self._to_hold[request.request_id] = tuple(block_ids)
+        logger.debug(
+            "request %s on engine %s: keeping %d blocks for a decode engine",
+            request.request_id,
+            self.engine_id,
+            len(block_ids),
+        )
+        return True, {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": self.engine_id,
+            "remote_request_id": request.request_id,
+            "remote_host": self.side_channel_host,
+            "remote_port": self.side_channel_port,
+            "remote_block_ids": list(block_ids),
+            "remote_num_tokens": request.num_computed_tokens,
+            "tp_size": self.tp_size,
+        }

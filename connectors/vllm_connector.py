@@ -1,0 +1,154 @@
+"""``PdserveConnector``: our pull-mode KV connector, as vLLM loads it through ``kv_connector_module_path``.
+
+vLLM builds one instance per role: the scheduler's (``KVConnectorRole.SCHEDULER``)
+and each worker's (``KVConnectorRole.WORKER``). This class only dispatches:
+scheduler methods go to ``connectors.scheduler.PdserveScheduler``, worker
+methods to ``connectors.worker.PdserveWorker``; calling a method of the other
+role is a programming error and raises ``RuntimeError``.
+
+Selected by ``--kv-transfer-config`` (see ``orchestrator.launch``)::
+
+    {"kv_connector": "PdserveConnector", "kv_connector_module_path": "connectors.vllm_connector",
+     "kv_role": "kv_both", "kv_connector_extra_config": {"side_channel_host": ..., "side_channel_port": ...}}
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from connectors.metadata import PdserveConnectorMetadata
+from connectors.scheduler import PdserveScheduler
+from connectors.worker import PdserveWorker
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+__all__ = ["PdserveConnector", "PdserveConnectorMetadata"]
+
+
+class PdserveConnector(KVConnectorBase_V1, SupportsHMA):
+    """Pull-mode P/D connector over NIXL; one KV cache group (full attention) only."""
+
+    _cache_hit_source = CacheHitSource.P2P
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
+        super().__init__(vllm_config, role, kv_cache_config)
+        _share_vllm_log_handlers()
+        engine_id = vllm_config.kv_transfer_config.engine_id
+        if not engine_id:
+            raise ValueError("kv_transfer_config.engine_id is not set")
+        self.engine_id: str = engine_id
+        self._scheduler: PdserveScheduler | None = None
+        self._worker: PdserveWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = PdserveScheduler(vllm_config, engine_id)
+        elif role == KVConnectorRole.WORKER:
+            self._worker = PdserveWorker(vllm_config, engine_id, kv_cache_config)
+        else:
+            raise ValueError(f"unknown connector role {role!r}")
+
+    def _sched(self) -> PdserveScheduler:
+        if self._scheduler is None:
+            raise RuntimeError(f"engine {self.engine_id}: scheduler-side method called on the {self.role.name} side")
+        return self._scheduler
+
+    def _work(self) -> PdserveWorker:
+        if self._worker is None:
+            raise RuntimeError(f"engine {self.engine_id}: worker-side method called on the {self.role.name} side")
+        return self._worker
+
+    # ------------------------------------------------------------ scheduler side
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._sched().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        self._sched().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self._sched().build_connector_meta()
+
+    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
+        # We transfer the request's own blocks, so every transfer group is restored.
+        return self._kv_cache_config.transfer_group_ids
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._sched().request_finished(request, block_ids)
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        groups = [group for group in block_ids if group]
+        if len(groups) > 1:
+            raise ValueError(f"request {request.request_id}: {len(groups)} KV cache groups; only 1 is supported")
+        return self._sched().request_finished(request, groups[0] if groups else [])
+
+    # ------------------------------------------------------------ worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._work().register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        metadata = self._get_connector_metadata()
+        if not isinstance(metadata, PdserveConnectorMetadata):
+            raise TypeError(f"expected PdserveConnectorMetadata, got {type(metadata).__name__}")
+        self._work().start_load_kv(metadata)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None  # pull mode: the whole prompt is loaded before the request is scheduled
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
+    ) -> None:
+        return None  # pull mode: the decode engine reads; nothing is pushed
+
+    def wait_for_save(self) -> None:
+        return None
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        sending, recving, _ = self._work().transfer_results()
+        return sending or None, recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        sending, recving, failed = self._work().transfer_results()
+        return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving, failed_recving=failed)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._work().get_block_ids_with_load_errors()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+
+
+def _share_vllm_log_handlers() -> None:
+    """Send the ``connectors`` package's logs where vLLM sends its own (the engine's log).
+
+    vLLM configures only its ``vllm`` logger in the engine-core and worker
+    processes; without this our messages (with request and engine ids) vanish.
+    """
+    ours = logging.getLogger("connectors")
+    if ours.handlers:
+        return
+    theirs = logging.getLogger("vllm")
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    ours.setLevel(theirs.getEffectiveLevel())
+    ours.propagate = not theirs.handlers

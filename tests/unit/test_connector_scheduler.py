@@ -1,0 +1,105 @@
+"""The scheduler side of our connector, against fake requests and blocks (no engine)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from vllm.v1.request import RequestStatus  # noqa: E402
+
+from connectors.metadata import KVTransferParams  # noqa: E402
+from connectors.scheduler import PdserveScheduler  # noqa: E402
+
+REMOTE = {
+    "do_remote_prefill": True,
+    "do_remote_decode": False,
+    "remote_engine_id": "prefill-engine",
+    "remote_request_id": "req-on-prefill",
+    "remote_host": "127.0.0.1",
+    "remote_port": 17600,
+    "remote_block_ids": [7, 8, 9],
+    "remote_num_tokens": 300,
+    "tp_size": 1,
+}
+
+
+@dataclass
+class FakeRequest:
+    request_id: str = "req-1"
+    prompt_token_ids: list[int] = field(default_factory=lambda: list(range(300)))
+    kv_transfer_params: dict[str, Any] | None = None
+    status: RequestStatus = RequestStatus.FINISHED_LENGTH_CAPPED
+    num_computed_tokens: int = 300
+
+
+def fake_blocks(*blocks: tuple[int, bool]) -> SimpleNamespace:
+    """KVCacheBlocks of one group: (block_id, is a local prefix-cache hit)."""
+    group = [SimpleNamespace(block_id=b, block_hash=("h" if hit else None), is_null=False) for b, hit in blocks]
+    return SimpleNamespace(blocks=(group,))
+
+
+@pytest.fixture
+def scheduler() -> PdserveScheduler:
+    extra = {"side_channel_host": "10.0.0.5", "side_channel_port": 17600}
+    config = SimpleNamespace(
+        kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1),
+    )
+    return PdserveScheduler(config, "engine-a")
+
+
+def test_decode_loads_every_prompt_token_not_computed_locally(scheduler):
+    request = FakeRequest(kv_transfer_params=dict(REMOTE))
+
+    assert scheduler.get_num_new_matched_tokens(request, 0) == (300, True)
+    assert scheduler.get_num_new_matched_tokens(request, 128) == (172, True)
+    assert scheduler.get_num_new_matched_tokens(FakeRequest(), 0) == (0, False)
+
+
+def test_local_blocks_pair_with_remote_blocks_by_position_skipping_prefix_hits(scheduler):
+    request = FakeRequest(kv_transfer_params=dict(REMOTE))
+
+    scheduler.update_state_after_alloc(request, fake_blocks((3, True), (4, False), (5, False)), 172)
+    meta = scheduler.build_connector_meta()
+
+    [spec] = meta.reqs_to_receive
+    assert (spec.local_block_ids, spec.remote_block_ids) == ((4, 5), (8, 9))
+    assert spec.remote.remote_request_id == "req-on-prefill"
+    assert request.kv_transfer_params["do_remote_prefill"] is False  # one transfer per request
+    assert scheduler.build_connector_meta().reqs_to_receive == []
+
+
+def test_prefill_keeps_the_blocks_and_says_where_they_are(scheduler):
+    request = FakeRequest(kv_transfer_params={"do_remote_decode": True})
+
+    delay_free, params = scheduler.request_finished(request, [7, 8, 9])
+
+    assert delay_free is True
+    assert KVTransferParams.for_remote_prefill(params) == KVTransferParams(
+        remote_engine_id="engine-a",
+        remote_request_id="req-1",
+        remote_host="10.0.0.5",
+        remote_port=17600,
+        remote_block_ids=(7, 8, 9),
+        remote_num_tokens=300,
+    )
+    assert scheduler.build_connector_meta().reqs_to_hold == {"req-1": (7, 8, 9)}
+
+
+def test_an_aborted_prefill_frees_its_blocks_at_once(scheduler):
+    request = FakeRequest(kv_transfer_params={"do_remote_decode": True}, status=RequestStatus.FINISHED_ABORTED)
+
+    assert scheduler.request_finished(request, [7, 8, 9]) == (False, None)
+    assert scheduler.build_connector_meta().reqs_to_hold == {}
+
+
+def test_incomplete_params_are_refused_with_the_missing_fields():
+    with pytest.raises(ValueError, match="remote_host, remote_port"):
+        KVTransferParams.for_remote_prefill(
+            {"do_remote_prefill": True, "remote_engine_id": "x", "remote_request_id": "r", "remote_block_ids": [1]}
+        )
