@@ -10,6 +10,29 @@ Selected by ``--kv-transfer-config`` (see ``orchestrator.launch``)::
 
     {"kv_connector": "PdserveConnector", "kv_connector_module_path": "connectors.vllm_connector",
      "kv_role": "kv_both", "kv_connector_extra_config": {"side_channel_host": ..., "side_channel_port": ...}}
+
+What vLLM 0.32 does around a connector (learnt while building this one):
+
+- The factory imports ``kv_connector_module_path`` and takes ``kv_connector`` from it;
+  the scheduler instance lives in the EngineCore process, the worker instance in
+  the Worker process (also on CPU). ``kv_transfer_config.engine_id`` is shared.
+- With the hybrid KV cache manager on, a connector must subclass ``SupportsHMA``.
+- For ``do_remote_prefill`` the matched tokens are ``len(prompt) - num_computed``
+  loaded asynchronously; after the load the scheduler itself recomputes the last
+  token for logits, which is not counted as ``local_compute``.
+- ``update_state_after_alloc`` can run twice for a request: clear
+  ``do_remote_prefill`` after the first call.
+- ``request_finished`` keeps blocks (``True``) only for length-capped or stopped
+  requests; they stay allocated until the id appears in ``finished_sending``.
+- The model runner calls ``get_transfer_results()`` (not ``get_finished()``),
+  also on steps without a forward pass; failed loads must appear both in
+  ``failed_recving`` and ``finished_recving``, and their block ids in
+  ``get_block_ids_with_load_errors()`` (then ``kv_load_failure_policy:
+  recompute`` recomputes them).
+- The CPU backend's KV cache per layer is ``[num_blocks, kv_heads, block_size,
+  2 * head_dim]``: K and V share one plane per block (block size 128 here).
+- vLLM configures only the ``vllm`` logger in its subprocesses: our loggers get
+  its handlers attached here, or nothing they log reaches the engine log.
 """
 
 from __future__ import annotations
