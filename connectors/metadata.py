@@ -83,3 +83,12 @@ class PdserveConnectorMetadata(KVConnectorMetadata):
 
     reqs_to_receive: list[ReceiveSpec] = field(default_factory=list)
     reqs_to_hold: dict[str, tuple[int, ...]] = field(default_factory=dict)
+
+
+def side_channel_address(extra_config: Mapping[str, Any] | None, engine_id: str) -> tuple[str, int]:
+    """The engine's side-channel (host, port) from ``kv_connector_extra_config``."""
+    extra = extra_config or {}
+    try:
+        return str(extra["side_channel_host"]), int(extra["side_channel_port"])
+    except KeyError as e:
+        raise ValueError(f"kv_connector_extra_config lacks {e.args[0]!r} (engine {engine_id})") from e

@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from connectors.metadata import KVTransferParams, PdserveConnectorMetadata, ReceiveSpec
+from connectors.metadata import KVTransferParams, PdserveConnectorMetadata, ReceiveSpec, side_channel_address
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -38,12 +38,9 @@ class PdserveScheduler:
     """The scheduler-side half of ``PdserveConnector``; one per engine, driven by vLLM's scheduler thread."""
 
     def __init__(self, vllm_config: VllmConfig, engine_id: str):
-        extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
-        try:
-            self.side_channel_host = str(extra["side_channel_host"])
-            self.side_channel_port = int(extra["side_channel_port"])
-        except KeyError as e:
-            raise ValueError(f"kv_connector_extra_config lacks {e.args[0]!r} (engine {engine_id})") from e
+        self.side_channel_host, self.side_channel_port = side_channel_address(
+            vllm_config.kv_transfer_config.kv_connector_extra_config, engine_id
+        )
         self.engine_id = engine_id
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
         self._to_receive: dict[str, ReceiveSpec] = {}

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 from connectors.errors import ConnectorError
 from connectors.handshake import HandshakeCache, HandshakeResponse, encode_response
 from connectors.leases import DEFAULT_LEASE_TTL_S, LeaseTable
-from connectors.metadata import PdserveConnectorMetadata, ReceiveSpec
+from connectors.metadata import PdserveConnectorMetadata, ReceiveSpec, side_channel_address
 from connectors.nixl_transport import KVRead, KVRegions, NixlKVTransport, TransferState
 from connectors.side_channel import SideChannelServer, request_handshake
 from connectors.topology import KVTopology
@@ -47,11 +47,7 @@ class PdserveWorker:
 
     def __init__(self, vllm_config: VllmConfig, engine_id: str, kv_cache_config: KVCacheConfig):
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
-        try:
-            self._side_channel_host = str(extra["side_channel_host"])
-            self._side_channel_port = int(extra["side_channel_port"])
-        except KeyError as e:
-            raise ValueError(f"kv_connector_extra_config lacks {e.args[0]!r} (engine {engine_id})") from e
+        self._side_channel_host, self._side_channel_port = side_channel_address(extra, engine_id)
         self.lease_ttl_s = float(extra.get("lease_ttl_s", DEFAULT_LEASE_TTL_S))
         self.engine_id = engine_id
         self._vllm_config = vllm_config
