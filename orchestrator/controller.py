@@ -35,6 +35,7 @@ from orchestrator.logs import redirect_output
 from orchestrator.proxy_actor import ProxyActor
 from orchestrator.spec import ClusterSpec
 from proxy.app import ProxyConfig
+from proxy.pool import ROLES
 
 logger = logging.getLogger(__name__)
 
@@ -234,7 +235,7 @@ class ClusterController:
         if info["state"] == "idle":
             self._event("proxy restarted by Ray; serving again")
             await self.proxy.start.remote()
-            for role in ("prefill", "decode"):
+            for role in ROLES:
                 await self._publish(role)
 
     # --- helpers ----------------------------------------------------------------------------

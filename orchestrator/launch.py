@@ -16,11 +16,10 @@ from typing import Any
 
 from orchestrator.models import resolve_dtype, resolve_model
 from orchestrator.spec import ClusterSpec
+from proxy.pool import ROLES
 
 # Seconds a prefill engine keeps a request's KV blocks for a decode engine that never reads them.
 DEFAULT_LEASE_TTL_S = 120
-
-ROLES = ("prefill", "decode")
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from orchestrator.errors import SpecError
 from orchestrator.models import KNOWN_MODELS, model_cache_dir, resolve_model
+from proxy.pool import ROLES
 
 # Connector names a spec may use, mapped to the vLLM kv_transfer_config they need.
 CONNECTORS = ("vllm-nixl", "pdserve")
@@ -129,7 +130,7 @@ class ClusterSpec(_Strict):
     @model_validator(mode="after")
     def _check_ports(self) -> ClusterSpec:
         owners: dict[int, str] = {self.proxy.port: "proxy.port"}
-        for role in ("prefill", "decode"):
+        for role in ROLES:
             pool = self.pool(role)
             kv_span = [p + r for p in pool.kv_ports() for r in range(pool.tensor_parallel_size)]
             for field, ports in ((f"{role}.port", pool.ports()), (f"{role}.kv_port", kv_span)):
@@ -153,7 +154,7 @@ class ClusterSpec(_Strict):
                     f"both pools) but only {available} are available (resources.cpus)",
                 )
         else:
-            for role in ("prefill", "decode"):
+            for role in ROLES:
                 tp = self.pool(role).tensor_parallel_size
                 if tp > self.resources.gpus:
                     raise _FieldError(

@@ -30,7 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from proxy.errors import InvalidRequest, ProxyError, error_body, error_response
 from proxy.flow import EngineRejected, Upstream, decode_body, parse_request, prefill_body
-from proxy.pool import EnginePool
+from proxy.pool import ROLES, EnginePool
 
 logger = logging.getLogger(__name__)
 
@@ -119,7 +119,7 @@ def create_app(config: ProxyConfig, pool: EnginePool | None = None) -> FastAPI:
     @app.get("/health")
     async def health() -> Response:
         engines = pool.snapshot()
-        healthy = all(engines[role] for role in ("prefill", "decode"))
+        healthy = all(engines[role] for role in ROLES)
         body = {"status": "ok" if healthy else "unavailable", "engines": engines}
         return Response(orjson.dumps(body), status_code=200 if healthy else 503, media_type="application/json")
 
