@@ -241,9 +241,12 @@ class LeaseTable:
 
     def take_finished(self) -> list[str]:
         """Request ids whose blocks may now be freed, in finishing order; each id is returned once."""
+        return list(self.take_finished_with_state())
+
+    def take_finished_with_state(self) -> dict[str, LeaseState]:
+        """Like ``take_finished``, with how each lease ended (READ, RELEASED or EXPIRED)."""
         with self._lock:
-            finished = list(self._finished)
-            self._finished.clear()
+            finished, self._finished = self._finished, {}
         return finished
 
     def held_block_ids(self) -> set[int]:

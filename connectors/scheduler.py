@@ -14,7 +14,14 @@ A request's life, seen from here:
   locally as loadable asynchronously, so the engine computes no prompt token;
   ``update_state_after_alloc`` pairs the freshly allocated local blocks with
   the remote ones, position by position; ``build_connector_meta`` hands the
-  pairs to the worker, which posts the READ.
+  pairs to the worker, which posts the READ. The worker's report of the load
+  (``update_connector_output``) comes back to the client in the finished
+  request's ``kv_transfer_params["pdserve_kv"]``.
+- Blocks nobody will read are released at once, not at lease expiry: the
+  proxy sends the ``pdserve_release`` message of the prefill's params when
+  the client goes away; this side sends it when the decode engine needs no
+  read (its prefix cache held the whole prompt) or the request ended before
+  it was scheduled.
 """
 
 from __future__ import annotations
@@ -22,11 +29,14 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from connectors.metadata import KVTransferParams, PdserveConnectorMetadata, ReceiveSpec, side_channel_address
+from connectors.metadata import ConnectorSettings, KVTransferParams, PdserveConnectorMetadata, ReceiveSpec
+from connectors.side_channel import ReleaseSender, release_message
+from connectors.stats import PdserveKVStats, PdserveWorkerMeta
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 __all__ = ["PdserveScheduler"]
@@ -38,13 +48,17 @@ class PdserveScheduler:
     """The scheduler-side half of ``PdserveConnector``; one per engine, driven by vLLM's scheduler thread."""
 
     def __init__(self, vllm_config: VllmConfig, engine_id: str):
-        self.side_channel_host, self.side_channel_port = side_channel_address(
-            vllm_config.kv_transfer_config.kv_connector_extra_config, engine_id
-        )
+        extra = vllm_config.kv_transfer_config.kv_connector_extra_config
+        settings = ConnectorSettings.from_extra_config(extra, engine_id)
+        self.side_channel_host, self.side_channel_port = settings.side_channel_host, settings.side_channel_port
         self.engine_id = engine_id
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
         self._to_receive: dict[str, ReceiveSpec] = {}
         self._to_hold: dict[str, tuple[int, ...]] = {}
+        self._loading_tokens: dict[str, int] = {}  # decode requests being loaded -> tokens to load
+        self._reports: dict[str, dict[str, Any]] = {}
+        self._stats = PdserveKVStats()
+        self._releases = ReleaseSender(engine_id)
 
     # ------------------------------------------------------------ decode side
 
@@ -63,12 +77,13 @@ class PdserveScheduler:
         request.kv_transfer_params["do_remote_prefill"] = False
         if num_external_tokens == 0:
             logger.info(
-                "request %s on engine %s: nothing to load from engine %s (local prefix hit); its lease there "
-                "expires on its own",
+                "request %s on engine %s: nothing to load from engine %s (local prefix hit); releasing its blocks",
                 request.request_id,
                 self.engine_id,
                 params.remote_engine_id,
             )
+            self._reports[request.request_id] = {"source": "local_prefix_cache", "bytes": 0, "transfer_ms": 0.0}
+            self._release(params)
             return
         if len(blocks.blocks) != 1:
             raise ValueError(f"request {request.request_id}: {len(blocks.blocks)} KV cache groups; only 1 is supported")
@@ -83,6 +98,7 @@ class PdserveScheduler:
             if block.block_hash is None and not block.is_null:
                 local_ids.append(block.block_id)
                 remote_ids.append(params.remote_block_ids[position])
+        self._loading_tokens[request.request_id] = num_external_tokens
         self._to_receive[request.request_id] = ReceiveSpec(
             request_id=request.request_id,
             local_block_ids=tuple(local_ids),
@@ -110,7 +126,29 @@ class PdserveScheduler:
             )
             return None
 
+    def _release(self, params: KVTransferParams) -> None:
+        for rank in range(params.tp_size):
+            self._releases.release(params.remote_host, params.remote_port + rank, params.remote_request_id)
+
     # ------------------------------------------------------------ every step
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        meta = output.kv_connector_worker_meta
+        if isinstance(meta, PdserveWorkerMeta):
+            self._reports.update(meta.reports)
+        for request_id in output.failed_recving or ():
+            self._stats.record_recomputed(self._loading_tokens.get(request_id, 0))
+        for request_id in output.finished_recving or ():
+            self._loading_tokens.pop(request_id, None)
+
+    def take_stats(self) -> PdserveKVStats | None:
+        if self._stats.is_empty():
+            return None
+        stats, self._stats = self._stats, PdserveKVStats()
+        return stats
+
+    def shutdown(self) -> None:
+        self._releases.close()
 
     def build_connector_meta(self) -> PdserveConnectorMetadata:
         meta = PdserveConnectorMetadata(reqs_to_receive=list(self._to_receive.values()), reqs_to_hold=self._to_hold)
@@ -125,7 +163,7 @@ class PdserveScheduler:
 
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_decode"):
-            return False, None  # decode side, or no P/D at all: nothing to keep
+            return False, self._decode_finished(request)
         if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
             logger.info(
                 "request %s on engine %s ended as %s; its blocks are freed, not offered to a decode engine",
@@ -153,4 +191,30 @@ class PdserveScheduler:
             "remote_block_ids": list(block_ids),
             "remote_num_tokens": request.num_computed_tokens,
             "tp_size": self.tp_size,
+            # For the proxy: send `message` to each endpoint if no decode engine will read these blocks.
+            "pdserve_release": {
+                "endpoints": [
+                    f"tcp://{self.side_channel_host}:{self.side_channel_port + rank}" for rank in range(self.tp_size)
+                ],
+                "message": release_message(request.request_id).decode(),
+            },
         }
+
+    def _decode_finished(self, request: Request) -> dict[str, Any] | None:
+        """The ``kv_transfer_params`` a finished decode request returns: how its prompt KV got here."""
+        self._loading_tokens.pop(request.request_id, None)
+        report = self._reports.pop(request.request_id, None)
+        if report is None:
+            params = self._remote_prefill_params(request)
+            if params is None:
+                return None  # no P/D for this request
+            # Still flagged do_remote_prefill: it ended before it was ever scheduled here.
+            logger.info(
+                "request %s on engine %s ended before loading its KV; releasing its blocks on engine %s",
+                request.request_id,
+                self.engine_id,
+                params.remote_engine_id,
+            )
+            self._release(params)
+            report = {"source": "none", "reason": "finished before loading"}
+        return {"pdserve_kv": report}

@@ -1,15 +1,26 @@
-"""The handshake side channel: a ZMQ REP socket on the prefill worker, a REQ call from the decode worker.
+"""The side channel: a ZMQ REP socket on every worker, REQ calls from decode workers and the proxy.
 
-The server thread answers every well-formed ``HandshakeRequest`` with one
-pre-encoded ``HandshakeResponse`` (agent metadata and KV regions do not change
-after registration). A request it rejects gets an ``ERR`` reply carrying the
-reason, which the caller raises as ``HandshakeRejected``.
+Two kinds of message arrive:
+
+- A handshake (starts with ``handshake.MAGIC``): the server thread answers
+  every well-formed ``HandshakeRequest`` with one pre-encoded
+  ``HandshakeResponse`` (agent metadata and KV regions do not change after
+  registration). A request it rejects gets an ``ERR`` reply carrying the
+  reason, which the caller raises as ``HandshakeRejected``.
+- A release (``RELEASE_PREFIX`` + request id): nobody will read that
+  request's blocks (the client went away, or the decode engine's read
+  failed), so free them now instead of at lease expiry. The proxy sends the
+  message it finds in the prefill's ``kv_transfer_params`` without knowing
+  its format; the server hands the id to ``on_release`` and answers ``OK``.
 """
 
 from __future__ import annotations
 
 import logging
+import queue
 import threading
+import time
+from collections.abc import Callable
 
 import zmq
 
@@ -23,22 +34,45 @@ from connectors.handshake import (
 )
 from connectors.topology import KVTopology
 
-__all__ = ["SideChannelServer", "request_handshake"]
+__all__ = [
+    "RELEASE_PREFIX",
+    "ReleaseSender",
+    "SideChannelServer",
+    "release_message",
+    "request_handshake",
+    "send_release",
+]
 
 logger = logging.getLogger(__name__)
 
 _ERROR_PREFIX = b"ERR "
+RELEASE_PREFIX = b"PDRL "
 _POLL_MS = 100
+
+
+def release_message(request_id: str) -> bytes:
+    return RELEASE_PREFIX + request_id.encode()
 
 
 class SideChannelServer:
     """Answers handshakes on ``tcp://host:port`` from a daemon thread until ``close()``."""
 
-    def __init__(self, engine_id: str, host: str, port: int, topology: KVTopology, response: bytes):
+    def __init__(
+        self,
+        engine_id: str,
+        host: str,
+        port: int,
+        topology: KVTopology,
+        response: bytes,
+        on_release: Callable[[str], None] | None = None,
+        answer_delay_s: float = 0.0,
+    ):
         self.engine_id = engine_id
         self.endpoint = f"tcp://{host}:{port}"
         self._topology = topology
         self._response = response
+        self._on_release = on_release
+        self._answer_delay_s = answer_delay_s  # fault injection: a slow peer
         self._stop = threading.Event()
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.REP)
@@ -58,6 +92,9 @@ class SideChannelServer:
             if not self._socket.poll(_POLL_MS):
                 continue
             message = self._socket.recv()
+            if message.startswith(RELEASE_PREFIX):
+                self._release(message[len(RELEASE_PREFIX) :].decode(errors="replace"))
+                continue
             try:
                 request = decode_request(message, self._topology)
             except HandshakeRejected as e:
@@ -65,8 +102,17 @@ class SideChannelServer:
                 self._socket.send(_ERROR_PREFIX + e.kind.encode() + b" " + str(e).encode())
                 continue
             logger.info("engine %s: handshake from engine %s", self.engine_id, request.engine_id)
+            if self._answer_delay_s:
+                time.sleep(self._answer_delay_s)
             self._socket.send(self._response)
         self._socket.close()
+
+    def _release(self, request_id: str) -> None:
+        if self._on_release is not None and request_id:
+            self._on_release(request_id)
+            self._socket.send(b"OK")
+        else:
+            self._socket.send(_ERROR_PREFIX + b"malformed release")
 
     def close(self) -> None:
         self._stop.set()
@@ -96,3 +142,49 @@ def request_handshake(
         kind, _, reason = reply[len(_ERROR_PREFIX) :].decode(errors="replace").partition(" ")
         raise HandshakeRejected(kind if kind in ("version", "incompatible", "malformed") else "malformed", [reason])
     return decode_response(reply, topology)
+
+
+def send_release(endpoint: str, request_id: str, timeout_s: float = 2.0) -> bool:
+    """Tell the worker at ``endpoint`` to free ``request_id``'s blocks; False if it did not answer."""
+    socket = zmq.Context.instance().socket(zmq.REQ)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.setsockopt(zmq.RCVTIMEO, int(timeout_s * 1000))
+    socket.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
+    try:
+        socket.connect(endpoint)
+        socket.send(release_message(request_id))
+        return socket.recv() == b"OK"
+    except zmq.ZMQError as e:
+        logger.warning("release of request %s at %s not delivered: %s", request_id, endpoint, e)
+        return False
+    finally:
+        socket.close()
+
+
+class ReleaseSender:
+    """Sends releases from a daemon thread, so the engine's step never waits on a peer that may be gone."""
+
+    def __init__(self, engine_id: str, timeout_s: float = 2.0):
+        self.engine_id = engine_id
+        self._timeout_s = timeout_s
+        self._queue: queue.SimpleQueue[tuple[str, str] | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def release(self, host: str, port: int, request_id: str) -> None:
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="pdserve-release", daemon=True)
+                self._thread.start()
+        self._queue.put((f"tcp://{host}:{port}", request_id))
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            endpoint, request_id = item
+            if send_release(endpoint, request_id, self._timeout_s):
+                logger.debug("engine %s: released request %s at %s", self.engine_id, request_id, endpoint)
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join(timeout=self._timeout_s + 1)

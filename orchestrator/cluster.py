@@ -39,6 +39,7 @@ logger = logging.getLogger(__name__)
 
 CONTROLLER_SUFFIX = "-controller"
 STOP_GRACE_S = 10.0
+STOP_SCANS = 3
 
 
 def state_dir() -> Path:
@@ -124,12 +125,18 @@ def stop_ray_head(temp_dir: str, address: str) -> None:
     (e.g. the client server: ``--address=NODE_IP:PORT``) on their command lines.
     """
     gcs_port = re.compile(rf"[:=][0-9.]+:{address.rsplit(':', 1)[1]}\b")
-    roots = []
-    for proc in psutil.process_iter(["cmdline"]):
-        cmdline = " ".join(proc.info["cmdline"] or [])
-        if temp_dir in cmdline or ("ray" in cmdline and gcs_port.search(cmdline)):
-            roots.append(proc)
-    terminate_trees(roots)
+    # A raylet may start a worker while we stop the rest; such a straggler is
+    # found by the next scan (on a loaded machine this happens).
+    for _ in range(STOP_SCANS):
+        roots = []
+        for proc in psutil.process_iter(["cmdline"]):
+            with contextlib.suppress(psutil.Error):
+                cmdline = " ".join(proc.info["cmdline"] or [])
+                if temp_dir in cmdline or ("ray" in cmdline and gcs_port.search(cmdline)):
+                    roots.append(proc)
+        if not roots:
+            return
+        terminate_trees(roots)
 
 
 def terminate_trees(roots: list[psutil.Process]) -> None:
@@ -291,7 +298,9 @@ def down() -> list[str]:
         with ray_connection(state) as ray:
             controller = ray.get_actor(state.controller_name)
             current = ray.get(controller.status.remote(), timeout=30)
-            engine_procs = _processes([e["pid"] for e in current["engines"] if e.get("pid")])
+            # Whole trees, taken now: once the controller has stopped an engine
+            # actor, its EngineCore and workers are no longer its children.
+            engine_procs = _trees([e["pid"] for e in current["engines"] if e.get("pid")])
             ray.get(controller.shutdown.remote(), timeout=120)
             ray.kill(controller, no_restart=True)
             done.append(f"stopped cluster {state.name!r} ({len(current['engines'])} engines and the proxy)")
@@ -305,11 +314,13 @@ def down() -> list[str]:
     return done
 
 
-def _processes(pids: list[int]) -> list[psutil.Process]:
+def _trees(pids: list[int]) -> list[psutil.Process]:
+    """The processes ``pids`` and all their descendants, as they are now."""
     procs = []
     for pid in pids:
         with contextlib.suppress(psutil.Error):
-            procs.append(psutil.Process(pid))
+            root = psutil.Process(pid)
+            procs += [root, *root.children(recursive=True)]
     return procs
 
 

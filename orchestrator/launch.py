@@ -18,9 +18,6 @@ from orchestrator.models import resolve_dtype, resolve_model
 from orchestrator.spec import ClusterSpec
 from proxy.pool import ROLES
 
-# Seconds a prefill engine keeps a request's KV blocks for a decode engine that never reads them.
-DEFAULT_LEASE_TTL_S = 120
-
 
 @dataclass(frozen=True, slots=True)
 class EngineLaunch:
@@ -73,7 +70,7 @@ def kv_transfer_config(
             "kv_connector_extra_config": {
                 "side_channel_host": host,
                 "side_channel_port": kv_port,
-                "lease_ttl_s": DEFAULT_LEASE_TTL_S,
+                **spec.pdserve_connector.model_dump(),
             },
         }
     raise ValueError(f"unknown connector {spec.connector!r}")

@@ -81,6 +81,31 @@ class EngineSpec(_Strict):
     )
 
 
+class FaultInjectionSpec(_Strict):
+    """Faults the ``pdserve`` connector injects on purpose, so tests can prove it survives them."""
+
+    read_failure_rate: float = Field(
+        default=0.0, ge=0, le=1, description="Fraction of KV reads on decode engines that fail (then recompute)."
+    )
+    handshake_delay_s: float = Field(
+        default=0.0, ge=0, description="Seconds a prefill engine waits before answering each handshake."
+    )
+    seed: int | None = Field(default=None, description="Seed of the failure draw (default: random).")
+
+
+class ConnectorOptionsSpec(_Strict):
+    """Settings of our own connector (``connector: pdserve``)."""
+
+    lease_ttl_s: float = Field(
+        default=120.0, gt=0, description="Prefill engines free KV blocks nobody read (or released) after this."
+    )
+    handshake_timeout_s: float = Field(
+        default=5.0, gt=0, description="A decode engine gives up on an unreachable prefill engine after this."
+    )
+    transfer_timeout_s: float = Field(default=30.0, gt=0, description="A KV read that takes longer fails.")
+    fault_injection: FaultInjectionSpec = Field(default_factory=FaultInjectionSpec)
+
+
 class ResourcesSpec(_Strict):
     cpus: int | None = Field(
         default=None, ge=1, description="CPU cores pdserve may pin engines to (default: all of this machine's)."
@@ -99,6 +124,9 @@ class ClusterSpec(_Strict):
         default="vllm-nixl",
         description="KV connector between prefill and decode engines: vLLM's NixlConnector ('vllm-nixl') "
         "or our own pull-mode connector ('pdserve', connectors.vllm_connector).",
+    )
+    connector_options: ConnectorOptionsSpec | None = Field(
+        default=None, description="Settings of connector 'pdserve' (lease TTL, timeouts, fault injection)."
     )
     ray: RaySpec = Field(default_factory=RaySpec)
     proxy: ProxySpec = Field(default_factory=ProxySpec)
@@ -124,6 +152,18 @@ class ClusterSpec(_Strict):
                 "model",
                 f"{self.model!r} is not prepared in {model_cache_dir()}; run `make setup` "
                 "(or `python scripts/prepare_model.py`)",
+            )
+        return self
+
+    @property
+    def pdserve_connector(self) -> ConnectorOptionsSpec:
+        return self.connector_options or ConnectorOptionsSpec()
+
+    @model_validator(mode="after")
+    def _check_connector_options(self) -> ClusterSpec:
+        if self.connector_options is not None and self.connector != "pdserve":
+            raise _FieldError(
+                "connector_options", f"these settings are for connector 'pdserve', not {self.connector!r}"
             )
         return self
 

@@ -10,7 +10,14 @@ aiohttp session used for every upstream call. Routes:
 
 Every response carries ``X-Request-Id`` (the client's, or one made here) and,
 once engines were chosen, ``X-PDServe-Prefill`` / ``X-PDServe-Decode``: the
-engines that served it.
+engines that served it. A non-streaming answer of a decode engine that runs
+the ``pdserve`` connector also carries ``X-PDServe-KV``: how the prompt's KV
+reached the decode engine (``source=transfer; bytes=...; transfer_ms=...``, or
+``source=recomputed; reason=...``).
+
+When the decode leg produced nothing (it failed, or the client went away
+first), the prefill engine is told to free the KV it holds for the request
+(``proxy.release``), rather than keep it until its lease expires.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from proxy.errors import InvalidRequest, ProxyError, error_body, error_response
 from proxy.flow import EngineRejected, Upstream, decode_body, parse_request, prefill_body
 from proxy.pool import ROLES, EnginePool
+from proxy.release import KVReleaser
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +58,11 @@ def create_app(config: ProxyConfig, pool: EnginePool | None = None) -> FastAPI:
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=30)
         async with aiohttp.ClientSession(connector=connector, auto_decompress=False) as session:
             app.state.upstream = Upstream(session, config.request_timeout_s)
-            yield
+            app.state.releaser = KVReleaser()
+            try:
+                yield
+            finally:
+                await app.state.releaser.close()
 
     app = FastAPI(title="pdserve proxy", lifespan=lifespan)
     app.state.pool = pool
@@ -84,14 +96,21 @@ def create_app(config: ProxyConfig, pool: EnginePool | None = None) -> FastAPI:
                     "will compute the prompt itself",
                     request_id, prefill_engine.engine_id, decode_engine.engine_id,
                 )  # fmt: skip
-            response = await upstream.decode(decode_engine, path, decode_body(body, kv_params), headers, request_id)
-            if body.get("stream"):
-                return StreamingResponse(
-                    upstream.stream(response, decode_engine, request_id),
-                    media_type="text/event-stream",
-                    headers=reply_headers | {"Cache-Control": "no-cache"},
-                )
-            payload = await upstream.read_all(response, decode_engine, request_id)
+            releaser: KVReleaser = request.app.state.releaser
+            try:
+                response = await upstream.decode(decode_engine, path, decode_body(body, kv_params), headers, request_id)
+                if body.get("stream"):
+                    return StreamingResponse(
+                        _relay(upstream.stream(response, decode_engine, request_id), releaser, kv_params, request_id),
+                        media_type="text/event-stream",
+                        headers=reply_headers | {"Cache-Control": "no-cache"},
+                    )
+                payload = await upstream.read_all(response, decode_engine, request_id)
+            except BaseException:  # the decode leg failed or the client went away: nobody reads the KV
+                releaser.release(kv_params, request_id)
+                raise
+            if report := kv_report(payload):
+                reply_headers["X-PDServe-KV"] = report
             return Response(payload, media_type="application/json", headers=reply_headers)
         except ProxyError as e:
             e.headers = reply_headers | e.headers
@@ -124,3 +143,31 @@ def create_app(config: ProxyConfig, pool: EnginePool | None = None) -> FastAPI:
         return Response(orjson.dumps(body), status_code=200 if healthy else 503, media_type="application/json")
 
     return app
+
+
+async def _relay(
+    chunks: AsyncIterator[bytes], releaser: KVReleaser, kv_params: dict | None, request_id: str
+) -> AsyncIterator[bytes]:
+    """Relay a decode stream; if it ends before its first byte (failure, client gone), release the KV."""
+    started = False
+    try:
+        async for chunk in chunks:
+            started = True
+            yield chunk
+    finally:
+        if not started:
+            releaser.release(kv_params, request_id)
+
+
+def kv_report(payload: bytes) -> str | None:
+    """The ``X-PDServe-KV`` header value for a decode engine's JSON answer, if it reports its KV load."""
+    if b'"pdserve_kv"' not in payload:
+        return None
+    try:
+        report = orjson.loads(payload)["kv_transfer_params"]["pdserve_kv"]
+    except (orjson.JSONDecodeError, KeyError, TypeError):
+        return None
+    if not isinstance(report, dict):
+        return None
+    keys = ("source", "bytes", "transfer_ms", "reason", "remote_engine_id")
+    return "; ".join(f"{key}={report[key]}" for key in keys if report.get(key) not in (None, ""))

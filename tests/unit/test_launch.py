@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from orchestrator.errors import SpecError
 from orchestrator.launch import EngineLaunch, flag_args, kv_transfer_config, plan_engines
 from orchestrator.spec import ClusterSpec
 
@@ -165,8 +166,42 @@ def test_pdserve_connector_is_loaded_from_our_module_with_its_side_channel(plan,
     assert config["kv_connector_extra_config"] == {
         "side_channel_host": "127.0.0.1",
         "side_channel_port": kv_port,
-        "lease_ttl_s": 120,
+        "lease_ttl_s": 120.0,
+        "handshake_timeout_s": 5.0,
+        "transfer_timeout_s": 30.0,
+        "fault_injection": {"read_failure_rate": 0.0, "handshake_delay_s": 0.0, "seed": None},
     }
+
+
+def test_connector_options_reach_both_engines_and_the_connector_parses_them(plan):
+    from connectors.metadata import ConnectorSettings
+
+    options = {"lease_ttl_s": 7, "fault_injection": {"read_failure_rate": 0.25, "handshake_delay_s": 1.5, "seed": 3}}
+    for launch in plan(connector="pdserve", connector_options=options).values():
+        extra = json.loads(flag_value(launch.vllm_args, "--kv-transfer-config"))["kv_connector_extra_config"]
+        settings = ConnectorSettings.from_extra_config(extra, launch.engine_id)
+        assert (settings.lease_ttl_s, settings.read_failure_rate, settings.handshake_delay_s) == (7.0, 0.25, 1.5)
+        assert settings.fault_seed == 3
+        assert settings.side_channel_port == launch.kv_port
+
+
+def test_connector_options_are_refused_for_vllms_connector(make_spec):
+    with pytest.raises(SpecError, match="connector_options: these settings are for connector 'pdserve'"):
+        ClusterSpec.from_dict(make_spec(connector="vllm-nixl", connector_options={"lease_ttl_s": 5}))
+
+
+@pytest.mark.parametrize(
+    ("options", "field"),
+    [
+        ({"fault_injection": {"read_failure_rate": 1.5}}, "connector_options.fault_injection.read_failure_rate"),
+        ({"lease_ttl_s": 0}, "connector_options.lease_ttl_s"),
+        ({"lease_ttl": 5}, "connector_options.lease_ttl"),
+    ],
+)
+def test_bad_connector_options_name_the_field(make_spec, options, field):
+    with pytest.raises(SpecError) as caught:
+        ClusterSpec.from_dict(make_spec(connector="pdserve", connector_options=options))
+    assert caught.value.field == field
 
 
 def test_pdserve_connector_needs_the_engines_kv_port(make_spec):
