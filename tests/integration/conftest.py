@@ -2,7 +2,9 @@
 
 The ``cluster`` fixture starts it the way a user does, with ``pdserve up
 --detach`` in a private state directory, and stops it with ``pdserve down``
-at the end of the session. Tests marked ``teardown_check`` run last: they
+at the end of the session. It is parametrized over the KV connectors
+(``CONNECTORS``): every test that uses it runs once against vLLM's
+NixlConnector and once against ours, one cluster after the other. Tests marked ``teardown_check`` run last: they
 stop the cluster themselves and check what is left; tests marked
 ``after_cluster`` run after those, on a machine with no cluster running
 (the order is set in ``tests/conftest.py``).
@@ -19,10 +21,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+import yaml
 
 HERE = Path(__file__).parent
 PDSERVE = [sys.executable, "-m", "orchestrator.cli"]
 UP_TIMEOUT_S = 900
+CONNECTORS = ("vllm-nixl", "pdserve")
 
 
 def run_pdserve(*args: str, env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess:
@@ -36,6 +40,7 @@ class Cluster:
     env: dict[str, str]
     status: dict
     up_output: str
+    connector: str = "vllm-nixl"
     stopped: bool = field(default=False)
 
     @property
@@ -68,13 +73,17 @@ def pdserve_env(state_dir: Path) -> dict[str, str]:
     return env
 
 
-@pytest.fixture(scope="session")
-def cluster(pdserve_env: dict[str, str]) -> Cluster:
-    result = run_pdserve("up", str(HERE / "cluster.yaml"), "--detach", env=pdserve_env, timeout=UP_TIMEOUT_S)
+@pytest.fixture(scope="session", params=CONNECTORS)
+def cluster(request: pytest.FixtureRequest, pdserve_env: dict[str, str], state_dir: Path) -> Cluster:
+    connector = request.param
+    spec = yaml.safe_load((HERE / "cluster.yaml").read_text()) | {"connector": connector}
+    spec_path = state_dir / f"cluster-{connector}.yaml"
+    spec_path.write_text(yaml.safe_dump(spec))
+    result = run_pdserve("up", str(spec_path), "--detach", env=pdserve_env, timeout=UP_TIMEOUT_S)
     if result.returncode != 0:
         run_pdserve("down", env=pdserve_env)
         pytest.fail(f"pdserve up failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
-    running = Cluster(env=pdserve_env, status={}, up_output=result.stdout)
+    running = Cluster(env=pdserve_env, status={}, up_output=result.stdout, connector=connector)
     running.refresh()
     yield running
     if not running.stopped:

@@ -1,14 +1,23 @@
-"""Our own connector (``connector: pdserve``) end to end: real Ray, real vLLM CPU engines, real NIXL.
+"""Our own connector under faults, end to end: real Ray, real vLLM CPU engines, real NIXL.
 
-A cluster of its own (its spec in tmp_path, its own state directory), started
-after the shared cluster is stopped: the machine has cores for one cluster.
+The shared suite (test_stack.py) already runs against ``connector: pdserve``.
+This cluster of its own turns fault injection on: half of the decode
+engine's KV reads fail, each handshake answer is delayed, leases are short.
+It proves that a failed read is recomputed with the same greedy answer, that
+blocks nobody reads are released at once (by the decode engine after a
+failed read, by the proxy after a failed decode leg) or freed at lease
+expiry, and that all of it shows in the engines' ``pdserve:kv_*`` metrics and
+the ``X-PDServe-KV`` header. It starts after the shared cluster is stopped:
+the machine has cores for one cluster.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -19,23 +28,34 @@ from tests.integration.conftest import UP_TIMEOUT_S, http_json, metric_values, r
 pytestmark = [pytest.mark.integration, pytest.mark.after_cluster]
 
 MODEL = "smollm2-135m-instruct"
-SOURCE_METRIC = "vllm:prompt_tokens_by_source_total"
 PROMPTS = [
     "What is the capital of France?",
     "Name three primary colors.",
     "What is 12 plus 30?",
     "What do bees make?",
+    "Which planet is known as the red planet?",
+    "How many legs does a spider have?",
+    "What is the boiling point of water in Celsius?",
+    "Who wrote Romeo and Juliet?",
 ]
+LEASE_TTL_S = 20
 SPEC = {
-    "name": "pdserve-conn",
+    "name": "pdserve-faults",
     "model": MODEL,
     "device": "cpu",
     "connector": "pdserve",
+    "connector_options": {
+        "lease_ttl_s": LEASE_TTL_S,
+        "handshake_timeout_s": 5,
+        "fault_injection": {"read_failure_rate": 0.5, "handshake_delay_s": 1.0, "seed": 1},
+    },
     "proxy": {"port": 21000},
     "prefill": {"replicas": 1, "cpu_cores": 1, "port": 21100, "kv_port": 17600},
     "decode": {"replicas": 1, "cpu_cores": 1, "port": 21200, "kv_port": 17700},
     "engine": {"max_model_len": 4096, "kv_cache_gib": 1},
 }
+FAILURES = "pdserve:kv_transfer_failures_total"
+LEASES = "pdserve:kv_leases_total"
 
 
 def chat(prompt: str, **extra) -> dict:
@@ -66,42 +86,96 @@ def engine_url(status: dict, role: str) -> str:
     return next(e["url"] for e in status["engines"] if e["role"] == role)
 
 
-def test_the_answer_comes_through_our_connector(pdserve_cluster: dict) -> None:
-    status, headers, body = http_json(
-        pdserve_cluster["proxy_url"] + "/v1/chat/completions",
-        chat("What is the capital of France?", temperature=0, max_tokens=32),
-    )
-
-    assert status == 200, body
-    assert "Paris" in body["choices"][0]["message"]["content"]
-    headers = {name.lower(): value for name, value in headers.items()}
-    assert (headers["x-pdserve-prefill"], headers["x-pdserve-decode"]) == ("prefill-0", "decode-0")
+def kv_report(headers: dict[str, str]) -> dict[str, str]:
+    value = {name.lower(): v for name, v in headers.items()}["x-pdserve-kv"]
+    return dict(item.split("=", 1) for item in value.split("; "))
 
 
-def test_decode_computes_no_prompt_token_and_answers_like_the_prefill_engine(pdserve_cluster: dict) -> None:
-    """Greedy output through the proxy equals the prefill engine's own answer, and every prompt
-    token on the decode engine came over our connector."""
+def metric_total(base_url: str, name: str) -> float:
+    """A label-less counter's value (summed over vLLM's model/engine labels)."""
+    with urllib.request.urlopen(base_url + "/metrics", timeout=30) as response:
+        text = response.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+
+def eventually(read: Callable[[], object], expected: object, timeout_s: float = 15) -> object:
+    """Poll ``read()`` until it equals ``expected`` (metrics are published once per engine step)."""
+    deadline = time.monotonic() + timeout_s
+    while (value := read()) != expected and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return value
+
+
+def test_failed_reads_are_recomputed_with_the_same_greedy_answer(pdserve_cluster: dict) -> None:
     decode_url = engine_url(pdserve_cluster, "decode")
     prefill_url = engine_url(pdserve_cluster, "prefill")
-    before = metric_values(decode_url, SOURCE_METRIC, "source")
-    prompt_tokens = 0
+    failures_before = metric_values(decode_url, FAILURES, "kind").get("injected", 0)
+    recomputed_before = metric_total(decode_url, "pdserve:kv_recomputed_tokens_total")
+    leases_before = metric_values(prefill_url, LEASES, "outcome")
+    sources, recomputed_tokens = [], 0
     for prompt in PROMPTS:
-        request = chat(prompt, temperature=0, max_tokens=32)
+        request = chat(prompt, temperature=0, max_tokens=24)
         status, _, alone = http_json(prefill_url + "/v1/chat/completions", request)
         assert status == 200, alone
-        status, _, disaggregated = http_json(pdserve_cluster["proxy_url"] + "/v1/chat/completions", request)
+        status, headers, disaggregated = http_json(pdserve_cluster["proxy_url"] + "/v1/chat/completions", request)
         assert status == 200, disaggregated
         assert disaggregated["choices"][0]["message"]["content"] == alone["choices"][0]["message"]["content"]
-        prompt_tokens += disaggregated["usage"]["prompt_tokens"]
-    after = metric_values(decode_url, SOURCE_METRIC, "source")
+        report = kv_report(headers)
+        sources.append(report["source"])
+        if report["source"] == "recomputed":
+            assert report["reason"] == "injected", report
+            recomputed_tokens += disaggregated["usage"]["prompt_tokens"]
+        else:
+            assert report["source"] == "transfer" and int(report["bytes"]) > 0, report
 
-    assert after["external_kv_transfer"] - before.get("external_kv_transfer", 0) == prompt_tokens
-    assert after["local_compute"] - before.get("local_compute", 0) == 0
+    failed, read = sources.count("recomputed"), sources.count("transfer")
+    assert failed and read, sources  # seed 1 fails some reads and not others
+    assert eventually(lambda: metric_values(decode_url, FAILURES, "kind").get("injected", 0) - failures_before, failed)
+    recomputed = metric_total(decode_url, "pdserve:kv_recomputed_tokens_total") - recomputed_before
+    assert recomputed == recomputed_tokens
+    # Every prefill lease ended at once: read by the decode engine, or released by it after
+    # the failed read; none waited for expiry.
+    expected = {"read": read, "released": failed, "expired": 0}
+    assert eventually(lambda: lease_deltas(prefill_url, leases_before), expected) == expected
+    assert metric_total(decode_url, "pdserve:kv_transfer_bytes_total") > 0
 
 
-def test_the_spec_selected_our_connector(pdserve_cluster: dict) -> None:
+def test_a_failed_decode_leg_releases_the_prefill_blocks_at_once(pdserve_cluster: dict) -> None:
+    """The decode engine refuses the request after the prefill kept its blocks: the proxy releases them."""
+    prefill_url = engine_url(pdserve_cluster, "prefill")
+    before = metric_values(prefill_url, LEASES, "outcome")
+    # min_tokens is dropped for the prefill leg (max_tokens=1 there); vLLM refuses it on the decode leg.
+    request = chat(PROMPTS[0], temperature=0, max_tokens=2, min_tokens=5)
+    status, _, body = http_json(pdserve_cluster["proxy_url"] + "/v1/chat/completions", request)
+
+    assert status == 400, body
+    assert body["error"]["type"] in ("BadRequestError", "invalid_request_error"), body
+    expected = {"read": 0, "released": 1, "expired": 0}
+    assert eventually(lambda: lease_deltas(prefill_url, before), expected, timeout_s=LEASE_TTL_S / 2) == expected
+
+
+def test_blocks_nobody_reads_are_freed_when_the_lease_expires(pdserve_cluster: dict) -> None:
+    """A prefill that no decode engine follows (and nobody releases) holds its blocks for lease_ttl_s only."""
+    prefill_url = engine_url(pdserve_cluster, "prefill")
+    before = metric_values(prefill_url, LEASES, "outcome")
+    request = chat(PROMPTS[1], max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+    status, _, body = http_json(prefill_url + "/v1/chat/completions", request)
+    assert status == 200, body
+    assert body["kv_transfer_params"]["remote_block_ids"], body
+
+    expected = {"read": 0, "released": 0, "expired": 1}
+    assert eventually(lambda: lease_deltas(prefill_url, before), expected, timeout_s=LEASE_TTL_S + 20) == expected
+
+
+def lease_deltas(prefill_url: str, before: dict[str, float]) -> dict[str, float]:
+    after = metric_values(prefill_url, LEASES, "outcome")
+    return {outcome: after.get(outcome, 0) - before.get(outcome, 0) for outcome in ("read", "released", "expired")}
+
+
+def test_the_spec_selected_our_connector_with_its_faults(pdserve_cluster: dict) -> None:
     log_dir = Path(pdserve_cluster["log_dir"])
     logs = "".join(path.read_text(errors="replace") for path in log_dir.glob("*.log"))
 
     assert "PdserveConnector" in logs
     assert "handshake side channel listening" in logs
+    assert "fault injection (read_failure_rate=0.5)" in logs

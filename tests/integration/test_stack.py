@@ -73,11 +73,15 @@ def test_disaggregated_greedy_output_equals_one_engine_alone(cluster: Cluster) -
         request = chat(prompt, temperature=0, max_tokens=32)
         status, _, alone = http_json(prefill_url + "/v1/chat/completions", request)
         assert status == 200, alone
-        status, _, disaggregated = http_json(cluster.proxy_url + "/v1/chat/completions", request)
+        status, headers, disaggregated = http_json(cluster.proxy_url + "/v1/chat/completions", request)
         assert status == 200, disaggregated
         assert disaggregated["choices"][0]["message"]["content"] == alone["choices"][0]["message"]["content"]
         assert disaggregated["usage"] == alone["usage"]
         prompt_tokens += disaggregated["usage"]["prompt_tokens"]
+        if cluster.connector == "pdserve":  # ours says, per request, that the KV came over the wire
+            report = dict(item.split("=", 1) for item in headers["x-pdserve-kv"].split("; "))
+            assert report["source"] == "transfer" and int(report["bytes"]) > 0, report
+            assert float(report["transfer_ms"]) > 0 and report["remote_engine_id"] == "prefill-0"
     after = metric_values(decode_url, SOURCE_METRIC, "source")
     assert after["external_kv_transfer"] - before["external_kv_transfer"] == prompt_tokens
     assert after["local_compute"] - before["local_compute"] == 0
