@@ -223,9 +223,15 @@ class ClusterController:
                 self._event(f"{record.engine_id} is gone: Ray will not restart it again")
             return
         if info["state"] == "idle":  # Ray restarted the actor: start vLLM in it again
+            # Ray may bring the actor back before a probe ever failed: the old
+            # engine's URL must leave the pool before the slow start begins.
+            was_ready = record.state == "ready"
+            record.state = "starting"  # not probed again until it is ready; the other engines still are
             record.restarts += 1
+            if was_ready:
+                await self._publish(record.role)
             self._event(f"{record.engine_id} restarted by Ray (restart {record.restarts}); starting vLLM")
-            await self._start_engine(record.engine_id)
+            self._spawn(self._start_engine(record.engine_id))
 
     async def _check_proxy(self) -> None:
         try:

@@ -38,7 +38,12 @@ class EngineLaunch:
 
 
 def kv_transfer_config(
-    spec: ClusterSpec, role: str, *, host: str = "127.0.0.1", kv_port: int | None = None
+    spec: ClusterSpec,
+    role: str,
+    *,
+    host: str = "127.0.0.1",
+    kv_port: int | None = None,
+    engine_id: str | None = None,
 ) -> dict[str, Any]:
     """The vLLM ``--kv-transfer-config`` of an engine in ``role``.
 
@@ -46,7 +51,11 @@ def kv_transfer_config(
     engine produces or consumes KV is decided per request by the
     ``kv_transfer_params`` the proxy sends. Our own connector (``pdserve``)
     learns its side channel from ``kv_connector_extra_config``, so it needs
-    the engine's ``host`` and ``kv_port``.
+    the engine's ``host`` and ``kv_port``; it also takes pdserve's
+    ``engine_id`` as vLLM's, so per-request KV reports name the engine a user
+    sees in ``pdserve status``. (vLLM's NixlConnector keeps its random id: it
+    caches peers by id, and a restarted engine must not look like a known one.
+    Ours forgets a peer whose read failed and handshakes again.)
     """
     buffer_device = "cpu" if spec.device == "cpu" else "cuda"
     if spec.connector == "vllm-nixl":
@@ -62,6 +71,7 @@ def kv_transfer_config(
         if kv_port is None:
             raise ValueError(f"connector 'pdserve' needs the {role} engine's kv_port for its side channel")
         return {
+            **({"engine_id": engine_id} if engine_id else {}),
             "kv_connector": "PdserveConnector",
             "kv_connector_module_path": "connectors.vllm_connector",
             "kv_role": "kv_both",
@@ -126,7 +136,7 @@ def plan_engines(spec: ClusterSpec, host: str = "127.0.0.1") -> list[EngineLaunc
                 "--max-model-len", str(spec.engine.max_model_len),
                 "--dtype", resolve_dtype(spec.model, spec.engine.dtype),
                 "--tensor-parallel-size", str(pool.tensor_parallel_size),
-                "--kv-transfer-config", json.dumps(kv_transfer_config(spec, role, host=host, kv_port=kv_port)),
+                "--kv-transfer-config", json.dumps(kv_transfer_config(spec, role, host=host, kv_port=kv_port, engine_id=engine_id)),
                 "--disable-uvicorn-access-log",
             ]  # fmt: skip
             if spec.engine.enforce_eager:

@@ -136,6 +136,11 @@ class StubEngine:
     """Keep every request in ``requests``; a long benchmark may turn it off."""
     side_channel_port: int = 5600
     """``remote_port`` in the ``kv_transfer_params`` a prefill answers with."""
+    release_endpoint: str | None = None
+    """When set, a prefill's ``kv_transfer_params`` carry ``pdserve_release`` naming this ZMQ endpoint,
+    as our connector's do (message ``PDRL <request id>``)."""
+    kv_report: dict[str, Any] | None = None
+    """When set, a decode answer's ``kv_transfer_params`` carry ``{"pdserve_kv": kv_report}``, as ours do."""
     handler: Handler | None = None
     """A test's own answer, used instead of ``behaviour``: ``async def handler(request, received)``
     returning an ``aiohttp.web`` response (the request is still recorded)."""
@@ -256,7 +261,7 @@ class StubEngine:
             received.answered_kv_transfer_params = kv_params
             words, finish = ["hello"], "length"
         else:
-            kv_params = None
+            kv_params = {"pdserve_kv": self.kv_report} if self.kv_report and received.kv_transfer_params else None
             words, finish = _limit(answer_text(self.name, received.kv_transfer_params is not None), body)
         n = body["n"] if isinstance(body.get("n"), int) and body["n"] > 0 else 1
         if not streaming:
@@ -288,7 +293,8 @@ class StubEngine:
 
     def _kv_transfer_params(self, request_id: str) -> dict[str, Any]:
         """What vLLM's NixlConnector answers a prefill with (``request_finished``)."""
-        return {
+        release = {"pdserve_release": {"endpoints": [self.release_endpoint], "message": f"PDRL {request_id}"}}
+        return (release if self.release_endpoint else {}) | {
             "do_remote_prefill": True,
             "do_remote_decode": False,
             "remote_block_ids": [[1, 2]],

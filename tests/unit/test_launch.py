@@ -160,6 +160,7 @@ def test_pdserve_connector_is_loaded_from_our_module_with_its_side_channel(plan,
 
     config = json.loads(flag_value(args, "--kv-transfer-config"))
     assert config["kv_connector"] == "PdserveConnector"
+    assert config["engine_id"] == role + "-0"  # reports name the engine `pdserve status` shows
     assert config["kv_connector_module_path"] == "connectors.vllm_connector"
     assert config["kv_role"] == "kv_both"
     assert config["kv_buffer_device"] == "cpu"

@@ -1,0 +1,154 @@
+"""The proxy and our connector's extras: the ``X-PDServe-KV`` header and releasing abandoned KV.
+
+Stub engines play a prefill engine that offers a release endpoint (as the
+``pdserve`` connector does) and a decode engine that reports its KV load; a
+real ZMQ REP socket plays the prefill engine's side channel.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+import zmq
+import zmq.asyncio
+
+from proxy.app import kv_report
+from tests.stub_engine import Behaviour, StubEngine
+from tests.unit.conftest import PROXY_MODEL
+
+pytestmark = pytest.mark.timeout(15)
+
+CHAT_PATH = "/v1/chat/completions"
+CHAT = {"model": PROXY_MODEL, "messages": [{"role": "user", "content": "Say hello."}]}
+REPORT = {"source": "transfer", "bytes": 1048576, "transfer_ms": 1.25, "remote_engine_id": "prefill-0"}
+
+
+class SideChannel:
+    """A prefill engine's side channel: answers every message with OK and keeps it."""
+
+    def __init__(self) -> None:
+        self.context = zmq.asyncio.Context()
+        self.socket = self.context.socket(zmq.REP)
+        port = self.socket.bind_to_random_port("tcp://127.0.0.1")
+        self.endpoint = f"tcp://127.0.0.1:{port}"
+        self.messages: list[bytes] = []
+        self.task = asyncio.get_running_loop().create_task(self._serve())
+
+    async def _serve(self) -> None:
+        while True:
+            self.messages.append(await self.socket.recv())
+            await self.socket.send(b"OK")
+
+    async def close(self) -> None:
+        self.task.cancel()
+        await asyncio.gather(self.task, return_exceptions=True)
+        self.socket.close(linger=0)
+        self.context.term()
+
+
+@pytest.fixture
+async def side_channel(prefill_engine: StubEngine) -> AsyncIterator[SideChannel]:
+    channel = SideChannel()
+    prefill_engine.release_endpoint = channel.endpoint
+    yield channel
+    await channel.close()
+
+
+async def released(channel: SideChannel, timeout_s: float = 3.0) -> list[str]:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not channel.messages and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.02)
+    return [m.decode() for m in channel.messages]
+
+
+async def test_decode_report_becomes_the_x_pdserve_kv_header(client, decode_engine):
+    decode_engine.kv_report = REPORT
+
+    response = await client.post(CHAT_PATH, json=CHAT)
+
+    assert response.status_code == 200
+    assert response.headers["x-pdserve-kv"] == (
+        "source=transfer; bytes=1048576; transfer_ms=1.25; remote_engine_id=prefill-0"
+    )
+
+
+async def test_a_recompute_is_reported_with_its_reason(client, decode_engine):
+    decode_engine.kv_report = {"source": "recomputed", "reason": "unreachable", "remote_engine_id": "prefill-0"}
+
+    response = await client.post(CHAT_PATH, json=CHAT)
+
+    assert response.headers["x-pdserve-kv"] == "source=recomputed; reason=unreachable; remote_engine_id=prefill-0"
+
+
+async def test_no_header_when_the_decode_engine_reports_nothing(client, decode_engine):
+    response = await client.post(CHAT_PATH, json=CHAT)
+
+    assert response.status_code == 200 and "x-pdserve-kv" not in response.headers
+
+
+async def test_a_served_request_releases_nothing(client, side_channel, decode_engine):
+    for stream in (False, True):
+        response = await client.post(CHAT_PATH, json=CHAT | {"stream": stream})
+        assert response.status_code == 200
+
+    await asyncio.sleep(0.3)
+    assert side_channel.messages == []
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+@pytest.mark.parametrize("failure", ["500", "400"])
+async def test_a_failed_decode_leg_releases_the_prefill_kv_at_once(
+    client, side_channel, prefill_engine, decode_engine, stream, failure
+):
+    request = CHAT | {"stream": stream}
+    if failure == "500":
+        decode_engine.behaviour = Behaviour.ERROR_500
+    else:
+        request |= {"max_tokens": 2, "min_tokens": 5}  # the prefill drops min_tokens; the decode refuses it
+
+    response = await client.post(CHAT_PATH, json=request, headers={"X-Request-Id": "req-7"})
+
+    assert response.status_code == (502 if failure == "500" else 400)
+    assert await released(side_channel) == ["PDRL req-7"]
+    assert prefill_engine.prefill_requests[0].answered_kv_transfer_params["remote_request_id"] == "req-7"
+
+
+async def test_a_decode_engine_that_is_down_releases_the_prefill_kv(client, side_channel, decode_engine):
+    await decode_engine.stop()
+
+    response = await client.post(CHAT_PATH, json=CHAT, headers={"X-Request-Id": "req-8"})
+
+    assert response.status_code == 502
+    assert await released(side_channel) == ["PDRL req-8"]
+
+
+async def test_an_unanswered_release_does_not_hold_up_the_client(client, prefill_engine, decode_engine):
+    prefill_engine.release_endpoint = "tcp://127.0.0.1:9"  # nothing listens there
+    decode_engine.behaviour = Behaviour.ERROR_500
+
+    started = asyncio.get_running_loop().time()
+    response = await client.post(CHAT_PATH, json=CHAT)
+
+    assert response.status_code == 502
+    assert asyncio.get_running_loop().time() - started < 1.0
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        b"not json",
+        b'{"pdserve_kv": 1}',
+        b'{"kv_transfer_params": {"pdserve_kv": "transfer"}}',
+        b'{"kv_transfer_params": null, "x": "pdserve_kv"}',
+    ],
+)
+def test_kv_report_ignores_what_it_cannot_read(payload):
+    assert kv_report(payload) is None
+
+
+def test_kv_report_keeps_zero_bytes_and_drops_empty_fields():
+    payload = b'{"kv_transfer_params": {"pdserve_kv": {"source": "local_prefix_cache", "bytes": 0, "reason": ""}}}'
+
+    assert kv_report(payload) == "source=local_prefix_cache; bytes=0"
