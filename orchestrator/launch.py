@@ -128,6 +128,7 @@ def plan_engines(spec: ClusterSpec, host: str = "127.0.0.1") -> list[EngineLaunc
         pool = spec.pool(role)
         for replica, (port, kv_port) in enumerate(zip(pool.ports(), pool.kv_ports(), strict=True)):
             engine_id = f"{role}-{replica}"
+            transfer_config = kv_transfer_config(spec, role, host=host, kv_port=kv_port, engine_id=engine_id)
             args = [
                 "--model", model_path,
                 "--served-model-name", spec.model_name,
@@ -136,7 +137,7 @@ def plan_engines(spec: ClusterSpec, host: str = "127.0.0.1") -> list[EngineLaunc
                 "--max-model-len", str(spec.engine.max_model_len),
                 "--dtype", resolve_dtype(spec.model, spec.engine.dtype),
                 "--tensor-parallel-size", str(pool.tensor_parallel_size),
-                "--kv-transfer-config", json.dumps(kv_transfer_config(spec, role, host=host, kv_port=kv_port, engine_id=engine_id)),
+                "--kv-transfer-config", json.dumps(transfer_config),
                 "--disable-uvicorn-access-log",
             ]  # fmt: skip
             if spec.engine.enforce_eager:
