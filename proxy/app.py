@@ -1,14 +1,15 @@
 """The OpenAI-compatible FastAPI app in front of the prefill and decode pools.
 
 ``create_app(config, pool)`` builds the app; its lifespan owns the one
-aiohttp session used for every upstream call. Routes:
+``EngineClient`` (keep-alive connections to the engines) used for every upstream call. Routes:
 
 - ``POST /v1/chat/completions``, ``POST /v1/completions`` (streaming and not):
   the two-phase flow of ``proxy.flow``.
 - ``GET /v1/models``: the one served model.
 - ``GET /health``: 200 while both pools have an engine, else 503.
 
-Every response carries ``X-Request-Id`` (the client's, or one made here) and,
+The client's ``Authorization`` header goes on to both engines (a vLLM server
+started with ``--api-key`` checks it). Every response carries ``X-Request-Id`` (the client's, or one made here) and,
 once engines were chosen, ``X-PDServe-Prefill`` / ``X-PDServe-Decode``: the
 engines that served it. A non-streaming answer of a decode engine that runs
 the ``pdserve`` connector also carries ``X-PDServe-KV``: how the prompt's KV
@@ -23,18 +24,18 @@ first), the prefill engine is told to free the KV it holds for the request
 from __future__ import annotations
 
 import logging
+import os
 import time
-import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
-import aiohttp
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from proxy.engine_client import EngineClient
 from proxy.errors import InvalidRequest, ProxyError, error_body, error_response
 from proxy.flow import EngineRejected, Upstream, decode_body, parse_request, prefill_body
 from proxy.pool import ROLES, EnginePool
@@ -55,14 +56,14 @@ def create_app(config: ProxyConfig, pool: EnginePool | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=30)
-        async with aiohttp.ClientSession(connector=connector, auto_decompress=False) as session:
-            app.state.upstream = Upstream(session, config.request_timeout_s)
-            app.state.releaser = KVReleaser()
-            try:
-                yield
-            finally:
-                await app.state.releaser.close()
+        client = EngineClient()
+        app.state.upstream = Upstream(client, config.request_timeout_s)
+        app.state.releaser = KVReleaser()
+        try:
+            yield
+        finally:
+            await app.state.releaser.close()
+            await client.close()
 
     app = FastAPI(title="pdserve proxy", lifespan=lifespan)
     app.state.pool = pool
@@ -75,7 +76,7 @@ def create_app(config: ProxyConfig, pool: EnginePool | None = None) -> FastAPI:
         return Response(orjson.dumps(body), status_code=exc.status_code, media_type="application/json")
 
     async def serve(request: Request, kind: str, path: str) -> Response:
-        request_id = request.headers.get("x-request-id") or f"pdserve-{uuid.uuid4().hex}"
+        request_id = request.headers.get("x-request-id") or f"pdserve-{os.urandom(16).hex()}"
         reply_headers = {"X-Request-Id": request_id}
         upstream: Upstream = request.app.state.upstream
         try:
@@ -89,6 +90,8 @@ def create_app(config: ProxyConfig, pool: EnginePool | None = None) -> FastAPI:
             }
             # identity: answers are relayed byte for byte, so they must not come compressed.
             headers = {"Content-Type": "application/json", "X-Request-Id": request_id, "Accept-Encoding": "identity"}
+            if authorization := request.headers.get("authorization"):
+                headers["Authorization"] = authorization  # engines started with --api-key check it
             kv_params = await upstream.prefill(prefill_engine, path, prefill_body(body), headers, request_id)
             if not kv_params:
                 logger.warning(

@@ -43,6 +43,13 @@ class UpstreamFailed(ProxyError):
     status, error_type, code = 502, "upstream_error", "engine_failed"
 
 
+class EngineConnectionError(Exception):
+    """A call to an engine failed below HTTP: refused, reset, closed early, or an unreadable answer.
+
+    Not a ``ProxyError``: ``proxy.flow`` turns it into ``UpstreamFailed``, naming the engine and phase.
+    """
+
+
 def error_body(message: str, error_type: str, param: str | None = None, code: str | None = None) -> dict:
     return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
 

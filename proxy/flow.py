@@ -16,14 +16,15 @@ context) is the client's error and is passed through as it came.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-import aiohttp
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
 
-from proxy.errors import InvalidRequest, ModelNotFound, UpstreamFailed, error_body
+from proxy.engine_client import EngineClient, EngineResponse
+from proxy.errors import EngineConnectionError, InvalidRequest, ModelNotFound, UpstreamFailed, error_body
 from proxy.pool import Endpoint
 
 logger = logging.getLogger(__name__)
@@ -116,25 +117,23 @@ def decode_body(body: dict[str, Any], kv_transfer_params: dict[str, Any] | None)
 
 
 class Upstream:
-    """HTTP calls to engines, on one shared aiohttp session."""
+    """HTTP calls to engines, on the app's one ``EngineClient`` (keep-alive connections per engine)."""
 
-    def __init__(self, session: aiohttp.ClientSession, timeout_s: float) -> None:
-        self.session = session
+    def __init__(self, client: EngineClient, timeout_s: float) -> None:
+        self.client = client
         # A prefill call is bounded as a whole; a decode stream may run longer than
         # timeout_s in total, but never stays silent for longer than that.
-        self.timeout = aiohttp.ClientTimeout(total=timeout_s, connect=10, sock_read=timeout_s)
-        self.stream_timeout = aiohttp.ClientTimeout(total=None, connect=10, sock_read=timeout_s)
+        self.timeout_s = timeout_s
 
     async def prefill(self, endpoint: Endpoint, path: str, body: dict, headers: dict, request_id: str) -> dict:
         """Run the prefill phase; return the engine's ``kv_transfer_params``."""
+        deadline = time.monotonic() + self.timeout_s
         try:
-            async with self.session.post(
-                endpoint.url + path, data=orjson.dumps(body), headers=headers, timeout=self.timeout
-            ) as response:
-                payload = await response.read()
-                status = response.status
-        except (aiohttp.ClientError, TimeoutError) as e:
+            response = await self.client.post(endpoint.url + path, orjson.dumps(body), headers, self.timeout_s)
+            payload = await response.read(max(deadline - time.monotonic(), 0.0))
+        except (EngineConnectionError, TimeoutError) as e:
             raise _engine_failed(endpoint, "prefill", request_id, e) from e
+        status = response.status
         if status >= 500:
             raise _engine_failed(endpoint, "prefill", request_id, f"HTTP {status}: {payload[:200]!r}")
         if status >= 400:
@@ -144,35 +143,34 @@ class Upstream:
         except (orjson.JSONDecodeError, AttributeError) as e:
             raise _engine_failed(endpoint, "prefill", request_id, f"unreadable answer: {e}") from e
 
-    async def decode(self, endpoint: Endpoint, path: str, body: dict, headers: dict, request_id: str):
-        """Open the decode call; return the response (the caller reads and closes it)."""
+    async def decode(self, endpoint: Endpoint, path: str, body: dict, headers: dict, request_id: str) -> EngineResponse:
+        """Open the decode call; return the response (the caller reads or releases it)."""
         try:
-            response = await self.session.post(
-                endpoint.url + path, data=orjson.dumps(body), headers=headers, timeout=self.stream_timeout
-            )
-        except (aiohttp.ClientError, TimeoutError) as e:
+            response = await self.client.post(endpoint.url + path, orjson.dumps(body), headers, self.timeout_s)
+        except (EngineConnectionError, TimeoutError) as e:
             raise _engine_failed(endpoint, "decode", request_id, e) from e
         if response.status >= 400:
-            payload = await _read_and_release(response)
+            try:
+                payload = await response.read(self.timeout_s)
+            except (EngineConnectionError, TimeoutError) as e:
+                raise _engine_failed(endpoint, "decode", request_id, e) from e
             if response.status >= 500:
                 raise _engine_failed(endpoint, "decode", request_id, f"HTTP {response.status}: {payload[:200]!r}")
             raise EngineRejected(response.status, payload)
         return response
 
-    async def read_all(self, response: aiohttp.ClientResponse, endpoint: Endpoint, request_id: str) -> bytes:
+    async def read_all(self, response: EngineResponse, endpoint: Endpoint, request_id: str) -> bytes:
         try:
-            return await _read_and_release(response)
-        except (aiohttp.ClientError, TimeoutError) as e:
+            return await response.read(self.timeout_s)
+        except (EngineConnectionError, TimeoutError) as e:
             raise _engine_failed(endpoint, "decode", request_id, e) from e
 
-    async def stream(
-        self, response: aiohttp.ClientResponse, endpoint: Endpoint, request_id: str
-    ) -> AsyncIterator[bytes]:
+    async def stream(self, response: EngineResponse, endpoint: Endpoint, request_id: str) -> AsyncIterator[bytes]:
         """Relay an SSE stream; an engine failing mid-stream ends it with an error event."""
         try:
-            async for chunk in response.content.iter_any():
+            async for chunk in response.chunks(self.timeout_s):
                 yield chunk
-        except (aiohttp.ClientError, TimeoutError) as e:
+        except (EngineConnectionError, TimeoutError) as e:
             failure = _engine_failed(endpoint, "decode", request_id, e)
             yield b"data: " + orjson.dumps(failure.body()) + b"\n\n"
         finally:
@@ -192,13 +190,6 @@ class EngineRejected(Exception):
         if not (isinstance(parsed, dict) and "error" in parsed):
             parsed = error_body(payload.decode(errors="replace")[:500], "invalid_request_error")
         self.body = parsed
-
-
-async def _read_and_release(response: aiohttp.ClientResponse) -> bytes:
-    try:
-        return await response.read()
-    finally:
-        response.release()
 
 
 def _engine_failed(endpoint: Endpoint, phase: str, request_id: str, cause: object) -> UpstreamFailed:

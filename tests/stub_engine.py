@@ -17,6 +17,8 @@ ephemeral port, and answers ``POST /v1/chat/completions`` and
   ``data: {...}`` chunk per word, a usage chunk when
   ``stream_options.include_usage``, then ``data: [DONE]``).
 
+``GET /v1/models`` lists ``model_name``; ``GET /health`` answers 200.
+
 It validates a little, like vLLM: a body that is not a JSON object, a missing
 ``messages``/``prompt``, ``max_tokens`` < 1 or ``min_tokens`` > ``max_tokens``
 answer 400 with vLLM's error body.
@@ -104,6 +106,8 @@ class ReceivedRequest:
     """The ``kv_transfer_params`` the stub answered with (prefill requests only)."""
     disconnected: bool = False
     """True when the client went away before the stub finished answering."""
+    peer: Any = None
+    """The client's (host, port): requests sent on one kept-alive connection have the same."""
 
     @property
     def kv_transfer_params(self) -> dict[str, Any] | None:
@@ -134,6 +138,8 @@ class StubEngine:
     """Latency between streamed chunks (simulated decode time), for benchmarks."""
     record: bool = True
     """Keep every request in ``requests``; a long benchmark may turn it off."""
+    model_name: str = "stub-model"
+    """The model ``GET /v1/models`` lists, as ``vllm serve --served-model-name`` would."""
     side_channel_port: int = 5600
     """``remote_port`` in the ``kv_transfer_params`` a prefill answers with."""
     release_endpoint: str | None = None
@@ -167,6 +173,7 @@ class StubEngine:
         app.router.add_post("/v1/chat/completions", self._handle)
         app.router.add_post("/v1/completions", self._handle)
         app.router.add_get("/health", self._health)
+        app.router.add_get("/v1/models", self._models)
         runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=0.5, access_log=None)
         await runner.setup()
         await web.SockSite(runner, sock).start()
@@ -219,13 +226,20 @@ class StubEngine:
     async def _health(self, request: web.Request) -> web.Response:
         return web.Response(status=200)
 
+    async def _models(self, request: web.Request) -> web.Response:
+        if self.behaviour is Behaviour.ERROR_500:
+            return _json(error_body(f"{self.name}: engine core died", "InternalServerError", 500), 500)
+        model = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "vllm", "root": self.model_name}
+        return _json({"object": "list", "data": [model]})
+
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         raw = await request.read()
         try:
             body: Any = orjson.loads(raw)
         except orjson.JSONDecodeError:
             body = raw
-        received = ReceivedRequest(request.path, {k.lower(): v for k, v in request.headers.items()}, body)
+        peer = request.transport.get_extra_info("peername") if request.transport is not None else None
+        received = ReceivedRequest(request.path, {k.lower(): v for k, v in request.headers.items()}, body, peer=peer)
         if self.record:
             self.requests.append(received)
         try:
@@ -426,6 +440,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--name", default="stub-0", help="the engine's name (remote_engine_id, answer text)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0, help="0: an ephemeral port")
+    parser.add_argument("--model-name", default="stub-model", help="the model /v1/models lists")
     parser.add_argument("--behaviour", choices=[b.value for b in Behaviour], default=Behaviour.OK.value)
     parser.add_argument("--first-token-delay-s", type=float, default=0.0)
     parser.add_argument("--token-delay-s", type=float, default=0.0)
@@ -435,6 +450,7 @@ def main(argv: list[str] | None = None) -> None:
         behaviour=Behaviour(args.behaviour),
         host=args.host,
         port=args.port,
+        model_name=args.model_name,
         first_token_delay_s=args.first_token_delay_s,
         token_delay_s=args.token_delay_s,
         record=False,

@@ -250,6 +250,30 @@ async def test_request_id_on_error_responses(client):
     assert response.headers["x-request-id"] == "bad-1"
 
 
+async def test_authorization_reaches_both_engines(client, prefill_engine, decode_engine):
+    # vLLM servers started with --api-key refuse requests without it.
+    response = await client.post(CHAT_PATH, json=CHAT, headers={"Authorization": "Bearer sk-engine"})
+
+    assert response.status_code == 200
+    assert prefill_engine.requests[0].headers["authorization"] == "Bearer sk-engine"
+    assert decode_engine.requests[0].headers["authorization"] == "Bearer sk-engine"
+
+
+async def test_no_authorization_is_sent_when_the_client_sends_none(client, prefill_engine, decode_engine):
+    await client.post(CHAT_PATH, json=CHAT)
+
+    assert "authorization" not in prefill_engine.requests[0].headers
+    assert "authorization" not in decode_engine.requests[0].headers
+
+
+async def test_engines_are_called_on_kept_alive_connections(client, prefill_engine, decode_engine):
+    for _ in range(3):
+        assert (await client.post(CHAT_PATH, json=CHAT)).status_code == 200
+
+    assert len({r.peer for r in prefill_engine.requests}) == 1
+    assert len({r.peer for r in decode_engine.requests}) == 1
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
 async def test_response_names_the_engines_that_served_it(client, stream):
     async with client.stream("POST", CHAT_PATH, json=CHAT | {"stream": stream}) as response:
