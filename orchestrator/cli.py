@@ -1,4 +1,4 @@
-"""The ``pdserve`` command line: validate, up, status, down."""
+"""The ``pdserve`` command line: validate, up, status, down, and proxy (the proxy alone, without Ray)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ from collections.abc import Callable
 from typing import Any
 
 from orchestrator.errors import ClusterNotRunning, PdserveError, SpecError
+
+DEFAULT_PROXY_WORKERS = 1
 
 
 def _print(*parts: object) -> None:
@@ -120,6 +122,47 @@ def cmd_down(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_proxy(args: argparse.Namespace) -> int:
+    import logging
+
+    from proxy.server import serve
+    from proxy.standalone import (
+        StandaloneError,
+        StandaloneSettings,
+        app_factory,
+        model_name_from_engines,
+        normalize_url,
+    )
+
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        prefill = [normalize_url(url) for url in args.prefill]
+        decode = [normalize_url(url) for url in args.decode]
+        model = args.model or model_name_from_engines(
+            prefill + decode,
+            args.wait_s,
+            on_wait=lambda missing: _print(
+                f"pdserve proxy: waiting up to {args.wait_s:g}s for {', '.join(missing)} to answer /v1/models "
+                "(--model skips this)"
+            ),
+        )
+    except StandaloneError as e:
+        print(f"pdserve proxy: {e}", file=sys.stderr)
+        return 1
+    settings = StandaloneSettings(tuple(prefill), tuple(decode), model, args.request_timeout_s)
+
+    def ready(url: str) -> None:
+        _print(f"pdserve proxy: serving {model!r} on {url}/v1 ({args.workers} worker(s))")
+        _print(f"  prefill: {' '.join(prefill)}")
+        _print(f"  decode:  {' '.join(decode)}")
+
+    try:
+        return serve(app_factory(settings), args.host, args.port, args.workers, on_ready=ready)
+    except OSError as e:
+        print(f"pdserve proxy: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
+        return 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pdserve", description="Disaggregated prefill/decode serving on Ray-managed vLLM engines."
@@ -137,6 +180,30 @@ def build_parser() -> argparse.ArgumentParser:
     status.set_defaults(func=cmd_status)
     down = commands.add_parser("down", help="stop the running cluster and everything it started")
     down.set_defaults(func=cmd_down)
+    proxy = commands.add_parser(
+        "proxy",
+        help="run the P/D proxy alone (no Ray) in front of vLLM servers started with a KV connector",
+        description="Serve the OpenAI API; send each request's prefill to a --prefill server and its decode "
+        "to a --decode server (round robin), carrying the KV transfer parameters between them.",
+    )
+    proxy.add_argument("--prefill", nargs="+", required=True, metavar="URL", help="prefill servers' URLs")
+    proxy.add_argument("--decode", nargs="+", required=True, metavar="URL", help="decode servers' URLs")
+    proxy.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    proxy.add_argument("--port", type=int, default=8000, help="port to listen on; 0 picks one (default: %(default)s)")
+    proxy.add_argument("--model", help="the served model's name (default: asked from the engines' /v1/models)")
+    proxy.add_argument(
+        "--workers", type=int, default=DEFAULT_PROXY_WORKERS, help="proxy processes (default: %(default)s)"
+    )
+    proxy.add_argument(
+        "--request-timeout-s", type=float, default=600.0, help="longest silence from an engine (default: %(default)s)"
+    )
+    proxy.add_argument(
+        "--wait-s",
+        type=float,
+        default=600.0,
+        help="without --model: how long to wait for the engines to answer /v1/models (default: %(default)s)",
+    )
+    proxy.set_defaults(func=cmd_proxy)
     return parser
 
 

@@ -3,6 +3,9 @@
 The controller creates it, calls ``start()``, and pushes the pool's ready
 engines with ``set_endpoints()`` whenever an engine becomes ready, dies or
 comes back; the app reads the same ``EnginePool`` object for every request.
+That is why it serves one worker, in the actor's own process: worker processes
+would each hold their own pool, which ``set_endpoints`` here could not reach
+(see ``proxy.server``).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import uvicorn
 from orchestrator.logs import redirect_output
 from proxy.app import ProxyConfig, create_app
 from proxy.pool import Endpoint, EnginePool
+from proxy.server import uvicorn_config
 
 logger = logging.getLogger(__name__)
 
@@ -43,10 +47,7 @@ class ProxyActor:
         if self.state == "ready":
             return await self.info()
         app = create_app(self.config, self.pool)
-        server_config = uvicorn.Config(
-            app, host=self.host, port=self.port, log_level="warning", access_log=False, timeout_keep_alive=30
-        )
-        self._server = _ThreadServer(server_config)
+        self._server = _ThreadServer(uvicorn_config(app, host=self.host, port=self.port))
         self._task = asyncio.create_task(self._server.serve())
         while not self._server.started:
             if self._task.done():

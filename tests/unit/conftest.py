@@ -27,6 +27,7 @@ import yaml
 from orchestrator.models import DEMO_MODEL_NAME, KNOWN_MODELS
 from proxy.app import ProxyConfig, create_app
 from proxy.pool import Endpoint, EnginePool
+from proxy.server import uvicorn_config
 from tests.stub_engine import StubEngine
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -162,7 +163,8 @@ class ProxyServer:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        config = uvicorn.Config(self.app, lifespan="on", log_config=None, access_log=False, timeout_graceful_shutdown=1)
+        # The settings the proxy runs with (uvloop aside: pytest-asyncio owns the loop).
+        config = uvicorn_config(self.app, log_config=None, timeout_graceful_shutdown=1)
         self._server = _InLoopServer(config)
         self._task = asyncio.create_task(self._server.serve(sockets=[sock]))
         while not self._server.started:

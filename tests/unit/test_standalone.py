@@ -1,0 +1,302 @@
+"""``pdserve proxy``: the proxy alone, run as a real process in front of stub engines.
+
+Each test starts ``python -m orchestrator.cli proxy ... --port 0`` as a
+subprocess, reads the URL it prints once it listens, and talks to it over HTTP
+(with the OpenAI client, as a user would) while the stub engines run in the
+test's event loop. The pure pieces of ``proxy.standalone`` are tested at the end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import re
+import signal
+import sys
+from collections.abc import AsyncIterator
+
+import httpx
+import openai
+import psutil
+import pytest
+
+from proxy.server import listen_socket
+from proxy.standalone import StandaloneError, StandaloneSettings, model_name_from_engines, normalize_url
+from tests.stub_engine import StubEngine, answer_text
+from tests.unit.conftest import REPO_ROOT
+
+pytestmark = pytest.mark.timeout(60)
+
+START_TIMEOUT_S = 30.0
+MESSAGES = [{"role": "user", "content": "Say hello."}]
+
+
+class CliProxy:
+    """A running ``pdserve proxy`` process."""
+
+    def __init__(self, process: asyncio.subprocess.Process, url: str, banner: list[str]) -> None:
+        self.process, self.url, self.banner = process, url, banner
+
+    def openai(self) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=10)
+
+    async def stop(self) -> int:
+        if self.process.returncode is None:
+            self.process.send_signal(signal.SIGTERM)
+        return await asyncio.wait_for(self.process.wait(), 15)
+
+
+async def run_cli(*args: str) -> asyncio.subprocess.Process:
+    env = os.environ | {"PYTHONPATH": str(REPO_ROOT)}
+    return await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "orchestrator.cli", "proxy", *args,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env, cwd=REPO_ROOT,
+    )  # fmt: skip
+
+
+@contextlib.asynccontextmanager
+async def cli_proxy(*args: str) -> AsyncIterator[CliProxy]:
+    """``pdserve proxy *args --port 0``, until it says where it listens; stopped (SIGTERM) afterwards."""
+    process = await run_cli(*args, "--port", "0")
+    banner: list[str] = []
+    try:
+        async with asyncio.timeout(START_TIMEOUT_S):
+            while True:
+                line = (await process.stdout.readline()).decode()
+                if not line:
+                    stderr = (await process.stderr.read()).decode()
+                    raise AssertionError(f"pdserve proxy exited ({await process.wait()}): {stderr}")
+                banner.append(line.rstrip("\n"))
+                if match := re.search(r"on (http://\S+)/v1 ", line):
+                    break
+        for _ in range(2):  # the prefill and decode lines
+            banner.append((await process.stdout.readline()).decode().rstrip("\n"))
+        proxy = CliProxy(process, match[1], banner)
+        yield proxy
+    finally:
+        if process.returncode is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(process.wait(), 15)
+            except TimeoutError:
+                process.kill()
+                await process.wait()
+
+
+def urls(*engines: StubEngine) -> list[str]:
+    return [engine.url for engine in engines]
+
+
+# --- serving ----------------------------------------------------------------------------
+
+
+async def test_serves_chat_completions_with_the_model_learnt_from_the_engines(prefill_engine, decode_engine):
+    async with cli_proxy("--prefill", prefill_engine.url, "--decode", decode_engine.url) as proxy:
+        assert proxy.banner[0].startswith("pdserve proxy: serving 'stub-model' on http://127.0.0.1:")
+        async with proxy.openai() as client:
+            models = await client.models.list()
+            completion = await client.chat.completions.create(model="stub-model", messages=MESSAGES, max_tokens=20)
+
+    assert [model.id for model in models.data] == ["stub-model"]
+    assert completion.choices[0].message.content == answer_text("decode-0", with_kv=True)
+    (prefill,) = prefill_engine.requests
+    assert prefill.body["max_tokens"] == 1 and prefill.body["kv_transfer_params"]["do_remote_decode"] is True
+    (decode,) = decode_engine.requests
+    assert decode.body["max_tokens"] == 20
+    assert decode.body["kv_transfer_params"] == prefill.answered_kv_transfer_params
+
+
+async def test_streams_chat_completions(prefill_engine, decode_engine):
+    async with cli_proxy("--prefill", prefill_engine.url, "--decode", decode_engine.url) as proxy:
+        async with proxy.openai() as client:
+            stream = await client.chat.completions.create(model="stub-model", messages=MESSAGES, stream=True)
+            pieces = [chunk.choices[0].delta.content or "" async for chunk in stream if chunk.choices]
+
+    assert "".join(pieces) == answer_text("decode-0", with_kv=True)
+    assert len(pieces) > 2
+    assert decode_engine.requests[0].body["stream"] is True
+    assert prefill_engine.requests[0].body["stream"] is False
+
+
+async def test_completions_and_the_pdserve_headers(prefill_engine, decode_engine):
+    async with cli_proxy("--prefill", prefill_engine.url, "--decode", decode_engine.url) as proxy:
+        async with httpx.AsyncClient(base_url=proxy.url) as client:
+            response = await client.post(
+                "/v1/completions", json={"model": "stub-model", "prompt": "Say hello."}, headers={"X-Request-Id": "q-1"}
+            )
+
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["text"] == answer_text("decode-0", with_kv=True)
+    assert response.headers["x-request-id"] == "q-1"
+    assert (response.headers["x-pdserve-prefill"], response.headers["x-pdserve-decode"]) == ("prefill-0", "decode-0")
+
+
+async def test_round_robin_over_the_engines_named_on_the_command_line(make_engine):
+    prefill = [await make_engine(f"p{i}") for i in range(2)]
+    decode = [await make_engine(f"d{i}") for i in range(2)]
+    args = ["--prefill", *urls(*prefill), "--decode", *urls(*decode), "--model", "m"]
+    async with cli_proxy(*args) as proxy:
+        async with httpx.AsyncClient(base_url=proxy.url) as client:
+            responses = [
+                await client.post("/v1/chat/completions", json={"model": "m", "messages": MESSAGES}) for _ in range(4)
+            ]
+
+    assert [r.headers["x-pdserve-prefill"] for r in responses] == ["prefill-0", "prefill-1"] * 2
+    assert [r.headers["x-pdserve-decode"] for r in responses] == ["decode-0", "decode-1"] * 2
+    assert [r.json()["choices"][0]["message"]["content"] for r in responses[:2]] == [
+        answer_text("d0", with_kv=True),
+        answer_text("d1", with_kv=True),
+    ]
+    assert all(len(engine.requests) == 2 for engine in prefill + decode)
+
+
+async def test_several_workers_share_the_port_and_stop_together(prefill_engine, decode_engine):
+    args = ["--prefill", prefill_engine.url, "--decode", decode_engine.url, "--model", "m", "--workers", "2"]
+    async with cli_proxy(*args) as proxy:
+        assert "(2 worker(s))" in proxy.banner[0]
+        children = psutil.Process(proxy.process.pid).children(recursive=True)
+        workers = [p for p in children if "spawn_main" in " ".join(p.cmdline())]
+        limits = httpx.Limits(max_keepalive_connections=0)  # a new connection each time: both workers get some
+        async with httpx.AsyncClient(base_url=proxy.url, limits=limits) as client:
+            responses = await asyncio.gather(
+                *(client.post("/v1/chat/completions", json={"model": "m", "messages": MESSAGES}) for _ in range(24))
+            )
+        status = await proxy.stop()
+
+    assert [r.status_code for r in responses] == [200] * 24
+    assert len(decode_engine.requests) == 24
+    served_by = {r.peer for r in decode_engine.requests}
+    assert len(served_by) >= 2  # each worker keeps its own connections to the engine
+    assert status == 0
+    assert len(workers) == 2
+    await asyncio.sleep(0.2)
+    assert not [p for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+async def test_sigterm_stops_it_cleanly(prefill_engine, decode_engine):
+    async with cli_proxy("--prefill", prefill_engine.url, "--decode", decode_engine.url, "--model", "m") as proxy:
+        status = await proxy.stop()
+
+    assert status == 0
+
+
+async def test_model_flag_needs_no_engine_to_start(unused_url):
+    async with cli_proxy("--prefill", unused_url, "--decode", unused_url, "--model", "named") as proxy:
+        async with httpx.AsyncClient(base_url=proxy.url) as client:
+            models = await client.get("/v1/models")
+            response = await client.post("/v1/chat/completions", json={"model": "named", "messages": MESSAGES})
+
+    assert [model["id"] for model in models.json()["data"]] == ["named"]
+    assert response.status_code == 502
+    assert response.json()["error"]["code"] == "engine_failed"
+
+
+async def test_engines_serving_different_models_is_an_error(make_engine):
+    prefill = await make_engine("prefill-0", model_name="llama")
+    decode = await make_engine("decode-0", model_name="qwen")
+    process = await run_cli("--prefill", prefill.url, "--decode", decode.url, "--port", "0")
+    out, err = await asyncio.wait_for(process.communicate(), START_TIMEOUT_S)
+
+    assert process.returncode == 1
+    assert "different models" in err.decode()
+    assert f"{prefill.url} serves 'llama'" in err.decode() and f"{decode.url} serves 'qwen'" in err.decode()
+
+
+async def test_an_engine_that_never_answers_is_an_error_after_the_wait(prefill_engine, unused_url):
+    process = await run_cli("--prefill", prefill_engine.url, "--decode", unused_url, "--wait-s", "0.5")
+    out, err = await asyncio.wait_for(process.communicate(), START_TIMEOUT_S)
+
+    assert process.returncode == 1
+    assert f"waiting up to 0.5s for {unused_url}" in out.decode()
+    assert "no model name from 1 engine(s)" in err.decode() and "--model" in err.decode()
+    assert unused_url in err.decode()
+
+
+async def test_a_port_in_use_is_an_error(prefill_engine, decode_engine):
+    taken = listen_socket("127.0.0.1", 0)
+    taken.listen()
+    try:
+        port = str(taken.getsockname()[1])
+        args = ["--prefill", prefill_engine.url, "--decode", decode_engine.url, "--model", "m", "--port", port]
+        process = await run_cli(*args)
+        out, err = await asyncio.wait_for(process.communicate(), START_TIMEOUT_S)
+    finally:
+        taken.close()
+
+    assert process.returncode == 1
+    assert f"cannot listen on 127.0.0.1:{port}" in err.decode()
+
+
+def test_prefill_and_decode_are_required(capsys):
+    from orchestrator.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["proxy", "--decode", "http://127.0.0.1:8200"])
+
+    assert info.value.code == 2
+    assert "--prefill" in capsys.readouterr().err
+
+
+@pytest.fixture
+def unused_url() -> str:
+    """A URL on which nothing listens."""
+    sock = listen_socket("127.0.0.1", 0)
+    port = sock.getsockname()[1]
+    sock.close()
+    return f"http://127.0.0.1:{port}"
+
+
+# --- proxy.standalone ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("given", "expected"),
+    [
+        ("http://127.0.0.1:8100", "http://127.0.0.1:8100"),
+        ("http://127.0.0.1:8100/", "http://127.0.0.1:8100"),
+        ("http://127.0.0.1:8100/v1", "http://127.0.0.1:8100"),
+        ("127.0.0.1:8100", "http://127.0.0.1:8100"),
+        ("https://engine.example:443/", "https://engine.example:443"),
+    ],
+)
+def test_normalize_url(given, expected):
+    assert normalize_url(given) == expected
+
+
+def test_normalize_url_refuses_other_schemes():
+    with pytest.raises(StandaloneError, match="only http"):
+        normalize_url("grpc://127.0.0.1:8100")
+
+
+def test_settings_name_the_engines_by_role_and_position():
+    settings = StandaloneSettings(("http://p:1", "http://p:2"), ("http://d:1",), "m")
+
+    assert settings.pool().snapshot() == {
+        "prefill": [{"engine_id": "prefill-0", "url": "http://p:1"}, {"engine_id": "prefill-1", "url": "http://p:2"}],
+        "decode": [{"engine_id": "decode-0", "url": "http://d:1"}],
+    }
+
+
+async def test_model_name_waits_for_an_engine_that_is_starting(make_engine):
+    ready = await make_engine("prefill-0", model_name="smol")
+    starting = await make_engine("decode-0", model_name="smol")
+    await starting.stop()
+    waited: list[list[str]] = []
+
+    lookup = asyncio.create_task(
+        asyncio.to_thread(model_name_from_engines, [ready.url, starting.url], 10.0, waited.append)
+    )
+    await asyncio.sleep(0.5)
+    await starting.start()
+
+    assert await lookup == "smol"
+    assert waited == [[starting.url]]
+
+
+async def test_model_name_from_an_engine_that_answers_500_is_an_error(make_engine):
+    failing = await make_engine("prefill-0")
+    failing.behaviour = failing.behaviour.ERROR_500
+
+    with pytest.raises(StandaloneError, match="HTTP 500"):
+        await asyncio.to_thread(model_name_from_engines, [failing.url], 0.0)
