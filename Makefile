@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.pdserve-installed
 CONFIG ?= configs/local-cpu.yaml
 
-.PHONY: setup model run test test-unit test-integration test-gpu lint lock bench clean
+.PHONY: setup model run test test-unit test-integration test-gpu lint lock bench bench-proxy clean
 
 setup: $(STAMP) model
 
@@ -50,6 +50,10 @@ lock: setup
 
 bench: setup
 	$(BIN)/python scripts/bench_latency.py --config $(CONFIG)
+
+# Proxy throughput and added latency on stub engines, against vllm-router (wrk if installed).
+bench-proxy: setup
+	$(BIN)/python scripts/bench_proxy.py
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache
