@@ -72,17 +72,55 @@ def parse_request(raw: bytes, kind: str, model_name: str) -> dict[str, Any]:
         raise InvalidRequest(f"request body is not valid JSON: {e}") from e
     if not isinstance(body, dict):
         raise InvalidRequest("request body must be a JSON object")
+    if not _plainly_valid(body, kind):
+        _validate(body, kind)
+    if body["model"] != model_name:
+        raise ModelNotFound(
+            f"The model `{body['model']}` does not exist; this server serves `{model_name}`", param="model"
+        )
+    return body
+
+
+def _validate(body: dict[str, Any], kind: str) -> None:
     try:
         REQUEST_MODELS[kind].model_validate(body)
     except ValidationError as e:
         first = e.errors()[0]
         param = _param(first["loc"])
         raise InvalidRequest(f"{param}: {first['msg']}", param=param) from e
-    if body["model"] != model_name:
-        raise ModelNotFound(
-            f"The model `{body['model']}` does not exist; this server serves `{model_name}`", param="model"
-        )
-    return body
+
+
+def _plainly_valid(body: dict[str, Any], kind: str) -> bool:
+    """True for the usual, plainly valid body, without pydantic (a few µs on every request).
+
+    Accepts only bodies the request models accept too; anything else (wrong, or
+    valid only after pydantic's lax conversions, such as ``"max_tokens": 5.0``)
+    goes to pydantic, which decides and words the error.
+    """
+    model = body.get("model")
+    if type(model) is not str or not model:
+        return False
+    stream = body.get("stream")
+    if stream is not None and type(stream) is not bool:
+        return False
+    counts = ("max_tokens", "n", "max_completion_tokens") if kind == "chat" else ("max_tokens", "n")
+    for name in counts:
+        value = body.get(name)
+        if value is not None and (type(value) is not int or value < 1):
+            return False
+    if kind == "chat":
+        messages = body.get("messages")
+        return type(messages) is list and bool(messages) and all(type(m) is dict for m in messages)
+    prompt = body.get("prompt")
+    if type(prompt) is str:
+        return True
+    if type(prompt) is not list:
+        return False
+    return (
+        all(type(p) is str for p in prompt)
+        or all(type(p) is int for p in prompt)
+        or all(type(p) is list and all(type(t) is int for t in p) for p in prompt)
+    )
 
 
 def _param(loc: tuple[int | str, ...]) -> str | None:

@@ -710,6 +710,62 @@ def test_parse_request_unknown_model():
     assert (caught.value.status, caught.value.code, caught.value.param) == (404, "model_not_found", "model")
 
 
+PLAIN_CHECK_BODIES = [
+    ("chat", CHAT),
+    ("chat", CHAT | {"stream": True, "n": None, "max_tokens": 5, "max_completion_tokens": 7}),
+    ("chat", CHAT | {"max_tokens": 5.0}),
+    ("chat", CHAT | {"max_tokens": "5"}),
+    ("chat", CHAT | {"max_tokens": True}),
+    ("chat", CHAT | {"n": 0}),
+    ("chat", CHAT | {"stream": "true"}),
+    ("chat", CHAT | {"messages": []}),
+    ("chat", CHAT | {"messages": ["hi"]}),
+    ("chat", CHAT | {"model": ""}),
+    ("chat", CHAT | {"model": 7}),
+    ("chat", {"messages": CHAT["messages"]}),
+    ("completion", COMPLETION),
+    ("completion", COMPLETION | {"prompt": ""}),
+    ("completion", COMPLETION | {"prompt": []}),
+    ("completion", COMPLETION | {"prompt": ["a", "b"]}),
+    ("completion", COMPLETION | {"prompt": [1, 2]}),
+    ("completion", COMPLETION | {"prompt": [[1, 2], []]}),
+    ("completion", COMPLETION | {"prompt": [1, "a"]}),
+    ("completion", COMPLETION | {"prompt": [1.0, 2]}),
+    ("completion", COMPLETION | {"prompt": 5}),
+    ("completion", COMPLETION | {"prompt": [[1, "a"]]}),
+    ("completion", COMPLETION | {"max_completion_tokens": 0}),  # not a completions parameter: passes through
+]
+
+
+@pytest.mark.parametrize(("kind", "body"), PLAIN_CHECK_BODIES)
+def test_the_quick_check_accepts_only_what_the_request_models_accept(kind, body):
+    from pydantic import ValidationError
+
+    from proxy.flow import REQUEST_MODELS, _plainly_valid
+
+    try:
+        REQUEST_MODELS[kind].model_validate(body)
+        valid = True
+    except ValidationError:
+        valid = False
+    assert not _plainly_valid(body, kind) or valid
+    # and the result of parse_request never depends on which of the two decided
+    try:
+        parsed = parse_request(orjson.dumps(body), kind, body.get("model") or "x")
+        assert valid and parsed == body
+    except InvalidRequest:
+        assert not valid
+    except ModelNotFound:
+        assert valid
+
+
+def test_the_quick_check_takes_the_usual_bodies():
+    from proxy.flow import _plainly_valid
+
+    assert _plainly_valid(CHAT | {"stream": True, "max_tokens": 9, "temperature": 0.1}, "chat")
+    assert _plainly_valid(COMPLETION | {"prompt": [[1, 2], [3]]}, "completion")
+
+
 @pytest.mark.parametrize("stream", [True, False, None])
 def test_parse_request_accepts_boolean_or_null_stream(stream):
     assert parse_request(orjson.dumps(CHAT | {"stream": stream}), "chat", PROXY_MODEL)["stream"] is stream
