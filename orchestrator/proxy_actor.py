@@ -21,7 +21,7 @@ import uvicorn
 from orchestrator.logs import redirect_output
 from proxy.app import ProxyConfig, create_app
 from proxy.pool import Endpoint, EnginePool
-from proxy.server import uvicorn_config
+from proxy.server import listen_socket, uvicorn_config
 
 logger = logging.getLogger(__name__)
 
@@ -46,13 +46,20 @@ class ProxyActor:
     async def start(self) -> dict:
         if self.state == "ready":
             return await self.info()
+        # Bound here, not by uvicorn: on a taken port uvicorn calls sys.exit, which would
+        # leave this actor's event loop rather than fail this call.
+        try:
+            sock = listen_socket(self.host, self.port)
+        except OSError as e:
+            self.state = "failed"
+            raise RuntimeError(f"proxy could not listen on {self.host}:{self.port} (is the port taken?): {e}") from e
         app = create_app(self.config, self.pool)
         self._server = _ThreadServer(uvicorn_config(app, host=self.host, port=self.port))
-        self._task = asyncio.create_task(self._server.serve())
+        self._task = asyncio.create_task(self._server.serve(sockets=[sock]))
         while not self._server.started:
             if self._task.done():
                 self.state = "failed"
-                raise RuntimeError(f"proxy could not listen on {self.host}:{self.port} (is the port taken?)")
+                raise RuntimeError(f"proxy on {self.host}:{self.port} stopped during start-up")
             await asyncio.sleep(0.05)
         self.state = "ready"
         logger.info("proxy listening on http://%s:%d", self.host, self.port)

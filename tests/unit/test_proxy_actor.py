@@ -1,0 +1,59 @@
+"""``orchestrator.proxy_actor.ProxyActor`` without Ray: the class the controller wraps in ``ray.remote``.
+
+Its server runs in the test's event loop, as in the actor's; ``set_endpoints``
+is what the controller calls as engines come and go.
+"""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from orchestrator import proxy_actor
+from orchestrator.proxy_actor import ProxyActor
+from proxy.app import ProxyConfig
+from proxy.server import listen_socket
+from tests.stub_engine import answer_text
+
+pytestmark = pytest.mark.timeout(20)
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "Say hello."}]}
+
+
+@pytest.fixture
+async def actor(monkeypatch, tmp_path):
+    monkeypatch.setattr(proxy_actor, "redirect_output", lambda path: None)  # keep pytest's stdout
+    sock = listen_socket("127.0.0.1", 0)
+    port = sock.getsockname()[1]
+    sock.close()
+    actor = ProxyActor(ProxyConfig("m", 5.0), "127.0.0.1", port, str(tmp_path / "proxy.log"))
+    yield actor
+    await actor.stop()
+
+
+async def test_serves_the_engines_the_controller_sets(actor, prefill_engine, decode_engine):
+    info = await actor.start()
+    await actor.set_endpoints("prefill", [("prefill-0", prefill_engine.url)])
+    await actor.set_endpoints("decode", [("decode-0", decode_engine.url)])
+
+    async with httpx.AsyncClient(base_url=info["url"]) as client:
+        served = await client.post("/v1/chat/completions", json=CHAT)
+        await actor.set_endpoints("decode", [])
+        emptied = await client.post("/v1/chat/completions", json=CHAT)
+
+    assert info["state"] == "ready"
+    assert served.status_code == 200
+    assert served.json()["choices"][0]["message"]["content"] == answer_text("decode-0", with_kv=True)
+    assert emptied.status_code == 503
+    assert (await actor.info())["pool"]["decode"] == []
+
+
+async def test_a_taken_port_fails_the_start(actor):
+    taken = listen_socket("127.0.0.1", actor.port)
+    taken.listen()
+    try:
+        with pytest.raises(RuntimeError, match="could not listen"):
+            await actor.start()
+    finally:
+        taken.close()
+    assert actor.state == "failed"
