@@ -21,7 +21,7 @@ import uvicorn
 from orchestrator.logs import redirect_output
 from proxy.app import ProxyConfig, create_app
 from proxy.pool import Endpoint, EnginePool
-from proxy.server import listen_socket, uvicorn_config
+from proxy.server import listen_socket, tune_gc, uvicorn_config
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +61,7 @@ class ProxyActor:
                 self.state = "failed"
                 raise RuntimeError(f"proxy on {self.host}:{self.port} stopped during start-up")
             await asyncio.sleep(0.05)
+        tune_gc()  # this process serves only the proxy
         self.state = "ready"
         logger.info("proxy listening on http://%s:%d", self.host, self.port)
         return await self.info()

@@ -23,6 +23,7 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "Say hello."}]}
 @pytest.fixture
 async def actor(monkeypatch, tmp_path):
     monkeypatch.setattr(proxy_actor, "redirect_output", lambda path: None)  # keep pytest's stdout
+    monkeypatch.setattr(proxy_actor, "tune_gc", lambda: None)  # pytest's process keeps its collector as it is
     sock = listen_socket("127.0.0.1", 0)
     port = sock.getsockname()[1]
     sock.close()

@@ -300,3 +300,19 @@ async def test_model_name_from_an_engine_that_answers_500_is_an_error(make_engin
 
     with pytest.raises(StandaloneError, match="HTTP 500"):
         await asyncio.to_thread(model_name_from_engines, [failing.url], 0.0)
+
+
+def test_tune_gc_raises_the_threshold_and_freezes_what_exists():
+    import gc
+
+    from proxy.server import GC_THRESHOLD, tune_gc
+
+    threshold = gc.get_threshold()
+    try:
+        tune_gc()
+        assert gc.get_threshold()[0] == GC_THRESHOLD
+        assert gc.get_threshold()[1:] == threshold[1:]
+        assert gc.get_freeze_count() > 1000
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*threshold)
