@@ -26,13 +26,15 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import orjson
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
+from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from proxy.engine_client import EngineClient
@@ -123,13 +125,17 @@ def create_app(config: ProxyConfig, pool: EnginePool | None = None) -> FastAPI:
                 orjson.dumps(e.body), status_code=e.status, media_type="application/json", headers=reply_headers
             )
 
-    @app.post("/v1/chat/completions")
+    completions_api = APIRouter(route_class=DirectRoute)
+
+    @completions_api.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await serve(request, "chat", "/v1/chat/completions")
 
-    @app.post("/v1/completions")
+    @completions_api.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await serve(request, "completion", "/v1/completions")
+
+    app.include_router(completions_api)
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -146,6 +152,44 @@ def create_app(config: ProxyConfig, pool: EnginePool | None = None) -> FastAPI:
         return Response(orjson.dumps(body), status_code=200 if healthy else 503, media_type="application/json")
 
     return app
+
+
+class DirectRoute(APIRoute):
+    """An ``APIRoute`` whose endpoint, taking only the ``Request`` and returning a ``Response``, is called as is.
+
+    FastAPI's own handler solves the endpoint's dependencies for every request
+    (parsing query parameters and cookies, two exit stacks) and then looks at
+    what it returned; an endpoint that declares nothing but the request needs
+    none of it, and it cost ~15 µs of CPU a request, about 6% of the proxy's.
+    The route stays a FastAPI route: in the OpenAPI schema, behind the app's
+    middleware and exception handlers. An endpoint that declares anything more
+    (a parameter, a dependency, a response model) gets FastAPI's handler.
+    """
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        dependant = self.dependant
+        declared = (
+            dependant.path_params,
+            dependant.query_params,
+            dependant.header_params,
+            dependant.cookie_params,
+            dependant.body_params,
+            dependant.dependencies,
+            dependant.websocket_param_name,
+            dependant.http_connection_param_name,
+            dependant.response_param_name,
+            dependant.background_tasks_param_name,
+            dependant.security_scopes_param_name,
+            self.response_field,
+        )
+        if dependant.request_param_name is None or any(declared):
+            return super().get_route_handler()
+        endpoint, name = self.endpoint, dependant.request_param_name
+
+        async def handler(request: Request) -> Response:
+            return await endpoint(**{name: request})
+
+        return handler
 
 
 async def _relay(

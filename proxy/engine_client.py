@@ -54,9 +54,12 @@ READ_LOW_WATER = 64 * 1024
 class EngineResponse:
     """One answer of an engine: ``status`` and ``headers`` when ``post`` returns, then the body."""
 
-    __slots__ = ("status", "headers", "_connection", "_chunks", "_buffered", "_done", "_error", "_waiter", "_released")
+    __slots__ = (
+        "status", "headers", "_connection", "_loop", "_chunks", "_buffered", "_done", "_error", "_waiter", "_released"
+    )  # fmt: skip
 
     def __init__(self, connection: _Connection) -> None:
+        self._loop = connection.loop
         self.status = 0
         self.headers: list[tuple[bytes, bytes]] = []
         self._connection: _Connection | None = connection
@@ -140,9 +143,8 @@ class EngineResponse:
 
     async def _wait(self, wait_s: float, timeout_s: float) -> None:
         """Wait for more of the answer; after ``wait_s``, fail saying the engine was silent for ``timeout_s``."""
-        loop = asyncio.get_running_loop()
-        self._waiter = waiter = loop.create_future()
-        timer = loop.call_later(wait_s, _expire, waiter, timeout_s)
+        self._waiter = waiter = self._loop.create_future()
+        timer = self._loop.call_later(wait_s, _expire, waiter, timeout_s)
         try:
             await waiter
         finally:
@@ -159,6 +161,8 @@ class _Connection(asyncio.Protocol):
     """One keep-alive connection to an engine; one request at a time."""
 
     def __init__(self, pool: collections.deque[_Connection]) -> None:
+        # Kept: on Python 3.11 every get_running_loop() costs a getpid() system call.
+        self.loop = asyncio.get_running_loop()
         self._pool = pool
         self._parser = httptools.HttpResponseParser(self)
         self._transport: asyncio.Transport | None = None
@@ -190,9 +194,8 @@ class _Connection(asyncio.Protocol):
             return
         if response._error is not None:
             raise response._error
-        loop = asyncio.get_running_loop()
-        self._headers_waiter = waiter = loop.create_future()
-        timer = loop.call_later(timeout_s, _expire, waiter, timeout_s)
+        self._headers_waiter = waiter = self.loop.create_future()
+        timer = self.loop.call_later(timeout_s, _expire, waiter, timeout_s)
         try:
             await waiter
         finally:

@@ -16,7 +16,10 @@ import httpx
 import orjson
 import pytest
 from aiohttp import web
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import Response
 
+from proxy.app import DirectRoute
 from proxy.errors import InvalidRequest, ModelNotFound, NoHealthyEngine
 from proxy.flow import PREFILL_KV_PARAMS, decode_body, parse_request, prefill_body
 from proxy.pool import Endpoint, EnginePool
@@ -834,3 +837,35 @@ def test_pool_snapshot():
         "prefill": [{"engine_id": "prefill-0", "url": "http://127.0.0.1:8100"}],
         "decode": [],
     }
+
+
+# --- proxy.app.DirectRoute --------------------------------------------------------------
+
+
+async def test_the_completion_routes_are_in_the_openapi_schema(client):
+    paths = (await client.get("/openapi.json")).json()["paths"]
+
+    assert {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health"} <= set(paths)
+    assert "post" in paths["/v1/chat/completions"] and "post" in paths["/v1/completions"]
+
+
+async def test_direct_route_leaves_endpoints_that_declare_more_to_fastapi():
+    router = APIRouter(route_class=DirectRoute)
+
+    @router.get("/plain")
+    async def plain(request: Request) -> Response:
+        return Response(request.url.path)
+
+    @router.get("/declared")
+    async def declared(request: Request, count: int) -> Response:
+        return Response(str(count * 2))
+
+    app = FastAPI()
+    app.include_router(router)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://test") as client:
+        assert (await client.get("/plain")).text == "/plain"
+        assert (await client.get("/declared", params={"count": 4})).text == "8"
+        missing = await client.get("/declared")
+
+    assert missing.status_code == 422  # FastAPI's own handler validated the query
+    assert "/plain" in app.openapi()["paths"]
