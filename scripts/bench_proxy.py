@@ -19,7 +19,10 @@ p50 minus the direct one is the latency the proxy adds (two hops instead of one)
 The load comes from ``wrk`` when it is on the PATH (``apt-get install wrk``;
 C, so it takes little of the CPU the proxies need), else from an aiohttp loop
 in this process. Also printed: the CPU time each proxy spent per request (all
-its processes and threads), which does not depend on how busy the machine is.
+its processes and threads), which depends less on how busy the machine is, and
+Linux's CPU pressure before the benchmark starts (``/proc/pressure/cpu``: the
+share of the last 10 s in which a task waited for a core; near 0, nothing else
+was running).
 
     python scripts/bench_proxy.py [--duration 10] [--rounds 3] [--connections 32] [--workers 1] [--json]
 
@@ -124,6 +127,16 @@ def wait_answering(url: str, process: subprocess.Popen, name: str, log_dir: Path
             time.sleep(0.2)
     tail = (log_dir / f"{name}.log").read_text(errors="replace")[-2000:]
     raise RuntimeError(f"{name} did not answer at {url} ({last}); its log ends:\n{tail}")
+
+
+def cpu_pressure() -> float | None:
+    """Linux's share of the last 10 s in which some task waited for a CPU (%): how busy the machine was."""
+    try:
+        line = Path("/proc/pressure/cpu").read_text().splitlines()[0]
+    except (OSError, IndexError):
+        return None
+    match = re.search(r"avg10=([\d.]+)", line)
+    return float(match[1]) if match else None
 
 
 def cpu_seconds(process: subprocess.Popen) -> float:
@@ -235,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     args = parser.parse_args(argv)
 
+    pressure_before = cpu_pressure()
     tool = args.load if args.load != "auto" else ("wrk" if shutil.which("wrk") else "aiohttp")
     router_bin = shutil.which("vllm-router") or shutil.which("vllm-router", path=str(Path(sys.executable).parent))
     if args.no_router:
@@ -285,6 +299,7 @@ def main(argv: list[str] | None = None) -> int:
             single[name] = load.run(url[name] + chat, 1, max(args.duration / 2, 2.0), processes[name])
 
     report = _report(args, tool, at_load, single)
+    report["cpu_pressure_before_pct"] = pressure_before
     if args.json:
         print(json.dumps(report, indent=2))
     else:
@@ -320,8 +335,8 @@ def _report(args: argparse.Namespace, tool: str, at_load: dict, single: dict) ->
 
 
 def _print_report(report: dict) -> None:
-    load = f"{report['connections']} connections, {report['load_generator']}"
-    print(f"\n{load}, ours with {report['workers']} worker(s):")
+    load = f"{report['connections']} connections, {report['load_generator']}, ours with {report['workers']} worker(s)"
+    print(f"\n{load}; CPU pressure before: {report['cpu_pressure_before_pct']}%")
     for name, summary in report["at_load"].items():
         print(
             f"  {name:<6} {summary['rate_rps']:8.0f} req/s (median)  p50 {summary['p50_ms']:6.2f} ms  "

@@ -77,11 +77,11 @@ async def cli_proxy(*args: str) -> AsyncIterator[CliProxy]:
     finally:
         if process.returncode is None:
             process.send_signal(signal.SIGTERM)
-            try:
-                await asyncio.wait_for(process.wait(), 15)
-            except TimeoutError:
-                process.kill()
-                await process.wait()
+        try:
+            await asyncio.wait_for(process.communicate(), 15)  # also drains and closes its pipes
+        except TimeoutError:
+            process.kill()
+            await process.communicate()
 
 
 def urls(*engines: StubEngine) -> list[str]:
@@ -172,6 +172,28 @@ async def test_several_workers_share_the_port_and_stop_together(prefill_engine, 
     assert len(workers) == 2
     await asyncio.sleep(0.2)
     assert not [p for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+async def test_a_worker_that_dies_is_replaced(prefill_engine, decode_engine):
+    args = ["--prefill", prefill_engine.url, "--decode", decode_engine.url, "--model", "m", "--workers", "2"]
+    async with cli_proxy(*args) as proxy:
+        parent = psutil.Process(proxy.process.pid)
+
+        def workers() -> list[psutil.Process]:
+            children = parent.children()
+            return [p for p in children if p.is_running() and "spawn_main" in " ".join(p.cmdline())]
+
+        victim = workers()[0]
+        victim.kill()
+        async with asyncio.timeout(START_TIMEOUT_S):
+            while victim.pid in [p.pid for p in workers()] or len(workers()) < 2:
+                await asyncio.sleep(0.1)
+        async with httpx.AsyncClient(base_url=proxy.url, limits=httpx.Limits(max_keepalive_connections=0)) as client:
+            responses = [
+                await client.post("/v1/chat/completions", json={"model": "m", "messages": MESSAGES}) for _ in range(6)
+            ]
+
+    assert [r.status_code for r in responses] == [200] * 6
 
 
 async def test_sigterm_stops_it_cleanly(prefill_engine, decode_engine):
