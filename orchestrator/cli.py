@@ -163,6 +163,13 @@ def cmd_proxy(args: argparse.Namespace) -> int:
         return 1
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pdserve", description="Disaggregated prefill/decode serving on Ray-managed vLLM engines."
@@ -192,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     proxy.add_argument("--port", type=int, default=8000, help="port to listen on; 0 picks one (default: %(default)s)")
     proxy.add_argument("--model", help="the served model's name (default: asked from the engines' /v1/models)")
     proxy.add_argument(
-        "--workers", type=int, default=DEFAULT_PROXY_WORKERS, help="proxy processes (default: %(default)s)"
+        "--workers", type=_positive_int, default=DEFAULT_PROXY_WORKERS, help="proxy processes (default: %(default)s)"
     )
     proxy.add_argument(
         "--request-timeout-s", type=float, default=600.0, help="longest silence from an engine (default: %(default)s)"

@@ -195,13 +195,15 @@ def serve(
         return 0 if server.started else 1
     # The reserved socket never listens: connections go only to the workers' listening sockets.
     port = reserved.getsockname()[1]
-    with _Workers(make_app, host, port, workers) as pool:
-        if not pool.wait_ready(WORKER_START_TIMEOUT_S):
-            return 1
-        if on_ready:
-            on_ready(url)
-        pool.watch()
-    reserved.close()
+    try:
+        with _Workers(make_app, host, port, workers) as pool:
+            if not pool.wait_ready(WORKER_START_TIMEOUT_S):
+                return 1
+            if on_ready:
+                on_ready(url)
+            pool.watch()
+    finally:
+        reserved.close()
     return 0
 
 

@@ -260,6 +260,16 @@ def test_prefill_and_decode_are_required(capsys):
     assert "--prefill" in capsys.readouterr().err
 
 
+def test_workers_must_be_positive(capsys):
+    from orchestrator.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["proxy", "--prefill", "http://p:1", "--decode", "http://d:1", "--workers", "0"])
+
+    assert info.value.code == 2
+    assert "--workers: must be at least 1, got 0" in capsys.readouterr().err
+
+
 @pytest.fixture
 def unused_url() -> str:
     """A URL on which nothing listens."""
