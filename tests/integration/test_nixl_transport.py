@@ -29,21 +29,21 @@ WAIT_S = 20.0
 READ_TIMEOUT_S = 3.0
 
 
-def make_caches(seed: int | None) -> dict[str, torch.Tensor]:
+def make_caches(seed: int | None, device: str = "cpu") -> dict[str, torch.Tensor]:
     """Layer caches filled from ``seed`` (zeros when None): the source's content is reproducible here."""
     generator = torch.Generator().manual_seed(seed) if seed is not None else None
     return {
-        f"model.layers.{i}.self_attn": torch.randn(KV_SHAPE, generator=generator)
-        if generator
-        else torch.zeros(KV_SHAPE)
+        f"model.layers.{i}.self_attn": (
+            torch.randn(KV_SHAPE, generator=generator) if generator else torch.zeros(KV_SHAPE)
+        ).to(device)
         for i in range(NUM_LAYERS)
     }
 
 
-def run_source(conn) -> None:
+def run_source(conn, device: str = "cpu") -> None:
     """Child process: serve its caches until told to stop, forwarding notifications to the test."""
     with NixlKVTransport("prefill-0") as transport:
-        caches = make_caches(SOURCE_SEED)
+        caches = make_caches(SOURCE_SEED, device)
         regions = transport.register_kv_caches(caches, BLOCK_LEN_BYTES)
         conn.send((transport.agent_metadata(), regions))
         while True:
@@ -67,10 +67,10 @@ class Source:
         return self.conn.recv()
 
 
-def start_source() -> Source:
+def start_source(device: str = "cpu") -> Source:
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    process = ctx.Process(target=run_source, args=(child,), daemon=True)
+    process = ctx.Process(target=run_source, args=(child, device), daemon=True)
     process.start()
     if not parent.poll(WAIT_S + 20):  # spawning imports torch and starts UCX
         process.kill()
