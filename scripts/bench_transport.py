@@ -61,7 +61,7 @@ def run_source(conn, args: argparse.Namespace, num_blocks: int) -> None:
 
 
 def plane_descriptors(regions: KVRegions, block_ids: np.ndarray) -> np.ndarray:
-    """Nx3 descriptors of every region's plane of ``block_ids``, in read_blocks' order."""
+    """Nx3 descriptors of every region's plane of ``block_ids``: the bytes ``read_blocks`` moves."""
     rows = regions.descriptors().reshape(len(regions.region_addrs), regions.num_blocks, 3)
     return np.ascontiguousarray(rows[:, block_ids].reshape(-1, 3))
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from connectors.block_ranges import PlaneRanges
 from connectors.errors import BlockMappingError, TransportError
 from connectors.nixl_transport import KVRegions, NixlKVTransport, TransferState
 
@@ -160,6 +161,19 @@ def test_read_blocks_rejects_unknown_peers_and_out_of_range_block_ids(reader, so
         transport.read_blocks("prefill-0", [0, 1], [5])
     with pytest.raises(TransportError, match="block_len_bytes differs"):
         transport.add_peer("prefill-1", source.metadata, KVRegions(**{**_fields(source.regions), "block_len_bytes": 8}))
+
+
+def test_add_peer_refuses_runs_outside_the_blocks_and_descriptor_lists_over_the_limit(reader, source):
+    transport, _ = reader
+    past_the_end = PlaneRanges(1, (0,), (BLOCK_LEN_BYTES - 4,), (0,), ((0,),), (8,))
+    with pytest.raises(TransportError, match="runs leave the remote block plane of 8192 bytes"):
+        transport.add_peer("prefill-0", source.metadata, source.regions, past_the_end)
+    transport.max_descriptors = 4 * 64 * 2 - 1  # one short of every layer's K and V planes of 64 blocks
+    with pytest.raises(TransportError, match="512 remote descriptors exceed the limit of 511"):
+        transport.add_peer("prefill-0", source.metadata, source.regions)
+    transport.max_descriptors = 512
+    transport.add_peer("prefill-0", source.metadata, source.regions)
+    assert transport.read_blocks("prefill-0", [3], [5]).wait() is TransferState.DONE
 
 
 def _fields(regions: KVRegions) -> dict:
