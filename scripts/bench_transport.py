@@ -54,7 +54,7 @@ def run_source(conn, args: argparse.Namespace, num_blocks: int) -> None:
         f"layer.{i}": torch.randn(kv_shape(args, num_blocks)).to(device=args.device, dtype=dtype)
         for i in range(args.layers)
     }
-    with NixlKVTransport("bench-source") as transport:
+    with NixlKVTransport("bench-source", num_threads=args.threads) as transport:
         regions = transport.register_kv_caches(caches, plane_bytes(args))  # before the metadata, which lists it
         conn.send((transport.agent_metadata(), regions))
         conn.recv()  # "stop"
@@ -96,11 +96,11 @@ def bench(args: argparse.Namespace) -> dict:
             f"layer.{i}": torch.zeros(kv_shape(args, num_blocks), dtype=dtype, device=args.device)
             for i in range(args.layers)
         }
-        ours = NixlKVTransport("bench-reader", transfer_timeout_s=60)
+        ours = NixlKVTransport("bench-reader", transfer_timeout_s=60, num_threads=args.threads)
         local_regions = ours.register_kv_caches(caches, plane_bytes(args))
         ours.add_peer("bench-source", metadata, remote_regions)
 
-        raw_agent = nixl_agent("bench-raw-reader", nixl_agent_config(backends=["UCX"]))
+        raw_agent = nixl_agent("bench-raw-reader", nixl_agent_config(backends=["UCX"], num_threads=args.threads))
         raw_agent.register_memory(list(caches.values()))
         raw_peer = raw_agent.add_remote_agent(metadata)
 
@@ -160,6 +160,7 @@ def bench(args: argparse.Namespace) -> dict:
             "block_shape": [args.block_size, args.heads, args.head_dim],
             "dtype": args.dtype,
             "iters": args.iters,
+            "nixl_threads": args.threads,
             "torch_threads": torch.get_num_threads(),
             "results": results,
         }
@@ -181,6 +182,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"])
     parser.add_argument("--sizes-mib", type=float, nargs="+", default=[64, 256])
     parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=0, help="NIXL/UCX progress threads of every agent")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where both KV caches live")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     args = parser.parse_args()
