@@ -5,13 +5,20 @@ cluster of ``--config`` is started with ``pdserve up --detach`` with only
 ``connector`` changed (and ``engine.max_model_len`` raised to fit the longest
 prompt); then, for each prompt length in ``--prompt-tokens``, ``--runs`` fresh
 prompts (a new number in front of each, so no prefix cache helps) are streamed
-through the proxy one at a time. Measured per connector and length:
+through the proxy one at a time. With ``--rounds N`` the connectors take turns
+N times (A B A B ...), so that a change in the machine's load falls on both.
+Measured per connector and length, over all rounds:
 
 * TTFT p50 / p90 as the client sees it (first streamed token);
 * KV transfer time per request, from the decode engine's own histogram
   (``pdserve:kv_transfer_seconds`` for ours, ``vllm:nixl_xfer_time_seconds``
   for vLLM's): mean over the requests of that length;
 * the bytes moved per request, where the connector counts them.
+
+The two transfer times are not measured alike: vLLM's is NIXL's own telemetry
+(the READ inside NIXL), ours runs from posting the READ to the engine step that
+sees it done, so it also holds the wait for that step. TTFT is the figure both
+share.
 
 Both clusters run on the same machine one after the other with the same
 engines, cores and prompts: compare the ratios, not the absolute times.
@@ -59,7 +66,8 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def bench_connector(base_spec: dict, connector: str, args: argparse.Namespace, workdir: Path) -> dict:
+def bench_connector(base_spec: dict, connector: str, args: argparse.Namespace, workdir: Path, tag: int) -> dict:
+    """One round of one connector: ``{length: {"ttfts_ms": [...], "seconds": s, "transfers": n, "bytes": b}}``."""
     spec = dict(base_spec, connector=connector)
     spec["engine"] = dict(spec.get("engine") or {}, max_model_len=max(args.prompt_tokens) + 256)
     spec_path = workdir / f"bench-{connector}.yaml"
@@ -79,25 +87,41 @@ def bench_connector(base_spec: dict, connector: str, args: argparse.Namespace, w
             time.sleep(1.0)  # let the last step's connector stats reach /metrics
             before = scrape(decode_url, names)
             runs = [
-                stream_completion(proxy, model, f"[{connector} {length}] " + make_prompt(run, length), OUTPUT_TOKENS)
+                stream_completion(proxy, model, f"[{connector} {tag}] " + make_prompt(run, length), OUTPUT_TOKENS)
                 for run in range(args.runs)
             ]
             time.sleep(1.0)
             after = scrape(decode_url, names)
             delta = {name: after[name] - before[name] for name in names}
-            transfers = delta[seconds + "_count"]
-            ttfts = [1000 * r["ttft_s"] for r in runs]
-            by_length[str(length)] = {
+            by_length[length] = {
                 "prompt_tokens": runs[0]["prompt_tokens"],
-                "ttft_p50_ms": round(statistics.median(ttfts), 1),
-                "ttft_p90_ms": round(percentile(ttfts, 0.9), 1),
-                "transfers": int(transfers),
-                "transfer_mean_ms": round(1000 * delta[seconds + "_sum"] / transfers, 2) if transfers else None,
-                "bytes_per_request": int(delta[nbytes] / args.runs),
+                "ttfts_ms": [1000 * r["ttft_s"] for r in runs],
+                "seconds": delta[seconds + "_sum"],
+                "transfers": delta[seconds + "_count"],
+                "bytes": delta[nbytes],
             }
         return by_length
     finally:
         pdserve("down")
+
+
+def summarize(rounds: list[dict]) -> dict:
+    """Samples of every round of one connector -> percentiles and means per prompt length."""
+    summary = {}
+    for length in rounds[0]:
+        samples = [r[length] for r in rounds]
+        ttfts = [t for s in samples for t in s["ttfts_ms"]]
+        transfers = sum(s["transfers"] for s in samples)
+        summary[str(length)] = {
+            "prompt_tokens": samples[0]["prompt_tokens"],
+            "requests": len(ttfts),
+            "ttft_p50_ms": round(statistics.median(ttfts), 1),
+            "ttft_p90_ms": round(percentile(ttfts, 0.9), 1),
+            "transfers": int(transfers),
+            "transfer_mean_ms": round(1000 * sum(s["seconds"] for s in samples) / transfers, 2) if transfers else None,
+            "bytes_per_request": int(sum(s["bytes"] for s in samples) / len(ttfts)),
+        }
+    return summary
 
 
 def main() -> None:
@@ -105,14 +129,20 @@ def main() -> None:
     parser.add_argument("--config", default="configs/local-cpu.yaml")
     parser.add_argument("--connectors", nargs="+", default=["pdserve", "vllm-nixl"], choices=list(TRANSFER_METRICS))
     parser.add_argument("--prompt-tokens", type=int, nargs="+", default=[256, 1024, 4096])
-    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--runs", type=int, default=5, help="prompts per length per round")
+    parser.add_argument("--rounds", type=int, default=1, help="times the connectors take turns")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     args = parser.parse_args()
 
     base_spec = yaml.safe_load(Path(args.config).read_text())
     with tempfile.TemporaryDirectory(prefix="pdserve-bench-") as workdir:
-        results = {c: bench_connector(base_spec, c, args, Path(workdir)) for c in args.connectors}
-    report = {"config": args.config, "cpu_count": os.cpu_count(), "runs": args.runs, "results": results}
+        rounds: dict[str, list[dict]] = {c: [] for c in args.connectors}
+        for tag in range(args.rounds):
+            for connector in args.connectors:
+                rounds[connector].append(bench_connector(base_spec, connector, args, Path(workdir), tag))
+    results = {connector: summarize(samples) for connector, samples in rounds.items()}
+    report = {"config": args.config, "cpu_count": os.cpu_count(), "runs": args.runs, "rounds": args.rounds}
+    report["results"] = results
     if len(args.connectors) == 2:
         ours, theirs = args.connectors
         report["ratios"] = {
@@ -130,7 +160,10 @@ def main() -> None:
     if args.json:
         print(json.dumps(report, indent=2))
         return
-    print(f"{args.runs} fresh prompts per length, {OUTPUT_TOKENS} output tokens, streamed through the proxy")
+    print(
+        f"{args.runs} fresh prompts per length x {args.rounds} round(s), {OUTPUT_TOKENS} output tokens, "
+        "streamed through the proxy"
+    )
     print(f"{'connector':<10} {'tokens':>6} {'TTFT p50':>9} {'TTFT p90':>9} {'xfer ms':>8} {'MiB/req':>8}")
     for connector, by_length in results.items():
         for r in by_length.values():
