@@ -93,8 +93,14 @@ def stop(source: Source) -> None:
 
 
 @pytest.fixture
-def reader() -> Iterator[tuple[NixlKVTransport, dict[str, torch.Tensor]]]:
-    caches = make_caches(None)
+def device() -> str:
+    """Where both sides' caches live; tests/gpu runs these tests again with "cuda"."""
+    return "cpu"
+
+
+@pytest.fixture
+def reader(device: str) -> Iterator[tuple[NixlKVTransport, dict[str, torch.Tensor]]]:
+    caches = make_caches(None, device)
     transport = NixlKVTransport("decode-0", transfer_timeout_s=READ_TIMEOUT_S)
     transport.register_kv_caches(caches, BLOCK_LEN_BYTES)
     yield transport, caches
@@ -102,15 +108,15 @@ def reader() -> Iterator[tuple[NixlKVTransport, dict[str, torch.Tensor]]]:
 
 
 @pytest.fixture
-def source() -> Iterator[Source]:
-    started = start_source()
+def source(device: str) -> Iterator[Source]:
+    started = start_source(device)
     try:
         yield started
     finally:
         stop(started)
 
 
-def test_read_blocks_copies_every_layer_into_other_block_ids_and_notifies_source(reader, source):
+def test_read_blocks_copies_every_layer_into_other_block_ids_and_notifies_source(reader, source, device):
     transport, caches = reader
     transport.add_peer("prefill-0", source.metadata, source.regions)
     generator = torch.Generator().manual_seed(7)
@@ -123,7 +129,7 @@ def test_read_blocks_copies_every_layer_into_other_block_ids_and_notifies_source
     assert transport.poll(read) is TransferState.DONE
     assert read.failure_exception() is None
     assert read.num_bytes == len(remote_ids) * NUM_LAYERS * 2 * BLOCK_LEN_BYTES
-    expected = make_caches(SOURCE_SEED)
+    expected = make_caches(SOURCE_SEED, device)
     untouched = sorted(set(range(64)) - set(local_ids))
     for name, cache in caches.items():
         assert torch.equal(cache[:, local_ids], expected[name][:, remote_ids]), name
