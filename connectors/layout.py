@@ -2,7 +2,9 @@
 
 Tensors here are one layer's KV blocks, K and V planes first as in vLLM's
 per-layer cache: ``[2, num_blocks, block_size, num_heads, head_dim]`` (NHD) or
-``[2, num_blocks, num_heads, block_size, head_dim]`` (HND).
+``[2, num_blocks, num_heads, block_size, head_dim]`` (HND). An H2ND cache
+(vLLM's CPU cache, ``[num_blocks, num_heads, block_size, 2 * head_dim]``)
+enters as its ``kv_planes`` view, HND, and ``join_kv_planes`` builds one.
 
 For each ``HeadSlice`` of its ``ReadPlan`` a local rank reads that slice of
 every remote block into a staging tensor
@@ -27,14 +29,43 @@ __all__ = [
     "blocks_to_tokens",
     "convert_layout",
     "gather_blocks",
+    "join_kv_planes",
+    "kv_planes",
+    "split_layout",
     "store_blocks",
     "tokens_to_blocks",
 ]
 
 
+def split_layout(layout: KVLayout | str) -> KVLayout:
+    """The layout of ``layout``'s K and V planes taken apart: H2ND's are HND."""
+    layout = KVLayout(layout)
+    return KVLayout.HND if layout is KVLayout.H2ND else layout
+
+
+def kv_planes(cache: torch.Tensor, layout: KVLayout | str) -> torch.Tensor:
+    """A layer's cache as ``[2, num_blocks, *block]`` in ``split_layout(layout)``; a view, so writes reach ``cache``."""
+    if KVLayout(layout) is not KVLayout.H2ND:
+        return cache
+    num_blocks, num_heads, block_size, two_dims = cache.shape
+    return cache.view(num_blocks, num_heads, 2, block_size, two_dims // 2).permute(2, 0, 1, 3, 4)
+
+
+def join_kv_planes(blocks: torch.Tensor) -> torch.Tensor:
+    """HND ``[2, num_blocks, num_heads, block_size, head_dim]`` as an H2ND cache.
+
+    The result is ``[num_blocks, num_heads, block_size, 2 * head_dim]``, contiguous, as vLLM's CPU backend keeps it.
+    """
+    _, num_blocks, num_heads, block_size, head_dim = blocks.shape
+    return blocks.permute(1, 2, 0, 3, 4).reshape(num_blocks, num_heads, block_size, 2 * head_dim)
+
+
 def convert_layout(blocks: torch.Tensor, src: KVLayout | str, dst: KVLayout | str) -> torch.Tensor:
-    """``blocks`` (``[..., N, H, D]`` or ``[..., H, N, D]``) re-laid out from ``src`` to ``dst``, contiguous."""
-    if KVLayout(src) is KVLayout(dst):
+    """``blocks`` (``[..., N, H, D]`` or ``[..., H, N, D]``) re-laid out from ``src`` to ``dst``, contiguous.
+
+    H2ND stands for its ``kv_planes`` form (HND).
+    """
+    if split_layout(src) is split_layout(dst):
         return blocks.contiguous()
     # The two layouts differ only in the order of the token and head dims.
     return blocks.transpose(-3, -2).contiguous()

@@ -5,8 +5,11 @@ connector does not let vLLM free the request's KV blocks: it ``hold``s them in a
 ``LeaseTable`` until the decode side has read them (step 5 of "A request's
 path" in DESIGN.md). Three things end a lease:
 
-- every expected reader (e.g. each decode TP rank) reports its read, through a
-  NIXL notification on the worker side (``mark_read``);
+- every expected reader (each decode TP rank that reads this prefill rank)
+  reports its read, through a NIXL notification on the worker side
+  (``mark_read``). The notification (``read_notification``) carries how many
+  readers to expect: only the decode side knows its TP size, and the lease is
+  taken before any reader is known;
 - the proxy sends an explicit release for an abandoned request (``release``);
 - nobody comes before the lease's TTL runs out (``expire``), e.g. the client
   left or the decode engine died.
@@ -52,11 +55,41 @@ from collections.abc import Callable, Hashable, Iterable
 
 from connectors.errors import LeaseError
 
-__all__ = ["DEFAULT_LEASE_TTL_S", "BlockLease", "LeaseState", "LeaseStats", "LeaseTable"]
+__all__ = [
+    "DEFAULT_LEASE_TTL_S",
+    "READ_NOTIFICATION_PREFIX",
+    "BlockLease",
+    "LeaseState",
+    "LeaseStats",
+    "LeaseTable",
+    "parse_read_notification",
+    "read_notification",
+]
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_LEASE_TTL_S = 120.0
+READ_NOTIFICATION_PREFIX = b"PDRD "
+
+
+def read_notification(request_id: str, expected_reads: int) -> bytes:
+    """What a reader attaches to its READ of ``request_id``'s blocks: the id and how many readers the source expects."""
+    if expected_reads < 1:
+        raise LeaseError(f"request {request_id!r}: expected_reads must be at least 1, got {expected_reads}")
+    return READ_NOTIFICATION_PREFIX + f"{expected_reads} ".encode() + request_id.encode()
+
+
+def parse_read_notification(message: bytes) -> tuple[str, int | None]:
+    """``(request_id, expected_reads)`` of a READ notification.
+
+    A bare request id (a reader that does not say) gives None: the lease keeps
+    the count it was held with. Never raises: notifications come from peers.
+    """
+    if message.startswith(READ_NOTIFICATION_PREFIX):
+        count, separator, request_id = message[len(READ_NOTIFICATION_PREFIX) :].partition(b" ")
+        if separator and count.isdigit() and int(count) >= 1:
+            return request_id.decode(errors="replace"), int(count)
+    return message.decode(errors="replace"), None
 
 
 class LeaseState(enum.Enum):
@@ -169,13 +202,16 @@ class LeaseTable:
         )
         return snapshot
 
-    def mark_read(self, request_id: str, reader_id: Hashable) -> bool:
+    def mark_read(self, request_id: str, reader_id: Hashable, expected_reads: int | None = None) -> bool:
         """Record that ``reader_id`` read the request's blocks; True when it was the last expected reader.
 
-        A second notification from the same reader changes nothing. A
-        notification for a request not held (unknown, expired, released,
-        already read) is counted as late and ignored.
+        ``expected_reads``, when given, replaces the lease's count: the readers
+        say how many of them there are. A second notification from the same
+        reader changes nothing. A notification for a request not held
+        (unknown, expired, released, already read) is counted as late and ignored.
         """
+        if expected_reads is not None and expected_reads < 1:
+            raise LeaseError(f"request {request_id!r}: expected_reads must be at least 1, got {expected_reads}")
         with self._lock:
             lease = self._leases.get(request_id)
             if lease is None:
@@ -183,6 +219,8 @@ class LeaseTable:
                 late = True
             else:
                 late = False
+                if expected_reads is not None:
+                    lease.expected_reads = expected_reads
                 lease.reads_done.add(reader_id)
                 done = len(lease.reads_done) >= lease.expected_reads
                 if done:

@@ -4,8 +4,10 @@
 ``build_connector_meta`` and bound to the worker before the model runs:
 
 - ``reqs_to_receive``: decode side. Requests whose prompt KV lives on a
-  prefill engine; the worker handshakes with that engine (once) and posts one
-  READ of ``remote_block_ids`` into ``local_block_ids``.
+  prefill engine; the worker handshakes with the prefill ranks it reads (once
+  each) and posts one READ per rank of ``remote_block_ids`` into
+  ``local_block_ids`` (local block i takes remote blocks [i*ratio, (i+1)*ratio)
+  when the prefill's block size is ``ratio`` times smaller).
 - ``reqs_to_hold``: prefill side. Requests that finished with
   ``do_remote_decode``; the worker keeps their blocks under a lease until the
   decode engine's READ notification arrives (or the lease expires).
@@ -38,6 +40,7 @@ class KVTransferParams:
     remote_block_ids: tuple[int, ...]
     remote_num_tokens: int
     tp_size: int = 1
+    block_size: int | None = None  # the prefill's (logical) block size; None from a prefill that did not say
 
     @classmethod
     def for_remote_prefill(cls, params: Mapping[str, Any] | None) -> KVTransferParams | None:
@@ -64,12 +67,13 @@ class KVTransferParams:
             remote_block_ids=tuple(int(b) for b in block_ids),
             remote_num_tokens=int(params.get("remote_num_tokens") or 0),
             tp_size=int(params.get("tp_size") or 1),
+            block_size=int(params["block_size"]) if params.get("block_size") else None,
         )
 
 
 @dataclass(frozen=True, slots=True)
 class ReceiveSpec:
-    """One decode request's READ: remote blocks into local blocks, position by position."""
+    """One decode request's READ: remote blocks into local blocks, ``ratio`` remote blocks per local block."""
 
     request_id: str
     local_block_ids: tuple[int, ...]

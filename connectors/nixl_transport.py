@@ -1,23 +1,29 @@
 """Block transport over NIXL: one agent per worker, one batched READ per request and peer.
 
-Life of a read, from the reading (decode) side:
+A *peer* is one remote TP rank: its own NIXL agent and caches. Life of a read,
+from the reading (decode) side:
 
 1. Both sides ``register_kv_caches``: every layer's cache is registered with
-   the agent and cut into *block planes* (one K or V plane of one block of one
-   layer, ``block_len_bytes`` long), prepared once as a local descriptor list.
-2. The reader learns a source with ``add_peer(engine_id, metadata, regions)``,
-   where ``metadata`` is the source's ``agent_metadata()`` and ``regions`` its
-   ``kv_regions()``; the source's block planes are prepared once as a remote list.
-3. ``read_blocks(engine_id, local_block_ids, remote_block_ids, notify)`` posts
-   ONE READ covering every plane of every layer of those blocks and returns a
-   ``KVRead``. Its state machine is PENDING -> DONE | FAILED; a read still
-   PENDING at its deadline becomes FAILED, so nothing waits forever.
+   the agent as *regions* of block planes (one block of one layer's K, V, or
+   both as in vLLM's CPU cache; ``block_len_bytes`` long).
+2. The reader learns a source rank with ``add_peer(peer, metadata, regions,
+   ranges)``: ``metadata`` is the source's ``agent_metadata()``, ``regions``
+   its ``kv_regions()``, ``ranges`` the ``PlaneRanges`` this rank reads from it
+   (``connectors.block_ranges``: its head slice, remote block size dividing
+   ours). Both descriptor lists are prepared here, once: the source's runs of
+   every block, and the runs' places in every local block and sub-block (that
+   local list is shared by peers with the same runs). Without ``ranges`` a
+   peer's whole planes go 1:1 into ours (equal caches).
+3. ``read_blocks(peer, local_block_ids, remote_block_ids, notify)`` posts ONE
+   READ covering every run of every layer of those blocks, straight into the
+   local cache, and returns a ``KVRead``. Its state machine is PENDING -> DONE
+   | FAILED; a read still PENDING at its deadline becomes FAILED, so nothing
+   waits forever.
 4. When the READ completes NIXL hands ``notify`` to the source, which sees it
    in ``poll_notifications()`` and may free the blocks.
 
-Descriptor index of plane (region r, block b) is ``r * num_blocks + b`` on both
-sides, with regions in registration order (layer, then K before V), so local
-and remote index arrays of a read line up element by element.
+``block_ranges.read_indices`` picks a read's local and remote descriptor
+indices so that they line up element by element.
 
 ``nixl`` is imported only here, when a transport is built; torch only where
 tensors are inspected.
@@ -35,7 +41,15 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from connectors.errors import BlockMappingError, TransportError
+from connectors.block_ranges import (
+    KVRegions,
+    PlaneRanges,
+    local_descriptors,
+    read_indices,
+    remote_descriptors,
+    whole_plane_ranges,
+)
+from connectors.errors import TransportError
 
 if TYPE_CHECKING:
     import torch
@@ -45,6 +59,10 @@ __all__ = ["KVRead", "KVRegions", "NixlKVTransport", "TransferState"]
 logger = logging.getLogger(__name__)
 
 DEFAULT_TRANSFER_TIMEOUT_S = 30.0
+# Upper bound on one prepared descriptor list. NHD caches read by head slice
+# need one run per token (or per token and head across layouts): this fails
+# add_peer with a clear reason instead of preparing gigabytes of descriptors.
+DEFAULT_MAX_DESCRIPTORS = 1 << 24
 
 
 class TransferState(enum.Enum):
@@ -53,33 +71,6 @@ class TransferState(enum.Enum):
     PENDING = "pending"
     DONE = "done"
     FAILED = "failed"
-
-
-@dataclass(frozen=True, slots=True)
-class KVRegions:
-    """Where an engine's registered KV caches lie, as a peer needs them to prepare reads.
-
-    ``region_addrs`` holds one base address per (layer, K/V) region, in
-    descriptor order; each region is ``num_blocks`` planes of ``block_len_bytes``.
-    Plain data: picklable, and cheap to send through a side channel.
-    """
-
-    layer_names: tuple[str, ...]
-    region_addrs: tuple[int, ...]
-    num_blocks: int
-    block_len_bytes: int
-    mem_type: str  # "DRAM" or "VRAM"
-    device_id: int
-
-    def descriptors(self) -> np.ndarray:
-        """Nx3 ``(address, length, device)`` rows, one per block plane, in descriptor order."""
-        addrs = np.asarray(self.region_addrs, dtype=np.uint64)[:, None]
-        offsets = np.arange(self.num_blocks, dtype=np.uint64)[None, :] * np.uint64(self.block_len_bytes)
-        rows = np.empty((len(self.region_addrs) * self.num_blocks, 3), dtype=np.uint64)
-        rows[:, 0] = (addrs + offsets).ravel()
-        rows[:, 1] = self.block_len_bytes
-        rows[:, 2] = self.device_id
-        return rows
 
 
 class KVRead:
@@ -160,10 +151,20 @@ class KVRead:
 
 
 @dataclass(slots=True)
+class _LocalList:
+    """A prepared local descriptor list, shared by the peers whose runs land in the same places."""
+
+    prepped: Any  # nixl_prepped_dlist_handle
+    users: int
+
+
+@dataclass(slots=True)
 class _Peer:
     agent_name: str
     regions: KVRegions
-    prepped: Any  # nixl_prepped_dlist_handle of the peer's block planes
+    ranges: PlaneRanges
+    prepped: Any  # nixl_prepped_dlist_handle of the peer's runs
+    local_key: tuple[object, ...]
 
 
 def _import_nixl() -> tuple[Any, Any, tuple[type[Exception], ...]]:
@@ -195,9 +196,11 @@ class NixlKVTransport:
         backends: Sequence[str] = ("UCX",),
         transfer_timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S,
         num_threads: int = 0,
+        max_descriptors: int = DEFAULT_MAX_DESCRIPTORS,
     ):
         if transfer_timeout_s <= 0:
             raise ValueError(f"transfer_timeout_s must be > 0, got {transfer_timeout_s}")
+        self.max_descriptors = max_descriptors
         nixl_agent, nixl_agent_config, self._nixl_errors = _import_nixl()
         self.engine_id = engine_id
         self.agent_name = f"{engine_id}-{uuid.uuid4().hex[:8]}"
@@ -215,7 +218,7 @@ class NixlKVTransport:
             )
         self._regions: KVRegions | None = None
         self._reg_descs: Any = None
-        self._local_prepped: Any = None
+        self._local_lists: dict[tuple[object, ...], _LocalList] = {}
         self._peers: dict[str, _Peer] = {}
         self._unreleased: list[Any] = []
         self._closed = False
@@ -223,12 +226,16 @@ class NixlKVTransport:
 
     # ------------------------------------------------------------ registration
 
-    def register_kv_caches(self, caches: Mapping[str, torch.Tensor], block_len_bytes: int) -> KVRegions:
-        """Register every layer's cache and prepare its block planes; returns ``kv_regions()``.
+    def register_kv_caches(
+        self, caches: Mapping[str, torch.Tensor], block_len_bytes: int, *, planes_per_layer: int | None = None
+    ) -> KVRegions:
+        """Register every layer's cache; returns ``kv_regions()``.
 
         A cache is ``[2, num_blocks, ...]`` (K and V planes apart) or
-        ``[num_blocks, ...]`` (one plane per block, as MLA), contiguous, on
-        CPU or one CUDA device; every layer has the same shape.
+        ``[num_blocks, ...]`` (one plane per block: vLLM's CPU cache, MLA),
+        dense in memory, on CPU or one CUDA device; every layer has the same
+        shape. ``planes_per_layer`` (2 or 1) says which; by default a leading
+        dim of 2 means K and V apart.
         """
         if self._regions is not None:
             raise TransportError(f"engine {self.engine_id}: KV caches are already registered")
@@ -239,15 +246,26 @@ class NixlKVTransport:
         for name, cache in caches.items():
             if cache.shape != first.shape or cache.dtype != first.dtype or cache.device != first.device:
                 raise TransportError(f"layer {name}: cache {tuple(cache.shape)} differs from the first layer's")
-            if not cache.is_contiguous():
-                raise TransportError(f"layer {name}: cache must be contiguous")
-            num_regions = 2 if cache.dim() >= 2 and cache.shape[0] == 2 else 1
+            if not _is_dense(cache):
+                raise TransportError(f"layer {name}: cache must be dense in memory (a permuted contiguous tensor)")
+            num_regions = planes_per_layer or (2 if cache.dim() >= 2 and cache.shape[0] == 2 else 1)
+            if num_regions not in (1, 2):
+                raise TransportError(f"planes_per_layer must be 1 or 2, got {planes_per_layer}")
             num_blocks = cache.shape[1] if num_regions == 2 else cache.shape[0]
             if cache.numel() * cache.element_size() != num_regions * num_blocks * block_len_bytes:
                 raise TransportError(
                     f"layer {name}: {num_regions} x {num_blocks} blocks of {block_len_bytes} bytes "
                     f"do not make up its cache of {tuple(cache.shape)} {cache.dtype}"
                 )
+            # Regions and blocks are cut by address: the plane and block dims must be outermost in memory.
+            block_dim = 1 if num_regions == 2 else 0
+            outer = ((0, num_blocks * block_len_bytes),) if num_regions == 2 else ()
+            for dim, stride_bytes in (*outer, (block_dim, block_len_bytes)):
+                if cache.shape[dim] > 1 and cache.stride(dim) * cache.element_size() != stride_bytes:
+                    raise TransportError(
+                        f"layer {name}: dim {dim} of its cache {tuple(cache.shape)} is not outermost in memory "
+                        f"(stride {cache.stride(dim)} elements)"
+                    )
             region_bytes = num_blocks * block_len_bytes
             region_addrs += [cache.data_ptr() + i * region_bytes for i in range(num_regions)]
         on_cuda = first.device.type == "cuda"
@@ -262,9 +280,6 @@ class NixlKVTransport:
         whole = [(c.data_ptr(), c.numel() * c.element_size(), regions.device_id, "") for c in caches.values()]
         try:
             self._reg_descs = self._agent.register_memory(whole, regions.mem_type, backends=self._backends)
-            self._local_prepped = self._agent.prep_xfer_dlist(
-                "NIXL_INIT_AGENT", regions.descriptors(), regions.mem_type, backends=self._backends
-            )
         except self._nixl_errors as e:
             raise TransportError(f"engine {self.engine_id}: registering KV caches with NIXL failed: {e}") from e
         self._regions = regions
@@ -286,11 +301,60 @@ class NixlKVTransport:
 
     # ------------------------------------------------------------ peers
 
-    def add_peer(self, engine_id: str, metadata: bytes, regions: KVRegions) -> str:
-        """Learn a source engine's agent and prepare its block planes; returns its NIXL agent name."""
+    def add_peer(self, peer: str, metadata: bytes, regions: KVRegions, ranges: PlaneRanges | None = None) -> str:
+        """Learn a source rank's agent, prepare the descriptors of reading ``ranges`` from it; returns its agent name.
+
+        Without ``ranges`` the peer's caches must equal ours and whole planes go 1:1.
+        """
         local = self._require_regions()
-        if engine_id in self._peers:
-            raise TransportError(f"peer engine {engine_id} is already added")
+        if peer in self._peers:
+            raise TransportError(f"peer {peer} is already added")
+        if ranges is None:
+            ranges = self._whole_plane_ranges(peer, regions)
+        self._check_ranges(peer, regions, ranges)
+        local_key = ranges.local_key()
+        try:
+            agent_name = self._agent.add_remote_agent(metadata)
+        except self._nixl_errors as e:
+            raise TransportError(f"cannot load NIXL metadata of peer {peer}: {e}") from e
+        try:
+            prepped = self._agent.prep_xfer_dlist(
+                agent_name, remote_descriptors(ranges, regions), regions.mem_type, backends=self._backends
+            )
+        except self._nixl_errors as e:
+            self._agent.remove_remote_agent(agent_name)
+            raise TransportError(f"cannot prepare block descriptors of peer {peer}: {e}") from e
+        try:
+            self._use_local_list(local_key, ranges, local)
+        except TransportError:
+            prepped.release()
+            self._agent.remove_remote_agent(agent_name)
+            raise
+        self._peers[peer] = _Peer(agent_name, regions, ranges, prepped, local_key)
+        logger.info(
+            "engine %s added peer %s (agent %s): %d run(s) of %d bytes per block and layer, block size ratio %d",
+            self.engine_id,
+            peer,
+            agent_name,
+            ranges.num_runs,
+            ranges.bytes_per_block,
+            ranges.ratio,
+        )
+        return agent_name
+
+    def remove_peer(self, peer: str) -> None:
+        entry = self._peers.pop(peer, None)
+        if entry is None:
+            return
+        try:
+            entry.prepped.release()
+            self._agent.remove_remote_agent(entry.agent_name)
+        except self._nixl_errors as e:  # a dead peer may fail to disconnect cleanly; it is gone either way
+            logger.warning("engine %s: removing peer %s: %s", self.engine_id, peer, e)
+        self._drop_local_list(entry.local_key)
+
+    def _whole_plane_ranges(self, peer: str, regions: KVRegions) -> PlaneRanges:
+        local = self._require_regions()
         problems = [
             f"{field} differs: local {getattr(local, field)}, remote {getattr(regions, field)}"
             for field in ("layer_names", "block_len_bytes")
@@ -299,31 +363,63 @@ class NixlKVTransport:
         if len(local.region_addrs) != len(regions.region_addrs):
             problems.append(f"{len(regions.region_addrs)} remote regions, {len(local.region_addrs)} local")
         if problems:
-            raise TransportError(f"cannot read KV from engine {engine_id}: " + "; ".join(problems))
-        try:
-            agent_name = self._agent.add_remote_agent(metadata)
-        except self._nixl_errors as e:
-            raise TransportError(f"cannot load NIXL metadata of engine {engine_id}: {e}") from e
-        try:
-            prepped = self._agent.prep_xfer_dlist(
-                agent_name, regions.descriptors(), regions.mem_type, backends=self._backends
-            )
-        except self._nixl_errors as e:
-            self._agent.remove_remote_agent(agent_name)
-            raise TransportError(f"cannot prepare block descriptors of engine {engine_id}: {e}") from e
-        self._peers[engine_id] = _Peer(agent_name, regions, prepped)
-        logger.info("engine %s added peer engine %s (agent %s)", self.engine_id, engine_id, agent_name)
-        return agent_name
+            raise TransportError(f"cannot read KV from peer {peer}: " + "; ".join(problems))
+        return whole_plane_ranges(local.planes_per_layer, local.block_len_bytes)
 
-    def remove_peer(self, engine_id: str) -> None:
-        peer = self._peers.pop(engine_id, None)
-        if peer is None:
+    def _check_ranges(self, peer: str, regions: KVRegions, ranges: PlaneRanges) -> None:
+        """Refuse runs that would leave either side's block planes, and descriptor lists too large to prepare."""
+        local = self._require_regions()
+        problems: list[str] = []
+        if regions.num_layers != local.num_layers or len(regions.region_addrs) % max(1, regions.num_layers):
+            problems.append(f"{len(regions.region_addrs)} remote regions for {local.num_layers} local layers")
+        if ranges.num_runs == 0:
+            problems.append("no runs to read")
+        else:
+            lengths = np.asarray(ranges.lengths)
+            remote_end = int((np.asarray(ranges.remote_offsets) + lengths).max())
+            local_end = int((np.asarray(ranges.local_offsets) + lengths).max())
+            if remote_end > regions.block_len_bytes or max(ranges.remote_planes) >= regions.planes_per_layer:
+                problems.append(f"runs leave the remote block plane of {regions.block_len_bytes} bytes")
+            if local_end > local.block_len_bytes or max(ranges.local_planes) >= local.planes_per_layer:
+                problems.append(f"runs leave the local block plane of {local.block_len_bytes} bytes")
+        counts = {
+            "remote": local.num_layers * regions.num_blocks * ranges.num_runs,
+            "local": local.num_layers * local.num_blocks * ranges.ratio * ranges.num_runs,
+        }
+        problems += [
+            f"{count} {side} descriptors exceed the limit of {self.max_descriptors} "
+            f"({ranges.num_runs} runs per block and layer: an NHD cache read by head slice; prefer HND)"
+            for side, count in counts.items()
+            if count > self.max_descriptors
+        ]
+        if problems:
+            raise TransportError(f"cannot read KV from peer {peer}: " + "; ".join(problems))
+
+    def _use_local_list(self, key: tuple[object, ...], ranges: PlaneRanges, local: KVRegions) -> None:
+        shared = self._local_lists.get(key)
+        if shared is not None:
+            shared.users += 1
             return
         try:
-            peer.prepped.release()
-            self._agent.remove_remote_agent(peer.agent_name)
-        except self._nixl_errors as e:  # a dead peer may fail to disconnect cleanly; it is gone either way
-            logger.warning("engine %s: removing peer engine %s: %s", self.engine_id, engine_id, e)
+            prepped = self._agent.prep_xfer_dlist(
+                "NIXL_INIT_AGENT", local_descriptors(ranges, local), local.mem_type, backends=self._backends
+            )
+        except self._nixl_errors as e:
+            raise TransportError(f"engine {self.engine_id}: cannot prepare local block descriptors: {e}") from e
+        self._local_lists[key] = _LocalList(prepped, 1)
+
+    def _drop_local_list(self, key: tuple[object, ...]) -> None:
+        shared = self._local_lists.get(key)
+        if shared is None:
+            return
+        shared.users -= 1
+        if shared.users > 0:
+            return
+        del self._local_lists[key]
+        try:
+            shared.prepped.release()
+        except self._nixl_errors as e:
+            logger.warning("engine %s: releasing a local descriptor list: %s", self.engine_id, e)
 
     # ------------------------------------------------------------ transfers
 
@@ -336,31 +432,36 @@ class NixlKVTransport:
         *,
         timeout_s: float | None = None,
     ) -> KVRead:
-        """Post one READ of the given blocks (every layer, K and V) from ``peer`` into local blocks.
+        """Post one READ of the given blocks (every layer, every run) from ``peer`` into local blocks.
 
-        ``notify`` reaches the peer's ``poll_notifications()`` when the READ is
-        done. A READ NIXL refuses to post comes back FAILED, not raised; bad
-        block ids or an unknown peer raise.
+        Remote block q fills sub-block ``q % ratio`` of local block ``q // ratio``
+        (``ratio`` of the peer's ranges; 1 pairs the lists position by
+        position). ``notify`` reaches the peer's ``poll_notifications()`` when
+        the READ is done. A READ NIXL refuses to post comes back FAILED, not
+        raised; bad block ids or an unknown peer raise.
         """
         local = self._require_regions()
         if peer not in self._peers:
-            raise TransportError(f"engine {self.engine_id}: unknown peer engine {peer}; call add_peer first")
+            raise TransportError(f"engine {self.engine_id}: unknown peer {peer}; call add_peer first")
         remote = self._peers[peer]
-        local_ids = _check_block_ids(local_block_ids, local.num_blocks, "local")
-        remote_ids = _check_block_ids(remote_block_ids, remote.regions.num_blocks, "remote")
-        if len(local_ids) != len(remote_ids):
-            raise BlockMappingError(f"{len(local_ids)} local block ids for {len(remote_ids)} remote block ids")
-        num_regions = len(local.region_addrs)
-        local_idx = _plane_indices(local_ids, num_regions, local.num_blocks)
-        remote_idx = _plane_indices(remote_ids, num_regions, remote.regions.num_blocks)
+        local_idx, remote_idx = read_indices(
+            remote.ranges,
+            local_block_ids,
+            remote_block_ids,
+            num_layers=local.num_layers,
+            local_num_blocks=local.num_blocks,
+            remote_num_blocks=remote.regions.num_blocks,
+        )
         timeout = self.transfer_timeout_s if timeout_s is None else timeout_s
-        read = KVRead(self, peer, len(local_idx) * local.block_len_bytes, time.monotonic() + timeout)
+        num_bytes = len(remote_block_ids) * local.num_layers * remote.ranges.bytes_per_block
+        read = KVRead(self, peer, num_bytes, time.monotonic() + timeout)
         if len(local_idx) == 0:
             read._finish(TransferState.DONE, None)
             return read
+        local_list = self._local_lists[remote.local_key].prepped
         try:
             read._xfer = self._agent.make_prepped_xfer(
-                "READ", self._local_prepped, local_idx, remote.prepped, remote_idx, notif_msg=notify
+                "READ", local_list, local_idx, remote.prepped, remote_idx, notif_msg=notify
             )
             status = self._agent.transfer(read._xfer)
         except self._nixl_errors as e:
@@ -389,13 +490,11 @@ class NixlKVTransport:
         if self._closed:
             return
         self._closed = True
-        for engine_id in list(self._peers):
-            self.remove_peer(engine_id)
+        for peer in list(self._peers):
+            self.remove_peer(peer)
         for xfer in self._unreleased:
             self._release_xfer(xfer, retry=False)
         try:
-            if self._local_prepped is not None:
-                self._local_prepped.release()
             if self._reg_descs is not None:
                 self._agent.deregister_memory(self._reg_descs, backends=self._backends)
         except self._nixl_errors as e:
@@ -429,14 +528,15 @@ class NixlKVTransport:
             logger.debug("engine %s: NIXL handle not released yet: %s", self.engine_id, e)
 
 
-def _check_block_ids(block_ids: Sequence[int], num_blocks: int, side: str) -> np.ndarray:
-    ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
-    if ids.size and (ids.min() < 0 or ids.max() >= num_blocks):
-        raise BlockMappingError(f"{side} block ids must lie in [0, {num_blocks}), got {ids.min()}..{ids.max()}")
-    return ids
+def _is_dense(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` covers exactly ``numel`` elements from its data pointer: contiguous in some dim order.
 
-
-def _plane_indices(block_ids: np.ndarray, num_regions: int, num_blocks: int) -> np.ndarray:
-    """Descriptor indices of every region's plane of each block: region-major, blocks in the given order."""
-    offsets = np.arange(num_regions, dtype=np.int64)[:, None] * num_blocks
-    return (offsets + block_ids[None, :]).ravel().astype(np.int32)
+    vLLM hands GPU caches as permuted views of contiguous memory (an HND cache seen as NHD).
+    """
+    dims = sorted((stride, size) for stride, size in zip(tensor.stride(), tensor.shape, strict=True) if size > 1)
+    expected = 1
+    for stride, size in dims:
+        if stride != expected:
+            return False
+        expected *= size
+    return True

@@ -13,8 +13,11 @@ A request's life, seen from here:
   ``get_num_new_matched_tokens`` claims every prompt token not computed
   locally as loadable asynchronously, so the engine computes no prompt token;
   ``update_state_after_alloc`` pairs the freshly allocated local blocks with
-  the remote ones, position by position; ``build_connector_meta`` hands the
-  pairs to the worker, which posts the READ. The worker's report of the load
+  the remote ones, position by position (local block i with remote blocks
+  [i*ratio, (i+1)*ratio) when the prefill's block size is ``ratio`` times
+  smaller; a prefill block size that does not divide ours is computed here
+  instead); ``build_connector_meta`` hands the pairs to the worker, which
+  posts the READs. The worker's report of the load
   (``update_connector_output``) comes back to the client in the finished
   request's ``kv_transfer_params["pdserve_kv"]``.
 - Blocks nobody will read are released at once, not at lease expiry: the
@@ -53,6 +56,7 @@ class PdserveScheduler:
         self.side_channel_host, self.side_channel_port = settings.side_channel_host, settings.side_channel_port
         self.engine_id = engine_id
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
+        self.block_size = vllm_config.cache_config.block_size
         self._to_receive: dict[str, ReceiveSpec] = {}
         self._to_hold: dict[str, tuple[int, ...]] = {}
         self._loading_tokens: dict[str, int] = {}  # decode requests being loaded -> tokens to load
@@ -64,7 +68,7 @@ class PdserveScheduler:
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         params = self._remote_prefill_params(request)
-        if params is None:
+        if params is None or self._block_ratio(params) is None:
             return 0, False
         count = len(request.prompt_token_ids or ()) - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
@@ -75,6 +79,26 @@ class PdserveScheduler:
             return
         # One transfer per request: vLLM may call this again once the load is done.
         request.kv_transfer_params["do_remote_prefill"] = False
+        ratio = self._block_ratio(params)
+        if ratio is None:
+            logger.warning(
+                "request %s on engine %s: block size %d of engine %s does not divide ours (%d); "
+                "computing the prompt here and releasing its blocks",
+                request.request_id,
+                self.engine_id,
+                params.block_size,
+                params.remote_engine_id,
+                self.block_size,
+            )
+            self._stats.record_failure("incompatible")
+            self._reports[request.request_id] = {
+                "source": "recomputed",
+                "reason": "incompatible",
+                "detail": f"prefill block size {params.block_size}, decode block size {self.block_size}",
+                "remote_engine_id": params.remote_engine_id,
+            }
+            self._release(params)
+            return
         if num_external_tokens == 0:
             logger.info(
                 "request %s on engine %s: nothing to load from engine %s (local prefix hit); releasing its blocks",
@@ -88,16 +112,17 @@ class PdserveScheduler:
         if len(blocks.blocks) != 1:
             raise ValueError(f"request {request.request_id}: {len(blocks.blocks)} KV cache groups; only 1 is supported")
         # Local and remote block lists both start at the prompt's first token, so
-        # position i holds the same tokens on both sides; hashed local blocks are
-        # prefix-cache hits that need no read.
+        # local position i holds the tokens of remote positions [i*ratio, (i+1)*ratio);
+        # hashed local blocks are prefix-cache hits that need no read.
         local_ids: list[int] = []
         remote_ids: list[int] = []
         for position, block in enumerate(blocks.blocks[0]):
-            if position >= len(params.remote_block_ids):
+            first = position * ratio
+            if first >= len(params.remote_block_ids):
                 break
             if block.block_hash is None and not block.is_null:
                 local_ids.append(block.block_id)
-                remote_ids.append(params.remote_block_ids[position])
+                remote_ids.extend(params.remote_block_ids[first : first + ratio])
         self._loading_tokens[request.request_id] = num_external_tokens
         self._to_receive[request.request_id] = ReceiveSpec(
             request_id=request.request_id,
@@ -125,6 +150,13 @@ class PdserveScheduler:
                 e,
             )
             return None
+
+    def _block_ratio(self, params: KVTransferParams) -> int | None:
+        """Remote blocks per local block; None when the prefill's block size does not divide ours."""
+        remote = params.block_size or self.block_size
+        if remote > self.block_size or self.block_size % remote:
+            return None
+        return self.block_size // remote
 
     def _release(self, params: KVTransferParams) -> None:
         for rank in range(params.tp_size):
@@ -191,6 +223,7 @@ class PdserveScheduler:
             "remote_block_ids": list(block_ids),
             "remote_num_tokens": request.num_computed_tokens,
             "tp_size": self.tp_size,
+            "block_size": self.block_size,
             # For the proxy: send `message` to each endpoint if no decode engine will read these blocks.
             "pdserve_release": {
                 "endpoints": [

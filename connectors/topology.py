@@ -1,9 +1,12 @@
 """KV-cache topology of one engine rank, and the arithmetic that pairs a reader with a source.
 
-Every TP rank of an engine keeps, per layer, a paged KV cache
-``[2, num_blocks, *block]`` holding the KV heads of its shard, ``block_size``
-tokens per block, laid out NHD (``[tokens, heads, head_dim]``) or HND
-(``[heads, tokens, head_dim]``). ``KVTopology`` describes that for one rank.
+Every TP rank of an engine keeps, per layer, a paged KV cache holding the KV
+heads of its shard, ``block_size`` tokens per block: ``[2, num_blocks, *block]``
+with K and V apart, each block laid out NHD (``[tokens, heads, head_dim]``) or
+HND (``[heads, tokens, head_dim]``); or, as vLLM's CPU backend does, one plane
+per block holding K and V per head, H2ND (``[heads, 2, tokens, head_dim]``, the
+cache being ``[num_blocks, heads, block_size, 2 * head_dim]``). ``KVTopology``
+describes that for one rank.
 The reading side is called *local* (decode, in pull mode) and the side whose
 blocks are read *remote* (prefill). Before a local rank reads a request's KV:
 
@@ -12,12 +15,14 @@ blocks are read *remote* (prefill). Before a local rank reads a request's KV:
    pair fails with all its reasons at once);
 2. ``plan_local_fills`` / ``map_local_to_remote`` say which remote blocks fill
    which local block when the remote block size divides the local one;
-3. ``block_read_ranges`` gives the byte ranges of one remote block plane that
-   hold a head slice, for the transport's descriptors.
+3. ``connectors.block_ranges`` turns a head slice into the byte runs of a
+   direct READ, remote block plane -> local block plane, for the transport's
+   descriptors (``source_ranks`` answers which remote ranks before any handshake).
 
-The bytes land in staging buffers of ``received_block_shape``;
-``connectors.layout.assemble_local_blocks`` turns them into local blocks. The
-handshake compares ``compatibility_hash`` first and logs ``incompatibilities``.
+``block_read_ranges`` / ``received_block_shape`` and
+``connectors.layout.assemble_local_blocks`` describe the same move through a
+staging buffer; the tests keep them as a torch reference of the arithmetic.
+The handshake compares ``compatibility_hash`` first and logs ``incompatibilities``.
 
 Head placement is vLLM's: with TP <= H heads, rank r holds heads
 [r*H/TP, (r+1)*H/TP); with TP > H, TP/H consecutive ranks hold copies of one head.
@@ -56,11 +61,13 @@ __all__ = [
     "plan_reads",
     "reader_ranks",
     "received_block_shape",
+    "source_ranks",
 ]
 
 # Bump when the rules of what can exchange KV change: peers on different
 # schemas then fail the hash check instead of misreading each other's blocks.
-COMPATIBILITY_SCHEMA = 1
+# 2: H2ND (vLLM's CPU cache) and reads across TP and block sizes in the data path.
+COMPATIBILITY_SCHEMA = 2
 
 # Bytes per element of the KV cache dtypes we know; names as torch spells them
 # (``str(tensor.dtype)`` without the ``torch.`` prefix) or as vLLM's cache_dtype.
@@ -82,10 +89,11 @@ ELEMENT_SIZES: dict[str, int] = {
 
 
 class KVLayout(enum.StrEnum):
-    """Order of the dims inside one K or V block plane."""
+    """Order of the dims inside one block plane (one block of one layer's K, V, or both)."""
 
-    NHD = "NHD"  # [block_size, num_heads, head_dim]: token-major
-    HND = "HND"  # [num_heads, block_size, head_dim]: head-major, a head slice is contiguous
+    NHD = "NHD"  # K and V planes apart, each [block_size, num_heads, head_dim]: token-major
+    HND = "HND"  # K and V planes apart, each [num_heads, block_size, head_dim]: a head slice is contiguous
+    H2ND = "H2ND"  # one plane [num_heads, 2 (K, V), block_size, head_dim]: vLLM's CPU cache
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,9 +154,14 @@ class KVTopology:
         return ELEMENT_SIZES[self.dtype]
 
     @property
+    def planes_per_layer(self) -> int:
+        """Block planes per block and layer: 2 (K, V) when apart, 1 for H2ND."""
+        return 1 if self.layout is KVLayout.H2ND else 2
+
+    @property
     def block_plane_bytes(self) -> int:
-        """Bytes of one block's K (or V) plane for one layer on this rank."""
-        return self.block_size * self.num_heads * self.head_dim * self.element_size
+        """Bytes of one block plane for one layer on this rank (K or V; both for H2ND)."""
+        return (2 // self.planes_per_layer) * self.block_size * self.num_heads * self.head_dim * self.element_size
 
     def head_start(self, rank: int | None = None) -> int:
         """First global KV head held by ``rank`` (default: this rank)."""
@@ -227,7 +240,7 @@ def _block_size_problem(local_block_size: int, remote_block_size: int) -> str | 
 def incompatibilities(local: KVTopology, remote: KVTopology) -> list[str]:
     """Every reason ``local`` cannot read KV from ``remote``; empty when it can.
 
-    Layouts never appear: NHD and HND convert into each other on receive.
+    Layouts never appear: a read maps rows between any two (``connectors.block_ranges``).
     """
     reasons = [
         f"{name} differs: local {getattr(local, name)}, remote {getattr(remote, name)}"
@@ -325,6 +338,17 @@ def reader_ranks(remote_rank: int, local: KVTopology, remote: KVTopology) -> tup
     )
 
 
+def source_ranks(local: KVTopology, remote_tp_size: int) -> tuple[int, ...]:
+    """Remote ranks ``local`` reads when the remote engine has ``remote_tp_size`` ranks.
+
+    Which ranks depends only on TP sizes and the head count, so the decode side
+    knows whom to handshake with before it has seen any remote topology.
+    Raises ``TopologyError`` when ``remote_tp_size`` cannot pair with ``local``.
+    """
+    remote = dataclasses.replace(local, tp_size=remote_tp_size, tp_rank=0)
+    return plan_reads(local, remote).remote_ranks
+
+
 def block_read_ranges(remote: KVTopology, head_start: int, num_heads: int) -> list[tuple[int, int]]:
     """``(byte offset, byte length)`` ranges of one remote K or V block plane holding heads [start, start+n).
 
@@ -332,6 +356,7 @@ def block_read_ranges(remote: KVTopology, head_start: int, num_heads: int) -> li
     partial slice is one range per token (a whole block is still one range).
     Read in order, the ranges give a buffer of ``received_block_shape(remote, num_heads)``.
     """
+    _require_split_planes(remote)
     if num_heads < 1 or head_start < 0 or head_start + num_heads > remote.num_heads:
         raise InvalidTopology(
             f"heads [{head_start}, {head_start + num_heads}) are not within the remote rank's {remote.num_heads} heads"
@@ -348,9 +373,15 @@ def block_read_ranges(remote: KVTopology, head_start: int, num_heads: int) -> li
 
 def received_block_shape(remote: KVTopology, num_heads: int) -> tuple[int, int, int]:
     """Shape of one received K or V block plane holding ``num_heads`` heads, in the remote layout."""
+    _require_split_planes(remote)
     if remote.layout is KVLayout.NHD:
         return (remote.block_size, num_heads, remote.head_dim)
     return (num_heads, remote.block_size, remote.head_dim)
+
+
+def _require_split_planes(remote: KVTopology) -> None:
+    if remote.layout is KVLayout.H2ND:
+        raise InvalidTopology("H2ND keeps K and V in one block plane; its byte runs come from connectors.block_ranges")
 
 
 # ---------------------------------------------------------------- block mapping

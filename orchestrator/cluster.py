@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import re
+import secrets
 import signal
 import socket
 import subprocess
@@ -98,10 +99,28 @@ def _ray_temp_dir() -> str:
     return str(Path(tempfile.gettempdir()) / f"pdserve-ray-{os.getuid()}-{digest}")
 
 
+def ray_token_path() -> Path:
+    """The token of the Ray head pdserve starts: ours, beside the cluster's state, never ``~/.ray``.
+
+    Token auth is on for our head; Ray then needs a token that every process of
+    the cluster reads (``RAY_AUTH_TOKEN_PATH``). A fresh machine has none, and
+    a user's own ``~/.ray/auth_token`` belongs to their other clusters.
+    """
+    path = state_dir() / "ray_auth_token"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32))
+    return path
+
+
 def start_ray_head(spec: ClusterSpec) -> tuple[str, str]:
     """Start a Ray head for this cluster alone; return (address, temp_dir)."""
     port, temp_dir = _free_port(), _ray_temp_dir()
     cpus = spec.resources.cpus or os.cpu_count() or 1
+    if spec.device == "cpu" and spec.resources.share_cores:  # Ray must still place every engine actor
+        cpus = max(cpus, spec.cpu_cores_needed)
     ray_bin = Path(sys.executable).parent / "ray"
     command = [
         str(ray_bin) if ray_bin.exists() else "ray", "start", "--head",
@@ -109,7 +128,8 @@ def start_ray_head(spec: ClusterSpec) -> tuple[str, str]:
         f"--temp-dir={temp_dir}", "--include-dashboard=false", "--disable-usage-stats",
         "--node-ip-address=127.0.0.1",
     ]  # fmt: skip
-    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="token")
+    token = str(ray_token_path())
+    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=token)
     # A session of its own: Ctrl-C on a foreground `pdserve up` must reach pdserve
     # (which then stops the cluster in order), not kill Ray under it.
     result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=120, start_new_session=True)
@@ -184,6 +204,7 @@ def _use_ray_auth(state: ClusterState) -> None:
         if "ray" in sys.modules and os.environ.get("RAY_AUTH_MODE") != "token":
             raise RuntimeError("ray was imported before its auth mode was set")  # a bug of ours, not the user's
         os.environ["RAY_AUTH_MODE"] = "token"
+        os.environ["RAY_AUTH_TOKEN_PATH"] = str(ray_token_path())
 
 
 # --- up / status / down -----------------------------------------------------------------------

@@ -11,6 +11,7 @@ engines on one machine thrash each other (see ENVIRONMENT.md).
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -108,13 +109,16 @@ def _core_ranges(spec: ClusterSpec) -> dict[str, str]:
     """Disjoint OpenMP core bindings per engine; TP ranks separated by '|'."""
     bindings: dict[str, str] = {}
     next_core = 0
+    # Only with resources.share_cores can engines need more cores than there are: they wrap around.
+    available = spec.resources.cpus or os.cpu_count() or 1
     for role in ROLES:
         pool = spec.pool(role)
         for replica in range(pool.replicas):
             ranks = []
             for _ in range(pool.tensor_parallel_size):
-                first, last = next_core, next_core + pool.cpu_cores - 1
-                ranks.append(str(first) if first == last else f"{first}-{last}")
+                cores = [(next_core + i) % available for i in range(pool.cpu_cores)]
+                contiguous = cores == list(range(cores[0], cores[-1] + 1))
+                ranks.append(f"{cores[0]}-{cores[-1]}" if contiguous and len(cores) > 1 else ",".join(map(str, cores)))
                 next_core += pool.cpu_cores
             bindings[f"{role}-{replica}"] = "|".join(ranks)
     return bindings

@@ -22,7 +22,12 @@ class KnownModel:
 
 
 DEMO_MODEL_NAME = "smollm2-135m-instruct"
-KNOWN_MODELS = {DEMO_MODEL_NAME: KnownModel("SmolLM2-135M-Instruct", dtype="float32")}
+# Random weights, 2 KV heads: for tests that need TP 2 (scripts/make_tiny_model.py).
+TINY_MODEL_NAME = "tiny-llama-random"
+KNOWN_MODELS = {
+    DEMO_MODEL_NAME: KnownModel("SmolLM2-135M-Instruct", dtype="float32"),
+    TINY_MODEL_NAME: KnownModel("tiny-llama-random", dtype="float32"),
+}
 
 
 def model_cache_dir() -> Path:

@@ -111,6 +111,11 @@ class ResourcesSpec(_Strict):
         default=None, ge=1, description="CPU cores pdserve may pin engines to (default: all of this machine's)."
     )
     gpus: int = Field(default=0, ge=0, description="GPUs available to engines (device: cuda).")
+    share_cores: bool = Field(
+        default=False,
+        description="CPU engines that need more cores than resources.cpus share them, assigned in turn, "
+        "instead of being refused. Slow (engines spin on their cores): for tests on small machines.",
+    )
 
 
 class ClusterSpec(_Strict):
@@ -182,16 +187,22 @@ class ClusterSpec(_Strict):
                     owners[port] = field
         return self
 
+    @property
+    def cpu_cores_needed(self) -> int:
+        """Cores the CPU engines are pinned to, both pools: replicas x TP x cores per rank."""
+        return sum(p.replicas * p.tensor_parallel_size * p.cpu_cores for p in (self.prefill, self.decode))
+
     @model_validator(mode="after")
     def _check_resources(self) -> ClusterSpec:
         if self.device == "cpu":
             available = self.resources.cpus or os.cpu_count() or 1
-            needed = sum(p.replicas * p.tensor_parallel_size * p.cpu_cores for p in (self.prefill, self.decode))
-            if needed > available:
+            needed = self.cpu_cores_needed
+            if needed > available and not self.resources.share_cores:
                 raise _FieldError(
                     "resources.cpus",
                     f"engines need {needed} CPU cores (replicas x tensor_parallel_size x cpu_cores, "
-                    f"both pools) but only {available} are available (resources.cpus)",
+                    f"both pools) but only {available} are available (resources.cpus; resources.share_cores lets "
+                    "them share)",
                 )
         else:
             for role in ROLES:

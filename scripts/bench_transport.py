@@ -10,6 +10,9 @@ blocks into other random local blocks, three ways:
   pre-built handle (``initialize_xfer`` outside the timer): the NIXL ceiling;
 * ``torch_copy``: ``Tensor.copy_`` of a contiguous buffer of the same bytes.
 
+``--device cuda`` puts both caches (and the copy) on GPU 0: VRAM to VRAM
+between two processes (UCX's CUDA IPC on one host).
+
 Each is warmed up once, then timed ``--iters`` times; the median is reported.
 Run from the repository root: ``.venv/bin/python scripts/bench_transport.py [--json]``.
 """
@@ -47,15 +50,18 @@ def plane_bytes(args: argparse.Namespace) -> int:
 
 def run_source(conn, args: argparse.Namespace, num_blocks: int) -> None:
     dtype = getattr(torch, args.dtype)
-    caches = {f"layer.{i}": torch.randn(kv_shape(args, num_blocks)).to(dtype) for i in range(args.layers)}
-    with NixlKVTransport("bench-source") as transport:
+    caches = {
+        f"layer.{i}": torch.randn(kv_shape(args, num_blocks)).to(device=args.device, dtype=dtype)
+        for i in range(args.layers)
+    }
+    with NixlKVTransport("bench-source", num_threads=args.threads) as transport:
         regions = transport.register_kv_caches(caches, plane_bytes(args))  # before the metadata, which lists it
         conn.send((transport.agent_metadata(), regions))
         conn.recv()  # "stop"
 
 
 def plane_descriptors(regions: KVRegions, block_ids: np.ndarray) -> np.ndarray:
-    """Nx3 descriptors of every region's plane of ``block_ids``, in read_blocks' order."""
+    """Nx3 descriptors of every region's plane of ``block_ids``: the bytes ``read_blocks`` moves."""
     rows = regions.descriptors().reshape(len(regions.region_addrs), regions.num_blocks, 3)
     return np.ascontiguousarray(rows[:, block_ids].reshape(-1, 3))
 
@@ -86,12 +92,15 @@ def bench(args: argparse.Namespace) -> dict:
         if not conn.poll(120):
             raise TimeoutError("source process did not start")
         metadata, remote_regions = conn.recv()
-        caches = {f"layer.{i}": torch.zeros(kv_shape(args, num_blocks), dtype=dtype) for i in range(args.layers)}
-        ours = NixlKVTransport("bench-reader", transfer_timeout_s=60)
+        caches = {
+            f"layer.{i}": torch.zeros(kv_shape(args, num_blocks), dtype=dtype, device=args.device)
+            for i in range(args.layers)
+        }
+        ours = NixlKVTransport("bench-reader", transfer_timeout_s=60, num_threads=args.threads)
         local_regions = ours.register_kv_caches(caches, plane_bytes(args))
         ours.add_peer("bench-source", metadata, remote_regions)
 
-        raw_agent = nixl_agent("bench-raw-reader", nixl_agent_config(backends=["UCX"]))
+        raw_agent = nixl_agent("bench-raw-reader", nixl_agent_config(backends=["UCX"], num_threads=args.threads))
         raw_agent.register_memory(list(caches.values()))
         raw_peer = raw_agent.add_remote_agent(metadata)
 
@@ -107,8 +116,9 @@ def bench(args: argparse.Namespace) -> dict:
                 if read.wait(POLL_INTERVAL_S) is not TransferState.DONE:
                     raise read.failure_exception()
 
-            local_descs = raw_agent.get_xfer_descs(plane_descriptors(local_regions, local_ids), "DRAM")
-            remote_descs = raw_agent.get_xfer_descs(plane_descriptors(remote_regions, remote_ids), "DRAM")
+            mem = local_regions.mem_type
+            local_descs = raw_agent.get_xfer_descs(plane_descriptors(local_regions, local_ids), mem)
+            remote_descs = raw_agent.get_xfer_descs(plane_descriptors(remote_regions, remote_ids), mem)
             raw_xfer = raw_agent.initialize_xfer("READ", local_descs, remote_descs, raw_peer)
 
             def read_raw(raw_xfer=raw_xfer) -> None:
@@ -119,11 +129,17 @@ def bench(args: argparse.Namespace) -> dict:
                 if state != "DONE":
                     raise RuntimeError(f"raw NIXL READ ended {state}")
 
-            src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
+            src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=args.device)
             dst = torch.empty_like(src)
+
+            def copy(dst=dst, src=src) -> None:
+                dst.copy_(src)
+                if dst.is_cuda:
+                    torch.cuda.synchronize()
+
             t_ours = timed(read_ours, args.iters)
             t_raw = timed(read_raw, args.iters)
-            t_copy = timed(lambda dst=dst, src=src: dst.copy_(src), args.iters)
+            t_copy = timed(copy, args.iters)
             raw_agent.release_xfer_handle(raw_xfer)
             results.append(
                 {
@@ -139,10 +155,12 @@ def bench(args: argparse.Namespace) -> dict:
                 }
             )
         return {
+            "device": args.device if args.device == "cpu" else torch.cuda.get_device_name(0),
             "layers": args.layers,
             "block_shape": [args.block_size, args.heads, args.head_dim],
             "dtype": args.dtype,
             "iters": args.iters,
+            "nixl_threads": args.threads,
             "torch_threads": torch.get_num_threads(),
             "results": results,
         }
@@ -164,6 +182,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"])
     parser.add_argument("--sizes-mib", type=float, nargs="+", default=[64, 256])
     parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=0, help="NIXL/UCX progress threads of every agent")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where both KV caches live")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     args = parser.parse_args()
     # nixl logs INFO to stdout when first imported; keep stdout to the report (the spawned source inherits this).
@@ -173,8 +193,8 @@ def main() -> None:
         print(json.dumps(report, indent=2))
         return
     print(
-        f"{args.layers} layers x [2, blocks, {args.block_size}, {args.heads}, {args.head_dim}] {args.dtype}, "
-        f"median of {args.iters}"
+        f"{args.layers} layers x [2, blocks, {args.block_size}, {args.heads}, {args.head_dim}] {args.dtype} "
+        f"on {report['device']}, median of {args.iters}"
     )
     print(f"{'MiB':>6} {'blocks':>6} {'descs':>6} {'ours':>7} {'raw':>7} {'copy':>7} {'ours/raw':>9} {'ours/copy':>9}")
     for r in report["results"]:

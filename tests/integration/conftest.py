@@ -12,11 +12,13 @@ stop the cluster themselves and check what is left; tests marked
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -88,6 +90,26 @@ def cluster(request: pytest.FixtureRequest, pdserve_env: dict[str, str], state_d
     yield running
     if not running.stopped:
         running.down()
+
+
+@contextlib.contextmanager
+def own_cluster(root: Path, spec: dict) -> Iterator[dict]:
+    """A cluster of a test module's own: ``pdserve up --detach`` on ``spec`` in a private
+    state directory under ``root``; yields ``pdserve status --json``; ``pdserve down`` always follows."""
+    env = dict(os.environ, PDSERVE_STATE_DIR=str(root / "state"))
+    env.pop("RAY_ADDRESS", None)
+    spec_path = root / "cluster.yaml"
+    spec_path.write_text(yaml.safe_dump(spec))
+    try:
+        up = run_pdserve("up", str(spec_path), "--detach", env=env, timeout=UP_TIMEOUT_S)
+        if up.returncode != 0:
+            pytest.fail(f"pdserve up failed ({up.returncode}):\n{up.stdout}\n{up.stderr}")
+        status = run_pdserve("status", "--json", env=env)
+        assert status.returncode == 0, status.stderr
+        yield json.loads(status.stdout)
+    finally:
+        down = run_pdserve("down", env=env, timeout=300)
+        assert down.returncode == 0, down.stderr
 
 
 def http_json(url: str, body: dict | None = None, timeout: float = 120) -> tuple[int, dict, dict]:

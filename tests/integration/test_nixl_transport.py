@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from connectors.block_ranges import PlaneRanges
 from connectors.errors import BlockMappingError, TransportError
 from connectors.nixl_transport import KVRegions, NixlKVTransport, TransferState
 
@@ -29,21 +30,21 @@ WAIT_S = 20.0
 READ_TIMEOUT_S = 3.0
 
 
-def make_caches(seed: int | None) -> dict[str, torch.Tensor]:
+def make_caches(seed: int | None, device: str = "cpu") -> dict[str, torch.Tensor]:
     """Layer caches filled from ``seed`` (zeros when None): the source's content is reproducible here."""
     generator = torch.Generator().manual_seed(seed) if seed is not None else None
     return {
-        f"model.layers.{i}.self_attn": torch.randn(KV_SHAPE, generator=generator)
-        if generator
-        else torch.zeros(KV_SHAPE)
+        f"model.layers.{i}.self_attn": (
+            torch.randn(KV_SHAPE, generator=generator) if generator else torch.zeros(KV_SHAPE)
+        ).to(device)
         for i in range(NUM_LAYERS)
     }
 
 
-def run_source(conn) -> None:
+def run_source(conn, device: str = "cpu") -> None:
     """Child process: serve its caches until told to stop, forwarding notifications to the test."""
     with NixlKVTransport("prefill-0") as transport:
-        caches = make_caches(SOURCE_SEED)
+        caches = make_caches(SOURCE_SEED, device)
         regions = transport.register_kv_caches(caches, BLOCK_LEN_BYTES)
         conn.send((transport.agent_metadata(), regions))
         while True:
@@ -67,10 +68,10 @@ class Source:
         return self.conn.recv()
 
 
-def start_source() -> Source:
+def start_source(device: str = "cpu") -> Source:
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    process = ctx.Process(target=run_source, args=(child,), daemon=True)
+    process = ctx.Process(target=run_source, args=(child, device), daemon=True)
     process.start()
     if not parent.poll(WAIT_S + 20):  # spawning imports torch and starts UCX
         process.kill()
@@ -92,8 +93,14 @@ def stop(source: Source) -> None:
 
 
 @pytest.fixture
-def reader() -> Iterator[tuple[NixlKVTransport, dict[str, torch.Tensor]]]:
-    caches = make_caches(None)
+def device() -> str:
+    """Where both sides' caches live; tests/gpu runs these tests again with "cuda"."""
+    return "cpu"
+
+
+@pytest.fixture
+def reader(device: str) -> Iterator[tuple[NixlKVTransport, dict[str, torch.Tensor]]]:
+    caches = make_caches(None, device)
     transport = NixlKVTransport("decode-0", transfer_timeout_s=READ_TIMEOUT_S)
     transport.register_kv_caches(caches, BLOCK_LEN_BYTES)
     yield transport, caches
@@ -101,15 +108,15 @@ def reader() -> Iterator[tuple[NixlKVTransport, dict[str, torch.Tensor]]]:
 
 
 @pytest.fixture
-def source() -> Iterator[Source]:
-    started = start_source()
+def source(device: str) -> Iterator[Source]:
+    started = start_source(device)
     try:
         yield started
     finally:
         stop(started)
 
 
-def test_read_blocks_copies_every_layer_into_other_block_ids_and_notifies_source(reader, source):
+def test_read_blocks_copies_every_layer_into_other_block_ids_and_notifies_source(reader, source, device):
     transport, caches = reader
     transport.add_peer("prefill-0", source.metadata, source.regions)
     generator = torch.Generator().manual_seed(7)
@@ -122,7 +129,7 @@ def test_read_blocks_copies_every_layer_into_other_block_ids_and_notifies_source
     assert transport.poll(read) is TransferState.DONE
     assert read.failure_exception() is None
     assert read.num_bytes == len(remote_ids) * NUM_LAYERS * 2 * BLOCK_LEN_BYTES
-    expected = make_caches(SOURCE_SEED)
+    expected = make_caches(SOURCE_SEED, device)
     untouched = sorted(set(range(64)) - set(local_ids))
     for name, cache in caches.items():
         assert torch.equal(cache[:, local_ids], expected[name][:, remote_ids]), name
@@ -160,6 +167,19 @@ def test_read_blocks_rejects_unknown_peers_and_out_of_range_block_ids(reader, so
         transport.read_blocks("prefill-0", [0, 1], [5])
     with pytest.raises(TransportError, match="block_len_bytes differs"):
         transport.add_peer("prefill-1", source.metadata, KVRegions(**{**_fields(source.regions), "block_len_bytes": 8}))
+
+
+def test_add_peer_refuses_runs_outside_the_blocks_and_descriptor_lists_over_the_limit(reader, source):
+    transport, _ = reader
+    past_the_end = PlaneRanges(1, (0,), (BLOCK_LEN_BYTES - 4,), (0,), ((0,),), (8,))
+    with pytest.raises(TransportError, match="runs leave the remote block plane of 8192 bytes"):
+        transport.add_peer("prefill-0", source.metadata, source.regions, past_the_end)
+    transport.max_descriptors = 4 * 64 * 2 - 1  # one short of every layer's K and V planes of 64 blocks
+    with pytest.raises(TransportError, match="512 remote descriptors exceed the limit of 511"):
+        transport.add_peer("prefill-0", source.metadata, source.regions)
+    transport.max_descriptors = 512
+    transport.add_peer("prefill-0", source.metadata, source.regions)
+    assert transport.read_blocks("prefill-0", [3], [5]).wait() is TransferState.DONE
 
 
 def _fields(regions: KVRegions) -> dict:

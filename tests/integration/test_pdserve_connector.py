@@ -13,17 +13,14 @@ the machine has cores for one cluster.
 
 from __future__ import annotations
 
-import json
-import os
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-import yaml
 
-from tests.integration.conftest import UP_TIMEOUT_S, http_json, metric_values, run_pdserve
+from tests.integration.conftest import http_json, metric_values, own_cluster
 
 pytestmark = [pytest.mark.integration, pytest.mark.after_cluster]
 
@@ -64,22 +61,8 @@ def chat(prompt: str, **extra) -> dict:
 
 @pytest.fixture(scope="module")
 def pdserve_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
-    """``pdserve up --detach`` on the pdserve-connector spec; ``pdserve down`` always follows."""
-    root = tmp_path_factory.mktemp("pdserve-connector")
-    env = dict(os.environ, PDSERVE_STATE_DIR=str(root / "state"))
-    env.pop("RAY_ADDRESS", None)
-    spec_path = root / "cluster.yaml"
-    spec_path.write_text(yaml.safe_dump(SPEC))
-    try:
-        up = run_pdserve("up", str(spec_path), "--detach", env=env, timeout=UP_TIMEOUT_S)
-        if up.returncode != 0:
-            pytest.fail(f"pdserve up failed ({up.returncode}):\n{up.stdout}\n{up.stderr}")
-        status = run_pdserve("status", "--json", env=env)
-        assert status.returncode == 0, status.stderr
-        yield json.loads(status.stdout)
-    finally:
-        down = run_pdserve("down", env=env, timeout=300)
-        assert down.returncode == 0, down.stderr
+    with own_cluster(tmp_path_factory.mktemp("pdserve-connector"), SPEC) as status:
+        yield status
 
 
 def engine_url(status: dict, role: str) -> str:

@@ -43,14 +43,22 @@ def fake_blocks(*blocks: tuple[int, bool]) -> SimpleNamespace:
     return SimpleNamespace(blocks=(group,))
 
 
-@pytest.fixture
-def scheduler() -> PdserveScheduler:
+BLOCK_SIZE = 128
+
+
+def make_scheduler(tp_size: int = 1, block_size: int = BLOCK_SIZE) -> PdserveScheduler:
     extra = {"side_channel_host": "10.0.0.5", "side_channel_port": 17600}
     config = SimpleNamespace(
         kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra),
-        parallel_config=SimpleNamespace(tensor_parallel_size=1),
+        parallel_config=SimpleNamespace(tensor_parallel_size=tp_size),
+        cache_config=SimpleNamespace(block_size=block_size),
     )
     return PdserveScheduler(config, "engine-a")
+
+
+@pytest.fixture
+def scheduler() -> PdserveScheduler:
+    return make_scheduler()
 
 
 def test_decode_loads_every_prompt_token_not_computed_locally(scheduler):
@@ -87,8 +95,42 @@ def test_prefill_keeps_the_blocks_and_says_where_they_are(scheduler):
         remote_port=17600,
         remote_block_ids=(7, 8, 9),
         remote_num_tokens=300,
+        block_size=BLOCK_SIZE,
     )
     assert scheduler.build_connector_meta().reqs_to_hold == {"req-1": (7, 8, 9)}
+
+
+def test_prefill_with_tp_names_every_ranks_side_channel_for_releases():
+    request = FakeRequest(kv_transfer_params={"do_remote_decode": True})
+
+    _, params = make_scheduler(tp_size=2).request_finished(request, [7])
+
+    assert params["tp_size"] == 2
+    assert params["pdserve_release"]["endpoints"] == ["tcp://10.0.0.5:17600", "tcp://10.0.0.5:17601"]
+
+
+def test_a_smaller_prefill_block_size_pairs_each_local_block_with_several_remote_ones(scheduler):
+    # 300 tokens in prefill blocks of 32 (10 blocks) land in decode blocks of 128 (3 blocks).
+    remote = dict(REMOTE, remote_block_ids=list(range(40, 50)), block_size=32)
+    request = FakeRequest(kv_transfer_params=remote)
+    assert scheduler.get_num_new_matched_tokens(request, 128) == (172, True)
+
+    scheduler.update_state_after_alloc(request, fake_blocks((3, True), (4, False), (5, False)), 172)
+
+    [spec] = scheduler.build_connector_meta().reqs_to_receive
+    assert spec.local_block_ids == (4, 5)
+    assert spec.remote_block_ids == (44, 45, 46, 47, 48, 49)  # local 4 <- 44..47, local 5 <- 48, 49
+
+
+def test_a_prefill_block_size_that_does_not_divide_ours_is_computed_locally(scheduler):
+    request = FakeRequest(kv_transfer_params=dict(REMOTE, block_size=96))
+
+    assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
+    scheduler.update_state_after_alloc(request, fake_blocks((3, False)), 0)
+
+    assert scheduler.build_connector_meta().reqs_to_receive == []
+    _, params = scheduler.request_finished(FakeRequest(kv_transfer_params=request.kv_transfer_params), [3])
+    assert params["pdserve_kv"]["reason"] == "incompatible"
 
 
 def test_an_aborted_prefill_frees_its_blocks_at_once(scheduler):

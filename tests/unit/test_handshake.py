@@ -345,6 +345,26 @@ def test_cache_invalidation_forces_a_new_handshake(cache: HandshakeCache) -> Non
     assert cache.get_or_handshake("prefill-0", lambda: fresh) is fresh
 
 
+def test_cache_keeps_one_answer_per_tp_rank_of_an_engine(cache: HandshakeCache) -> None:
+    ranks = [response(topology=topology(tp_size=2, tp_rank=rank)) for rank in (0, 1)]
+    assert cache.get_or_handshake("prefill-0", lambda: ranks[1], tp_rank=1) is ranks[1]
+    assert cache.get_or_handshake("prefill-0", lambda: ranks[0], tp_rank=0) is ranks[0]
+    assert cache.get_or_handshake("prefill-0", lambda: pytest.fail("cached"), tp_rank=1) is ranks[1]
+    assert len(cache) == 2 and ("prefill-0", 1) in cache and ("prefill-0", 2) not in cache
+    assert cache.invalidate("prefill-0", 1) is True
+    assert cache.get("prefill-0", 1) is None and cache.get("prefill-0", 0) is ranks[0]
+    cache.put(ranks[1])
+    assert cache.invalidate("prefill-0") is True  # every rank
+    assert len(cache) == 0
+
+
+def test_cache_refuses_an_answer_from_another_rank(cache: HandshakeCache) -> None:
+    wrong = response(topology=topology(tp_size=2, tp_rank=0))
+    with pytest.raises(HandshakeRejected, match="engine prefill-0 answered as TP rank 0, expected 1"):
+        cache.get_or_handshake("prefill-0", lambda: wrong, tp_rank=1)
+    assert len(cache) == 0
+
+
 def test_cache_keeps_nothing_when_the_handshake_fails(cache: HandshakeCache) -> None:
     def refused() -> HandshakeResponse:
         raise HandshakeRejected("version", ["protocol version 9, expected 1"])

@@ -316,3 +316,17 @@ def test_flag_args(options, expected):
 
 def test_flag_args_keeps_the_order_given():
     assert flag_args({"b_flag": 1, "a_flag": True}) == ["--b-flag", "1", "--a-flag"]
+
+
+@pytest.mark.parametrize(
+    ("prefill", "decode", "expected"),
+    [
+        ({}, {"tensor_parallel_size": 2}, {"prefill-0": "0", "decode-0": "1|0"}),
+        ({"cpu_cores": 2}, {"cpu_cores": 2}, {"prefill-0": "0-1", "decode-0": "0-1"}),
+        ({"replicas": 2}, {"cpu_cores": 2}, {"prefill-0": "0", "prefill-1": "1", "decode-0": "0-1"}),
+    ],
+)
+def test_shared_cores_wrap_around_the_machine(plan, prefill, decode, expected):
+    engines = plan(prefill=prefill, decode=decode, resources={"cpus": 2, "share_cores": True})
+
+    assert {e.engine_id: e.cpu_bind for e in engines.values()} == expected

@@ -17,6 +17,8 @@ from connectors.layout import (
     blocks_to_tokens,
     convert_layout,
     gather_blocks,
+    join_kv_planes,
+    kv_planes,
     store_blocks,
     tokens_to_blocks,
 )
@@ -86,3 +88,17 @@ def test_store_and_gather_blocks_by_id() -> None:
     assert str(info.value) == (
         "2 blocks of shape (2, 1, 1) do not fit 1 block ids of a cache with blocks of shape (2, 1, 1)"
     )
+
+
+def test_kv_planes_of_a_cpu_cache_are_the_k_and_v_halves_vllm_reads() -> None:
+    # vLLM's CPU backend views [blocks, heads, block_size, 2 * head_dim] as [blocks, heads, 2 * block_size, head_dim]
+    # and takes the first block_size rows as K, the rest as V.
+    cache = torch.arange(3 * 2 * 4 * 10.0).reshape(3, 2, 4, 10)
+    key, value = cache.view(3, 2, 8, 5).chunk(2, dim=2)
+    planes = kv_planes(cache, "H2ND")
+    assert planes.shape == (2, 3, 2, 4, 5)  # HND planes
+    assert torch.equal(planes[0], key) and torch.equal(planes[1], value)
+    assert torch.equal(join_kv_planes(planes), cache)
+    planes[1, 2, 1, 3] = -1.0
+    assert (cache.view(3, 2, 8, 5)[2, 1, 4 + 3] == -1.0).all(), "the planes are a view of the cache"
+    assert torch.equal(blocks_to_tokens(planes, "H2ND"), blocks_to_tokens(planes, "HND"))

@@ -11,7 +11,14 @@ from collections import Counter
 import pytest
 
 from connectors.errors import ConnectorError, LeaseError
-from connectors.leases import DEFAULT_LEASE_TTL_S, LeaseState, LeaseStats, LeaseTable
+from connectors.leases import (
+    DEFAULT_LEASE_TTL_S,
+    LeaseState,
+    LeaseStats,
+    LeaseTable,
+    parse_read_notification,
+    read_notification,
+)
 
 
 class FakeClock:
@@ -77,6 +84,33 @@ def test_with_two_expected_readers_only_the_second_frees(table: LeaseTable):
     assert table.mark_read("req-1", reader_id=1) is True
     assert table.take_finished() == ["req-1"]
     assert len(table) == 0
+
+
+def test_readers_say_how_many_of_them_to_expect(table: LeaseTable):
+    # Held before any reader is known (expected 1); the decode engine has two ranks reading this one.
+    table.hold("req-1", [3, 4])
+
+    assert table.mark_read("req-1", reader_id="decode-rank-0", expected_reads=2) is False
+    assert table.take_finished() == []
+    assert table.mark_read("req-1", reader_id="decode-rank-1", expected_reads=2) is True
+    assert table.take_finished() == ["req-1"]
+    with pytest.raises(LeaseError, match="expected_reads must be at least 1, got 0"):
+        table.mark_read("req-2", reader_id=0, expected_reads=0)
+
+
+@pytest.mark.parametrize(
+    ("message", "parsed"),
+    [
+        (read_notification("req-1", 2), ("req-1", 2)),
+        (read_notification("id with spaces", 1), ("id with spaces", 1)),
+        (b"req-1", ("req-1", None)),  # a reader that does not say: the lease's own count
+        (b"PDRD x req-1", ("PDRD x req-1", None)),
+        (b"PDRD 0 req-1", ("PDRD 0 req-1", None)),
+        (b"\xff\xfe", ("\ufffd\ufffd", None)),
+    ],
+)
+def test_read_notifications_round_trip_and_never_raise(message: bytes, parsed: tuple[str, int | None]):
+    assert parse_read_notification(message) == parsed
 
 
 def test_a_duplicate_notification_from_one_reader_is_idempotent(table: LeaseTable):

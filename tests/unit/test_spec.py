@@ -406,3 +406,9 @@ def test_spec_is_frozen(load):
 
     with pytest.raises(ValueError):
         spec.prefill.replicas = 3  # type: ignore[misc]
+
+
+def test_share_cores_admits_more_engines_than_cores(load):
+    spec = load(decode={"tensor_parallel_size": 2}, resources={"cpus": 2, "share_cores": True})
+
+    assert spec.cpu_cores_needed == 3

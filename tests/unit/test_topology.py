@@ -330,7 +330,7 @@ def test_block_mapping_errors(call: Callable[[], object], message: str) -> None:
             "tp_size 6 is not a multiple of total_num_kv_heads 4, so heads cannot be replicated evenly",
         ),
         ({"block_size": 0, "head_dim": -1}, "block_size must be >= 1, got 0; head_dim must be >= 1, got -1"),
-        ({"layout": "HDN"}, "unknown layout 'HDN'; expected one of NHD, HND"),
+        ({"layout": "HDN"}, "unknown layout 'HDN'; expected one of NHD, HND, H2ND"),
     ],
 )
 def test_invalid_topology(make_topology: TopologyFactory, overrides: dict[str, Any], message: str) -> None:
@@ -410,7 +410,8 @@ def test_compatibility_hash_ignores_what_may_differ(make_topology: TopologyFacto
     base = compatibility_hash(make_topology())
     # Stable across processes and Python versions: a digest of canonical JSON, not hash().
     encoded = (
-        b'{"dtype":"bfloat16","head_dim":4,"layouts":["HND","NHD"],"num_layers":2,"schema":1,"total_num_kv_heads":4}'
+        b'{"dtype":"bfloat16","head_dim":4,"layouts":["H2ND","HND","NHD"],"num_layers":2,"schema":2,'
+        b'"total_num_kv_heads":4}'
     )
     assert base == hashlib.sha256(encoded).hexdigest()
     same = [

@@ -1,0 +1,180 @@
+"""Our connector against vLLM's NixlConnector on the same engines: KV transfer time and TTFT by prompt length.
+
+For each connector (``--connectors``, default ``pdserve`` then ``vllm-nixl``) the
+cluster of ``--config`` is started with ``pdserve up --detach`` with only
+``connector`` changed (and ``engine.max_model_len`` raised to fit the longest
+prompt); then, for each prompt length in ``--prompt-tokens``, ``--runs`` fresh
+prompts (a new number in front of each, so no prefix cache helps) are streamed
+through the proxy one at a time. With ``--rounds N`` the connectors take turns
+N times (A B A B ...), so that a change in the machine's load falls on both.
+Measured per connector and length, over all rounds:
+
+* TTFT p50 / p90 as the client sees it (first streamed token);
+* KV transfer time per request, from the decode engine's own histogram
+  (``pdserve:kv_transfer_seconds`` for ours, ``vllm:nixl_xfer_time_seconds``
+  for vLLM's): mean over the requests of that length;
+* the bytes moved per request, where the connector counts them.
+
+The two transfer times are not measured alike: vLLM's is NIXL's own telemetry
+(the READ inside NIXL), ours runs from posting the READ to the engine step that
+sees it done, so it also holds the wait for that step. TTFT is the figure both
+share.
+
+Both clusters run on the same machine one after the other with the same
+engines, cores and prompts: compare the ratios, not the absolute times.
+
+    python scripts/bench_connectors.py --config configs/local-cpu.yaml [--runs 5] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import yaml
+from bench_latency import make_prompt, pdserve, stream_completion
+
+# (sum, count) histogram and bytes counter of each connector, as the decode engine exports them.
+TRANSFER_METRICS = {
+    "pdserve": ("pdserve:kv_transfer_seconds", "pdserve:kv_transfer_bytes_total"),
+    "vllm-nixl": ("vllm:nixl_xfer_time_seconds", "vllm:nixl_bytes_transferred_sum"),
+}
+OUTPUT_TOKENS = 8
+
+
+def scrape(url: str, names: tuple[str, ...]) -> dict[str, float]:
+    """Sum over label sets of each sample name in ``names`` on ``url``/metrics."""
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as response:
+        text = response.read().decode()
+    totals = dict.fromkeys(names, 0.0)
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in totals:
+            totals[name] += float(line.rsplit(" ", 1)[1])
+    return totals
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def bench_connector(base_spec: dict, connector: str, args: argparse.Namespace, workdir: Path, tag: int) -> dict:
+    """One round of one connector: ``{length: {"ttfts_ms": [...], "seconds": s, "transfers": n, "bytes": b}}``."""
+    spec = dict(base_spec, connector=connector)
+    spec["engine"] = dict(spec.get("engine") or {}, max_model_len=max(args.prompt_tokens) + 256)
+    spec_path = workdir / f"bench-{connector}.yaml"
+    spec_path.write_text(yaml.safe_dump(spec))
+    up = pdserve("up", str(spec_path), "--detach")
+    if up.returncode != 0:
+        sys.exit(f"pdserve up ({connector}) failed:\n{up.stdout}\n{up.stderr}")
+    try:
+        status = json.loads(pdserve("status", "--json").stdout)
+        proxy, model = status["proxy_url"], status["model"]
+        decode_url = next(e["url"] for e in status["engines"] if e["role"] == "decode")
+        seconds, nbytes = TRANSFER_METRICS[connector]
+        names = (seconds + "_sum", seconds + "_count", nbytes)
+        stream_completion(proxy, model, make_prompt(-1, 64), 2)  # first-request set-up (handshake)
+        by_length = {}
+        for length in args.prompt_tokens:
+            time.sleep(1.0)  # let the last step's connector stats reach /metrics
+            before = scrape(decode_url, names)
+            runs = [
+                stream_completion(proxy, model, f"[{connector} {tag}] " + make_prompt(run, length), OUTPUT_TOKENS)
+                for run in range(args.runs)
+            ]
+            time.sleep(1.0)
+            after = scrape(decode_url, names)
+            delta = {name: after[name] - before[name] for name in names}
+            by_length[length] = {
+                "prompt_tokens": runs[0]["prompt_tokens"],
+                "ttfts_ms": [1000 * r["ttft_s"] for r in runs],
+                "seconds": delta[seconds + "_sum"],
+                "transfers": delta[seconds + "_count"],
+                "bytes": delta[nbytes],
+            }
+        return by_length
+    finally:
+        pdserve("down")
+
+
+def summarize(rounds: list[dict]) -> dict:
+    """Samples of every round of one connector -> percentiles and means per prompt length."""
+    summary = {}
+    for length in rounds[0]:
+        samples = [r[length] for r in rounds]
+        ttfts = [t for s in samples for t in s["ttfts_ms"]]
+        transfers = sum(s["transfers"] for s in samples)
+        summary[str(length)] = {
+            "prompt_tokens": samples[0]["prompt_tokens"],
+            "requests": len(ttfts),
+            "ttft_p50_ms": round(statistics.median(ttfts), 1),
+            "ttft_p90_ms": round(percentile(ttfts, 0.9), 1),
+            "transfers": int(transfers),
+            "transfer_mean_ms": round(1000 * sum(s["seconds"] for s in samples) / transfers, 2) if transfers else None,
+            "bytes_per_request": int(sum(s["bytes"] for s in samples) / len(ttfts)),
+        }
+    return summary
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="configs/local-cpu.yaml")
+    parser.add_argument("--connectors", nargs="+", default=["pdserve", "vllm-nixl"], choices=list(TRANSFER_METRICS))
+    parser.add_argument("--prompt-tokens", type=int, nargs="+", default=[256, 1024, 4096])
+    parser.add_argument("--runs", type=int, default=5, help="prompts per length per round")
+    parser.add_argument("--rounds", type=int, default=1, help="times the connectors take turns")
+    parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    args = parser.parse_args()
+
+    base_spec = yaml.safe_load(Path(args.config).read_text())
+    with tempfile.TemporaryDirectory(prefix="pdserve-bench-") as workdir:
+        rounds: dict[str, list[dict]] = {c: [] for c in args.connectors}
+        for tag in range(args.rounds):
+            for connector in args.connectors:
+                rounds[connector].append(bench_connector(base_spec, connector, args, Path(workdir), tag))
+    results = {connector: summarize(samples) for connector, samples in rounds.items()}
+    report = {"config": args.config, "cpu_count": os.cpu_count(), "runs": args.runs, "rounds": args.rounds}
+    report["results"] = results
+    if len(args.connectors) == 2:
+        ours, theirs = args.connectors
+        report["ratios"] = {
+            length: {
+                "ttft_p50": round(results[ours][length]["ttft_p50_ms"] / results[theirs][length]["ttft_p50_ms"], 2),
+                "ttft_p90": round(results[ours][length]["ttft_p90_ms"] / results[theirs][length]["ttft_p90_ms"], 2),
+                "transfer_mean": (
+                    round(results[ours][length]["transfer_mean_ms"] / results[theirs][length]["transfer_mean_ms"], 2)
+                    if results[ours][length]["transfer_mean_ms"] and results[theirs][length]["transfer_mean_ms"]
+                    else None
+                ),
+            }
+            for length in results[ours]
+        }
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return
+    print(
+        f"{args.runs} fresh prompts per length x {args.rounds} round(s), {OUTPUT_TOKENS} output tokens, "
+        "streamed through the proxy"
+    )
+    print(f"{'connector':<10} {'tokens':>6} {'TTFT p50':>9} {'TTFT p90':>9} {'xfer ms':>8} {'MiB/req':>8}")
+    for connector, by_length in results.items():
+        for r in by_length.values():
+            xfer = "-" if r["transfer_mean_ms"] is None else f"{r['transfer_mean_ms']:.1f}"
+            print(
+                f"{connector:<10} {r['prompt_tokens']:>6} {r['ttft_p50_ms']:>9.0f} {r['ttft_p90_ms']:>9.0f} "
+                f"{xfer:>8} {r['bytes_per_request'] / 2**20:>8.1f}"
+            )
+    for length, ratio in report.get("ratios", {}).items():
+        print(f"{args.connectors[0]} / {args.connectors[1]} at {length} tokens: {ratio}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,315 @@
+"""The worker side of our connector across TP sizes, with a fake transport and fake peers (no NIXL, no engine).
+
+``FakeTransport`` stands in for ``NixlKVTransport`` and records what the worker
+asks of it; ``FakePrefill`` answers each side-channel port as the prefill rank
+``port - PREFILL_PORT`` would. The bytes themselves move in
+``tests/integration/test_pdserve_worker_tp.py`` over real NIXL.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from connectors import worker as worker_module  # noqa: E402
+from connectors.block_ranges import KVRegions  # noqa: E402
+from connectors.errors import ConnectorError  # noqa: E402
+from connectors.handshake import HandshakeResponse  # noqa: E402
+from connectors.leases import read_notification  # noqa: E402
+from connectors.metadata import KVTransferParams, PdserveConnectorMetadata, ReceiveSpec  # noqa: E402
+from connectors.nixl_transport import TransferState  # noqa: E402
+from connectors.topology import KVLayout, KVTopology  # noqa: E402
+from connectors.worker import PdserveWorker, describe_kv_cache  # noqa: E402
+
+HEAD_DIM = 8
+NUM_LAYERS = 2
+NUM_BLOCKS = 32
+PREFILL_PORT = 17600
+
+WorkerFactory = Callable[..., PdserveWorker]
+
+
+@dataclass
+class FakeRead:
+    peer: str
+    num_bytes: int
+    state: TransferState = TransferState.PENDING
+    failure_reason: str | None = None
+    elapsed_s: float = 0.001
+
+    def poll(self) -> TransferState:
+        return self.state
+
+    def abort(self, reason: str = "aborted") -> None:
+        if self.state is TransferState.PENDING:
+            self.state, self.failure_reason = TransferState.FAILED, reason
+
+
+@dataclass
+class FakeTransport:
+    regions: KVRegions | None = None
+    peers: dict[str, Any] = field(default_factory=dict)
+    reads: list[tuple[str, list[int], list[int], bytes, FakeRead]] = field(default_factory=list)
+    removed: list[str] = field(default_factory=list)
+    notifications: list[tuple[str, bytes]] = field(default_factory=list)
+
+    def register_kv_caches(self, caches: dict, block_len_bytes: int, *, planes_per_layer: int) -> KVRegions:
+        addresses = (0,) * len(caches) * planes_per_layer
+        self.regions = KVRegions(tuple(caches), addresses, NUM_BLOCKS, block_len_bytes, "DRAM", 0)
+        return self.regions
+
+    def kv_regions(self) -> KVRegions:
+        return self.regions
+
+    def agent_metadata(self) -> bytes:
+        return b"agent"
+
+    def add_peer(self, peer: str, metadata: bytes, regions: KVRegions, ranges: Any) -> str:
+        self.peers[peer] = ranges
+        return peer
+
+    def remove_peer(self, peer: str) -> None:
+        self.peers.pop(peer, None)
+        self.removed.append(peer)
+
+    def read_blocks(self, peer: str, local_ids: list[int], remote_ids: list[int], notify: bytes = b"") -> FakeRead:
+        read = FakeRead(peer, len(remote_ids))
+        self.reads.append((peer, local_ids, remote_ids, notify, read))
+        return read
+
+    def poll_notifications(self) -> list[tuple[str, bytes]]:
+        out, self.notifications = self.notifications, []
+        return out
+
+    def close(self) -> None:
+        pass
+
+
+class FakeReleases:
+    def __init__(self, engine_id: str):
+        self.sent: list[tuple[int, str]] = []
+
+    def release(self, host: str, port: int, request_id: str) -> None:
+        self.sent.append((port, request_id))
+
+    def close(self) -> None:
+        pass
+
+
+class FakeServer:
+    def __init__(self, engine_id: str, host: str, port: int, *args: Any, **kwargs: Any):
+        self.endpoint = f"tcp://{host}:{port}"
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass
+class FakePrefill:
+    """The prefill engine behind ``PREFILL_PORT``: rank r answers on ``PREFILL_PORT + r``, blocks of 16."""
+
+    tp_size: int = 2
+    asked: list[int] = field(default_factory=list)
+
+    def request_handshake(
+        self, engine_id: str, local: KVTopology, host: str, port: int, timeout_s: float
+    ) -> HandshakeResponse:
+        self.asked.append(port)
+        heads = local.total_num_kv_heads
+        remote = KVTopology(self.tp_size, port - PREFILL_PORT, heads, 16, "H2ND", HEAD_DIM, "bfloat16", NUM_LAYERS)
+        return HandshakeResponse(
+            engine_id="prefill",
+            topology=remote,
+            agent_metadata=b"agent",
+            kv_caches_base_addr=(0,) * NUM_LAYERS,
+            block_len=remote.block_plane_bytes,
+            num_blocks=NUM_BLOCKS,
+        )
+
+
+@dataclass
+class Fakes:
+    prefill: FakePrefill
+    transports: list[FakeTransport]
+    releases: list[FakeReleases]
+
+
+@pytest.fixture
+def fakes(monkeypatch: pytest.MonkeyPatch) -> Fakes:
+    made = Fakes(FakePrefill(), [], [])
+
+    def transport(*args: Any, **kwargs: Any) -> FakeTransport:
+        made.transports.append(FakeTransport())
+        return made.transports[-1]
+
+    def releases(engine_id: str) -> FakeReleases:
+        made.releases.append(FakeReleases(engine_id))
+        return made.releases[-1]
+
+    monkeypatch.setattr(worker_module, "NixlKVTransport", transport)
+    monkeypatch.setattr(worker_module, "SideChannelServer", FakeServer)
+    monkeypatch.setattr(worker_module, "ReleaseSender", releases)
+    monkeypatch.setattr(worker_module, "request_handshake", made.prefill.request_handshake)
+    return made
+
+
+@pytest.fixture
+def make_worker(fakes: Fakes) -> Iterator[Callable[..., PdserveWorker]]:
+    """``make_worker(tp_size, tp_rank, heads=4, block_size=32)``: a registered decode worker, shut down at the end."""
+    workers: list[PdserveWorker] = []
+
+    def make(tp_size: int, tp_rank: int, heads: int = 4, block_size: int = 32) -> PdserveWorker:
+        extra = {"side_channel_host": "127.0.0.1", "side_channel_port": 17700}
+        config = SimpleNamespace(
+            kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra),
+            model_config=SimpleNamespace(get_total_num_kv_heads=lambda: heads, get_head_size=lambda: HEAD_DIM),
+            parallel_config=SimpleNamespace(tensor_parallel_size=tp_size),
+            cache_config=SimpleNamespace(block_size=block_size),
+        )
+        worker = PdserveWorker(config, "decode", SimpleNamespace(num_blocks=NUM_BLOCKS))
+        workers.append(worker)
+        shape = (NUM_BLOCKS, max(1, heads // tp_size), block_size, 2 * HEAD_DIM)
+        caches = {f"layer.{i}": torch.zeros(shape, dtype=torch.bfloat16) for i in range(NUM_LAYERS)}
+        worker.register_kv_caches(caches, tp_rank)
+        return worker
+
+    yield make
+    for worker in workers:
+        worker.shutdown()
+
+
+def spec(request_id: str, tp_size: int, local_ids: tuple[int, ...], remote_ids: tuple[int, ...]) -> ReceiveSpec:
+    """A request of 100 tokens on a prefill engine with ``tp_size`` ranks and blocks of 16."""
+    params = KVTransferParams("prefill", f"p-{request_id}", "127.0.0.1", PREFILL_PORT, remote_ids, 100, tp_size, 16)
+    return ReceiveSpec(request_id, local_ids, params, remote_ids)
+
+
+def receive(worker: PdserveWorker, transport: FakeTransport, *specs: ReceiveSpec, reads: int) -> None:
+    """Hand ``specs`` to the worker and step it until ``reads`` READs are out (handshakes run on threads)."""
+    worker.start_load_kv(PdserveConnectorMetadata(reqs_to_receive=list(specs)))
+    for _ in range(5000):
+        worker.transfer_results()
+        if len(transport.reads) >= reads:
+            return
+        time.sleep(0.001)
+    raise AssertionError(f"{len(transport.reads)} READs posted, expected {reads}")
+
+
+def test_one_decode_rank_reads_each_prefill_rank_and_handshakes_once_per_rank(
+    fakes: Fakes, make_worker: WorkerFactory
+) -> None:
+    worker = make_worker(tp_size=1, tp_rank=0)
+    [transport] = fakes.transports
+    receive(worker, transport, spec("r1", 2, (5, 9), (1, 2, 3)), reads=2)
+    receive(worker, transport, spec("r2", 2, (7,), (4, 6)), reads=4)
+
+    assert sorted(fakes.prefill.asked) == [PREFILL_PORT, PREFILL_PORT + 1]  # once per rank, then cached
+    assert set(transport.peers) == {"prefill/rank0", "prefill/rank1"}
+    assert [(peer, local, remote, notify) for peer, local, remote, notify, _ in transport.reads[:2]] == [
+        # three prefill blocks of 16 tokens fill two decode blocks of 32
+        ("prefill/rank0", [5, 9], [1, 2, 3], read_notification("p-r1", 1)),
+        ("prefill/rank1", [5, 9], [1, 2, 3], read_notification("p-r1", 1)),
+    ]
+    for *_, read in transport.reads:
+        read.state = TransferState.DONE
+    _, finished, failed = worker.transfer_results()
+    assert (finished, failed) == ({"r1", "r2"}, set())
+    report = worker.take_reports().reports["r1"]
+    assert (report["source"], report["remote_ranks"], report["bytes"]) == ("transfer", ["0", "1"], 6)
+    assert fakes.releases[0].sent == []
+
+
+def test_a_failed_read_from_one_rank_aborts_the_others_and_releases_every_rank(
+    fakes: Fakes, make_worker: WorkerFactory
+) -> None:
+    worker = make_worker(tp_size=1, tp_rank=0)
+    [transport] = fakes.transports
+    receive(worker, transport, spec("r1", 2, (5, 9), (1, 2, 3)), reads=2)
+    first, second = (read for *_, read in transport.reads)
+    first.state, first.failure_reason = TransferState.FAILED, "peer reset"
+
+    _, finished, failed = worker.transfer_results()
+
+    assert finished == failed == {"r1"}
+    assert second.state is TransferState.FAILED  # aborted: nothing may write into blocks vLLM recomputes
+    assert worker.get_block_ids_with_load_errors() == {5, 9}
+    assert sorted(fakes.releases[0].sent) == [(PREFILL_PORT, "p-r1"), (PREFILL_PORT + 1, "p-r1")]
+    assert transport.removed == ["prefill/rank0"]  # that rank may have restarted: handshake again next time
+    assert "peer reset" in worker.take_reports().reports["r1"]["detail"]
+
+
+def test_decode_rank_zero_releases_the_prefill_replicas_nobody_reads(fakes: Fakes, make_worker: WorkerFactory) -> None:
+    fakes.prefill.tp_size = 4  # 2 heads on 4 ranks: ranks 1 and 3 hold copies
+    worker = make_worker(tp_size=1, tp_rank=0, heads=2)
+    [transport] = fakes.transports
+    receive(worker, transport, spec("r1", 4, (5,), (1, 2)), reads=2)
+
+    assert sorted(fakes.prefill.asked) == [PREFILL_PORT, PREFILL_PORT + 2]
+    assert [peer for peer, *_ in transport.reads] == ["prefill/rank0", "prefill/rank2"]
+    assert sorted(fakes.releases[0].sent) == [(PREFILL_PORT + 1, "p-r1"), (PREFILL_PORT + 3, "p-r1")]
+
+
+def test_two_decode_ranks_tell_the_one_prefill_rank_to_expect_two_reads(
+    fakes: Fakes, make_worker: WorkerFactory
+) -> None:
+    fakes.prefill.tp_size = 1
+    for rank in (0, 1):
+        worker = make_worker(tp_size=2, tp_rank=rank)
+        receive(worker, fakes.transports[rank], spec("r1", 1, (5,), (1, 2)), reads=1)
+    assert [transport.reads[0][3] for transport in fakes.transports] == [read_notification("p-r1", 2)] * 2
+
+
+def test_a_prefill_rank_counts_reads_that_arrive_before_its_lease(fakes: Fakes, make_worker: WorkerFactory) -> None:
+    worker = make_worker(tp_size=1, tp_rank=0)
+    [transport] = fakes.transports
+    transport.notifications = [("decode-a", read_notification("p-r1", 2)), ("decode-b", read_notification("p-r1", 2))]
+    assert worker.transfer_results()[0] == set()  # both reads came first: kept until the hold
+
+    worker.start_load_kv(PdserveConnectorMetadata(reqs_to_hold={"p-r1": (3, 4)}))
+
+    assert worker.transfer_results()[0] == {"p-r1"}
+
+
+def test_a_prefill_tp_size_that_cannot_pair_fails_the_load_as_incompatible(
+    fakes: Fakes, make_worker: WorkerFactory
+) -> None:
+    worker = make_worker(tp_size=2, tp_rank=0, heads=6)
+    worker.start_load_kv(PdserveConnectorMetadata(reqs_to_receive=[spec("r1", 3, (5,), (1, 2))]))
+
+    _, finished, failed = worker.transfer_results()
+
+    assert finished == failed == {"r1"}
+    assert worker.take_reports().reports["r1"]["reason"] == "incompatible"
+    assert fakes.prefill.asked == []
+
+
+# ---------------------------------------------------------------- cache shapes
+
+
+@pytest.mark.parametrize(
+    ("shape", "permute", "expected"),
+    [
+        ((10, 2, 16, 2 * HEAD_DIM), None, (KVLayout.H2ND, 16, 1)),  # vLLM's CPU cache
+        ((2, 10, 16, 2, HEAD_DIM), None, (KVLayout.NHD, 16, 2)),
+        ((2, 10, 2, 16, HEAD_DIM), (0, 1, 3, 2, 4), (KVLayout.HND, 16, 2)),  # HND memory seen as NHD
+        ((2, 10, 2, 16, HEAD_DIM), None, (KVLayout.HND, 16, 2)),
+    ],
+)
+def test_describe_kv_cache(shape: tuple[int, ...], permute: tuple[int, ...] | None, expected: tuple) -> None:
+    cache = torch.zeros(shape)
+    if permute is not None:
+        cache = cache.permute(*permute)
+    assert describe_kv_cache(cache, 2, HEAD_DIM) == expected
+
+
+def test_describe_kv_cache_refuses_other_shapes() -> None:
+    with pytest.raises(ConnectorError, match=r"unsupported KV cache shape \(10, 3, 16, 16\)"):
+        describe_kv_cache(torch.zeros(10, 3, 16, 16), 2, HEAD_DIM)
