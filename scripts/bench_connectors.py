@@ -87,7 +87,9 @@ def bench_connector(base_spec: dict, connector: str, args: argparse.Namespace, w
             time.sleep(1.0)  # let the last step's connector stats reach /metrics
             before = scrape(decode_url, names)
             runs = [
-                stream_completion(proxy, model, f"[{connector} {tag}] " + make_prompt(run, length), OUTPUT_TOKENS)
+                stream_completion(
+                    proxy, model, f"[{connector} {tag} {length}] " + make_prompt(run, length), OUTPUT_TOKENS
+                )
                 for run in range(args.runs)
             ]
             time.sleep(1.0)
