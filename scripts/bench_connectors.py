@@ -86,12 +86,8 @@ def bench_connector(base_spec: dict, connector: str, args: argparse.Namespace, w
         for length in args.prompt_tokens:
             time.sleep(1.0)  # let the last step's connector stats reach /metrics
             before = scrape(decode_url, names)
-            runs = [
-                stream_completion(
-                    proxy, model, f"[{connector} {tag} {length}] " + make_prompt(run, length), OUTPUT_TOKENS
-                )
-                for run in range(args.runs)
-            ]
+            prompts = [f"[{connector} {tag} {length}] " + make_prompt(run, length) for run in range(args.runs)]
+            runs = [stream_completion(proxy, model, prompt, OUTPUT_TOKENS) for prompt in prompts]
             time.sleep(1.0)
             after = scrape(decode_url, names)
             delta = {name: after[name] - before[name] for name in names}
