@@ -32,6 +32,7 @@ from typing import Any
 from orchestrator.errors import EngineStartError
 from orchestrator.launch import EngineLaunch
 from orchestrator.logs import redirect_output
+from proxy.server import listen_socket as proxy_listen_socket
 
 logger = logging.getLogger(__name__)
 
@@ -74,22 +75,15 @@ def pin_process_tree(pid: int, cores: set[int]) -> int:
 
 
 def listen_socket(host: str, port: int) -> socket.socket:
-    """A bound TCP socket for uvicorn, created with IPPROTO_TCP.
+    """A bound, listening TCP socket for vLLM's uvicorn, created with IPPROTO_TCP.
 
     asyncio turns Nagle's algorithm off (TCP_NODELAY) only on sockets whose
     ``proto`` is IPPROTO_TCP; vLLM's helper makes them with proto 0, and on the
     default event loop every small response then waits ~40 ms for a delayed ACK.
+    The proxy's sockets are made the same way (``proxy.server.listen_socket``).
     """
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError:
-        sock.close()
-        raise
+    sock = proxy_listen_socket(host, port)
     sock.listen(2048)
-    sock.set_inheritable(True)
     return sock
 
 
