@@ -118,7 +118,7 @@ def ray_token_path() -> Path:
 def start_ray_head(spec: ClusterSpec) -> tuple[str, str]:
     """Start a Ray head for this cluster alone; return (address, temp_dir)."""
     port, temp_dir = _free_port(), _ray_temp_dir()
-    cpus = spec.resources.cpus or os.cpu_count() or 1
+    cpus = spec.cpu_cores_available
     if spec.device == "cpu" and spec.resources.share_cores:  # Ray must still place every engine actor
         cpus = max(cpus, spec.cpu_cores_needed)
     ray_bin = Path(sys.executable).parent / "ray"

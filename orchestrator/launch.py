@@ -11,7 +11,6 @@ engines on one machine thrash each other (see ENVIRONMENT.md).
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -110,7 +109,7 @@ def _core_ranges(spec: ClusterSpec) -> dict[str, str]:
     bindings: dict[str, str] = {}
     next_core = 0
     # Only with resources.share_cores can engines need more cores than there are: they wrap around.
-    available = spec.resources.cpus or os.cpu_count() or 1
+    available = spec.cpu_cores_available
     for role in ROLES:
         pool = spec.pool(role)
         for replica in range(pool.replicas):

@@ -188,6 +188,11 @@ class ClusterSpec(_Strict):
         return self
 
     @property
+    def cpu_cores_available(self) -> int:
+        """Cores CPU engines may be pinned to: ``resources.cpus``, else all of this machine's."""
+        return self.resources.cpus or os.cpu_count() or 1
+
+    @property
     def cpu_cores_needed(self) -> int:
         """Cores the CPU engines are pinned to, both pools: replicas x TP x cores per rank."""
         return sum(p.replicas * p.tensor_parallel_size * p.cpu_cores for p in (self.prefill, self.decode))
@@ -195,7 +200,7 @@ class ClusterSpec(_Strict):
     @model_validator(mode="after")
     def _check_resources(self) -> ClusterSpec:
         if self.device == "cpu":
-            available = self.resources.cpus or os.cpu_count() or 1
+            available = self.cpu_cores_available
             needed = self.cpu_cores_needed
             if needed > available and not self.resources.share_cores:
                 raise _FieldError(

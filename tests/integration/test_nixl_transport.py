@@ -80,16 +80,17 @@ def start_source(device: str = "cpu") -> Source:
     return Source(process, parent, metadata, regions)
 
 
-def stop(source: Source) -> None:
-    if source.process.is_alive():
+def stop(child: Source, grace_s: float = 5) -> None:
+    """Ask a child process (anything with ``process`` and ``conn``) to stop; kill it if it does not."""
+    if child.process.is_alive():
         try:
-            source.conn.send("stop")
+            child.conn.send("stop")
         except OSError:
             pass
-        source.process.join(5)
-    if source.process.is_alive():
-        source.process.kill()
-        source.process.join(5)
+        child.process.join(grace_s)
+    if child.process.is_alive():
+        child.process.kill()
+        child.process.join(5)
 
 
 @pytest.fixture

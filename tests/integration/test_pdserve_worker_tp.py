@@ -33,6 +33,7 @@ pytest.importorskip("nixl")
 
 from connectors.metadata import KVTransferParams, PdserveConnectorMetadata, ReceiveSpec  # noqa: E402
 from connectors.worker import PdserveWorker  # noqa: E402
+from tests.integration.test_nixl_transport import stop  # noqa: E402
 from tests.kv_reference import cache_shape, noise_cache, padded, rank_heads, write_tokens  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]  # a safety net: ~20 s per test on an idle host
@@ -214,15 +215,7 @@ def start_prefill() -> Iterator:
 
     yield start
     for prefill in started:
-        if prefill.process.is_alive():
-            try:
-                prefill.conn.send("stop")
-            except OSError:
-                pass
-            prefill.process.join(10)
-        if prefill.process.is_alive():
-            prefill.process.kill()
-            prefill.process.join(5)
+        stop(prefill, grace_s=10)
 
 
 @pytest.fixture
