@@ -47,6 +47,7 @@ TRANSFER_METRICS = {
     "vllm-nixl": ("vllm:nixl_xfer_time_seconds", "vllm:nixl_bytes_transferred_sum"),
 }
 OUTPUT_TOKENS = 8
+PHASE_METRIC = "vllm:time_to_first_token_seconds"
 
 
 def scrape(url: str, names: tuple[str, ...]) -> dict[str, float]:
@@ -78,25 +79,31 @@ def bench_connector(base_spec: dict, connector: str, args: argparse.Namespace, w
     try:
         status = json.loads(pdserve("status", "--json").stdout)
         proxy, model = status["proxy_url"], status["model"]
+        prefill_url = next(e["url"] for e in status["engines"] if e["role"] == "prefill")
         decode_url = next(e["url"] for e in status["engines"] if e["role"] == "decode")
         seconds, nbytes = TRANSFER_METRICS[connector]
-        names = (seconds + "_sum", seconds + "_count", nbytes)
+        names = (seconds + "_sum", seconds + "_count", nbytes, PHASE_METRIC + "_sum", PHASE_METRIC + "_count")
         stream_completion(proxy, model, make_prompt(-1, 64), 2)  # first-request set-up (handshake)
         by_length = {}
         for length in args.prompt_tokens:
             time.sleep(1.0)  # let the last step's connector stats reach /metrics
-            before = scrape(decode_url, names)
+            before, before_prefill = scrape(decode_url, names), scrape(prefill_url, names)
             prompts = [f"[{connector} {tag} {length}] " + make_prompt(run, length) for run in range(args.runs)]
             runs = [stream_completion(proxy, model, prompt, OUTPUT_TOKENS) for prompt in prompts]
             time.sleep(1.0)
-            after = scrape(decode_url, names)
+            after, after_prefill = scrape(decode_url, names), scrape(prefill_url, names)
             delta = {name: after[name] - before[name] for name in names}
+            delta_prefill = {name: after_prefill[name] - before_prefill[name] for name in names}
             by_length[length] = {
                 "prompt_tokens": runs[0]["prompt_tokens"],
                 "ttfts_ms": [1000 * r["ttft_s"] for r in runs],
                 "seconds": delta[seconds + "_sum"],
                 "transfers": delta[seconds + "_count"],
                 "bytes": delta[nbytes],
+                # each engine's own TTFT (arrival to first token): the prefill leg, and the decode leg's
+                # wait for the KV plus its first step
+                "prefill_engine_s": delta_prefill[PHASE_METRIC + "_sum"],
+                "decode_engine_s": delta[PHASE_METRIC + "_sum"],
             }
         return by_length
     finally:
@@ -118,6 +125,8 @@ def summarize(rounds: list[dict]) -> dict:
             "transfers": int(transfers),
             "transfer_mean_ms": round(1000 * sum(s["seconds"] for s in samples) / transfers, 2) if transfers else None,
             "bytes_per_request": int(sum(s["bytes"] for s in samples) / len(ttfts)),
+            "prefill_engine_mean_ms": round(1000 * sum(s["prefill_engine_s"] for s in samples) / len(ttfts), 1),
+            "decode_engine_mean_ms": round(1000 * sum(s["decode_engine_s"] for s in samples) / len(ttfts), 1),
         }
     return summary
 
