@@ -6,10 +6,15 @@ cluster of ``--config`` is started with ``pdserve up --detach`` with only
 prompt); then, for each prompt length in ``--prompt-tokens``, ``--runs`` fresh
 prompts (a new number in front of each, so no prefix cache helps) are streamed
 through the proxy one at a time. With ``--rounds N`` the connectors take turns
-N times (A B A B ...), so that a change in the machine's load falls on both.
+N times (A B, B A, A B ...), so that a change in the machine's load falls on both.
 Measured per connector and length, over all rounds:
 
 * TTFT p50 / p90 as the client sees it (first streamed token);
+* the prefill engine's own TTFT (its compute of the prompt, the same work for
+  both connectors: its ratio shows how much the machine's noise alone moves
+  the TTFT ratio), and the client's mean TTFT beyond it (the prefill's answer,
+  the proxy, the decode engine's handshake, transfer and first step: the part
+  a connector has a hand in);
 * KV transfer time per request, from the decode engine's own histogram
   (``pdserve:kv_transfer_seconds`` for ours, ``vllm:nixl_xfer_time_seconds``
   for vLLM's): mean over the requests of that length;
@@ -127,6 +132,10 @@ def summarize(rounds: list[dict]) -> dict:
             "bytes_per_request": int(sum(s["bytes"] for s in samples) / len(ttfts)),
             "prefill_engine_mean_ms": round(1000 * sum(s["prefill_engine_s"] for s in samples) / len(ttfts), 1),
             "decode_engine_mean_ms": round(1000 * sum(s["decode_engine_s"] for s in samples) / len(ttfts), 1),
+            # what the connector has a hand in: the client's TTFT less the prefill engine's compute
+            "beyond_prefill_mean_ms": round(
+                statistics.mean(ttfts) - 1000 * sum(s["prefill_engine_s"] for s in samples) / len(ttfts), 1
+            ),
         }
     return summary
 
@@ -145,7 +154,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="pdserve-bench-") as workdir:
         rounds: dict[str, list[dict]] = {c: [] for c in args.connectors}
         for tag in range(args.rounds):
-            for connector in args.connectors:
+            # A B, then B A: a machine that grows quieter (or busier) over the run favours neither.
+            order = args.connectors if tag % 2 == 0 else args.connectors[::-1]
+            for connector in order:
                 rounds[connector].append(bench_connector(base_spec, connector, args, Path(workdir), tag))
     results = {connector: summarize(samples) for connector, samples in rounds.items()}
     report = {"config": args.config, "cpu_count": os.cpu_count(), "runs": args.runs, "rounds": args.rounds}
@@ -156,6 +167,15 @@ def main() -> None:
             length: {
                 "ttft_p50": round(results[ours][length]["ttft_p50_ms"] / results[theirs][length]["ttft_p50_ms"], 2),
                 "ttft_p90": round(results[ours][length]["ttft_p90_ms"] / results[theirs][length]["ttft_p90_ms"], 2),
+                # the same prefill work on both: how far its noise alone moves the TTFT ratios
+                "prefill_engine": round(
+                    results[ours][length]["prefill_engine_mean_ms"] / results[theirs][length]["prefill_engine_mean_ms"],
+                    2,
+                ),
+                "beyond_prefill": round(
+                    results[ours][length]["beyond_prefill_mean_ms"] / results[theirs][length]["beyond_prefill_mean_ms"],
+                    2,
+                ),
                 "transfer_mean": (
                     round(results[ours][length]["transfer_mean_ms"] / results[theirs][length]["transfer_mean_ms"], 2)
                     if results[ours][length]["transfer_mean_ms"] and results[theirs][length]["transfer_mean_ms"]
@@ -171,12 +191,16 @@ def main() -> None:
         f"{args.runs} fresh prompts per length x {args.rounds} round(s), {OUTPUT_TOKENS} output tokens, "
         "streamed through the proxy"
     )
-    print(f"{'connector':<10} {'tokens':>6} {'TTFT p50':>9} {'TTFT p90':>9} {'xfer ms':>8} {'MiB/req':>8}")
+    print(
+        f"{'connector':<10} {'tokens':>6} {'TTFT p50':>9} {'TTFT p90':>9} {'prefill':>8} {'beyond':>7} "
+        f"{'xfer ms':>8} {'MiB/req':>8}"
+    )
     for connector, by_length in results.items():
         for r in by_length.values():
             xfer = "-" if r["transfer_mean_ms"] is None else f"{r['transfer_mean_ms']:.1f}"
             print(
                 f"{connector:<10} {r['prompt_tokens']:>6} {r['ttft_p50_ms']:>9.0f} {r['ttft_p90_ms']:>9.0f} "
+                f"{r['prefill_engine_mean_ms']:>8.0f} {r['beyond_prefill_mean_ms']:>7.0f} "
                 f"{xfer:>8} {r['bytes_per_request'] / 2**20:>8.1f}"
             )
     for length, ratio in report.get("ratios", {}).items():
