@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import ray
 from ray.exceptions import ActorDiedError, RayActorError, RayTaskError
 
@@ -65,11 +66,13 @@ class ClusterController:
         redirect_output(self.log_dir / "controller.log")
         self.spec = ClusterSpec.model_validate(spec_data)
         self.host = host
+        # Every engine the pools may grow to; the first `replicas` of each start with the cluster.
         self.launches: dict[str, EngineLaunch] = {e.engine_id: e for e in plan_engines(self.spec, host)}
-        self.engines = {
-            engine_id: EngineRecord(engine_id, launch.role, log_path=str(self.log_dir / f"{engine_id}.log"))
-            for engine_id, launch in self.launches.items()
-        }
+        self.targets = {role: self.spec.pool(role).replicas for role in ROLES}
+        self.engines: dict[str, EngineRecord] = {}
+        for role in ROLES:
+            for launch in self._launches(role)[: self.targets[role]]:
+                self.engines[launch.engine_id] = self._record(launch)
         self.phase = "created"  # created | starting | ready | failed | stopping | stopped
         self.error: str | None = None
         self.events: list[dict[str, Any]] = []
@@ -99,6 +102,15 @@ class ClusterController:
             "ready_s": self.ready_s,
             "log_dir": str(self.log_dir),
             "engines": [{k: v for k, v in asdict(r).items() if k != "handle"} for r in self.engines.values()],
+            "pools": {
+                role: {
+                    "target": self.targets[role],
+                    "max": self.spec.max_replicas(role),
+                    "ready": sum(r.state == "ready" for r in self.engines.values() if r.role == role),
+                    "draining": sum(r.state == "draining" for r in self.engines.values() if r.role == role),
+                }
+                for role in ROLES
+            },
             "events": self.events,
         }
 
@@ -128,8 +140,8 @@ class ClusterController:
         except Exception as e:  # noqa: BLE001 - reported to the user as the cluster's error
             self._fail(f"proxy failed to start: {_cause(e)}")
             return
-        for engine_id, launch in self.launches.items():
-            self.engines[engine_id].handle = self._create_engine_actor(launch)
+        for engine_id, record in self.engines.items():
+            record.handle = self._create_engine_actor(self.launches[engine_id])
         # Report the first engine that fails at once, rather than after the others loaded.
         for started in asyncio.as_completed([self._start_engine(engine_id) for engine_id in self.engines]):
             record = self.engines[await started]
@@ -173,8 +185,12 @@ class ClusterController:
         try:
             info = await asyncio.wait_for(record.handle.start.remote(), timeout=self.spec.engine.startup_timeout_s)
         except Exception as e:  # noqa: BLE001 - every failure becomes the engine's error
+            if record.state != "starting":  # scaled away while it started
+                return engine_id
             record.state, record.error = "failed", self._start_failure(record, e)
             self._event(f"{engine_id} failed to start")
+            return engine_id
+        if record.state != "starting":
             return engine_id
         record.state = "ready"
         record.url, record.pid, record.cpu_bind = info["url"], info["pid"], info["cpu_bind"]
@@ -199,6 +215,107 @@ class ClusterController:
     async def _publish(self, role: str) -> None:
         endpoints = [(r.engine_id, r.url) for r in self.engines.values() if r.role == role and r.state == "ready"]
         await self.proxy.set_endpoints.remote(role, endpoints)
+
+    # --- scaling ----------------------------------------------------------------------------
+
+    async def scale(self, targets: dict[str, int], reason: str = "by hand") -> dict[str, Any]:
+        """Grow or shrink pools to ``targets`` (``{role: replicas}``); return at once with the plan.
+
+        Growing starts the lowest free replicas; each joins the proxy's pool when
+        ready. Shrinking retires the newest engines (those still starting first):
+        each leaves the proxy's pool at once, finishes its running requests, and a
+        prefill engine keeps its KV until the decode engines have read it; then it
+        is stopped (``_retire``). ``{"error": ...}`` when a target is out of bounds.
+        """
+        if self.phase != "ready":
+            return {"error": f"the cluster is {self.phase}, not ready"}
+        for role, target in targets.items():
+            if role not in ROLES:
+                return {"error": f"unknown pool {role!r}; pools are {', '.join(ROLES)}"}
+            low, high = 1, self.spec.max_replicas(role)
+            if not low <= target <= high:
+                return {"error": f"{role}={target} is outside {low}..{high} (the pool's bounds in the spec)"}
+        plan: dict[str, dict[str, list[str]]] = {}
+        for role, target in targets.items():
+            self.targets[role] = target
+            serving = [r for r in self.engines.values() if r.role == role and r.state in _SERVING]
+            started = self._grow(role, target - len(serving)) if target > len(serving) else []
+            # the newest first, and an engine not ready yet before one that serves
+            retiring = sorted(serving, key=lambda r: (r.state == "ready", -_replica(r.engine_id)))
+            retiring = retiring[: max(len(serving) - target, 0)]
+            for record in retiring:
+                self._spawn(self._retire(record))
+            plan[role] = {"start": started, "retire": [r.engine_id for r in retiring]}
+            if started or retiring:
+                self._event(f"scaling {role} {len(serving)} -> {target} ({reason})")
+        return {"plan": plan, "targets": dict(self.targets)}
+
+    def _grow(self, role: str, count: int) -> list[str]:
+        started = []
+        for launch in [launch for launch in self._launches(role) if launch.engine_id not in self.engines][:count]:
+            record = self.engines[launch.engine_id] = self._record(launch)
+            record.handle = self._create_engine_actor(launch)
+            self._spawn(self._start_engine(launch.engine_id))
+            started.append(launch.engine_id)
+        return started
+
+    async def _retire(self, record: EngineRecord) -> None:
+        was_ready = record.state == "ready"
+        record.state = "draining"
+        if was_ready:
+            await self._publish(record.role)
+            self._event(f"{record.engine_id} draining: out of the proxy's pool; finishing its requests")
+            await self._wait_drained(record)
+        await self._stop_engine(record)
+
+    async def _wait_drained(self, record: EngineRecord) -> None:
+        """Until the engine has nothing in flight, queued, running or held (KV not yet read), or
+        ``engine.drain_timeout_s`` passed."""
+        deadline = time.monotonic() + self.spec.engine.drain_timeout_s
+        while True:
+            busy = await self._busy(record)
+            if not busy:
+                return
+            if time.monotonic() > deadline:
+                self._event(
+                    f"{record.engine_id} still busy after {self.spec.engine.drain_timeout_s:g}s "
+                    f"(engine.drain_timeout_s): {busy}; stopping it anyway"
+                )
+                return
+            await asyncio.sleep(MONITOR_INTERVAL_S)
+
+    async def _busy(self, record: EngineRecord) -> str:
+        """What keeps a draining engine busy, in words; '' when nothing does (or it is gone)."""
+        reasons = []
+        with contextlib.suppress(RayActorError, TimeoutError):
+            info = await asyncio.wait_for(self.proxy.info.remote(), timeout=PROBE_TIMEOUT_S)
+            for entry in info["pool"].get(record.role, []):
+                if entry["engine_id"] == record.engine_id and entry.get("in_flight"):
+                    reasons.append(f"{entry['in_flight']} request(s) in flight at the proxy")
+        gauges = await engine_gauges(record.url)
+        if gauges is None:
+            return ""  # not answering: nothing left to wait for
+        if running := gauges.get("vllm:num_requests_running", 0) + gauges.get("vllm:num_requests_waiting", 0):
+            reasons.append(f"{running:g} request(s) running or queued")
+        if record.role == "prefill" and (used := gauges.get("vllm:kv_cache_usage_perc", 0)):
+            reasons.append(f"{used:.1%} of its KV cache still held for decode engines")
+        return "; ".join(reasons)
+
+    async def _stop_engine(self, record: EngineRecord) -> None:
+        name = f"{self.spec.name}-{record.engine_id}"
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(record.handle.stop.remote(), timeout=60)
+        with contextlib.suppress(Exception):
+            ray.kill(record.handle, no_restart=True)
+        # The replica may start again later under the same actor name: wait until Ray let it go.
+        for _ in range(100):
+            try:
+                ray.get_actor(name)
+            except ValueError:
+                break
+            await asyncio.sleep(0.1)
+        self.engines.pop(record.engine_id, None)
+        self._event(f"{record.engine_id} stopped")
 
     # --- supervision ------------------------------------------------------------------------
 
@@ -246,6 +363,12 @@ class ClusterController:
 
     # --- helpers ----------------------------------------------------------------------------
 
+    def _launches(self, role: str) -> list[EngineLaunch]:
+        return [launch for launch in self.launches.values() if launch.role == role]
+
+    def _record(self, launch: EngineLaunch) -> EngineRecord:
+        return EngineRecord(launch.engine_id, launch.role, log_path=str(self.log_dir / f"{launch.engine_id}.log"))
+
     def _event(self, message: str) -> None:
         self.events.append({"t": time.time(), "message": message})
         del self.events[:-500]
@@ -259,6 +382,35 @@ class ClusterController:
         task = asyncio.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+
+_SERVING = ("pending", "starting", "ready", "restarting")
+
+
+def _replica(engine_id: str) -> int:
+    return int(engine_id.rsplit("-", 1)[1])
+
+
+async def engine_gauges(url: str, timeout_s: float = PROBE_TIMEOUT_S) -> dict[str, float] | None:
+    """The engine's gauges on its ``/metrics``, summed over label sets; None if it does not answer."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        async with (
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session,
+            session.get(url + "/metrics") as response,
+        ):
+            if response.status != 200:
+                return None
+            text = await response.text()
+    except (aiohttp.ClientError, TimeoutError):
+        return None
+    gauges: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        if family.type == "gauge":
+            for sample in family.samples:
+                gauges[sample.name] = gauges.get(sample.name, 0.0) + sample.value
+    return gauges
 
 
 def _cause(error: BaseException) -> str:

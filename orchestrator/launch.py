@@ -112,7 +112,7 @@ def _core_ranges(spec: ClusterSpec) -> dict[str, str]:
     available = spec.cpu_cores_available
     for role in ROLES:
         pool = spec.pool(role)
-        for replica in range(pool.replicas):
+        for replica in range(spec.max_replicas(role)):
             ranks = []
             for _ in range(pool.tensor_parallel_size):
                 cores = [(next_core + i) % available for i in range(pool.cpu_cores)]
@@ -124,12 +124,15 @@ def _core_ranges(spec: ClusterSpec) -> dict[str, str]:
 
 
 def plan_engines(spec: ClusterSpec, host: str = "127.0.0.1") -> list[EngineLaunch]:
+    """How to launch every engine the cluster may run: ``spec.max_replicas(role)`` per pool, in
+    replica order (the first ``replicas`` of each pool start with the cluster)."""
     model_path = resolve_model(spec.model)
     bindings = _core_ranges(spec) if spec.device == "cpu" else {}
     launches = []
     for role in ROLES:
         pool = spec.pool(role)
-        for replica, (port, kv_port) in enumerate(zip(pool.ports(), pool.kv_ports(), strict=True)):
+        count = spec.max_replicas(role)
+        for replica, (port, kv_port) in enumerate(zip(pool.ports(count), pool.kv_ports(count), strict=True)):
             engine_id = f"{role}-{replica}"
             transfer_config = kv_transfer_config(spec, role, host=host, kv_port=kv_port, engine_id=engine_id)
             args = [

@@ -59,11 +59,12 @@ class PoolSpec(_Strict):
     port: int = Field(ge=1, le=65535, description="HTTP port of replica 0; replica i uses port+i.")
     kv_port: int = Field(ge=1, le=65535, description="KV side-channel port of replica 0; replica i uses kv_port+i.")
 
-    def ports(self) -> list[int]:
-        return [self.port + i for i in range(self.replicas)]
+    def ports(self, count: int | None = None) -> list[int]:
+        """HTTP ports of the first ``count`` replicas (default: ``replicas``)."""
+        return [self.port + i for i in range(self.replicas if count is None else count)]
 
-    def kv_ports(self) -> list[int]:
-        return [self.kv_port + i * self.tensor_parallel_size for i in range(self.replicas)]
+    def kv_ports(self, count: int | None = None) -> list[int]:
+        return [self.kv_port + i * self.tensor_parallel_size for i in range(self.replicas if count is None else count)]
 
 
 class EngineSpec(_Strict):
@@ -75,6 +76,12 @@ class EngineSpec(_Strict):
     enforce_eager: bool = Field(default=True, description="Skip graph capture (faster start).")
     dtype: str = Field(default="auto", description="vLLM --dtype.")
     startup_timeout_s: float = Field(default=600.0, gt=0, description="Give up on an engine after this.")
+    drain_timeout_s: float = Field(
+        default=600.0,
+        gt=0,
+        description="An engine being scaled away gets this long to finish its requests (and, prefill, to have "
+        "its KV read) before it is stopped anyway.",
+    )
     extra_args: dict[str, Any] = Field(
         default_factory=dict,
         description="Further vLLM server flags, e.g. {max_num_seqs: 64} -> --max-num-seqs 64.",
@@ -147,6 +154,11 @@ class ClusterSpec(_Strict):
     def pool(self, role: str) -> PoolSpec:
         return self.prefill if role == "prefill" else self.decode
 
+    def max_replicas(self, role: str) -> int:
+        """The most engines pool ``role`` may grow to (``pdserve scale``, the autoscaler): ports, cores
+        and GPUs are planned and checked for this many."""
+        return self.pool(role).replicas
+
     @model_validator(mode="after")
     def _check_model(self) -> ClusterSpec:
         looks_like_path = self.model.startswith((".", "/", "~"))
@@ -177,8 +189,9 @@ class ClusterSpec(_Strict):
         owners: dict[int, str] = {self.proxy.port: "proxy.port"}
         for role in ROLES:
             pool = self.pool(role)
-            kv_span = [p + r for p in pool.kv_ports() for r in range(pool.tensor_parallel_size)]
-            for field, ports in ((f"{role}.port", pool.ports()), (f"{role}.kv_port", kv_span)):
+            count = self.max_replicas(role)
+            kv_span = [p + r for p in pool.kv_ports(count) for r in range(pool.tensor_parallel_size)]
+            for field, ports in ((f"{role}.port", pool.ports(count)), (f"{role}.kv_port", kv_span)):
                 for port in ports:
                     if port > 65535:
                         raise _FieldError(field, f"port {port} of its replicas is above 65535")
@@ -194,8 +207,8 @@ class ClusterSpec(_Strict):
 
     @property
     def cpu_cores_needed(self) -> int:
-        """Cores the CPU engines are pinned to, both pools: replicas x TP x cores per rank."""
-        return sum(p.replicas * p.tensor_parallel_size * p.cpu_cores for p in (self.prefill, self.decode))
+        """Cores the CPU engines are pinned to at most, both pools: replicas x TP x cores per rank."""
+        return sum(self.max_replicas(r) * self.pool(r).tensor_parallel_size * self.pool(r).cpu_cores for r in ROLES)
 
     @model_validator(mode="after")
     def _check_resources(self) -> ClusterSpec:
@@ -219,7 +232,7 @@ class ClusterSpec(_Strict):
                     )
             # Each engine asks Ray for tensor_parallel_size whole GPUs, and the Ray head is
             # started with resources.gpus of them: engines beyond that would wait forever.
-            needed = sum(p.replicas * p.tensor_parallel_size for p in (self.prefill, self.decode))
+            needed = sum(self.max_replicas(r) * self.pool(r).tensor_parallel_size for r in ROLES)
             if needed > self.resources.gpus:
                 raise _FieldError(
                     "resources.gpus",
