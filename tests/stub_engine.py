@@ -151,6 +151,8 @@ class StubEngine:
     """When set, a decode answer's ``kv_transfer_params`` carry ``{"pdserve_kv": kv_report}``, as ours do."""
     health_status: int = 200
     """What ``GET /health`` answers: set 503 for an engine that is up but unwell."""
+    health_delay_s: float = 0.0
+    """How long ``GET /health`` waits before it answers."""
     waiting: float = 0
     """``vllm:num_requests_waiting`` on ``GET /metrics``."""
     kv_cache_usage: float = 0.0
@@ -236,6 +238,8 @@ class StubEngine:
 
     async def _health(self, request: web.Request) -> web.Response:
         self.health_probes += 1
+        if self.health_delay_s:
+            await self._wait(self.health_delay_s)
         return web.Response(status=self.health_status)
 
     async def _metrics(self, request: web.Request) -> web.Response:
