@@ -42,7 +42,8 @@ from proxy.errors import EngineConnectionError
 
 __all__ = ["EngineClient", "EngineResponse"]
 
-CONNECT_TIMEOUT_S = 10.0
+CONNECT_TIMEOUT_S = 5.0
+"""The default bound on opening a connection to an engine (``ProxyConfig.connect_timeout_s``)."""
 IDLE_TIMEOUT_S = 4.0
 """Under uvicorn's default keep-alive (5 s): a connection idle longer than this is not reused."""
 MAX_IDLE_PER_ENGINE = 512
