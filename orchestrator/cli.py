@@ -125,6 +125,7 @@ def cmd_down(args: argparse.Namespace) -> int:
 def cmd_proxy(args: argparse.Namespace) -> int:
     import logging
 
+    from proxy.routing import RoutingSettings
     from proxy.server import serve
     from proxy.standalone import (
         StandaloneError,
@@ -135,6 +136,23 @@ def cmd_proxy(args: argparse.Namespace) -> int:
     )
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        routing = RoutingSettings(
+            prefill_policy=args.prefill_policy,
+            decode_policy=args.decode_policy,
+            decode_only_below_tokens=args.decode_only_below_tokens,
+            decode_only_if_cached=args.decode_only_if_cached,
+            prefill_retries=args.prefill_retries,
+            prefix_overload_factor=args.prefix_overload_factor,
+            health_interval_s=args.health_interval_s,
+            health_timeout_s=args.health_timeout_s,
+            unhealthy_after=args.unhealthy_after,
+            healthy_after=args.healthy_after,
+            metrics_interval_s=args.metrics_interval_s,
+        )
+    except ValueError as e:
+        print(f"pdserve proxy: {e}", file=sys.stderr)
+        return 2
     try:
         prefill = [normalize_url(url) for url in args.prefill]
         decode = [normalize_url(url) for url in args.decode]
@@ -149,12 +167,15 @@ def cmd_proxy(args: argparse.Namespace) -> int:
     except StandaloneError as e:
         print(f"pdserve proxy: {e}", file=sys.stderr)
         return 1
-    settings = StandaloneSettings(tuple(prefill), tuple(decode), model, args.request_timeout_s)
+    settings = StandaloneSettings(
+        tuple(prefill), tuple(decode), model, args.request_timeout_s, args.connect_timeout_s, routing
+    )
 
     def ready(url: str) -> None:
         _print(f"pdserve proxy: serving {model!r} on {url}/v1 ({args.workers} worker(s))")
         _print(f"  prefill: {' '.join(prefill)}")
         _print(f"  decode:  {' '.join(decode)}")
+        _print(f"  routing: prefill {routing.prefill_policy}, decode {routing.decode_policy}")
 
     try:
         return serve(app_factory(settings), args.host, args.port, args.workers, on_ready=ready)
@@ -168,6 +189,96 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must not be negative, got {value}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must not be negative, got {value:g}")
+    return value
+
+
+def _add_routing_flags(parser: argparse.ArgumentParser) -> None:
+    from proxy.engine_client import CONNECT_TIMEOUT_S
+    from proxy.routing import POLICIES, RoutingSettings
+
+    defaults = RoutingSettings()
+    group = parser.add_argument_group("routing and health")
+    for role in ("prefill", "decode"):
+        group.add_argument(
+            f"--{role}-policy",
+            choices=POLICIES,
+            default=getattr(defaults, f"{role}_policy"),
+            help=f"how {role} engines are chosen (default: %(default)s)",
+        )
+    group.add_argument(
+        "--decode-only-below-tokens",
+        type=_non_negative_int,
+        default=defaults.decode_only_below_tokens,
+        help="serve shorter prompts (token ids, or text at ~4 characters a token) on a decode engine alone; "
+        "0: always disaggregate (default: %(default)s)",
+    )
+    group.add_argument(
+        "--decode-only-if-cached",
+        action="store_true",
+        help="serve decode-only a prompt whose prefix the chosen decode engine was recently sent",
+    )
+    group.add_argument(
+        "--prefill-retries",
+        type=_non_negative_int,
+        default=defaults.prefill_retries,
+        help="other prefill engines a failed prefill is tried on (default: %(default)s)",
+    )
+    group.add_argument(
+        "--prefix-overload-factor",
+        type=float,
+        default=defaults.prefix_overload_factor,
+        help="prefix_aware leaves the engine holding the prefix when its load+1 exceeds this times the least "
+        "load+1 (default: %(default)s)",
+    )
+    group.add_argument(
+        "--health-interval-s",
+        type=_non_negative_float,
+        default=defaults.health_interval_s,
+        help="seconds between /health probes of each engine; 0: no health checks (default: %(default)s)",
+    )
+    group.add_argument(
+        "--health-timeout-s",
+        type=float,
+        default=defaults.health_timeout_s,
+        help="a slower probe fails (default: %(default)s)",
+    )
+    group.add_argument(
+        "--unhealthy-after",
+        type=_positive_int,
+        default=defaults.unhealthy_after,
+        help="consecutive failures that eject an engine (default: %(default)s)",
+    )
+    group.add_argument(
+        "--healthy-after",
+        type=_positive_int,
+        default=defaults.healthy_after,
+        help="consecutive good probes that readmit it (default: %(default)s)",
+    )
+    group.add_argument(
+        "--metrics-interval-s",
+        type=_non_negative_float,
+        default=defaults.metrics_interval_s,
+        help="seconds between /metrics polls, for least_loaded and prefix_aware (default: %(default)s)",
+    )
+    group.add_argument(
+        "--connect-timeout-s",
+        type=float,
+        default=CONNECT_TIMEOUT_S,
+        help="longest wait for a connection to an engine (default: %(default)s)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -191,7 +302,8 @@ def build_parser() -> argparse.ArgumentParser:
         "proxy",
         help="run the P/D proxy alone (no Ray) in front of vLLM servers started with a KV connector",
         description="Serve the OpenAI API; send each request's prefill to a --prefill server and its decode "
-        "to a --decode server (round robin), carrying the KV transfer parameters between them.",
+        "to a --decode server (round robin, or as --prefill-policy / --decode-policy say), carrying the KV "
+        "transfer parameters between them.",
     )
     proxy.add_argument("--prefill", nargs="+", required=True, metavar="URL", help="prefill servers' URLs")
     proxy.add_argument("--decode", nargs="+", required=True, metavar="URL", help="decode servers' URLs")
@@ -210,6 +322,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=600.0,
         help="without --model: how long to wait for the engines to answer /v1/models (default: %(default)s)",
     )
+    _add_routing_flags(proxy)
     proxy.set_defaults(func=cmd_proxy)
     return parser
 

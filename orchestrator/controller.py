@@ -154,7 +154,10 @@ class ClusterController:
         self._spawn(self._monitor())
 
     async def _start_proxy(self) -> None:
-        config = ProxyConfig(self.spec.model_name, self.spec.proxy.request_timeout_s)
+        proxy = self.spec.proxy
+        config = ProxyConfig(
+            self.spec.model_name, proxy.request_timeout_s, proxy.connect_timeout_s, proxy.routing_settings()
+        )
         self.proxy = (
             ray.remote(ProxyActor)
             .options(num_cpus=0, max_restarts=-1, max_task_retries=0, name=f"{self.spec.name}-proxy")

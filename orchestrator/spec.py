@@ -11,7 +11,7 @@ Example (``configs/local-cpu.yaml``)::
     model: smollm2-135m-instruct
     device: cpu
     connector: vllm-nixl
-    proxy: {port: 8000}
+    proxy: {port: 8000, routing: {prefill: prefix_aware, decode: least_loaded}}
     prefill: {replicas: 1, port: 8100, kv_port: 5600}
     decode: {replicas: 1, port: 8200, kv_port: 5700}
 """
@@ -27,7 +27,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from orchestrator.errors import SpecError
 from orchestrator.models import KNOWN_MODELS, model_cache_dir, resolve_model
+from proxy.engine_client import CONNECT_TIMEOUT_S
 from proxy.pool import ROLES
+from proxy.routing import POLICIES, RoutingSettings
 
 # Connector names a spec may use, mapped to the vLLM kv_transfer_config they need.
 CONNECTORS = ("vllm-nixl", "pdserve")
@@ -46,10 +48,107 @@ class RaySpec(_Strict):
     namespace: str = Field(default="pdserve", description="Ray namespace of the cluster's actors.")
 
 
+_ROUTING = RoutingSettings()  # the defaults, said once (proxy.routing)
+Policy = Literal[POLICIES]  # type: ignore[valid-type]
+
+
+class RoutingSpec(_Strict):
+    """The routing policy of each pool, and the prefix-aware policy's settings."""
+
+    prefill: Policy = Field(
+        default=_ROUTING.prefill_policy,
+        description="Policy choosing prefill engines: round_robin, least_loaded (fewest of the proxy's requests "
+        "plus the engine's queue and KV use from /metrics) or prefix_aware (the engine sent the longest "
+        "prefix of the prompt, unless overloaded).",
+    )
+    decode: Policy = Field(default=_ROUTING.decode_policy, description="Policy choosing decode engines (the same).")
+    prefix_block_chars: int = Field(
+        default=_ROUTING.prefix_block_chars, ge=1, description="Characters per hashed prefix block."
+    )
+    prefix_max_blocks: int = Field(
+        default=_ROUTING.prefix_max_blocks, ge=1, description="Only the prompt's first blocks are hashed."
+    )
+    prefix_cache_size: int = Field(
+        default=_ROUTING.prefix_cache_size, ge=1, description="Prefix hashes remembered per pool (LRU)."
+    )
+    prefix_overload_factor: float = Field(
+        default=_ROUTING.prefix_overload_factor,
+        ge=1,
+        description="prefix_aware skips the engine holding the prefix when (its load + 1) exceeds this "
+        "times (the least load + 1).",
+    )
+
+
 class ProxySpec(_Strict):
     host: str = Field(default="127.0.0.1", description="Address the OpenAI-compatible proxy binds.")
     port: int = Field(default=8000, ge=1, le=65535, description="Port of the proxy.")
     request_timeout_s: float = Field(default=600.0, gt=0, description="Upper bound on one upstream call to an engine.")
+    connect_timeout_s: float = Field(
+        default=CONNECT_TIMEOUT_S, gt=0, description="Upper bound on opening a connection to an engine."
+    )
+    routing: RoutingSpec = Field(default_factory=RoutingSpec)
+    decode_only_below_tokens: int = Field(
+        default=_ROUTING.decode_only_below_tokens,
+        ge=0,
+        description="Prompts shorter than this (estimated: token ids counted, text at 4 characters a token) "
+        "go to a decode engine alone, with no prefill leg. 0: always disaggregate.",
+    )
+    decode_only_if_cached: bool = Field(
+        default=_ROUTING.decode_only_if_cached,
+        description="Serve decode-only a prompt whose prefix the chosen decode engine was recently sent.",
+    )
+    decode_only_cached_fraction: float = Field(
+        default=_ROUTING.decode_only_cached_fraction,
+        gt=0,
+        le=1,
+        description="With decode_only_if_cached: the share of the prompt's prefix blocks that must have been sent.",
+    )
+    prefill_retries: int = Field(
+        default=_ROUTING.prefill_retries,
+        ge=0,
+        description="A prefill that fails (connection, timeout, 5xx) is tried on up to this many other engines.",
+    )
+    health_interval_s: float = Field(
+        default=_ROUTING.health_interval_s,
+        ge=0,
+        description="Seconds between GET /health probes of every engine; 0 turns health checks and ejection off.",
+    )
+    health_timeout_s: float = Field(
+        default=_ROUTING.health_timeout_s, gt=0, description="A probe (or /metrics poll) slower than this fails."
+    )
+    unhealthy_after: int = Field(
+        default=_ROUTING.unhealthy_after,
+        ge=1,
+        description="Consecutive failures (probes, unreachable requests) that eject an engine from routing.",
+    )
+    healthy_after: int = Field(
+        default=_ROUTING.healthy_after, ge=1, description="Consecutive good probes that readmit an ejected engine."
+    )
+    metrics_interval_s: float = Field(
+        default=_ROUTING.metrics_interval_s,
+        ge=0,
+        description="Seconds between polls of the engines' /metrics (load-aware policies only); 0: never.",
+    )
+
+    def routing_settings(self) -> RoutingSettings:
+        """The proxy's ``RoutingSettings`` (``ProxyConfig.routing``)."""
+        return RoutingSettings(
+            prefill_policy=self.routing.prefill,
+            decode_policy=self.routing.decode,
+            prefix_block_chars=self.routing.prefix_block_chars,
+            prefix_max_blocks=self.routing.prefix_max_blocks,
+            prefix_cache_size=self.routing.prefix_cache_size,
+            prefix_overload_factor=self.routing.prefix_overload_factor,
+            decode_only_below_tokens=self.decode_only_below_tokens,
+            decode_only_if_cached=self.decode_only_if_cached,
+            decode_only_cached_fraction=self.decode_only_cached_fraction,
+            prefill_retries=self.prefill_retries,
+            health_interval_s=self.health_interval_s,
+            health_timeout_s=self.health_timeout_s,
+            unhealthy_after=self.unhealthy_after,
+            healthy_after=self.healthy_after,
+            metrics_interval_s=self.metrics_interval_s,
+        )
 
 
 class PoolSpec(_Strict):

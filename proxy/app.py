@@ -1,19 +1,30 @@
 """The OpenAI-compatible FastAPI app in front of the prefill and decode pools.
 
 ``create_app(config, pool)`` builds the app; its lifespan owns the one
-``EngineClient`` (keep-alive connections to the engines) used for every upstream call. Routes:
+``EngineClient`` (keep-alive connections to the engines) used for every upstream call,
+and the background tasks that use it: ``/health`` probes (``proxy.health``) and,
+for the load-aware policies, ``/metrics`` polls (``proxy.load``). Routes:
 
 - ``POST /v1/chat/completions``, ``POST /v1/completions`` (streaming and not):
   the two-phase flow of ``proxy.flow``.
 - ``GET /v1/models``: the one served model.
-- ``GET /health``: 200 while both pools have an engine, else 503.
+- ``GET /health``: 200 while both pools have a ready engine (healthy, not draining), else 503.
+
+``proxy.routing.Router`` chooses each request's engines (``config.routing``),
+or serves it decode-only (no prefill leg). A prefill leg that fails
+(``UpstreamFailed``) is tried again on another prefill engine, up to
+``routing.prefill_retries`` times; an engine's 4xx is not. Every leg counts
+in its engine's ``in_flight`` while it runs, whatever ends it.
 
 The client's ``Authorization`` header goes on to both engines (a vLLM server
-started with ``--api-key`` checks it). Every response carries ``X-Request-Id`` (the client's, or one made here) and,
-once engines were chosen, ``X-PDServe-Prefill`` / ``X-PDServe-Decode``: the
-engines that served it. A non-streaming answer of a decode engine that runs
-the ``pdserve`` connector also carries ``X-PDServe-KV``: how the prompt's KV
-reached the decode engine (``source=transfer; bytes=...; transfer_ms=...``, or
+started with ``--api-key`` checks it). Every response carries ``X-Request-Id``
+(the client's, or one made here) and, once engines were chosen,
+``X-PDServe-Path`` (``disaggregated`` or ``decode-only``; also
+``request.state.serving_path``, for middleware), ``X-PDServe-Prefill`` (not
+when decode-only) and ``X-PDServe-Decode``: how and by which engines it was
+served. A non-streaming answer of a decode engine that runs the ``pdserve``
+connector also carries ``X-PDServe-KV``: how the prompt's KV reached the
+decode engine (``source=transfer; bytes=...; transfer_ms=...``, or
 ``source=recomputed; reason=...``).
 
 When the decode leg produced nothing (it failed, or the client went away
@@ -23,12 +34,13 @@ first), the prefill engine is told to free the KV it holds for the request
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -36,46 +48,109 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive, Scope, Send
 
-from proxy.engine_client import EngineClient
-from proxy.errors import InvalidRequest, ProxyError, error_body, error_response
+from proxy.engine_client import CONNECT_TIMEOUT_S, EngineClient, EngineResponse
+from proxy.errors import InvalidRequest, ProxyError, UpstreamFailed, error_body, error_response
 from proxy.flow import EngineRejected, Upstream, decode_body, parse_request, prefill_body
-from proxy.pool import ROLES, EnginePool
+from proxy.health import HealthMonitor, HealthTracker
+from proxy.load import LoadPoller
+from proxy.pool import ROLES, EnginePool, EngineState
 from proxy.release import KVReleaser
+from proxy.routing import Router, RoutingSettings
 
 logger = logging.getLogger(__name__)
+
+
+DISAGGREGATED, DECODE_ONLY = "disaggregated", "decode-only"
+"""The values of ``X-PDServe-Path`` and ``request.state.serving_path``."""
 
 
 @dataclass(frozen=True, slots=True)
 class ProxyConfig:
     model_name: str
     request_timeout_s: float = 600.0
+    connect_timeout_s: float = CONNECT_TIMEOUT_S
+    routing: RoutingSettings = field(default_factory=RoutingSettings)
 
 
 def create_app(config: ProxyConfig, pool: EnginePool | None = None) -> FastAPI:
     pool = pool if pool is not None else EnginePool()
     created = int(time.time())
+    settings = config.routing
+    router = Router(pool, settings)
+    tracker = HealthTracker(pool, settings.unhealthy_after, settings.healthy_after)
+    checks_health = settings.health_interval_s > 0
+    retries = settings.prefill_retries
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        client = EngineClient()
+        client = EngineClient(connect_timeout_s=config.connect_timeout_s)
         app.state.upstream = Upstream(client, config.request_timeout_s)
         app.state.releaser = KVReleaser()
+        background = []
+        if checks_health:
+            monitor = HealthMonitor(tracker, client, settings.health_interval_s, settings.health_timeout_s)
+            background.append(asyncio.create_task(monitor.run(), name="pdserve-health"))
+        if settings.needs_load and settings.metrics_interval_s > 0:
+            poller = LoadPoller(pool, client, settings.metrics_interval_s, settings.health_timeout_s)
+            background.append(asyncio.create_task(poller.run(), name="pdserve-load"))
         try:
             yield
         finally:
+            for task in background:
+                task.cancel()
+            await asyncio.gather(*background, return_exceptions=True)
             await app.state.releaser.close()
             await client.close()
 
     app = FastAPI(title="pdserve proxy", lifespan=lifespan)
     app.state.pool = pool
     app.state.config = config
+    app.state.router = router
+    app.state.health = tracker
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
         body = error_body(str(exc.detail), kind, code=str(exc.status_code))
         return Response(orjson.dumps(body), status_code=exc.status_code, media_type="application/json")
+
+    def unreachable(engine: EngineState, failure: UpstreamFailed, request_id: str) -> None:
+        if checks_health and failure.unreachable:
+            tracker.failed(engine, failure.message, request_id)
+
+    async def prefill(
+        upstream: Upstream,
+        engine: EngineState,
+        prefix: tuple[int, ...],
+        path: str,
+        body: dict,
+        headers: dict,
+        request_id: str,
+        reply_headers: dict,
+    ) -> dict | None:
+        """The prefill leg, tried again on other engines if it fails (nothing has reached the client yet)."""
+        request = prefill_body(body)
+        tried: list[EngineState] = []
+        while True:
+            reply_headers["X-PDServe-Prefill"] = engine.engine_id
+            try:
+                with engine:
+                    kv_params = await upstream.prefill(engine, path, request, headers, request_id)
+                engine.failures = 0
+                return kv_params
+            except UpstreamFailed as failure:
+                unreachable(engine, failure, request_id)
+                tried.append(engine)
+                retry = router.retry_prefill(prefix, tried) if len(tried) <= retries else None
+                if retry is None:
+                    raise
+                logger.warning(
+                    "request %s: prefill engine %s failed; trying prefill engine %s",
+                    request_id, engine.engine_id, retry.engine_id,
+                )  # fmt: skip
+                engine = retry
 
     async def serve(request: Request, kind: str, path: str) -> Response:
         request_id = request.headers.get("x-request-id") or f"pdserve-{os.urandom(16).hex()}"
@@ -85,35 +160,50 @@ def create_app(config: ProxyConfig, pool: EnginePool | None = None) -> FastAPI:
             if "json" not in request.headers.get("content-type", "application/json"):
                 raise InvalidRequest("Content-Type must be application/json")
             body = parse_request(await request.body(), kind, config.model_name)
-            prefill_engine, decode_engine = pool.pick("prefill"), pool.pick("decode")
-            reply_headers |= {
-                "X-PDServe-Prefill": prefill_engine.engine_id,
-                "X-PDServe-Decode": decode_engine.engine_id,
-            }
+            prefill_engine, decode_engine, prefix = router.route(body, kind)
+            serving_path = DECODE_ONLY if prefill_engine is None else DISAGGREGATED
+            request.state.serving_path = serving_path
+            reply_headers["X-PDServe-Path"] = serving_path
+            reply_headers["X-PDServe-Decode"] = decode_engine.engine_id
             # identity: answers are relayed byte for byte, so they must not come compressed.
             headers = {"Content-Type": "application/json", "X-Request-Id": request_id, "Accept-Encoding": "identity"}
             if authorization := request.headers.get("authorization"):
                 headers["Authorization"] = authorization  # engines started with --api-key check it
-            kv_params = await upstream.prefill(prefill_engine, path, prefill_body(body), headers, request_id)
-            if not kv_params:
-                logger.warning(
-                    "request %s: prefill engine %s returned no kv_transfer_params; decode engine %s "
-                    "will compute the prompt itself",
-                    request_id, prefill_engine.engine_id, decode_engine.engine_id,
-                )  # fmt: skip
+            kv_params = None
+            if prefill_engine is not None:
+                kv_params = await prefill(
+                    upstream, prefill_engine, prefix, path, body, headers, request_id, reply_headers
+                )
+                if not kv_params:
+                    logger.warning(
+                        "request %s: prefill engine %s returned no kv_transfer_params; decode engine %s "
+                        "will compute the prompt itself",
+                        request_id, reply_headers["X-PDServe-Prefill"], decode_engine.engine_id,
+                    )  # fmt: skip
             releaser: KVReleaser = request.app.state.releaser
+            decode_engine.start_leg()
+            leg_open = True
             try:
                 response = await upstream.decode(decode_engine, path, decode_body(body, kv_params), headers, request_id)
                 if body.get("stream"):
-                    return StreamingResponse(
-                        _relay(upstream.stream(response, decode_engine, request_id), releaser, kv_params, request_id),
-                        media_type="text/event-stream",
-                        headers=reply_headers | {"Cache-Control": "no-cache"},
+                    stream = DecodeStream(
+                        upstream.stream(response, decode_engine, request_id),
+                        response, decode_engine, releaser, kv_params, request_id,
+                    )  # fmt: skip
+                    leg_open = False  # the stream ends the leg
+                    return RelayResponse(
+                        stream, media_type="text/event-stream", headers=reply_headers | {"Cache-Control": "no-cache"}
                     )
                 payload = await upstream.read_all(response, decode_engine, request_id)
-            except BaseException:  # the decode leg failed or the client went away: nobody reads the KV
+                decode_engine.failures = 0
+            except BaseException as e:  # the decode leg failed or the client went away: nobody reads the KV
                 releaser.release(kv_params, request_id)
+                if isinstance(e, UpstreamFailed):
+                    unreachable(decode_engine, e, request_id)
                 raise
+            finally:
+                if leg_open:
+                    decode_engine.end_leg()
             if report := kv_report(payload):
                 reply_headers["X-PDServe-KV"] = report
             return Response(payload, media_type="application/json", headers=reply_headers)
@@ -147,7 +237,7 @@ def create_app(config: ProxyConfig, pool: EnginePool | None = None) -> FastAPI:
     @app.get("/health")
     async def health() -> Response:
         engines = pool.snapshot()
-        healthy = all(engines[role] for role in ROLES)
+        healthy = all(pool.ready(role) for role in ROLES)
         body = {"status": "ok" if healthy else "unavailable", "engines": engines}
         return Response(orjson.dumps(body), status_code=200 if healthy else 503, media_type="application/json")
 
@@ -192,18 +282,63 @@ class DirectRoute(APIRoute):
         return handler
 
 
-async def _relay(
-    chunks: AsyncIterator[bytes], releaser: KVReleaser, kv_params: dict | None, request_id: str
-) -> AsyncIterator[bytes]:
-    """Relay a decode stream; if it ends before its first byte (failure, client gone), release the KV."""
-    started = False
-    try:
-        async for chunk in chunks:
-            started = True
-            yield chunk
-    finally:
-        if not started:
-            releaser.release(kv_params, request_id)
+class DecodeStream:
+    """A decode engine's SSE stream on its way to the client; ``aclose`` ends the decode leg exactly once.
+
+    An async generator could not promise that: one never started (the client left
+    before the response's headers went out) runs no ``finally``. ``RelayResponse``
+    closes it whatever happened. If the stream ends before its first chunk
+    (failure, client gone), the prefill engine is told to release the KV.
+    """
+
+    __slots__ = ("_chunks", "_response", "_engine", "_releaser", "_kv_params", "_request_id", "_started", "_closed")
+
+    def __init__(
+        self,
+        chunks: AsyncIterator[bytes],
+        response: EngineResponse,
+        engine: EngineState,
+        releaser: KVReleaser,
+        kv_params: dict | None,
+        request_id: str,
+    ) -> None:
+        self._chunks, self._response, self._engine = chunks, response, engine
+        self._releaser, self._kv_params, self._request_id = releaser, kv_params, request_id
+        self._started = self._closed = False
+
+    def __aiter__(self) -> DecodeStream:
+        return self
+
+    async def __anext__(self) -> bytes:
+        try:
+            chunk = await anext(self._chunks)
+        except BaseException:  # the end (StopAsyncIteration), a failure or a cancellation
+            await self.aclose()
+            raise
+        self._started = True
+        return chunk
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            await self._chunks.aclose()  # type: ignore[attr-defined]
+        finally:
+            self._response.release()
+            self._engine.end_leg()
+            if not self._started:
+                self._releaser.release(self._kv_params, self._request_id)
+
+
+class RelayResponse(StreamingResponse):
+    """A ``StreamingResponse`` that closes its ``DecodeStream`` however the response ends."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]
 
 
 def kv_report(payload: bytes) -> str | None:

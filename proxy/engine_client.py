@@ -9,7 +9,7 @@ and the README for the numbers).
 
 A call::
 
-    response = await client.post(url, body, headers, timeout_s)  # returns once the headers are in
+    response = await client.post(url, body, headers, timeout_s)  # returns once the headers are in (or client.get)
     payload = await response.read(timeout_s)                      # the whole body, or
     async for chunk in response.chunks(idle_timeout_s): ...       # the body as it comes (SSE)
     response.release()                                            # idempotent; read() releases itself
@@ -42,7 +42,8 @@ from proxy.errors import EngineConnectionError
 
 __all__ = ["EngineClient", "EngineResponse"]
 
-CONNECT_TIMEOUT_S = 10.0
+CONNECT_TIMEOUT_S = 5.0
+"""The default bound on opening a connection to an engine (``ProxyConfig.connect_timeout_s``)."""
 IDLE_TIMEOUT_S = 4.0
 """Under uvicorn's default keep-alive (5 s): a connection idle longer than this is not reused."""
 MAX_IDLE_PER_ENGINE = 512
@@ -316,9 +317,18 @@ class EngineClient:
 
         ``url`` is an engine's base URL followed by the path (``http://host:port/v1/completions``).
         """
+        return await self._send(b"POST", url, body, headers, timeout_s)
+
+    async def get(self, url: str, timeout_s: float, headers: Mapping[str, str] | None = None) -> EngineResponse:
+        """Send ``GET url`` (an engine's ``/health``, ``/metrics``); return once the answer's headers are in."""
+        return await self._send(b"GET", url, b"", headers or {}, timeout_s)
+
+    async def _send(
+        self, method: bytes, url: str, body: bytes, headers: Mapping[str, str], timeout_s: float
+    ) -> EngineResponse:
         origin, path = _split(url)
         host, port, ssl_context, host_header = self._target(origin)
-        request = _request_bytes(path, host_header, headers, body)
+        request = _request_bytes(method, path, host_header, headers, body)
         for attempt in (0, 1):
             connection, reused = await self._acquire(origin, host, port, ssl_context)
             try:
@@ -388,8 +398,8 @@ def _split(url: str) -> tuple[str, str]:
     return url[:start], url[start:]
 
 
-def _request_bytes(path: str, host: bytes, headers: Mapping[str, str], body: bytes) -> bytes:
-    lines = [b"POST ", path.encode(), b" HTTP/1.1\r\nHost: ", host, b"\r\nContent-Length: ", b"%d" % len(body)]
+def _request_bytes(method: bytes, path: str, host: bytes, headers: Mapping[str, str], body: bytes) -> bytes:
+    lines = [method, b" ", path.encode(), b" HTTP/1.1\r\nHost: ", host, b"\r\nContent-Length: ", b"%d" % len(body)]
     for name, value in headers.items():
         if "\r" in value or "\n" in value or "\r" in name or "\n" in name:
             raise ValueError(f"header {name!r} has a line break in it")

@@ -37,10 +37,21 @@ class NoHealthyEngine(ProxyError):
     status, error_type, code = 503, "service_unavailable", "no_healthy_engine"
 
 
+class UnknownEngine(ProxyError):
+    """An engine id that is not in the pool (``EnginePool.drain``, ``remove``, ``engine``)."""
+
+    status, error_type, code = 404, "invalid_request_error", "engine_not_found"
+
+
 class UpstreamFailed(ProxyError):
-    """An engine failed (connection refused, reset, timeout, 5xx) mid-request."""
+    """An engine failed (connection refused, reset, timeout, 5xx) mid-request.
+
+    ``unreachable``: the failure was below HTTP (refused, reset, closed), which counts
+    against the engine's health (``proxy.health``); a timeout or a 5xx does not.
+    """
 
     status, error_type, code = 502, "upstream_error", "engine_failed"
+    unreachable = False
 
 
 class EngineConnectionError(Exception):

@@ -18,14 +18,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
 
 from proxy.engine_client import EngineClient, EngineResponse
 from proxy.errors import EngineConnectionError, InvalidRequest, ModelNotFound, UpstreamFailed, error_body
-from proxy.pool import Endpoint
 
 logger = logging.getLogger(__name__)
 
@@ -154,6 +153,13 @@ def decode_body(body: dict[str, Any], kv_transfer_params: dict[str, Any] | None)
     return request
 
 
+class EngineAddress(Protocol):
+    """What an upstream call needs of an engine (``proxy.pool.Endpoint`` or ``EngineState``)."""
+
+    engine_id: str
+    url: str
+
+
 class Upstream:
     """HTTP calls to engines, on the app's one ``EngineClient`` (keep-alive connections per engine)."""
 
@@ -163,7 +169,7 @@ class Upstream:
         # timeout_s in total, but never stays silent for longer than that.
         self.timeout_s = timeout_s
 
-    async def prefill(self, endpoint: Endpoint, path: str, body: dict, headers: dict, request_id: str) -> dict:
+    async def prefill(self, endpoint: EngineAddress, path: str, body: dict, headers: dict, request_id: str) -> dict:
         """Run the prefill phase; return the engine's ``kv_transfer_params``."""
         deadline = time.monotonic() + self.timeout_s
         try:
@@ -181,7 +187,9 @@ class Upstream:
         except (orjson.JSONDecodeError, AttributeError) as e:
             raise _engine_failed(endpoint, "prefill", request_id, f"unreadable answer: {e}") from e
 
-    async def decode(self, endpoint: Endpoint, path: str, body: dict, headers: dict, request_id: str) -> EngineResponse:
+    async def decode(
+        self, endpoint: EngineAddress, path: str, body: dict, headers: dict, request_id: str
+    ) -> EngineResponse:
         """Open the decode call; return the response (the caller reads or releases it)."""
         try:
             response = await self.client.post(endpoint.url + path, orjson.dumps(body), headers, self.timeout_s)
@@ -197,13 +205,13 @@ class Upstream:
             raise EngineRejected(response.status, payload)
         return response
 
-    async def read_all(self, response: EngineResponse, endpoint: Endpoint, request_id: str) -> bytes:
+    async def read_all(self, response: EngineResponse, endpoint: EngineAddress, request_id: str) -> bytes:
         try:
             return await response.read(self.timeout_s)
         except (EngineConnectionError, TimeoutError) as e:
             raise _engine_failed(endpoint, "decode", request_id, e) from e
 
-    async def stream(self, response: EngineResponse, endpoint: Endpoint, request_id: str) -> AsyncIterator[bytes]:
+    async def stream(self, response: EngineResponse, endpoint: EngineAddress, request_id: str) -> AsyncIterator[bytes]:
         """Relay an SSE stream; an engine failing mid-stream ends it with an error event."""
         try:
             async for chunk in response.chunks(self.timeout_s):
@@ -230,7 +238,9 @@ class EngineRejected(Exception):
         self.body = parsed
 
 
-def _engine_failed(endpoint: Endpoint, phase: str, request_id: str, cause: object) -> UpstreamFailed:
+def _engine_failed(endpoint: EngineAddress, phase: str, request_id: str, cause: object) -> UpstreamFailed:
     reason = f"{type(cause).__name__}: {cause}" if isinstance(cause, BaseException) else str(cause)
     logger.warning("request %s: %s engine %s failed: %s", request_id, phase, endpoint.engine_id, reason)
-    return UpstreamFailed(f"{phase} engine {endpoint.engine_id} failed: {reason}")
+    failure = UpstreamFailed(f"{phase} engine {endpoint.engine_id} failed: {reason}")
+    failure.unreachable = isinstance(cause, EngineConnectionError)
+    return failure

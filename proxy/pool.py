@@ -1,9 +1,16 @@
-"""The proxy's view of the engines: which prefill and decode engines may take requests.
+"""The proxy's view of the engines: which prefill and decode engines exist, and which may take requests.
 
-The orchestrator (or, standalone, the command line) sets the endpoints of each
-role; the proxy picks one per request. Round robin over the engines that are
-in the pool; an engine the orchestrator sees die is taken out, and put back
-when it is ready again.
+The orchestrator (or, standalone, the command line) sets the endpoints of
+each role (``set_endpoints``); an admin may ``add``, ``drain`` or ``remove``
+one engine. Each engine has an ``EngineState``: the proxy's own in-flight
+legs on it (``with engine:`` is one leg), its health (``proxy.health`` ejects
+and readmits it), whether it is draining, and the load it last reported on
+``/metrics`` (``proxy.load``).
+
+``ready(role)`` is what routing chooses from: the engines that are healthy
+and not draining, as a tuple rebuilt only when something changes, so that
+reading it costs nothing per request. The policies of ``proxy.routing``
+choose among them; ``pick`` is plain round robin.
 """
 
 from __future__ import annotations
@@ -11,7 +18,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from proxy.errors import NoHealthyEngine
+from proxy.errors import NoHealthyEngine, UnknownEngine
 
 ROLES = ("prefill", "decode")
 
@@ -22,27 +29,161 @@ class Endpoint:
     url: str
 
 
+@dataclass(slots=True, eq=False)
+class EngineState:
+    """One engine as the proxy sees it. Compared by identity: a re-added engine is a new state."""
+
+    engine_id: str
+    url: str
+    role: str
+    in_flight: int = 0
+    """Legs (prefill or decode calls) this proxy has under way on the engine."""
+    healthy: bool = True
+    draining: bool = False
+    failures: int = 0
+    """Consecutive failures (probes, connection errors of requests); a success resets it."""
+    successes: int = 0
+    """Consecutive successful probes while ejected."""
+    waiting: float = 0.0
+    """Requests waiting in the engine's queue (``vllm:num_requests_waiting``), as last polled."""
+    kv_cache_usage: float = 0.0
+    """Fraction of the engine's KV cache in use (``vllm:kv_cache_usage_perc``, 0-1), as last polled."""
+
+    @property
+    def endpoint(self) -> Endpoint:
+        return Endpoint(self.engine_id, self.url)
+
+    @property
+    def load(self) -> float:
+        """The least-loaded score: this proxy's legs on it, its queue, and its KV cache use (0-1, a tie-breaker).
+
+        The queue also counts this proxy's own requests that wait there: twice, then, but
+        it is the only sign of what other proxies (``--workers``) send it.
+        """
+        return self.in_flight + self.waiting + self.kv_cache_usage
+
+    def start_leg(self) -> None:
+        self.in_flight += 1
+
+    def end_leg(self) -> None:
+        self.in_flight -= 1
+
+    def __enter__(self) -> EngineState:
+        self.in_flight += 1
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, traceback: object) -> None:
+        self.in_flight -= 1
+
+
 class EnginePool:
     def __init__(self) -> None:
-        self._endpoints: dict[str, tuple[Endpoint, ...]] = {role: () for role in ROLES}
+        self._engines: dict[str, EngineState] = {}
+        self._roles: dict[str, tuple[EngineState, ...]] = {role: () for role in ROLES}
+        self._ready: dict[str, tuple[EngineState, ...]] = {role: () for role in ROLES}
         self._counters = {role: itertools.count() for role in ROLES}
 
+    # --- membership (orchestrator, admin) --------------------------------------------------
+
     def set_endpoints(self, role: str, endpoints: list[Endpoint]) -> None:
-        if role not in ROLES:
-            raise ValueError(f"unknown role {role!r}; expected one of {ROLES}")
-        self._endpoints[role] = tuple(endpoints)
+        """Make ``endpoints`` the role's engines. One already known keeps its state (in-flight, health, draining)."""
+        _check_role(role)
+        engines = []
+        for endpoint in endpoints:
+            known = self._engines.get(endpoint.engine_id)
+            if known is not None and known.role == role and known.url == endpoint.url:
+                engines.append(known)
+            else:
+                engines.append(EngineState(endpoint.engine_id, endpoint.url, role))
+        for engine in self._roles[role]:
+            self._engines.pop(engine.engine_id, None)
+        for engine in engines:
+            self._engines[engine.engine_id] = engine
+        self._roles[role] = tuple(engines)
+        self._refresh(role)
+
+    def add(self, role: str, endpoint: Endpoint) -> EngineState:
+        """Add an engine, or take back one that is draining (its URL may change: then it starts afresh)."""
+        _check_role(role)
+        known = self._engines.get(endpoint.engine_id)
+        if known is not None and known.role != role:
+            raise ValueError(f"engine {endpoint.engine_id!r} is already a {known.role} engine")
+        if known is not None and known.url == endpoint.url:
+            known.draining = False
+            self._refresh(role)
+            return known
+        engines = [e for e in self._roles[role] if e.engine_id != endpoint.engine_id]
+        self.set_endpoints(role, [e.endpoint for e in engines] + [endpoint])
+        return self._engines[endpoint.engine_id]
+
+    def drain(self, engine_id: str) -> EngineState:
+        """Stop choosing the engine; the requests it has continue. ``add`` takes it back."""
+        engine = self.engine(engine_id)
+        engine.draining = True
+        self._refresh(engine.role)
+        return engine
+
+    def remove(self, engine_id: str) -> EngineState:
+        """Forget the engine; the requests it has continue (their legs end on the returned state)."""
+        engine = self.engine(engine_id)
+        self.set_endpoints(engine.role, [e.endpoint for e in self._roles[engine.role] if e is not engine])
+        return engine
+
+    def set_healthy(self, engine: EngineState, healthy: bool) -> None:
+        engine.healthy = healthy
+        self._refresh(engine.role)
+
+    # --- reading ---------------------------------------------------------------------------
+
+    def engine(self, engine_id: str) -> EngineState:
+        try:
+            return self._engines[engine_id]
+        except KeyError:
+            raise UnknownEngine(f"no engine {engine_id!r} in the pool", param="engine_id") from None
+
+    def engines(self, role: str | None = None) -> tuple[EngineState, ...]:
+        """Every engine of ``role`` (of both roles if None), ready or not."""
+        if role is None:
+            return self._roles["prefill"] + self._roles["decode"]
+        return self._roles[role]
 
     def endpoints(self, role: str) -> tuple[Endpoint, ...]:
-        return self._endpoints[role]
+        return tuple(engine.endpoint for engine in self._roles[role])
 
-    def pick(self, role: str) -> Endpoint:
-        endpoints = self._endpoints[role]
-        if not endpoints:
-            raise NoHealthyEngine(f"no healthy {role} engine is available", headers={"Retry-After": "5"})
-        return endpoints[next(self._counters[role]) % len(endpoints)]
+    def ready(self, role: str) -> tuple[EngineState, ...]:
+        """The engines of ``role`` routing may choose: healthy and not draining."""
+        return self._ready[role]
 
-    def snapshot(self) -> dict[str, list[dict[str, str]]]:
+    def pick(self, role: str) -> EngineState:
+        """Round robin over the ready engines of ``role``."""
+        engines = self._ready[role]
+        if not engines:
+            raise no_healthy_engine(role)
+        return engines[next(self._counters[role]) % len(engines)]
+
+    def snapshot(self) -> dict[str, list[dict[str, str | int | bool]]]:
         return {
-            role: [{"engine_id": e.engine_id, "url": e.url} for e in endpoints]
-            for role, endpoints in self._endpoints.items()
+            role: [
+                {
+                    "engine_id": e.engine_id,
+                    "url": e.url,
+                    "in_flight": e.in_flight,
+                    "healthy": e.healthy,
+                    "draining": e.draining,
+                }
+                for e in engines
+            ]
+            for role, engines in self._roles.items()
         }
+
+    def _refresh(self, role: str) -> None:
+        self._ready[role] = tuple(e for e in self._roles[role] if e.healthy and not e.draining)
+
+
+def no_healthy_engine(role: str) -> NoHealthyEngine:
+    return NoHealthyEngine(f"no healthy {role} engine is available", headers={"Retry-After": "5"})
+
+
+def _check_role(role: str) -> None:
+    if role not in ROLES:
+        raise ValueError(f"unknown role {role!r}; expected one of {ROLES}")

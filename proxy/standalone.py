@@ -2,7 +2,8 @@
 
 A drop-in for vLLM's example P/D proxy: give it the prefill and decode servers'
 URLs (each a vLLM server started with a KV connector); it serves the same app
-as the orchestrated proxy (``proxy.app``) with the engines fixed for its life.
+as the orchestrated proxy (``proxy.app``) with the engines fixed for its life
+(health checks still eject and readmit them; routing policies as the flags say).
 Engines are named by role and position: ``prefill-0``, ``prefill-1``,
 ``decode-0``...
 
@@ -20,12 +21,14 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI
 
 from proxy.app import ProxyConfig, create_app
+from proxy.engine_client import CONNECT_TIMEOUT_S
 from proxy.pool import Endpoint, EnginePool
+from proxy.routing import RoutingSettings
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +45,8 @@ class StandaloneSettings:
     decode_urls: tuple[str, ...]
     model_name: str
     request_timeout_s: float = 600.0
+    connect_timeout_s: float = CONNECT_TIMEOUT_S
+    routing: RoutingSettings = field(default_factory=RoutingSettings)
 
     def pool(self) -> EnginePool:
         pool = EnginePool()
@@ -52,7 +57,8 @@ class StandaloneSettings:
 
 def build_app(settings: StandaloneSettings) -> FastAPI:
     """The app one worker serves (module level, so that worker processes can be given it)."""
-    return create_app(ProxyConfig(settings.model_name, settings.request_timeout_s), settings.pool())
+    config = ProxyConfig(settings.model_name, settings.request_timeout_s, settings.connect_timeout_s, settings.routing)
+    return create_app(config, settings.pool())
 
 
 def app_factory(settings: StandaloneSettings) -> Callable[[], FastAPI]:

@@ -17,7 +17,9 @@ ephemeral port, and answers ``POST /v1/chat/completions`` and
   ``data: {...}`` chunk per word, a usage chunk when
   ``stream_options.include_usage``, then ``data: [DONE]``).
 
-``GET /v1/models`` lists ``model_name``; ``GET /health`` answers 200.
+``GET /v1/models`` lists ``model_name``; ``GET /health`` answers
+``health_status`` (200); ``GET /metrics`` reports ``waiting`` and
+``kv_cache_usage`` as vLLM's Prometheus gauges.
 
 It validates a little, like vLLM: a body that is not a JSON object, a missing
 ``messages``/``prompt``, ``max_tokens`` < 1 or ``min_tokens`` > ``max_tokens``
@@ -147,10 +149,20 @@ class StubEngine:
     as our connector's do (message ``PDRL <request id>``)."""
     kv_report: dict[str, Any] | None = None
     """When set, a decode answer's ``kv_transfer_params`` carry ``{"pdserve_kv": kv_report}``, as ours do."""
+    health_status: int = 200
+    """What ``GET /health`` answers: set 503 for an engine that is up but unwell."""
+    health_delay_s: float = 0.0
+    """How long ``GET /health`` waits before it answers."""
+    waiting: float = 0
+    """``vllm:num_requests_waiting`` on ``GET /metrics``."""
+    kv_cache_usage: float = 0.0
+    """``vllm:kv_cache_usage_perc`` (0-1) on ``GET /metrics``."""
     handler: Handler | None = None
     """A test's own answer, used instead of ``behaviour``: ``async def handler(request, received)``
     returning an ``aiohttp.web`` response (the request is still recorded)."""
     requests: list[ReceivedRequest] = field(default_factory=list, init=False)
+    health_probes: int = field(default=0, init=False)
+    """``GET /health`` requests received."""
     _runner: web.AppRunner | None = field(default=None, init=False, repr=False)
     _released: asyncio.Event | None = field(default=None, init=False, repr=False)
     _ids: itertools.count = field(default_factory=itertools.count, init=False, repr=False)
@@ -174,6 +186,7 @@ class StubEngine:
         app.router.add_post("/v1/completions", self._handle)
         app.router.add_get("/health", self._health)
         app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/metrics", self._metrics)
         runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=0.5, access_log=None)
         await runner.setup()
         await web.SockSite(runner, sock).start()
@@ -224,7 +237,22 @@ class StubEngine:
     # --- serving -----------------------------------------------------------------------
 
     async def _health(self, request: web.Request) -> web.Response:
-        return web.Response(status=200)
+        self.health_probes += 1
+        if self.health_delay_s:
+            await self._wait(self.health_delay_s)
+        return web.Response(status=self.health_status)
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        labels = f'{{engine="0",model_name="{self.model_name}"}}'
+        text = (
+            "# HELP vllm:num_requests_waiting Number of requests waiting to be processed.\n"
+            "# TYPE vllm:num_requests_waiting gauge\n"
+            f"vllm:num_requests_waiting{labels} {float(self.waiting)}\n"
+            "# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.\n"
+            "# TYPE vllm:kv_cache_usage_perc gauge\n"
+            f"vllm:kv_cache_usage_perc{labels} {float(self.kv_cache_usage)}\n"
+        )
+        return web.Response(text=text, content_type="text/plain")
 
     async def _models(self, request: web.Request) -> web.Response:
         if self.behaviour is Behaviour.ERROR_500:

@@ -27,6 +27,7 @@ import yaml
 from orchestrator.models import DEMO_MODEL_NAME, KNOWN_MODELS
 from proxy.app import ProxyConfig, create_app
 from proxy.pool import Endpoint, EnginePool
+from proxy.routing import RoutingSettings
 from proxy.server import uvicorn_config
 from tests.stub_engine import StubEngine
 
@@ -106,7 +107,7 @@ def write_spec(tmp_path: Path) -> Callable[..., Path]:
 # ``proxy``: the app of ``create_app(ProxyConfig("m", PROXY_TIMEOUT_S), pool)`` served
 # for real by uvicorn in the test's event loop (so its lifespan runs).
 # ``client``: an httpx.AsyncClient on the proxy. ``make_engine`` / ``make_proxy``: more
-# stubs, or a proxy configured otherwise.
+# stubs, or a proxy configured otherwise (routing settings as keywords).
 
 PROXY_MODEL = "m"
 PROXY_TIMEOUT_S = 0.5
@@ -224,8 +225,11 @@ async def make_proxy(pool: EnginePool) -> AsyncIterator[Callable[..., Awaitable[
     """Factory of served proxies on ``pool``, stopped after the test: ``await make_proxy(request_timeout_s=10)``."""
     servers: list[ProxyServer] = []
 
-    async def make(request_timeout_s: float = PROXY_TIMEOUT_S, model_name: str = PROXY_MODEL) -> ProxyServer:
-        config = ProxyConfig(model_name=model_name, request_timeout_s=request_timeout_s)
+    async def make(
+        request_timeout_s: float = PROXY_TIMEOUT_S, model_name: str = PROXY_MODEL, **routing: Any
+    ) -> ProxyServer:
+        """``routing``: ``RoutingSettings`` fields, e.g. ``make_proxy(prefill_policy="least_loaded")``."""
+        config = ProxyConfig(model_name, request_timeout_s, routing=RoutingSettings(**routing))
         servers.append(ProxyServer(create_app(config, pool)))
         return await servers[-1].start()
 

@@ -589,9 +589,10 @@ async def test_health_is_200_with_both_pools(client, prefill_engine, decode_engi
     assert response.status_code == 200
     body = response.json()
     assert body["status"] == "ok"
+    state = {"in_flight": 0, "healthy": True, "draining": False}
     assert body["engines"] == {
-        "prefill": [{"engine_id": "prefill-0", "url": prefill_engine.url}],
-        "decode": [{"engine_id": "decode-0", "url": decode_engine.url}],
+        "prefill": [{"engine_id": "prefill-0", "url": prefill_engine.url} | state],
+        "decode": [{"engine_id": "decode-0", "url": decode_engine.url} | state],
     }
 
 
@@ -677,7 +678,10 @@ def test_pool_snapshot():
     pool = EnginePool()
     pool.set_endpoints("prefill", engines("prefill", 1))
     assert pool.snapshot() == {
-        "prefill": [{"engine_id": "prefill-0", "url": "http://127.0.0.1:8100"}],
+        "prefill": [
+            {"engine_id": "prefill-0", "url": "http://127.0.0.1:8100"}
+            | {"in_flight": 0, "healthy": True, "draining": False}
+        ],
         "decode": [],
     }
 

@@ -238,6 +238,51 @@ def test_kv_port_above_65535_after_adding_replicas(rejected, make_spec):
     assert str(err) == f"{path}: prefill.kv_port: port 65536 of its replicas is above 65535"
 
 
+def test_proxy_routing_reaches_the_proxys_settings(load):
+    spec = load(
+        proxy={
+            "routing": {"prefill": "prefix_aware", "decode": "least_loaded", "prefix_block_chars": 64},
+            "decode_only_below_tokens": 32,
+            "health_interval_s": 0.5,
+            "unhealthy_after": 2,
+            "prefill_retries": 0,
+        }
+    )
+    settings = spec.proxy.routing_settings()
+
+    assert (settings.prefill_policy, settings.decode_policy) == ("prefix_aware", "least_loaded")
+    assert (settings.prefix_block_chars, settings.decode_only_below_tokens) == (64, 32)
+    assert (settings.health_interval_s, settings.unhealthy_after, settings.prefill_retries) == (0.5, 2, 0)
+    assert settings.healthy_after == 2  # a default
+
+
+def test_proxy_routing_defaults_are_round_robin_and_always_disaggregated(load):
+    settings = load().proxy.routing_settings()
+
+    assert (settings.prefill_policy, settings.decode_policy, settings.decode_only_below_tokens) == (
+        "round_robin",
+        "round_robin",
+        0,
+    )
+
+
+@pytest.mark.parametrize(
+    ("proxy", "field"),
+    [
+        ({"routing": {"prefill": "random"}}, "proxy.routing.prefill"),
+        ({"routing": {"decode": "fastest"}}, "proxy.routing.decode"),
+        ({"routing": {"policy": "round_robin"}}, "proxy.routing.policy"),
+        ({"unhealthy_after": 0}, "proxy.unhealthy_after"),
+        ({"decode_only_below_tokens": -1}, "proxy.decode_only_below_tokens"),
+        ({"routing": {"prefix_overload_factor": 0.5}}, "proxy.routing.prefix_overload_factor"),
+    ],
+)
+def test_proxy_routing_is_validated(rejected, make_spec, proxy, field):
+    path, err = rejected(make_spec(proxy=proxy))
+
+    assert str(err).startswith(f"{path}: {field}: ")
+
+
 def test_port_out_of_range_on_its_own(rejected, make_spec):
     path, err = rejected(make_spec(proxy={"port": 70000}))
 

@@ -260,6 +260,49 @@ def test_prefill_and_decode_are_required(capsys):
     assert "--prefill" in capsys.readouterr().err
 
 
+def test_routing_flags():
+    from orchestrator.cli import build_parser
+
+    args = build_parser().parse_args(
+        ["proxy", "--prefill", "http://p:1", "--decode", "http://d:1"]
+        + ["--prefill-policy", "prefix_aware", "--decode-policy", "least_loaded", "--decode-only-below-tokens", "64"]
+        + ["--decode-only-if-cached", "--prefill-retries", "2", "--health-interval-s", "0", "--unhealthy-after", "4"]
+    )
+
+    assert (args.prefill_policy, args.decode_policy) == ("prefix_aware", "least_loaded")
+    assert (args.decode_only_below_tokens, args.decode_only_if_cached, args.prefill_retries) == (64, True, 2)
+    assert (args.health_interval_s, args.unhealthy_after, args.healthy_after) == (0.0, 4, 2)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--prefill-policy", "random"], "invalid choice: 'random'"),
+        (["--decode-only-below-tokens", "-1"], "must not be negative"),
+        (["--unhealthy-after", "0"], "must be at least 1"),
+    ],
+)
+def test_bad_routing_flags_exit_2(capsys, flags, message):
+    from orchestrator.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["proxy", "--prefill", "http://p:1", "--decode", "http://d:1", *flags])
+
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+async def test_decode_only_below_tokens_on_the_command_line(prefill_engine, decode_engine):
+    flags = ("--decode-only-below-tokens", "100", "--model", "stub-model")
+    async with cli_proxy("--prefill", prefill_engine.url, "--decode", decode_engine.url, *flags) as proxy:
+        async with httpx.AsyncClient(base_url=proxy.url) as client:
+            response = await client.post("/v1/completions", json={"model": "stub-model", "prompt": "Hi"})
+
+    assert response.status_code == 200, response.text
+    assert response.headers["x-pdserve-path"] == "decode-only"
+    assert prefill_engine.requests == [] and len(decode_engine.requests) == 1
+
+
 def test_workers_must_be_positive(capsys):
     from orchestrator.cli import main
 
@@ -304,9 +347,10 @@ def test_normalize_url_refuses_other_schemes():
 def test_settings_name_the_engines_by_role_and_position():
     settings = StandaloneSettings(("http://p:1", "http://p:2"), ("http://d:1",), "m")
 
-    assert settings.pool().snapshot() == {
-        "prefill": [{"engine_id": "prefill-0", "url": "http://p:1"}, {"engine_id": "prefill-1", "url": "http://p:2"}],
-        "decode": [{"engine_id": "decode-0", "url": "http://d:1"}],
+    snapshot = settings.pool().snapshot()
+    assert {role: [(e["engine_id"], e["url"]) for e in engines] for role, engines in snapshot.items()} == {
+        "prefill": [("prefill-0", "http://p:1"), ("prefill-1", "http://p:2")],
+        "decode": [("decode-0", "http://d:1")],
     }
 
 

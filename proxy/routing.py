@@ -1,0 +1,353 @@
+"""Choosing the engines of a request: a routing policy per pool, and whether to disaggregate at all.
+
+``Router.route(body, kind)`` runs once per request. It picks a decode engine
+with the decode pool's policy, decides whether the request skips the prefill
+leg (decode-only), and if not picks a prefill engine with the prefill pool's
+policy. The policies are small classes with one method,
+``pick(engines, prefix) -> engine``, over the pool's ready engines
+(``EnginePool.ready``); they do no I/O:
+
+- ``round_robin``: in turn. The default; it costs a counter per request.
+- ``least_loaded``: the lowest ``EngineState.load`` (this proxy's legs on the
+  engine, its queue and KV cache use from ``/metrics``); ties go in turn.
+- ``prefix_aware``: the engine that was last sent the longest prefix of this
+  prompt, which likely still holds its KV (vLLM's prefix cache), unless it is
+  overloaded next to the least loaded engine; otherwise the least loaded.
+
+Prefixes are chained hashes of fixed-size blocks of the prompt
+(``prefix_hashes``): hash *i* covers blocks 0..*i*, so one hash names the
+whole prefix up to that block. ``PrefixIndex`` keeps, for the most recent
+hashes (LRU, bounded), the engine last sent them.
+
+Decode-only: a prompt estimated shorter than ``decode_only_below_tokens``
+(``estimate_prompt_tokens``) gains little from a remote prefill and goes to
+the decode engine alone; so does, with ``decode_only_if_cached``, a prompt
+whose prefix the chosen decode engine was sent recently (it is mostly in its
+prefix cache already).
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from proxy.pool import EnginePool, EngineState, no_healthy_engine
+
+POLICIES = ("round_robin", "least_loaded", "prefix_aware")
+CHARS_PER_TOKEN = 4
+"""The token estimate without a tokenizer: about 4 characters a token for English text with BPE vocabularies."""
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingSettings:
+    """How the proxy routes, ejects and retries (``ProxyConfig.routing``; the YAML's ``proxy`` section)."""
+
+    prefill_policy: str = "round_robin"
+    decode_policy: str = "round_robin"
+    prefix_block_chars: int = 256
+    """Characters a prefix block covers (token-id prompts: a quarter as many tokens)."""
+    prefix_max_blocks: int = 32
+    """Only the prompt's first blocks are hashed (8 KiB of text by default)."""
+    prefix_cache_size: int = 100_000
+    """Hashes the prefix index remembers (LRU), per pool."""
+    prefix_overload_factor: float = 2.0
+    """The engine holding the prefix is skipped when (its load + 1) > factor x (the least load + 1)."""
+    decode_only_below_tokens: int = 0
+    """Prompts estimated shorter than this skip the prefill leg; 0: always disaggregate."""
+    decode_only_if_cached: bool = False
+    decode_only_cached_fraction: float = 0.8
+    """With ``decode_only_if_cached``: the share of the prompt's blocks the decode engine must have been sent."""
+    prefill_retries: int = 1
+    """A failed prefill (connection, timeout, 5xx) is tried again on this many other prefill engines."""
+    health_interval_s: float = 2.0
+    """Seconds between ``/health`` probes of every engine; 0 turns health checking (and ejection) off."""
+    health_timeout_s: float = 1.0
+    unhealthy_after: int = 3
+    healthy_after: int = 2
+    metrics_interval_s: float = 1.0
+    """Seconds between ``/metrics`` polls (only for ``least_loaded`` / ``prefix_aware``); 0: never."""
+
+    def __post_init__(self) -> None:
+        for name in ("prefill_policy", "decode_policy"):
+            if getattr(self, name) not in POLICIES:
+                raise ValueError(f"{name}: unknown policy {getattr(self, name)!r}; expected one of {POLICIES}")
+        at_least_one = (
+            "prefix_block_chars",
+            "prefix_max_blocks",
+            "prefix_cache_size",
+            "unhealthy_after",
+            "healthy_after",
+        )
+        for name in at_least_one:
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.healthy_after < 1:
+            raise ValueError(f"healthy_after must be at least 1, got {self.healthy_after}")
+        for name in ("decode_only_below_tokens", "prefill_retries", "health_interval_s", "metrics_interval_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must not be negative, got {getattr(self, name)}")
+        if self.health_timeout_s <= 0:
+            raise ValueError(f"health_timeout_s must be positive, got {self.health_timeout_s}")
+        if self.prefix_overload_factor < 1:
+            raise ValueError(f"prefix_overload_factor must be at least 1, got {self.prefix_overload_factor}")
+        if not 0 < self.decode_only_cached_fraction <= 1:
+            raise ValueError(f"decode_only_cached_fraction must be in (0, 1], got {self.decode_only_cached_fraction}")
+
+    @property
+    def needs_load(self) -> bool:
+        """Whether a policy reads the engines' reported load (so ``/metrics`` is worth polling)."""
+        return any(p != "round_robin" for p in (self.prefill_policy, self.decode_policy))
+
+
+# --- policies -------------------------------------------------------------------------------
+
+
+class RoundRobin:
+    __slots__ = ("_counter",)
+
+    def __init__(self) -> None:
+        self._counter = itertools.count()
+
+    def pick(self, engines: Sequence[EngineState], prefix: tuple[int, ...] = ()) -> EngineState:
+        return engines[next(self._counter) % len(engines)]
+
+
+class LeastLoaded:
+    __slots__ = ("_counter",)
+
+    def __init__(self) -> None:
+        self._counter = itertools.count()
+
+    def pick(self, engines: Sequence[EngineState], prefix: tuple[int, ...] = ()) -> EngineState:
+        return least_loaded(engines, next(self._counter))
+
+
+def least_loaded(engines: Sequence[EngineState], turn: int = 0) -> EngineState:
+    """The engine with the lowest load; among equals, the first from position ``turn`` on (so ties rotate)."""
+    count = len(engines)
+    best = engines[turn % count]
+    best_load = best.load
+    for step in range(1, count):
+        engine = engines[(turn + step) % count]
+        load = engine.load
+        if load < best_load:
+            best, best_load = engine, load
+    return best
+
+
+class PrefixIndex:
+    """Which engine was last sent each prefix (chained block hash); the most recent ``capacity`` hashes."""
+
+    __slots__ = ("capacity", "_owners")
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._owners: collections.OrderedDict[int, str] = collections.OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._owners)
+
+    def longest(self, prefix: tuple[int, ...], engines: Sequence[EngineState]) -> tuple[EngineState | None, int]:
+        """The engine among ``engines`` last sent the longest part of ``prefix``, and that part's block count."""
+        owners = self._owners
+        for depth in range(len(prefix), 0, -1):
+            owner = owners.get(prefix[depth - 1])
+            if owner is not None:
+                for engine in engines:
+                    if engine.engine_id == owner:
+                        return engine, depth
+        return None, 0
+
+    def blocks_sent(self, prefix: tuple[int, ...], engine_id: str) -> int:
+        """How many leading blocks of ``prefix`` were last sent to ``engine_id``."""
+        owners = self._owners
+        for depth in range(len(prefix), 0, -1):
+            if owners.get(prefix[depth - 1]) == engine_id:
+                return depth
+        return 0
+
+    def record(self, prefix: tuple[int, ...], engine_id: str) -> None:
+        owners = self._owners
+        for block_hash in prefix:
+            owners[block_hash] = engine_id
+            owners.move_to_end(block_hash)
+        while len(owners) > self.capacity:
+            owners.popitem(last=False)
+
+
+class PrefixAware:
+    """The engine holding the longest prefix, unless overloaded; else the least loaded. Records its choice."""
+
+    __slots__ = ("index", "overload_factor", "_counter")
+
+    def __init__(self, capacity: int, overload_factor: float) -> None:
+        self.index = PrefixIndex(capacity)
+        self.overload_factor = overload_factor
+        self._counter = itertools.count()
+
+    def pick(self, engines: Sequence[EngineState], prefix: tuple[int, ...] = ()) -> EngineState:
+        chosen = self.choose(engines, prefix)
+        if prefix:
+            self.index.record(prefix, chosen.engine_id)
+        return chosen
+
+    def choose(self, engines: Sequence[EngineState], prefix: tuple[int, ...]) -> EngineState:
+        """``pick`` without recording the choice."""
+        least = least_loaded(engines, next(self._counter))
+        holder, _ = self.index.longest(prefix, engines) if prefix else (None, 0)
+        if holder is not None and holder.load + 1 <= self.overload_factor * (least.load + 1):
+            return holder
+        return least
+
+
+def make_policy(name: str, settings: RoutingSettings) -> RoundRobin | LeastLoaded | PrefixAware:
+    if name == "round_robin":
+        return RoundRobin()
+    if name == "least_loaded":
+        return LeastLoaded()
+    if name == "prefix_aware":
+        return PrefixAware(settings.prefix_cache_size, settings.prefix_overload_factor)
+    raise ValueError(f"unknown routing policy {name!r}; expected one of {POLICIES}")
+
+
+# --- the router -----------------------------------------------------------------------------
+
+
+class Router:
+    """A request's engines: ``route`` picks (prefill or None for decode-only, decode); ``retry_prefill`` another."""
+
+    def __init__(self, pool: EnginePool, settings: RoutingSettings) -> None:
+        self.pool = pool
+        self.settings = settings
+        self.prefill_policy = make_policy(settings.prefill_policy, settings)
+        self.decode_policy = make_policy(settings.decode_policy, settings)
+        # What the decode engines were sent, for decode_only_if_cached.
+        self.decode_index: PrefixIndex | None = None
+        if isinstance(self.decode_policy, PrefixAware):
+            self.decode_index = self.decode_policy.index
+        elif settings.decode_only_if_cached:
+            self.decode_index = PrefixIndex(settings.prefix_cache_size)
+        self._uses_prefix = isinstance(self.prefill_policy, PrefixAware) or self.decode_index is not None
+        self._decode_only_below = settings.decode_only_below_tokens
+        self._cached_fraction = settings.decode_only_cached_fraction
+
+    def route(self, body: dict[str, Any], kind: str) -> tuple[EngineState | None, EngineState, tuple[int, ...]]:
+        """(prefill engine, or None to serve decode-only; decode engine; the prompt's prefix hashes)."""
+        prefix = (
+            prefix_hashes(body, kind, self.settings.prefix_block_chars, self.settings.prefix_max_blocks)
+            if self._uses_prefix
+            else ()
+        )
+        if self.decode_index is None:
+            decode = self.decode_policy.pick(self._ready("decode"), prefix)
+        else:
+            policy = self.decode_policy
+            engines = self._ready("decode")
+            decode = policy.choose(engines, prefix) if isinstance(policy, PrefixAware) else policy.pick(engines, prefix)
+            if prefix:
+                sent = self.decode_index.blocks_sent(prefix, decode.engine_id)
+                self.decode_index.record(prefix, decode.engine_id)
+                if self.settings.decode_only_if_cached and sent >= self._cached_fraction * len(prefix):
+                    return None, decode, prefix
+        if self._decode_only_below and estimate_prompt_tokens(body, kind) < self._decode_only_below:
+            return None, decode, prefix
+        return self.prefill_policy.pick(self._ready("prefill"), prefix), decode, prefix
+
+    def retry_prefill(self, prefix: tuple[int, ...], tried: Sequence[EngineState]) -> EngineState | None:
+        """A ready prefill engine not in ``tried``, or None."""
+        engines = tuple(e for e in self.pool.ready("prefill") if e not in tried)
+        return self.prefill_policy.pick(engines, prefix) if engines else None
+
+    def _ready(self, role: str) -> tuple[EngineState, ...]:
+        engines = self.pool.ready(role)
+        if not engines:
+            raise no_healthy_engine(role)
+        return engines
+
+
+# --- what a prompt is -----------------------------------------------------------------------
+
+
+def prefix_hashes(body: dict[str, Any], kind: str, block_chars: int, max_blocks: int) -> tuple[int, ...]:
+    """Chained hashes of the prompt's first full blocks: hash *i* stands for blocks 0..*i*.
+
+    Text blocks are ``block_chars`` characters; token-id prompts are cut into blocks
+    of ``block_chars / 4`` tokens. A chat is hashed as its messages' roles and
+    contents in order (no chat template: only equality of prefixes matters). A
+    batch of prompts is routed by its first. A partial last block is left out, as
+    vLLM caches only full blocks. Python's ``hash`` is salted per process, which is
+    fine: the index lives in the process.
+    """
+    prompt = _prompt_for_prefix(body, kind, block_chars * max_blocks)
+    size = block_chars if isinstance(prompt, str) else max(1, block_chars // CHARS_PER_TOKEN)
+    count = min(len(prompt) // size, max_blocks)
+    hashes = []
+    chained = 0
+    for start in range(0, count * size, size):
+        block = prompt[start : start + size]
+        chained = hash((chained, block if isinstance(block, str) else tuple(block)))
+        hashes.append(chained)
+    return tuple(hashes)
+
+
+def _prompt_for_prefix(body: dict[str, Any], kind: str, limit: int) -> str | list[int]:
+    if kind == "chat":
+        parts: list[str] = []
+        length = 0
+        for message in body["messages"]:
+            part = f"{message.get('role')}\x1f{_content_text(message.get('content'))}\x1e"
+            parts.append(part)
+            length += len(part)
+            if length >= limit:
+                break
+        return "".join(parts)[:limit]
+    prompt = body["prompt"]
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # a batch: its first prompt
+    if isinstance(prompt, str):
+        return prompt[:limit]
+    return prompt[:limit] if isinstance(prompt, list) else []
+
+
+def _content_text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if content is None:
+        return ""
+    return orjson.dumps(content).decode()  # parts (text, images): their JSON stands for them
+
+
+def estimate_prompt_tokens(body: dict[str, Any], kind: str) -> int:
+    """The prompt's length in tokens, without a tokenizer.
+
+    Token-id prompts: their length. Text: characters / 4 (``CHARS_PER_TOKEN``),
+    rounded up; a chat counts its messages' text contents and not the chat
+    template's few tokens. A batch counts all its prompts. A chat with a part that
+    is not text (an image, audio) counts as long: never decode-only.
+    """
+    if kind == "chat":
+        chars = 0
+        for message in body["messages"]:
+            content = message.get("content")
+            if isinstance(content, str):
+                chars += len(content)
+            elif isinstance(content, list):
+                for part in content:
+                    if not (isinstance(part, dict) and part.get("type") == "text"):
+                        return sys.maxsize
+                    chars += len(str(part.get("text") or ""))
+        return -(-chars // CHARS_PER_TOKEN)
+    prompt = body["prompt"]
+    if isinstance(prompt, str):
+        return -(-len(prompt) // CHARS_PER_TOKEN)
+    if not prompt or isinstance(prompt[0], int):
+        return len(prompt)
+    if isinstance(prompt[0], str):
+        return sum(-(-len(p) // CHARS_PER_TOKEN) for p in prompt)
+    return sum(len(p) for p in prompt)
