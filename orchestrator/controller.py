@@ -216,8 +216,10 @@ class ClusterController:
         return error_excerpt(text, cause)
 
     async def _publish(self, role: str) -> None:
-        endpoints = [(r.engine_id, r.url) for r in self.engines.values() if r.role == role and r.state == "ready"]
-        await self.proxy.set_endpoints.remote(role, endpoints)
+        """Tell the proxy the role's engines: the ready ones, and those draining (no new requests)."""
+        records = [r for r in self.engines.values() if r.role == role and r.state in ("ready", "draining") and r.url]
+        draining = [r.engine_id for r in records if r.state == "draining"]
+        await self.proxy.set_endpoints.remote(role, [(r.engine_id, r.url) for r in records], draining)
 
     # --- scaling ----------------------------------------------------------------------------
 
@@ -318,6 +320,7 @@ class ClusterController:
                 break
             await asyncio.sleep(0.1)
         self.engines.pop(record.engine_id, None)
+        await self._publish(record.role)
         self._event(f"{record.engine_id} stopped")
 
     # --- supervision ------------------------------------------------------------------------

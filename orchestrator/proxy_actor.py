@@ -66,9 +66,16 @@ class ProxyActor:
         logger.info("proxy listening on http://%s:%d", self.host, self.port)
         return await self.info()
 
-    async def set_endpoints(self, role: str, endpoints: list[tuple[str, str]]) -> None:
+    async def set_endpoints(
+        self, role: str, endpoints: list[tuple[str, str]], draining: tuple[str, ...] | list[str] = ()
+    ) -> None:
+        """Make ``endpoints`` the role's engines; those in ``draining`` stay (their requests are
+        counted) but get no new ones."""
         self.pool.set_endpoints(role, [Endpoint(engine_id, url) for engine_id, url in endpoints])
-        logger.info("proxy: %s pool is now %s", role, [engine_id for engine_id, _ in endpoints] or "empty")
+        for engine_id in draining:
+            self.pool.drain(engine_id)
+        serving = [engine_id for engine_id, _ in endpoints if engine_id not in draining]
+        logger.info("proxy: %s pool is now %s (draining: %s)", role, serving or "empty", list(draining) or "none")
 
     async def info(self) -> dict:
         return {
