@@ -36,25 +36,60 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
+from proxy.admin import admin_router
+from proxy.auth import KeyCheck, bearer_token, load_keys
+from proxy.disconnect import cancel_on_disconnect
 from proxy.engine_client import EngineClient
-from proxy.errors import InvalidRequest, ProxyError, error_body, error_response
-from proxy.flow import EngineRejected, Upstream, decode_body, parse_request, prefill_body
+from proxy.errors import ClientGone, InvalidApiKey, InvalidRequest, ProxyError, error_body, error_response
+from proxy.flow import EngineRejected, Upstream, check_context_length, decode_body, parse_request, prefill_body
+from proxy.limits import AdmissionGate, read_body
+from proxy.metrics import CONTENT_TYPE_LATEST, DEFAULT_SERVING_PATH, ProxyMetrics
 from proxy.pool import ROLES, EnginePool
 from proxy.release import KVReleaser
 
 logger = logging.getLogger(__name__)
 
 
+DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
+
+
 @dataclass(frozen=True, slots=True)
 class ProxyConfig:
     model_name: str
     request_timeout_s: float = 600.0
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    """A longer request body is refused (413)."""
+    max_concurrent_requests: int | None = None
+    """Completion requests under way at once in this process (None: no limit)."""
+    max_queued_requests: int = 1024
+    """With ``max_concurrent_requests``: how many more may wait for a slot before 429s."""
+    max_model_len: int | None = None
+    """The engines' context length: requests that plainly exceed it are refused here (400)."""
+    api_key_env: tuple[str, ...] = ()
+    """Environment variables holding the API keys clients must present (none: no key needed)."""
+    api_key_file: str | None = None
+    """A file of API keys, one per line (``#`` comments)."""
+    admin_key_env: tuple[str, ...] = ()
+    """Environment variables holding the admin keys (none, and no file: no admin routes)."""
+    admin_key_file: str | None = None
+    forward_authorization: bool = False
+    """Send the client's ``Authorization`` header on to the engines (for engines started with --api-key)."""
 
 
 def create_app(config: ProxyConfig, pool: EnginePool | None = None) -> FastAPI:
+    """The proxy's app; ``ProxyConfigError`` if its keys cannot be read."""
     pool = pool if pool is not None else EnginePool()
     created = int(time.time())
+    api_keys = KeyCheck(load_keys(config.api_key_env, config.api_key_file))
+    admin_keys = KeyCheck(load_keys(config.admin_key_env, config.admin_key_file))
+    metrics = ProxyMetrics(pool)
+    gate = (
+        AdmissionGate(config.max_concurrent_requests, config.max_queued_requests)
+        if config.max_concurrent_requests is not None
+        else None
+    )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -70,6 +105,7 @@ def create_app(config: ProxyConfig, pool: EnginePool | None = None) -> FastAPI:
     app = FastAPI(title="pdserve proxy", lifespan=lifespan)
     app.state.pool = pool
     app.state.config = config
+    app.state.metrics = metrics
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
@@ -77,53 +113,90 @@ def create_app(config: ProxyConfig, pool: EnginePool | None = None) -> FastAPI:
         body = error_body(str(exc.detail), kind, code=str(exc.status_code))
         return Response(orjson.dumps(body), status_code=exc.status_code, media_type="application/json")
 
-    async def serve(request: Request, kind: str, path: str) -> Response:
+    @app.exception_handler(ProxyError)
+    async def proxy_error(request: Request, exc: ProxyError) -> Response:
+        return error_response(exc)
+
+    async def serve(request: Request, kind: str, route: str) -> Response:
+        started = time.perf_counter()
         request_id = request.headers.get("x-request-id") or f"pdserve-{os.urandom(16).hex()}"
         reply_headers = {"X-Request-Id": request_id}
-        upstream: Upstream = request.app.state.upstream
         try:
-            if "json" not in request.headers.get("content-type", "application/json"):
-                raise InvalidRequest("Content-Type must be application/json")
-            body = parse_request(await request.body(), kind, config.model_name)
-            prefill_engine, decode_engine = pool.pick("prefill"), pool.pick("decode")
-            reply_headers |= {
-                "X-PDServe-Prefill": prefill_engine.engine_id,
-                "X-PDServe-Decode": decode_engine.engine_id,
-            }
-            # identity: answers are relayed byte for byte, so they must not come compressed.
-            headers = {"Content-Type": "application/json", "X-Request-Id": request_id, "Accept-Encoding": "identity"}
-            if authorization := request.headers.get("authorization"):
-                headers["Authorization"] = authorization  # engines started with --api-key check it
-            kv_params = await upstream.prefill(prefill_engine, path, prefill_body(body), headers, request_id)
-            if not kv_params:
-                logger.warning(
-                    "request %s: prefill engine %s returned no kv_transfer_params; decode engine %s "
-                    "will compute the prompt itself",
-                    request_id, prefill_engine.engine_id, decode_engine.engine_id,
-                )  # fmt: skip
-            releaser: KVReleaser = request.app.state.releaser
-            try:
-                response = await upstream.decode(decode_engine, path, decode_body(body, kv_params), headers, request_id)
-                if body.get("stream"):
-                    return StreamingResponse(
-                        _relay(upstream.stream(response, decode_engine, request_id), releaser, kv_params, request_id),
-                        media_type="text/event-stream",
-                        headers=reply_headers | {"Cache-Control": "no-cache"},
-                    )
-                payload = await upstream.read_all(response, decode_engine, request_id)
-            except BaseException:  # the decode leg failed or the client went away: nobody reads the KV
-                releaser.release(kv_params, request_id)
-                raise
-            if report := kv_report(payload):
-                reply_headers["X-PDServe-KV"] = report
-            return Response(payload, media_type="application/json", headers=reply_headers)
+            response = await answer(request, kind, route, request_id, reply_headers, started)
         except ProxyError as e:
             e.headers = reply_headers | e.headers
-            return error_response(e)
+            response = error_response(e)
         except EngineRejected as e:
-            return Response(
+            response = Response(
                 orjson.dumps(e.body), status_code=e.status, media_type="application/json", headers=reply_headers
             )
+        except ClientGone as e:
+            response = Response(status_code=e.status)  # sent to nobody; counted
+        if not isinstance(response, StreamingResponse):  # a stream counts when it ends
+            metrics.request_done(route, response.status_code, serving_path(request), time.perf_counter() - started)
+        return response
+
+    async def answer(
+        request: Request, kind: str, route: str, request_id: str, reply_headers: dict[str, str], started: float
+    ) -> Response:
+        if api_keys.keys and not api_keys.allows(bearer_token(request.headers.get("authorization"))):
+            raise InvalidApiKey("Incorrect or missing API key: send it as 'Authorization: Bearer <key>'")
+        if "json" not in request.headers.get("content-type", "application/json"):
+            raise InvalidRequest("Content-Type must be application/json")
+        try:
+            raw = await read_body(request, config.max_body_bytes)
+        except ClientDisconnect as e:
+            raise ClientGone(f"request {request_id}: the client went away while sending its body") from e
+        body = parse_request(raw, kind, config.model_name)
+        if config.max_model_len is not None:
+            check_context_length(body, config.max_model_len)
+        upstream: Upstream = request.app.state.upstream
+        releaser: KVReleaser = request.app.state.releaser
+        async with cancel_on_disconnect(request, request_id):
+            if gate is not None:
+                await gate.enter()
+            slot_handed_on = False
+            try:
+                prefill_engine, decode_engine = pool.pick("prefill"), pool.pick("decode")
+                reply_headers |= {
+                    "X-PDServe-Prefill": prefill_engine.engine_id,
+                    "X-PDServe-Decode": decode_engine.engine_id,
+                }
+                # identity: answers are relayed byte for byte, so they must not come compressed.
+                headers = {"Content-Type": "application/json", "X-Request-Id": request_id}
+                headers["Accept-Encoding"] = "identity"
+                if config.forward_authorization and (authorization := request.headers.get("authorization")):
+                    headers["Authorization"] = authorization  # engines started with --api-key check it
+                kv_params = await upstream.prefill(prefill_engine, route, prefill_body(body), headers, request_id)
+                if not kv_params:
+                    logger.warning(
+                        "request %s: prefill engine %s returned no kv_transfer_params; decode engine %s "
+                        "will compute the prompt itself",
+                        request_id, prefill_engine.engine_id, decode_engine.engine_id,
+                    )  # fmt: skip
+                try:
+                    response = await upstream.decode(
+                        decode_engine, route, decode_body(body, kv_params), headers, request_id
+                    )
+                    if body.get("stream"):
+                        chunks = upstream.stream(response, decode_engine, request_id)
+                        stream = StreamMeter(request, route, started, metrics, gate)
+                        slot_handed_on = True
+                        return StreamingResponse(
+                            stream.relay(chunks, releaser, kv_params, request_id, decode_engine.engine_id),
+                            media_type="text/event-stream",
+                            headers=reply_headers | {"Cache-Control": "no-cache"},
+                        )
+                    payload = await upstream.read_all(response, decode_engine, request_id)
+                except BaseException:  # the decode leg failed or the client went away: nobody reads the KV
+                    releaser.release(kv_params, request_id)
+                    raise
+            finally:
+                if gate is not None and not slot_handed_on:
+                    gate.leave()
+        if report := kv_report(payload):
+            reply_headers["X-PDServe-KV"] = report
+        return Response(payload, media_type="application/json", headers=reply_headers)
 
     completions_api = APIRouter(route_class=DirectRoute)
 
@@ -138,11 +211,14 @@ def create_app(config: ProxyConfig, pool: EnginePool | None = None) -> FastAPI:
     app.include_router(completions_api)
 
     @app.get("/v1/models")
-    async def models() -> dict:
-        return {
+    async def models(request: Request) -> Response:
+        if api_keys.keys and not api_keys.allows(bearer_token(request.headers.get("authorization"))):
+            raise InvalidApiKey("Incorrect or missing API key: send it as 'Authorization: Bearer <key>'")
+        listing = {
             "object": "list",
             "data": [{"id": config.model_name, "object": "model", "created": created, "owned_by": "pdserve"}],
         }
+        return Response(orjson.dumps(listing), media_type="application/json")
 
     @app.get("/health")
     async def health() -> Response:
@@ -151,7 +227,19 @@ def create_app(config: ProxyConfig, pool: EnginePool | None = None) -> FastAPI:
         body = {"status": "ok" if healthy else "unavailable", "engines": engines}
         return Response(orjson.dumps(body), status_code=200 if healthy else 503, media_type="application/json")
 
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    if admin_keys.enabled:
+        app.include_router(admin_router(pool, admin_keys))
+
     return app
+
+
+def serving_path(request: Request) -> str:
+    """How the request was served (``request.state.serving_path``, set by the router), for the metrics."""
+    return request.scope.get("state", {}).get("serving_path", DEFAULT_SERVING_PATH)
 
 
 class DirectRoute(APIRoute):
@@ -192,18 +280,40 @@ class DirectRoute(APIRoute):
         return handler
 
 
-async def _relay(
-    chunks: AsyncIterator[bytes], releaser: KVReleaser, kv_params: dict | None, request_id: str
-) -> AsyncIterator[bytes]:
-    """Relay a decode stream; if it ends before its first byte (failure, client gone), release the KV."""
-    started = False
-    try:
-        async for chunk in chunks:
-            started = True
-            yield chunk
-    finally:
-        if not started:
-            releaser.release(kv_params, request_id)
+class StreamMeter:
+    """Relays one decode stream: its chunks timed for the metrics, its slot and KV let go when it ends."""
+
+    __slots__ = ("_request", "_route", "_started", "_metrics", "_gate")
+
+    def __init__(
+        self, request: Request, route: str, started: float, metrics: ProxyMetrics, gate: AdmissionGate | None
+    ) -> None:
+        self._request, self._route, self._started, self._metrics, self._gate = request, route, started, metrics, gate
+
+    async def relay(
+        self, chunks: AsyncIterator[bytes], releaser: KVReleaser, kv_params: dict | None, request_id: str, engine: str
+    ) -> AsyncIterator[bytes]:
+        """Relay a decode stream; if it ends before its first byte (failure, client gone), release the KV."""
+        clock = time.perf_counter
+        itl = self._metrics.inter_token_latency.observe
+        last = 0.0
+        try:
+            async for chunk in chunks:
+                now = clock()
+                if last:
+                    itl(now - last)
+                else:
+                    self._metrics.time_to_first_token.observe(now - self._started)
+                last = now
+                yield chunk
+        finally:
+            if not last:
+                logger.info("request %s: decode engine %s's stream ended before its first chunk", request_id, engine)
+                releaser.release(kv_params, request_id)
+            if self._gate is not None:
+                self._gate.leave()
+            elapsed = clock() - self._started
+            self._metrics.request_done(self._route, 200, serving_path(self._request), elapsed)
 
 
 def kv_report(payload: bytes) -> str | None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from proxy.errors import NoHealthyEngine
+from proxy.errors import EngineNotFound, NoHealthyEngine
 
 ROLES = ("prefill", "decode")
 
@@ -46,3 +46,28 @@ class EnginePool:
             role: [{"engine_id": e.engine_id, "url": e.url} for e in endpoints]
             for role, endpoints in self._endpoints.items()
         }
+
+    # --- Minimal add/drain/remove for the admin routes (proxy.admin) ---------------------
+    # The routing branch brings the full versions (health, draining that lets requests
+    # finish, in-flight counts); these keep the same names and errors so a merge keeps theirs.
+
+    def add(self, role: str, endpoint: Endpoint) -> None:
+        """Put ``endpoint`` in ``role``'s pool; ``ValueError`` for an unknown role or an engine id in use."""
+        if role not in ROLES:
+            raise ValueError(f"unknown role {role!r}; expected one of {ROLES}")
+        if any(e.engine_id == endpoint.engine_id for r in ROLES for e in self._endpoints[r]):
+            raise ValueError(f"engine {endpoint.engine_id!r} is already in the pool")
+        self._endpoints[role] = (*self._endpoints[role], endpoint)
+
+    def drain(self, engine_id: str) -> None:
+        """Send no new request to ``engine_id`` (here: take it out; requests under way finish on their own)."""
+        self.remove(engine_id)
+
+    def remove(self, engine_id: str) -> None:
+        """Take ``engine_id`` out of its pool; ``EngineNotFound`` if no pool has it."""
+        for role in ROLES:
+            kept = tuple(e for e in self._endpoints[role] if e.engine_id != engine_id)
+            if len(kept) != len(self._endpoints[role]):
+                self._endpoints[role] = kept
+                return
+        raise EngineNotFound(f"no engine {engine_id!r} in the pool", param="engine_id")

@@ -221,11 +221,16 @@ def pool(prefill_engine: StubEngine, decode_engine: StubEngine) -> EnginePool:
 
 @pytest.fixture
 async def make_proxy(pool: EnginePool) -> AsyncIterator[Callable[..., Awaitable[ProxyServer]]]:
-    """Factory of served proxies on ``pool``, stopped after the test: ``await make_proxy(request_timeout_s=10)``."""
+    """Factory of served proxies on ``pool``, stopped after the test: ``await make_proxy(request_timeout_s=10)``.
+
+    Further keyword arguments are ``ProxyConfig`` settings: ``await make_proxy(max_body_bytes=100)``.
+    """
     servers: list[ProxyServer] = []
 
-    async def make(request_timeout_s: float = PROXY_TIMEOUT_S, model_name: str = PROXY_MODEL) -> ProxyServer:
-        config = ProxyConfig(model_name=model_name, request_timeout_s=request_timeout_s)
+    async def make(
+        request_timeout_s: float = PROXY_TIMEOUT_S, model_name: str = PROXY_MODEL, **settings: Any
+    ) -> ProxyServer:
+        config = ProxyConfig(model_name=model_name, request_timeout_s=request_timeout_s, **settings)
         servers.append(ProxyServer(create_app(config, pool)))
         return await servers[-1].start()
 
@@ -243,3 +248,21 @@ async def proxy(make_proxy) -> ProxyServer:
 async def client(proxy: ProxyServer) -> AsyncIterator[httpx.AsyncClient]:
     async with httpx.AsyncClient(base_url=proxy.url, timeout=10) as client:
         yield client
+
+
+@pytest.fixture
+async def make_client(make_proxy) -> AsyncIterator[Callable[..., Awaitable[httpx.AsyncClient]]]:
+    """Factory of clients, each on a proxy of its own: ``await make_client(max_body_bytes=100)``.
+
+    Keyword arguments go to ``make_proxy``; ``headers=`` are sent with every request.
+    """
+    clients: list[httpx.AsyncClient] = []
+
+    async def make(headers: dict[str, str] | None = None, **settings: Any) -> httpx.AsyncClient:
+        proxy = await make_proxy(**settings)
+        clients.append(httpx.AsyncClient(base_url=proxy.url, timeout=10, headers=headers))
+        return clients[-1]
+
+    yield make
+    for client in clients:
+        await client.aclose()
