@@ -23,6 +23,8 @@ import httpx
 import pytest
 import uvicorn
 import yaml
+import zmq
+import zmq.asyncio
 
 from orchestrator.models import DEMO_MODEL_NAME, KNOWN_MODELS
 from proxy.app import ProxyConfig, create_app
@@ -266,3 +268,41 @@ async def make_client(make_proxy) -> AsyncIterator[Callable[..., Awaitable[httpx
     yield make
     for client in clients:
         await client.aclose()
+
+
+class SideChannel:
+    """A prefill engine's KV release side channel (a real ZMQ REP socket): answers OK to every message, keeps it."""
+
+    def __init__(self) -> None:
+        self.context = zmq.asyncio.Context()
+        self.socket = self.context.socket(zmq.REP)
+        port = self.socket.bind_to_random_port("tcp://127.0.0.1")
+        self.endpoint = f"tcp://127.0.0.1:{port}"
+        self.messages: list[bytes] = []
+        self.task = asyncio.get_running_loop().create_task(self._serve())
+
+    async def _serve(self) -> None:
+        while True:
+            self.messages.append(await self.socket.recv())
+            await self.socket.send(b"OK")
+
+    async def close(self) -> None:
+        self.task.cancel()
+        await asyncio.gather(self.task, return_exceptions=True)
+        self.socket.close(linger=0)
+        self.context.term()
+
+
+@pytest.fixture
+async def side_channel(prefill_engine: StubEngine) -> AsyncIterator[SideChannel]:
+    channel = SideChannel()
+    prefill_engine.release_endpoint = channel.endpoint
+    yield channel
+    await channel.close()
+
+
+async def released(channel: SideChannel, timeout_s: float = 3.0) -> list[str]:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not channel.messages and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.02)
+    return [m.decode() for m in channel.messages]
