@@ -34,7 +34,6 @@ from orchestrator.launch import EngineLaunch, plan_engines
 from orchestrator.logs import redirect_output
 from orchestrator.proxy_actor import ProxyActor
 from orchestrator.spec import ClusterSpec
-from proxy.app import ProxyConfig
 from proxy.pool import ROLES
 
 logger = logging.getLogger(__name__)
@@ -142,7 +141,7 @@ class ClusterController:
         self._spawn(self._monitor())
 
     async def _start_proxy(self) -> None:
-        config = ProxyConfig(self.spec.model_name, self.spec.proxy.request_timeout_s)
+        config = self.spec.proxy_config()
         self.proxy = (
             ray.remote(ProxyActor)
             .options(num_cpus=0, max_restarts=-1, max_task_retries=0, name=f"{self.spec.name}-proxy")

@@ -28,7 +28,6 @@ import os
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -40,6 +39,7 @@ from starlette.requests import ClientDisconnect
 
 from proxy.admin import admin_router
 from proxy.auth import KeyCheck, bearer_token, load_keys
+from proxy.config import ProxyConfig
 from proxy.disconnect import cancel_on_disconnect
 from proxy.engine_client import EngineClient
 from proxy.errors import ClientGone, InvalidApiKey, InvalidRequest, ProxyError, error_body, error_response
@@ -50,32 +50,6 @@ from proxy.pool import ROLES, EnginePool
 from proxy.release import KVReleaser
 
 logger = logging.getLogger(__name__)
-
-
-DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
-
-
-@dataclass(frozen=True, slots=True)
-class ProxyConfig:
-    model_name: str
-    request_timeout_s: float = 600.0
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-    """A longer request body is refused (413)."""
-    max_concurrent_requests: int | None = None
-    """Completion requests under way at once in this process (None: no limit)."""
-    max_queued_requests: int = 1024
-    """With ``max_concurrent_requests``: how many more may wait for a slot before 429s."""
-    max_model_len: int | None = None
-    """The engines' context length: requests that plainly exceed it are refused here (400)."""
-    api_key_env: tuple[str, ...] = ()
-    """Environment variables holding the API keys clients must present (none: no key needed)."""
-    api_key_file: str | None = None
-    """A file of API keys, one per line (``#`` comments)."""
-    admin_key_env: tuple[str, ...] = ()
-    """Environment variables holding the admin keys (none, and no file: no admin routes)."""
-    admin_key_file: str | None = None
-    forward_authorization: bool = False
-    """Send the client's ``Authorization`` header on to the engines (for engines started with --api-key)."""
 
 
 def create_app(config: ProxyConfig, pool: EnginePool | None = None) -> FastAPI:

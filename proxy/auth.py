@@ -23,7 +23,7 @@ from proxy.errors import ProxyConfigError
 
 __all__ = ["ENV_NAME", "KeyCheck", "bearer_token", "load_keys"]
 
-ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 """What an environment variable's name looks like (and a secret, usually, does not)."""
 
 

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 
 from fastapi import FastAPI
 
-from proxy.app import ProxyConfig, create_app
+from proxy.app import create_app
+from proxy.config import ProxyConfig
 from proxy.pool import Endpoint, EnginePool
 
 logger = logging.getLogger(__name__)
@@ -40,8 +41,7 @@ class StandaloneError(Exception):
 class StandaloneSettings:
     prefill_urls: tuple[str, ...]
     decode_urls: tuple[str, ...]
-    model_name: str
-    request_timeout_s: float = 600.0
+    config: ProxyConfig
 
     def pool(self) -> EnginePool:
         pool = EnginePool()
@@ -52,7 +52,7 @@ class StandaloneSettings:
 
 def build_app(settings: StandaloneSettings) -> FastAPI:
     """The app one worker serves (module level, so that worker processes can be given it)."""
-    return create_app(ProxyConfig(settings.model_name, settings.request_timeout_s), settings.pool())
+    return create_app(settings.config, settings.pool())
 
 
 def app_factory(settings: StandaloneSettings) -> Callable[[], FastAPI]:
