@@ -6,10 +6,18 @@
 - ``POST /v1/chat/completions``, ``POST /v1/completions`` (streaming and not):
   the two-phase flow of ``proxy.flow``.
 - ``GET /v1/models``: the one served model.
-- ``GET /health``: 200 while both pools have an engine, else 503.
+- ``GET /health``: 200 while both pools have an engine, else 503 (no key needed).
+- ``GET /metrics``: Prometheus metrics (``proxy.metrics``; no key needed).
+- ``/admin/engines...``: with an admin key only (``proxy.admin``).
 
-The client's ``Authorization`` header goes on to both engines (a vLLM server
-started with ``--api-key`` checks it). Every response carries ``X-Request-Id`` (the client's, or one made here) and,
+A completion request is checked in this order: API key (``proxy.auth``, 401),
+Content-Type, body size (``proxy.limits``, 413), the body (``proxy.flow``,
+400/404), the context length when ``max_model_len`` is known (400), then it
+waits for a slot (``proxy.limits.AdmissionGate``, 429 when the queue is full)
+and runs, cancelled if its client goes away (``proxy.disconnect``).
+The client's ``Authorization`` header goes on to the engines only with
+``forward_authorization`` (a vLLM server started with ``--api-key`` checks it).
+Every response carries ``X-Request-Id`` (the client's, or one made here) and,
 once engines were chosen, ``X-PDServe-Prefill`` / ``X-PDServe-Decode``: the
 engines that served it. A non-streaming answer of a decode engine that runs
 the ``pdserve`` connector also carries ``X-PDServe-KV``: how the prompt's KV
