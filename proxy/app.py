@@ -99,6 +99,10 @@ def create_app(config: ProxyConfig, pool: EnginePool | None = None) -> FastAPI:
     async def proxy_error(request: Request, exc: ProxyError) -> Response:
         return error_response(exc)
 
+    def require_api_key(request: Request) -> None:
+        if api_keys.keys and not api_keys.allows(bearer_token(request.headers.get("authorization"))):
+            raise InvalidApiKey("Incorrect or missing API key: send it as 'Authorization: Bearer <key>'")
+
     async def serve(request: Request, kind: str, route: str) -> Response:
         started = time.perf_counter()
         request_id = request.headers.get("x-request-id") or f"pdserve-{os.urandom(16).hex()}"
@@ -121,8 +125,7 @@ def create_app(config: ProxyConfig, pool: EnginePool | None = None) -> FastAPI:
     async def answer(
         request: Request, kind: str, route: str, request_id: str, reply_headers: dict[str, str], started: float
     ) -> Response:
-        if api_keys.keys and not api_keys.allows(bearer_token(request.headers.get("authorization"))):
-            raise InvalidApiKey("Incorrect or missing API key: send it as 'Authorization: Bearer <key>'")
+        require_api_key(request)
         if "json" not in request.headers.get("content-type", "application/json"):
             raise InvalidRequest("Content-Type must be application/json")
         try:
@@ -194,8 +197,7 @@ def create_app(config: ProxyConfig, pool: EnginePool | None = None) -> FastAPI:
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
-        if api_keys.keys and not api_keys.allows(bearer_token(request.headers.get("authorization"))):
-            raise InvalidApiKey("Incorrect or missing API key: send it as 'Authorization: Bearer <key>'")
+        require_api_key(request)
         listing = {
             "object": "list",
             "data": [{"id": config.model_name, "object": "model", "created": created, "owned_by": "pdserve"}],
