@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from orchestrator.errors import ClusterNotRunning, PdserveError, SpecError
+from proxy.config import DEFAULT_MAX_BODY_BYTES
 
 DEFAULT_PROXY_WORKERS = 1
 
@@ -125,6 +126,9 @@ def cmd_down(args: argparse.Namespace) -> int:
 def cmd_proxy(args: argparse.Namespace) -> int:
     import logging
 
+    from proxy.auth import load_keys
+    from proxy.config import ProxyConfig
+    from proxy.errors import ProxyConfigError
     from proxy.routing import RoutingSettings
     from proxy.server import serve
     from proxy.standalone import (
@@ -167,9 +171,28 @@ def cmd_proxy(args: argparse.Namespace) -> int:
     except StandaloneError as e:
         print(f"pdserve proxy: {e}", file=sys.stderr)
         return 1
-    settings = StandaloneSettings(
-        tuple(prefill), tuple(decode), model, args.request_timeout_s, args.connect_timeout_s, routing
+    config = ProxyConfig(
+        model_name=model,
+        request_timeout_s=args.request_timeout_s,
+        max_body_bytes=args.max_body_bytes,
+        max_concurrent_requests=args.max_concurrent_requests,
+        max_queued_requests=args.max_queued_requests,
+        max_model_len=args.max_model_len,
+        api_key_env=tuple(args.api_key_env),
+        api_key_file=args.api_key_file,
+        admin_key_env=tuple(args.admin_key_env),
+        admin_key_file=args.admin_key_file,
+        forward_authorization=args.forward_authorization,
+        connect_timeout_s=args.connect_timeout_s,
+        routing=routing,
     )
+    try:  # here, not only in each worker: a key that cannot be read stops the command with its reason
+        load_keys(config.api_key_env, config.api_key_file)
+        load_keys(config.admin_key_env, config.admin_key_file)
+    except ProxyConfigError as e:
+        print(f"pdserve proxy: {e}", file=sys.stderr)
+        return 1
+    settings = StandaloneSettings(tuple(prefill), tuple(decode), config)
 
     def ready(url: str) -> None:
         _print(f"pdserve proxy: serving {model!r} on {url}/v1 ({args.workers} worker(s))")
@@ -316,6 +339,42 @@ def build_parser() -> argparse.ArgumentParser:
     proxy.add_argument(
         "--request-timeout-s", type=float, default=600.0, help="longest silence from an engine (default: %(default)s)"
     )
+    limits = proxy.add_argument_group("limits")
+    limits.add_argument(
+        "--max-body-bytes",
+        type=_positive_int,
+        default=DEFAULT_MAX_BODY_BYTES,
+        help="longer bodies are 413 (default: %(default)s)",
+    )
+    limits.add_argument(
+        "--max-concurrent-requests",
+        type=_positive_int,
+        help="requests under way at once, per worker (default: no limit)",
+    )
+    limits.add_argument(
+        "--max-queued-requests", type=_non_negative_int, default=1024,
+        help="with --max-concurrent-requests: how many more wait before 429s (default: %(default)s)",
+    )  # fmt: skip
+    limits.add_argument(
+        "--max-model-len", type=_positive_int, help="the engines' context length: refuse what plainly exceeds it"
+    )
+    security = proxy.add_argument_group(
+        "security (keys are read from the environment or a file, never the command line)"
+    )
+    security.add_argument(
+        "--api-key-env", action="append", default=[], metavar="NAME",
+        help="environment variable holding an API key clients must send as 'Authorization: Bearer' (repeatable)",
+    )  # fmt: skip
+    security.add_argument("--api-key-file", metavar="PATH", help="file of API keys, one per line")
+    security.add_argument(
+        "--admin-key-env", action="append", default=[], metavar="NAME",
+        help="environment variable holding an admin key: enables the /admin routes (repeatable)",
+    )  # fmt: skip
+    security.add_argument("--admin-key-file", metavar="PATH", help="file of admin keys, one per line")
+    security.add_argument(
+        "--forward-authorization", action="store_true",
+        help="send the client's Authorization header on to the engines (engines started with --api-key)",
+    )  # fmt: skip
     proxy.add_argument(
         "--wait-s",
         type=float,

@@ -35,7 +35,6 @@ from orchestrator.launch import EngineLaunch, plan_engines
 from orchestrator.logs import redirect_output
 from orchestrator.proxy_actor import ProxyActor
 from orchestrator.spec import ClusterSpec
-from proxy.app import ProxyConfig
 from proxy.pool import ROLES
 
 logger = logging.getLogger(__name__)
@@ -154,10 +153,7 @@ class ClusterController:
         self._spawn(self._monitor())
 
     async def _start_proxy(self) -> None:
-        proxy = self.spec.proxy
-        config = ProxyConfig(
-            self.spec.model_name, proxy.request_timeout_s, proxy.connect_timeout_s, proxy.routing_settings()
-        )
+        config = self.spec.proxy_config()
         self.proxy = (
             ray.remote(ProxyActor)
             .options(num_cpus=0, max_restarts=-1, max_task_retries=0, name=f"{self.spec.name}-proxy")

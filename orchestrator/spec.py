@@ -20,13 +20,15 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from orchestrator.errors import SpecError
 from orchestrator.models import KNOWN_MODELS, model_cache_dir, resolve_model
+from proxy.auth import ENV_NAME
+from proxy.config import DEFAULT_MAX_BODY_BYTES, ProxyConfig
 from proxy.engine_client import CONNECT_TIMEOUT_S
 from proxy.pool import ROLES
 from proxy.routing import POLICIES, RoutingSettings
@@ -77,6 +79,9 @@ class RoutingSpec(_Strict):
         description="prefix_aware skips the engine holding the prefix when (its load + 1) exceeds this "
         "times (the least load + 1).",
     )
+
+
+EnvName = Annotated[str, Field(pattern=ENV_NAME.pattern, description="An environment variable's name.")]
 
 
 class ProxySpec(_Strict):
@@ -149,6 +154,37 @@ class ProxySpec(_Strict):
             healthy_after=self.healthy_after,
             metrics_interval_s=self.metrics_interval_s,
         )
+
+    max_body_bytes: int = Field(
+        default=DEFAULT_MAX_BODY_BYTES, ge=1024, description="Longest request body the proxy reads; longer is 413."
+    )
+    max_concurrent_requests: int | None = Field(
+        default=None, ge=1, description="Completion requests under way at once (default: no limit)."
+    )
+    max_queued_requests: int = Field(
+        default=1024,
+        ge=0,
+        description="With max_concurrent_requests: how many more wait for a slot; past that, 429 with Retry-After.",
+    )
+    api_key_env: list[EnvName] = Field(
+        default_factory=list,
+        description="Names of environment variables (in the proxy's process) holding the API keys clients must "
+        "send as 'Authorization: Bearer <key>'. Never the keys themselves. Empty (and no file): no key needed.",
+    )
+    api_key_file: str | None = Field(
+        default=None, description="A file on the proxy's node with one API key per line ('#' comments)."
+    )
+    admin_key_env: list[EnvName] = Field(
+        default_factory=list,
+        description="Names of environment variables holding the admin keys of the /admin routes "
+        "(none, and no file: the /admin routes do not exist).",
+    )
+    admin_key_file: str | None = Field(default=None, description="A file of admin keys, one per line.")
+    forward_authorization: bool = Field(
+        default=False,
+        description="Send the client's Authorization header on to the engines (only for engines started with "
+        "--api-key; pdserve's engines listen where only the proxy reaches them).",
+    )
 
 
 class PoolSpec(_Strict):
@@ -257,6 +293,25 @@ class ClusterSpec(_Strict):
         """The most engines pool ``role`` may grow to (``pdserve scale``, the autoscaler): ports, cores
         and GPUs are planned and checked for this many."""
         return self.pool(role).replicas
+
+    def proxy_config(self) -> ProxyConfig:
+        """The settings of the cluster's proxy; it refuses what cannot fit ``engine.max_model_len``."""
+        proxy = self.proxy
+        return ProxyConfig(
+            model_name=self.model_name,
+            request_timeout_s=proxy.request_timeout_s,
+            connect_timeout_s=proxy.connect_timeout_s,
+            routing=proxy.routing_settings(),
+            max_body_bytes=proxy.max_body_bytes,
+            max_concurrent_requests=proxy.max_concurrent_requests,
+            max_queued_requests=proxy.max_queued_requests,
+            max_model_len=self.engine.max_model_len,
+            api_key_env=tuple(proxy.api_key_env),
+            api_key_file=proxy.api_key_file,
+            admin_key_env=tuple(proxy.admin_key_env),
+            admin_key_file=proxy.admin_key_file,
+            forward_authorization=proxy.forward_authorization,
+        )
 
     @model_validator(mode="after")
     def _check_model(self) -> ClusterSpec:

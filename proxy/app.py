@@ -8,7 +8,15 @@ for the load-aware policies, ``/metrics`` polls (``proxy.load``). Routes:
 - ``POST /v1/chat/completions``, ``POST /v1/completions`` (streaming and not):
   the two-phase flow of ``proxy.flow``.
 - ``GET /v1/models``: the one served model.
-- ``GET /health``: 200 while both pools have a ready engine (healthy, not draining), else 503.
+- ``GET /health``: 200 while both pools have a ready engine (healthy, not draining), else 503 (no key needed).
+- ``GET /metrics``: Prometheus metrics (``proxy.metrics``; no key needed).
+- ``/admin/engines...``: with an admin key only (``proxy.admin``).
+
+A completion request is checked in this order: API key (``proxy.auth``, 401),
+Content-Type, body size (``proxy.limits``, 413), the body (``proxy.flow``,
+400/404), the context length when ``max_model_len`` is known (400), then it
+waits for a slot (``proxy.limits.AdmissionGate``, 429 when the queue is full)
+and runs, cancelled if its client goes away (``proxy.disconnect``).
 
 ``proxy.routing.Router`` chooses each request's engines (``config.routing``),
 or serves it decode-only (no prefill leg). A prefill leg that fails
@@ -16,15 +24,15 @@ or serves it decode-only (no prefill leg). A prefill leg that fails
 ``routing.prefill_retries`` times; an engine's 4xx is not. Every leg counts
 in its engine's ``in_flight`` while it runs, whatever ends it.
 
-The client's ``Authorization`` header goes on to both engines (a vLLM server
-started with ``--api-key`` checks it). Every response carries ``X-Request-Id``
-(the client's, or one made here) and, once engines were chosen,
-``X-PDServe-Path`` (``disaggregated`` or ``decode-only``; also
-``request.state.serving_path``, for middleware), ``X-PDServe-Prefill`` (not
-when decode-only) and ``X-PDServe-Decode``: how and by which engines it was
-served. A non-streaming answer of a decode engine that runs the ``pdserve``
-connector also carries ``X-PDServe-KV``: how the prompt's KV reached the
-decode engine (``source=transfer; bytes=...; transfer_ms=...``, or
+The client's ``Authorization`` header goes on to the engines only with
+``forward_authorization`` (a vLLM server started with ``--api-key`` checks it).
+Every response carries ``X-Request-Id`` (the client's, or one made here) and,
+once engines were chosen, ``X-PDServe-Path`` (``disaggregated`` or
+``decode-only``; also ``request.state.serving_path``, for the metrics),
+``X-PDServe-Prefill`` (not when decode-only) and ``X-PDServe-Decode``: how and
+by which engines it was served. A non-streaming answer of a decode engine that
+runs the ``pdserve`` connector also carries ``X-PDServe-KV``: how the prompt's
+KV reached the decode engine (``source=transfer; bytes=...; transfer_ms=...``, or
 ``source=recomputed; reason=...``).
 
 When the decode leg produced nothing (it failed, or the client went away
@@ -40,7 +48,6 @@ import os
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -48,33 +55,42 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
-from proxy.engine_client import CONNECT_TIMEOUT_S, EngineClient, EngineResponse
-from proxy.errors import InvalidRequest, ProxyError, UpstreamFailed, error_body, error_response
-from proxy.flow import EngineRejected, Upstream, decode_body, parse_request, prefill_body
+from proxy.admin import admin_router
+from proxy.auth import KeyCheck, bearer_token, load_keys
+from proxy.config import ProxyConfig
+from proxy.disconnect import cancel_on_disconnect
+from proxy.engine_client import EngineClient, EngineResponse
+from proxy.errors import (
+    ClientGone,
+    InvalidApiKey,
+    InvalidRequest,
+    ProxyError,
+    UpstreamFailed,
+    error_body,
+    error_response,
+)
+from proxy.flow import EngineRejected, Upstream, check_context_length, decode_body, parse_request, prefill_body
 from proxy.health import HealthMonitor, HealthTracker
+from proxy.limits import AdmissionGate, read_body
 from proxy.load import LoadPoller
+from proxy.metrics import CONTENT_TYPE_LATEST, DEFAULT_SERVING_PATH, ProxyMetrics
 from proxy.pool import ROLES, EnginePool, EngineState
 from proxy.release import KVReleaser
-from proxy.routing import Router, RoutingSettings
+from proxy.routing import Router
+
+__all__ = ["DECODE_ONLY", "DISAGGREGATED", "ProxyConfig", "create_app"]
 
 logger = logging.getLogger(__name__)
-
 
 DISAGGREGATED, DECODE_ONLY = "disaggregated", "decode-only"
 """The values of ``X-PDServe-Path`` and ``request.state.serving_path``."""
 
 
-@dataclass(frozen=True, slots=True)
-class ProxyConfig:
-    model_name: str
-    request_timeout_s: float = 600.0
-    connect_timeout_s: float = CONNECT_TIMEOUT_S
-    routing: RoutingSettings = field(default_factory=RoutingSettings)
-
-
 def create_app(config: ProxyConfig, pool: EnginePool | None = None) -> FastAPI:
+    """The proxy's app; ``ProxyConfigError`` if its keys cannot be read."""
     pool = pool if pool is not None else EnginePool()
     created = int(time.time())
     settings = config.routing
@@ -82,6 +98,15 @@ def create_app(config: ProxyConfig, pool: EnginePool | None = None) -> FastAPI:
     tracker = HealthTracker(pool, settings.unhealthy_after, settings.healthy_after)
     checks_health = settings.health_interval_s > 0
     retries = settings.prefill_retries
+
+    api_keys = KeyCheck(load_keys(config.api_key_env, config.api_key_file))
+    admin_keys = KeyCheck(load_keys(config.admin_key_env, config.admin_key_file))
+    metrics = ProxyMetrics(pool)
+    gate = (
+        AdmissionGate(config.max_concurrent_requests, config.max_queued_requests)
+        if config.max_concurrent_requests is not None
+        else None
+    )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -109,12 +134,21 @@ def create_app(config: ProxyConfig, pool: EnginePool | None = None) -> FastAPI:
     app.state.config = config
     app.state.router = router
     app.state.health = tracker
+    app.state.metrics = metrics
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
         body = error_body(str(exc.detail), kind, code=str(exc.status_code))
         return Response(orjson.dumps(body), status_code=exc.status_code, media_type="application/json")
+
+    @app.exception_handler(ProxyError)
+    async def proxy_error(request: Request, exc: ProxyError) -> Response:
+        return error_response(exc)
+
+    def require_api_key(request: Request) -> None:
+        if api_keys.keys and not api_keys.allows(bearer_token(request.headers.get("authorization"))):
+            raise InvalidApiKey("Incorrect or missing API key: send it as 'Authorization: Bearer <key>'")
 
     def unreachable(engine: EngineState, failure: UpstreamFailed, request_id: str) -> None:
         if checks_health and failure.unreachable:
@@ -152,68 +186,101 @@ def create_app(config: ProxyConfig, pool: EnginePool | None = None) -> FastAPI:
                 )  # fmt: skip
                 engine = retry
 
-    async def serve(request: Request, kind: str, path: str) -> Response:
+    async def serve(request: Request, kind: str, route: str) -> Response:
+        started = time.perf_counter()
         request_id = request.headers.get("x-request-id") or f"pdserve-{os.urandom(16).hex()}"
         reply_headers = {"X-Request-Id": request_id}
-        upstream: Upstream = request.app.state.upstream
         try:
-            if "json" not in request.headers.get("content-type", "application/json"):
-                raise InvalidRequest("Content-Type must be application/json")
-            body = parse_request(await request.body(), kind, config.model_name)
-            prefill_engine, decode_engine, prefix = router.route(body, kind)
-            serving_path = DECODE_ONLY if prefill_engine is None else DISAGGREGATED
-            request.state.serving_path = serving_path
-            reply_headers["X-PDServe-Path"] = serving_path
-            reply_headers["X-PDServe-Decode"] = decode_engine.engine_id
-            # identity: answers are relayed byte for byte, so they must not come compressed.
-            headers = {"Content-Type": "application/json", "X-Request-Id": request_id, "Accept-Encoding": "identity"}
-            if authorization := request.headers.get("authorization"):
-                headers["Authorization"] = authorization  # engines started with --api-key check it
-            kv_params = None
-            if prefill_engine is not None:
-                kv_params = await prefill(
-                    upstream, prefill_engine, prefix, path, body, headers, request_id, reply_headers
-                )
-                if not kv_params:
-                    logger.warning(
-                        "request %s: prefill engine %s returned no kv_transfer_params; decode engine %s "
-                        "will compute the prompt itself",
-                        request_id, reply_headers["X-PDServe-Prefill"], decode_engine.engine_id,
-                    )  # fmt: skip
-            releaser: KVReleaser = request.app.state.releaser
-            decode_engine.start_leg()
-            leg_open = True
-            try:
-                response = await upstream.decode(decode_engine, path, decode_body(body, kv_params), headers, request_id)
-                if body.get("stream"):
-                    stream = DecodeStream(
-                        upstream.stream(response, decode_engine, request_id),
-                        response, decode_engine, releaser, kv_params, request_id,
-                    )  # fmt: skip
-                    leg_open = False  # the stream ends the leg
-                    return RelayResponse(
-                        stream, media_type="text/event-stream", headers=reply_headers | {"Cache-Control": "no-cache"}
-                    )
-                payload = await upstream.read_all(response, decode_engine, request_id)
-                decode_engine.failures = 0
-            except BaseException as e:  # the decode leg failed or the client went away: nobody reads the KV
-                releaser.release(kv_params, request_id)
-                if isinstance(e, UpstreamFailed):
-                    unreachable(decode_engine, e, request_id)
-                raise
-            finally:
-                if leg_open:
-                    decode_engine.end_leg()
-            if report := kv_report(payload):
-                reply_headers["X-PDServe-KV"] = report
-            return Response(payload, media_type="application/json", headers=reply_headers)
+            response = await answer(request, kind, route, request_id, reply_headers, started)
         except ProxyError as e:
             e.headers = reply_headers | e.headers
-            return error_response(e)
+            response = error_response(e)
         except EngineRejected as e:
-            return Response(
+            response = Response(
                 orjson.dumps(e.body), status_code=e.status, media_type="application/json", headers=reply_headers
             )
+        except ClientGone as e:
+            response = Response(status_code=e.status)  # sent to nobody; counted
+        if not isinstance(response, StreamingResponse):  # a stream counts when it ends
+            metrics.request_done(route, response.status_code, serving_path(request), time.perf_counter() - started)
+        return response
+
+    async def answer(
+        request: Request, kind: str, route: str, request_id: str, reply_headers: dict[str, str], started: float
+    ) -> Response:
+        require_api_key(request)
+        if "json" not in request.headers.get("content-type", "application/json"):
+            raise InvalidRequest("Content-Type must be application/json")
+        try:
+            raw = await read_body(request, config.max_body_bytes)
+        except ClientDisconnect as e:
+            raise ClientGone(f"request {request_id}: the client went away while sending its body") from e
+        body = parse_request(raw, kind, config.model_name)
+        if config.max_model_len is not None:
+            check_context_length(body, config.max_model_len)
+        upstream: Upstream = request.app.state.upstream
+        releaser: KVReleaser = request.app.state.releaser
+        async with cancel_on_disconnect(request, request_id):
+            if gate is not None:
+                await gate.enter()
+            slot_handed_on = False
+            try:
+                prefill_engine, decode_engine, prefix = router.route(body, kind)
+                path = DECODE_ONLY if prefill_engine is None else DISAGGREGATED
+                request.state.serving_path = path
+                reply_headers["X-PDServe-Path"] = path
+                reply_headers["X-PDServe-Decode"] = decode_engine.engine_id
+                # identity: answers are relayed byte for byte, so they must not come compressed.
+                headers = {"Content-Type": "application/json", "X-Request-Id": request_id}
+                headers["Accept-Encoding"] = "identity"
+                if config.forward_authorization and (authorization := request.headers.get("authorization")):
+                    headers["Authorization"] = authorization  # engines started with --api-key check it
+                kv_params = None
+                if prefill_engine is not None:
+                    kv_params = await prefill(
+                        upstream, prefill_engine, prefix, route, body, headers, request_id, reply_headers
+                    )
+                    if not kv_params:
+                        logger.warning(
+                            "request %s: prefill engine %s returned no kv_transfer_params; decode engine %s "
+                            "will compute the prompt itself",
+                            request_id, reply_headers["X-PDServe-Prefill"], decode_engine.engine_id,
+                        )  # fmt: skip
+                decode_engine.start_leg()
+                leg_open = True
+                try:
+                    response = await upstream.decode(
+                        decode_engine, route, decode_body(body, kv_params), headers, request_id
+                    )
+                    if body.get("stream"):
+                        stream = DecodeStream(
+                            upstream.stream(response, decode_engine, request_id),
+                            response, decode_engine, releaser, kv_params, request_id,
+                            StreamMeter(request, route, started, metrics, gate),
+                        )  # fmt: skip
+                        leg_open = False  # the stream ends the leg
+                        slot_handed_on = True  # and gives the slot back
+                        return RelayResponse(
+                            stream,
+                            media_type="text/event-stream",
+                            headers=reply_headers | {"Cache-Control": "no-cache"},
+                        )
+                    payload = await upstream.read_all(response, decode_engine, request_id)
+                    decode_engine.failures = 0
+                except BaseException as e:  # the decode leg failed or the client went away: nobody reads the KV
+                    releaser.release(kv_params, request_id)
+                    if isinstance(e, UpstreamFailed):
+                        unreachable(decode_engine, e, request_id)
+                    raise
+                finally:
+                    if leg_open:
+                        decode_engine.end_leg()
+            finally:
+                if gate is not None and not slot_handed_on:
+                    gate.leave()
+        if report := kv_report(payload):
+            reply_headers["X-PDServe-KV"] = report
+        return Response(payload, media_type="application/json", headers=reply_headers)
 
     completions_api = APIRouter(route_class=DirectRoute)
 
@@ -228,11 +295,13 @@ def create_app(config: ProxyConfig, pool: EnginePool | None = None) -> FastAPI:
     app.include_router(completions_api)
 
     @app.get("/v1/models")
-    async def models() -> dict:
-        return {
+    async def models(request: Request) -> Response:
+        require_api_key(request)
+        listing = {
             "object": "list",
             "data": [{"id": config.model_name, "object": "model", "created": created, "owned_by": "pdserve"}],
         }
+        return Response(orjson.dumps(listing), media_type="application/json")
 
     @app.get("/health")
     async def health() -> Response:
@@ -241,7 +310,19 @@ def create_app(config: ProxyConfig, pool: EnginePool | None = None) -> FastAPI:
         body = {"status": "ok" if healthy else "unavailable", "engines": engines}
         return Response(orjson.dumps(body), status_code=200 if healthy else 503, media_type="application/json")
 
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    if admin_keys.enabled:
+        app.include_router(admin_router(pool, admin_keys))
+
     return app
+
+
+def serving_path(request: Request) -> str:
+    """How the request was served (``request.state.serving_path``, set by the router), for the metrics."""
+    return request.scope.get("state", {}).get("serving_path", DEFAULT_SERVING_PATH)
 
 
 class DirectRoute(APIRoute):
@@ -288,10 +369,21 @@ class DecodeStream:
     An async generator could not promise that: one never started (the client left
     before the response's headers went out) runs no ``finally``. ``RelayResponse``
     closes it whatever happened. If the stream ends before its first chunk
-    (failure, client gone), the prefill engine is told to release the KV.
+    (failure, client gone), the prefill engine is told to release the KV. Its
+    ``StreamMeter`` times the chunks and gives back the request's slot.
     """
 
-    __slots__ = ("_chunks", "_response", "_engine", "_releaser", "_kv_params", "_request_id", "_started", "_closed")
+    __slots__ = (
+        "_chunks",
+        "_response",
+        "_engine",
+        "_releaser",
+        "_kv_params",
+        "_request_id",
+        "_meter",
+        "_started",
+        "_closed",
+    )
 
     def __init__(
         self,
@@ -301,9 +393,11 @@ class DecodeStream:
         releaser: KVReleaser,
         kv_params: dict | None,
         request_id: str,
+        meter: StreamMeter,
     ) -> None:
         self._chunks, self._response, self._engine = chunks, response, engine
         self._releaser, self._kv_params, self._request_id = releaser, kv_params, request_id
+        self._meter = meter
         self._started = self._closed = False
 
     def __aiter__(self) -> DecodeStream:
@@ -316,6 +410,7 @@ class DecodeStream:
             await self.aclose()
             raise
         self._started = True
+        self._meter.chunk()
         return chunk
 
     async def aclose(self) -> None:
@@ -328,7 +423,12 @@ class DecodeStream:
             self._response.release()
             self._engine.end_leg()
             if not self._started:
+                logger.info(
+                    "request %s: decode engine %s's stream ended before its first chunk",
+                    self._request_id, self._engine.engine_id,
+                )  # fmt: skip
                 self._releaser.release(self._kv_params, self._request_id)
+            self._meter.done()
 
 
 class RelayResponse(StreamingResponse):
@@ -339,6 +439,33 @@ class RelayResponse(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             await self.body_iterator.aclose()  # type: ignore[attr-defined]
+
+
+class StreamMeter:
+    """One stream's share of the metrics (time to first chunk, between chunks, end to end) and of the
+    admission gate (its slot is given back when the stream ends)."""
+
+    __slots__ = ("_request", "_route", "_started", "_metrics", "_gate", "_last")
+
+    def __init__(
+        self, request: Request, route: str, started: float, metrics: ProxyMetrics, gate: AdmissionGate | None
+    ) -> None:
+        self._request, self._route, self._started, self._metrics, self._gate = request, route, started, metrics, gate
+        self._last = 0.0
+
+    def chunk(self) -> None:
+        now = time.perf_counter()
+        if self._last:
+            self._metrics.inter_token_latency.observe(now - self._last)
+        else:
+            self._metrics.time_to_first_token.observe(now - self._started)
+        self._last = now
+
+    def done(self) -> None:
+        if self._gate is not None:
+            self._gate.leave()
+        elapsed = time.perf_counter() - self._started
+        self._metrics.request_done(self._route, 200, serving_path(self._request), elapsed)
 
 
 def kv_report(payload: bytes) -> str | None:

@@ -37,6 +37,28 @@ class NoHealthyEngine(ProxyError):
     status, error_type, code = 503, "service_unavailable", "no_healthy_engine"
 
 
+class InvalidApiKey(ProxyError):
+    """No API key, or not one of the configured keys (OpenAI's answer to a wrong key)."""
+
+    status, error_type, code = 401, "invalid_request_error", "invalid_api_key"
+
+
+class RequestTooLarge(ProxyError):
+    status, error_type, code = 413, "invalid_request_error", "request_too_large"
+
+
+class ContextLengthExceeded(ProxyError):
+    """The request cannot fit the model's context (OpenAI's ``context_length_exceeded``)."""
+
+    status, error_type, code = 400, "invalid_request_error", "context_length_exceeded"
+
+
+class TooManyRequests(ProxyError):
+    """Every request slot is taken and the queue is full; OpenAI's rate-limit answer, with ``Retry-After``."""
+
+    status, error_type, code = 429, "requests", "rate_limit_exceeded"
+
+
 class UnknownEngine(ProxyError):
     """An engine id that is not in the pool (``EnginePool.drain``, ``remove``, ``engine``)."""
 
@@ -59,6 +81,19 @@ class EngineConnectionError(Exception):
 
     Not a ``ProxyError``: ``proxy.flow`` turns it into ``UpstreamFailed``, naming the engine and phase.
     """
+
+
+class ClientGone(Exception):
+    """The client closed its connection before its answer was ready; nobody is left to answer.
+
+    Counted as HTTP 499 (nginx's "client closed request"); no answer is sent.
+    """
+
+    status = 499
+
+
+class ProxyConfigError(Exception):
+    """The proxy's settings cannot be used (e.g. an API key variable that is not set); raised at start-up."""
 
 
 def error_body(message: str, error_type: str, param: str | None = None, code: str | None = None) -> dict:

@@ -24,7 +24,14 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
 
 from proxy.engine_client import EngineClient, EngineResponse
-from proxy.errors import EngineConnectionError, InvalidRequest, ModelNotFound, UpstreamFailed, error_body
+from proxy.errors import (
+    ContextLengthExceeded,
+    EngineConnectionError,
+    InvalidRequest,
+    ModelNotFound,
+    UpstreamFailed,
+    error_body,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -134,6 +141,39 @@ def _param(loc: tuple[int | str, ...]) -> str | None:
             break
         parts.append(str(part))
     return ".".join(parts) or None
+
+
+def check_context_length(body: dict[str, Any], max_model_len: int) -> None:
+    """``ContextLengthExceeded`` for a request that plainly cannot fit ``max_model_len`` tokens.
+
+    The proxy has no tokenizer: it counts only token-id prompts (and a text
+    prompt as at least one token), so what passes here may still be refused by
+    the engine, whose 400 the client then gets as it came.
+    """
+    prompt = body.get("prompt")
+    counted = type(prompt) is list and bool(prompt)
+    if counted and type(prompt[0]) is int:
+        prompt_tokens = len(prompt)
+    elif counted and type(prompt[0]) is list:
+        prompt_tokens = max(len(p) for p in prompt)
+    else:
+        counted, prompt_tokens = False, 1  # text: at least one token
+    completion = body.get("max_completion_tokens") or body.get("max_tokens")
+    completion_tokens = completion if type(completion) is int else 0
+    if prompt_tokens + completion_tokens <= max_model_len:
+        return
+    where = "messages" if "messages" in body else "prompt"
+    if prompt_tokens > max_model_len:
+        param = where
+    else:
+        param = "max_completion_tokens" if body.get("max_completion_tokens") else "max_tokens"
+    requested = prompt_tokens + completion_tokens
+    raise ContextLengthExceeded(
+        f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+        f"{'' if counted else 'at least '}{requested} tokens ({prompt_tokens} in the {where}, "
+        f"{completion_tokens} in the completion). Please reduce the length of the {where} or completion.",
+        param=param,
+    )
 
 
 def prefill_body(body: dict[str, Any]) -> dict[str, Any]:

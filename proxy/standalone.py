@@ -2,8 +2,7 @@
 
 A drop-in for vLLM's example P/D proxy: give it the prefill and decode servers'
 URLs (each a vLLM server started with a KV connector); it serves the same app
-as the orchestrated proxy (``proxy.app``) with the engines fixed for its life
-(health checks still eject and readmit them; routing policies as the flags say).
+as the orchestrated proxy (``proxy.app``) with the engines fixed for its life.
 Engines are named by role and position: ``prefill-0``, ``prefill-1``,
 ``decode-0``...
 
@@ -21,14 +20,13 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from fastapi import FastAPI
 
-from proxy.app import ProxyConfig, create_app
-from proxy.engine_client import CONNECT_TIMEOUT_S
+from proxy.app import create_app
+from proxy.config import ProxyConfig
 from proxy.pool import Endpoint, EnginePool
-from proxy.routing import RoutingSettings
 
 logger = logging.getLogger(__name__)
 
@@ -43,10 +41,7 @@ class StandaloneError(Exception):
 class StandaloneSettings:
     prefill_urls: tuple[str, ...]
     decode_urls: tuple[str, ...]
-    model_name: str
-    request_timeout_s: float = 600.0
-    connect_timeout_s: float = CONNECT_TIMEOUT_S
-    routing: RoutingSettings = field(default_factory=RoutingSettings)
+    config: ProxyConfig
 
     def pool(self) -> EnginePool:
         pool = EnginePool()
@@ -57,8 +52,7 @@ class StandaloneSettings:
 
 def build_app(settings: StandaloneSettings) -> FastAPI:
     """The app one worker serves (module level, so that worker processes can be given it)."""
-    config = ProxyConfig(settings.model_name, settings.request_timeout_s, settings.connect_timeout_s, settings.routing)
-    return create_app(config, settings.pool())
+    return create_app(settings.config, settings.pool())
 
 
 def app_factory(settings: StandaloneSettings) -> Callable[[], FastAPI]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import dataclasses
 import os
 import socket
 import time
@@ -23,6 +24,8 @@ import httpx
 import pytest
 import uvicorn
 import yaml
+import zmq
+import zmq.asyncio
 
 from orchestrator.models import DEMO_MODEL_NAME, KNOWN_MODELS
 from proxy.app import ProxyConfig, create_app
@@ -220,16 +223,25 @@ def pool(prefill_engine: StubEngine, decode_engine: StubEngine) -> EnginePool:
     return pool
 
 
+ROUTING_FIELDS = frozenset(field.name for field in dataclasses.fields(RoutingSettings))
+
+
 @pytest.fixture
 async def make_proxy(pool: EnginePool) -> AsyncIterator[Callable[..., Awaitable[ProxyServer]]]:
-    """Factory of served proxies on ``pool``, stopped after the test: ``await make_proxy(request_timeout_s=10)``."""
+    """Factory of served proxies on ``pool``, stopped after the test: ``await make_proxy(request_timeout_s=10)``.
+
+    Further keyword arguments are ``ProxyConfig`` settings: ``await make_proxy(max_body_bytes=100)``.
+    """
     servers: list[ProxyServer] = []
 
     async def make(
-        request_timeout_s: float = PROXY_TIMEOUT_S, model_name: str = PROXY_MODEL, **routing: Any
+        request_timeout_s: float = PROXY_TIMEOUT_S, model_name: str = PROXY_MODEL, **settings: Any
     ) -> ProxyServer:
-        """``routing``: ``RoutingSettings`` fields, e.g. ``make_proxy(prefill_policy="least_loaded")``."""
-        config = ProxyConfig(model_name, request_timeout_s, routing=RoutingSettings(**routing))
+        """``settings``: ``ProxyConfig`` or ``RoutingSettings`` fields, e.g. ``prefill_policy="least_loaded"``."""
+        routing = {name: settings.pop(name) for name in list(settings) if name in ROUTING_FIELDS}
+        config = ProxyConfig(
+            model_name=model_name, request_timeout_s=request_timeout_s, routing=RoutingSettings(**routing), **settings
+        )
         servers.append(ProxyServer(create_app(config, pool)))
         return await servers[-1].start()
 
@@ -247,3 +259,59 @@ async def proxy(make_proxy) -> ProxyServer:
 async def client(proxy: ProxyServer) -> AsyncIterator[httpx.AsyncClient]:
     async with httpx.AsyncClient(base_url=proxy.url, timeout=10) as client:
         yield client
+
+
+@pytest.fixture
+async def make_client(make_proxy) -> AsyncIterator[Callable[..., Awaitable[httpx.AsyncClient]]]:
+    """Factory of clients, each on a proxy of its own: ``await make_client(max_body_bytes=100)``.
+
+    Keyword arguments go to ``make_proxy``; ``headers=`` are sent with every request.
+    """
+    clients: list[httpx.AsyncClient] = []
+
+    async def make(headers: dict[str, str] | None = None, **settings: Any) -> httpx.AsyncClient:
+        proxy = await make_proxy(**settings)
+        clients.append(httpx.AsyncClient(base_url=proxy.url, timeout=10, headers=headers))
+        return clients[-1]
+
+    yield make
+    for client in clients:
+        await client.aclose()
+
+
+class SideChannel:
+    """A prefill engine's KV release side channel (a real ZMQ REP socket): answers OK to every message, keeps it."""
+
+    def __init__(self) -> None:
+        self.context = zmq.asyncio.Context()
+        self.socket = self.context.socket(zmq.REP)
+        port = self.socket.bind_to_random_port("tcp://127.0.0.1")
+        self.endpoint = f"tcp://127.0.0.1:{port}"
+        self.messages: list[bytes] = []
+        self.task = asyncio.get_running_loop().create_task(self._serve())
+
+    async def _serve(self) -> None:
+        while True:
+            self.messages.append(await self.socket.recv())
+            await self.socket.send(b"OK")
+
+    async def close(self) -> None:
+        self.task.cancel()
+        await asyncio.gather(self.task, return_exceptions=True)
+        self.socket.close(linger=0)
+        self.context.term()
+
+
+@pytest.fixture
+async def side_channel(prefill_engine: StubEngine) -> AsyncIterator[SideChannel]:
+    channel = SideChannel()
+    prefill_engine.release_endpoint = channel.endpoint
+    yield channel
+    await channel.close()
+
+
+async def released(channel: SideChannel, timeout_s: float = 3.0) -> list[str]:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not channel.messages and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.02)
+    return [m.decode() for m in channel.messages]

@@ -254,8 +254,18 @@ async def test_request_id_on_error_responses(client):
     assert response.headers["x-request-id"] == "bad-1"
 
 
-async def test_authorization_reaches_both_engines(client, prefill_engine, decode_engine):
+async def test_authorization_is_not_forwarded_by_default(client, prefill_engine, decode_engine):
+    # The engines listen where only the proxy reaches them; the client's key is the proxy's business.
+    response = await client.post(CHAT_PATH, json=CHAT, headers={"Authorization": "Bearer sk-client"})
+
+    assert response.status_code == 200
+    assert "authorization" not in prefill_engine.requests[0].headers
+    assert "authorization" not in decode_engine.requests[0].headers
+
+
+async def test_authorization_reaches_both_engines_when_forwarded(make_client, prefill_engine, decode_engine):
     # vLLM servers started with --api-key refuse requests without it.
+    client = await make_client(forward_authorization=True)
     response = await client.post(CHAT_PATH, json=CHAT, headers={"Authorization": "Bearer sk-engine"})
 
     assert response.status_code == 200
@@ -263,7 +273,8 @@ async def test_authorization_reaches_both_engines(client, prefill_engine, decode
     assert decode_engine.requests[0].headers["authorization"] == "Bearer sk-engine"
 
 
-async def test_no_authorization_is_sent_when_the_client_sends_none(client, prefill_engine, decode_engine):
+async def test_no_authorization_is_sent_when_the_client_sends_none(make_client, prefill_engine, decode_engine):
+    client = await make_client(forward_authorization=True)
     await client.post(CHAT_PATH, json=CHAT)
 
     assert "authorization" not in prefill_engine.requests[0].headers

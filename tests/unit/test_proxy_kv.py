@@ -2,65 +2,24 @@
 
 Stub engines play a prefill engine that offers a release endpoint (as the
 ``pdserve`` connector does) and a decode engine that reports its KV load; a
-real ZMQ REP socket plays the prefill engine's side channel.
+real ZMQ REP socket plays the prefill engine's side channel (``side_channel`` in conftest.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 
 import pytest
-import zmq
-import zmq.asyncio
 
 from proxy.app import kv_report
-from tests.stub_engine import Behaviour, StubEngine
-from tests.unit.conftest import PROXY_MODEL
+from tests.stub_engine import Behaviour
+from tests.unit.conftest import PROXY_MODEL, released
 
 pytestmark = pytest.mark.timeout(15)
 
 CHAT_PATH = "/v1/chat/completions"
 CHAT = {"model": PROXY_MODEL, "messages": [{"role": "user", "content": "Say hello."}]}
 REPORT = {"source": "transfer", "bytes": 1048576, "transfer_ms": 1.25, "remote_engine_id": "prefill-0"}
-
-
-class SideChannel:
-    """A prefill engine's side channel: answers every message with OK and keeps it."""
-
-    def __init__(self) -> None:
-        self.context = zmq.asyncio.Context()
-        self.socket = self.context.socket(zmq.REP)
-        port = self.socket.bind_to_random_port("tcp://127.0.0.1")
-        self.endpoint = f"tcp://127.0.0.1:{port}"
-        self.messages: list[bytes] = []
-        self.task = asyncio.get_running_loop().create_task(self._serve())
-
-    async def _serve(self) -> None:
-        while True:
-            self.messages.append(await self.socket.recv())
-            await self.socket.send(b"OK")
-
-    async def close(self) -> None:
-        self.task.cancel()
-        await asyncio.gather(self.task, return_exceptions=True)
-        self.socket.close(linger=0)
-        self.context.term()
-
-
-@pytest.fixture
-async def side_channel(prefill_engine: StubEngine) -> AsyncIterator[SideChannel]:
-    channel = SideChannel()
-    prefill_engine.release_endpoint = channel.endpoint
-    yield channel
-    await channel.close()
-
-
-async def released(channel: SideChannel, timeout_s: float = 3.0) -> list[str]:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not channel.messages and asyncio.get_running_loop().time() < deadline:
-        await asyncio.sleep(0.02)
-    return [m.decode() for m in channel.messages]
 
 
 async def test_decode_report_becomes_the_x_pdserve_kv_header(client, decode_engine):

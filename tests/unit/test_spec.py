@@ -71,6 +71,52 @@ def test_defaults_fill_in_everything_optional(load):
     assert spec.ray.namespace == "pdserve"
 
 
+def test_proxy_settings_reach_the_proxy_config(load):
+    spec = load(
+        proxy={
+            "max_body_bytes": 4096,
+            "max_concurrent_requests": 8,
+            "max_queued_requests": 2,
+            "api_key_env": ["PD_KEY", "PD_KEY_2"],
+            "admin_key_file": "/etc/pdserve/admin-keys",
+            "forward_authorization": True,
+        },
+        engine={"max_model_len": 2048},
+    )
+
+    config = spec.proxy_config()
+
+    assert (config.model_name, config.max_model_len) == (spec.model_name, 2048)
+    assert (config.max_body_bytes, config.max_concurrent_requests, config.max_queued_requests) == (4096, 8, 2)
+    assert config.api_key_env == ("PD_KEY", "PD_KEY_2") and config.api_key_file is None
+    assert config.admin_key_env == () and config.admin_key_file == "/etc/pdserve/admin-keys"
+    assert config.forward_authorization is True
+    assert pickle.loads(pickle.dumps(config)) == config  # it travels to the proxy's Ray actor
+
+
+def test_proxy_defaults_need_no_key_and_set_no_concurrency_limit(load):
+    config = load().proxy_config()
+
+    assert config.api_key_env == () and config.admin_key_env == () and config.max_concurrent_requests is None
+    assert config.forward_authorization is False
+
+
+@pytest.mark.parametrize(
+    ("proxy", "field"),
+    [
+        ({"api_key_env": ["sk-live-1234"]}, "proxy.api_key_env.0"),
+        ({"admin_key_env": ["has space"]}, "proxy.admin_key_env.0"),
+        ({"max_concurrent_requests": 0}, "proxy.max_concurrent_requests"),
+        ({"max_queued_requests": -1}, "proxy.max_queued_requests"),
+        ({"max_body_bytes": 10}, "proxy.max_body_bytes"),
+    ],
+)
+def test_bad_proxy_settings_are_named(rejected, make_spec, proxy, field):
+    _, err = rejected(make_spec(proxy=proxy))
+
+    assert f"{field}: " in str(err)
+
+
 def test_served_model_name_overrides_the_name_clients_use(load):
     assert load(served_model_name="smol").model_name == "smol"
 

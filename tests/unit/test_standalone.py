@@ -21,6 +21,7 @@ import openai
 import psutil
 import pytest
 
+from proxy.config import ProxyConfig
 from proxy.server import listen_socket
 from proxy.standalone import StandaloneError, StandaloneSettings, model_name_from_engines, normalize_url
 from tests.stub_engine import StubEngine, answer_text
@@ -214,6 +215,31 @@ async def test_model_flag_needs_no_engine_to_start(unused_url):
     assert response.json()["error"]["code"] == "engine_failed"
 
 
+async def test_an_api_key_from_the_environment_guards_the_proxy(unused_url, monkeypatch):
+    monkeypatch.setenv("PDSERVE_TEST_KEY", "sk-cli")
+    args = ("--prefill", unused_url, "--decode", unused_url, "--model", "m", "--api-key-env", "PDSERVE_TEST_KEY")
+    async with cli_proxy(*args, "--max-body-bytes", "2048") as proxy:
+        async with httpx.AsyncClient(base_url=proxy.url) as client:
+            refused = await client.get("/v1/models")
+            allowed = await client.get("/v1/models", headers={"Authorization": "Bearer sk-cli"})
+            too_large = await client.post(
+                "/v1/completions", json={"model": "m", "prompt": "x" * 4096}, headers={"Authorization": "Bearer sk-cli"}
+            )
+
+    assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
+    assert allowed.status_code == 200
+    assert too_large.status_code == 413
+
+
+async def test_an_api_key_variable_that_is_not_set_is_an_error(unused_url):
+    args = ("--prefill", unused_url, "--decode", unused_url, "--model", "m", "--api-key-env", "PDSERVE_UNSET_KEY")
+    process = await run_cli(*args, "--port", "0")
+    out, err = await asyncio.wait_for(process.communicate(), START_TIMEOUT_S)
+
+    assert process.returncode == 1
+    assert "PDSERVE_UNSET_KEY" in err.decode() and "not set" in err.decode()
+
+
 async def test_engines_serving_different_models_is_an_error(make_engine):
     prefill = await make_engine("prefill-0", model_name="llama")
     decode = await make_engine("decode-0", model_name="qwen")
@@ -345,7 +371,7 @@ def test_normalize_url_refuses_other_schemes():
 
 
 def test_settings_name_the_engines_by_role_and_position():
-    settings = StandaloneSettings(("http://p:1", "http://p:2"), ("http://d:1",), "m")
+    settings = StandaloneSettings(("http://p:1", "http://p:2"), ("http://d:1",), ProxyConfig("m"))
 
     snapshot = settings.pool().snapshot()
     assert {role: [(e["engine_id"], e["url"]) for e in engines] for role, engines in snapshot.items()} == {

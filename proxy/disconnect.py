@@ -1,0 +1,66 @@
+"""Noticing that a client went away while its request waits on the engines.
+
+uvicorn does not cancel a request's task when its client disconnects: it only
+answers the app's next ``receive()`` with ``http.disconnect``. A request that
+waits on a prefill or decode engine never calls ``receive()``, so without
+this it would run to its end for nobody (the engines computing an answer
+nobody reads, the prefill engine holding KV blocks nobody fetches).
+
+``cancel_on_disconnect(request, request_id)`` watches ``receive()`` in a task
+of its own while the block runs; on ``http.disconnect`` it cancels the
+request's task. The cancellation closes the upstream connection under way
+(``proxy.engine_client`` never pools a connection whose answer was not read
+to its end, so vLLM sees its client gone and aborts the request), runs the
+caller's clean-up (the KV release of ``proxy.app``), and leaves the block as
+``ClientGone``. Use it only once the body has been read: the watcher consumes
+``receive()``'s messages. Streams need no watcher once their response has
+started: Starlette's ``StreamingResponse`` listens for the disconnect itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from types import TracebackType
+
+from starlette.requests import Request
+
+from proxy.errors import ClientGone
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["cancel_on_disconnect"]
+
+
+class cancel_on_disconnect:  # noqa: N801 (used as a context manager, like contextlib's)
+    __slots__ = ("_request", "_request_id", "_task", "_watcher", "_gone")
+
+    def __init__(self, request: Request, request_id: str) -> None:
+        self._request, self._request_id = request, request_id
+        self._task: asyncio.Task | None = None
+        self._watcher: asyncio.Task | None = None
+        self._gone = False
+
+    async def __aenter__(self) -> None:
+        self._task = asyncio.current_task()
+        self._watcher = asyncio.get_running_loop().create_task(self._watch())
+
+    async def _watch(self) -> None:
+        receive = self._request.receive
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        self._gone = True
+        if self._task is not None:
+            self._task.cancel()
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        # No await before this point: the watcher cannot run between the block's end and here.
+        if self._watcher is not None:
+            self._watcher.cancel()
+        if self._gone:
+            if self._task is not None:
+                self._task.uncancel()
+            logger.info("request %s: the client went away; its engine requests were cancelled", self._request_id)
+            raise ClientGone(f"request {self._request_id}: the client went away") from exc
