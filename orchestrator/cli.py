@@ -103,6 +103,15 @@ def cmd_status(args: argparse.Namespace) -> int:
     _print(f"model     {status['model']}   connector {status['connector']}")
     _print(f"proxy     {status['proxy_url']}")
     _print(f"logs      {status['log_dir']}")
+    pools = status.get("pools", {})
+    _print(
+        "pools     "
+        + ", ".join(
+            f"{role} {p['ready']}/{p['target']} ready (max {p['max']}"
+            + (f", {p['draining']} draining)" if p["draining"] else ")")
+            for role, p in pools.items()
+        )
+    )
     _print(f"{'ENGINE':<11} {'ROLE':<8} {'STATE':<11} {'URL':<24} {'CORES':<6} {'LOAD':>7} {'RESTARTS':>8}")
     for e in status["engines"]:
         load = f"{e['load_s']:.1f}s" if e["load_s"] else "-"
@@ -112,6 +121,22 @@ def cmd_status(args: argparse.Namespace) -> int:
         )
     if status["error"]:
         _print(f"error: {status['error']}")
+    return 0
+
+
+def cmd_scale(args: argparse.Namespace) -> int:
+    from orchestrator import cluster
+
+    targets: dict[str, int] = {}
+    for item in args.targets:
+        role, sep, count = item.partition("=")
+        if not sep or role not in ("prefill", "decode") or not count.isdigit():
+            print(f"pdserve scale: {item!r}: expected prefill=N or decode=N", file=sys.stderr)
+            return 2
+        targets[role] = int(count)
+    status = cluster.scale(targets, on_event=_EventPrinter(), wait=not args.no_wait)
+    sizes = ", ".join(f"{role} {p['ready']}/{p['target']} ready" for role, p in status["pools"].items())
+    _print(f"pdserve: {sizes}")
     return 0
 
 
@@ -319,6 +344,15 @@ def build_parser() -> argparse.ArgumentParser:
     status = commands.add_parser("status", help="show the running cluster")
     status.add_argument("--json", action="store_true", help="machine-readable output")
     status.set_defaults(func=cmd_status)
+    scale = commands.add_parser(
+        "scale",
+        help="resize the pools of the running cluster: pdserve scale prefill=2 decode=1",
+        description="Grow a pool (start engines; each joins the proxy when ready) or shrink it (engines leave "
+        "the proxy at once, finish their requests, hand over their KV, then stop). Waits until done.",
+    )
+    scale.add_argument("targets", nargs="+", metavar="POOL=N", help="prefill=N and/or decode=N")
+    scale.add_argument("--no-wait", action="store_true", help="return once the change has started")
+    scale.set_defaults(func=cmd_scale)
     down = commands.add_parser("down", help="stop the running cluster and everything it started")
     down.set_defaults(func=cmd_down)
     proxy = commands.add_parser(

@@ -310,6 +310,36 @@ def status() -> dict[str, Any]:
         ) from e
 
 
+def scale(
+    targets: dict[str, int], on_event: Callable[[dict[str, Any]], None], wait: bool = True, timeout_s: float = 1800
+) -> dict[str, Any]:
+    """Ask the controller to resize pools; with ``wait``, follow its events until every pool in
+    ``targets`` has that many ready engines and none draining. Return the last status."""
+    state = ClusterState.load()
+    with ray_connection(state) as ray:
+        controller = ray.get_actor(state.controller_name)
+        seen = len(ray.get(controller.status.remote(), timeout=30)["events"])
+        answer = ray.get(controller.scale.remote(targets), timeout=60)
+        if "error" in answer:
+            raise PdserveError(f"cannot scale: {answer['error']}")
+        deadline = time.monotonic() + timeout_s
+        while True:
+            status = ray.get(controller.status.remote(), timeout=30)
+            for event in status["events"][seen:]:
+                on_event(event)
+            seen = len(status["events"])
+            pools = status["pools"]
+            done = all(pools[r]["ready"] == n and not pools[r]["draining"] for r, n in targets.items())
+            failed = [e["engine_id"] for e in status["engines"] if e["state"] == "failed"]
+            if not wait or done:
+                return status
+            if failed:
+                raise PdserveError(f"engine(s) {', '.join(failed)} failed to start; `pdserve status` shows why")
+            if time.monotonic() > deadline:
+                raise PdserveError(f"pools did not reach {targets} within {timeout_s:g}s")
+            time.sleep(0.5)
+
+
 def down() -> list[str]:
     """Stop the recorded cluster; return what was done, for the CLI to print."""
     state = ClusterState.load()

@@ -1,0 +1,79 @@
+"""``pdserve scale`` on a real cluster: a pool grows, serves on its new engine, and shrinks again
+while requests run, without failing one of them.
+
+Its own cluster (three engines at most on this machine's two cores:
+``resources.share_cores``), after the shared one is stopped.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.integration.conftest import HERE, http_json, own_cluster, run_pdserve
+
+pytestmark = [pytest.mark.integration, pytest.mark.after_cluster]
+
+MODEL = "smollm2-135m-instruct"
+
+
+def spec() -> dict:
+    base = yaml.safe_load((HERE / "cluster.yaml").read_text())
+    return base | {
+        "name": "pdserve-scale",
+        "proxy": {"port": 18300},
+        "prefill": base["prefill"] | {"port": 18400, "kv_port": 15800},
+        "decode": base["decode"] | {"port": 18500, "kv_port": 15900},
+        "resources": {"share_cores": True},
+        "autoscaling": {
+            "prefill": {"min": 1, "max": 2},
+            "decode": {"min": 1, "max": 1},
+            "max_engines": 3,
+            "targets": {"ttft_p90_s": 30, "itl_p90_s": 5},
+            "interval_s": 3600,  # no automatic decision during this test: only `pdserve scale`
+        },
+    }
+
+
+def ask(proxy_url: str, n: int) -> tuple[int, str]:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": f"Say the number {n}."}], "max_tokens": 8}
+    status, headers, answer = http_json(proxy_url + "/v1/chat/completions", body, timeout=300)
+    return status, headers.get("x-pdserve-prefill", "") if status == 200 else str(answer)
+
+
+def test_scale_prefill_up_then_down_under_load(tmp_path: Path) -> None:
+    with own_cluster(tmp_path, spec()) as status:
+        env = dict(os.environ, PDSERVE_STATE_DIR=str(tmp_path / "state"))  # own_cluster's
+        env.pop("RAY_ADDRESS", None)
+        proxy_url = status["proxy_url"]
+        assert status["pools"]["prefill"] == {"target": 1, "max": 2, "ready": 1, "draining": 0}
+
+        grown = run_pdserve("scale", "prefill=2", env=env, timeout=900)
+        assert grown.returncode == 0, grown.stderr
+        assert "prefill-1 ready in" in grown.stdout and "prefill 2/2 ready" in grown.stdout
+        served_by = {ask(proxy_url, n)[1] for n in range(4)}
+        assert served_by == {"prefill-0", "prefill-1"}  # round robin reaches the new engine
+
+        # Shrink while requests keep coming: prefill-1 leaves the pool, finishes, then stops.
+        with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+            load = [pool.submit(ask, proxy_url, n) for n in range(12)]
+            time.sleep(1.0)
+            shrunk = run_pdserve("scale", "prefill=1", env=env, timeout=900)
+            results = [future.result() for future in load]
+        assert shrunk.returncode == 0, shrunk.stderr
+        assert "prefill-1 draining" in shrunk.stdout and "prefill-1 stopped" in shrunk.stdout
+        assert [s for s, _ in results] == [200] * len(results), results
+
+        after = run_pdserve("status", "--json", env=env)
+        engines = {e["engine_id"] for e in json.loads(after.stdout)["engines"]}
+        assert engines == {"prefill-0", "decode-0"}
+        assert {ask(proxy_url, n)[1] for n in range(3)} == {"prefill-0"}
+
+        refused = run_pdserve("scale", "prefill=3", env=env)
+        assert refused.returncode == 1 and "outside 1..2" in refused.stderr
