@@ -2,15 +2,15 @@
 
 Nothing here was measured. The numbers come from a roofline estimate of a
 70B-class dense model (80 layers, hidden size 8192, GQA with 8 KV heads of 128,
-bf16) served by one engine on 4 H100-class GPUs (tensor parallel 4), so that the
+bf16) served by one engine on 4 A100-80GB-class GPUs (tensor parallel 4), so that the
 simulator can be run at 64-engine scale before a real ``pdserve profile`` exists:
 
 - prefill pass: 10 ms fixed + 140 GFLOP per token and 2*80*8192*L^2 FLOP of
-  attention per sequence of L tokens, at 40 % of 4 x 990 TFLOP/s;
+  attention per sequence of L tokens, at 50 % of 4 x 312 TFLOP/s;
 - decode step: 4 ms fixed + reading 140 GB of weights and batch*context*320 KiB
-  of KV at 80 % of 4 x 3.35 TB/s, + 140 GFLOP per sequence at 60 % of peak;
+  of KV at 80 % of 4 x 2.0 TB/s, + 140 GFLOP per sequence at 60 % of peak;
 - KV transfer: 2 ms + bytes at 25 GB/s (RDMA);
-- KV capacity: 420,000 tokens per decode engine (4 x 80 GB x 0.9, less weights);
+- KV capacity: 400,000 tokens per decode engine (4 x 80 GB x 0.9, less weights);
 - startup: 60 s (weights on local disk, graphs captured).
 
 Replace it with a measured profile (``pdserve profile``) to judge a real deployment.
@@ -29,13 +29,13 @@ PARAMS = 70e9
 LAYERS, HIDDEN = 80, 8192
 KV_BYTES_PER_TOKEN = 2 * LAYERS * 8 * 128 * 2  # K and V, 8 KV heads of 128, bf16
 GPUS = 4
-PEAK_FLOPS, HBM_BYTES_S = 990e12, 3.35e12
+PEAK_FLOPS, HBM_BYTES_S = 312e12, 2.0e12
 
 
 def prefill_seconds(tokens: float, batch: float) -> float:
     per_seq = tokens / batch
     flops = 2 * PARAMS * tokens + batch * 2 * LAYERS * HIDDEN * per_seq**2
-    return 0.010 + flops / (GPUS * PEAK_FLOPS * 0.40)
+    return 0.010 + flops / (GPUS * PEAK_FLOPS * 0.50)
 
 
 def decode_step_seconds(batch: float, context: float) -> float:
@@ -52,11 +52,11 @@ def build() -> PerformanceProfile:
     return PerformanceProfile(
         name="example-gpu",
         provenance="ILLUSTRATIVE, NOT MEASURED: roofline estimate of a 70B-class dense model on one "
-        "4 x H100-class engine (TP 4); see scripts/make_example_profile.py for the formulas.",
+        "4 x A100-80GB-class engine (TP 4); see scripts/make_example_profile.py for the formulas.",
         engine=EngineLimits(
             max_num_seqs=256,
             max_num_batched_tokens=8192,
-            kv_capacity_tokens=420_000,
+            kv_capacity_tokens=400_000,
             kv_bytes_per_token=KV_BYTES_PER_TOKEN,
             startup_s=60.0,
         ),

@@ -9,16 +9,19 @@ so the same observations always give the same decisions.
 
 How one decision is made (both pools at once):
 
+0. Rate. The last window's arrival rate; when it rose by more than Poisson noise
+   (3 standard deviations) since the window before, the rise is extrapolated to
+   when engines started now would serve (``startup_s`` + one interval).
 1. Prefill. An engine computes ``max_num_batched_tokens`` prompt tokens per pass;
    the profile says how long that takes, hence tokens/s per engine and a mean
    service time per request. The TTFT target, less the time an idle engine needs
    (prefill, KV transfer, one decode step), is the wait we can afford; the
    smallest N whose M/M/N (Erlang C) chance of waiting longer than that is under
-   10 % is the prefill demand. Queued prompt tokens add engines to clear them in
-   one interval.
-2. Decode. The largest batch whose step time meets the ITL target and whose
-   sequences fit the KV cache, times ``target_utilization``, is the batch one
-   engine should hold; Little's law (concurrency = rate x output tokens x step
+   10 % is the prefill demand. Queued prompt tokens add engines to clear them
+   within one interval plus an engine's startup time.
+2. Decode. The largest batch whose step time is within ``target_utilization`` of
+   the ITL target and whose sequences fill at most that fraction of the KV cache
+   is the batch one engine should hold; Little's law (concurrency = rate x output tokens x step
    time) gives the engines. Requests waiting for a slot add engines.
 3. Feedback. A measured p90 TTFT or ITL above its target forbids shrinking the
    pool to blame (decode, when requests wait for a decode slot; else prefill) and
@@ -172,10 +175,31 @@ class AutoscalePolicy:
         self.profile = profile
         self._wishes: deque[tuple[float, int, int]] = deque()  # (t, prefill, decode) before stability rules
         self._last_change: dict[str, float] = {}
+        self._previous_rate: float | None = None
 
     # --- demand -------------------------------------------------------------------------------
 
-    def _prefill_demand(self, obs: ClusterObservation, reasons: list[str]) -> int:
+    def _forecast_rate(self, obs: ClusterObservation, reasons: list[str]) -> float:
+        """The arrival rate one startup time ahead: the trend of the last two windows, when it is more than noise."""
+        rate, previous = obs.arrival_rate_rps, self._previous_rate
+        self._previous_rate = rate
+        if previous is None or rate <= previous:
+            return rate
+        window = self.config.interval_s
+        # Poisson counts: a rise under 3 standard deviations of the difference is noise.
+        noise = 3 * math.sqrt((rate + previous) * window) / window
+        rise = rate - previous
+        if rise <= noise:
+            return rate
+        horizon = self.profile.engine.startup_s + window
+        forecast = rate + rise / window * horizon
+        reasons.append(
+            f"trend: {previous:.2f} -> {rate:.2f} req/s in {window:g}s (noise {noise:.2f}); "
+            f"{forecast:.2f} req/s expected in {horizon:g}s, when new engines serve"
+        )
+        return forecast
+
+    def _prefill_demand(self, obs: ClusterObservation, rate: float, reasons: list[str]) -> int:
         cfg, prof = self.config, self.profile
         budget = prof.engine.max_num_batched_tokens
         prompt = max(obs.mean_prompt_tokens, 1.0)
@@ -195,45 +219,47 @@ class AutoscalePolicy:
             )
             wait_s = 0.0
         n = 1
-        while n < cfg.max_engines and erlang_c_wait_tail(n, obs.arrival_rate_rps, service_s, wait_s) > TTFT_TAIL:
+        while n < cfg.max_engines and erlang_c_wait_tail(n, rate, service_s, wait_s) > TTFT_TAIL:
             n += 1
         reasons.append(
-            f"prefill: {obs.arrival_rate_rps:.2f} req/s x {prompt:.0f} tokens = "
-            f"{obs.arrival_rate_rps * prompt:.0f} tok/s at {tokens_per_s:.0f} tok/s/engine "
-            f"(load {obs.arrival_rate_rps * service_s:.2f} engines); "
+            f"prefill: {rate:.2f} req/s x {prompt:.0f} tokens = "
+            f"{rate * prompt:.0f} tok/s at {tokens_per_s:.0f} tok/s/engine "
+            f"(load {rate * service_s:.2f} engines); "
             f"P(wait > {wait_s:.3f}s) <= {TTFT_TAIL:.0%} (M/M/c) needs {n}"
         )
         backlog = obs.prefill.queued_tokens
         if backlog > 0:
-            extra = math.ceil(backlog / (tokens_per_s * cfg.interval_s))
+            # New engines help only once started: clear the backlog over that horizon, not one interval.
+            horizon = cfg.interval_s + prof.engine.startup_s
+            extra = math.ceil(backlog / (tokens_per_s * horizon))
             n += extra
             reasons.append(
                 f"prefill: {obs.prefill.queue_depth} queued requests ({backlog} tokens) "
-                f"need {extra} more to clear in {cfg.interval_s:g}s"
+                f"need {extra} more to clear in {horizon:g}s"
             )
         return n
 
-    def _decode_batch(self, context: float, kv_per_seq: float) -> tuple[int, float]:
-        """The largest batch one decode engine holds within the ITL target and its KV cache; its step time."""
-        prof = self.profile
-        by_kv = max(1, int(prof.engine.kv_capacity_tokens // max(kv_per_seq, 1.0)))
-        batch = min(prof.engine.max_num_seqs, by_kv)
-        while batch > 1 and prof.decode_step_seconds(batch, context) > self.config.itl_p90_s:
+    def _decode_batch(self, context: float, kv_per_seq: float) -> int:
+        """The largest batch whose step time is within ``target_utilization`` of the ITL target and whose
+        sequences fill at most that fraction of the KV cache (batches and contexts vary around the mean)."""
+        prof, cfg = self.profile, self.config
+        by_kv = int(cfg.target_utilization * prof.engine.kv_capacity_tokens // max(kv_per_seq, 1.0))
+        batch = max(1, min(prof.engine.max_num_seqs, by_kv))
+        while batch > 1 and prof.decode_step_seconds(batch, context) > cfg.target_utilization * cfg.itl_p90_s:
             batch -= 1
-        return batch, prof.decode_step_seconds(batch, context)
+        return batch
 
-    def _decode_demand(self, obs: ClusterObservation, reasons: list[str]) -> int:
+    def _decode_demand(self, obs: ClusterObservation, rate: float, reasons: list[str]) -> int:
         cfg = self.config
         prompt, output = max(obs.mean_prompt_tokens, 1.0), max(obs.mean_output_tokens, 1.0)
-        limit, _ = self._decode_batch(prompt + output / 2, prompt + output)
-        batch = max(1, math.floor(limit * cfg.target_utilization))
+        batch = self._decode_batch(prompt + output / 2, prompt + output)
         step_s = self.profile.decode_step_seconds(batch, prompt + output / 2)
-        concurrency = obs.arrival_rate_rps * output * step_s
+        concurrency = rate * output * step_s
         n = max(1, math.ceil(concurrency / batch))
         reasons.append(
-            f"decode: {obs.arrival_rate_rps:.2f} req/s x {output:.0f} tokens x {step_s * 1000:.1f} ms/step = "
-            f"{concurrency:.1f} sequences at once; {batch}/engine ({cfg.target_utilization:.0%} of {limit}, "
-            f"the most within ITL {cfg.itl_p90_s * 1000:g} ms and the KV cache) needs {n}"
+            f"decode: {rate:.2f} req/s x {output:.0f} tokens x {step_s * 1000:.1f} ms/step = "
+            f"{concurrency:.1f} sequences at once; {batch}/engine (step within {cfg.target_utilization:.0%} of "
+            f"ITL {cfg.itl_p90_s * 1000:g} ms, KV within {cfg.target_utilization:.0%}) needs {n}"
         )
         waiting = obs.decode.queue_depth
         if waiting > 0:
@@ -313,7 +339,8 @@ class AutoscalePolicy:
     def decide(self, obs: ClusterObservation) -> ScalingDecision:
         cfg = self.config
         reasons: list[str] = []
-        wish = {"prefill": self._prefill_demand(obs, reasons), "decode": self._decode_demand(obs, reasons)}
+        rate = self._forecast_rate(obs, reasons)
+        wish = {"prefill": self._prefill_demand(obs, rate, reasons), "decode": self._decode_demand(obs, rate, reasons)}
         floor = {"prefill": 0, "decode": 0}
         self._feedback(obs, wish, floor, reasons)
         for role in ROLES:

@@ -130,10 +130,15 @@ def bursty(
     burst_factor: float = 3.0,
     mean_burst_s: float = 180.0,
     mean_gap_s: float = 600.0,
+    ramp_s: float = 0.0,
     mix: LengthMix = MIXES["chat"],
     seed: int = 0,
 ) -> list[TraceRequest]:
-    """Base rate with bursts of ``burst_factor`` x base; burst and gap lengths are exponential."""
+    """Base rate with bursts of ``burst_factor`` x base; burst and gap lengths are exponential.
+
+    ``ramp_s`` > 0: each burst's rate climbs linearly to its level over that long (and falls back
+    likewise) instead of jumping.
+    """
     rng = random.Random(seed)
     edges, t, in_burst = [], 0.0, False
     while t < duration_s:
@@ -144,7 +149,12 @@ def bursty(
     def rate_at(t: float) -> float:
         # Odd number of edges passed: inside a burst.
         passed = bisect_right(edges, t)
-        return base_rps * (burst_factor if passed % 2 else 1.0)
+        level = 1.0 if passed % 2 else 0.0
+        if ramp_s > 0 and passed:
+            since = t - edges[passed - 1]
+            if since < ramp_s:  # still climbing towards (or falling from) the new level
+                level = since / ramp_s if passed % 2 else 1 - since / ramp_s
+        return base_rps * (1.0 + (burst_factor - 1.0) * level)
 
     return _with_lengths(_arrivals(rate_at, base_rps * max(burst_factor, 1.0), duration_s, rng), mix, rng)
 
