@@ -362,6 +362,8 @@ class Simulator:
         if version != engine.version:
             return
         self._advance(engine)
+        # This event was timed for the first finish: float rounding must not leave it a hair short.
+        engine.steps = max(engine.steps, engine.running[0][0])
         while engine.running and engine.running[0][0] <= engine.steps + 1e-6:
             _, _, req = heapq.heappop(engine.running)
             engine.sum_prompt -= req.prompt
