@@ -1,4 +1,5 @@
-"""The ``pdserve`` command line: validate, up, status, down, and proxy (the proxy alone, without Ray)."""
+"""The ``pdserve`` command line: validate, up, status, down, proxy (the proxy alone, without Ray),
+simulate (a spec's cluster on a request trace, no Ray) and traces (write a trace)."""
 
 from __future__ import annotations
 
@@ -232,6 +233,69 @@ def cmd_proxy(args: argparse.Namespace) -> int:
         return 1
 
 
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from orchestrator.autoscale.runner import load_spec_and_profile, parse_policy, simulate_spec
+    from orchestrator.autoscale.traces import read_trace
+
+    static = parse_policy(args.policy)
+    spec, profile = load_spec_and_profile(args.config, args.profile)
+    if args.plot:
+        from orchestrator.autoscale.plot import require_matplotlib
+
+        require_matplotlib()  # fail before simulating, not after
+    result = simulate_spec(spec, profile, read_trace(args.trace), static)
+    summary = result.summary()
+    if args.json:
+        _print(json.dumps(result.to_json(), indent=2))
+    else:
+        _print(f"{args.trace}: {args.policy} on {args.config} (profile {profile.name})")
+        _print(f"  requests                 {summary['requests']}")
+        _print(f"  SLO attainment           {summary['slo_attainment']:.2%}")
+        _print(f"  goodput                  {summary['goodput_rps']:.2f} req/s")
+        _print(f"  engine-hours             {summary['engine_hours']:.2f}")
+        _print(f"  goodput per engine-hour  {summary['goodput_per_engine_hour']:.0f} requests")
+        _print(f"  p90 TTFT / ITL           {summary['ttft_p90_s']:.3f} s / {summary['itl_p90_s'] * 1000:.1f} ms")
+        changes = [
+            row for i, row in enumerate(result.timeline) if i == 0 or _split(row) != _split(result.timeline[i - 1])
+        ]
+        _print(f"  replica changes          {len(changes) - 1}")
+    if args.plot:
+        from orchestrator.autoscale.plot import plot_result
+
+        plot_result(result, args.plot, title=f"{args.policy} on {args.trace}")
+        if not args.json:
+            _print(f"  plot                     {args.plot}")
+    return 0
+
+
+def _split(row: dict[str, Any]) -> tuple[int, int]:
+    return row["prefill"], row["decode"]
+
+
+def cmd_traces(args: argparse.Namespace) -> int:
+    from orchestrator.autoscale import traces
+
+    mix = traces.MIXES[args.mix]
+    if args.kind == "poisson":
+        requests = traces.poisson(args.rate, args.duration, mix=mix, seed=args.seed)
+    elif args.kind == "bursty":
+        requests = traces.bursty(
+            args.rate,
+            args.duration,
+            burst_factor=args.burst_factor,
+            mean_burst_s=args.mean_burst_s,
+            mean_gap_s=args.mean_gap_s,
+            ramp_s=args.ramp_s,
+            mix=mix,
+            seed=args.seed,
+        )
+    else:
+        requests = traces.diurnal(args.rate, args.peak, args.duration, period_s=args.period_s, mix=mix, seed=args.seed)
+    n = traces.write_trace(requests, args.out)
+    _print(f"pdserve traces: wrote {n} requests ({args.kind}, {args.mix} mix, seed {args.seed}) to {args.out}")
+    return 0
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -417,6 +481,44 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_routing_flags(proxy)
     proxy.set_defaults(func=cmd_proxy)
+    simulate = commands.add_parser(
+        "simulate",
+        help="run a request trace through a model of the spec's cluster (no Ray, no engines)",
+        description="Discrete-event simulation of the spec's cluster, timed by the autoscaling profile, "
+        "driven by a JSON-lines trace of {t, prompt_tokens, output_tokens}.",
+    )
+    simulate.add_argument("config", help="cluster spec with an 'autoscaling' section")
+    simulate.add_argument("--trace", required=True, metavar="FILE", help="JSON-lines request trace")
+    simulate.add_argument(
+        "--policy", default="autoscale", help="'autoscale' or 'static:P,D' fixed pools (default: %(default)s)"
+    )
+    simulate.add_argument("--profile", metavar="FILE", help="performance profile (default: autoscaling.profile)")
+    simulate.add_argument("--json", action="store_true", help="print the results and the replica timeline as JSON")
+    simulate.add_argument("--plot", metavar="FILE.png", help="draw load, replicas and latencies (needs matplotlib)")
+    simulate.set_defaults(func=cmd_simulate)
+    from orchestrator.autoscale.traces import MIXES
+
+    make_traces = commands.add_parser(
+        "traces", help="write a synthetic request trace for `pdserve simulate` (deterministic with --seed)"
+    )
+    make_traces.add_argument("kind", choices=["poisson", "bursty", "diurnal"])
+    make_traces.add_argument("--out", required=True, metavar="FILE", help="JSON-lines file to write")
+    make_traces.add_argument("--duration", type=float, default=3600.0, help="seconds (default: %(default)s)")
+    make_traces.add_argument(
+        "--rate",
+        type=float,
+        default=10.0,
+        help="req/s: the rate, bursty's base, diurnal's trough (default: %(default)s)",
+    )
+    make_traces.add_argument("--peak", type=float, default=40.0, help="diurnal: peak req/s (default: %(default)s)")
+    make_traces.add_argument("--period-s", type=float, default=86400.0, help="diurnal: period (default: %(default)s)")
+    make_traces.add_argument("--burst-factor", type=float, default=3.0, help="bursty: rate x (default: %(default)s)")
+    make_traces.add_argument("--mean-burst-s", type=float, default=180.0, help="bursty (default: %(default)s)")
+    make_traces.add_argument("--mean-gap-s", type=float, default=600.0, help="bursty (default: %(default)s)")
+    make_traces.add_argument("--ramp-s", type=float, default=0.0, help="bursty: rise time (default: %(default)s)")
+    make_traces.add_argument("--mix", choices=sorted(MIXES), default="chat", help="length mix (default: %(default)s)")
+    make_traces.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
+    make_traces.set_defaults(func=cmd_traces)
     return parser
 
 

@@ -260,6 +260,61 @@ class ResourcesSpec(_Strict):
     )
 
 
+class ScalingRangeSpec(_Strict):
+    min: int = Field(default=1, ge=1, description="Fewest engines the autoscaler keeps in this pool.")
+    max: int = Field(ge=1, description="Most engines the autoscaler may run in this pool.")
+
+
+class SloTargetsSpec(_Strict):
+    ttft_p90_s: float = Field(gt=0, description="Target p90 time to first token, in seconds.")
+    itl_p90_s: float = Field(gt=0, description="Target p90 inter-token latency (a request's mean gap), in seconds.")
+
+
+class AutoscalingSpec(_Strict):
+    """Sizes of both pools chosen from load (orchestrator.autoscale.policy); absent: fixed replicas."""
+
+    prefill: ScalingRangeSpec = Field(description="Replica range of the prefill pool.")
+    decode: ScalingRangeSpec = Field(description="Replica range of the decode pool.")
+    max_engines: int = Field(ge=2, description="Engines both pools may have together (the budget).")
+    targets: SloTargetsSpec = Field(description="Latency targets the autoscaler sizes the pools for.")
+    profile: str | None = Field(
+        default=None,
+        description="Performance profile file of the engines (orchestrator.autoscale.profile); "
+        "a relative path is relative to the spec file.",
+    )
+    interval_s: float = Field(default=30.0, gt=0, description="Seconds between two scaling decisions.")
+    scale_up_cooldown_s: float = Field(
+        default=30.0, ge=0, description="A pool grows again only this long after its last change."
+    )
+    scale_down_cooldown_s: float = Field(
+        default=300.0,
+        ge=0,
+        description="A pool shrinks only this long after its last change, and never below its largest "
+        "wish over this window.",
+    )
+    hysteresis: float = Field(
+        default=0.1, ge=0, lt=1, description="A pool shrinks only to free more than this fraction of it."
+    )
+    target_utilization: float = Field(
+        default=0.8, gt=0, le=1, description="Fraction of the largest ITL-safe decode batch each engine is given."
+    )
+
+    @model_validator(mode="after")
+    def _check_ranges(self) -> AutoscalingSpec:
+        for role in ROLES:
+            limits = getattr(self, role)
+            if limits.min > limits.max:
+                raise _FieldError(f"autoscaling.{role}.min", f"min {limits.min} is above max {limits.max}")
+        mins = self.prefill.min + self.decode.min
+        if self.max_engines < mins:
+            raise _FieldError(
+                "autoscaling.max_engines",
+                f"budget {self.max_engines} is below the pools' minimums together "
+                f"({self.prefill.min} + {self.decode.min} = {mins})",
+            )
+        return self
+
+
 class ClusterSpec(_Strict):
     name: str = Field(default="pdserve", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
     model: str = Field(description="Known model name, a model directory, or a Hugging Face id.")
@@ -281,6 +336,10 @@ class ClusterSpec(_Strict):
     decode: PoolSpec
     engine: EngineSpec = Field(default_factory=EngineSpec)
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
+    autoscaling: AutoscalingSpec | None = Field(
+        default=None,
+        description="Grow and shrink the pools from load; the pools' replicas are then the starting sizes.",
+    )
 
     @property
     def model_name(self) -> str:
@@ -394,6 +453,49 @@ class ClusterSpec(_Strict):
                     f"but resources.gpus is {self.resources.gpus}",
                 )
         return self
+
+    @model_validator(mode="after")
+    def _check_autoscaling(self) -> ClusterSpec:
+        scaling = self.autoscaling
+        if scaling is None:
+            return self
+        for role in ROLES:
+            limits, replicas = getattr(scaling, role), self.pool(role).replicas
+            if not limits.min <= replicas <= limits.max:
+                raise _FieldError(
+                    f"{role}.replicas",
+                    f"{replicas} is outside autoscaling.{role}'s range {limits.min}..{limits.max}",
+                )
+        if self.prefill.replicas + self.decode.replicas > scaling.max_engines:
+            raise _FieldError(
+                "autoscaling.max_engines",
+                f"the starting replicas ({self.prefill.replicas} + {self.decode.replicas}) exceed the budget "
+                f"{scaling.max_engines}",
+            )
+        if self.device == "cuda":
+            # The most GPUs any split within the ranges and the budget can take.
+            tp_p, tp_d = self.prefill.tensor_parallel_size, self.decode.tensor_parallel_size
+            most = max(
+                p * tp_p + min(scaling.decode.max, scaling.max_engines - p) * tp_d
+                for p in range(
+                    scaling.prefill.min, min(scaling.prefill.max, scaling.max_engines - scaling.decode.min) + 1
+                )
+            )
+            if most > self.resources.gpus:
+                raise _FieldError(
+                    "autoscaling.max_engines",
+                    f"the autoscaler may run engines that need {most} GPUs but resources.gpus is {self.resources.gpus}",
+                )
+        return self
+
+    def profile_path(self, spec_file: str | os.PathLike[str] | None = None) -> Path | None:
+        """The autoscaling profile's path; a relative one is taken from ``spec_file``'s directory."""
+        if self.autoscaling is None or self.autoscaling.profile is None:
+            return None
+        path = Path(self.autoscaling.profile).expanduser()
+        if not path.is_absolute() and spec_file is not None:
+            path = Path(spec_file).parent / path
+        return path
 
     @classmethod
     def from_file(cls, path: str | os.PathLike[str]) -> ClusterSpec:

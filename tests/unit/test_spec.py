@@ -503,3 +503,59 @@ def test_share_cores_admits_more_engines_than_cores(load):
     spec = load(decode={"tensor_parallel_size": 2}, resources={"cpus": 2, "share_cores": True})
 
     assert spec.cpu_cores_needed == 3
+
+
+# --- autoscaling ------------------------------------------------------------------------------
+
+AUTOSCALING = {
+    "prefill": {"min": 1, "max": 4},
+    "decode": {"min": 1, "max": 4},
+    "max_engines": 6,
+    "targets": {"ttft_p90_s": 2.0, "itl_p90_s": 0.05},
+}
+
+
+def test_autoscaling_section_loads_with_defaults(load):
+    spec = load(autoscaling=AUTOSCALING)
+
+    assert spec.autoscaling.max_engines == 6 and spec.autoscaling.interval_s == 30.0
+    assert spec.autoscaling.targets.itl_p90_s == 0.05
+
+
+def test_shipped_autoscaling_sim_spec_loads():
+    spec = ClusterSpec.from_file(Path(__file__).resolve().parents[2] / "configs" / "autoscaling-sim.yaml")
+
+    assert spec.autoscaling.max_engines == 64
+    assert spec.profile_path("configs/autoscaling-sim.yaml") == Path("configs/profiles/example-gpu.yaml")
+
+
+@pytest.mark.parametrize(
+    ("override", "field", "reason"),
+    [
+        ({"prefill": {"min": 5, "max": 4}}, "autoscaling.prefill.min", "min 5 is above max 4"),
+        (
+            {"max_engines": 2, "prefill": {"min": 2, "max": 4}},
+            "autoscaling.max_engines",
+            "below the pools' minimums together",
+        ),
+        ({"targets": {"ttft_p90_s": 0}}, "autoscaling.targets.ttft_p90_s", "greater than 0"),
+        ({"cooldown": 3}, "autoscaling.cooldown", "unknown key"),
+    ],
+)
+def test_bad_autoscaling_names_the_field(rejected, make_spec, override, field, reason):
+    path, err = rejected(make_spec(autoscaling={**AUTOSCALING, **override}))
+
+    assert err.field == field and reason in err.reason
+    assert str(err).startswith(f"{path}: {field}: ")
+
+
+def test_starting_replicas_must_be_inside_the_autoscaling_range(rejected, make_spec):
+    path, err = rejected(make_spec(prefill={"replicas": 5}, autoscaling=AUTOSCALING, resources={"cpus": 8}))
+
+    assert err.field == "prefill.replicas" and "outside autoscaling.prefill's range 1..4" in err.reason
+
+
+def test_autoscaling_on_cuda_must_fit_the_gpus(rejected, make_spec):
+    path, err = rejected(make_spec(device="cuda", resources={"gpus": 4}, autoscaling=AUTOSCALING))
+
+    assert err.field == "autoscaling.max_engines" and "need 6 GPUs but resources.gpus is 4" in err.reason

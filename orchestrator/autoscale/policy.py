@@ -1,0 +1,386 @@
+"""The autoscaling policy: observed load in, target prefill and decode replica counts out.
+
+Pure code: no Ray, no clock, no I/O. The caller (the simulator, or the actuator
+that runs next to a real cluster) builds a ``ClusterObservation`` every
+``interval_s`` and calls ``AutoscalePolicy.decide``; the ``ScalingDecision`` it
+gets back holds the two target counts and one line of arithmetic per step of the
+reasoning. The policy keeps only its own memory (recent wishes, last change times),
+so the same observations always give the same decisions.
+
+How one decision is made (both pools at once):
+
+0. Rate. The last window's arrival rate; when it rose by more than Poisson noise
+   (3 standard deviations) since the window before, the rise is extrapolated to
+   when engines started now would serve (``startup_s`` + one interval).
+1. Prefill. An engine computes ``max_num_batched_tokens`` prompt tokens per pass;
+   the profile says how long that takes, hence tokens/s per engine and a mean
+   service time per request. The TTFT target, less the time an idle engine needs
+   (prefill, KV transfer, one decode step), is the wait we can afford; the
+   smallest N whose M/M/N (Erlang C) chance of waiting longer than that is under
+   10 % is the prefill demand. Queued prompt tokens add engines to clear them
+   within one interval plus an engine's startup time.
+2. Decode. The largest batch whose step time is within ``target_utilization`` of
+   the ITL target and whose sequences fill at most that fraction of the KV cache
+   is the batch one engine should hold; Little's law (concurrency = rate x output tokens x step
+   time) gives the engines. Requests waiting for a slot add engines.
+3. Feedback. A measured p90 TTFT or ITL above its target forbids shrinking the
+   pool to blame (decode, when requests wait for a decode slot; else prefill) and
+   adds one engine to it, so a wrong profile cannot hold the cluster in breach.
+4. Limits: each pool within its min/max, both within ``max_engines`` (shared in
+   proportion to demand when they do not fit).
+5. Stability. Growing is allowed once ``scale_up_cooldown_s`` has passed since the
+   pool's last change. Shrinking goes to the largest wish of the last
+   ``scale_down_cooldown_s`` (so a burst that fades is not forgotten at once),
+   only after that long since the pool's last change, and only when it frees more
+   than ``hysteresis`` of the pool (and at least one engine).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from orchestrator.autoscale.profile import PerformanceProfile
+
+if TYPE_CHECKING:
+    from orchestrator.spec import AutoscalingSpec
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "AutoscalePolicy",
+    "ClusterObservation",
+    "PolicyConfig",
+    "PoolLimits",
+    "PoolObservation",
+    "ScalingDecision",
+    "StaticPolicy",
+    "erlang_c_wait_tail",
+]
+
+ROLES = ("prefill", "decode")
+TTFT_TAIL = 0.10  # the targets are p90s: at most 10 % of requests may wait longer
+
+
+@dataclass(slots=True, frozen=True)
+class PoolLimits:
+    min: int
+    max: int
+
+
+@dataclass(slots=True, frozen=True)
+class PolicyConfig:
+    """The knobs of the policy; ``from_spec`` reads them from a spec's ``autoscaling`` section."""
+
+    prefill: PoolLimits
+    decode: PoolLimits
+    max_engines: int
+    ttft_p90_s: float
+    itl_p90_s: float
+    interval_s: float = 30.0
+    scale_up_cooldown_s: float = 30.0
+    scale_down_cooldown_s: float = 300.0
+    hysteresis: float = 0.1
+    target_utilization: float = 0.8
+
+    @classmethod
+    def from_spec(cls, spec: AutoscalingSpec) -> PolicyConfig:
+        return cls(
+            prefill=PoolLimits(spec.prefill.min, spec.prefill.max),
+            decode=PoolLimits(spec.decode.min, spec.decode.max),
+            max_engines=spec.max_engines,
+            ttft_p90_s=spec.targets.ttft_p90_s,
+            itl_p90_s=spec.targets.itl_p90_s,
+            interval_s=spec.interval_s,
+            scale_up_cooldown_s=spec.scale_up_cooldown_s,
+            scale_down_cooldown_s=spec.scale_down_cooldown_s,
+            hysteresis=spec.hysteresis,
+            target_utilization=spec.target_utilization,
+        )
+
+    def limits(self, role: str) -> PoolLimits:
+        return self.prefill if role == "prefill" else self.decode
+
+
+@dataclass(slots=True)
+class PoolObservation:
+    """One pool as the proxy and its engines see it at decision time."""
+
+    replicas: int  # engines serving (not starting, not draining)
+    starting: int = 0  # engines asked for and not serving yet
+    queue_depth: int = 0  # requests waiting for this pool (not yet being computed)
+    queued_tokens: int = 0  # their prompt tokens (prefill) or KV tokens (decode)
+    running: int = 0  # requests being computed
+    kv_cache_usage: float = 0.0  # mean fraction of the engines' KV cache in use (0-1)
+
+    @property
+    def provisioned(self) -> int:
+        return self.replicas + self.starting
+
+
+@dataclass(slots=True)
+class ClusterObservation:
+    """Load over the last window (usually one decision interval) and the pools now."""
+
+    t: float  # seconds, on the caller's clock
+    arrival_rate_rps: float
+    mean_prompt_tokens: float
+    mean_output_tokens: float
+    prefill: PoolObservation
+    decode: PoolObservation
+    ttft_p90_s: float | None = None  # measured over the window; None when no request finished one
+    itl_p90_s: float | None = None
+
+    def pool(self, role: str) -> PoolObservation:
+        return self.prefill if role == "prefill" else self.decode
+
+
+@dataclass(slots=True)
+class ScalingDecision:
+    """What the pools should have: the actuator starts or drains engines to reach it."""
+
+    t: float
+    prefill: int
+    decode: int
+    reasons: list[str] = field(default_factory=list)
+
+    def target(self, role: str) -> int:
+        return self.prefill if role == "prefill" else self.decode
+
+
+def erlang_c_wait_tail(servers: int, arrival_rate: float, service_s: float, wait_s: float) -> float:
+    """P(wait > wait_s) in an M/M/c queue (c = servers); 1.0 when the queue is unstable."""
+    if arrival_rate <= 0:
+        return 0.0
+    offered = arrival_rate * service_s  # in Erlangs
+    if offered >= servers:
+        return 1.0
+    # Erlang B by its stable recurrence, then Erlang C from it.
+    erlang_b = 1.0
+    for k in range(1, servers + 1):
+        erlang_b = offered * erlang_b / (k + offered * erlang_b)
+    utilization = offered / servers
+    p_wait = erlang_b / (1 - utilization + utilization * erlang_b)
+    return p_wait * math.exp(-(servers - offered) * max(wait_s, 0.0) / service_s)
+
+
+class AutoscalePolicy:
+    """Decides both pools' sizes every interval; see the module docstring for the arithmetic."""
+
+    def __init__(self, config: PolicyConfig, profile: PerformanceProfile) -> None:
+        self.config = config
+        self.profile = profile
+        self._wishes: deque[tuple[float, int, int]] = deque()  # (t, prefill, decode) before stability rules
+        self._last_change: dict[str, float] = {}
+        self._previous_rate: float | None = None
+
+    # --- demand -------------------------------------------------------------------------------
+
+    def _forecast_rate(self, obs: ClusterObservation, reasons: list[str]) -> float:
+        """The arrival rate one startup time ahead: the trend of the last two windows, when it is more than noise."""
+        rate, previous = obs.arrival_rate_rps, self._previous_rate
+        self._previous_rate = rate
+        if previous is None or rate <= previous:
+            return rate
+        window = self.config.interval_s
+        # Poisson counts: a rise under 3 standard deviations of the difference is noise.
+        noise = 3 * math.sqrt((rate + previous) * window) / window
+        rise = rate - previous
+        if rise <= noise:
+            return rate
+        horizon = self.profile.engine.startup_s + window
+        forecast = rate + rise / window * horizon
+        reasons.append(
+            f"trend: {previous:.2f} -> {rate:.2f} req/s in {window:g}s (noise {noise:.2f}); "
+            f"{forecast:.2f} req/s expected in {horizon:g}s, when new engines serve"
+        )
+        return forecast
+
+    def _prefill_demand(self, obs: ClusterObservation, rate: float, reasons: list[str]) -> int:
+        cfg, prof = self.config, self.profile
+        budget = prof.engine.max_num_batched_tokens
+        prompt = max(obs.mean_prompt_tokens, 1.0)
+        per_pass = max(1, min(prof.engine.max_num_seqs, round(budget / prompt)))
+        tokens_per_s = budget / prof.prefill_seconds(budget, per_pass)
+        service_s = prompt / tokens_per_s
+        idle_s = (
+            prof.prefill_seconds(prompt, 1)
+            + prof.kv_transfer_seconds(int(prompt))
+            + prof.decode_step_seconds(1, prompt)
+        )
+        wait_s = cfg.ttft_p90_s - idle_s
+        if wait_s <= 0:
+            reasons.append(
+                f"prefill: an idle engine alone needs {idle_s:.3f}s of TTFT for {prompt:.0f}-token prompts, "
+                f"over the {cfg.ttft_p90_s:g}s target; sizing for no waiting at all"
+            )
+            wait_s = 0.0
+        n = 1
+        while n < cfg.max_engines and erlang_c_wait_tail(n, rate, service_s, wait_s) > TTFT_TAIL:
+            n += 1
+        reasons.append(
+            f"prefill: {rate:.2f} req/s x {prompt:.0f} tokens = "
+            f"{rate * prompt:.0f} tok/s at {tokens_per_s:.0f} tok/s/engine "
+            f"(load {rate * service_s:.2f} engines); "
+            f"P(wait > {wait_s:.3f}s) <= {TTFT_TAIL:.0%} (M/M/c) needs {n}"
+        )
+        backlog = obs.prefill.queued_tokens
+        if backlog > 0:
+            # New engines help only once started: clear the backlog over that horizon, not one interval.
+            horizon = cfg.interval_s + prof.engine.startup_s
+            extra = math.ceil(backlog / (tokens_per_s * horizon))
+            n += extra
+            reasons.append(
+                f"prefill: {obs.prefill.queue_depth} queued requests ({backlog} tokens) "
+                f"need {extra} more to clear in {horizon:g}s"
+            )
+        return n
+
+    def _decode_batch(self, context: float, kv_per_seq: float) -> int:
+        """The largest batch whose step time is within ``target_utilization`` of the ITL target and whose
+        sequences fill at most that fraction of the KV cache (batches and contexts vary around the mean)."""
+        prof, cfg = self.profile, self.config
+        by_kv = int(cfg.target_utilization * prof.engine.kv_capacity_tokens // max(kv_per_seq, 1.0))
+        batch = max(1, min(prof.engine.max_num_seqs, by_kv))
+        while batch > 1 and prof.decode_step_seconds(batch, context) > cfg.target_utilization * cfg.itl_p90_s:
+            batch -= 1
+        return batch
+
+    def _decode_demand(self, obs: ClusterObservation, rate: float, reasons: list[str]) -> int:
+        cfg = self.config
+        prompt, output = max(obs.mean_prompt_tokens, 1.0), max(obs.mean_output_tokens, 1.0)
+        batch = self._decode_batch(prompt + output / 2, prompt + output)
+        step_s = self.profile.decode_step_seconds(batch, prompt + output / 2)
+        concurrency = rate * output * step_s
+        n = max(1, math.ceil(concurrency / batch))
+        reasons.append(
+            f"decode: {rate:.2f} req/s x {output:.0f} tokens x {step_s * 1000:.1f} ms/step = "
+            f"{concurrency:.1f} sequences at once; {batch}/engine (step within {cfg.target_utilization:.0%} of "
+            f"ITL {cfg.itl_p90_s * 1000:g} ms, KV within {cfg.target_utilization:.0%}) needs {n}"
+        )
+        waiting = obs.decode.queue_depth
+        if waiting > 0:
+            extra = math.ceil(waiting / batch)
+            n += extra
+            reasons.append(f"decode: {waiting} requests wait for a decode slot; {extra} more")
+        return n
+
+    def _feedback(self, obs: ClusterObservation, wish: dict[str, int], floor: dict[str, int], reasons: list[str]):
+        cfg = self.config
+        if obs.ttft_p90_s is not None and obs.ttft_p90_s > cfg.ttft_p90_s:
+            role = "decode" if obs.decode.queue_depth > 0 else "prefill"
+            floor[role] = obs.pool(role).provisioned + 1
+            reasons.append(
+                f"feedback: measured p90 TTFT {obs.ttft_p90_s:.3f}s > {cfg.ttft_p90_s:g}s "
+                f"({'requests wait for decode' if role == 'decode' else 'prefill is the wait'}): "
+                f"{role} at least {floor[role]}"
+            )
+        if obs.itl_p90_s is not None and obs.itl_p90_s > cfg.itl_p90_s:
+            floor["decode"] = max(floor["decode"], obs.decode.provisioned + 1)
+            reasons.append(
+                f"feedback: measured p90 ITL {obs.itl_p90_s * 1000:.1f} ms > {cfg.itl_p90_s * 1000:g} ms: "
+                f"decode at least {floor['decode']}"
+            )
+        for role in ROLES:
+            wish[role] = max(wish[role], floor[role])
+
+    # --- limits and stability -------------------------------------------------------------------
+
+    def _fit_budget(self, want: dict[str, int], reasons: list[str]) -> dict[str, int]:
+        cfg = self.config
+        total = want["prefill"] + want["decode"]
+        if total <= cfg.max_engines:
+            return want
+        share = round(cfg.max_engines * want["prefill"] / total)
+        prefill = min(max(share, cfg.prefill.min), cfg.max_engines - cfg.decode.min, cfg.prefill.max)
+        decode = min(cfg.max_engines - prefill, cfg.decode.max)
+        reasons.append(
+            f"budget: {want['prefill']}+{want['decode']} = {total} engines > max_engines {cfg.max_engines}; "
+            f"shared in proportion to demand: {prefill}+{decode}"
+        )
+        return {"prefill": prefill, "decode": decode}
+
+    def _stabilize(self, role: str, t: float, current: int, wish: int, floor: int, reasons: list[str]) -> int:
+        cfg = self.config
+        since = t - self._last_change.get(role, -math.inf)
+        if wish > current:
+            if since < cfg.scale_up_cooldown_s:
+                reasons.append(
+                    f"{role}: hold at {current} (wants {wish}; scale-up cooldown, {since:.0f}s of "
+                    f"{cfg.scale_up_cooldown_s:g}s since the last change)"
+                )
+                return current
+            reasons.append(f"{role}: {current} -> {wish}")
+            return wish
+        if wish == current:
+            reasons.append(f"{role}: stay at {current}")
+            return current
+        index = 1 if role == "prefill" else 2
+        recent = max(max(w[index] for w in self._wishes), floor)
+        step = max(1, math.ceil(cfg.hysteresis * current))
+        if recent > current - step:
+            reasons.append(
+                f"{role}: stay at {current} (wants {wish}; largest wish of the last "
+                f"{cfg.scale_down_cooldown_s:g}s is {recent}, within the hysteresis band of {step})"
+            )
+            return current
+        if since < cfg.scale_down_cooldown_s:
+            reasons.append(
+                f"{role}: hold at {current} (wants {recent}; scale-down cooldown, {since:.0f}s of "
+                f"{cfg.scale_down_cooldown_s:g}s since the last change)"
+            )
+            return current
+        reasons.append(f"{role}: {current} -> {recent} (largest wish of the last {cfg.scale_down_cooldown_s:g}s)")
+        return recent
+
+    def decide(self, obs: ClusterObservation) -> ScalingDecision:
+        cfg = self.config
+        reasons: list[str] = []
+        rate = self._forecast_rate(obs, reasons)
+        wish = {"prefill": self._prefill_demand(obs, rate, reasons), "decode": self._decode_demand(obs, rate, reasons)}
+        floor = {"prefill": 0, "decode": 0}
+        self._feedback(obs, wish, floor, reasons)
+        for role in ROLES:
+            limits = cfg.limits(role)
+            clamped = min(max(wish[role], limits.min), limits.max)
+            if clamped != wish[role]:
+                reasons.append(f"{role}: {wish[role]} clamped to [{limits.min}, {limits.max}] -> {clamped}")
+            wish[role] = clamped
+            floor[role] = min(floor[role], limits.max)
+        wish = self._fit_budget(wish, reasons)
+
+        self._wishes.append((obs.t, wish["prefill"], wish["decode"]))
+        while self._wishes and self._wishes[0][0] <= obs.t - cfg.scale_down_cooldown_s:
+            self._wishes.popleft()
+
+        target: dict[str, int] = {}
+        for role in ROLES:
+            current = obs.pool(role).provisioned
+            target[role] = self._stabilize(role, obs.t, current, wish[role], floor[role], reasons)
+            if target[role] != current:
+                self._last_change[role] = obs.t
+        if target["prefill"] + target["decode"] > cfg.max_engines:
+            # Stability kept one pool above its budget share: the other gives way.
+            grow = "prefill" if target["prefill"] > obs.prefill.provisioned else "decode"
+            other = "decode" if grow == "prefill" else "prefill"
+            target[grow] = max(cfg.limits(grow).min, cfg.max_engines - target[other])
+            reasons.append(f"budget: {grow} limited to {target[grow]} while the other pool holds")
+        decision = ScalingDecision(obs.t, target["prefill"], target["decode"], reasons)
+        for line in reasons:
+            logger.info("autoscale t=%.1f %s", obs.t, line)
+        return decision
+
+
+class StaticPolicy:
+    """Fixed pool sizes: the baseline the autoscaler is judged against."""
+
+    def __init__(self, prefill: int, decode: int) -> None:
+        if prefill < 1 or decode < 1:
+            raise ValueError(f"a static split needs at least one engine per pool (got {prefill}:{decode})")
+        self.prefill, self.decode = prefill, decode
+
+    def decide(self, obs: ClusterObservation) -> ScalingDecision:
+        return ScalingDecision(obs.t, self.prefill, self.decode, [f"static {self.prefill}:{self.decode}"])

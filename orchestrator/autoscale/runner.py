@@ -1,0 +1,70 @@
+"""Simulate a cluster spec: the glue ``pdserve simulate`` and scripts/autoscale_study.py share.
+
+``parse_policy("autoscale" | "static:P,D")`` names a policy; ``simulate_spec`` runs
+a trace through the spec's cluster under it, with the spec's ``autoscaling``
+targets, interval and starting replicas.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from orchestrator.autoscale.policy import AutoscalePolicy, PolicyConfig, StaticPolicy
+from orchestrator.autoscale.profile import PerformanceProfile, load_profile
+from orchestrator.autoscale.simulator import SimulationResult, SloTargets, simulate
+from orchestrator.autoscale.traces import TraceRequest
+from orchestrator.errors import PdserveError
+from orchestrator.spec import ClusterSpec
+
+__all__ = ["SimulationSetupError", "load_spec_and_profile", "parse_policy", "simulate_spec"]
+
+
+class SimulationSetupError(PdserveError):
+    """The spec, profile or policy named for a simulation cannot be used."""
+
+
+def parse_policy(text: str) -> tuple[int, int] | None:
+    """``"autoscale"`` -> None; ``"static:P,D"`` -> (P, D)."""
+    if text == "autoscale":
+        return None
+    kind, _, split = text.partition(":")
+    parts = split.split(",")
+    if kind != "static" or len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
+        raise SimulationSetupError(f"--policy must be 'autoscale' or 'static:P,D' (got {text!r})")
+    prefill, decode = (int(p) for p in parts)
+    if prefill < 1 or decode < 1:
+        raise SimulationSetupError(f"a static split needs at least one engine per pool (got {text!r})")
+    return prefill, decode
+
+
+def load_spec_and_profile(
+    config: str | os.PathLike[str], profile: str | os.PathLike[str] | None = None
+) -> tuple[ClusterSpec, PerformanceProfile]:
+    spec = ClusterSpec.from_file(config)
+    if spec.autoscaling is None:
+        raise SimulationSetupError(f"{config}: has no 'autoscaling' section (targets, limits and the profile)")
+    path = Path(profile) if profile else spec.profile_path(config)
+    if path is None:
+        raise SimulationSetupError(f"{config}: autoscaling.profile is not set and no --profile was given")
+    return spec, load_profile(path)
+
+
+def simulate_spec(
+    spec: ClusterSpec, profile: PerformanceProfile, trace: list[TraceRequest], static: tuple[int, int] | None
+) -> SimulationResult:
+    """Run ``trace`` under the autoscaler (``static`` None) or a fixed ``static`` = (prefill, decode) split."""
+    scaling = spec.autoscaling
+    if scaling is None:
+        raise SimulationSetupError("the spec has no 'autoscaling' section")
+    targets = SloTargets(scaling.targets.ttft_p90_s, scaling.targets.itl_p90_s)
+    if static is not None:
+        if sum(static) > scaling.max_engines:
+            raise SimulationSetupError(
+                f"static:{static[0]},{static[1]} uses {sum(static)} engines, over max_engines {scaling.max_engines}"
+            )
+        policy, initial = StaticPolicy(*static), static
+    else:
+        policy = AutoscalePolicy(PolicyConfig.from_spec(scaling), profile)
+        initial = (spec.prefill.replicas, spec.decode.replicas)
+    return simulate(profile, policy, trace, targets, initial, interval_s=scaling.interval_s)

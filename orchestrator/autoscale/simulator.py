@@ -1,0 +1,506 @@
+"""A discrete-event model of a pdserve cluster, to judge scaling policies on traces.
+
+A request's life, as modelled (times from the performance profile):
+
+1. It arrives at the proxy, which sends it to the serving prefill engine with the
+   fewest prompt tokens queued (or holds it while no prefill engine serves).
+2. The prefill engine computes its queue in order, in passes of at most
+   ``max_num_batched_tokens`` tokens and ``max_num_seqs`` sequences (chunked
+   prefill: a long prompt spans passes, a pass may hold several prompts).
+3. When its prompt is done the proxy sends it to the serving decode engine with
+   the least KV cache promised. The decode engine admits it when a batch slot
+   and KV room for prompt + output tokens are free (waiting until then), then
+   its KV cache moves over (``transfer_seconds``).
+4. It joins the decode batch (continuous batching); each step emits one token
+   for every sequence in the batch and lasts ``decode_step_seconds(batch, mean
+   context)``. TTFT is arrival to the end of its first step; ITL is the mean gap
+   between its later tokens.
+
+Decode is advanced in stretches rather than step by step: between two changes
+of a batch (a join or a finish) every step lasts the same, so the engine keeps a
+fractional step counter and the next finish is computed, not stepped to.
+
+Every ``interval_s`` the policy gets a ``ClusterObservation`` of the last
+interval and returns target counts. New engines serve after ``startup_s``;
+removed ones stop taking requests and stop once their own work is done
+(drain); an engine asked for back while draining serves again at once.
+Engine-hours count every engine from start to stop, starting and draining included.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+import itertools
+import logging
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from orchestrator.autoscale.policy import ClusterObservation, PoolObservation, ScalingDecision
+from orchestrator.autoscale.profile import PerformanceProfile
+from orchestrator.autoscale.traces import TraceRequest
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Policy", "RequestRecord", "SimulationResult", "Simulator", "SloTargets", "simulate"]
+
+_EPS = 1e-9
+# Event kinds, in the order simultaneous events are handled.
+_READY, _PREFILL_DONE, _TRANSFER_DONE, _DECODE_DONE, _ARRIVAL, _DECIDE = range(6)
+
+
+class Policy(Protocol):
+    def decide(self, obs: ClusterObservation) -> ScalingDecision: ...
+
+
+class EngineState(enum.Enum):
+    STARTING = "starting"
+    SERVING = "serving"
+    DRAINING = "draining"
+    STOPPED = "stopped"
+
+
+@dataclass(slots=True, frozen=True)
+class SloTargets:
+    ttft_s: float
+    itl_s: float
+
+
+@dataclass(slots=True, eq=False)
+class _Request:
+    rid: int
+    arrival: float
+    prompt: int
+    output: int
+    prefill_left: int
+    first_token: float = -1.0
+    done: float = -1.0
+    start_step: float = 0.0
+
+
+@dataclass(slots=True, eq=False)
+class _Engine:
+    eid: str
+    started: float
+    state: EngineState
+    stopped: float = -1.0
+
+    def hours(self, end: float) -> float:
+        stop = min(self.stopped if self.stopped >= 0 else end, end)
+        return max(0.0, stop - self.started) / 3600
+
+
+@dataclass(slots=True, eq=False)
+class _PrefillEngine(_Engine):
+    queue: deque[_Request] = field(default_factory=deque)
+    queued_tokens: int = 0
+    busy: bool = False
+
+    @property
+    def idle(self) -> bool:
+        return not self.queue and not self.busy
+
+
+@dataclass(slots=True, eq=False)
+class _DecodeEngine(_Engine):
+    waiting: deque[_Request] = field(default_factory=deque)
+    waiting_kv: int = 0
+    transferring: int = 0
+    running: list[tuple[float, int, _Request]] = field(default_factory=list)  # heap by finish step
+    kv_used: int = 0
+    steps: float = 0.0  # decode steps done so far (fractional between events)
+    t_ref: float = 0.0
+    step_s: float = 0.0
+    sum_prompt: int = 0
+    sum_start: float = 0.0
+    version: int = 0
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.transferring and not self.running
+
+    @property
+    def load(self) -> int:
+        return self.kv_used + self.waiting_kv
+
+
+@dataclass(slots=True, frozen=True)
+class RequestRecord:
+    arrival: float
+    prompt_tokens: int
+    output_tokens: int
+    ttft_s: float
+    itl_s: float  # mean inter-token latency; 0 for one-token outputs
+    done: float
+
+
+@dataclass(slots=True)
+class SimulationResult:
+    records: list[RequestRecord]
+    targets: SloTargets
+    duration_s: float  # arrival of the first request to completion of the last
+    engine_hours: float
+    timeline: list[dict[str, Any]]
+
+    @property
+    def good(self) -> int:
+        t = self.targets
+        return sum(1 for r in self.records if r.ttft_s <= t.ttft_s and r.itl_s <= t.itl_s)
+
+    def summary(self) -> dict[str, Any]:
+        n, good = len(self.records), self.good
+        ttft = sorted(r.ttft_s for r in self.records)
+        itl = sorted(r.itl_s for r in self.records)
+        return {
+            "requests": n,
+            "slo_attainment": good / n if n else 0.0,
+            "goodput_rps": good / self.duration_s if self.duration_s > 0 else 0.0,
+            "engine_hours": self.engine_hours,
+            "goodput_per_engine_hour": good / self.engine_hours if self.engine_hours > 0 else 0.0,
+            "duration_s": self.duration_s,
+            "ttft_p50_s": _quantile(ttft, 0.5),
+            "ttft_p90_s": _quantile(ttft, 0.9),
+            "itl_p50_s": _quantile(itl, 0.5),
+            "itl_p90_s": _quantile(itl, 0.9),
+            "targets": {"ttft_p90_s": self.targets.ttft_s, "itl_p90_s": self.targets.itl_s},
+        }
+
+    def to_json(self) -> dict[str, Any]:
+        return {**self.summary(), "timeline": self.timeline}
+
+
+def _quantile(ordered: list[float], q: float) -> float | None:
+    if not ordered:
+        return None
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+class Simulator:
+    """One run: build it, then ``run(trace)``. Deterministic: the same inputs give the same result."""
+
+    def __init__(
+        self,
+        profile: PerformanceProfile,
+        policy: Policy,
+        targets: SloTargets,
+        initial: tuple[int, int],
+        interval_s: float = 30.0,
+        startup_s: float | None = None,
+    ) -> None:
+        if interval_s <= 0:
+            raise ValueError(f"interval_s must be > 0 (got {interval_s})")
+        self.profile, self.policy, self.targets = profile, policy, targets
+        self.interval_s = interval_s
+        self.startup_s = profile.engine.startup_s if startup_s is None else startup_s
+        self.now = 0.0
+        self._events: list[tuple[float, int, int, Any]] = []
+        self._seq = itertools.count()
+        self._ids = itertools.count()
+        self.prefill: list[_PrefillEngine] = []
+        self.decode: list[_DecodeEngine] = []
+        self._proxy_queue: deque[_Request] = deque()  # no prefill engine serving
+        self._decode_pending: deque[_Request] = deque()  # no decode engine serving
+        self._records: list[RequestRecord] = []
+        self._in_flight = 0
+        self._window: dict[str, Any] = self._new_window()
+        self._last_means = (1.0, 1.0)
+        self.timeline: list[dict[str, Any]] = []
+        for _ in range(initial[0]):
+            self.prefill.append(_PrefillEngine(f"prefill-{next(self._ids)}", 0.0, EngineState.SERVING))
+        for _ in range(initial[1]):
+            self.decode.append(_DecodeEngine(f"decode-{next(self._ids)}", 0.0, EngineState.SERVING))
+
+    # --- event plumbing -----------------------------------------------------------------------
+
+    def _at(self, t: float, kind: int, payload: Any) -> None:
+        heapq.heappush(self._events, (t, kind, next(self._seq), payload))
+
+    def run(self, trace: Iterable[TraceRequest]) -> SimulationResult:
+        arrivals = iter(sorted(trace, key=lambda r: r.t))
+        first = next(arrivals, None)
+        if first is None:
+            raise ValueError("the trace has no requests")
+        t0 = first.t
+        self._next_arrival(first)
+        self._arrivals = arrivals
+        self._at(self.interval_s, _DECIDE, None)
+        handlers = {
+            _ARRIVAL: self._on_arrival,
+            _READY: self._on_ready,
+            _PREFILL_DONE: self._on_prefill_done,
+            _TRANSFER_DONE: self._on_transfer_done,
+            _DECODE_DONE: self._on_decode_done,
+            _DECIDE: self._on_decide,
+        }
+        while self._events:
+            t, kind, _, payload = heapq.heappop(self._events)
+            self.now = t
+            handlers[kind](payload)
+        end = max(r.done for r in self._records)
+        hours = sum(e.hours(end) for e in self.prefill + self.decode)
+        return SimulationResult(self._records, self.targets, end - t0, hours, self.timeline)
+
+    def _next_arrival(self, item: TraceRequest | None) -> None:
+        if item is not None:
+            self._at(item.t, _ARRIVAL, item)
+
+    # --- prefill ------------------------------------------------------------------------------
+
+    def _on_arrival(self, item: TraceRequest) -> None:
+        self._next_arrival(next(self._arrivals, None))
+        w = self._window
+        w["arrivals"] += 1
+        w["prompt"] += item.prompt_tokens
+        w["output"] += item.output_tokens
+        prompt = max(1, item.prompt_tokens)
+        req = _Request(len(self._records) + self._in_flight, item.t, prompt, max(1, item.output_tokens), prompt)
+        self._in_flight += 1
+        self._route_prefill(req)
+
+    def _route_prefill(self, req: _Request) -> None:
+        best: _PrefillEngine | None = None
+        for engine in self.prefill:
+            if engine.state is EngineState.SERVING and (best is None or engine.queued_tokens < best.queued_tokens):
+                best = engine
+        if best is None:
+            self._proxy_queue.append(req)
+            return
+        best.queue.append(req)
+        best.queued_tokens += req.prefill_left
+        if not best.busy:
+            self._start_prefill_pass(best)
+
+    def _start_prefill_pass(self, engine: _PrefillEngine) -> None:
+        limits = self.profile.engine
+        room, chunks = limits.max_num_batched_tokens, []
+        for req in engine.queue:
+            if room <= 0 or len(chunks) == limits.max_num_seqs:
+                break
+            chunk = min(req.prefill_left, room)
+            chunks.append((req, chunk))
+            room -= chunk
+        if not chunks:
+            return
+        tokens = limits.max_num_batched_tokens - room
+        engine.busy = True
+        self._at(self.now + self.profile.prefill_seconds(tokens, len(chunks)), _PREFILL_DONE, (engine, chunks))
+
+    def _on_prefill_done(self, payload: tuple[_PrefillEngine, list[tuple[_Request, int]]]) -> None:
+        engine, chunks = payload
+        engine.busy = False
+        for req, chunk in chunks:
+            req.prefill_left -= chunk
+            engine.queued_tokens -= chunk
+        while engine.queue and engine.queue[0].prefill_left == 0:
+            self._route_decode(engine.queue.popleft())
+        if engine.queue:
+            self._start_prefill_pass(engine)
+        elif engine.state is EngineState.DRAINING:
+            self._stop(engine)
+
+    # --- decode -------------------------------------------------------------------------------
+
+    def _route_decode(self, req: _Request) -> None:
+        best: _DecodeEngine | None = None
+        for engine in self.decode:
+            if engine.state is EngineState.SERVING and (best is None or engine.load < best.load):
+                best = engine
+        if best is None:
+            self._decode_pending.append(req)
+            return
+        best.waiting.append(req)
+        best.waiting_kv += req.prompt + req.output
+        self._admit(best)
+
+    def _admit(self, engine: _DecodeEngine) -> None:
+        limits = self.profile.engine
+        while engine.waiting:
+            req = engine.waiting[0]
+            need = req.prompt + req.output
+            busy = len(engine.running) + engine.transferring
+            fits = engine.kv_used + need <= limits.kv_capacity_tokens or busy == 0
+            if busy >= limits.max_num_seqs or not fits:
+                return
+            engine.waiting.popleft()
+            engine.waiting_kv -= need
+            engine.kv_used += need
+            engine.transferring += 1
+            self._at(self.now + self.profile.kv_transfer_seconds(req.prompt), _TRANSFER_DONE, (engine, req))
+
+    def _advance(self, engine: _DecodeEngine) -> None:
+        if engine.running and engine.step_s > 0:
+            engine.steps += (self.now - engine.t_ref) / engine.step_s
+        engine.t_ref = self.now
+
+    def _reschedule(self, engine: _DecodeEngine) -> None:
+        engine.version += 1
+        n = len(engine.running)
+        if not n:
+            engine.step_s = 0.0
+            return
+        context = (engine.sum_prompt + n * engine.steps - engine.sum_start) / n
+        engine.step_s = self.profile.decode_step_seconds(n, context)
+        finish = engine.running[0][0]
+        self._at(self.now + max(0.0, finish - engine.steps) * engine.step_s, _DECODE_DONE, (engine, engine.version))
+
+    def _on_transfer_done(self, payload: tuple[_DecodeEngine, _Request]) -> None:
+        engine, req = payload
+        self._advance(engine)
+        engine.transferring -= 1
+        req.start_step = engine.steps
+        heapq.heappush(engine.running, (engine.steps + req.output, req.rid, req))
+        engine.sum_prompt += req.prompt
+        engine.sum_start += engine.steps
+        self._reschedule(engine)
+        req.first_token = self.now + engine.step_s
+        self._window["ttft"].append(req.first_token - req.arrival)
+
+    def _on_decode_done(self, payload: tuple[_DecodeEngine, int]) -> None:
+        engine, version = payload
+        if version != engine.version:
+            return
+        self._advance(engine)
+        # This event was timed for the first finish: float rounding must not leave it a hair short.
+        engine.steps = max(engine.steps, engine.running[0][0])
+        while engine.running and engine.running[0][0] <= engine.steps + 1e-6:
+            _, _, req = heapq.heappop(engine.running)
+            engine.sum_prompt -= req.prompt
+            engine.sum_start -= req.start_step
+            engine.kv_used -= req.prompt + req.output
+            self._finish(req)
+        self._admit(engine)
+        self._reschedule(engine)
+        if engine.state is EngineState.DRAINING and engine.idle:
+            self._stop(engine)
+
+    def _finish(self, req: _Request) -> None:
+        req.done = self.now
+        itl = (req.done - req.first_token) / (req.output - 1) if req.output > 1 else 0.0
+        self._records.append(
+            RequestRecord(req.arrival, req.prompt, req.output, req.first_token - req.arrival, max(itl, 0.0), req.done)
+        )
+        self._window["itl"].append(itl)
+        self._in_flight -= 1
+
+    # --- scaling ------------------------------------------------------------------------------
+
+    def _new_window(self) -> dict[str, Any]:
+        return {"arrivals": 0, "prompt": 0, "output": 0, "ttft": [], "itl": []}
+
+    def _observe(self) -> ClusterObservation:
+        w = self._window
+        if w["arrivals"]:
+            self._last_means = (w["prompt"] / w["arrivals"], w["output"] / w["arrivals"])
+        prefill_serving = [e for e in self.prefill if e.state is EngineState.SERVING]
+        decode_serving = [e for e in self.decode if e.state is EngineState.SERVING]
+        prefill_queued = [r for e in prefill_serving for r in e.queue if r.prefill_left == r.prompt]
+        prefill = PoolObservation(
+            replicas=len(prefill_serving),
+            starting=sum(1 for e in self.prefill if e.state is EngineState.STARTING),
+            queue_depth=len(prefill_queued) + len(self._proxy_queue),
+            queued_tokens=sum(r.prompt for r in prefill_queued) + sum(r.prompt for r in self._proxy_queue),
+            running=sum(1 for e in prefill_serving if e.busy),
+        )
+        capacity = self.profile.engine.kv_capacity_tokens
+        decode = PoolObservation(
+            replicas=len(decode_serving),
+            starting=sum(1 for e in self.decode if e.state is EngineState.STARTING),
+            queue_depth=sum(len(e.waiting) for e in decode_serving) + len(self._decode_pending),
+            queued_tokens=sum(e.waiting_kv for e in decode_serving),
+            running=sum(len(e.running) for e in decode_serving),
+            kv_cache_usage=sum(e.kv_used for e in decode_serving) / (capacity * len(decode_serving))
+            if decode_serving
+            else 0.0,
+        )
+        return ClusterObservation(
+            t=self.now,
+            arrival_rate_rps=w["arrivals"] / self.interval_s,
+            mean_prompt_tokens=self._last_means[0],
+            mean_output_tokens=self._last_means[1],
+            prefill=prefill,
+            decode=decode,
+            ttft_p90_s=_quantile(sorted(w["ttft"]), 0.9),
+            itl_p90_s=_quantile(sorted(w["itl"]), 0.9),
+        )
+
+    def _on_decide(self, _: None) -> None:
+        obs = self._observe()
+        decision = self.policy.decide(obs)
+        self._window = self._new_window()
+        self._scale(self.prefill, decision.prefill, _PrefillEngine, "prefill")
+        self._scale(self.decode, decision.decode, _DecodeEngine, "decode")
+        self.timeline.append(
+            {
+                "t": round(self.now, 3),
+                "arrival_rps": round(obs.arrival_rate_rps, 3),
+                "prefill": decision.prefill,
+                "decode": decision.decode,
+                "prefill_serving": obs.prefill.replicas,
+                "decode_serving": obs.decode.replicas,
+                "engines": sum(1 for e in self.prefill + self.decode if e.state is not EngineState.STOPPED),
+                "ttft_p90_s": obs.ttft_p90_s,
+                "itl_p90_s": obs.itl_p90_s,
+                "prefill_queue": obs.prefill.queue_depth,
+                "decode_queue": obs.decode.queue_depth,
+                "reasons": decision.reasons,
+            }
+        )
+        if self._in_flight or self._events:
+            self._at(self.now + self.interval_s, _DECIDE, None)
+
+    def _scale(self, pool: list, target: int, kind: type, role: str) -> None:
+        provisioned = [e for e in pool if e.state in (EngineState.STARTING, EngineState.SERVING)]
+        missing = target - len(provisioned)
+        if missing > 0:
+            for engine in [e for e in pool if e.state is EngineState.DRAINING][:missing]:
+                engine.state = EngineState.SERVING
+                missing -= 1
+                self._serve_pending(engine)
+            for _ in range(missing):
+                engine = kind(f"{role}-{next(self._ids)}", self.now, EngineState.STARTING)
+                pool.append(engine)
+                self._at(self.now + self.startup_s, _READY, engine)
+        elif missing < 0:
+            starting = [e for e in provisioned if e.state is EngineState.STARTING]
+            serving = sorted(
+                (e for e in provisioned if e.state is EngineState.SERVING),
+                key=lambda e: e.queued_tokens if role == "prefill" else e.load,
+            )
+            for engine in (starting[::-1] + serving)[:-missing]:
+                if engine.state is EngineState.STARTING or engine.idle:
+                    self._stop(engine)
+                else:
+                    engine.state = EngineState.DRAINING
+
+    def _on_ready(self, engine: _Engine) -> None:
+        if engine.state is EngineState.STARTING:
+            engine.state = EngineState.SERVING
+            self._serve_pending(engine)
+
+    def _serve_pending(self, engine: _Engine) -> None:
+        if isinstance(engine, _PrefillEngine):
+            while self._proxy_queue:
+                self._route_prefill(self._proxy_queue.popleft())
+        else:
+            while self._decode_pending:
+                self._route_decode(self._decode_pending.popleft())
+
+    def _stop(self, engine: _Engine) -> None:
+        engine.state = EngineState.STOPPED
+        engine.stopped = self.now
+
+
+def simulate(
+    profile: PerformanceProfile,
+    policy: Policy,
+    trace: Iterable[TraceRequest],
+    targets: SloTargets,
+    initial: tuple[int, int],
+    interval_s: float = 30.0,
+    startup_s: float | None = None,
+) -> SimulationResult:
+    """Run ``trace`` through a cluster that starts with ``initial`` = (prefill, decode) serving engines."""
+    sim = Simulator(profile, policy, targets, initial, interval_s=interval_s, startup_s=startup_s)
+    return sim.run(trace)

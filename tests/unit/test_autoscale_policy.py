@@ -1,0 +1,215 @@
+"""The autoscaling policy, decision by decision: bursts, flapping, the budget, min/max, cooldowns.
+
+Every test drives ``AutoscalePolicy.decide`` with observations built by ``observe``
+and checks the target counts an actuator would apply, and that the reasons say why.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import pytest
+
+from orchestrator.autoscale.policy import (
+    AutoscalePolicy,
+    ClusterObservation,
+    PolicyConfig,
+    PoolLimits,
+    PoolObservation,
+    StaticPolicy,
+    erlang_c_wait_tail,
+)
+from orchestrator.autoscale.profile import EngineLimits, Grid1D, Grid2D, PerformanceProfile
+
+CONFIG = PolicyConfig(
+    prefill=PoolLimits(1, 40),
+    decode=PoolLimits(1, 40),
+    max_engines=64,
+    ttft_p90_s=2.0,
+    itl_p90_s=0.05,
+    interval_s=30.0,
+    scale_up_cooldown_s=30.0,
+    scale_down_cooldown_s=300.0,
+    hysteresis=0.1,
+    target_utilization=0.8,
+)
+
+
+def linear_profile() -> PerformanceProfile:
+    """Prefill 10,000 tokens/s; decode step 20 ms + 0.1 ms per sequence; KV moves at 10 GB/s."""
+    return PerformanceProfile(
+        name="linear",
+        provenance="test",
+        engine=EngineLimits(256, 8192, 400_000, 100_000, 60.0),
+        prefill=Grid2D([1.0, 100_000.0], [1.0, 64.0], [[0.0001, 0.0001], [10.0, 10.0]]),
+        decode=Grid2D([1.0, 257.0], [1.0, 100_000.0], [[0.0201, 0.0201], [0.0457, 0.0457]]),
+        transfer=Grid1D([1.0, 1e10], [0.0, 1.0]),
+    )
+
+
+@pytest.fixture
+def policy() -> Callable[..., AutoscalePolicy]:
+    def make(**overrides: Any) -> AutoscalePolicy:
+        return AutoscalePolicy(replace(CONFIG, **overrides), linear_profile())
+
+    return make
+
+
+def observe(
+    t: float, rate: float, prefill: int = 2, decode: int = 2, prompt: float = 2000, output: float = 200, **more: Any
+) -> ClusterObservation:
+    return ClusterObservation(
+        t=t,
+        arrival_rate_rps=rate,
+        mean_prompt_tokens=prompt,
+        mean_output_tokens=output,
+        prefill=more.pop("prefill_pool", PoolObservation(replicas=prefill)),
+        decode=more.pop("decode_pool", PoolObservation(replicas=decode)),
+        **more,
+    )
+
+
+def run(policy: AutoscalePolicy, rates: list[float], start: tuple[int, int] = (2, 2), dt: float = 30.0):
+    """Feed one rate per interval, applying each decision as an actuator would (engines serve at once)."""
+    prefill, decode = start
+    decisions = []
+    for i, rate in enumerate(rates):
+        decision = policy.decide(observe(i * dt, rate, prefill, decode))
+        prefill, decode = decision.prefill, decision.decode
+        decisions.append(decision)
+    return decisions
+
+
+def test_erlang_c_matches_the_m_m_1_formula():
+    # M/M/1: P(wait > t) = rho * exp(-(mu - lambda) t).
+    assert erlang_c_wait_tail(1, 0.5, 1.0, 2.0) == pytest.approx(0.5 * 2.718281828 ** (-1.0))
+    assert erlang_c_wait_tail(4, 10.0, 1.0, 0.0) == 1.0  # unstable
+    assert erlang_c_wait_tail(3, 0.0, 1.0, 0.0) == 0.0
+
+
+def test_demand_follows_the_profile_arithmetic_and_says_so(policy):
+    decision = policy().decide(observe(0.0, rate=20.0))
+
+    # Prefill: 20 req/s x 2000 tokens = 40,000 tok/s at 10,000 tok/s/engine: 4 engines of load, a few more to wait.
+    assert 5 <= decision.prefill <= 7
+    # Decode: 20 req/s x 200 tokens x step(batch) / batch; the batch is bounded by 0.8 x 50 ms steps.
+    assert 1 <= decision.decode <= 3
+    text = "\n".join(decision.reasons)
+    assert "40000 tok/s at 10000 tok/s/engine" in text
+    assert "sequences at once" in text
+
+
+def test_a_burst_grows_both_pools_in_one_decision(policy):
+    p = policy()
+    quiet = run(p, [10.0] * 3)[-1]
+    burst = p.decide(observe(90.0, rate=60.0, prefill=quiet.prefill, decode=quiet.decode))
+
+    assert burst.prefill >= 3 * quiet.prefill - 1
+    assert burst.decode > quiet.decode
+    assert any("trend" in line for line in burst.reasons)
+
+
+def test_a_prefill_backlog_adds_engines_to_clear_it(policy):
+    backlog = PoolObservation(replicas=4, queue_depth=500, queued_tokens=1_000_000)
+    without = policy().decide(observe(0.0, 10.0, 4, 2))
+    with_backlog = policy().decide(observe(0.0, 10.0, 4, 2, prefill_pool=backlog))
+
+    # 1,000,000 tokens / (10,000 tok/s x (30 s + 60 s startup)) = 2 more.
+    assert with_backlog.prefill == without.prefill + 2
+    assert any("500 queued requests" in line for line in with_backlog.reasons)
+
+
+def test_load_that_flaps_every_interval_does_not_make_the_pools_flap(policy):
+    decisions = run(policy(), [40.0, 5.0] * 20)
+
+    sizes = [(d.prefill, d.decode) for d in decisions]
+    changes = sum(1 for a, b in zip(sizes, sizes[1:], strict=False) if a != b)
+    assert changes <= 2  # up once (maybe in two steps), never back down between peaks
+    assert sizes[-1] == max(sizes)
+
+
+def test_after_a_burst_the_pools_shrink_only_after_the_cooldown(policy):
+    p = policy()
+    decisions = run(p, [60.0] * 2 + [10.0] * 20)
+    peak = decisions[1].prefill
+
+    # The load drops at t=60; nothing shrinks for scale_down_cooldown_s (300 s) after the last change.
+    held = [d.prefill for d in decisions[2:11]]
+    assert held == [peak] * len(held)
+    assert decisions[-1].prefill < peak
+    shrink = next(d for d in decisions if d.prefill < peak)
+    assert shrink.t >= 30.0 + 300.0
+    assert any("largest wish of the last 300s" in line for line in shrink.reasons)
+
+
+def test_small_drops_stay_inside_the_hysteresis_band(policy):
+    p = policy(hysteresis=0.5)
+    decisions = run(p, [40.0] + [30.0] * 20)
+
+    assert {d.prefill for d in decisions} == {decisions[0].prefill}
+    assert any("hysteresis band" in line for line in decisions[-1].reasons)
+
+
+def test_scale_up_cooldown_holds_a_second_increase(policy):
+    p = policy(scale_up_cooldown_s=120.0)
+    first = p.decide(observe(0.0, 20.0, 2, 2))
+    second = p.decide(observe(30.0, 60.0, first.prefill, first.decode))
+
+    assert second.prefill == first.prefill
+    assert any("scale-up cooldown" in line for line in second.reasons)
+    third = p.decide(observe(120.0, 60.0, first.prefill, first.decode))
+    assert third.prefill > first.prefill
+
+
+def test_min_and_max_bound_each_pool(policy):
+    p = policy(prefill=PoolLimits(3, 5), decode=PoolLimits(2, 3))
+    idle = p.decide(observe(0.0, 0.0, 3, 2))
+    flooded = policy(prefill=PoolLimits(3, 5), decode=PoolLimits(2, 3)).decide(observe(0.0, 500.0, 3, 2))
+
+    assert (idle.prefill, idle.decode) == (3, 2)
+    assert (flooded.prefill, flooded.decode) == (5, 3)
+    assert any("clamped to [3, 5]" in line for line in flooded.reasons)
+
+
+def test_the_budget_is_shared_in_proportion_to_demand(policy):
+    decision = policy(max_engines=20).decide(observe(0.0, 400.0, 2, 2, output=2000))
+
+    assert decision.prefill + decision.decode == 20
+    assert decision.prefill >= 1 and decision.decode >= 1
+    assert any("max_engines 20" in line for line in decision.reasons)
+
+
+def test_the_budget_holds_while_one_pool_waits_out_its_cooldown(policy):
+    p = policy(max_engines=30, prefill=PoolLimits(1, 30), decode=PoolLimits(1, 30))
+    run(p, [200.0])  # prefill grows and its last change is now
+    # The load moves to decode (long outputs) while prefill may not shrink yet.
+    decision = p.decide(observe(30.0, 30.0, 25, 2, prompt=200, output=4000))
+
+    assert decision.prefill + decision.decode <= 30
+
+
+def test_measured_latency_over_target_blames_the_right_pool(policy):
+    waiting_for_decode = PoolObservation(replicas=2, queue_depth=30)
+    slow_ttft = policy().decide(observe(0.0, 1.0, 4, 2, ttft_p90_s=5.0, decode_pool=waiting_for_decode))
+    slow_prefill = policy().decide(observe(0.0, 1.0, 4, 2, ttft_p90_s=5.0))
+    slow_itl = policy().decide(observe(0.0, 1.0, 4, 2, itl_p90_s=0.2))
+
+    assert slow_ttft.decode >= 3 and any("requests wait for decode" in r for r in slow_ttft.reasons)
+    assert slow_prefill.prefill >= 5 and any("prefill is the wait" in r for r in slow_prefill.reasons)
+    assert slow_itl.decode >= 3 and any("p90 ITL 200.0 ms" in r for r in slow_itl.reasons)
+
+
+def test_same_observations_give_the_same_decisions(policy):
+    rates = [5.0, 30.0, 60.0, 10.0, 10.0, 45.0] * 5
+    first = [(d.prefill, d.decode, d.reasons) for d in run(policy(), rates)]
+    second = [(d.prefill, d.decode, d.reasons) for d in run(policy(), rates)]
+
+    assert first == second
+
+
+def test_static_policy_keeps_its_split_and_refuses_an_empty_pool():
+    assert StaticPolicy(40, 24).decide(observe(0.0, 100.0)).target("prefill") == 40
+    with pytest.raises(ValueError, match="at least one engine per pool"):
+        StaticPolicy(0, 64)

@@ -1,0 +1,190 @@
+"""The cluster simulator against queueing results with known answers, and its scaling mechanics.
+
+One prefill engine serving one request per pass is a single-server queue: with
+equal prompts (deterministic service) the mean wait is M/D/1's, with exponential
+prompts M/M/1's. A decode batch whose step time grows linearly with its size
+settles where Little's law says it must.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from orchestrator.autoscale import traces
+from orchestrator.autoscale.policy import ClusterObservation, ScalingDecision, StaticPolicy
+from orchestrator.autoscale.profile import EngineLimits, Grid1D, Grid2D, PerformanceProfile
+from orchestrator.autoscale.simulator import SloTargets, simulate
+from orchestrator.autoscale.traces import TraceRequest
+
+TARGETS = SloTargets(ttft_s=1e9, itl_s=1e9)
+INSTANT = 1e-6
+
+
+def make_profile(
+    prefill_s_per_token: float = 0.001,
+    decode_step: tuple[float, float] = (INSTANT, INSTANT),
+    max_num_seqs: int = 1,
+    startup_s: float = 0.0,
+) -> PerformanceProfile:
+    """Prefill time = tokens x ``prefill_s_per_token``; decode step = a + b x (batch - 1); free transfers."""
+    a, b = decode_step
+    return PerformanceProfile(
+        name="test",
+        provenance="test",
+        engine=EngineLimits(max_num_seqs, 10**9, 10**9, 1, startup_s),
+        prefill=Grid2D([1.0, 1e6], [1.0, 2.0], [[prefill_s_per_token] * 2, [1e6 * prefill_s_per_token] * 2]),
+        decode=Grid2D([1.0, 1e6], [1.0, 2.0], [[a, a], [a + b * (1e6 - 1), a + b * (1e6 - 1)]]),
+        transfer=Grid1D([1.0, 2.0], [0.0, 0.0]),
+    )
+
+
+def poisson_trace(rate: float, n: int, prompt, output=lambda rng: 1, seed: int = 7) -> list[TraceRequest]:
+    rng, t, out = random.Random(seed), 0.0, []
+    for _ in range(n):
+        t += rng.expovariate(rate)
+        out.append(TraceRequest(t, prompt(rng), output(rng)))
+    return out
+
+
+def mean(values) -> float:
+    values = list(values)
+    return sum(values) / len(values)
+
+
+def test_one_engine_with_fixed_prompts_waits_as_m_d_1():
+    # Service 1 s (1000 tokens at 1 ms), arrivals 0.6/s: Wq = rho S / (2 (1 - rho)) = 0.75 s.
+    trace = poisson_trace(0.6, 40_000, prompt=lambda rng: 1000)
+    result = simulate(make_profile(), StaticPolicy(1, 1), trace, TARGETS, (1, 1))
+
+    wait = mean(r.ttft_s for r in result.records) - 1.0 - INSTANT
+    assert wait == pytest.approx(0.6 * 1.0 / (2 * 0.4), rel=0.05)
+    assert len(result.records) == len(trace)
+
+
+def test_one_engine_with_exponential_prompts_waits_as_m_m_1():
+    # Mean service 1 s, arrivals 0.5/s: Wq = rho / (mu - lambda) = 1 s; time in system 1 / (mu - lambda) = 2 s.
+    trace = poisson_trace(0.5, 40_000, prompt=lambda rng: max(1, round(rng.expovariate(1 / 1000))))
+    result = simulate(make_profile(), StaticPolicy(1, 1), trace, TARGETS, (1, 1))
+
+    assert mean(r.ttft_s for r in result.records) == pytest.approx(2.0, rel=0.06)
+    # Utilisation: the engine computed lambda x S of every second.
+    busy = sum(r.prompt_tokens * 0.001 for r in result.records) / result.duration_s
+    assert busy == pytest.approx(0.5, rel=0.03)
+
+
+def test_two_engines_share_the_load_least_loaded_first():
+    trace = poisson_trace(0.6, 20_000, prompt=lambda rng: 1000)
+    one = simulate(make_profile(), StaticPolicy(1, 1), trace, TARGETS, (1, 1))
+    two = simulate(make_profile(), StaticPolicy(2, 1), trace, TARGETS, (2, 1))
+
+    # M/D/2 at rho 0.3 barely queues (Wq ~ 0.04 s) where M/D/1 at rho 0.6 waits 0.75 s.
+    assert mean(r.ttft_s for r in two.records) - 1.0 < 0.1 < mean(r.ttft_s for r in one.records) - 1.0
+
+
+def test_decode_batch_settles_where_littles_law_says():
+    # Step = 20 ms + 0.5 ms per extra sequence; lambda = 2/s, 100 tokens each.
+    # Little: N = lambda x 100 x step(N)  =>  N = 2*100*0.0195 / (1 - 2*100*0.0005) = 39, step = 0.039 s.
+    a, b = 0.020, 0.0005
+    profile = make_profile(prefill_s_per_token=INSTANT, decode_step=(a, b), max_num_seqs=10_000)
+    trace = poisson_trace(2.0, 20_000, prompt=lambda rng: 10, output=lambda rng: 100)
+    result = simulate(profile, StaticPolicy(1, 1), trace, TARGETS, (1, 1))
+
+    expected_batch = 2 * 100 * (a - b) / (1 - 2 * 100 * b)
+    assert mean(r.itl_s for r in result.records) == pytest.approx(a + b * (expected_batch - 1), rel=0.05)
+
+
+def test_a_constant_step_gives_every_request_that_itl_and_output_x_step_in_decode():
+    profile = make_profile(prefill_s_per_token=INSTANT, decode_step=(0.03, 0.0), max_num_seqs=10_000)
+    trace = poisson_trace(5.0, 2_000, prompt=lambda rng: 10, output=lambda rng: rng.randint(2, 300))
+    result = simulate(profile, StaticPolicy(1, 1), trace, TARGETS, (1, 1))
+
+    for r in result.records:
+        assert r.itl_s == pytest.approx(0.03, rel=1e-6)
+        assert r.done - r.arrival == pytest.approx(r.output_tokens * 0.03, abs=1e-3)
+
+
+def test_slo_attainment_counts_requests_meeting_both_targets():
+    trace = poisson_trace(0.6, 5_000, prompt=lambda rng: 1000)
+    result = simulate(make_profile(), StaticPolicy(1, 1), trace, SloTargets(ttft_s=1.5, itl_s=1.0), (1, 1))
+    summary = result.summary()
+
+    meeting = sum(1 for r in result.records if r.ttft_s <= 1.5)
+    assert summary["slo_attainment"] == pytest.approx(meeting / len(trace))
+    assert summary["goodput_rps"] == pytest.approx(meeting / result.duration_s)
+    # Two engines from t=0 to the last completion.
+    assert summary["engine_hours"] == pytest.approx(2 * max(r.done for r in result.records) / 3600)
+    assert summary["goodput_per_engine_hour"] == pytest.approx(meeting / summary["engine_hours"])
+
+
+def test_same_seed_same_result_other_seed_other_result():
+    profile = make_profile(decode_step=(0.02, 0.0001), max_num_seqs=64)
+
+    def once(seed: int) -> dict:
+        trace = traces.bursty(2.0, 600.0, mean_burst_s=60, mean_gap_s=120, seed=seed)
+        return simulate(profile, StaticPolicy(2, 1), trace, SloTargets(3.0, 0.05), (2, 1)).to_json()
+
+    assert once(1) == once(1)
+    assert once(1) != once(2)
+    assert traces.diurnal(1, 5, 600, period_s=600, seed=4) == traces.diurnal(1, 5, 600, period_s=600, seed=4)
+
+
+class _Script:
+    """A policy that asks for the sizes it is given, one per decision."""
+
+    def __init__(self, sizes: list[tuple[int, int]]) -> None:
+        self.sizes = sizes
+        self.seen: list[ClusterObservation] = []
+
+    def decide(self, obs: ClusterObservation) -> ScalingDecision:
+        self.seen.append(obs)
+        prefill, decode = self.sizes[min(len(self.seen) - 1, len(self.sizes) - 1)]
+        return ScalingDecision(obs.t, prefill, decode)
+
+
+def test_new_engines_serve_only_after_their_startup_time():
+    policy = _Script([(3, 1)])
+    trace = poisson_trace(0.5, 200, prompt=lambda rng: 1000)
+    result = simulate(make_profile(startup_s=45.0), policy, trace, TARGETS, (1, 1), interval_s=10.0)
+
+    # Asked for at t=10; serving from t=55: the observations at 20..50 still count them as starting.
+    by_t = {round(obs.t): obs.prefill for obs in policy.seen}
+    assert (by_t[20].replicas, by_t[20].starting) == (1, 2)
+    assert (by_t[60].replicas, by_t[60].starting) == (3, 0)
+    assert result.timeline[0]["engines"] == 4
+
+
+def test_removed_engines_finish_their_requests_before_stopping():
+    # Long decodes (300 tokens x 0.1 s): the decode engine removed at t=10 still has requests running.
+    profile = make_profile(prefill_s_per_token=INSTANT, decode_step=(0.1, 0.0), max_num_seqs=1000)
+    trace = poisson_trace(2.0, 100, prompt=lambda rng: 10, output=lambda rng: 300)
+    policy = _Script([(1, 1)])
+    result = simulate(profile, policy, trace, TARGETS, (1, 2), interval_s=10.0)
+
+    assert len(result.records) == len(trace)
+    assert max(r.itl_s for r in result.records) == pytest.approx(0.1)
+    # Prefill and one decode engine ran to the end; the drained one until its last request, well before.
+    end_h = max(r.done for r in result.records) / 3600
+    assert 2 * end_h < result.engine_hours < 2.8 * end_h
+    assert result.timeline[-1]["engines"] == 2
+
+
+def test_trace_files_round_trip_and_bad_lines_are_named(tmp_path):
+    trace = traces.poisson(3.0, 20.0, mix=traces.MIXES["long-output"], seed=2)
+    path = tmp_path / "t.jsonl"
+    traces.write_trace(trace, path)
+
+    assert traces.read_trace(path) == trace
+    path.write_text('{"t": 0, "prompt_tokens": 5, "output_tokens": 2}\n{"t": 1, "prompt": 5}\n')
+    with pytest.raises(traces.TraceError, match=r"t.jsonl:2: expected"):
+        traces.read_trace(path)
+
+
+def test_length_mixes_have_their_advertised_means():
+    rng_trace = traces.poisson(50.0, 400.0, mix=traces.MIXES["long-prompt"], seed=3)
+    prompts = [r.prompt_tokens for r in rng_trace]
+    # 75 % chat (mean 2000, clipped) + 25 % documents (mean 12000): about 4500.
+    assert mean(prompts) == pytest.approx(0.75 * 2000 + 0.25 * 12000, rel=0.1)
+    assert not math.isnan(mean(r.output_tokens for r in rng_trace))
