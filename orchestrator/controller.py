@@ -233,9 +233,15 @@ class ClusterController:
         for role, target in targets.items():
             if role not in ROLES:
                 return {"error": f"unknown pool {role!r}; pools are {', '.join(ROLES)}"}
-            low, high = 1, self.spec.max_replicas(role)
+            low, high = self.spec.min_replicas(role), self.spec.max_replicas(role)
             if not low <= target <= high:
                 return {"error": f"{role}={target} is outside {low}..{high} (the pool's bounds in the spec)"}
+        if self.spec.autoscaling is not None:
+            total = sum(targets.get(role, self.targets[role]) for role in ROLES)
+            if total > self.spec.autoscaling.max_engines:
+                return {
+                    "error": f"{total} engines exceed autoscaling.max_engines ({self.spec.autoscaling.max_engines})"
+                }
         plan: dict[str, dict[str, list[str]]] = {}
         for role, target in targets.items():
             self.targets[role] = target

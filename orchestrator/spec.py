@@ -350,8 +350,14 @@ class ClusterSpec(_Strict):
 
     def max_replicas(self, role: str) -> int:
         """The most engines pool ``role`` may grow to (``pdserve scale``, the autoscaler): ports, cores
-        and GPUs are planned and checked for this many."""
+        and GPUs are planned and checked for this many. ``autoscaling.<role>.max``, else ``replicas``."""
+        if self.autoscaling is not None:
+            return getattr(self.autoscaling, role).max
         return self.pool(role).replicas
+
+    def min_replicas(self, role: str) -> int:
+        """The fewest engines pool ``role`` may shrink to: ``autoscaling.<role>.min``, else 1."""
+        return getattr(self.autoscaling, role).min if self.autoscaling is not None else 1
 
     def proxy_config(self) -> ProxyConfig:
         """The settings of the cluster's proxy; it refuses what cannot fit ``engine.max_model_len``."""
@@ -420,8 +426,19 @@ class ClusterSpec(_Strict):
 
     @property
     def cpu_cores_needed(self) -> int:
-        """Cores the CPU engines are pinned to at most, both pools: replicas x TP x cores per rank."""
-        return sum(self.max_replicas(r) * self.pool(r).tensor_parallel_size * self.pool(r).cpu_cores for r in ROLES)
+        """Cores the CPU engines are pinned to at most, both pools: replicas x TP x cores per rank
+        (with autoscaling, of the largest split its ranges and budget allow)."""
+        return self.most_at_once({r: self.pool(r).tensor_parallel_size * self.pool(r).cpu_cores for r in ROLES})
+
+    def most_at_once(self, per_engine: dict[str, int]) -> int:
+        """The most of a resource (``per_engine[role]`` each) the engines can hold at once."""
+        if self.autoscaling is None:
+            return sum(self.pool(r).replicas * per_engine[r] for r in ROLES)
+        scaling = self.autoscaling
+        return max(
+            p * per_engine["prefill"] + min(scaling.decode.max, scaling.max_engines - p) * per_engine["decode"]
+            for p in range(scaling.prefill.min, min(scaling.prefill.max, scaling.max_engines - scaling.decode.min) + 1)
+        )
 
     @model_validator(mode="after")
     def _check_resources(self) -> ClusterSpec:
@@ -445,7 +462,13 @@ class ClusterSpec(_Strict):
                     )
             # Each engine asks Ray for tensor_parallel_size whole GPUs, and the Ray head is
             # started with resources.gpus of them: engines beyond that would wait forever.
-            needed = sum(self.max_replicas(r) * self.pool(r).tensor_parallel_size for r in ROLES)
+            needed = self.most_at_once({r: self.pool(r).tensor_parallel_size for r in ROLES})
+            if needed > self.resources.gpus and self.autoscaling is not None:
+                raise _FieldError(
+                    "autoscaling.max_engines",
+                    f"the autoscaler may run engines that need {needed} GPUs but resources.gpus is "
+                    f"{self.resources.gpus}",
+                )
             if needed > self.resources.gpus:
                 raise _FieldError(
                     "resources.gpus",
@@ -472,20 +495,6 @@ class ClusterSpec(_Strict):
                 f"the starting replicas ({self.prefill.replicas} + {self.decode.replicas}) exceed the budget "
                 f"{scaling.max_engines}",
             )
-        if self.device == "cuda":
-            # The most GPUs any split within the ranges and the budget can take.
-            tp_p, tp_d = self.prefill.tensor_parallel_size, self.decode.tensor_parallel_size
-            most = max(
-                p * tp_p + min(scaling.decode.max, scaling.max_engines - p) * tp_d
-                for p in range(
-                    scaling.prefill.min, min(scaling.prefill.max, scaling.max_engines - scaling.decode.min) + 1
-                )
-            )
-            if most > self.resources.gpus:
-                raise _FieldError(
-                    "autoscaling.max_engines",
-                    f"the autoscaler may run engines that need {most} GPUs but resources.gpus is {self.resources.gpus}",
-                )
         return self
 
     def profile_path(self, spec_file: str | os.PathLike[str] | None = None) -> Path | None:
