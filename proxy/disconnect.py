@@ -6,9 +6,11 @@ waits on a prefill or decode engine never calls ``receive()``, so without
 this it would run to its end for nobody (the engines computing an answer
 nobody reads, the prefill engine holding KV blocks nobody fetches).
 
-``cancel_on_disconnect(request, request_id)`` watches ``receive()`` in a task
-of its own while the block runs; on ``http.disconnect`` it cancels the
-request's task. The cancellation closes the upstream connection under way
+``cancel_on_disconnect(request, request_id)`` cancels the request's task when
+its client goes away while the block runs: told by our uvicorn protocol
+(``proxy.server.CoalescingHttpToolsProtocol``, the cycle's ``DISCONNECT_HOOK``)
+or, under another server, by a task of its own that watches ``receive()`` for
+``http.disconnect``. The cancellation closes the upstream connection under way
 (``proxy.engine_client`` never pools a connection whose answer was not read
 to its end, so vLLM sees its client gone and aborts the request), runs the
 caller's clean-up (the KV release of ``proxy.app``), and leaves the block as
@@ -26,6 +28,7 @@ from types import TracebackType
 from starlette.requests import Request
 
 from proxy.errors import ClientGone
+from proxy.server import DISCONNECT_HOOK
 
 logger = logging.getLogger(__name__)
 
@@ -33,25 +36,37 @@ __all__ = ["cancel_on_disconnect"]
 
 
 class cancel_on_disconnect:  # noqa: N801 (used as a context manager, like contextlib's)
-    __slots__ = ("_request", "_request_id", "_task", "_watcher", "_gone")
+    __slots__ = ("_request", "_request_id", "_task", "_watcher", "_cycle", "_gone")
 
     def __init__(self, request: Request, request_id: str) -> None:
         self._request, self._request_id = request, request_id
         self._task: asyncio.Task | None = None
         self._watcher: asyncio.Task | None = None
+        self._cycle: object | None = None
         self._gone = False
 
     async def __aenter__(self) -> None:
         self._task = asyncio.current_task()
+        cycle = getattr(self._request.receive, "__self__", None)  # uvicorn's RequestResponseCycle
+        if cycle is not None and hasattr(cycle, DISCONNECT_HOOK):  # our protocol reports disconnects itself
+            self._cycle = cycle
+            if cycle.disconnected:
+                self._gone = True
+                raise ClientGone(f"request {self._request_id}: the client went away")
+            setattr(cycle, DISCONNECT_HOOK, self._disconnected)
+            return
         self._watcher = asyncio.get_running_loop().create_task(self._watch())
+
+    def _disconnected(self) -> None:
+        self._gone = True
+        if self._task is not None:
+            self._task.cancel()
 
     async def _watch(self) -> None:
         receive = self._request.receive
         while (await receive())["type"] != "http.disconnect":
             pass
-        self._gone = True
-        if self._task is not None:
-            self._task.cancel()
+        self._disconnected()
 
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
@@ -59,6 +74,8 @@ class cancel_on_disconnect:  # noqa: N801 (used as a context manager, like conte
         # No await before this point: the watcher cannot run between the block's end and here.
         if self._watcher is not None:
             self._watcher.cancel()
+        if self._cycle is not None:
+            setattr(self._cycle, DISCONNECT_HOOK, None)
         if self._gone:
             if self._task is not None:
                 self._task.uncancel()

@@ -91,11 +91,33 @@ class _CoalescingTransport:
         return getattr(self._transport, name)
 
 
+DISCONNECT_HOOK = "pdserve_on_disconnect"
+"""Attribute of a request's uvicorn cycle: a callable this protocol calls when the client goes away
+mid-request (``proxy.disconnect`` sets it; None when nobody listens)."""
+
+
 class CoalescingHttpToolsProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol on a ``_CoalescingTransport``: one ``send`` per JSON answer."""
+    """uvicorn's httptools protocol on a ``_CoalescingTransport``: one ``send`` per JSON answer.
+
+    It also tells a request that its client went away at once, through the
+    cycle's ``DISCONNECT_HOOK``: cheaper than a task per request waiting on
+    ``receive()`` for uvicorn's ``http.disconnect``.
+    """
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(_CoalescingTransport(transport, asyncio.get_running_loop()))  # type: ignore[arg-type]
+
+    def on_headers_complete(self) -> None:
+        super().on_headers_complete()
+        if self.cycle is not None:
+            setattr(self.cycle, DISCONNECT_HOOK, None)  # this cycle's disconnects are reported
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        cycle = self.cycle
+        super().connection_lost(exc)
+        hook = getattr(cycle, DISCONNECT_HOOK, None) if cycle is not None else None
+        if hook is not None and cycle.disconnected:
+            hook()
 
 
 def uvicorn_config(app: Any, host: str = "127.0.0.1", port: int = 8000, **overrides: Any) -> uvicorn.Config:

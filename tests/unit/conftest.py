@@ -154,8 +154,10 @@ class _InLoopServer(uvicorn.Server):
 class ProxyServer:
     """An ASGI app served by uvicorn on 127.0.0.1 and an ephemeral port, in the running event loop."""
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, **uvicorn_overrides: Any) -> None:
+        """``uvicorn_overrides``: settings other than the proxy's own (``proxy.server.uvicorn_config``)."""
         self.app = app
+        self.uvicorn_overrides = uvicorn_overrides
         self.url = ""
         self._server: _InLoopServer | None = None
         self._task: asyncio.Task | None = None
@@ -168,7 +170,7 @@ class ProxyServer:
         sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
         # The settings the proxy runs with (uvloop aside: pytest-asyncio owns the loop).
-        config = uvicorn_config(self.app, log_config=None, timeout_graceful_shutdown=1)
+        config = uvicorn_config(self.app, log_config=None, timeout_graceful_shutdown=1, **self.uvicorn_overrides)
         self._server = _InLoopServer(config)
         self._task = asyncio.create_task(self._server.serve(sockets=[sock]))
         while not self._server.started:

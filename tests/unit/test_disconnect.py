@@ -12,10 +12,12 @@ from __future__ import annotations
 import asyncio
 import logging
 
+import httpx
 import pytest
 
+from proxy.app import ProxyConfig, create_app
 from tests.stub_engine import Behaviour
-from tests.unit.conftest import released
+from tests.unit.conftest import PROXY_MODEL, ProxyServer, released
 from tests.unit.test_proxy import CHAT, CHAT_PATH, wait_until
 
 pytestmark = pytest.mark.timeout(15)
@@ -44,6 +46,19 @@ async def test_leaving_during_prefill_cancels_the_prefill_request(make_client, p
     assert decode_engine.requests == []
     metrics = (await client.get("/metrics")).text
     assert 'pdserve_proxy_requests_total{path="disaggregated",route="/v1/chat/completions",status="499"} 1.0' in metrics
+
+
+async def test_under_uvicorns_own_protocol_a_watcher_notices(pool, prefill_engine):
+    """Our protocol reports a disconnect itself; under another (``pdserve`` apps served by someone
+    else's uvicorn) a task per request watches ``receive()`` for it."""
+    server = await ProxyServer(create_app(ProxyConfig(PROXY_MODEL, PATIENT_S), pool), http="httptools").start()
+    prefill_engine.behaviour = Behaviour.HANG
+    try:
+        async with httpx.AsyncClient(base_url=server.url, timeout=10) as client:
+            await leave_once(client, prefill_engine, CHAT, "gone-9")
+            await wait_until(lambda: prefill_engine.requests[0].disconnected)
+    finally:
+        await server.stop()
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse-before-first-chunk"])
