@@ -54,22 +54,38 @@ class HealthTracker:
             )
 
 
-class HealthMonitor:
-    def __init__(self, tracker: HealthTracker, client: EngineClient, interval_s: float, timeout_s: float) -> None:
-        self.tracker = tracker
+class EngineSweep:
+    """Calls ``visit`` on every engine of the pool at once, every ``interval_s`` (``run``, a background task)."""
+
+    def __init__(self, pool: EnginePool, client: EngineClient, interval_s: float, timeout_s: float) -> None:
+        self.pool = pool
         self.client = client
         self.interval_s = interval_s
         self.timeout_s = timeout_s
 
     async def run(self) -> None:
         while True:
-            await self.probe_all()
+            await self.sweep()
             await asyncio.sleep(self.interval_s)
 
-    async def probe_all(self) -> None:
-        engines = self.tracker.pool.engines()
+    async def sweep(self) -> None:
+        engines = self.pool.engines()
         if engines:
-            await asyncio.gather(*(self.probe(engine) for engine in engines))
+            await asyncio.gather(*(self.visit(engine) for engine in engines))
+
+    async def visit(self, engine: EngineState) -> bool:
+        raise NotImplementedError
+
+
+class HealthMonitor(EngineSweep):
+    def __init__(self, tracker: HealthTracker, client: EngineClient, interval_s: float, timeout_s: float) -> None:
+        super().__init__(tracker.pool, client, interval_s, timeout_s)
+        self.tracker = tracker
+
+    async def visit(self, engine: EngineState) -> bool:
+        return await self.probe(engine)
+
+    probe_all = EngineSweep.sweep
 
     async def probe(self, engine: EngineState) -> bool:
         """Probe the engine's ``/health`` once and tell the tracker; True if it answered 2xx in time."""

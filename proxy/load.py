@@ -13,9 +13,9 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from proxy.engine_client import EngineClient
 from proxy.errors import EngineConnectionError
-from proxy.pool import EnginePool, EngineState
+from proxy.health import EngineSweep
+from proxy.pool import EngineState
 
 logger = logging.getLogger(__name__)
 
@@ -59,22 +59,11 @@ def parse_engine_load(text: str) -> tuple[float, float] | None:
     return waiting, (sum(usage) / len(usage) if usage else 0.0)
 
 
-class LoadPoller:
-    def __init__(self, pool: EnginePool, client: EngineClient, interval_s: float, timeout_s: float) -> None:
-        self.pool = pool
-        self.client = client
-        self.interval_s = interval_s
-        self.timeout_s = timeout_s
+class LoadPoller(EngineSweep):
+    async def visit(self, engine: EngineState) -> bool:
+        return await self.poll(engine)
 
-    async def run(self) -> None:
-        while True:
-            await self.poll_all()
-            await asyncio.sleep(self.interval_s)
-
-    async def poll_all(self) -> None:
-        engines = self.pool.engines()
-        if engines:
-            await asyncio.gather(*(self.poll(engine) for engine in engines))
+    poll_all = EngineSweep.sweep
 
     async def poll(self, engine: EngineState) -> bool:
         try:
