@@ -15,6 +15,7 @@ probe bounded by ``timeout_s``.
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import logging
 
@@ -54,7 +55,7 @@ class HealthTracker:
             )
 
 
-class EngineSweep:
+class EngineSweep(abc.ABC):
     """Calls ``visit`` on every engine of the pool at once, every ``interval_s`` (``run``, a background task)."""
 
     def __init__(self, pool: EnginePool, client: EngineClient, interval_s: float, timeout_s: float) -> None:
@@ -73,8 +74,9 @@ class EngineSweep:
         if engines:
             await asyncio.gather(*(self.visit(engine) for engine in engines))
 
+    @abc.abstractmethod
     async def visit(self, engine: EngineState) -> bool:
-        raise NotImplementedError
+        """Look at one engine; True if it answered as expected."""
 
 
 class HealthMonitor(EngineSweep):
