@@ -23,3 +23,7 @@ def redirect_output(log_path: str | os.PathLike[str]) -> None:
     os.dup2(fd, 2)
     os.close(fd)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # PDSERVE_LOG_LEVEL=debug: our own packages say more (the proxy: each request's phase times)
+    level = os.environ.get("PDSERVE_LOG_LEVEL", "INFO").upper()
+    for package in ("orchestrator", "proxy", "connectors"):
+        logging.getLogger(package).setLevel(level)

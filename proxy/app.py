@@ -188,6 +188,7 @@ def create_app(config: ProxyConfig, pool: EnginePool | None = None) -> FastAPI:
 
     async def serve(request: Request, kind: str, route: str) -> Response:
         started = time.perf_counter()
+        metrics.received.inc()
         request_id = request.headers.get("x-request-id") or f"pdserve-{os.urandom(16).hex()}"
         reply_headers = {"X-Request-Id": request_id}
         try:
@@ -236,6 +237,7 @@ def create_app(config: ProxyConfig, pool: EnginePool | None = None) -> FastAPI:
                 if config.forward_authorization and (authorization := request.headers.get("authorization")):
                     headers["Authorization"] = authorization  # engines started with --api-key check it
                 kv_params = None
+                prefill_started = time.perf_counter()
                 if prefill_engine is not None:
                     kv_params = await prefill(
                         upstream, prefill_engine, prefix, route, body, headers, request_id, reply_headers
@@ -249,9 +251,16 @@ def create_app(config: ProxyConfig, pool: EnginePool | None = None) -> FastAPI:
                 decode_engine.start_leg()
                 leg_open = True
                 try:
+                    decode_started = time.perf_counter()
                     response = await upstream.decode(
                         decode_engine, route, decode_body(body, kv_params), headers, request_id
                     )
+                    if logger.isEnabledFor(logging.DEBUG):
+                        logger.debug(
+                            "request %s: queued %.1f ms, prefill %.1f ms, decode headers %.1f ms",
+                            request_id, 1000 * (prefill_started - started), 1000 * (decode_started - prefill_started),
+                            1000 * (time.perf_counter() - decode_started),
+                        )  # fmt: skip
                     if body.get("stream"):
                         stream = DecodeStream(
                             upstream.stream(response, decode_engine, request_id),

@@ -8,6 +8,8 @@ tests, count apart):
   answered, by route (``/v1/chat/completions``...), HTTP status (499: the
   client went away first) and serving path (``request.state.serving_path``,
   ``disaggregated`` unless the router said otherwise). A stream counts when it ends.
+- ``pdserve_proxy_requests_received_total``: completion requests arrived (the
+  autoscaler's arrival rate: it counts a request when it comes, not when it ends).
 - ``pdserve_proxy_time_to_first_token_seconds``: request arrival to the first
   streamed chunk relayed (streams only; a JSON answer has no first token to see).
 - ``pdserve_proxy_inter_token_latency_seconds``: between streamed chunks.
@@ -47,6 +49,11 @@ class ProxyMetrics:
             "pdserve_proxy_requests",
             "Completion requests answered, by route, HTTP status and serving path.",
             ("route", "status", "path"),
+            registry=self.registry,
+        )
+        self.received = Counter(
+            "pdserve_proxy_requests_received",
+            "Completion requests arrived (counted on arrival, answered or not).",
             registry=self.registry,
         )
         self.time_to_first_token = Histogram(

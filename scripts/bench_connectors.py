@@ -12,9 +12,9 @@ Measured per connector and length, over all rounds:
 * TTFT p50 / p90 as the client sees it (first streamed token);
 * the prefill engine's own TTFT (its compute of the prompt, the same work for
   both connectors: its ratio shows how much the machine's noise alone moves
-  the TTFT ratio), and the client's mean TTFT beyond it (the prefill's answer,
+  the TTFT ratio), and per request, the client's TTFT beyond it (the prefill's answer,
   the proxy, the decode engine's handshake, transfer and first step: the part
-  a connector has a hand in);
+  a connector has a hand in; its median, and every request in ``--json``);
 * KV transfer time per request, from the decode engine's own histogram
   (``pdserve:kv_transfer_seconds`` for ours, ``vllm:nixl_xfer_time_seconds``
   for vLLM's): mean over the requests of that length;
@@ -91,51 +91,59 @@ def bench_connector(base_spec: dict, connector: str, args: argparse.Namespace, w
         stream_completion(proxy, model, make_prompt(-1, 64), 2)  # first-request set-up (handshake)
         by_length = {}
         for length in args.prompt_tokens:
-            time.sleep(1.0)  # let the last step's connector stats reach /metrics
-            before, before_prefill = scrape(decode_url, names), scrape(prefill_url, names)
-            prompts = [f"[{connector} {tag} {length}] " + make_prompt(run, length) for run in range(args.runs)]
-            runs = [stream_completion(proxy, model, prompt, OUTPUT_TOKENS) for prompt in prompts]
-            time.sleep(1.0)
-            after, after_prefill = scrape(decode_url, names), scrape(prefill_url, names)
-            delta = {name: after[name] - before[name] for name in names}
-            delta_prefill = {name: after_prefill[name] - before_prefill[name] for name in names}
-            by_length[length] = {
-                "prompt_tokens": runs[0]["prompt_tokens"],
-                "ttfts_ms": [1000 * r["ttft_s"] for r in runs],
-                "seconds": delta[seconds + "_sum"],
-                "transfers": delta[seconds + "_count"],
-                "bytes": delta[nbytes],
-                # each engine's own TTFT (arrival to first token): the prefill leg, and the decode leg's
-                # wait for the KV plus its first step
-                "prefill_engine_s": delta_prefill[PHASE_METRIC + "_sum"],
-                "decode_engine_s": delta[PHASE_METRIC + "_sum"],
-            }
+            rows = []
+            for run in range(args.runs):
+                time.sleep(1.0)  # let the last step's connector stats reach /metrics
+                before, before_prefill = scrape(decode_url, names), scrape(prefill_url, names)
+                prompt = f"[{connector} {tag} {length}] " + make_prompt(run, length)
+                result = stream_completion(proxy, model, prompt, OUTPUT_TOKENS)
+                time.sleep(1.0)
+                after, after_prefill = scrape(decode_url, names), scrape(prefill_url, names)
+                rows.append(
+                    {
+                        "prompt_tokens": result["prompt_tokens"],
+                        "ttft_ms": 1000 * result["ttft_s"],
+                        "seconds": after[seconds + "_sum"] - before[seconds + "_sum"],
+                        "transfers": after[seconds + "_count"] - before[seconds + "_count"],
+                        "bytes": after[nbytes] - before[nbytes],
+                        # each engine's own TTFT (arrival to first token): the prefill leg, and the
+                        # decode leg's wait for the KV plus its first step
+                        "prefill_engine_ms": 1000
+                        * (after_prefill[PHASE_METRIC + "_sum"] - before_prefill[PHASE_METRIC + "_sum"]),
+                        "decode_engine_ms": 1000 * (after[PHASE_METRIC + "_sum"] - before[PHASE_METRIC + "_sum"]),
+                    }
+                )
+            by_length[length] = rows
         return by_length
     finally:
         pdserve("down")
 
 
 def summarize(rounds: list[dict]) -> dict:
-    """Samples of every round of one connector -> percentiles and means per prompt length."""
+    """Requests of every round of one connector -> percentiles and means per prompt length."""
     summary = {}
     for length in rounds[0]:
-        samples = [r[length] for r in rounds]
-        ttfts = [t for s in samples for t in s["ttfts_ms"]]
-        transfers = sum(s["transfers"] for s in samples)
+        rows = [row for r in rounds for row in r[length]]
+        ttfts = [row["ttft_ms"] for row in rows]
+        # what the connector has a hand in, per request: the client's TTFT less the prefill engine's
+        beyond = [row["ttft_ms"] - row["prefill_engine_ms"] for row in rows]
+        transfers = sum(row["transfers"] for row in rows)
         summary[str(length)] = {
-            "prompt_tokens": samples[0]["prompt_tokens"],
-            "requests": len(ttfts),
+            "prompt_tokens": rows[0]["prompt_tokens"],
+            "requests": len(rows),
             "ttft_p50_ms": round(statistics.median(ttfts), 1),
             "ttft_p90_ms": round(percentile(ttfts, 0.9), 1),
             "transfers": int(transfers),
-            "transfer_mean_ms": round(1000 * sum(s["seconds"] for s in samples) / transfers, 2) if transfers else None,
-            "bytes_per_request": int(sum(s["bytes"] for s in samples) / len(ttfts)),
-            "prefill_engine_mean_ms": round(1000 * sum(s["prefill_engine_s"] for s in samples) / len(ttfts), 1),
-            "decode_engine_mean_ms": round(1000 * sum(s["decode_engine_s"] for s in samples) / len(ttfts), 1),
-            # what the connector has a hand in: the client's TTFT less the prefill engine's compute
-            "beyond_prefill_mean_ms": round(
-                statistics.mean(ttfts) - 1000 * sum(s["prefill_engine_s"] for s in samples) / len(ttfts), 1
-            ),
+            "transfer_mean_ms": round(1000 * sum(row["seconds"] for row in rows) / transfers, 2) if transfers else None,
+            "bytes_per_request": int(sum(row["bytes"] for row in rows) / len(rows)),
+            "prefill_engine_mean_ms": round(statistics.mean(row["prefill_engine_ms"] for row in rows), 1),
+            "decode_engine_mean_ms": round(statistics.mean(row["decode_engine_ms"] for row in rows), 1),
+            "beyond_prefill_p50_ms": round(statistics.median(beyond), 1),
+            "beyond_prefill_max_ms": round(max(beyond), 1),
+            "beyond_prefill_mean_ms": round(statistics.mean(beyond), 1),
+            "requests_ms": [
+                {k: round(row[k], 1) for k in ("ttft_ms", "prefill_engine_ms", "decode_engine_ms")} for row in rows
+            ],
         }
     return summary
 
@@ -173,7 +181,7 @@ def main() -> None:
                     2,
                 ),
                 "beyond_prefill": round(
-                    results[ours][length]["beyond_prefill_mean_ms"] / results[theirs][length]["beyond_prefill_mean_ms"],
+                    results[ours][length]["beyond_prefill_p50_ms"] / results[theirs][length]["beyond_prefill_p50_ms"],
                     2,
                 ),
                 "transfer_mean": (
@@ -200,7 +208,7 @@ def main() -> None:
             xfer = "-" if r["transfer_mean_ms"] is None else f"{r['transfer_mean_ms']:.1f}"
             print(
                 f"{connector:<10} {r['prompt_tokens']:>6} {r['ttft_p50_ms']:>9.0f} {r['ttft_p90_ms']:>9.0f} "
-                f"{r['prefill_engine_mean_ms']:>8.0f} {r['beyond_prefill_mean_ms']:>7.0f} "
+                f"{r['prefill_engine_mean_ms']:>8.0f} {r['beyond_prefill_p50_ms']:>7.0f} "
                 f"{xfer:>8} {r['bytes_per_request'] / 2**20:>8.1f}"
             )
     for length, ratio in report.get("ratios", {}).items():
