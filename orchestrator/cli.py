@@ -51,6 +51,16 @@ def cmd_validate(args: argparse.Namespace) -> int:
         where = f"cores {engine.cpu_bind}" if engine.cpu_bind else f"{engine.num_gpus:g} GPU(s)"
         _print(f"  {engine.engine_id:<10} {engine.url:<24} kv port {engine.kv_port:<6} {where}")
     _print(f"  proxy      http://{spec.proxy.host}:{spec.proxy.port}")
+    if spec.autoscaling is not None:
+        from orchestrator.cluster import autoscaling_profile
+
+        on = autoscaling_profile(spec, args.config) is not None
+        mode = f"on, profile {spec.profile_path(args.config)}" if on else "off (no autoscaling.profile)"
+        _print(
+            f"  autoscaler {mode}"
+            f"; prefill {spec.min_replicas('prefill')}..{spec.max_replicas('prefill')}, "
+            f"decode {spec.min_replicas('decode')}..{spec.max_replicas('decode')}"
+        )
     return 0
 
 
@@ -120,9 +130,34 @@ def cmd_status(args: argparse.Namespace) -> int:
             f"{e['engine_id']:<11} {e['role']:<8} {e['state']:<11} {e['url'] or '-':<24} "
             f"{e['cpu_bind'] or '-':<6} {load:>7} {e['restarts']:>8}"
         )
+    if status.get("autoscaler"):
+        _print_decisions(status["autoscaler"])
     if status["error"]:
         _print(f"error: {status['error']}")
     return 0
+
+
+def _print_decisions(autoscaler: dict[str, Any], last: int = 3) -> None:
+    """The autoscaler's last decisions, newest last, each with what it saw and why."""
+    decisions = autoscaler["decisions"]
+    _print(
+        f"autoscaler: a decision every {autoscaler['interval_s']:g}s; "
+        f"the last {min(last, len(decisions))} of {len(decisions)}:"
+    )
+    for d in decisions[-last:]:
+        when = time.strftime("%H:%M:%S", time.localtime(d["t"]))
+        seen = d["observed"]
+        ttft = "-" if seen["ttft_p90_s"] is None else f"{seen['ttft_p90_s']:.2f}s"
+        itl = "-" if seen["itl_p90_s"] is None else f"{seen['itl_p90_s'] * 1000:.0f}ms"
+        change = ", ".join(f"{role} {a}->{b}" for role, (a, b) in d["changed"].items()) or "no change"
+        _print(
+            f"  {when} prefill {d['prefill']} decode {d['decode']} ({change}); saw {seen['arrival_rps']:.2f} req/s, "
+            f"p90 TTFT {ttft}, p90 ITL {itl}"
+        )
+        for reason in d["reasons"]:
+            _print(f"      {reason}")
+        if d.get("error"):
+            _print(f"      could not scale: {d['error']}")
 
 
 def cmd_scale(args: argparse.Namespace) -> int:

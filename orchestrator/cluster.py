@@ -32,6 +32,7 @@ from typing import Any
 
 import psutil
 
+from orchestrator.autoscale.profile import ProfileError, load_profile
 from orchestrator.errors import ClusterNotRunning, PdserveError
 from orchestrator.paths import pdserve_dir
 from orchestrator.spec import ClusterSpec
@@ -230,6 +231,7 @@ def up(
     cluster is ready, and stop the cluster when it returns or raises (Ctrl-C).
     """
     spec = ClusterSpec.from_file(config)
+    profile = autoscaling_profile(spec, config)  # read and checked before anything starts
     with contextlib.suppress(ClusterNotRunning):
         previous = ClusterState.load()
         if _cluster_alive(previous):
@@ -258,7 +260,7 @@ def up(
     )
     state.save()  # from here on, `pdserve down` can clean up whatever happens
     try:
-        status = _bring_up(state, spec, on_event)
+        status = _bring_up(state, spec, on_event, profile)
     except BaseException:
         down()
         raise
@@ -272,7 +274,20 @@ def up(
     return status
 
 
-def _bring_up(state: ClusterState, spec: ClusterSpec, on_event: Callable[[dict[str, Any]], None]) -> dict:
+def autoscaling_profile(spec: ClusterSpec, config: str) -> dict[str, Any] | None:
+    """The spec's ``autoscaling.profile``, loaded and checked (as a dict, for the controller actor); None if unset."""
+    path = spec.profile_path(config)
+    if path is None:
+        return None
+    try:
+        return load_profile(path).to_dict()
+    except ProfileError as e:
+        raise PdserveError(f"{config}: autoscaling.profile: {e}") from e
+
+
+def _bring_up(
+    state: ClusterState, spec: ClusterSpec, on_event: Callable[[dict[str, Any]], None], profile: dict | None
+) -> dict:
     _use_ray_auth(state)
     from orchestrator.controller import ClusterController
 
@@ -281,7 +296,7 @@ def _bring_up(state: ClusterState, spec: ClusterSpec, on_event: Callable[[dict[s
         controller = (
             ray.remote(ClusterController)
             .options(name=state.controller_name, lifetime="detached", num_cpus=0, max_restarts=0)
-            .remote(spec.model_dump(mode="json"), state.log_dir, host)
+            .remote(spec.model_dump(mode="json"), state.log_dir, host, profile)
         )
         ray.get(controller.start.remote(), timeout=120)
         seen = 0

@@ -29,6 +29,9 @@ import aiohttp
 import ray
 from ray.exceptions import ActorDiedError, RayActorError, RayTaskError
 
+from orchestrator.autoscale.actuator import Autoscaler
+from orchestrator.autoscale.policy import PolicyConfig
+from orchestrator.autoscale.profile import PerformanceProfile
 from orchestrator.engine_actor import EngineActor, error_excerpt
 from orchestrator.errors import EngineStartError
 from orchestrator.launch import EngineLaunch, plan_engines
@@ -60,7 +63,9 @@ class EngineRecord:
 
 
 class ClusterController:
-    def __init__(self, spec_data: dict[str, Any], log_dir: str, host: str) -> None:
+    def __init__(
+        self, spec_data: dict[str, Any], log_dir: str, host: str, profile_data: dict[str, Any] | None = None
+    ) -> None:
         self.log_dir = Path(log_dir)
         redirect_output(self.log_dir / "controller.log")
         self.spec = ClusterSpec.model_validate(spec_data)
@@ -80,6 +85,15 @@ class ClusterController:
         self.proxy: Any = None
         self.proxy_url = f"http://{self.spec.proxy.host}:{self.spec.proxy.port}"
         self._tasks: set[asyncio.Task] = set()
+        self.autoscaler: Autoscaler | None = None
+        if self.spec.autoscaling is not None and profile_data is not None:
+            self.autoscaler = Autoscaler(
+                PolicyConfig.from_spec(self.spec.autoscaling),
+                PerformanceProfile.from_dict(profile_data),
+                self.proxy_url,
+                lambda: [(r.engine_id, r.role, r.state, r.url) for r in self.engines.values()],
+                self.scale,
+            )
 
     # --- public API (called by the CLI) ---------------------------------------------------
 
@@ -110,6 +124,7 @@ class ClusterController:
                 }
                 for role in ROLES
             },
+            "autoscaler": self.autoscaler.status() if self.autoscaler is not None else None,
             "events": self.events,
         }
 
@@ -151,6 +166,18 @@ class ClusterController:
         self.phase = "ready"
         self._event(f"cluster ready in {self.ready_s:.1f}s: {self.proxy_url}")
         self._spawn(self._monitor())
+        if self.autoscaler is not None:
+            config = self.autoscaler.config
+            self._event(
+                f"autoscaler on: a decision every {config.interval_s:g}s "
+                f"(p90 TTFT <= {config.ttft_p90_s:g}s, p90 ITL <= {config.itl_p90_s:g}s)"
+            )
+            self._spawn(self.autoscaler.run())
+        elif self.spec.autoscaling is not None:
+            self._event(
+                "autoscaler off: autoscaling.profile is not set (`pdserve profile` measures one); "
+                "`pdserve scale` sizes the pools within the autoscaling bounds"
+            )
 
     async def _start_proxy(self) -> None:
         config = self.spec.proxy_config()

@@ -14,7 +14,7 @@ deterministic: the same arguments and seed give the same trace, byte for byte.
   ``period_s``, repeated; a non-homogeneous Poisson process drawn by thinning.
 
 Each takes a ``LengthMix`` for prompt and output lengths: ``MIXES`` holds the
-chat mix and the long-prompt and long-output mixes.
+chat mix, the long-prompt and long-output mixes, and a short mix for CPU engines.
 """
 
 from __future__ import annotations
@@ -97,6 +97,8 @@ MIXES: dict[str, LengthMix] = {
     "long-output": LengthMix(
         "long-output", ((0.75, _CHAT_PROMPT, _CHAT_OUTPUT), (0.25, _CHAT_PROMPT, LengthDist(2000, 0.4, 500, 8192)))
     ),
+    # Short requests a CPU engine serves in seconds (the CPU demo, scripts/validate_simulator.py).
+    "short": LengthMix("short", ((1.0, LengthDist(300, 0.5, 64, 1024), LengthDist(24, 0.5, 8, 64)),)),
 }
 
 

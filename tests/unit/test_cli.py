@@ -80,3 +80,53 @@ def test_validate_needs_a_path(capsys):
 
     assert info.value.code == 2
     assert "config" in capsys.readouterr().err
+
+
+def test_validate_says_whether_the_autoscaler_runs_and_names_a_bad_profile(write_spec, make_spec, capsys, tmp_path):
+    scaling = {
+        "prefill": {"min": 1, "max": 2},
+        "decode": {"min": 1, "max": 1},
+        "max_engines": 3,
+        "targets": {"ttft_p90_s": 4, "itl_p90_s": 1},
+    }
+    off = write_spec(make_spec(autoscaling=scaling, resources={"share_cores": True}))
+    assert main(["validate", str(off)]) == 0
+    assert "autoscaler off (no autoscaling.profile); prefill 1..2, decode 1..1" in capsys.readouterr().out
+
+    profile = Path("configs/profiles/example-gpu.yaml").resolve()
+    on = write_spec(make_spec(autoscaling=scaling | {"profile": str(profile)}, resources={"share_cores": True}))
+    assert main(["validate", str(on)]) == 0
+    assert f"autoscaler on, profile {profile}" in capsys.readouterr().out
+
+    (tmp_path / "bad.yaml").write_text("format: pdserve-profile/0\n")
+    bad = write_spec(
+        make_spec(autoscaling=scaling | {"profile": str(tmp_path / "bad.yaml")}, resources={"share_cores": True})
+    )
+    assert main(["validate", str(bad)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"pdserve: {bad}: autoscaling.profile: {tmp_path / 'bad.yaml'}: format")
+
+
+def test_status_shows_the_autoscalers_last_decisions_and_why(monkeypatch, capsys):
+    from orchestrator import cluster
+
+    decision = {
+        "t": 0.0,
+        "prefill": 2,
+        "decode": 1,
+        "changed": {"prefill": [1, 2]},
+        "observed": {"arrival_rps": 0.5, "ttft_p90_s": 3.2, "itl_p90_s": 0.14},
+        "reasons": ["prefill: 0.50 req/s x 262 tokens ... needs 2", "prefill: 1 -> 2"],
+    }
+    status = {
+        "name": "c", "phase": "ready", "ready_s": 50.0, "model": "m", "connector": "pdserve",
+        "proxy_url": "http://127.0.0.1:8000", "log_dir": "/tmp/logs", "error": None, "engines": [],
+        "pools": {"prefill": {"target": 2, "max": 2, "ready": 1, "draining": 0}},
+        "autoscaler": {"interval_s": 5, "decisions": [decision]},
+    }  # fmt: skip
+    monkeypatch.setattr(cluster, "status", lambda: status)
+    assert main(["status"]) == 0
+    out = capsys.readouterr().out
+    assert "autoscaler: a decision every 5s; the last 1 of 1:" in out
+    assert "prefill 2 decode 1 (prefill 1->2); saw 0.50 req/s, p90 TTFT 3.20s, p90 ITL 140ms" in out
+    assert "      prefill: 0.50 req/s x 262 tokens ... needs 2" in out

@@ -559,3 +559,15 @@ def test_autoscaling_on_cuda_must_fit_the_gpus(rejected, make_spec):
     path, err = rejected(make_spec(device="cuda", resources={"gpus": 4}, autoscaling=AUTOSCALING))
 
     assert err.field == "autoscaling.max_engines" and "need 6 GPUs but resources.gpus is 4" in err.reason
+
+
+@pytest.mark.parametrize("config", sorted(Path("configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_config_is_valid_and_its_profile_loads(config: Path) -> None:
+    from orchestrator.cluster import autoscaling_profile
+
+    spec = ClusterSpec.from_file(config)
+    profile = autoscaling_profile(spec, str(config))
+    if spec.autoscaling is not None and spec.autoscaling.profile is not None:
+        assert profile is not None and profile["engine"]["max_num_batched_tokens"] > 0
+    else:
+        assert profile is None

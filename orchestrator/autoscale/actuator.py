@@ -1,0 +1,325 @@
+"""The autoscaler on a running cluster: observe, decide, act, every ``interval_s``.
+
+The controller (``orchestrator.controller``) runs ``Autoscaler.run`` next to its
+engine monitor when the spec has an ``autoscaling`` section with a ``profile``.
+Every ``interval_s`` it
+
+1. scrapes ``/metrics`` of the proxy and of every engine (Prometheus text);
+2. turns the readings into a ``ClusterObservation`` (``Observer``, pure: the
+   differences between this reading and the last one of the same endpoint):
+
+   - arrival rate: ``pdserve_proxy_requests_received_total`` per second;
+   - p90 TTFT and inter-token latency: the proxy's histograms over the window,
+     interpolated within a bucket as Prometheus' ``histogram_quantile`` does
+     (streamed requests only: a JSON answer has no first token to time);
+   - mean prompt tokens: the prefill engines' ``vllm:prompt_tokens_total`` per
+     finished request (the decode engines' when only decode-only requests ran);
+     mean output tokens: the decode engines' ``vllm:generation_tokens_total`` per
+     finished request; the last known means hold through a window without any;
+   - per pool: engines serving and starting (the controller's records), requests
+     waiting and running and the KV-cache use (the engines' own gauges);
+
+3. asks the policy (``orchestrator.autoscale.policy``) for both pools' sizes;
+4. records the decision with its reasons (``pdserve status`` shows the last
+   ones) and, when a size changed, calls the controller's ``scale``, which starts
+   engines or drains them exactly as ``pdserve scale`` does.
+
+The first decision comes one interval after the cluster is ready: the first
+reading is only the baseline the next one is compared with. An engine's first
+reading is its baseline too, and a counter that went down (the engine restarted)
+counts from zero.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from orchestrator.autoscale.policy import (
+    AutoscalePolicy,
+    ClusterObservation,
+    PolicyConfig,
+    PoolObservation,
+    ScalingDecision,
+)
+from orchestrator.autoscale.profile import PerformanceProfile
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Autoscaler", "EngineReading", "MetricsReading", "Observer", "histogram_quantile", "parse_metrics"]
+
+ROLES = ("prefill", "decode")
+RECEIVED = "pdserve_proxy_requests_received_total"
+PROXY_TTFT = "pdserve_proxy_time_to_first_token_seconds"
+PROXY_ITL = "pdserve_proxy_inter_token_latency_seconds"
+PROMPT_TOKENS = "vllm:prompt_tokens_total"
+OUTPUT_TOKENS = "vllm:generation_tokens_total"
+FINISHED = "vllm:request_success_total"
+WAITING = "vllm:num_requests_waiting"
+RUNNING = "vllm:num_requests_running"
+KV_USAGE = "vllm:kv_cache_usage_perc"
+SCRAPE_TIMEOUT_S = 5.0
+DECISIONS_KEPT = 20
+
+
+@dataclass(slots=True)
+class MetricsReading:
+    """One ``/metrics`` page: every sample summed over its label sets (histogram buckets kept by ``le``)."""
+
+    values: dict[str, float] = field(default_factory=dict)
+    buckets: dict[str, dict[float, float]] = field(default_factory=dict)  # histogram -> {le: cumulative count}
+
+    def get(self, name: str) -> float:
+        return self.values.get(name, 0.0)
+
+
+def parse_metrics(text: str) -> MetricsReading:
+    reading = MetricsReading()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.endswith("_bucket") and "le" in sample.labels:
+                le = float(sample.labels["le"])
+                buckets = reading.buckets.setdefault(sample.name[: -len("_bucket")], {})
+                buckets[le] = buckets.get(le, 0.0) + sample.value
+            else:
+                reading.values[sample.name] = reading.values.get(sample.name, 0.0) + sample.value
+    return reading
+
+
+def _increase(now: float, before: float | None) -> float:
+    """A counter's increase since ``before``; a counter that went down restarted from 0."""
+    if before is None:
+        return 0.0
+    return now - before if now >= before else now
+
+
+def histogram_quantile(q: float, now: dict[float, float], before: dict[float, float]) -> float | None:
+    """The ``q`` quantile of the observations between two readings of a histogram's cumulative buckets.
+
+    Linear within the bucket it falls in (the lower edge of the first bucket is 0);
+    a quantile in the ``+Inf`` bucket is the largest finite edge. None without observations.
+    """
+    edges = sorted(now)
+    counts = [_increase(now[le], before.get(le, 0.0)) for le in edges]
+    if not edges or counts[-1] <= 0:
+        return None
+    rank = q * counts[-1]
+    lower, below = 0.0, 0.0
+    for le, count in zip(edges, counts, strict=True):
+        if count >= rank:
+            if math.isinf(le):
+                return lower
+            if count == below:
+                return le
+            return lower + (le - lower) * (rank - below) / (count - below)
+        lower, below = le, count
+    return lower
+
+
+@dataclass(slots=True, frozen=True)
+class EngineReading:
+    """An engine as the controller knows it, with its ``/metrics`` (None: it did not answer)."""
+
+    engine_id: str
+    role: str
+    state: str  # the controller's: pending | starting | ready | restarting | draining ...
+    metrics: MetricsReading | None
+
+
+STARTING_STATES = ("pending", "starting", "restarting")
+
+
+class Observer:
+    """Readings in, ``ClusterObservation`` out: differences against the previous reading of each endpoint."""
+
+    def __init__(self) -> None:
+        self._proxy: MetricsReading | None = None
+        self._engines: dict[str, MetricsReading] = {}
+        self._t: float | None = None
+        self.mean_prompt_tokens = 1.0
+        self.mean_output_tokens = 1.0
+
+    def observe(self, t: float, proxy: MetricsReading | None, engines: Iterable[EngineReading]) -> ClusterObservation:
+        engines = list(engines)
+        window = max(t - self._t, 1e-9) if self._t is not None else None
+        before_proxy = self._proxy
+        arrivals = 0.0
+        ttft = itl = None
+        if proxy is not None:
+            if before_proxy is not None:
+                arrivals = _increase(proxy.get(RECEIVED), before_proxy.get(RECEIVED))
+                ttft = histogram_quantile(
+                    0.9, proxy.buckets.get(PROXY_TTFT, {}), before_proxy.buckets.get(PROXY_TTFT, {})
+                )
+                itl = histogram_quantile(0.9, proxy.buckets.get(PROXY_ITL, {}), before_proxy.buckets.get(PROXY_ITL, {}))
+            self._proxy = proxy
+        self._update_means(engines)
+        for e in engines:
+            if e.metrics is not None:
+                self._engines[e.engine_id] = e.metrics
+        self._t = t
+        pools = {role: self._pool([e for e in engines if e.role == role], role) for role in ROLES}
+        return ClusterObservation(
+            t=t,
+            arrival_rate_rps=arrivals / window if window else 0.0,
+            mean_prompt_tokens=self.mean_prompt_tokens,
+            mean_output_tokens=self.mean_output_tokens,
+            prefill=pools["prefill"],
+            decode=pools["decode"],
+            ttft_p90_s=ttft,
+            itl_p90_s=itl,
+        )
+
+    def _delta(self, engines: list[EngineReading], name: str) -> float:
+        return sum(
+            _increase(e.metrics.get(name), self._engines[e.engine_id].get(name))
+            for e in engines
+            if e.metrics is not None and e.engine_id in self._engines
+        )
+
+    def _update_means(self, engines: list[EngineReading]) -> None:
+        prefill = [e for e in engines if e.role == "prefill"]
+        decode = [e for e in engines if e.role == "decode"]
+        for pool in (prefill, decode):  # prefill engines first; decode engines when only decode-only ran
+            if (finished := self._delta(pool, FINISHED)) > 0:
+                self.mean_prompt_tokens = max(self._delta(pool, PROMPT_TOKENS) / finished, 1.0)
+                break
+        if (finished := self._delta(decode, FINISHED)) > 0:
+            self.mean_output_tokens = max(self._delta(decode, OUTPUT_TOKENS) / finished, 1.0)
+
+    def _pool(self, engines: list[EngineReading], role: str) -> PoolObservation:
+        serving = [e for e in engines if e.state == "ready"]
+        answered = [e.metrics for e in serving if e.metrics is not None]
+        waiting = round(sum(m.get(WAITING) for m in answered))
+        per_request = self.mean_prompt_tokens + (self.mean_output_tokens if role == "decode" else 0.0)
+        return PoolObservation(
+            replicas=len(serving),
+            starting=sum(e.state in STARTING_STATES for e in engines),
+            queue_depth=waiting,
+            queued_tokens=round(waiting * per_request),
+            running=round(sum(m.get(RUNNING) for m in answered)),
+            kv_cache_usage=sum(m.get(KV_USAGE) for m in answered) / len(answered) if answered else 0.0,
+        )
+
+
+def decision_record(decision: ScalingDecision, obs: ClusterObservation, current: dict[str, int]) -> dict[str, Any]:
+    """What ``pdserve status`` shows of one decision."""
+    return {
+        "t": time.time(),
+        "prefill": decision.prefill,
+        "decode": decision.decode,
+        "changed": {
+            role: [current[role], decision.target(role)] for role in ROLES if current[role] != decision.target(role)
+        },
+        "observed": {
+            "arrival_rps": round(obs.arrival_rate_rps, 3),
+            "mean_prompt_tokens": round(obs.mean_prompt_tokens, 1),
+            "mean_output_tokens": round(obs.mean_output_tokens, 1),
+            "ttft_p90_s": None if obs.ttft_p90_s is None else round(obs.ttft_p90_s, 4),
+            "itl_p90_s": None if obs.itl_p90_s is None else round(obs.itl_p90_s, 4),
+            "prefill_waiting": obs.prefill.queue_depth,
+            "decode_waiting": obs.decode.queue_depth,
+        },
+        "reasons": decision.reasons,
+    }
+
+
+class Autoscaler:
+    """The loop: the controller hands it how to list engines and how to scale; it does the rest.
+
+    ``engines()`` returns ``(engine_id, role, state, url)`` of every engine the
+    controller has; ``scale(targets, reason)`` is ``ClusterController.scale``.
+    """
+
+    def __init__(
+        self,
+        config: PolicyConfig,
+        profile: PerformanceProfile,
+        proxy_url: str,
+        engines: Callable[[], list[tuple[str, str, str, str]]],
+        scale: Callable[[dict[str, int], str], Awaitable[dict[str, Any]]],
+    ) -> None:
+        self.config = config
+        self.policy = AutoscalePolicy(config, profile)
+        self.observer = Observer()
+        self.proxy_url = proxy_url
+        self.engines = engines
+        self.scale = scale
+        self.decisions: deque[dict[str, Any]] = deque(maxlen=DECISIONS_KEPT)
+        self._started = time.monotonic()
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "interval_s": self.config.interval_s,
+            "targets": {"ttft_p90_s": self.config.ttft_p90_s, "itl_p90_s": self.config.itl_p90_s},
+            "decisions": list(self.decisions),
+        }
+
+    async def run(self) -> None:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=SCRAPE_TIMEOUT_S)) as session:
+            await self._read(session)  # the baseline
+            while True:
+                await asyncio.sleep(self.config.interval_s)
+                try:
+                    await self.step(session)
+                except Exception:  # a bad step must not end autoscaling for good
+                    logger.exception("autoscaler step failed; trying again in %gs", self.config.interval_s)
+
+    async def _read(self, session: aiohttp.ClientSession) -> ClusterObservation:
+        engines = self.engines()
+        pages = await asyncio.gather(
+            _scrape(session, self.proxy_url),
+            *(
+                _scrape(session, url) if url and state in ("ready", "draining") else _none()
+                for _, _, state, url in engines
+            ),
+        )
+        readings = [
+            EngineReading(engine_id, role, state, page)
+            for (engine_id, role, state, _), page in zip(engines, pages[1:], strict=True)
+        ]
+        return self.observer.observe(time.monotonic() - self._started, pages[0], readings)
+
+    async def step(self, session: aiohttp.ClientSession) -> ScalingDecision:
+        obs = await self._read(session)
+        decision = self.policy.decide(obs)
+        current = {role: obs.pool(role).provisioned for role in ROLES}
+        record = decision_record(decision, obs, current)
+        self.decisions.append(record)
+        if record["changed"]:
+            summary = ", ".join(f"{role} {a} -> {b}" for role, (a, b) in record["changed"].items())
+            result = await self.scale(
+                {role: decision.target(role) for role in ROLES}, f"autoscaler: {summary}; {_why(decision)}"
+            )
+            if "error" in result:
+                record["error"] = result["error"]
+                logger.warning("autoscaler could not scale: %s", result["error"])
+        return decision
+
+
+def _why(decision: ScalingDecision) -> str:
+    """The decision's demand lines, shortened: what the event log says of an automatic change."""
+    lines = [r for r in decision.reasons if r.startswith(("prefill:", "decode:", "feedback:", "trend:"))]
+    return "; ".join(lines[:3])
+
+
+async def _none() -> None:
+    return None
+
+
+async def _scrape(session: aiohttp.ClientSession, url: str) -> MetricsReading | None:
+    with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError):
+        async with session.get(url + "/metrics") as response:
+            if response.status == 200:
+                return parse_metrics(await response.text())
+    return None
