@@ -1,5 +1,6 @@
 """The ``pdserve`` command line: validate, up, status, down, proxy (the proxy alone, without Ray),
-simulate (a spec's cluster on a request trace, no Ray) and traces (write a trace)."""
+simulate (a spec's cluster on a request trace, no Ray), traces (write a trace) and profile
+(measure a cluster's engines into a performance profile)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from orchestrator.errors import ClusterNotRunning, PdserveError, SpecError
@@ -331,6 +333,65 @@ def cmd_traces(args: argparse.Namespace) -> int:
     return 0
 
 
+def default_profile_path(config: str, name: str) -> Path:
+    """``configs/local-cpu.yaml`` -> ``configs/profiles/local-cpu.yaml``: beside the shipped profiles."""
+    return Path(config).resolve().parent / "profiles" / f"{name}.yaml"
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from orchestrator import cluster
+    from orchestrator.autoscale import profiler
+    from orchestrator.autoscale.profile import load_profile
+    from orchestrator.spec import ClusterSpec
+
+    spec = ClusterSpec.from_file(args.config)
+    grid = profiler.grid_with(
+        profiler.QUICK_GRID if args.quick else profiler.DEFAULT_GRID,
+        prefill_tokens=args.prefill_tokens,
+        prefill_batch=args.prefill_batch,
+        decode_batch=args.decode_batch,
+        decode_context=args.decode_context,
+        transfer_tokens=args.transfer_tokens,
+        repeats=args.repeats,
+        decode_tokens=args.decode_tokens,
+    )
+    grid.check(*profiler.batch_limits(spec), spec.engine.max_model_len, spec.proxy.decode_only_below_tokens)
+    out = Path(args.out) if args.out else default_profile_path(args.config, spec.name)
+    started_here = False
+    try:
+        status = cluster.status()
+    except ClusterNotRunning:
+        _print(f"pdserve profile: no cluster is running; starting {args.config} (stopped again at the end)")
+        status = cluster.up(args.config, on_event=_EventPrinter())
+        started_here = True
+    try:
+        running = (status["name"], status["model"], status["connector"])
+        if running != (spec.name, spec.model_name, spec.connector):
+            raise PdserveError(
+                f"the running cluster {running[0]!r} (model {running[1]!r}, connector {running[2]}) is not the one "
+                f"{args.config} describes; `pdserve down` it first"
+            )
+        endpoints = profiler.ClusterEndpoints.from_status(status)
+        engines = f"{endpoints.prefill_url} (prefill), {endpoints.decode_url} (decode), {endpoints.proxy_url} (proxy)"
+        _print(f"pdserve profile: measuring {engines}")
+        profile = asyncio.run(
+            profiler.measure(spec, endpoints, grid, name=args.name, on_progress=lambda line: _print("  " + line))
+        )
+    finally:
+        if started_here:
+            for line in cluster.down():
+                _print(f"pdserve: {line}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    profile.save(out)
+    load_profile(out)  # what was written is what `simulate` and the autoscaler will read
+    _print(f"pdserve profile: wrote {out}")
+    for line in profiler.format_profile(profile):
+        _print("  " + line)
+    return 0
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -554,7 +615,50 @@ def build_parser() -> argparse.ArgumentParser:
     make_traces.add_argument("--mix", choices=sorted(MIXES), default="chat", help="length mix (default: %(default)s)")
     make_traces.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
     make_traces.set_defaults(func=cmd_traces)
+    _add_profile_parser(commands)
     return parser
+
+
+def _add_profile_parser(commands: Any) -> None:
+    from orchestrator.autoscale.profiler import DEFAULT_GRID, QUICK_GRID
+
+    def axis(grid: Any, name: str) -> str:
+        return " ".join(map(str, getattr(grid, name)))
+
+    profile = commands.add_parser(
+        "profile",
+        help="measure the cluster's engines and write a performance profile for `simulate` and the autoscaler",
+        description="Measure prefill pass time (by tokens and batch), decode step time (by batch and context) "
+        "and KV transfer time (by bytes) on the real engines, and write a pdserve-profile/1 file. Uses the "
+        "running cluster if there is one (it must be the one CONFIG describes); otherwise starts CONFIG's "
+        "cluster and stops it at the end. Nothing else should use the engines meanwhile.",
+    )
+    profile.add_argument("config", help="cluster spec (the engines' settings come from it)")
+    profile.add_argument("--out", metavar="FILE", help="where to write (default: profiles/NAME.yaml beside CONFIG)")
+    profile.add_argument("--name", help="the profile's name (default: the cluster's)")
+    profile.add_argument(
+        "--quick", action="store_true", help="a smaller grid, one run each: a smoke test, not a profile to ship"
+    )
+    grid = profile.add_argument_group("grid (defaults: full / --quick)")
+    for name, help_text in (
+        ("prefill_tokens", "prompt tokens of one prefill pass"),
+        ("prefill_batch", "sequences sharing that pass"),
+        ("decode_batch", "sequences decoding together"),
+        ("decode_context", "their prompt tokens"),
+        ("transfer_tokens", "prompt tokens of the disaggregated requests timed"),
+    ):
+        grid.add_argument(
+            "--" + name.replace("_", "-"), type=_positive_int, nargs="+", metavar="N",
+            help=f"{help_text} ({axis(DEFAULT_GRID, name)} / {axis(QUICK_GRID, name)})",
+        )  # fmt: skip
+    grid.add_argument(
+        "--repeats", type=_positive_int, help=f"runs of each point ({DEFAULT_GRID.repeats} / {QUICK_GRID.repeats})"
+    )
+    grid.add_argument(
+        "--decode-tokens", type=_positive_int, metavar="N",
+        help=f"output tokens of each decode request ({DEFAULT_GRID.decode_tokens} / {QUICK_GRID.decode_tokens})",
+    )  # fmt: skip
+    profile.set_defaults(func=cmd_profile)
 
 
 def main(argv: list[str] | None = None) -> int:

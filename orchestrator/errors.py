@@ -34,3 +34,7 @@ class EngineStartError(PdserveError):
 
 class ClusterNotRunning(PdserveError):
     """No pdserve cluster is recorded as running in this state directory."""
+
+
+class ProfilingError(PdserveError):
+    """Measuring a running cluster's engines failed (``pdserve profile``): names the engine or option and why."""

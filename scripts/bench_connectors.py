@@ -40,31 +40,15 @@ import statistics
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 import yaml
 from bench_latency import make_prompt, pdserve, stream_completion
 
-# (sum, count) histogram and bytes counter of each connector, as the decode engine exports them.
-TRANSFER_METRICS = {
-    "pdserve": ("pdserve:kv_transfer_seconds", "pdserve:kv_transfer_bytes_total"),
-    "vllm-nixl": ("vllm:nixl_xfer_time_seconds", "vllm:nixl_bytes_transferred_sum"),
-}
+from orchestrator.engine_metrics import TRANSFER_METRICS, scrape
+
 OUTPUT_TOKENS = 8
 PHASE_METRIC = "vllm:time_to_first_token_seconds"
-
-
-def scrape(url: str, names: tuple[str, ...]) -> dict[str, float]:
-    """Sum over label sets of each sample name in ``names`` on ``url``/metrics."""
-    with urllib.request.urlopen(url + "/metrics", timeout=30) as response:
-        text = response.read().decode()
-    totals = dict.fromkeys(names, 0.0)
-    for line in text.splitlines():
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in totals:
-            totals[name] += float(line.rsplit(" ", 1)[1])
-    return totals
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -19,7 +19,9 @@ ephemeral port, and answers ``POST /v1/chat/completions`` and
 
 ``GET /v1/models`` lists ``model_name``; ``GET /health`` answers
 ``health_status`` (200); ``GET /metrics`` reports ``waiting`` and
-``kv_cache_usage`` as vLLM's Prometheus gauges.
+``kv_cache_usage`` as vLLM's Prometheus gauges, followed by what
+``extra_metrics()`` returns; ``POST /tokenize`` answers one token id per word
+of the prompt (100, 101, ...).
 
 It validates a little, like vLLM: a body that is not a JSON object, a missing
 ``messages``/``prompt``, ``max_tokens`` < 1 or ``min_tokens`` > ``max_tokens``
@@ -120,7 +122,7 @@ class ReceivedRequest:
         return bool((self.kv_transfer_params or {}).get("do_remote_decode"))
 
 
-Handler = Callable[[web.Request, ReceivedRequest], Awaitable[web.StreamResponse]]
+Handler = Callable[[web.Request, ReceivedRequest], Awaitable[web.StreamResponse | None]]
 
 
 @dataclass
@@ -157,9 +159,12 @@ class StubEngine:
     """``vllm:num_requests_waiting`` on ``GET /metrics``."""
     kv_cache_usage: float = 0.0
     """``vllm:kv_cache_usage_perc`` (0-1) on ``GET /metrics``."""
+    extra_metrics: Callable[[], str] | None = None
+    """More Prometheus text for ``GET /metrics``, e.g. a test's histograms of what the stub served."""
     handler: Handler | None = None
     """A test's own answer, used instead of ``behaviour``: ``async def handler(request, received)``
-    returning an ``aiohttp.web`` response (the request is still recorded)."""
+    returning an ``aiohttp.web`` response, or None to answer as ``behaviour`` says (the request is
+    recorded either way)."""
     requests: list[ReceivedRequest] = field(default_factory=list, init=False)
     health_probes: int = field(default=0, init=False)
     """``GET /health`` requests received."""
@@ -187,6 +192,7 @@ class StubEngine:
         app.router.add_get("/health", self._health)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/metrics", self._metrics)
+        app.router.add_post("/tokenize", self._tokenize)
         runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=0.5, access_log=None)
         await runner.setup()
         await web.SockSite(runner, sock).start()
@@ -252,7 +258,14 @@ class StubEngine:
             "# TYPE vllm:kv_cache_usage_perc gauge\n"
             f"vllm:kv_cache_usage_perc{labels} {float(self.kv_cache_usage)}\n"
         )
+        if self.extra_metrics is not None:
+            text += self.extra_metrics()
         return web.Response(text=text, content_type="text/plain")
+
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        body = orjson.loads(await request.read())
+        tokens = [100 + i for i, _ in enumerate(str(body.get("prompt", "")).split())]
+        return _json({"count": len(tokens), "max_model_len": 4096, "tokens": tokens, "token_strs": None})
 
     async def _models(self, request: web.Request) -> web.Response:
         if self.behaviour is Behaviour.ERROR_500:
@@ -272,7 +285,9 @@ class StubEngine:
             self.requests.append(received)
         try:
             if self.handler is not None:
-                return await self.handler(request, received)
+                response = await self.handler(request, received)
+                if response is not None:
+                    return response
             return await self._answer(request, received)
         except asyncio.CancelledError:
             received.disconnected = True

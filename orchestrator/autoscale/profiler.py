@@ -1,0 +1,576 @@
+"""Measure the engines of a running cluster and turn the numbers into a performance profile.
+
+``pdserve profile`` drives this module: ``measure(spec, endpoints, grid)`` talks HTTP
+to the engines whose URLs ``pdserve status`` gives, reads their own Prometheus
+metrics, and returns a ``PerformanceProfile`` (``orchestrator.autoscale.profile``)
+that the CLI saves. Every prompt is a fresh random token-id prompt (ids drawn from
+what the model's tokenizer gave for a sample text, via the engine's ``/tokenize``),
+so the prefix cache never helps; prefill checks it on ``vllm:prefix_cache_hits``.
+
+1. Prefill pass time by tokens and batch. ``batch`` prompts of ``tokens // batch``
+   tokens go to a prefill engine as ONE completions request (``prompt: [[ids], ...]``,
+   ``max_tokens: 1``). vLLM adds a request's prompts to its queue in one event-loop
+   turn, so they share the first pass; separate HTTP requests arrive milliseconds
+   apart and an idle engine would schedule the first one alone. The time kept is the
+   engine's own ``vllm:request_prefill_time_seconds`` (scheduled -> first token),
+   averaged over the prompts: for prompts that shared the pass, that is the pass.
+   Wall time would add the HTTP round trip and any wait in the queue, neither of
+   which is the pass the simulator times. ``vllm:request_queue_time_seconds`` checks
+   the sharing: a mean queue time above ``MAX_QUEUE_SHARE`` of the prefill time means
+   a prompt waited for a later pass (or the engine was busy), and the attempt is
+   made again. The median of ``repeats`` good attempts is kept.
+2. Decode step time by batch and context. ``batch`` concurrent streaming requests of
+   ``context`` prompt tokens and ``decode_tokens`` output tokens (``ignore_eos``) go
+   straight to a decode engine, which computes the prompts itself (no KV transfer).
+   The step time is the median gap between tokens, as the client sees them, while ALL
+   ``batch`` sequences decode (after the last first token, before the first last
+   token). vLLM's inter-token histogram would also count the gaps of sequences that
+   decode while others still prefill in the same step (chunked prefill), which are
+   prefill passes. With ``continuous_usage_stats`` each chunk says how many tokens it
+   carries, so a chunk of two tokens (the server fell behind) counts as two gaps.
+3. Transfer time by bytes. Disaggregated requests of each of ``transfer_tokens``
+   prompt lengths go through the proxy one at a time; the decode engine's transfer
+   histogram and bytes counter for the cluster's connector (``TRANSFER_METRICS``)
+   give each request's KV move: seconds and bytes. ``kv_bytes_per_token`` is all the
+   bytes over all the prompt tokens (the long prompts dominate, so the rounding up to
+   whole KV blocks weighs little).
+4. Engine limits. The engines do not export ``max_num_seqs`` / ``max_num_batched_tokens``,
+   so they come from the spec's ``engine.extra_args`` or else vLLM's defaults for an
+   API server on CPU (what ``orchestrator.launch`` leaves them at); on GPU vLLM's
+   defaults depend on the device, so the spec must name them. ``kv_capacity_tokens``
+   is the decode engine's ``vllm:cache_config_info``; ``startup_s`` is the mean of the
+   engines' ``load_s`` (actor start -> serving) in the status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import os
+import platform
+import random
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from itertools import pairwise
+from typing import Any
+
+import aiohttp
+
+from orchestrator.autoscale.profile import EngineLimits, Grid1D, Grid2D, PerformanceProfile
+from orchestrator.engine_metrics import TRANSFER_METRICS, info_labels, sum_samples
+from orchestrator.errors import ProfilingError
+from orchestrator.spec import ClusterSpec
+
+__all__ = [
+    "DEFAULT_GRID",
+    "QUICK_GRID",
+    "ClusterEndpoints",
+    "ProfileGrid",
+    "RandomPrompts",
+    "all_decoding_gaps",
+    "batch_limits",
+    "format_profile",
+    "grid_with",
+    "kv_capacity_tokens",
+    "measure",
+    "transfer_table",
+]
+
+logger = logging.getLogger(__name__)
+
+CPU_DEFAULT_MAX_NUM_SEQS = 128
+CPU_DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+"""vLLM's defaults for an OpenAI API server on CPU, per TP rank (``EngineArgs.get_batch_defaults``)."""
+
+PREFILL_TIME = "vllm:request_prefill_time_seconds"
+QUEUE_TIME = "vllm:request_queue_time_seconds"
+PREFIX_HITS = "vllm:prefix_cache_hits_total"
+CACHE_INFO = "vllm:cache_config_info"
+PREFILL_SAMPLES = (PREFILL_TIME + "_sum", PREFILL_TIME + "_count", QUEUE_TIME + "_sum", PREFIX_HITS)
+MAX_QUEUE_SHARE = 0.25
+"""A prefill attempt whose prompts waited longer than this share of their prefill time did not share one pass."""
+ATTEMPTS_PER_REPEAT = 3
+METRICS_WAIT_S = 15.0
+"""How long an engine's histograms may lag behind its HTTP answer (vLLM records them after it)."""
+REQUEST_TIMEOUT_S = 900.0
+SAMPLE_TEXT = (
+    "The river carried old leaves past the mill while children counted boats and the baker sang about rain "
+    "over the hills, where a lighthouse keeper wrote letters to a friend across the sea. Seven quick zebras "
+    "jumped; a violin, two maps, forty apples and one purple umbrella waited in the station at midnight. "
+    "Engineers measured voltage, pressure, latency and throughput; poets preferred moonlight, velvet, "
+    "thunder, copper bells, orchards, glaciers and the smell of bread."
+)
+"""Text whose tokens make the pool random prompts are drawn from: many distinct words, no markup."""
+MIN_DISTINCT_IDS = 32
+
+
+@dataclass(slots=True, frozen=True)
+class ProfileGrid:
+    """What to measure. Prefill passes never exceed ``max_num_batched_tokens`` (a longer prompt is
+    chunked into several passes, which is not a point of the table); the defaults fit the CPU demo
+    (SmolLM2-135M on one core per engine) in about five minutes."""
+
+    prefill_tokens: tuple[int, ...] = (64, 256, 1024, 2048)
+    prefill_batch: tuple[int, ...] = (1, 2)
+    decode_batch: tuple[int, ...] = (1, 2, 4, 8)
+    decode_context: tuple[int, ...] = (128, 512)
+    transfer_tokens: tuple[int, ...] = (256, 1024, 2048)
+    repeats: int = 2
+    decode_tokens: int = 24
+
+    def check(self, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, disagg_from: int) -> None:
+        """Raise ``ProfilingError`` naming the option whose values the engines cannot measure."""
+        axes = {
+            "--prefill-tokens": self.prefill_tokens,
+            "--prefill-batch": self.prefill_batch,
+            "--decode-batch": self.decode_batch,
+            "--decode-context": self.decode_context,
+            "--transfer-tokens": self.transfer_tokens,
+        }
+        for option, values in axes.items():
+            if not values or any(v < 1 for v in values) or list(values) != sorted(set(values)):
+                raise ProfilingError(f"{option}: must be increasing positive numbers (got {list(values)})")
+        if self.repeats < 1 or self.decode_tokens < 3:
+            raise ProfilingError(f"--repeats must be >= 1, --decode-tokens >= 3 ({self.repeats}, {self.decode_tokens})")
+        if self.prefill_tokens[-1] > max_num_batched_tokens:
+            raise ProfilingError(
+                f"--prefill-tokens: {self.prefill_tokens[-1]} exceeds the engines' max_num_batched_tokens "
+                f"({max_num_batched_tokens}): such a prefill is several passes, not one"
+            )
+        if self.prefill_tokens[0] < self.prefill_batch[-1]:
+            raise ProfilingError(
+                f"--prefill-tokens: {self.prefill_tokens[0]} tokens cannot be split into "
+                f"{self.prefill_batch[-1]} sequences (--prefill-batch)"
+            )
+        if self.prefill_tokens[-1] // self.prefill_batch[0] >= max_model_len:
+            raise ProfilingError(f"--prefill-tokens: {self.prefill_tokens[-1]} exceeds max_model_len {max_model_len}")
+        if self.decode_batch[-1] > max_num_seqs:
+            raise ProfilingError(f"--decode-batch: {self.decode_batch[-1]} exceeds max_num_seqs {max_num_seqs}")
+        if self.decode_context[-1] + self.decode_tokens > max_model_len:
+            raise ProfilingError(
+                f"--decode-context: {self.decode_context[-1]} + {self.decode_tokens} output tokens exceed "
+                f"max_model_len {max_model_len}"
+            )
+        if self.transfer_tokens[-1] + 2 > max_model_len:
+            raise ProfilingError(f"--transfer-tokens: {self.transfer_tokens[-1]} exceeds max_model_len {max_model_len}")
+        if self.transfer_tokens[0] < disagg_from:
+            raise ProfilingError(
+                f"--transfer-tokens: {self.transfer_tokens[0]} is below proxy.decode_only_below_tokens "
+                f"({disagg_from}): the proxy would serve it without a KV transfer"
+            )
+
+
+DEFAULT_GRID = ProfileGrid()
+QUICK_GRID = ProfileGrid(
+    prefill_tokens=(64, 256, 1024),
+    prefill_batch=(1, 2),
+    decode_batch=(1, 4),
+    decode_context=(128, 512),
+    transfer_tokens=(256, 1024),
+    repeats=1,
+    decode_tokens=16,
+)
+"""A smoke run: every table gets values, in about a third of the default's time."""
+
+
+@dataclass(slots=True, frozen=True)
+class ClusterEndpoints:
+    """The engines and proxy of a running cluster, as ``pdserve status --json`` lists them."""
+
+    name: str
+    model: str
+    connector: str
+    proxy_url: str
+    prefill_url: str
+    decode_url: str
+    startup_s: float
+
+    @classmethod
+    def from_status(cls, status: dict[str, Any]) -> ClusterEndpoints:
+        ready = [e for e in status["engines"] if e["state"] == "ready" and e.get("url")]
+        urls = {}
+        for role in ("prefill", "decode"):
+            engines = [e for e in ready if e["role"] == role]
+            if not engines:
+                states = ", ".join(f"{e['engine_id']} {e['state']}" for e in status["engines"])
+                raise ProfilingError(f"cluster {status['name']!r} has no ready {role} engine ({states})")
+            urls[role] = engines[0]["url"]
+        loads = [e["load_s"] for e in ready if e.get("load_s")]
+        return cls(
+            name=status["name"],
+            model=status["model"],
+            connector=status["connector"],
+            proxy_url=status["proxy_url"],
+            prefill_url=urls["prefill"],
+            decode_url=urls["decode"],
+            startup_s=round(statistics.mean(loads), 1) if loads else 0.0,
+        )
+
+
+def batch_limits(spec: ClusterSpec) -> tuple[int, int]:
+    """(max_num_seqs of a decode engine, max_num_batched_tokens of a prefill engine) as they run."""
+
+    def setting(name: str, role: str, cpu_default: int) -> int:
+        extra = spec.engine.extra_args
+        value = extra.get(name, extra.get(name.replace("_", "-")))
+        if value is not None:
+            return int(value)
+        if spec.device != "cpu":
+            raise ProfilingError(
+                f"engine.extra_args.{name}: must be set for device {spec.device!r}: vLLM's default there depends "
+                "on the GPU, and the engines do not export it"
+            )
+        return cpu_default * spec.pool(role).tensor_parallel_size
+
+    return (
+        setting("max_num_seqs", "decode", CPU_DEFAULT_MAX_NUM_SEQS),
+        setting("max_num_batched_tokens", "prefill", CPU_DEFAULT_MAX_NUM_BATCHED_TOKENS),
+    )
+
+
+def kv_capacity_tokens(labels: dict[str, str] | None, url: str) -> int:
+    """Tokens of KV cache one engine holds, from the labels of its ``vllm:cache_config_info``."""
+    if labels is None:
+        raise ProfilingError(f"{url}/metrics: no {CACHE_INFO}: cannot read the engine's KV capacity")
+    size = labels.get("kv_cache_size_tokens", "None")
+    if size != "None":
+        return int(float(size))
+    blocks, block_size = labels.get("num_gpu_blocks", "None"), labels.get("block_size", "None")
+    if blocks == "None" or block_size == "None":
+        raise ProfilingError(f"{url}/metrics: {CACHE_INFO} has neither kv_cache_size_tokens nor num_gpu_blocks")
+    return int(blocks) * int(block_size)
+
+
+def all_decoding_gaps(streams: list[list[tuple[float, int]]]) -> list[float]:
+    """Per-token gaps (seconds) of every stream while all streams were decoding.
+
+    A stream is its chunks as ``(arrival time, tokens generated so far)``, the first one
+    carrying the first token. The window opens at the last stream's first token (every
+    prompt computed) and closes at the first stream's last token (one has finished).
+    A gap of ``k`` tokens counts as ``k`` gaps of a ``k``-th of its length each.
+    """
+    if any(not s for s in streams):
+        return []
+    start, end = max(s[0][0] for s in streams), min(s[-1][0] for s in streams)
+    gaps: list[float] = []
+    for stream in streams:
+        for (t0, n0), (t1, n1) in pairwise(stream):
+            if t0 >= start and t1 <= end and n1 > n0:
+                gaps += [(t1 - t0) / (n1 - n0)] * (n1 - n0)
+    return gaps
+
+
+@dataclass(slots=True, frozen=True)
+class TransferSample:
+    prompt_tokens: int
+    seconds: float
+    nbytes: float
+
+
+def transfer_table(samples: list[TransferSample]) -> tuple[list[float], list[float], int]:
+    """(bytes axis, seconds, kv_bytes_per_token) from single-request transfer samples.
+
+    Samples of one prompt length give one point (their medians); lengths whose KV fills
+    the same number of blocks move the same bytes and merge into one point, so the
+    bytes axis increases strictly as the profile format requires.
+    """
+    if not samples or any(s.nbytes <= 0 for s in samples):
+        raise ProfilingError("no KV transfer moved any bytes: the connector's bytes counter did not grow")
+    by_bytes: dict[float, list[TransferSample]] = {}
+    for length in sorted({s.prompt_tokens for s in samples}):
+        of_length = [s for s in samples if s.prompt_tokens == length]
+        nbytes = statistics.median(s.nbytes for s in of_length)
+        by_bytes.setdefault(nbytes, []).extend(of_length)
+    axis = sorted(by_bytes)
+    seconds = [round(statistics.median(s.seconds for s in by_bytes[b]), 6) for b in axis]
+    per_token = sum(s.nbytes for s in samples) / sum(s.prompt_tokens for s in samples)
+    return axis, seconds, round(per_token)
+
+
+class RandomPrompts:
+    """Fresh token-id prompts, ids drawn at random from those the model's tokenizer gave for ``SAMPLE_TEXT``."""
+
+    def __init__(self, token_ids: list[int], seed: int | None = None) -> None:
+        self.token_ids = sorted(set(token_ids))
+        self.rng = random.Random(seed)
+
+    def __call__(self, length: int) -> list[int]:
+        return self.rng.choices(self.token_ids, k=length)
+
+    @classmethod
+    async def from_engine(cls, http: _Http, url: str, model: str, seed: int | None = None) -> RandomPrompts:
+        answer = await http.post(url, "/tokenize", {"model": model, "prompt": SAMPLE_TEXT, "add_special_tokens": False})
+        ids = answer.get("tokens")
+        if not isinstance(ids, list) or len(set(ids)) < MIN_DISTINCT_IDS:
+            raise ProfilingError(
+                f"{url}/tokenize: expected at least {MIN_DISTINCT_IDS} distinct token ids, got {ids!r}"
+            )
+        return cls(ids, seed)
+
+
+class _Http:
+    """The profiler's one HTTP session: JSON posts, SSE streams and ``/metrics`` scrapes."""
+
+    def __init__(self, session: aiohttp.ClientSession) -> None:
+        self.session = session
+
+    async def post(self, url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        try:
+            async with self.session.post(url + path, json=body) as response:
+                text = await response.text()
+        except (aiohttp.ClientError, TimeoutError) as e:
+            raise ProfilingError(f"{url}{path}: {type(e).__name__}: {e}") from e
+        if response.status != 200:
+            raise ProfilingError(f"{url}{path}: HTTP {response.status}: {text[:500]}")
+        return json.loads(text)
+
+    async def stream(self, url: str, body: dict[str, Any]) -> list[tuple[float, int]]:
+        """POST a streaming completion; its chunks as (arrival time, tokens so far)."""
+        body = body | {"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+        chunks: list[tuple[float, int]] = []
+        try:
+            async with self.session.post(url + "/v1/completions", json=body) as response:
+                if response.status != 200:
+                    raise ProfilingError(
+                        f"{url}/v1/completions: HTTP {response.status}: {(await response.text())[:500]}"
+                    )
+                async for raw in response.content:
+                    line = raw.decode().strip()
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    event = json.loads(line[6:])
+                    if not event.get("choices"):
+                        continue  # the closing usage-only chunk
+                    usage = event.get("usage") or {}
+                    count = usage.get("completion_tokens", (chunks[-1][1] if chunks else 0) + 1)
+                    chunks.append((time.perf_counter(), count))
+        except (aiohttp.ClientError, TimeoutError) as e:
+            raise ProfilingError(f"{url}/v1/completions: {type(e).__name__}: {e}") from e
+        return chunks
+
+    async def metrics(self, url: str) -> str:
+        try:
+            async with self.session.get(url + "/metrics") as response:
+                if response.status != 200:
+                    raise ProfilingError(f"{url}/metrics: HTTP {response.status}")
+                return await response.text()
+        except (aiohttp.ClientError, TimeoutError) as e:
+            raise ProfilingError(f"{url}/metrics: {type(e).__name__}: {e}") from e
+
+    async def samples(self, url: str, names: tuple[str, ...]) -> dict[str, float]:
+        return sum_samples(await self.metrics(url), names)
+
+    async def wait_for(self, url: str, names: tuple[str, ...], count_name: str, at_least: float) -> dict[str, float]:
+        """Scrape until ``count_name`` reaches ``at_least``: vLLM records a request after answering it."""
+        deadline = time.monotonic() + METRICS_WAIT_S
+        while True:
+            samples = await self.samples(url, names)
+            if samples[count_name] >= at_least:
+                return samples
+            if time.monotonic() > deadline:
+                raise ProfilingError(
+                    f"{url}/metrics: {count_name} is {samples[count_name]:g}, expected {at_least:g} "
+                    f"{METRICS_WAIT_S:g}s after the requests were answered"
+                )
+            await asyncio.sleep(0.1)
+
+
+def _delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    return {name: after[name] - before[name] for name in after}
+
+
+async def _prefill_point(
+    http: _Http, url: str, model: str, prompts: RandomPrompts, tokens: int, batch: int, grid: ProfileGrid
+) -> float:
+    """Median prefill time of one pass of ``batch`` sequences of ``tokens // batch`` tokens."""
+    passes: list[float] = []
+    repeats = grid.repeats
+    for _ in range(ATTEMPTS_PER_REPEAT * repeats):
+        before = await http.samples(url, PREFILL_SAMPLES)
+        body = {"model": model, "prompt": [prompts(tokens // batch) for _ in range(batch)], "max_tokens": 1}
+        await http.post(url, "/v1/completions", body | {"temperature": 0})
+        count = PREFILL_TIME + "_count"
+        delta = _delta(await http.wait_for(url, PREFILL_SAMPLES, count, before[count] + batch), before)
+        if delta[PREFIX_HITS] > 0:
+            raise ProfilingError(f"{url}: {delta[PREFIX_HITS]:g} prompt tokens hit the prefix cache")
+        prefill_s, queue_s = delta[PREFILL_TIME + "_sum"] / batch, delta[QUEUE_TIME + "_sum"] / batch
+        if queue_s > MAX_QUEUE_SHARE * prefill_s:
+            logger.info(
+                "prefill at %s: %d x %d tokens queued %.3fs: not one pass", url, batch, tokens // batch, queue_s
+            )
+            continue
+        passes.append(prefill_s)
+        if len(passes) == repeats:
+            return statistics.median(passes)
+    raise ProfilingError(
+        f"{url}: {batch} sequences of {tokens // batch} tokens never shared one prefill pass in "
+        f"{ATTEMPTS_PER_REPEAT * repeats} attempts (queue time above {MAX_QUEUE_SHARE:.0%} of prefill time): "
+        "is something else using the engine?"
+    )
+
+
+async def _decode_point(
+    http: _Http, url: str, model: str, prompts: RandomPrompts, batch: int, context: int, grid: ProfileGrid
+) -> float:
+    """Median decode step of ``batch`` sequences of ``context`` prompt tokens, pooled over ``repeats`` runs."""
+    gaps: list[float] = []
+    for _ in range(grid.repeats):
+        body = {"model": model, "max_tokens": grid.decode_tokens, "ignore_eos": True, "temperature": 0}
+        streams = await asyncio.gather(*(http.stream(url, body | {"prompt": prompts(context)}) for _ in range(batch)))
+        gaps += all_decoding_gaps(list(streams))
+    if not gaps:
+        raise ProfilingError(
+            f"{url}: the {batch} sequences of {context} tokens were never all decoding at once; raise --decode-tokens"
+        )
+    return statistics.median(gaps)
+
+
+async def _transfer_samples(
+    http: _Http, endpoints: ClusterEndpoints, prompts: RandomPrompts, grid: ProfileGrid
+) -> list[TransferSample]:
+    if endpoints.connector not in TRANSFER_METRICS:
+        raise ProfilingError(f"connector {endpoints.connector!r}: no known transfer metrics")
+    seconds_name, bytes_name = TRANSFER_METRICS[endpoints.connector]
+    names = (seconds_name + "_sum", seconds_name + "_count", bytes_name)
+    count = seconds_name + "_count"
+    samples = []
+    for length in grid.transfer_tokens:
+        for _ in range(grid.repeats):
+            before = await http.samples(endpoints.decode_url, names)
+            body = {"model": endpoints.model, "prompt": prompts(length), "max_tokens": 2, "temperature": 0}
+            await http.post(endpoints.proxy_url, "/v1/completions", body)
+            after = await http.wait_for(endpoints.decode_url, names, count, before[count] + 1)
+            delta = _delta(after, before)
+            # One request may be moved in several transfers: its KV move is their total.
+            samples.append(TransferSample(length, delta[seconds_name + "_sum"], delta[bytes_name]))
+    return samples
+
+
+def _engines_text(spec: ClusterSpec) -> str:
+    """``"prefill engines on 1 core, TP 1; decode engines on 1 core, TP 1"`` (GPUs: no cores)."""
+    parts = []
+    for role in ("prefill", "decode"):
+        pool = spec.pool(role)
+        cores = f"on {pool.cpu_cores} core(s) per rank, " if spec.device == "cpu" else ""
+        parts.append(f"{role} engines {cores}TP {pool.tensor_parallel_size}")
+    return "; ".join(parts)
+
+
+def _machine() -> str:
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
+    except OSError:
+        pass
+    return f"{platform.node()}: {os.cpu_count()} cores ({model})"
+
+
+async def measure(
+    spec: ClusterSpec,
+    endpoints: ClusterEndpoints,
+    grid: ProfileGrid = DEFAULT_GRID,
+    name: str | None = None,
+    on_progress: Callable[[str], None] = logger.info,
+    seed: int | None = None,
+) -> PerformanceProfile:
+    """Measure the running engines at ``endpoints`` (started from ``spec``) over ``grid``."""
+    max_num_seqs, budget = batch_limits(spec)
+    grid.check(max_num_seqs, budget, spec.engine.max_model_len, spec.proxy.decode_only_below_tokens)
+    timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        http = _Http(session)
+        model, prefill_url, decode_url = endpoints.model, endpoints.prefill_url, endpoints.decode_url
+        prompts = await RandomPrompts.from_engine(http, prefill_url, model, seed)
+        capacity = kv_capacity_tokens(info_labels(await http.metrics(decode_url), CACHE_INFO), decode_url)
+        largest = grid.decode_batch[-1] * (grid.decode_context[-1] + grid.decode_tokens)
+        if largest > capacity:
+            raise ProfilingError(
+                f"--decode-batch x --decode-context: {largest} tokens exceed the decode engine's KV cache "
+                f"({capacity} tokens)"
+            )
+        # First requests pay one-off costs (buffers, the connector's handshake): not measured.
+        await http.post(prefill_url, "/v1/completions", {"model": model, "prompt": prompts(16), "max_tokens": 1})
+        await http.stream(decode_url, {"model": model, "prompt": prompts(16), "max_tokens": 4, "ignore_eos": True})
+        handshake = {"model": model, "prompt": prompts(max(16, spec.proxy.decode_only_below_tokens)), "max_tokens": 2}
+        await http.post(endpoints.proxy_url, "/v1/completions", handshake)
+
+        started = time.monotonic()
+        prefill = []
+        for tokens in grid.prefill_tokens:
+            row = [await _prefill_point(http, prefill_url, model, prompts, tokens, b, grid) for b in grid.prefill_batch]
+            cells = zip(grid.prefill_batch, row, strict=True)
+            on_progress(f"prefill {tokens:>5} tokens: " + ", ".join(f"batch {b} {s:.3f}s" for b, s in cells))
+            prefill.append([round(s, 5) for s in row])
+        decode = []
+        for batch in grid.decode_batch:
+            row = [await _decode_point(http, decode_url, model, prompts, batch, c, grid) for c in grid.decode_context]
+            cells = zip(grid.decode_context, row, strict=True)
+            on_progress(f"decode batch {batch:>3}: " + ", ".join(f"context {c} {1000 * s:.1f}ms" for c, s in cells))
+            decode.append([round(s, 5) for s in row])
+        samples = await _transfer_samples(http, endpoints, prompts, grid)
+        nbytes, seconds, per_token = transfer_table(samples)
+        points = zip(nbytes, seconds, strict=True)
+        on_progress("transfer: " + ", ".join(f"{b / 2**20:.2f} MiB {1000 * s:.1f}ms" for b, s in points))
+        measured_s = time.monotonic() - started
+
+    seconds_name, bytes_name = TRANSFER_METRICS[endpoints.connector]
+    limits_from = "engine.extra_args" if "max_num_seqs" in spec.engine.extra_args else f"vLLM's {spec.device} defaults"
+    provenance = (
+        f"measured by `pdserve profile` on {datetime.now(UTC):%Y-%m-%d %H:%M} UTC in {measured_s:.0f}s on "
+        f"{_machine()}; cluster {endpoints.name!r}: {_engines_text(spec)}, model {model!r}, connector "
+        f"{endpoints.connector}, max_model_len {spec.engine.max_model_len}. prefill: the engine's {PREFILL_TIME} of "
+        f"sequences sharing one pass, median of {grid.repeats}; decode: median client-side inter-token gap while "
+        f"all sequences decode ({grid.decode_tokens} output tokens, {grid.repeats} run(s)); transfer: the decode "
+        f"engine's {seconds_name} and {bytes_name} per request through the proxy, median of {grid.repeats}; "
+        f"max_num_seqs, max_num_batched_tokens: {limits_from}; kv_capacity_tokens: {CACHE_INFO}; "
+        "startup_s: mean engine load_s."
+    )
+    return PerformanceProfile(
+        name=name or endpoints.name,
+        provenance=provenance,
+        engine=EngineLimits(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=budget,
+            kv_capacity_tokens=capacity,
+            kv_bytes_per_token=per_token,
+            startup_s=endpoints.startup_s,
+        ),
+        prefill=Grid2D([float(t) for t in grid.prefill_tokens], [float(b) for b in grid.prefill_batch], prefill),
+        decode=Grid2D([float(b) for b in grid.decode_batch], [float(c) for c in grid.decode_context], decode),
+        transfer=Grid1D(nbytes, seconds),
+    )
+
+
+def format_profile(profile: PerformanceProfile) -> list[str]:
+    """The profile as a short table, for the CLI."""
+    e = profile.engine
+    lines = [
+        f"engine    max_num_seqs {e.max_num_seqs}, max_num_batched_tokens {e.max_num_batched_tokens}, "
+        f"KV {e.kv_capacity_tokens} tokens x {e.kv_bytes_per_token} B, startup {e.startup_s:g}s",
+        "prefill   seconds per pass   " + "".join(f"{f'batch {b:g}':>11}" for b in profile.prefill.cols),
+    ]
+    for tokens, row in zip(profile.prefill.rows, profile.prefill.seconds, strict=True):
+        lines.append(f"          {tokens:>6g} tokens      " + "".join(f"{s:>11.3f}" for s in row))
+    lines.append("decode    ms per step        " + "".join(f"{f'ctx {c:g}':>11}" for c in profile.decode.cols))
+    for batch, row in zip(profile.decode.rows, profile.decode.seconds, strict=True):
+        lines.append(f"          batch {batch:>4g}         " + "".join(f"{1000 * s:>11.1f}" for s in row))
+    lines.append(
+        "transfer  "
+        + ", ".join(
+            f"{b / 2**20:.2f} MiB in {1000 * s:.1f} ms"
+            for b, s in zip(profile.transfer.x, profile.transfer.y, strict=True)
+        )
+    )
+    return lines
+
+
+def grid_with(base: ProfileGrid, **overrides: Any) -> ProfileGrid:
+    """``base`` with the options the user gave (``None``: keep ``base``'s)."""
+    given = {k: (tuple(v) if isinstance(v, list) else v) for k, v in overrides.items() if v is not None}
+    return dataclasses.replace(base, **given)

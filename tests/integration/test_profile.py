@@ -1,0 +1,48 @@
+"""``pdserve profile`` against the shared cluster: real engines, real connector, a small grid.
+
+It must write a profile that ``load_profile`` accepts, whose numbers have the shape
+real engines give (longer prompts take longer, every table positive, the KV of one
+SmolLM2 token about its layer x head arithmetic), and leave the cluster it did not
+start running.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from orchestrator.autoscale.profile import load_profile
+from tests.integration.conftest import Cluster, run_pdserve
+
+pytestmark = pytest.mark.integration
+
+# SmolLM2-135M: 30 layers x 3 KV heads x 64 dims x (K, V), in bf16 or float32 on CPU.
+KV_BYTES_PER_TOKEN = (30 * 3 * 64 * 2 * 2, 30 * 3 * 64 * 2 * 4)
+
+
+def test_profile_of_the_running_cluster_loads_and_leaves_it_running(
+    cluster: Cluster, state_dir: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "profile.yaml"
+    spec_path = state_dir / f"cluster-{cluster.connector}.yaml"
+    grid = ["--prefill-tokens", "64", "512", "--prefill-batch", "1", "2", "--decode-batch", "1", "2"]
+    grid += ["--decode-context", "128", "--transfer-tokens", "256", "1024", "--repeats", "1", "--decode-tokens", "8"]
+
+    result = run_pdserve("profile", str(spec_path), "--out", str(out), *grid, env=cluster.env)
+
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"pdserve profile: wrote {out}" in result.stdout
+    profile = load_profile(out)
+    assert profile.name == "pdserve-test"
+    assert f"connector {cluster.connector}" in profile.provenance
+    assert profile.prefill.rows == [64.0, 512.0] and profile.prefill.cols == [1.0, 2.0]
+    assert profile.prefill.seconds[1][0] > profile.prefill.seconds[0][0] > 0
+    assert all(0 < s < 1.0 for row in profile.decode.seconds for s in row)
+    assert profile.transfer.x[0] > 0 and len(profile.transfer.x) == 2
+    assert profile.transfer.x[1] > 3 * profile.transfer.x[0]  # 1024 tokens move about 4x the KV of 256
+    low, high = KV_BYTES_PER_TOKEN
+    assert low <= profile.engine.kv_bytes_per_token <= 1.5 * high
+    assert profile.engine.max_num_batched_tokens == 2048 and profile.engine.kv_capacity_tokens > 4096
+    assert profile.engine.startup_s > 0
+    assert cluster.refresh()["phase"] == "ready"

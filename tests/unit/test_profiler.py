@@ -1,0 +1,272 @@
+"""``pdserve profile``'s measurement logic (``orchestrator.autoscale.profiler``) against stub engines.
+
+The stubs play vLLM engines whose costs follow known formulas: the prefill stub
+reports ``prefill_pass_s(tokens, batch)`` in ``vllm:request_prefill_time_seconds``,
+the decode stub streams tokens ``decode_step_s(active streams, context)`` apart and
+counts each KV transfer the proxy sets up in vLLM NIXL's metrics. A profile measured
+against them must hold those formulas' values, and load back with ``load_profile``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+from aiohttp import web
+
+from orchestrator.autoscale import profiler
+from orchestrator.autoscale.profile import load_profile
+from orchestrator.autoscale.profiler import ClusterEndpoints, ProfileGrid, TransferSample
+from orchestrator.cli import main
+from orchestrator.errors import ProfilingError
+from orchestrator.spec import ClusterSpec
+from tests.stub_engine import ReceivedRequest, StubEngine
+
+BYTES_PER_TOKEN = 1000
+KV_CAPACITY = 23296
+
+
+def prefill_pass_s(tokens: int, batch: int) -> float:
+    return 0.0005 * tokens + 0.002 * batch
+
+
+def decode_step_s(active: int, context: int) -> float:
+    return 0.01 * active + 0.00002 * context
+
+
+def transfer_s(nbytes: float) -> float:
+    return 0.001 + nbytes / 1e8
+
+
+class FakeVllm:
+    """The metrics and answers of a prefill and a decode vLLM engine, installed on two stubs."""
+
+    def __init__(self, prefill: StubEngine, decode: StubEngine) -> None:
+        self.prefill_sum = self.prefill_count = self.queue_sum = 0.0
+        self.transfer_sum = self.transfer_count = self.transfer_bytes = 0.0
+        self.queue_next = 0  # measured prefill requests still to report a long wait (a later pass)
+        self.active = 0
+        prefill.handler, prefill.extra_metrics = self.prefill, self.prefill_metrics
+        decode.handler, decode.extra_metrics = self.decode, self.decode_metrics
+
+    async def prefill(self, request: web.Request, received: ReceivedRequest) -> web.StreamResponse | None:
+        if received.is_prefill:
+            return None  # the proxy's prefill leg: the stub's usual answer
+        prompts = received.body["prompt"]
+        prompts = [prompts] if isinstance(prompts[0], int) else prompts  # one prompt, or a batch of them
+        batch, tokens = len(prompts), sum(len(p) for p in prompts)
+        self.prefill_sum += batch * prefill_pass_s(tokens, batch)
+        self.prefill_count += batch
+        if self.queue_next and tokens > 16:  # not the warm-up
+            self.queue_next -= 1
+            self.queue_sum += batch * 1.0
+        return web.json_response({"choices": [{"index": i, "text": "x"} for i in range(batch)]})
+
+    def prefill_metrics(self) -> str:
+        return (
+            f"vllm:request_prefill_time_seconds_sum {self.prefill_sum}\n"
+            f"vllm:request_prefill_time_seconds_count {self.prefill_count}\n"
+            f"vllm:request_queue_time_seconds_sum {self.queue_sum}\n"
+            f"vllm:request_queue_time_seconds_count {self.prefill_count}\n"
+            "vllm:prefix_cache_hits_total 0.0\n"
+        )
+
+    async def decode(self, request: web.Request, received: ReceivedRequest) -> web.StreamResponse | None:
+        body = received.body
+        if received.kv_transfer_params:  # the proxy's decode leg: the KV comes over
+            nbytes = BYTES_PER_TOKEN * len(body["prompt"])
+            self.transfer_sum += transfer_s(nbytes)
+            self.transfer_count += 1
+            self.transfer_bytes += nbytes
+            return None
+        context = len(body["prompt"])
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        self.active += 1
+        try:
+            for generated in range(1, body["max_tokens"] + 1):
+                if generated > 1:
+                    await asyncio.sleep(decode_step_s(self.active, context))
+                chunk = {"choices": [{"index": 0, "text": "x"}], "usage": {"completion_tokens": generated}}
+                await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        finally:
+            self.active -= 1
+        await response.write(b"data: [DONE]\n\n")
+        return response
+
+    def decode_metrics(self) -> str:
+        return (
+            f'vllm:cache_config_info{{block_size="128",engine="0",kv_cache_size_tokens="{KV_CAPACITY}"}} 1.0\n'
+            f"vllm:nixl_xfer_time_seconds_sum {self.transfer_sum}\n"
+            f"vllm:nixl_xfer_time_seconds_count {self.transfer_count}\n"
+            f"vllm:nixl_bytes_transferred_sum {self.transfer_bytes}\n"
+        )
+
+
+@pytest.fixture
+def fake(prefill_engine: StubEngine, decode_engine: StubEngine) -> FakeVllm:
+    return FakeVllm(prefill_engine, decode_engine)
+
+
+@pytest.fixture
+def spec(write_spec, make_spec) -> ClusterSpec:
+    return ClusterSpec.from_file(write_spec(make_spec(name="fake", connector="vllm-nixl")))
+
+
+SMALL_GRID = ProfileGrid(
+    prefill_tokens=(64, 256),
+    prefill_batch=(1, 2),
+    decode_batch=(1, 4),
+    decode_context=(128, 512),
+    transfer_tokens=(256, 1024),
+    repeats=2,
+    decode_tokens=8,
+)
+
+
+async def test_measured_profile_holds_the_engines_costs_and_loads_back(
+    fake: FakeVllm, prefill_engine, decode_engine, make_proxy, spec, tmp_path: Path
+):
+    proxy = await make_proxy(request_timeout_s=10)
+    endpoints = ClusterEndpoints("fake", "m", "vllm-nixl", proxy.url, prefill_engine.url, decode_engine.url, 31.5)
+    fake.queue_next = 1  # the first measured prefill waited for a later pass: measured again
+    progress: list[str] = []
+
+    profile = await profiler.measure(spec, endpoints, SMALL_GRID, on_progress=progress.append, seed=1)
+    profile.save(tmp_path / "fake.yaml")
+    loaded = load_profile(tmp_path / "fake.yaml")
+
+    assert loaded.name == "fake"
+    assert loaded.prefill.rows == [64.0, 256.0] and loaded.prefill.cols == [1.0, 2.0]
+    expected = [[round(prefill_pass_s(t, b), 5) for b in (1, 2)] for t in (64, 256)]
+    assert loaded.prefill.seconds == expected
+    measured = [r.body for r in prefill_engine.requests if not r.is_prefill]
+    # warm-up, 8 points x 2 repeats, and the attempt that waited
+    assert len(measured) == 1 + 8 + 1
+    assert [len(p) for p in measured[-1]["prompt"]] == [128, 128]
+    prompts = [tuple(p) for body in measured[1:] for p in body["prompt"]]
+    assert len(set(prompts)) == len(prompts) == 2 * (1 + 2) * 2 + 1  # fresh every time: no prefix cache hit
+    assert loaded.decode.rows == [1.0, 4.0] and loaded.decode.cols == [128.0, 512.0]
+    for i, batch in enumerate((1, 4)):
+        for j, context in enumerate((128, 512)):
+            assert loaded.decode.seconds[i][j] == pytest.approx(decode_step_s(batch, context), rel=0.3)
+    assert loaded.decode.seconds[1][0] > 2 * loaded.decode.seconds[0][0]
+    assert loaded.transfer.x == [256_000.0, 1_024_000.0]
+    assert loaded.transfer.y == [round(transfer_s(256_000), 6), round(transfer_s(1_024_000), 6)]
+    assert loaded.engine.kv_bytes_per_token == BYTES_PER_TOKEN
+    assert loaded.engine.kv_capacity_tokens == KV_CAPACITY
+    assert (loaded.engine.max_num_seqs, loaded.engine.max_num_batched_tokens) == (128, 2048)
+    assert loaded.engine.startup_s == 31.5
+    assert "vllm:nixl_xfer_time_seconds" in loaded.provenance and "model 'm'" in loaded.provenance
+    assert progress[0].startswith("prefill    64 tokens: batch 1 0.034s, batch 2 0.036s")
+    assert len(progress) == 2 + 2 + 1
+
+
+async def test_prefill_that_never_shares_a_pass_fails_naming_the_engine(
+    fake: FakeVllm, prefill_engine, decode_engine, make_proxy, spec
+):
+    proxy = await make_proxy(request_timeout_s=10)
+    endpoints = ClusterEndpoints("fake", "m", "vllm-nixl", proxy.url, prefill_engine.url, decode_engine.url, 1.0)
+    fake.queue_next = 1000
+
+    with pytest.raises(ProfilingError, match=rf"{prefill_engine.url}: 1 sequences of 64 tokens never shared one"):
+        await profiler.measure(spec, endpoints, SMALL_GRID)
+    assert len([r for r in prefill_engine.requests if not r.is_prefill]) == 1 + 3 * SMALL_GRID.repeats
+
+
+def test_decoding_gaps_only_while_every_stream_decodes():
+    streams = [
+        [(0.0, 1), (0.1, 2), (0.2, 3), (0.4, 5), (0.5, 6), (0.6, 7)],  # first token before the other's prompt
+        [(0.3, 1), (0.5, 2), (0.7, 3)],
+    ]
+    # window [0.3, 0.6]: stream 0's 0.4->0.5 and 0.5->0.6 only (0.2->0.4 starts before); stream 1's
+    # 0.3->0.5; a chunk of two tokens counts twice at half the gap
+    gaps = profiler.all_decoding_gaps(streams)
+    assert sorted(round(g, 6) for g in gaps) == [0.1, 0.1, 0.2]
+    two_tokens = profiler.all_decoding_gaps([[(0.0, 1), (0.1, 2), (0.3, 4)], [(0.1, 1), (0.3, 2)]])
+    assert [round(g, 6) for g in two_tokens] == [0.1, 0.1, 0.2]
+    assert profiler.all_decoding_gaps([[(0.0, 1), (0.1, 2)], [(0.5, 1)]]) == []
+
+
+def test_transfer_table_merges_equal_bytes_and_weighs_tokens():
+    samples = [
+        TransferSample(100, 0.010, 128_000),
+        TransferSample(100, 0.012, 128_000),
+        TransferSample(120, 0.011, 128_000),  # same block count as 100: same bytes, one point
+        TransferSample(1024, 0.050, 1_024_000),
+    ]
+    nbytes, seconds, per_token = profiler.transfer_table(samples)
+    assert nbytes == [128_000, 1_024_000]
+    assert seconds == [0.011, 0.05]
+    assert per_token == round((3 * 128_000 + 1_024_000) / (100 + 100 + 120 + 1024))
+    with pytest.raises(ProfilingError, match="bytes counter did not grow"):
+        profiler.transfer_table([TransferSample(256, 0.01, 0.0)])
+
+
+def test_kv_capacity_from_cache_config_info():
+    assert profiler.kv_capacity_tokens({"kv_cache_size_tokens": "23296", "block_size": "128"}, "u") == 23296
+    assert profiler.kv_capacity_tokens({"kv_cache_size_tokens": "None", "num_gpu_blocks": "182",
+                                        "block_size": "128"}, "u") == 182 * 128  # fmt: skip
+    with pytest.raises(ProfilingError, match=r"http://e:1/metrics: no vllm:cache_config_info"):
+        profiler.kv_capacity_tokens(None, "http://e:1")
+
+
+def test_batch_limits_from_spec_or_vllm_cpu_defaults(write_spec, make_spec):
+    def limits(**overrides) -> tuple[int, int]:
+        return profiler.batch_limits(ClusterSpec.from_file(write_spec(make_spec(**overrides))))
+
+    assert limits() == (128, 2048)
+    assert limits(prefill={"tensor_parallel_size": 2}) == (128, 4096)  # per rank, on the prefill pool
+    assert limits(engine={"extra_args": {"max_num_seqs": 16, "max_num_batched_tokens": 512}}) == (16, 512)
+    with pytest.raises(ProfilingError, match=r"engine.extra_args.max_num_seqs: must be set for device 'cuda'"):
+        limits(device="cuda", resources={"gpus": 2})
+
+
+def test_grid_check_names_the_option():
+    check = dict(max_num_seqs=128, max_num_batched_tokens=2048, max_model_len=4096, disagg_from=0)
+    profiler.DEFAULT_GRID.check(**check)
+    profiler.QUICK_GRID.check(**check)
+    with pytest.raises(ProfilingError, match=r"--prefill-tokens: 4096 exceeds the engines' max_num_batched_tokens"):
+        ProfileGrid(prefill_tokens=(256, 4096)).check(**check)
+    with pytest.raises(ProfilingError, match=r"--decode-batch: must be increasing"):
+        ProfileGrid(decode_batch=(4, 2)).check(**check)
+    with pytest.raises(ProfilingError, match=r"--transfer-tokens: 256 is below proxy.decode_only_below_tokens"):
+        ProfileGrid().check(**(check | {"disagg_from": 512}))
+
+
+def test_endpoints_from_status_need_a_ready_engine_of_each_role():
+    def engine(engine_id: str, role: str, state: str, url: str, load_s: float | None) -> dict:
+        return {"engine_id": engine_id, "role": role, "state": state, "url": url, "load_s": load_s}
+
+    status = {"name": "c", "model": "m", "connector": "pdserve", "proxy_url": "http://p"}
+    status["engines"] = [
+        engine("prefill-0", "prefill", "starting", "", None),
+        engine("prefill-1", "prefill", "ready", "http://p1", 30.0),
+        engine("decode-0", "decode", "ready", "http://d0", 34.0),
+    ]
+    endpoints = ClusterEndpoints.from_status(status)
+    assert (endpoints.prefill_url, endpoints.decode_url, endpoints.startup_s) == ("http://p1", "http://d0", 32.0)
+    status["engines"][2]["state"] = "failed"
+    with pytest.raises(ProfilingError, match=r"no ready decode engine \(prefill-0 starting, prefill-1 ready, "):
+        ClusterEndpoints.from_status(status)
+
+
+def test_cli_checks_the_grid_before_touching_any_cluster(local_cpu_spec, monkeypatch, capsys):
+    from orchestrator import cluster
+
+    monkeypatch.setattr(cluster, "status", lambda: pytest.fail("the cluster was asked for"))
+    assert main(["profile", str(local_cpu_spec), "--prefill-tokens", "1024", "4096"]) == 1
+    assert "--prefill-tokens: 4096 exceeds the engines' max_num_batched_tokens (2048)" in capsys.readouterr().err
+
+
+def test_cli_refuses_a_running_cluster_of_another_spec(local_cpu_spec, monkeypatch, capsys):
+    from orchestrator import cluster
+
+    other = {"name": "other", "model": "smollm2-135m-instruct", "connector": "pdserve", "engines": []}
+    monkeypatch.setattr(cluster, "status", lambda: other)
+    monkeypatch.setattr(cluster, "down", lambda: pytest.fail("a cluster it did not start was stopped"))
+    assert main(["profile", str(local_cpu_spec)]) == 1
+    err = capsys.readouterr().err
+    assert "the running cluster 'other' (model 'smollm2-135m-instruct', connector pdserve) is not the one" in err
