@@ -29,7 +29,8 @@ File format (YAML or JSON, chosen by the file's suffix; ``format`` is checked fi
 
 Lookups interpolate linearly between grid points (bilinearly on the 2-D tables),
 hold the first value below the grid (a pass never gets cheaper than the smallest
-one measured) and extend the last segment's slope above it.
+one measured) and extend the last segment's slope above it (held flat when that
+segment falls).
 """
 
 from __future__ import annotations
@@ -62,11 +63,18 @@ class ProfileError(PdserveError):
 
 
 def _interp(xs: list[float], ys: list[float], x: float) -> float:
-    """Piecewise-linear ys(x); constant below xs[0], last segment's slope above xs[-1]."""
+    """Piecewise-linear ys(x); constant below xs[0], last segment's slope above xs[-1].
+
+    Above the grid a falling last segment is held flat, not extended: a measured
+    pass that got cheaper between the last two points (two short sequences attend
+    over less than one long one; noise) must not extrapolate to zero or below.
+    """
     if x <= xs[0] or len(xs) == 1:
         return ys[0]
     i = min(bisect_right(xs, x), len(xs) - 1)
     x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    if x > x1 and y1 < y0:
+        return y1
     return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
 
 
@@ -93,6 +101,8 @@ class Grid2D:
             return max(0.0, _interp(cols, table[0], col))
         i = min(bisect_right(rows, row), len(rows) - 1)
         below, above = _interp(cols, table[i - 1], col), _interp(cols, table[i], col)
+        if row > rows[i] and above < below:  # held flat above the grid, as in _interp
+            return max(0.0, above)
         return max(0.0, below + (above - below) * (row - rows[i - 1]) / (rows[i] - rows[i - 1]))
 
 

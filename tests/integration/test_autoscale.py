@@ -93,7 +93,7 @@ def test_rising_load_grows_prefill_and_falling_load_shrinks_it(tmp_path: Path) -
         assert status["pools"]["prefill"]["ready"] == 1
 
         # Rising: prompts come faster than one prefill engine computes them.
-        load = Load(proxy_url, rate=0.5)
+        load = Load(proxy_url, rate=0.7)
         try:
             grown = wait_for(
                 env,

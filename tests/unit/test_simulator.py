@@ -188,3 +188,12 @@ def test_length_mixes_have_their_advertised_means():
     # 75 % chat (mean 2000, clipped) + 25 % documents (mean 12000): about 4500.
     assert mean(prompts) == pytest.approx(0.75 * 2000 + 0.25 * 12000, rel=0.1)
     assert not math.isnan(mean(r.output_tokens for r in rng_trace))
+
+
+def test_profile_holds_a_falling_last_segment_flat_above_the_grid() -> None:
+    from orchestrator.autoscale.profile import Grid2D
+
+    # measured: 2 sequences of 1024 tokens take less than 1 of 2048 (attention is quadratic)
+    grid = Grid2D(rows=[1024.0, 2048.0], cols=[1.0, 2.0], seconds=[[5.9, 4.2], [13.1, 8.9]])
+    assert grid(2048, 8) == pytest.approx(8.9)  # not 8.9 - 6 x 4.2 < 0
+    assert grid(4096, 2) == pytest.approx(8.9 + (8.9 - 4.2) * 2)  # a rising segment still extends
