@@ -10,7 +10,7 @@ Example (``configs/local-cpu.yaml``)::
     name: local-cpu
     model: smollm2-135m-instruct
     device: cpu
-    connector: vllm-nixl
+    connector: pdserve
     proxy: {port: 8000, routing: {prefill: prefix_aware, decode: least_loaded}}
     prefill: {replicas: 1, port: 8100, kv_port: 5600}
     decode: {replicas: 1, port: 8200, kv_port: 5700}
@@ -323,9 +323,9 @@ class ClusterSpec(_Strict):
     )
     device: Literal["cpu", "cuda"] = "cpu"
     connector: Literal["vllm-nixl", "pdserve"] = Field(
-        default="vllm-nixl",
-        description="KV connector between prefill and decode engines: vLLM's NixlConnector ('vllm-nixl') "
-        "or our own pull-mode connector ('pdserve', connectors.vllm_connector).",
+        default="pdserve",
+        description="KV connector between prefill and decode engines: our own pull-mode connector "
+        "('pdserve', connectors.vllm_connector; the default) or vLLM's NixlConnector ('vllm-nixl').",
     )
     connector_options: ConnectorOptionsSpec | None = Field(
         default=None, description="Settings of connector 'pdserve' (lease TTL, timeouts, fault injection)."

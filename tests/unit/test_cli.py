@@ -15,7 +15,7 @@ def test_validate_shipped_spec_prints_the_planned_engines(local_cpu_spec: Path, 
     out, err = capsys.readouterr()
     lines = out.splitlines()
     assert lines[0] == (
-        f"{local_cpu_spec}: valid: cluster 'local-cpu', model 'smollm2-135m-instruct', connector vllm-nixl"
+        f"{local_cpu_spec}: valid: cluster 'local-cpu', model 'smollm2-135m-instruct', connector pdserve"
     )
     assert lines[1].split() == ["prefill-0", "http://127.0.0.1:8100", "kv", "port", "5600", "cores", "0"]
     assert lines[2].split() == ["decode-0", "http://127.0.0.1:8200", "kv", "port", "5700", "cores", "1"]

@@ -48,7 +48,7 @@ def test_shipped_local_cpu_spec_loads_with_one_prefill_and_one_decode(local_cpu_
 
     assert spec.name == "local-cpu"
     assert spec.model_name == "smollm2-135m-instruct"
-    assert (spec.device, spec.connector) == ("cpu", "vllm-nixl")
+    assert (spec.device, spec.connector) == ("cpu", "pdserve")
     assert spec.prefill.replicas == 1 and spec.decode.replicas == 1
     assert spec.prefill.ports() == [8100] and spec.decode.ports() == [8200]
     assert spec.proxy.port == 8000
