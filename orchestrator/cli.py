@@ -160,6 +160,15 @@ def _print_decisions(autoscaler: dict[str, Any], last: int = 3) -> None:
             _print(f"      {reason}")
         if d.get("error"):
             _print(f"      could not scale: {d['error']}")
+    if changes := autoscaler.get("changes"):
+        _print(
+            "autoscaler changes: "
+            + "; ".join(
+                time.strftime("%H:%M:%S ", time.localtime(c["t"]))
+                + ", ".join(f"{role} {a}->{b}" for role, (a, b) in c["changed"].items())
+                for c in changes[-5:]
+            )
+        )
 
 
 def cmd_scale(args: argparse.Namespace) -> int:

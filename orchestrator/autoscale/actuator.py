@@ -21,7 +21,7 @@ Every ``interval_s`` it
 
 3. asks the policy (``orchestrator.autoscale.policy``) for both pools' sizes;
 4. records the decision with its reasons (``pdserve status`` shows the last
-   ones) and, when a size changed, calls the controller's ``scale``, which starts
+   ones, and the last ones that changed a pool) and, when a size changed, calls the controller's ``scale``, which starts
    engines or drains them exactly as ``pdserve scale`` does.
 
 The first decision comes one interval after the cluster is ready: the first
@@ -256,6 +256,9 @@ class Autoscaler:
         self.engines = engines
         self.scale = scale
         self.decisions: deque[dict[str, Any]] = deque(maxlen=DECISIONS_KEPT)
+        # the decisions that changed a pool, kept apart: at one every few seconds, the last
+        # DECISIONS_KEPT decisions soon hold none of them
+        self.changes: deque[dict[str, Any]] = deque(maxlen=DECISIONS_KEPT)
         self._started = time.monotonic()
 
     def status(self) -> dict[str, Any]:
@@ -263,6 +266,7 @@ class Autoscaler:
             "interval_s": self.config.interval_s,
             "targets": {"ttft_p90_s": self.config.ttft_p90_s, "itl_p90_s": self.config.itl_p90_s},
             "decisions": list(self.decisions),
+            "changes": list(self.changes),
         }
 
     async def run(self) -> None:
@@ -297,6 +301,7 @@ class Autoscaler:
         record = decision_record(decision, obs, current)
         self.decisions.append(record)
         if record["changed"]:
+            self.changes.append(record)
             summary = ", ".join(f"{role} {a} -> {b}" for role, (a, b) in record["changed"].items())
             result = await self.scale(
                 {role: decision.target(role) for role in ROLES}, f"autoscaler: {summary}; {_why(decision)}"

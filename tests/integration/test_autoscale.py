@@ -103,7 +103,7 @@ def test_rising_load_grows_prefill_and_falling_load_shrinks_it(tmp_path: Path) -
             )
         finally:
             rising = load.stop()
-        up = next(d for d in grown["autoscaler"]["decisions"] if "prefill" in d["changed"])
+        up = grown["autoscaler"]["changes"][0]
         assert up["changed"]["prefill"] == [1, 2]
         assert up["observed"]["arrival_rps"] > 0.3
         assert any(line.startswith("prefill:") for line in up["reasons"])

@@ -177,6 +177,7 @@ def test_autoscaler_step_scales_up_under_load_and_records_why() -> None:
         assert targets == {"prefill": decision.prefill, "decode": decision.decode}
         assert reason.startswith(f"autoscaler: prefill 1 -> {decision.prefill}")
         record = autoscaler.status()["decisions"][-1]
+        assert autoscaler.status()["changes"] == [record]
         assert record["changed"]["prefill"] == [1, decision.prefill]
         assert record["observed"]["mean_prompt_tokens"] == 2000
         assert any(line.startswith("prefill:") for line in record["reasons"])

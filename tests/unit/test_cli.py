@@ -122,7 +122,7 @@ def test_status_shows_the_autoscalers_last_decisions_and_why(monkeypatch, capsys
         "name": "c", "phase": "ready", "ready_s": 50.0, "model": "m", "connector": "pdserve",
         "proxy_url": "http://127.0.0.1:8000", "log_dir": "/tmp/logs", "error": None, "engines": [],
         "pools": {"prefill": {"target": 2, "max": 2, "ready": 1, "draining": 0}},
-        "autoscaler": {"interval_s": 5, "decisions": [decision]},
+        "autoscaler": {"interval_s": 5, "decisions": [decision], "changes": [decision]},
     }  # fmt: skip
     monkeypatch.setattr(cluster, "status", lambda: status)
     assert main(["status"]) == 0
@@ -130,3 +130,4 @@ def test_status_shows_the_autoscalers_last_decisions_and_why(monkeypatch, capsys
     assert "autoscaler: a decision every 5s; the last 1 of 1:" in out
     assert "prefill 2 decode 1 (prefill 1->2); saw 0.50 req/s, p90 TTFT 3.20s, p90 ITL 140ms" in out
     assert "      prefill: 0.50 req/s x 262 tokens ... needs 2" in out
+    assert "autoscaler changes: " in out and out.rstrip().endswith("prefill 1->2")

@@ -140,7 +140,7 @@ def test_local_model_runs_hub_offline_and_hub_id_does_not(plan):
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])
 def test_every_engine_gets_the_nixl_kv_transfer_config(plan, role):
-    args = plan()[f"{role}-0"].vllm_args
+    args = plan(connector="vllm-nixl")[f"{role}-0"].vllm_args
 
     config = json.loads(flag_value(args, "--kv-transfer-config"))
     assert config["kv_connector"] == "NixlConnector"
@@ -149,7 +149,7 @@ def test_every_engine_gets_the_nixl_kv_transfer_config(plan, role):
 
 
 def test_kv_buffer_lives_on_the_gpu_for_cuda(make_spec):
-    spec = ClusterSpec.from_dict(make_spec(device="cuda", resources={"gpus": 2}))
+    spec = ClusterSpec.from_dict(make_spec(device="cuda", connector="vllm-nixl", resources={"gpus": 2}))
 
     assert kv_transfer_config(spec, "prefill")["kv_buffer_device"] == "cuda"
 
