@@ -284,7 +284,10 @@ class AutoscalingSpec(_Strict):
     )
     interval_s: float = Field(default=30.0, gt=0, description="Seconds between two scaling decisions.")
     scale_up_cooldown_s: float = Field(
-        default=30.0, ge=0, description="A pool grows again only this long after its last change."
+        default=0.0,
+        ge=0,
+        description="A pool grows again only this long after its last change (0: at the next decision; "
+        "engines still starting count as provisioned, so growing again asks only for what is missing).",
     )
     scale_down_cooldown_s: float = Field(
         default=300.0,

@@ -11,7 +11,8 @@ How one decision is made (both pools at once):
 
 0. Rate. The last window's arrival rate; when it rose by more than Poisson noise
    (3 standard deviations) since the window before, the rise is extrapolated to
-   when engines started now would serve (``startup_s`` + one interval).
+   when engines started now would serve (``startup_s`` + one interval), and that
+   forecast holds while the rate keeps from falling, for at most that long.
 1. Prefill. An engine computes ``max_num_batched_tokens`` prompt tokens per pass;
    the profile says how long that takes, hence tokens/s per engine and a mean
    service time per request. The TTFT target, less the time an idle engine needs
@@ -63,6 +64,7 @@ __all__ = [
 
 ROLES = ("prefill", "decode")
 TTFT_TAIL = 0.10  # the targets are p90s: at most 10 % of requests may wait longer
+TREND_SIGMAS = 3.0  # a rise of the arrival rate beyond this many standard deviations of Poisson noise is a trend
 
 
 @dataclass(slots=True, frozen=True)
@@ -81,7 +83,7 @@ class PolicyConfig:
     ttft_p90_s: float
     itl_p90_s: float
     interval_s: float = 30.0
-    scale_up_cooldown_s: float = 30.0
+    scale_up_cooldown_s: float = 0.0
     scale_down_cooldown_s: float = 300.0
     hysteresis: float = 0.1
     target_utilization: float = 0.8
@@ -176,28 +178,42 @@ class AutoscalePolicy:
         self._wishes: deque[tuple[float, int, int]] = deque()  # (t, prefill, decode) before stability rules
         self._last_change: dict[str, float] = {}
         self._previous_rate: float | None = None
+        self._held: tuple[float, float] | None = None  # (made at t, forecast rate) of a rise under way
 
     # --- demand -------------------------------------------------------------------------------
 
     def _forecast_rate(self, obs: ClusterObservation, reasons: list[str]) -> float:
-        """The arrival rate one startup time ahead: the trend of the last two windows, when it is more than noise."""
+        """The arrival rate one startup time ahead: the trend of the last two windows, when it is more than noise.
+
+        A forecast holds while the rise goes on (the rate does not fall by more than
+        noise) and for at most its horizon: one window of a ramp may rise less than
+        the noise while the ramp is still under way.
+        """
         rate, previous = obs.arrival_rate_rps, self._previous_rate
         self._previous_rate = rate
-        if previous is None or rate <= previous:
+        if previous is None:
             return rate
         window = self.config.interval_s
-        # Poisson counts: a rise under 3 standard deviations of the difference is noise.
-        noise = 3 * math.sqrt((rate + previous) * window) / window
-        rise = rate - previous
-        if rise <= noise:
-            return rate
         horizon = self.profile.engine.startup_s + window
-        forecast = rate + rise / window * horizon
-        reasons.append(
-            f"trend: {previous:.2f} -> {rate:.2f} req/s in {window:g}s (noise {noise:.2f}); "
-            f"{forecast:.2f} req/s expected in {horizon:g}s, when new engines serve"
-        )
-        return forecast
+        # Poisson counts: a change under 3 standard deviations of the difference is noise.
+        noise = TREND_SIGMAS * math.sqrt((rate + previous) * window) / window
+        rise = rate - previous
+        if rise > noise:
+            forecast = rate + rise / window * horizon
+            self._held = (obs.t, forecast)
+            reasons.append(
+                f"trend: {previous:.2f} -> {rate:.2f} req/s in {window:g}s (noise {noise:.2f}); "
+                f"{forecast:.2f} req/s expected in {horizon:g}s, when new engines serve"
+            )
+            return forecast
+        if self._held is not None and rise >= -noise and obs.t - self._held[0] <= horizon and self._held[1] > rate:
+            reasons.append(
+                f"trend: still rising ({previous:.2f} -> {rate:.2f} req/s); the forecast of "
+                f"{obs.t - self._held[0]:.0f}s ago holds: {self._held[1]:.2f} req/s"
+            )
+            return self._held[1]
+        self._held = None
+        return rate
 
     def _prefill_demand(self, obs: ClusterObservation, rate: float, reasons: list[str]) -> int:
         cfg, prof = self.config, self.profile
@@ -228,14 +244,20 @@ class AutoscalePolicy:
             f"P(wait > {wait_s:.3f}s) <= {TTFT_TAIL:.0%} (M/M/c) needs {n}"
         )
         backlog = obs.prefill.queued_tokens
-        if backlog > 0:
+        # Until new engines serve, the engines serving now take the arrivals: what they cannot
+        # compute in that time (at the mean of the rate now and the rate expected) queues up too.
+        startup = prof.engine.startup_s
+        serving_rps = obs.prefill.replicas * tokens_per_s / prompt
+        growth = max(0.0, (rate + obs.arrival_rate_rps) / 2 - serving_rps) * prompt * startup
+        if backlog > 0 or growth > 0:
             # New engines help only once started: clear the backlog over that horizon, not one interval.
-            horizon = cfg.interval_s + prof.engine.startup_s
-            extra = math.ceil(backlog / (tokens_per_s * horizon))
+            horizon = cfg.interval_s + startup
+            extra = math.ceil((backlog + growth) / (tokens_per_s * horizon))
             n += extra
+            grows = f" and {growth:.0f} more tokens queue up before new engines serve" if growth > 0 else ""
             reasons.append(
-                f"prefill: {obs.prefill.queue_depth} queued requests ({backlog} tokens) "
-                f"need {extra} more to clear in {horizon:g}s"
+                f"prefill: {obs.prefill.queue_depth} queued requests ({backlog} tokens){grows}: "
+                f"{extra} more to clear them in {horizon:g}s"
             )
         return n
 
