@@ -25,6 +25,9 @@ A request's life, seen from here:
   the client goes away; this side sends it when the decode engine needs no
   read (its prefix cache held the whole prompt) or the request ended before
   it was scheduled.
+- A stream's client learns how its KV got here too: the prefill's params carry
+  a ``pdserve_report`` message that the proxy sends to the decode engine's
+  side channel when the stream starts (``side_channel.RecentReports``).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from connectors.metadata import ConnectorSettings, KVTransferParams, PdserveConnectorMetadata, ReceiveSpec
-from connectors.side_channel import ReleaseSender, release_message
+from connectors.side_channel import ReleaseSender, release_message, report_message
 from connectors.stats import PdserveKVStats, PdserveWorkerMeta
 
 if TYPE_CHECKING:
@@ -231,6 +234,9 @@ class PdserveScheduler:
                 ],
                 "message": release_message(request.request_id).decode(),
             },
+            # For the proxy: send `message` to each rank of the decode engine when its stream starts; the
+            # answer is how that rank loaded this KV (a stream has no kv_transfer_params for it).
+            "pdserve_report": {"message": report_message(self.engine_id, request.request_id).decode()},
         }
 
     def _decode_finished(self, request: Request) -> dict[str, Any] | None:

@@ -12,15 +12,26 @@ Two kinds of message arrive:
   failed), so free them now instead of at lease expiry. The proxy sends the
   message it finds in the prefill's ``kv_transfer_params`` without knowing
   its format; the server hands the id to ``on_release`` and answers ``OK``.
+- A report query (``report_message(prefill engine id, prefill request id)``,
+  which the prefill engine hands the proxy in its ``kv_transfer_params`` as it
+  does a release), from the proxy when a decode engine's stream starts: how
+  this decode rank loaded that request's KV (JSON, the same report the
+  scheduler side puts in a finished request's ``kv_transfer_params``), or
+  ``NONE`` if it did not load it (not yet, or too long ago: ``RecentReports``
+  keeps the last ``RECENT_REPORTS``). A stream has no ``kv_transfer_params``
+  in vLLM 0.32; this is how its client still gets ``X-PDServe-KV``.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import queue
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
+from typing import Any
 
 import zmq
 
@@ -36,9 +47,13 @@ from connectors.topology import KVTopology
 
 __all__ = [
     "RELEASE_PREFIX",
+    "REPORT_PREFIX",
+    "RecentReports",
     "ReleaseSender",
     "SideChannelServer",
     "release_message",
+    "report_key",
+    "report_message",
     "request_handshake",
     "send_release",
 ]
@@ -47,6 +62,9 @@ logger = logging.getLogger(__name__)
 
 _ERROR_PREFIX = b"ERR "
 RELEASE_PREFIX = b"PDRL "
+REPORT_PREFIX = b"PDKV "
+NO_REPORT = b"NONE"
+RECENT_REPORTS = 4096
 _POLL_MS = 100
 
 
@@ -54,8 +72,39 @@ def release_message(request_id: str) -> bytes:
     return RELEASE_PREFIX + request_id.encode()
 
 
+def report_key(remote_engine_id: str, remote_request_id: str) -> str:
+    """What the proxy asks a decode rank for: the prefill engine's id and its request id, from the
+    prefill's ``kv_transfer_params`` (the decode engine's own request id is not the proxy's to know)."""
+    return f"{remote_engine_id} {remote_request_id}"
+
+
+def report_message(remote_engine_id: str, remote_request_id: str) -> bytes:
+    return REPORT_PREFIX + report_key(remote_engine_id, remote_request_id).encode()
+
+
+class RecentReports:
+    """The last ``limit`` load reports of a decode rank, by ``report_key``; written by the engine's
+    thread, read by the side-channel thread."""
+
+    def __init__(self, limit: int = RECENT_REPORTS) -> None:
+        self._limit = limit
+        self._reports: OrderedDict[str, bytes] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def add(self, key: str, report: dict[str, Any]) -> None:
+        encoded = json.dumps(report, separators=(",", ":")).encode()
+        with self._lock:
+            self._reports[key] = encoded
+            if len(self._reports) > self._limit:
+                self._reports.popitem(last=False)
+
+    def encoded(self, key: str) -> bytes | None:
+        with self._lock:
+            return self._reports.get(key)
+
+
 class SideChannelServer:
-    """Answers handshakes on ``tcp://host:port`` from a daemon thread until ``close()``."""
+    """Answers handshakes, releases and report queries on ``tcp://host:port`` from a daemon thread until ``close()``."""
 
     def __init__(
         self,
@@ -66,12 +115,14 @@ class SideChannelServer:
         response: bytes,
         on_release: Callable[[str], None] | None = None,
         answer_delay_s: float = 0.0,
+        on_report: Callable[[str], bytes | None] | None = None,
     ):
         self.engine_id = engine_id
         self.endpoint = f"tcp://{host}:{port}"
         self._topology = topology
         self._response = response
         self._on_release = on_release
+        self._on_report = on_report
         self._answer_delay_s = answer_delay_s  # fault injection: a slow peer
         self._stop = threading.Event()
         self._context = zmq.Context()
@@ -94,6 +145,11 @@ class SideChannelServer:
             message = self._socket.recv()
             if message.startswith(RELEASE_PREFIX):
                 self._release(message[len(RELEASE_PREFIX) :].decode(errors="replace"))
+                continue
+            if message.startswith(REPORT_PREFIX):
+                key = message[len(REPORT_PREFIX) :].decode(errors="replace")
+                report = self._on_report(key) if self._on_report is not None else None
+                self._socket.send(report or NO_REPORT)
                 continue
             try:
                 request = decode_request(message, self._topology)

@@ -35,8 +35,9 @@ how many decode ranks will read this rank) and releases into lease ends,
 expires leases, and reports the ended ones as "finished sending" so vLLM
 frees their blocks.
 
-Every load ends in a per-request report (``build_connector_worker_meta``)
-and every event in ``PdserveKVStats`` (``get_kv_connector_stats``).
+Every load ends in a per-request report (``build_connector_worker_meta``),
+also kept for the proxy's report queries on the side channel (a stream's
+``X-PDServe-KV``), and every event in ``PdserveKVStats`` (``get_kv_connector_stats``).
 Pull mode moves nothing during the forward pass: the per-layer hooks are no-ops.
 """
 
@@ -57,7 +58,7 @@ from connectors.handshake import HandshakeCache, HandshakeResponse, encode_respo
 from connectors.leases import LeaseState, LeaseTable, parse_read_notification, read_notification
 from connectors.metadata import ConnectorSettings, PdserveConnectorMetadata, ReceiveSpec
 from connectors.nixl_transport import KVRead, NixlKVTransport, TransferState
-from connectors.side_channel import ReleaseSender, SideChannelServer, request_handshake
+from connectors.side_channel import RecentReports, ReleaseSender, SideChannelServer, report_key, request_handshake
 from connectors.stats import PdserveKVStats, PdserveWorkerMeta
 from connectors.topology import KVLayout, KVTopology, reader_ranks, source_ranks
 
@@ -162,6 +163,7 @@ class PdserveWorker:
         self._kernel_blocks_per_block = 1
         self._stats = PdserveKVStats()
         self._reports: dict[str, dict[str, Any]] = {}
+        self._answered = RecentReports()  # read by the side-channel thread
         self._releases_out = ReleaseSender(engine_id)
         # decode side; remote ranks are keyed by peer_name(engine_id, rank)
         self._handshakes = HandshakeCache()
@@ -230,6 +232,7 @@ class PdserveWorker:
             self._topology,
             encode_response(response),
             on_release=self._releases_in.put,
+            on_report=self._answered.encoded,
             answer_delay_s=self.settings.handshake_delay_s,
         )
         logger.info(
@@ -427,13 +430,13 @@ class PdserveWorker:
             num_bytes = sum(read.num_bytes for read in group.reads)
             elapsed_s = max((read.elapsed_s for read in group.reads), default=0.0)
             self._stats.record_transfer(num_bytes, elapsed_s)
-            self._reports[request_id] = {
+            self._report(spec, {
                 "source": "transfer",
                 "bytes": num_bytes,
                 "transfer_ms": round(elapsed_s * 1e3, 3),
                 "remote_engine_id": spec.remote.remote_engine_id,
                 "remote_ranks": [read.peer.rpartition("/rank")[2] for read in group.reads],
-            }
+            })  # fmt: skip
             logger.debug(
                 "request %s on engine %s: read %d bytes from %d rank(s) in %.1f ms",
                 request_id,
@@ -448,12 +451,12 @@ class PdserveWorker:
             failed.add(spec.request_id)
             self._load_error_block_ids.update(spec.local_block_ids)
             self._stats.record_failure(failure.kind)
-            self._reports[spec.request_id] = {
+            self._report(spec, {
                 "source": "recomputed",
                 "reason": failure.kind,
                 "detail": failure.reason[:200],
                 "remote_engine_id": spec.remote.remote_engine_id,
-            }
+            })  # fmt: skip
             # Nobody will read those blocks now: every prefill rank may free them at once.
             params = spec.remote
             for rank in range(max(1, params.tp_size)):
@@ -527,6 +530,12 @@ class PdserveWorker:
             return None
         stats, self._stats = self._stats, PdserveKVStats()
         return stats
+
+    def _report(self, spec: ReceiveSpec, report: dict[str, Any]) -> None:
+        """How ``spec``'s KV got here: for the scheduler side (the request's ``kv_transfer_params``) and for
+        the proxy, which asks the side channel for it when a stream starts (a stream has no ``kv_transfer_params``)."""
+        self._reports[spec.request_id] = report
+        self._answered.add(report_key(spec.remote.remote_engine_id, spec.remote.remote_request_id), report)
 
     def take_reports(self) -> PdserveWorkerMeta | None:
         if not self._reports:

@@ -242,7 +242,17 @@ class ClusterController:
         """Tell the proxy the role's engines: the ready ones, and those draining (no new requests)."""
         records = [r for r in self.engines.values() if r.role == role and r.state in ("ready", "draining") and r.url]
         draining = [r.engine_id for r in records if r.state == "draining"]
-        await self.proxy.set_endpoints.remote(role, [(r.engine_id, r.url) for r in records], draining)
+        endpoints = [(r.engine_id, r.url, self._kv_endpoints(r.engine_id)) for r in records]
+        await self.proxy.set_endpoints.remote(role, endpoints, draining)
+
+    def _kv_endpoints(self, engine_id: str) -> tuple[str, ...]:
+        """The ``pdserve`` connector's side channel of an engine, one endpoint per TP rank (the proxy asks
+        a decode engine there how a stream's KV got to it); none for vLLM's connector."""
+        if self.spec.connector != "pdserve":
+            return ()
+        launch = self.launches[engine_id]
+        ranks = self.spec.pool(launch.role).tensor_parallel_size
+        return tuple(f"tcp://{launch.host}:{launch.kv_port + rank}" for rank in range(ranks))
 
     # --- scaling ----------------------------------------------------------------------------
 

@@ -67,14 +67,17 @@ class ProxyActor:
         return await self.info()
 
     async def set_endpoints(
-        self, role: str, endpoints: list[tuple[str, str]], draining: tuple[str, ...] | list[str] = ()
+        self,
+        role: str,
+        endpoints: list[tuple[str, str]] | list[tuple[str, str, tuple[str, ...]]],
+        draining: tuple[str, ...] | list[str] = (),
     ) -> None:
-        """Make ``endpoints`` the role's engines; those in ``draining`` stay (their requests are
-        counted) but get no new ones."""
-        self.pool.set_endpoints(role, [Endpoint(engine_id, url) for engine_id, url in endpoints])
+        """Make ``endpoints`` the role's engines (``(engine_id, url)``, or with the engine's KV side-channel
+        endpoints third); those in ``draining`` stay (their requests are counted) but get no new ones."""
+        self.pool.set_endpoints(role, [Endpoint(e[0], e[1], tuple(e[2]) if len(e) > 2 else ()) for e in endpoints])
         for engine_id in draining:
             self.pool.drain(engine_id)
-        serving = [engine_id for engine_id, _ in endpoints if engine_id not in draining]
+        serving = [e[0] for e in endpoints if e[0] not in draining]
         logger.info("proxy: %s pool is now %s (draining: %s)", role, serving or "empty", list(draining) or "none")
 
     async def info(self) -> dict:

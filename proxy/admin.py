@@ -1,7 +1,8 @@
 """The admin routes: look at the engine pool and change it while the proxy serves.
 
 - ``GET /admin/engines``: ``pool.snapshot()``.
-- ``POST /admin/engines`` with ``{"role", "engine_id", "url"}``: add an engine, or take
+- ``POST /admin/engines`` with ``{"role", "engine_id", "url"}`` (and, for an engine of the
+  ``pdserve`` connector, its side channel ``"kv_endpoints"``): add an engine, or take
   back one that is draining (201).
 - ``POST /admin/engines/{engine_id}/drain``: send it no new request.
 - ``DELETE /admin/engines/{engine_id}``: take it out.
@@ -16,7 +17,7 @@ what was changed here.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 import orjson
 from fastapi import APIRouter, Request
@@ -35,6 +36,12 @@ class NewEngine(BaseModel):
     role: Literal["prefill", "decode"]
     engine_id: str = Field(min_length=1, max_length=200)
     url: str = Field(pattern=r"^https?://[^/\s]+/?$", description="The engine's base URL, e.g. http://10.0.0.5:8100")
+    kv_endpoints: list[Annotated[str, Field(pattern=r"^tcp://[^/\s]+:\d+$")]] = Field(
+        default_factory=list,
+        max_length=64,
+        description="The pdserve connector's side channel, one per TP rank (tcp://host:kv_port+rank): a "
+        "decode engine's streams then carry X-PDServe-KV",
+    )
 
 
 def admin_router(pool: EnginePool, admin_keys: KeyCheck) -> APIRouter:
@@ -68,7 +75,9 @@ def admin_router(pool: EnginePool, admin_keys: KeyCheck) -> APIRouter:
             known = next((e for e in pool.engines() if e.engine_id == engine.engine_id), None)
             if known is not None and not known.draining:
                 raise ValueError(f"engine {engine.engine_id!r} is already in the pool")
-            pool.add(engine.role, Endpoint(engine.engine_id, engine.url.rstrip("/")))  # or takes a draining one back
+            pool.add(
+                engine.role, Endpoint(engine.engine_id, engine.url.rstrip("/"), tuple(engine.kv_endpoints))
+            )  # or takes a draining one back
         except ValueError as e:
             raise InvalidRequest(str(e)) from e
         return answer(pool.snapshot(), 201)

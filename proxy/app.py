@@ -30,10 +30,12 @@ Every response carries ``X-Request-Id`` (the client's, or one made here) and,
 once engines were chosen, ``X-PDServe-Path`` (``disaggregated`` or
 ``decode-only``; also ``request.state.serving_path``, for the metrics),
 ``X-PDServe-Prefill`` (not when decode-only) and ``X-PDServe-Decode``: how and
-by which engines it was served. A non-streaming answer of a decode engine that
-runs the ``pdserve`` connector also carries ``X-PDServe-KV``: how the prompt's
-KV reached the decode engine (``source=transfer; bytes=...; transfer_ms=...``, or
-``source=recomputed; reason=...``).
+by which engines it was served. The answer of a decode engine that runs the
+``pdserve`` connector also carries ``X-PDServe-KV``: how the prompt's KV
+reached the decode engine (``source=transfer; bytes=...; transfer_ms=...``, or
+``source=recomputed; reason=...``; ``proxy.kv_report``). A stream's headers
+then wait for its first chunk, when the decode engine has loaded the KV and
+its side channel can be asked how.
 
 When the decode leg produced nothing (it failed, or the client went away
 first), the prefill engine is told to free the KV it holds for the request
@@ -74,6 +76,7 @@ from proxy.errors import (
 )
 from proxy.flow import EngineRejected, Upstream, check_context_length, decode_body, parse_request, prefill_body
 from proxy.health import HealthMonitor, HealthTracker
+from proxy.kv_report import KVReports, kv_report
 from proxy.limits import AdmissionGate, read_body
 from proxy.load import LoadPoller
 from proxy.metrics import CONTENT_TYPE_LATEST, DEFAULT_SERVING_PATH, ProxyMetrics
@@ -113,6 +116,7 @@ def create_app(config: ProxyConfig, pool: EnginePool | None = None) -> FastAPI:
         client = EngineClient(connect_timeout_s=config.connect_timeout_s)
         app.state.upstream = Upstream(client, config.request_timeout_s)
         app.state.releaser = KVReleaser()
+        app.state.kv_reports = KVReports()
         background = []
         if checks_health:
             monitor = HealthMonitor(tracker, client, settings.health_interval_s, settings.health_timeout_s)
@@ -127,6 +131,7 @@ def create_app(config: ProxyConfig, pool: EnginePool | None = None) -> FastAPI:
                 task.cancel()
             await asyncio.gather(*background, return_exceptions=True)
             await app.state.releaser.close()
+            app.state.kv_reports.close()
             await client.close()
 
     app = FastAPI(title="pdserve proxy", lifespan=lifespan)
@@ -185,6 +190,24 @@ def create_app(config: ProxyConfig, pool: EnginePool | None = None) -> FastAPI:
                     request_id, engine.engine_id, retry.engine_id,
                 )  # fmt: skip
                 engine = retry
+
+    async def relay(
+        stream: DecodeStream, engine: EngineState, kv_params: dict | None, request_id: str, reply_headers: dict
+    ) -> Response:
+        """The streamed answer. When the decode engine can say how the KV got to it (``pdserve`` connector),
+        its headers wait for the first chunk (the KV is loaded by then) and carry ``X-PDServe-KV``."""
+        if engine.kv_endpoints and kv_params and "pdserve_report" in kv_params:
+            try:
+                if await stream.first() is not None:
+                    reports: KVReports = app.state.kv_reports
+                    if report := await reports.query(engine.kv_endpoints, kv_params, request_id):
+                        reply_headers["X-PDServe-KV"] = report
+            except BaseException:  # the client went away: no response will close the stream
+                await stream.aclose()
+                raise
+        return RelayResponse(
+            stream, media_type="text/event-stream", headers=reply_headers | {"Cache-Control": "no-cache"}
+        )
 
     async def serve(request: Request, kind: str, route: str) -> Response:
         started = time.perf_counter()
@@ -250,6 +273,7 @@ def create_app(config: ProxyConfig, pool: EnginePool | None = None) -> FastAPI:
                         )  # fmt: skip
                 decode_engine.start_leg()
                 leg_open = True
+                stream: DecodeStream | None = None
                 try:
                     decode_started = time.perf_counter()
                     response = await upstream.decode(
@@ -269,13 +293,9 @@ def create_app(config: ProxyConfig, pool: EnginePool | None = None) -> FastAPI:
                         )  # fmt: skip
                         leg_open = False  # the stream ends the leg
                         slot_handed_on = True  # and gives the slot back
-                        return RelayResponse(
-                            stream,
-                            media_type="text/event-stream",
-                            headers=reply_headers | {"Cache-Control": "no-cache"},
-                        )
-                    payload = await upstream.read_all(response, decode_engine, request_id)
-                    decode_engine.failures = 0
+                    else:
+                        payload = await upstream.read_all(response, decode_engine, request_id)
+                        decode_engine.failures = 0
                 except BaseException as e:  # the decode leg failed or the client went away: nobody reads the KV
                     releaser.release(kv_params, request_id)
                     if isinstance(e, UpstreamFailed):
@@ -284,6 +304,8 @@ def create_app(config: ProxyConfig, pool: EnginePool | None = None) -> FastAPI:
                 finally:
                     if leg_open:
                         decode_engine.end_leg()
+                if stream is not None:
+                    return await relay(stream, decode_engine, kv_params, request_id, reply_headers)
             finally:
                 if gate is not None and not slot_handed_on:
                     gate.leave()
@@ -392,6 +414,7 @@ class DecodeStream:
         "_meter",
         "_started",
         "_closed",
+        "_pending",
     )
 
     def __init__(
@@ -408,11 +431,23 @@ class DecodeStream:
         self._releaser, self._kv_params, self._request_id = releaser, kv_params, request_id
         self._meter = meter
         self._started = self._closed = False
+        self._pending: bytes | None = None
 
     def __aiter__(self) -> DecodeStream:
         return self
 
+    async def first(self) -> bytes | None:
+        """Wait for the first chunk and keep it for the response; None if the stream ended without one."""
+        try:
+            self._pending = await self.__anext__()
+        except StopAsyncIteration:
+            return None
+        return self._pending
+
     async def __anext__(self) -> bytes:
+        if self._pending is not None:
+            chunk, self._pending = self._pending, None
+            return chunk
         try:
             chunk = await anext(self._chunks)
         except BaseException:  # the end (StopAsyncIteration), a failure or a cancellation
@@ -475,17 +510,3 @@ class StreamMeter:
             self._gate.leave()
         elapsed = time.perf_counter() - self._started
         self._metrics.request_done(self._route, 200, serving_path(self._request), elapsed)
-
-
-def kv_report(payload: bytes) -> str | None:
-    """The ``X-PDServe-KV`` header value for a decode engine's JSON answer, if it reports its KV load."""
-    if b'"pdserve_kv"' not in payload:
-        return None
-    try:
-        report = orjson.loads(payload)["kv_transfer_params"]["pdserve_kv"]
-    except (orjson.JSONDecodeError, KeyError, TypeError):
-        return None
-    if not isinstance(report, dict):
-        return None
-    keys = ("source", "bytes", "transfer_ms", "reason", "remote_engine_id")
-    return "; ".join(f"{key}={report[key]}" for key in keys if report.get(key) not in (None, ""))

@@ -27,6 +27,8 @@ ROLES = ("prefill", "decode")
 class Endpoint:
     engine_id: str
     url: str
+    kv_endpoints: tuple[str, ...] = ()
+    """The ``pdserve`` connector's side channel, one ZMQ endpoint per TP rank (none for other connectors)."""
 
 
 @dataclass(slots=True, eq=False)
@@ -36,6 +38,8 @@ class EngineState:
     engine_id: str
     url: str
     role: str
+    kv_endpoints: tuple[str, ...] = ()
+    """Its connector's side channel, one ZMQ endpoint per TP rank (``pdserve`` connector only)."""
     in_flight: int = 0
     """Legs (prefill or decode calls) this proxy has under way on the engine."""
     healthy: bool = True
@@ -51,7 +55,7 @@ class EngineState:
 
     @property
     def endpoint(self) -> Endpoint:
-        return Endpoint(self.engine_id, self.url)
+        return Endpoint(self.engine_id, self.url, self.kv_endpoints)
 
     @property
     def load(self) -> float:
@@ -92,9 +96,10 @@ class EnginePool:
         for endpoint in endpoints:
             known = self._engines.get(endpoint.engine_id)
             if known is not None and known.role == role and known.url == endpoint.url:
+                known.kv_endpoints = endpoint.kv_endpoints
                 engines.append(known)
             else:
-                engines.append(EngineState(endpoint.engine_id, endpoint.url, role))
+                engines.append(EngineState(endpoint.engine_id, endpoint.url, role, endpoint.kv_endpoints))
         for engine in self._roles[role]:
             self._engines.pop(engine.engine_id, None)
         for engine in engines:
@@ -110,6 +115,7 @@ class EnginePool:
             raise ValueError(f"engine {endpoint.engine_id!r} is already a {known.role} engine")
         if known is not None and known.url == endpoint.url:
             known.draining = False
+            known.kv_endpoints = endpoint.kv_endpoints
             self._refresh(role)
             return known
         engines = [e for e in self._roles[role] if e.engine_id != endpoint.engine_id]
@@ -161,7 +167,7 @@ class EnginePool:
             raise no_healthy_engine(role)
         return engines[next(self._counters[role]) % len(engines)]
 
-    def snapshot(self) -> dict[str, list[dict[str, str | int | bool]]]:
+    def snapshot(self) -> dict[str, list[dict[str, str | int | bool | list[str]]]]:
         return {
             role: [
                 {
@@ -170,6 +176,7 @@ class EnginePool:
                     "in_flight": e.in_flight,
                     "healthy": e.healthy,
                     "draining": e.draining,
+                    "kv_endpoints": list(e.kv_endpoints),
                 }
                 for e in engines
             ]

@@ -24,6 +24,18 @@ logger = logging.getLogger(__name__)
 RELEASE_TIMEOUT_S = 2.0
 
 
+async def ask(context: zmq.asyncio.Context, endpoint: str, message: bytes, timeout_ms: int) -> bytes | None:
+    """One request-reply exchange with an engine's side channel; None if no answer came in ``timeout_ms``."""
+    socket = context.socket(zmq.REQ)
+    socket.setsockopt(zmq.LINGER, 0)
+    try:
+        socket.connect(endpoint)
+        await socket.send(message)
+        return await socket.recv() if await socket.poll(timeout_ms) else None
+    finally:
+        socket.close()
+
+
 class KVReleaser:
     """Sends releases in the background; ``close()`` waits for the ones under way."""
 
@@ -47,21 +59,16 @@ class KVReleaser:
         await asyncio.gather(*(self._send(str(endpoint), message.encode(), request_id) for endpoint in endpoints))
 
     async def _send(self, endpoint: str, message: bytes, request_id: str) -> None:
-        socket = self._context.socket(zmq.REQ)
-        socket.setsockopt(zmq.LINGER, 0)
         try:
-            socket.connect(endpoint)
-            await socket.send(message)
-            if await socket.poll(self._timeout_ms):
-                reply = await socket.recv()
-                self.sent += 1
-                logger.info("request %s: released its KV blocks at %s (%s)", request_id, endpoint, reply[:40])
-            else:
-                logger.warning("request %s: no answer from %s to a KV release", request_id, endpoint)
+            reply = await ask(self._context, endpoint, message, self._timeout_ms)
         except zmq.ZMQError as e:
             logger.warning("request %s: KV release to %s failed: %s", request_id, endpoint, e)
-        finally:
-            socket.close()
+            return
+        if reply is None:
+            logger.warning("request %s: no answer from %s to a KV release", request_id, endpoint)
+            return
+        self.sent += 1
+        logger.info("request %s: released its KV blocks at %s (%s)", request_id, endpoint, reply[:40])
 
     async def close(self) -> None:
         if self._tasks:

@@ -148,7 +148,8 @@ class StubEngine:
     """``remote_port`` in the ``kv_transfer_params`` a prefill answers with."""
     release_endpoint: str | None = None
     """When set, a prefill's ``kv_transfer_params`` carry ``pdserve_release`` naming this ZMQ endpoint,
-    as our connector's do (message ``PDRL <request id>``)."""
+    as our connector's do (message ``PDRL <request id>``), and the ``pdserve_report`` message a decode
+    engine's side channel answers (``PDKV <engine> <request id>``)."""
     kv_report: dict[str, Any] | None = None
     """When set, a decode answer's ``kv_transfer_params`` carry ``{"pdserve_kv": kv_report}``, as ours do."""
     health_status: int = 200
@@ -350,7 +351,10 @@ class StubEngine:
 
     def _kv_transfer_params(self, request_id: str) -> dict[str, Any]:
         """What vLLM's NixlConnector answers a prefill with (``request_finished``)."""
-        release = {"pdserve_release": {"endpoints": [self.release_endpoint], "message": f"PDRL {request_id}"}}
+        release = {
+            "pdserve_release": {"endpoints": [self.release_endpoint], "message": f"PDRL {request_id}"},
+            "pdserve_report": {"message": f"PDKV {self.name} {request_id}"},
+        }
         return (release if self.release_endpoint else {}) | {
             "do_remote_prefill": True,
             "do_remote_decode": False,

@@ -128,11 +128,14 @@ def http_json(url: str, body: dict | None = None, timeout: float = 120) -> tuple
         return e.code, dict(e.headers), json.loads(e.read())
 
 
-def http_stream(url: str, body: dict, timeout: float = 120) -> list[dict]:
-    """POST a streaming request; return the parsed SSE events up to [DONE]."""
+def http_stream(url: str, body: dict, timeout: float = 120, headers: dict[str, str] | None = None) -> list[dict]:
+    """POST a streaming request; return the parsed SSE events up to [DONE] (and put the response's
+    headers, names lower-cased, into ``headers``)."""
     request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
     events = []
     with urllib.request.urlopen(request, timeout=timeout) as response:
+        if headers is not None:
+            headers.update({name.lower(): value for name, value in response.headers.items()})
         for raw in response:
             line = raw.decode().strip()
             if not line.startswith("data: "):
@@ -141,6 +144,12 @@ def http_stream(url: str, body: dict, timeout: float = 120) -> list[dict]:
                 return events
             events.append(json.loads(line[len("data: ") :]))
     raise AssertionError("stream ended without data: [DONE]")
+
+
+def kv_report(headers: dict[str, str]) -> dict[str, str]:
+    """The ``X-PDServe-KV`` header as a dict: ``{"source": "transfer", "bytes": "...", ...}``."""
+    value = {name.lower(): v for name, v in headers.items()}["x-pdserve-kv"]
+    return dict(item.split("=", 1) for item in value.split("; "))
 
 
 def metric_values(base_url: str, name: str, label: str) -> dict[str, float]:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.conftest import http_json, metric_values, own_cluster
+from tests.integration.conftest import http_json, http_stream, kv_report, metric_values, own_cluster
 
 pytestmark = [pytest.mark.integration, pytest.mark.after_cluster]
 
@@ -67,11 +67,6 @@ def pdserve_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
 
 def engine_url(status: dict, role: str) -> str:
     return next(e["url"] for e in status["engines"] if e["role"] == role)
-
-
-def kv_report(headers: dict[str, str]) -> dict[str, str]:
-    value = {name.lower(): v for name, v in headers.items()}["x-pdserve-kv"]
-    return dict(item.split("=", 1) for item in value.split("; "))
 
 
 def metric_total(base_url: str, name: str) -> float:
@@ -121,6 +116,25 @@ def test_failed_reads_are_recomputed_with_the_same_greedy_answer(pdserve_cluster
     expected = {"read": read, "released": failed, "expired": 0}
     assert eventually(lambda: lease_deltas(prefill_url, leases_before), expected) == expected
     assert metric_total(decode_url, "pdserve:kv_transfer_bytes_total") > 0
+
+
+def test_a_streams_header_says_whether_its_kv_came_over_the_wire_or_was_recomputed(pdserve_cluster: dict) -> None:
+    sources = []
+    for prompt in PROMPTS:
+        headers: dict[str, str] = {}
+        events = http_stream(
+            pdserve_cluster["proxy_url"] + "/v1/chat/completions",
+            chat(prompt, temperature=0, max_tokens=8, stream=True),
+            headers=headers,
+        )
+        assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"]), prompt
+        report = kv_report(headers)
+        sources.append(report["source"])
+        if report["source"] == "recomputed":
+            assert report["reason"] == "injected", report
+        else:
+            assert report["source"] == "transfer" and int(report["bytes"]) > 0, report
+    assert "recomputed" in sources and "transfer" in sources, sources
 
 
 def test_a_failed_decode_leg_releases_the_prefill_blocks_at_once(pdserve_cluster: dict) -> None:

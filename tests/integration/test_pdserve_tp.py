@@ -16,7 +16,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.integration.conftest import http_json, metric_values, own_cluster
+from tests.integration.conftest import http_json, http_stream, kv_report, metric_values, own_cluster
 
 pytestmark = [pytest.mark.integration, pytest.mark.after_cluster]
 
@@ -75,9 +75,14 @@ def test_tp1_prefill_to_tp2_decode_gives_the_decode_engines_own_greedy_output(tp
         assert status == 200, body
         assert body["choices"][0]["text"] == alone[prompt]["choices"][0]["text"], prompt
         assert body["usage"] == alone[prompt]["usage"]
-        report = dict(item.split("=", 1) for item in headers["x-pdserve-kv"].split("; "))
+        report = kv_report(headers)
         assert report["source"] == "transfer" and int(report["bytes"]) > 0, report
         assert report["remote_engine_id"] == "prefill-0"
+        # a stream's report comes from both decode ranks' side channels: the same bytes in all
+        stream_headers: dict[str, str] = {}
+        http_stream(proxy_url + "/v1/completions", completion(prompt) | {"stream": True}, headers=stream_headers)
+        assert kv_report(stream_headers)["bytes"] == report["bytes"], (stream_headers, report)
+        prompt_tokens += body["usage"]["prompt_tokens"]  # the stream's prompt came over the connector too
         prompt_tokens += body["usage"]["prompt_tokens"]
     after = metric_values(decode_url, SOURCE_METRIC, "source")
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.integration.conftest import Cluster, http_json, http_stream, metric_values, run_pdserve
+from tests.integration.conftest import Cluster, http_json, http_stream, kv_report, metric_values, run_pdserve
 
 pytestmark = pytest.mark.integration
 
@@ -79,7 +79,7 @@ def test_disaggregated_greedy_output_equals_one_engine_alone(cluster: Cluster) -
         assert disaggregated["usage"] == alone["usage"]
         prompt_tokens += disaggregated["usage"]["prompt_tokens"]
         if cluster.connector == "pdserve":  # ours says, per request, that the KV came over the wire
-            report = dict(item.split("=", 1) for item in headers["x-pdserve-kv"].split("; "))
+            report = kv_report(headers)
             assert report["source"] == "transfer" and int(report["bytes"]) > 0, report
             assert float(report["transfer_ms"]) > 0 and report["remote_engine_id"] == "prefill-0"
     after = metric_values(decode_url, SOURCE_METRIC, "source")
@@ -99,9 +99,10 @@ def test_streaming_yields_the_same_text_as_non_streaming(cluster: Cluster, kind:
             "temperature": 0,
             "max_tokens": 40,
         }
-    status, _, whole = http_json(cluster.proxy_url + path, request)
+    status, whole_headers, whole = http_json(cluster.proxy_url + path, request)
     assert status == 200, whole
-    events = http_stream(cluster.proxy_url + path, dict(request, stream=True))
+    headers: dict[str, str] = {}
+    events = http_stream(cluster.proxy_url + path, dict(request, stream=True), headers=headers)
     if kind == "chat":
         expected = whole["choices"][0]["message"]["content"]
         streamed = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
@@ -110,6 +111,9 @@ def test_streaming_yields_the_same_text_as_non_streaming(cluster: Cluster, kind:
         streamed = "".join(e["choices"][0]["text"] for e in events if e["choices"])
     assert len(events) > 5  # tokens arrived as a stream, not as one block
     assert streamed == expected
+    if cluster.connector == "pdserve":  # a stream says how its KV came, as a JSON answer does
+        report, whole_report = kv_report(headers), kv_report(whole_headers)
+        assert report["source"] == "transfer" and report["bytes"] == whole_report["bytes"], (report, whole_report)
 
 
 def test_bad_requests_get_openai_errors(cluster: Cluster) -> None:

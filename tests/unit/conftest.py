@@ -282,20 +282,24 @@ async def make_client(make_proxy) -> AsyncIterator[Callable[..., Awaitable[httpx
 
 
 class SideChannel:
-    """A prefill engine's KV release side channel (a real ZMQ REP socket): answers OK to every message, keeps it."""
+    """An engine's KV side channel (a real ZMQ REP socket): keeps every message and answers ``answer``
+    (a prefill's release: OK); with ``answer=None`` it never answers."""
 
-    def __init__(self) -> None:
+    def __init__(self, answer: bytes | None = b"OK") -> None:
         self.context = zmq.asyncio.Context()
         self.socket = self.context.socket(zmq.REP)
         port = self.socket.bind_to_random_port("tcp://127.0.0.1")
         self.endpoint = f"tcp://127.0.0.1:{port}"
+        self.answer = answer
         self.messages: list[bytes] = []
         self.task = asyncio.get_running_loop().create_task(self._serve())
 
     async def _serve(self) -> None:
         while True:
             self.messages.append(await self.socket.recv())
-            await self.socket.send(b"OK")
+            if self.answer is None:
+                await asyncio.Event().wait()
+            await self.socket.send(self.answer)
 
     async def close(self) -> None:
         self.task.cancel()
@@ -310,6 +314,19 @@ async def side_channel(prefill_engine: StubEngine) -> AsyncIterator[SideChannel]
     prefill_engine.release_endpoint = channel.endpoint
     yield channel
     await channel.close()
+
+
+@pytest.fixture
+async def report_ranks(
+    pool: EnginePool, side_channel: SideChannel, decode_engine: StubEngine
+) -> AsyncIterator[list[SideChannel]]:
+    """The decode engine's side channel, two TP ranks (answering ``NONE`` until a test says otherwise),
+    given to the pool as the engine's ``kv_endpoints``; the prefill engine offers a report message."""
+    ranks = [SideChannel(answer=b"NONE") for _ in range(2)]
+    pool.set_endpoints("decode", [Endpoint(decode_engine.name, decode_engine.url, tuple(r.endpoint for r in ranks))])
+    yield ranks
+    for rank in ranks:
+        await rank.close()
 
 
 async def released(channel: SideChannel, timeout_s: float = 3.0) -> list[str]:

@@ -8,6 +8,7 @@ asks of it; ``FakePrefill`` answers each side-channel port as the prefill rank
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from connectors.handshake import HandshakeResponse  # noqa: E402
 from connectors.leases import read_notification  # noqa: E402
 from connectors.metadata import KVTransferParams, PdserveConnectorMetadata, ReceiveSpec  # noqa: E402
 from connectors.nixl_transport import TransferState  # noqa: E402
+from connectors.side_channel import report_key  # noqa: E402
 from connectors.topology import KVLayout, KVTopology  # noqa: E402
 from connectors.worker import PdserveWorker, describe_kv_cache  # noqa: E402
 
@@ -107,6 +109,7 @@ class FakeReleases:
 class FakeServer:
     def __init__(self, engine_id: str, host: str, port: int, *args: Any, **kwargs: Any):
         self.endpoint = f"tcp://{host}:{port}"
+        self.on_report = kwargs["on_report"]
 
     def close(self) -> None:
         pass
@@ -224,6 +227,9 @@ def test_one_decode_rank_reads_each_prefill_rank_and_handshakes_once_per_rank(
     assert (finished, failed) == ({"r1", "r2"}, set())
     report = worker.take_reports().reports["r1"]
     assert (report["source"], report["remote_ranks"], report["bytes"]) == ("transfer", ["0", "1"], 6)
+    # the proxy asks the side channel with the prefill's ids (a stream's X-PDServe-KV)
+    assert json.loads(worker._server.on_report(report_key("prefill", "p-r1"))) == report
+    assert worker._server.on_report(report_key("prefill", "r1")) is None
     assert fakes.releases[0].sent == []
 
 
@@ -244,6 +250,7 @@ def test_a_failed_read_from_one_rank_aborts_the_others_and_releases_every_rank(
     assert sorted(fakes.releases[0].sent) == [(PREFILL_PORT, "p-r1"), (PREFILL_PORT + 1, "p-r1")]
     assert transport.removed == ["prefill/rank0"]  # that rank may have restarted: handshake again next time
     assert "peer reset" in worker.take_reports().reports["r1"]["detail"]
+    assert json.loads(worker._server.on_report(report_key("prefill", "p-r1")))["source"] == "recomputed"
 
 
 def test_decode_rank_zero_releases_the_prefill_replicas_nobody_reads(fakes: Fakes, make_worker: WorkerFactory) -> None:

@@ -14,6 +14,7 @@ import logging
 
 import httpx
 import pytest
+from aiohttp import web
 
 from proxy.app import ProxyConfig, create_app
 from tests.stub_engine import Behaviour
@@ -73,6 +74,34 @@ async def test_leaving_during_decode_cancels_it_and_releases_the_kv(
     await wait_until(lambda: decode_engine.requests[0].disconnected)
     assert await released(side_channel) == ["PDRL gone-2"]
     assert not prefill_engine.requests[0].disconnected  # it had answered
+
+
+async def test_leaving_while_a_reported_stream_waits_for_its_first_chunk_ends_the_leg_and_releases_the_kv(
+    make_client, pool, side_channel, report_ranks, decode_engine
+):
+    """With a side channel to ask (``pdserve`` connector), a stream's headers wait for its first chunk."""
+    client = await make_client(request_timeout_s=PATIENT_S)
+    headers_sent = asyncio.Event()
+
+    async def headers_then_nothing(request: web.Request, received: object) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        headers_sent.set()
+        await asyncio.sleep(3600)
+        return response
+
+    decode_engine.handler = headers_then_nothing
+    call = asyncio.create_task(client.post(CHAT_PATH, json=CHAT | {"stream": True}, headers={"X-Request-Id": "gone-5"}))
+    await asyncio.wait_for(headers_sent.wait(), 5)
+    await asyncio.sleep(0.1)  # the proxy now waits for the first chunk
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+
+    await wait_until(lambda: decode_engine.requests[0].disconnected)
+    assert await released(side_channel) == ["PDRL gone-5"]
+    await wait_until(lambda: pool.engine(decode_engine.name).in_flight == 0)
+    assert [rank.messages for rank in report_ranks] == [[], []]  # no first chunk: no report asked
 
 
 async def test_the_engines_serve_the_next_request_after_a_cancelled_one(make_client, prefill_engine, decode_engine):

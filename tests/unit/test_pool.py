@@ -37,6 +37,7 @@ def test_snapshot_reports_each_engines_state(pool):
         "in_flight": 0,
         "healthy": True,
         "draining": True,
+        "kv_endpoints": [],
     }
     assert snapshot["decode"][1]["in_flight"] == 1
     assert pool.snapshot()["decode"][1]["in_flight"] == 0
@@ -89,6 +90,16 @@ def test_unknown_engine_ids_are_a_404_error(pool, action):
     with pytest.raises(UnknownEngine) as caught:
         getattr(pool, action)("decode-7")
     assert caught.value.status == 404 and "decode-7" in caught.value.message
+
+
+def test_an_engines_kv_endpoints_follow_the_latest_set_endpoints(pool):
+    engine = pool.engine("decode-0")
+    side_channel = ("tcp://127.0.0.1:5700", "tcp://127.0.0.1:5701")
+
+    pool.set_endpoints("decode", [Endpoint("decode-0", engine.url, side_channel), endpoints("decode", 2)[1]])
+
+    assert pool.engine("decode-0") is engine and engine.kv_endpoints == side_channel
+    assert pool.snapshot()["decode"][0]["kv_endpoints"] == list(side_channel)
 
 
 def test_set_endpoints_keeps_the_state_of_engines_it_keeps(pool):

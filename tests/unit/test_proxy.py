@@ -600,7 +600,7 @@ async def test_health_is_200_with_both_pools(client, prefill_engine, decode_engi
     assert response.status_code == 200
     body = response.json()
     assert body["status"] == "ok"
-    state = {"in_flight": 0, "healthy": True, "draining": False}
+    state = {"in_flight": 0, "healthy": True, "draining": False, "kv_endpoints": []}
     assert body["engines"] == {
         "prefill": [{"engine_id": "prefill-0", "url": prefill_engine.url} | state],
         "decode": [{"engine_id": "decode-0", "url": decode_engine.url} | state],
@@ -691,7 +691,7 @@ def test_pool_snapshot():
     assert pool.snapshot() == {
         "prefill": [
             {"engine_id": "prefill-0", "url": "http://127.0.0.1:8100"}
-            | {"in_flight": 0, "healthy": True, "draining": False}
+            | {"in_flight": 0, "healthy": True, "draining": False, "kv_endpoints": []}
         ],
         "decode": [],
     }

@@ -35,7 +35,8 @@ async def actor(monkeypatch, tmp_path):
 async def test_serves_the_engines_the_controller_sets(actor, prefill_engine, decode_engine):
     info = await actor.start()
     await actor.set_endpoints("prefill", [("prefill-0", prefill_engine.url)])
-    await actor.set_endpoints("decode", [("decode-0", decode_engine.url)])
+    await actor.set_endpoints("decode", [("decode-0", decode_engine.url, ("tcp://127.0.0.1:5700",))])
+    side_channel = actor.pool.engine("decode-0").kv_endpoints
 
     async with httpx.AsyncClient(base_url=info["url"]) as client:
         served = await client.post("/v1/chat/completions", json=CHAT)
@@ -43,6 +44,7 @@ async def test_serves_the_engines_the_controller_sets(actor, prefill_engine, dec
         emptied = await client.post("/v1/chat/completions", json=CHAT)
 
     assert info["state"] == "ready"
+    assert side_channel == ("tcp://127.0.0.1:5700",)
     assert served.status_code == 200
     assert served.json()["choices"][0]["message"]["content"] == answer_text("decode-0", with_kv=True)
     assert emptied.status_code == 503

@@ -2,16 +2,19 @@
 
 Stub engines play a prefill engine that offers a release endpoint (as the
 ``pdserve`` connector does) and a decode engine that reports its KV load; a
-real ZMQ REP socket plays the prefill engine's side channel (``side_channel`` in conftest.py).
+real ZMQ REP socket plays the prefill engine's side channel (``side_channel`` in conftest.py),
+and one per TP rank the decode engine's (``report_ranks``), which a stream's report comes from.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 
+import orjson
 import pytest
 
-from proxy.app import kv_report
+from proxy.kv_report import kv_report
 from tests.stub_engine import Behaviour
 from tests.unit.conftest import PROXY_MODEL, released
 
@@ -45,6 +48,57 @@ async def test_no_header_when_the_decode_engine_reports_nothing(client, decode_e
     response = await client.post(CHAT_PATH, json=CHAT)
 
     assert response.status_code == 200 and "x-pdserve-kv" not in response.headers
+
+
+@pytest.fixture
+def decode_ranks(report_ranks):
+    for rank in report_ranks:
+        rank.answer = json.dumps(REPORT).encode()
+    return report_ranks
+
+
+def sse_text(body: str) -> str:
+    events = [line.removeprefix("data: ") for line in body.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return "".join(orjson.loads(e)["choices"][0]["delta"].get("content") or "" for e in events[:-1])
+
+
+async def test_a_stream_gets_its_kv_report_from_every_decode_rank(client, decode_ranks):
+    decode_ranks[1].answer = json.dumps(REPORT | {"transfer_ms": 2.5}).encode()
+
+    response = await client.post(CHAT_PATH, json=CHAT | {"stream": True}, headers={"X-Request-Id": "s-1"})
+
+    assert response.status_code == 200
+    # bytes add up over the ranks; the slowest rank's time counts
+    assert response.headers["x-pdserve-kv"] == (
+        "source=transfer; bytes=2097152; transfer_ms=2.5; remote_engine_id=prefill-0"
+    )
+    assert sse_text(response.text) == "hello from decode-0 with kv_transfer_params"
+    assert [rank.messages for rank in decode_ranks] == [[b"PDKV prefill-0 s-1"]] * 2
+
+
+async def test_a_rank_that_recomputed_makes_the_stream_say_recomputed(client, decode_ranks):
+    recomputed = {"source": "recomputed", "reason": "transport", "remote_engine_id": "prefill-0"}
+    decode_ranks[0].answer = json.dumps(recomputed).encode()
+
+    response = await client.post(CHAT_PATH, json=CHAT | {"stream": True})
+
+    assert (
+        response.headers["x-pdserve-kv"]
+        == "source=recomputed; bytes=1048576; transfer_ms=1.25; reason=transport; remote_engine_id=prefill-0"
+    )
+
+
+@pytest.mark.parametrize("answer", [None, b"NONE", b"not json"], ids=["silent", "none", "garbage"])
+async def test_a_stream_whose_decode_engine_cannot_report_goes_on_without_the_header(client, decode_ranks, answer):
+    decode_ranks[1].answer = answer
+
+    started = asyncio.get_running_loop().time()
+    response = await client.post(CHAT_PATH, json=CHAT | {"stream": True})
+
+    assert response.status_code == 200 and "x-pdserve-kv" not in response.headers
+    assert sse_text(response.text) == "hello from decode-0 with kv_transfer_params"
+    assert asyncio.get_running_loop().time() - started < 2.0  # held up by the report timeout (0.25 s) at most
 
 
 async def test_a_served_request_releases_nothing(client, side_channel, decode_engine):
