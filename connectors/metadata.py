@@ -11,6 +11,10 @@
 - ``reqs_to_hold``: prefill side. Requests that finished with
   ``do_remote_decode``; the worker keeps their blocks under a lease until the
   decode engine's READ notification arrives (or the lease expires).
+- ``reports``: decode side. Loads the scheduler side decided without a READ
+  (a local prefix-cache hit, a block size that does not pair), by
+  ``side_channel.report_key``: the worker keeps them for the proxy's report
+  queries, as it keeps the reports of its own READs.
 
 ``KVTransferParams`` parses and checks the ``kv_transfer_params`` a decode
 request carries (the ones our prefill side returned, passed on by the proxy).
@@ -87,6 +91,7 @@ class PdserveConnectorMetadata(KVConnectorMetadata):
 
     reqs_to_receive: list[ReceiveSpec] = field(default_factory=list)
     reqs_to_hold: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    reports: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,8 +36,8 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from connectors.metadata import ConnectorSettings, KVTransferParams, PdserveConnectorMetadata, ReceiveSpec
-from connectors.side_channel import ReleaseSender, release_message, report_message
-from connectors.stats import PdserveKVStats, PdserveWorkerMeta
+from connectors.side_channel import ReleaseSender, release_message, report_key, report_message
+from connectors.stats import PdserveKVStats, PdserveWorkerMeta, merge_reports
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -62,6 +62,7 @@ class PdserveScheduler:
         self.block_size = vllm_config.cache_config.block_size
         self._to_receive: dict[str, ReceiveSpec] = {}
         self._to_hold: dict[str, tuple[int, ...]] = {}
+        self._to_report: dict[str, dict[str, Any]] = {}  # report_key -> a load decided here
         self._loading_tokens: dict[str, int] = {}  # decode requests being loaded -> tokens to load
         self._reports: dict[str, dict[str, Any]] = {}
         self._stats = PdserveKVStats()
@@ -94,12 +95,12 @@ class PdserveScheduler:
                 self.block_size,
             )
             self._stats.record_failure("incompatible")
-            self._reports[request.request_id] = {
+            self._report(request, params, {
                 "source": "recomputed",
                 "reason": "incompatible",
                 "detail": f"prefill block size {params.block_size}, decode block size {self.block_size}",
                 "remote_engine_id": params.remote_engine_id,
-            }
+            })  # fmt: skip
             self._release(params)
             return
         if num_external_tokens == 0:
@@ -109,7 +110,7 @@ class PdserveScheduler:
                 self.engine_id,
                 params.remote_engine_id,
             )
-            self._reports[request.request_id] = {"source": "local_prefix_cache", "bytes": 0, "transfer_ms": 0.0}
+            self._report(request, params, {"source": "local_prefix_cache", "bytes": 0, "transfer_ms": 0.0})
             self._release(params)
             return
         if len(blocks.blocks) != 1:
@@ -142,6 +143,12 @@ class PdserveScheduler:
             params.remote_engine_id,
         )
 
+    def _report(self, request: Request, params: KVTransferParams, report: dict[str, Any]) -> None:
+        """A load decided here, not by the workers: for the finished request's ``kv_transfer_params``, and
+        through the next metadata to the workers, whose side channel answers the proxy's query for a stream."""
+        self._reports[request.request_id] = report
+        self._to_report[report_key(params.remote_engine_id, params.remote_request_id)] = report
+
     def _remote_prefill_params(self, request: Request) -> KVTransferParams | None:
         try:
             return KVTransferParams.for_remote_prefill(request.kv_transfer_params)
@@ -170,7 +177,11 @@ class PdserveScheduler:
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         meta = output.kv_connector_worker_meta
         if isinstance(meta, PdserveWorkerMeta):
-            self._reports.update(meta.reports)
+            # vLLM merges the ranks' reports of one step; ranks whose reads end in different steps
+            # report in different steps, and their parts add up here.
+            for request_id, report in meta.reports.items():
+                known = self._reports.get(request_id)
+                self._reports[request_id] = report if known is None else merge_reports(known, report)
         for request_id in output.failed_recving or ():
             self._stats.record_recomputed(self._loading_tokens.get(request_id, 0))
         for request_id in output.finished_recving or ():
@@ -186,9 +197,10 @@ class PdserveScheduler:
         self._releases.close()
 
     def build_connector_meta(self) -> PdserveConnectorMetadata:
-        meta = PdserveConnectorMetadata(reqs_to_receive=list(self._to_receive.values()), reqs_to_hold=self._to_hold)
-        self._to_receive = {}
-        self._to_hold = {}
+        meta = PdserveConnectorMetadata(
+            reqs_to_receive=list(self._to_receive.values()), reqs_to_hold=self._to_hold, reports=self._to_report
+        )
+        self._to_receive, self._to_hold, self._to_report = {}, {}, {}
         return meta
 
     # ------------------------------------------------------------ prefill side

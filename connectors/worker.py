@@ -250,6 +250,8 @@ class PdserveWorker:
     # ------------------------------------------------------------ each step
 
     def start_load_kv(self, metadata: PdserveConnectorMetadata) -> None:
+        for key, report in metadata.reports.items():
+            self._answered.add(key, report)
         for request_id, block_ids in metadata.reqs_to_hold.items():
             self._hold(request_id, block_ids)
         for spec in metadata.reqs_to_receive:

@@ -10,10 +10,13 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from vllm.v1.outputs import KVConnectorOutput  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
 from connectors.metadata import KVTransferParams  # noqa: E402
 from connectors.scheduler import PdserveScheduler  # noqa: E402
+from connectors.side_channel import report_key  # noqa: E402
+from connectors.stats import PdserveWorkerMeta  # noqa: E402
 
 REMOTE = {
     "do_remote_prefill": True,
@@ -98,6 +101,8 @@ def test_prefill_keeps_the_blocks_and_says_where_they_are(scheduler):
         block_size=BLOCK_SIZE,
     )
     assert scheduler.build_connector_meta().reqs_to_hold == {"req-1": (7, 8, 9)}
+    # what the proxy sends the decode engine's side channel when the stream starts
+    assert params["pdserve_report"] == {"message": "PDKV engine-a req-1"}
 
 
 def test_prefill_with_tp_names_every_ranks_side_channel_for_releases():
@@ -128,9 +133,43 @@ def test_a_prefill_block_size_that_does_not_divide_ours_is_computed_locally(sche
     assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
     scheduler.update_state_after_alloc(request, fake_blocks((3, False)), 0)
 
-    assert scheduler.build_connector_meta().reqs_to_receive == []
+    meta = scheduler.build_connector_meta()
+    assert meta.reqs_to_receive == []
+    # the workers learn it too: a stream's report query is answered by them
+    assert meta.reports[report_key("prefill-engine", "req-on-prefill")]["reason"] == "incompatible"
     _, params = scheduler.request_finished(FakeRequest(kv_transfer_params=request.kv_transfer_params), [3])
     assert params["pdserve_kv"]["reason"] == "incompatible"
+
+
+def test_a_local_prefix_hit_of_the_whole_prompt_is_reported_without_a_read(scheduler):
+    request = FakeRequest(kv_transfer_params=dict(REMOTE))
+
+    scheduler.update_state_after_alloc(request, fake_blocks((3, True)), 0)
+
+    meta = scheduler.build_connector_meta()
+    assert meta.reqs_to_receive == []
+    assert meta.reports == {report_key("prefill-engine", "req-on-prefill"): {
+        "source": "local_prefix_cache", "bytes": 0, "transfer_ms": 0.0,
+    }}  # fmt: skip
+    assert scheduler.build_connector_meta().reports == {}  # handed on once
+    _, params = scheduler.request_finished(FakeRequest(kv_transfer_params=request.kv_transfer_params), [3])
+    assert params["pdserve_kv"]["source"] == "local_prefix_cache"
+
+
+def test_the_ranks_reports_of_one_load_add_up_when_they_come_in_different_steps(scheduler):
+    request = FakeRequest(kv_transfer_params=dict(REMOTE))
+    scheduler.update_state_after_alloc(request, fake_blocks((3, False), (4, False), (5, False)), 300)
+    part = {"source": "transfer", "bytes": 1000, "transfer_ms": 2.0, "remote_engine_id": "prefill-engine"}
+
+    for rank_part, finished in ((part, set()), (part | {"transfer_ms": 3.5}, {"req-1"})):
+        scheduler.update_connector_output(
+            KVConnectorOutput(
+                finished_recving=finished, kv_connector_worker_meta=PdserveWorkerMeta({"req-1": rank_part})
+            )
+        )
+    _, params = scheduler.request_finished(FakeRequest(kv_transfer_params=request.kv_transfer_params), [3, 4, 5])
+
+    assert params["pdserve_kv"] == part | {"bytes": 2000, "transfer_ms": 3.5}
 
 
 def test_an_aborted_prefill_frees_its_blocks_at_once(scheduler):

@@ -253,6 +253,14 @@ def test_a_failed_read_from_one_rank_aborts_the_others_and_releases_every_rank(
     assert json.loads(worker._server.on_report(report_key("prefill", "p-r1")))["source"] == "recomputed"
 
 
+def test_loads_the_scheduler_side_decided_are_answered_to_the_proxy_too(make_worker: WorkerFactory) -> None:
+    worker = make_worker(tp_size=1, tp_rank=0)
+    key = report_key("prefill", "p-r7")
+    worker.start_load_kv(PdserveConnectorMetadata(reports={key: {"source": "local_prefix_cache", "bytes": 0}}))
+
+    assert json.loads(worker._server.on_report(key)) == {"source": "local_prefix_cache", "bytes": 0}
+
+
 def test_decode_rank_zero_releases_the_prefill_replicas_nobody_reads(fakes: Fakes, make_worker: WorkerFactory) -> None:
     fakes.prefill.tp_size = 4  # 2 heads on 4 ranks: ranks 1 and 3 hold copies
     worker = make_worker(tp_size=1, tp_rank=0, heads=2)
