@@ -33,6 +33,7 @@ from orchestrator.autoscale.actuator import Autoscaler
 from orchestrator.autoscale.policy import PolicyConfig
 from orchestrator.autoscale.profile import PerformanceProfile
 from orchestrator.engine_actor import EngineActor, error_excerpt
+from orchestrator.engine_metrics import parse_metrics
 from orchestrator.errors import EngineStartError
 from orchestrator.launch import EngineLaunch, plan_engines
 from orchestrator.logs import redirect_output
@@ -437,9 +438,7 @@ def _replica(engine_id: str) -> int:
 
 
 async def engine_gauges(url: str, timeout_s: float = PROBE_TIMEOUT_S) -> dict[str, float] | None:
-    """The engine's gauges on its ``/metrics``, summed over label sets; None if it does not answer."""
-    from prometheus_client.parser import text_string_to_metric_families
-
+    """The engine's samples on its ``/metrics``, summed over label sets; None if it does not answer."""
     try:
         async with (
             aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session,
@@ -450,12 +449,7 @@ async def engine_gauges(url: str, timeout_s: float = PROBE_TIMEOUT_S) -> dict[st
             text = await response.text()
     except (aiohttp.ClientError, TimeoutError):
         return None
-    gauges: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        if family.type == "gauge":
-            for sample in family.samples:
-                gauges[sample.name] = gauges.get(sample.name, 0.0) + sample.value
-    return gauges
+    return parse_metrics(text).values
 
 
 def _cause(error: BaseException) -> str:

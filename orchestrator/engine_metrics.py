@@ -1,5 +1,8 @@
-"""Reading a vLLM engine's Prometheus ``/metrics`` by sample name, for benchmarks and ``pdserve profile``.
+"""Reading Prometheus ``/metrics`` pages of engines and the proxy, for the autoscaler, the drain check,
+benchmarks and ``pdserve profile``.
 
+``parse_metrics`` reads a page once: every sample summed over its label sets,
+histogram buckets kept by ``le``; the other readers are views of it.
 Measurements here are deltas: scrape before, do the work, scrape after. A
 histogram is read through its ``_sum`` and ``_count`` samples, a counter
 through its ``_total`` sample; samples of one name with different labels (one
@@ -11,10 +14,11 @@ the labels and the sample is always 1.
 from __future__ import annotations
 
 import urllib.request
+from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
 
-__all__ = ["TRANSFER_METRICS", "info_labels", "scrape", "sum_samples"]
+__all__ = ["TRANSFER_METRICS", "MetricsReading", "info_labels", "parse_metrics", "scrape", "sum_samples"]
 
 TRANSFER_METRICS: dict[str, tuple[str, str]] = {
     "pdserve": ("pdserve:kv_transfer_seconds", "pdserve:kv_transfer_bytes_total"),
@@ -24,14 +28,34 @@ TRANSFER_METRICS: dict[str, tuple[str, str]] = {
 as the decode engine exports them."""
 
 
-def sum_samples(text: str, names: tuple[str, ...] | list[str]) -> dict[str, float]:
-    """Sum over label sets of each sample name in ``names`` in Prometheus ``text``; 0.0 for a name absent."""
-    totals = dict.fromkeys(names, 0.0)
+@dataclass(slots=True)
+class MetricsReading:
+    """One ``/metrics`` page: every sample summed over its label sets (histogram buckets kept by ``le``)."""
+
+    values: dict[str, float] = field(default_factory=dict)
+    buckets: dict[str, dict[float, float]] = field(default_factory=dict)  # histogram -> {le: cumulative count}
+
+    def get(self, name: str) -> float:
+        return self.values.get(name, 0.0)
+
+
+def parse_metrics(text: str) -> MetricsReading:
+    reading = MetricsReading()
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name in totals:
-                totals[sample.name] += sample.value
-    return totals
+            if sample.name.endswith("_bucket") and "le" in sample.labels:
+                le = float(sample.labels["le"])
+                buckets = reading.buckets.setdefault(sample.name[: -len("_bucket")], {})
+                buckets[le] = buckets.get(le, 0.0) + sample.value
+            else:
+                reading.values[sample.name] = reading.values.get(sample.name, 0.0) + sample.value
+    return reading
+
+
+def sum_samples(text: str, names: tuple[str, ...] | list[str]) -> dict[str, float]:
+    """Sum over label sets of each sample name in ``names`` in Prometheus ``text``; 0.0 for a name absent."""
+    reading = parse_metrics(text)
+    return {name: reading.get(name) for name in names}
 
 
 def info_labels(text: str, name: str) -> dict[str, str] | None:

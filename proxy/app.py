@@ -200,8 +200,14 @@ def create_app(config: ProxyConfig, pool: EnginePool | None = None) -> FastAPI:
             try:
                 if await stream.first() is not None:
                     reports: KVReports = app.state.kv_reports
+                    asked = time.perf_counter()
                     if report := await reports.query(engine.kv_endpoints, kv_params, request_id):
                         reply_headers["X-PDServe-KV"] = report
+                    if logger.isEnabledFor(logging.DEBUG):
+                        logger.debug(
+                            "request %s: KV report from decode engine %s in %.2f ms",
+                            request_id, engine.engine_id, 1000 * (time.perf_counter() - asked),
+                        )  # fmt: skip
             except BaseException:  # the client went away: no response will close the stream
                 await stream.aclose()
                 raise

@@ -39,11 +39,10 @@ import math
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
-from prometheus_client.parser import text_string_to_metric_families
 
 from orchestrator.autoscale.policy import (
     AutoscalePolicy,
@@ -53,10 +52,11 @@ from orchestrator.autoscale.policy import (
     ScalingDecision,
 )
 from orchestrator.autoscale.profile import PerformanceProfile
+from orchestrator.engine_metrics import MetricsReading, parse_metrics
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Autoscaler", "EngineReading", "MetricsReading", "Observer", "histogram_quantile", "parse_metrics"]
+__all__ = ["Autoscaler", "EngineReading", "Observer", "histogram_quantile"]
 
 ROLES = ("prefill", "decode")
 RECEIVED = "pdserve_proxy_requests_received_total"
@@ -70,30 +70,6 @@ RUNNING = "vllm:num_requests_running"
 KV_USAGE = "vllm:kv_cache_usage_perc"
 SCRAPE_TIMEOUT_S = 5.0
 DECISIONS_KEPT = 20
-
-
-@dataclass(slots=True)
-class MetricsReading:
-    """One ``/metrics`` page: every sample summed over its label sets (histogram buckets kept by ``le``)."""
-
-    values: dict[str, float] = field(default_factory=dict)
-    buckets: dict[str, dict[float, float]] = field(default_factory=dict)  # histogram -> {le: cumulative count}
-
-    def get(self, name: str) -> float:
-        return self.values.get(name, 0.0)
-
-
-def parse_metrics(text: str) -> MetricsReading:
-    reading = MetricsReading()
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name.endswith("_bucket") and "le" in sample.labels:
-                le = float(sample.labels["le"])
-                buckets = reading.buckets.setdefault(sample.name[: -len("_bucket")], {})
-                buckets[le] = buckets.get(le, 0.0) + sample.value
-            else:
-                reading.values[sample.name] = reading.values.get(sample.name, 0.0) + sample.value
-    return reading
 
 
 def _increase(now: float, before: float | None) -> float:

@@ -32,10 +32,8 @@ How one decision is made (both pools at once):
 5. Stability. Growing is allowed once ``scale_up_cooldown_s`` has passed since the
    pool's last change. Shrinking goes to the largest wish of the last
    ``scale_down_cooldown_s`` (so a burst that fades is not forgotten at once),
-   only after that long since the pool last grew, and only when it frees more
-   than ``hysteresis`` of the pool (and at least one engine). After a burst the
-   pool thus follows that window down as it slides past the burst, rather than
-   waiting out the whole cooldown again after every step down.
+   only after that long since the pool's last change, and only when it frees more
+   than ``hysteresis`` of the pool (and at least one engine).
 """
 
 from __future__ import annotations
@@ -179,7 +177,6 @@ class AutoscalePolicy:
         self.profile = profile
         self._wishes: deque[tuple[float, int, int]] = deque()  # (t, prefill, decode) before stability rules
         self._last_change: dict[str, float] = {}
-        self._last_growth: dict[str, float] = {}
         self._previous_rate: float | None = None
         self._held: tuple[float, float] | None = None  # (made at t, forecast rate) of a rise under way
 
@@ -352,11 +349,10 @@ class AutoscalePolicy:
                 f"{cfg.scale_down_cooldown_s:g}s is {recent}, within the hysteresis band of {step})"
             )
             return current
-        since_growth = t - self._last_growth.get(role, -math.inf)
-        if since_growth < cfg.scale_down_cooldown_s:
+        if since < cfg.scale_down_cooldown_s:
             reasons.append(
-                f"{role}: hold at {current} (wants {recent}; scale-down cooldown, {since_growth:.0f}s of "
-                f"{cfg.scale_down_cooldown_s:g}s since it last grew)"
+                f"{role}: hold at {current} (wants {recent}; scale-down cooldown, {since:.0f}s of "
+                f"{cfg.scale_down_cooldown_s:g}s since the last change)"
             )
             return current
         reasons.append(f"{role}: {current} -> {recent} (largest wish of the last {cfg.scale_down_cooldown_s:g}s)")
@@ -388,8 +384,6 @@ class AutoscalePolicy:
             target[role] = self._stabilize(role, obs.t, current, wish[role], floor[role], reasons)
             if target[role] != current:
                 self._last_change[role] = obs.t
-            if target[role] > current:
-                self._last_growth[role] = obs.t
         if target["prefill"] + target["decode"] > cfg.max_engines:
             # Stability kept one pool above its budget share: the other gives way.
             grow = "prefill" if target["prefill"] > obs.prefill.provisioned else "decode"

@@ -9,15 +9,10 @@ import pytest
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from orchestrator.autoscale.actuator import (
-    Autoscaler,
-    EngineReading,
-    Observer,
-    histogram_quantile,
-    parse_metrics,
-)
+from orchestrator.autoscale.actuator import Autoscaler, EngineReading, Observer, histogram_quantile
 from orchestrator.autoscale.policy import PolicyConfig, PoolLimits
 from orchestrator.autoscale.profile import load_profile
+from orchestrator.engine_metrics import parse_metrics
 from proxy.metrics import TTFT_BUCKETS, ProxyMetrics
 
 PROFILE = "configs/profiles/example-gpu.yaml"

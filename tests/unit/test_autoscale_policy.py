@@ -172,20 +172,6 @@ def test_after_a_burst_the_pools_shrink_only_after_the_cooldown(policy):
     assert any("largest wish of the last 300s" in line for line in shrink.reasons)
 
 
-def test_after_the_cooldown_the_pool_follows_the_window_down_without_waiting_it_out_again(policy):
-    # A burst fades in steps (60, then 40, then 20, then 10 req/s, one minute each): once the
-    # cooldown since the growth is over, each decision goes to the largest wish of the last
-    # 300 s; a step down does not start another 300 s wait.
-    decisions = run(policy(), [60.0] * 2 + [40.0] * 2 + [20.0] * 2 + [10.0] * 20)
-    peak_at = max(range(len(decisions)), key=lambda i: decisions[i].prefill)
-    downs = [d for prev, d in zip(decisions, decisions[1:], strict=False) if d.prefill < prev.prefill]
-
-    assert len(downs) >= 2, [d.prefill for d in decisions]
-    assert downs[0].t >= decisions[peak_at].t + 300.0
-    assert downs[1].t - downs[0].t < 300.0
-    assert decisions[-1].prefill == run(policy(), [10.0] * 3)[-1].prefill  # back to what the low load needs
-
-
 def test_small_drops_stay_inside_the_hysteresis_band(policy):
     p = policy(hysteresis=0.5)
     decisions = run(p, [40.0] + [30.0] * 20)
