@@ -209,6 +209,7 @@ def cmd_proxy(args: argparse.Namespace) -> int:
         app_factory,
         model_name_from_engines,
         normalize_url,
+        parse_kv_endpoints,
     )
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -232,6 +233,7 @@ def cmd_proxy(args: argparse.Namespace) -> int:
     try:
         prefill = [normalize_url(url) for url in args.prefill]
         decode = [normalize_url(url) for url in args.decode]
+        decode_kv = parse_kv_endpoints(args.decode_kv, len(decode))
         model = args.model or model_name_from_engines(
             prefill + decode,
             args.wait_s,
@@ -264,7 +266,7 @@ def cmd_proxy(args: argparse.Namespace) -> int:
     except ProxyConfigError as e:
         print(f"pdserve proxy: {e}", file=sys.stderr)
         return 1
-    settings = StandaloneSettings(tuple(prefill), tuple(decode), config)
+    settings = StandaloneSettings(tuple(prefill), tuple(decode), config, decode_kv)
 
     def ready(url: str) -> None:
         _print(f"pdserve proxy: serving {model!r} on {url}/v1 ({args.workers} worker(s))")
@@ -533,6 +535,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     proxy.add_argument("--prefill", nargs="+", required=True, metavar="URL", help="prefill servers' URLs")
     proxy.add_argument("--decode", nargs="+", required=True, metavar="URL", help="decode servers' URLs")
+    proxy.add_argument(
+        "--decode-kv", nargs="+", default=[], metavar="TCP[,TCP...]",
+        help="for decode servers of the pdserve connector: each one's side channel, tcp://host:kv_port per TP "
+        "rank (comma-separated), one value per --decode server in its order; streams then carry X-PDServe-KV",
+    )  # fmt: skip
     proxy.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     proxy.add_argument("--port", type=int, default=8000, help="port to listen on; 0 picks one (default: %(default)s)")
     proxy.add_argument("--model", help="the served model's name (default: asked from the engines' /v1/models)")

@@ -4,7 +4,8 @@ A drop-in for vLLM's example P/D proxy: give it the prefill and decode servers'
 URLs (each a vLLM server started with a KV connector); it serves the same app
 as the orchestrated proxy (``proxy.app``) with the engines fixed for its life.
 Engines are named by role and position: ``prefill-0``, ``prefill-1``,
-``decode-0``...
+``decode-0``... A decode server of the ``pdserve`` connector may be given its
+side channel (``--decode-kv``): its streams then carry ``X-PDServe-KV``.
 
 The model's name is the one given, or else learnt from the engines:
 ``model_name_from_engines`` asks each one's ``GET /v1/models`` (waiting for
@@ -16,6 +17,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import re
 import time
 import urllib.error
 import urllib.request
@@ -42,12 +44,37 @@ class StandaloneSettings:
     prefill_urls: tuple[str, ...]
     decode_urls: tuple[str, ...]
     config: ProxyConfig
+    decode_kv_endpoints: tuple[tuple[str, ...], ...] = ()
+    """Per decode server, in ``decode_urls``' order: its ``pdserve`` connector side channel (one per TP rank)."""
 
     def pool(self) -> EnginePool:
         pool = EnginePool()
-        for role, urls in (("prefill", self.prefill_urls), ("decode", self.decode_urls)):
-            pool.set_endpoints(role, [Endpoint(f"{role}-{i}", url) for i, url in enumerate(urls)])
+        pool.set_endpoints("prefill", [Endpoint(f"prefill-{i}", url) for i, url in enumerate(self.prefill_urls)])
+        kv = self.decode_kv_endpoints or ((),) * len(self.decode_urls)
+        decode = zip(self.decode_urls, kv, strict=True)
+        pool.set_endpoints("decode", [Endpoint(f"decode-{i}", url, ranks) for i, (url, ranks) in enumerate(decode)])
         return pool
+
+
+_KV_ENDPOINT = re.compile(r"^tcp://[^/\s:]+:\d{1,5}$")
+
+
+def parse_kv_endpoints(values: list[str], decode_count: int) -> tuple[tuple[str, ...], ...]:
+    """``--decode-kv``: one value per ``--decode`` server, each a comma-separated ``tcp://host:port`` per TP rank."""
+    if not values:
+        return ()
+    if len(values) != decode_count:
+        raise StandaloneError(
+            f"--decode-kv: {len(values)} value(s) for {decode_count} --decode server(s); give one per server, "
+            "in the same order (its ranks comma-separated)"
+        )
+    parsed = []
+    for value in values:
+        ranks = tuple(part.strip() for part in value.split(","))
+        if bad := [rank for rank in ranks if not _KV_ENDPOINT.match(rank)]:
+            raise StandaloneError(f"--decode-kv: {bad[0]!r} is not tcp://host:port (the engine's kv_port + rank)")
+        parsed.append(ranks)
+    return tuple(parsed)
 
 
 def build_app(settings: StandaloneSettings) -> FastAPI:

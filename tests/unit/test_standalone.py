@@ -23,9 +23,15 @@ import pytest
 
 from proxy.config import ProxyConfig
 from proxy.server import listen_socket
-from proxy.standalone import StandaloneError, StandaloneSettings, model_name_from_engines, normalize_url
+from proxy.standalone import (
+    StandaloneError,
+    StandaloneSettings,
+    model_name_from_engines,
+    normalize_url,
+    parse_kv_endpoints,
+)
 from tests.stub_engine import StubEngine, answer_text
-from tests.unit.conftest import REPO_ROOT
+from tests.unit.conftest import REPO_ROOT, SideChannel
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -378,6 +384,48 @@ def test_settings_name_the_engines_by_role_and_position():
         "prefill": [("prefill-0", "http://p:1"), ("prefill-1", "http://p:2")],
         "decode": [("decode-0", "http://d:1")],
     }
+
+
+def test_decode_kv_gives_each_decode_server_its_side_channel():
+    kv = parse_kv_endpoints(["tcp://d:5700,tcp://d:5701", "tcp://e:5700"], 2)
+    settings = StandaloneSettings(("http://p:1",), ("http://d:1", "http://e:1"), ProxyConfig("m"), kv)
+
+    decode = settings.pool().snapshot()["decode"]
+    assert [(e["engine_id"], e["kv_endpoints"]) for e in decode] == [
+        ("decode-0", ["tcp://d:5700", "tcp://d:5701"]),
+        ("decode-1", ["tcp://e:5700"]),
+    ]
+    assert parse_kv_endpoints([], 2) == ()
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        (["tcp://d:5700"], "1 value(s) for 2 --decode server(s)"),
+        (["tcp://d:5700", "http://e:8200"], "'http://e:8200' is not tcp://host:port"),
+        (["tcp://d:5700", "tcp://e"], "'tcp://e' is not tcp://host:port"),
+    ],
+)
+def test_decode_kv_that_does_not_fit_is_an_error(values, message):
+    with pytest.raises(StandaloneError, match=re.escape(message)):
+        parse_kv_endpoints(values, 2)
+
+
+async def test_a_stream_through_the_command_line_proxy_carries_the_decode_servers_report(prefill_engine, decode_engine):
+    ranks = [SideChannel(answer=b'{"source": "transfer", "bytes": 512, "transfer_ms": 1.5}') for _ in range(2)]
+    prefill_engine.release_endpoint = "tcp://127.0.0.1:9"  # offers the report message, as ours does
+    kv = ",".join(rank.endpoint for rank in ranks)
+    args = ("--prefill", prefill_engine.url, "--decode", decode_engine.url, "--decode-kv", kv)
+    try:
+        async with cli_proxy(*args) as proxy, httpx.AsyncClient(base_url=proxy.url, timeout=10) as client:
+            body = {"model": "stub-model", "messages": MESSAGES, "stream": True}
+            response = await client.post("/v1/chat/completions", json=body)
+    finally:
+        for rank in ranks:
+            await rank.close()
+
+    assert response.status_code == 200
+    assert response.headers["x-pdserve-kv"] == "source=transfer; bytes=1024; transfer_ms=1.5"
 
 
 async def test_model_name_waits_for_an_engine_that_is_starting(make_engine):
