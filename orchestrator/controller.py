@@ -33,7 +33,7 @@ from orchestrator.autoscale.actuator import Autoscaler
 from orchestrator.autoscale.policy import PolicyConfig
 from orchestrator.autoscale.profile import PerformanceProfile
 from orchestrator.engine_actor import EngineActor, error_excerpt
-from orchestrator.engine_metrics import parse_metrics
+from orchestrator.engine_metrics import fetch_metrics
 from orchestrator.errors import EngineStartError
 from orchestrator.launch import EngineLaunch, plan_engines
 from orchestrator.logs import redirect_output
@@ -439,17 +439,9 @@ def _replica(engine_id: str) -> int:
 
 async def engine_gauges(url: str, timeout_s: float = PROBE_TIMEOUT_S) -> dict[str, float] | None:
     """The engine's samples on its ``/metrics``, summed over label sets; None if it does not answer."""
-    try:
-        async with (
-            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session,
-            session.get(url + "/metrics") as response,
-        ):
-            if response.status != 200:
-                return None
-            text = await response.text()
-    except (aiohttp.ClientError, TimeoutError):
-        return None
-    return parse_metrics(text).values
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
+        reading = await fetch_metrics(session, url)
+    return None if reading is None else reading.values
 
 
 def _cause(error: BaseException) -> str:

@@ -16,9 +16,18 @@ from __future__ import annotations
 import urllib.request
 from dataclasses import dataclass, field
 
+import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-__all__ = ["TRANSFER_METRICS", "MetricsReading", "info_labels", "parse_metrics", "scrape", "sum_samples"]
+__all__ = [
+    "TRANSFER_METRICS",
+    "MetricsReading",
+    "fetch_metrics",
+    "info_labels",
+    "parse_metrics",
+    "scrape",
+    "sum_samples",
+]
 
 TRANSFER_METRICS: dict[str, tuple[str, str]] = {
     "pdserve": ("pdserve:kv_transfer_seconds", "pdserve:kv_transfer_bytes_total"),
@@ -50,6 +59,19 @@ def parse_metrics(text: str) -> MetricsReading:
             else:
                 reading.values[sample.name] = reading.values.get(sample.name, 0.0) + sample.value
     return reading
+
+
+async def fetch_metrics(session: aiohttp.ClientSession, url: str) -> MetricsReading | None:
+    """``url``/metrics, parsed; None when the server does not answer it (unreachable, timed out, not 200).
+    A page that is not Prometheus text raises ``ValueError``."""
+    try:
+        async with session.get(url + "/metrics") as response:
+            if response.status != 200:
+                return None
+            text = await response.text()
+    except (aiohttp.ClientError, TimeoutError):
+        return None
+    return parse_metrics(text)
 
 
 def sum_samples(text: str, names: tuple[str, ...] | list[str]) -> dict[str, float]:

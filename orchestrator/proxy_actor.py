@@ -74,7 +74,7 @@ class ProxyActor:
     ) -> None:
         """Make ``endpoints`` the role's engines (``(engine_id, url)``, or with the engine's KV side-channel
         endpoints third); those in ``draining`` stay (their requests are counted) but get no new ones."""
-        self.pool.set_endpoints(role, [Endpoint(e[0], e[1], tuple(e[2]) if len(e) > 2 else ()) for e in endpoints])
+        self.pool.set_endpoints(role, [Endpoint(*endpoint) for endpoint in endpoints])
         for engine_id in draining:
             self.pool.drain(engine_id)
         serving = [e[0] for e in endpoints if e[0] not in draining]

@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from proxy.auth import KeyCheck, bearer_token
 from proxy.errors import InvalidApiKey, InvalidRequest
-from proxy.pool import Endpoint, EnginePool
+from proxy.pool import KV_ENDPOINT_PATTERN, Endpoint, EnginePool
 
 __all__ = ["admin_router"]
 
@@ -36,7 +36,7 @@ class NewEngine(BaseModel):
     role: Literal["prefill", "decode"]
     engine_id: str = Field(min_length=1, max_length=200)
     url: str = Field(pattern=r"^https?://[^/\s]+/?$", description="The engine's base URL, e.g. http://10.0.0.5:8100")
-    kv_endpoints: list[Annotated[str, Field(pattern=r"^tcp://[^/\s]+:\d+$")]] = Field(
+    kv_endpoints: list[Annotated[str, Field(pattern=KV_ENDPOINT_PATTERN)]] = Field(
         default_factory=list,
         max_length=64,
         description="The pdserve connector's side channel, one per TP rank (tcp://host:kv_port+rank): a "

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from proxy.errors import NoHealthyEngine, UnknownEngine
 
 ROLES = ("prefill", "decode")
+KV_ENDPOINT_PATTERN = r"^tcp://[^/\s:]+:\d{1,5}$"
+"""One TP rank's side channel of the ``pdserve`` connector: ``tcp://host:kv_port+rank``."""
 
 
 @dataclass(frozen=True, slots=True)

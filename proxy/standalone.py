@@ -28,7 +28,7 @@ from fastapi import FastAPI
 
 from proxy.app import create_app
 from proxy.config import ProxyConfig
-from proxy.pool import Endpoint, EnginePool
+from proxy.pool import KV_ENDPOINT_PATTERN, Endpoint, EnginePool
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ class StandaloneSettings:
         return pool
 
 
-_KV_ENDPOINT = re.compile(r"^tcp://[^/\s:]+:\d{1,5}$")
+_KV_ENDPOINT = re.compile(KV_ENDPOINT_PATTERN)
 
 
 def parse_kv_endpoints(values: list[str], decode_count: int) -> tuple[tuple[str, ...], ...]:

@@ -52,7 +52,7 @@ from orchestrator.autoscale.policy import (
     ScalingDecision,
 )
 from orchestrator.autoscale.profile import PerformanceProfile
-from orchestrator.engine_metrics import MetricsReading, parse_metrics
+from orchestrator.engine_metrics import MetricsReading, fetch_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -299,8 +299,6 @@ async def _none() -> None:
 
 
 async def _scrape(session: aiohttp.ClientSession, url: str) -> MetricsReading | None:
-    with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError):
-        async with session.get(url + "/metrics") as response:
-            if response.status == 200:
-                return parse_metrics(await response.text())
+    with contextlib.suppress(ValueError):  # a page that is not Prometheus text counts as no answer
+        return await fetch_metrics(session, url)
     return None

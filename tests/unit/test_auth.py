@@ -147,11 +147,13 @@ async def test_admin_lists_adds_drains_and_removes_engines(admin, pool, make_eng
     assert [e["engine_id"] for e in listed.json()["decode"]] == ["decode-0"]
 
     extra = await make_engine("decode-9")
-    added = await admin.post(
-        "/admin/engines", headers=key, json={"role": "decode", "engine_id": "decode-9", "url": extra.url}
-    )
+    body = {"role": "decode", "engine_id": "decode-9", "url": extra.url, "kv_endpoints": ["tcp://127.0.0.1:5709"]}
+    added = await admin.post("/admin/engines", headers=key, json=body)
     assert added.status_code == 201, added.text
-    assert [e["engine_id"] for e in added.json()["decode"]] == ["decode-0", "decode-9"]
+    assert [(e["engine_id"], e["kv_endpoints"]) for e in added.json()["decode"]] == [
+        ("decode-0", []),
+        ("decode-9", ["tcp://127.0.0.1:5709"]),
+    ]
     served = {(await admin.post(CHAT_PATH, json=CHAT, headers=bearer(KEY))).headers["x-pdserve-decode"] for _ in "ab"}
     assert served == {"decode-0", "decode-9"}
 
@@ -171,6 +173,10 @@ async def test_admin_lists_adds_drains_and_removes_engines(admin, pool, make_eng
         ({"role": "encode", "engine_id": "x", "url": "http://127.0.0.1:1"}, "role"),
         ({"role": "decode", "engine_id": "", "url": "http://127.0.0.1:1"}, "engine_id"),
         ({"role": "decode", "engine_id": "x", "url": "ftp://host"}, "url"),
+        (
+            {"role": "decode", "engine_id": "x", "url": "http://h:1", "kv_endpoints": ["http://h:5700"]},
+            "kv_endpoints.0",
+        ),
         ({"role": "decode", "engine_id": "decode-0", "url": "http://127.0.0.1:1"}, None),  # already in the pool
     ],
 )
