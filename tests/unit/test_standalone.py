@@ -187,8 +187,12 @@ async def test_a_worker_that_dies_is_replaced(prefill_engine, decode_engine):
         parent = psutil.Process(proxy.process.pid)
 
         def workers() -> list[psutil.Process]:
-            children = parent.children()
-            return [p for p in children if p.is_running() and "spawn_main" in " ".join(p.cmdline())]
+            found = []
+            for child in parent.children():
+                with contextlib.suppress(psutil.NoSuchProcess):  # the killed worker may vanish while we look
+                    if child.is_running() and "spawn_main" in " ".join(child.cmdline()):
+                        found.append(child)
+            return found
 
         victim = workers()[0]
         victim.kill()
