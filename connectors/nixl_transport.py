@@ -25,6 +25,21 @@ from the reading (decode) side:
 ``block_ranges.read_indices`` picks a read's local and remote descriptor
 indices so that they line up element by element.
 
+Progress. NIXL's UCX backend completes a READ only while *both* agents make
+progress (the reader's ``check_xfer_state``, and the source's own progress:
+a source that never calls into NIXL leaves the READ pending for ever, even
+with the bytes already copied). NIXL's progress thread provides the source's,
+but NIXL's Python API builds every agent with ``pthrDelay = 0``: the thread's
+``poll()`` then has a 0 ms timeout and spins a core for as long as the agent
+lives (``nixlUcxSharedThread::run``; measured 98 % of a core for one idle
+agent). ``progress="thread"`` (the default) keeps NIXL's thread, woken by
+UCX's event fd, with a fallback wake-up every ``progress_wake_us`` instead of
+never sleeping (0.3 % of a core idle at 10 ms; READs as fast as with the
+spinning thread: ``scripts/bench_transport.py``). ``progress="caller"`` runs
+no thread: the agent progresses only inside this transport's own calls (the
+connector polls every engine step, and vLLM keeps stepping an engine that
+holds blocks for a reader), the fallback when the thread cannot be tuned.
+
 ``nixl`` is imported only here, when a transport is built; torch only where
 tensors are inspected.
 """
@@ -33,6 +48,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Mapping, Sequence
@@ -63,6 +79,10 @@ DEFAULT_TRANSFER_TIMEOUT_S = 30.0
 # need one run per token (or per token and head across layouts): this fails
 # add_peer with a clear reason instead of preparing gigabytes of descriptors.
 DEFAULT_MAX_DESCRIPTORS = 1 << 24
+# How often NIXL's progress thread wakes when no UCX event woke it (NIXL rounds up to whole ms).
+DEFAULT_PROGRESS_WAKE_US = 10_000
+# "nixl": NIXL's own default (its thread, never sleeping): only a reference for benchmarks.
+PROGRESS_MODES = ("thread", "caller", "nixl")
 
 
 class TransferState(enum.Enum):
@@ -167,8 +187,8 @@ class _Peer:
     local_key: tuple[object, ...]
 
 
-def _import_nixl() -> tuple[Any, Any, tuple[type[Exception], ...]]:
-    """nixl's agent and config classes, and the exception classes its bindings raise (they share no base)."""
+def _import_nixl() -> tuple[Any, tuple[type[Exception], ...]]:
+    """nixl's ``_api`` module, and the exception classes its bindings raise (they share no base)."""
     try:
         from nixl import _api
     except ImportError as e:
@@ -180,7 +200,54 @@ def _import_nixl() -> tuple[Any, Any, tuple[type[Exception], ...]]:
     errors = tuple(
         getattr(bindings, name) for name in dir(bindings) if name.startswith("nixl") and name.endswith("Error")
     )
-    return _api.nixl_agent, _api.nixl_agent_config, errors
+    return _api, errors
+
+
+_AGENT_LOCK = threading.Lock()
+
+
+class _WakeEvery:
+    """Stands in for ``nixl._api.nixlBind`` while one agent is built: the agent's progress thread gets a
+    wake-up interval instead of the API's hard-coded 0 (a spinning thread); everything else is the module."""
+
+    def __init__(self, bindings: Any, wake_us: int):
+        self._bindings, self._wake_us = bindings, wake_us
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._bindings, name)
+
+    def nixlAgent(self, name: str, config: Any) -> Any:  # noqa: N802 - the binding's name
+        config.pthrDelay = self._wake_us
+        return self._bindings.nixlAgent(name, config)
+
+
+def make_agent(
+    name: str, backends: Sequence[str], num_threads: int = 0, progress: str = "thread", wake_us: int = 0
+) -> tuple[Any, str]:
+    """A NIXL agent with the given progress mode; returns ``(agent, mode it got)``.
+
+    ``"thread"`` needs the API's module-level ``nixlBind`` (where NIXL reads its
+    binding); without it the agent falls back to ``"caller"``, never to a
+    spinning thread.
+    """
+    if progress not in PROGRESS_MODES:
+        raise TransportError(f"progress must be one of {PROGRESS_MODES}, got {progress!r}")
+    api, _ = _import_nixl()
+    if progress == "thread" and not hasattr(api, "nixlBind"):
+        logger.warning("NIXL %s: cannot set its progress thread's wake-up; progressing from our calls", name)
+        progress = "caller"
+    config = api.nixl_agent_config(
+        enable_prog_thread=progress != "caller", backends=list(backends), num_threads=num_threads
+    )
+    if progress != "thread":
+        return api.nixl_agent(name, config), progress
+    with _AGENT_LOCK:
+        bindings = api.nixlBind
+        api.nixlBind = _WakeEvery(bindings, max(1000, wake_us))
+        try:
+            return api.nixl_agent(name, config), progress
+        finally:
+            api.nixlBind = bindings
 
 
 class NixlKVTransport:
@@ -197,18 +264,21 @@ class NixlKVTransport:
         transfer_timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S,
         num_threads: int = 0,
         max_descriptors: int = DEFAULT_MAX_DESCRIPTORS,
+        progress: str = "thread",
+        progress_wake_us: int = DEFAULT_PROGRESS_WAKE_US,
     ):
         if transfer_timeout_s <= 0:
             raise ValueError(f"transfer_timeout_s must be > 0, got {transfer_timeout_s}")
         self.max_descriptors = max_descriptors
-        nixl_agent, nixl_agent_config, self._nixl_errors = _import_nixl()
+        _, self._nixl_errors = _import_nixl()
         self.engine_id = engine_id
         self.agent_name = f"{engine_id}-{uuid.uuid4().hex[:8]}"
         self.transfer_timeout_s = transfer_timeout_s
         self._backends = list(backends)
         try:
-            config = nixl_agent_config(backends=self._backends, num_threads=num_threads)
-            self._agent = nixl_agent(self.agent_name, config)
+            self._agent, self.progress = make_agent(
+                self.agent_name, self._backends, num_threads, progress, progress_wake_us
+            )
         except (RuntimeError, *self._nixl_errors) as e:  # RuntimeError: no NIXL plugins found
             raise TransportError(f"cannot start NIXL agent {self.agent_name} with {self._backends}: {e}") from e
         missing = [b for b in self._backends if b not in self._agent.backends]
@@ -222,7 +292,9 @@ class NixlKVTransport:
         self._peers: dict[str, _Peer] = {}
         self._unreleased: list[Any] = []
         self._closed = False
-        logger.info("NIXL transport for engine %s started as agent %s", engine_id, self.agent_name)
+        logger.info(
+            "NIXL transport for engine %s started as agent %s (progress: %s)", engine_id, self.agent_name, self.progress
+        )
 
     # ------------------------------------------------------------ registration
 

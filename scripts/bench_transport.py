@@ -6,8 +6,9 @@ block_size, heads, head_dim]) with a NixlKVTransport. For each size in
 blocks into other random local blocks, three ways:
 
 * ``ours``: ``read_blocks`` + ``wait`` (one batched READ, xfer creation included);
-* ``raw``: a second, bare nixl agent reading the same descriptors with a
-  pre-built handle (``initialize_xfer`` outside the timer): the NIXL ceiling;
+* ``raw``: a second, bare nixl agent (same progress mode) reading the same
+  descriptors with a pre-built handle (``initialize_xfer`` outside the
+  timer): the NIXL ceiling;
 * ``torch_copy``: ``Tensor.copy_`` of a contiguous buffer of the same bytes.
 
 ``--device cuda`` puts both caches (and the copy) on GPU 0: VRAM to VRAM
@@ -34,7 +35,14 @@ import torch
 # A script, not a package module: make ``connectors`` importable when run by path (here and in the spawned source).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from connectors.nixl_transport import KVRegions, NixlKVTransport, TransferState  # noqa: E402
+from connectors.nixl_transport import (  # noqa: E402
+    DEFAULT_PROGRESS_WAKE_US,
+    PROGRESS_MODES,
+    KVRegions,
+    NixlKVTransport,
+    TransferState,
+    make_agent,
+)
 
 GIB = 1e9
 POLL_INTERVAL_S = 0.0002
@@ -54,10 +62,14 @@ def run_source(conn, args: argparse.Namespace, num_blocks: int) -> None:
         f"layer.{i}": torch.randn(kv_shape(args, num_blocks)).to(device=args.device, dtype=dtype)
         for i in range(args.layers)
     }
-    with NixlKVTransport("bench-source", num_threads=args.threads) as transport:
+    with NixlKVTransport("bench-source", num_threads=args.threads, progress=args.progress) as transport:
         regions = transport.register_kv_caches(caches, plane_bytes(args))  # before the metadata, which lists it
         conn.send((transport.agent_metadata(), regions))
-        conn.recv()  # "stop"
+        if args.progress != "caller":
+            conn.recv()  # "stop": NIXL's thread progresses the source
+            return
+        while not conn.poll(POLL_INTERVAL_S):  # "caller": poll as a prefill engine's steps do
+            transport.poll_notifications()
 
 
 def plane_descriptors(regions: KVRegions, block_ids: np.ndarray) -> np.ndarray:
@@ -77,8 +89,6 @@ def timed(fn, iters: int) -> float:
 
 
 def bench(args: argparse.Namespace) -> dict:
-    from nixl._api import nixl_agent, nixl_agent_config
-
     block_bytes = args.layers * 2 * plane_bytes(args)
     counts = [max(1, int(mib * 2**20) // block_bytes) for mib in args.sizes_mib]
     num_blocks = max(counts)
@@ -96,11 +106,11 @@ def bench(args: argparse.Namespace) -> dict:
             f"layer.{i}": torch.zeros(kv_shape(args, num_blocks), dtype=dtype, device=args.device)
             for i in range(args.layers)
         }
-        ours = NixlKVTransport("bench-reader", transfer_timeout_s=60, num_threads=args.threads)
+        ours = NixlKVTransport("bench-reader", transfer_timeout_s=60, num_threads=args.threads, progress=args.progress)
         local_regions = ours.register_kv_caches(caches, plane_bytes(args))
         ours.add_peer("bench-source", metadata, remote_regions)
 
-        raw_agent = nixl_agent("bench-raw-reader", nixl_agent_config(backends=["UCX"], num_threads=args.threads))
+        raw_agent, _ = make_agent("bench-raw-reader", ["UCX"], args.threads, args.progress, DEFAULT_PROGRESS_WAKE_US)
         raw_agent.register_memory(list(caches.values()))
         raw_peer = raw_agent.add_remote_agent(metadata)
 
@@ -161,6 +171,7 @@ def bench(args: argparse.Namespace) -> dict:
             "dtype": args.dtype,
             "iters": args.iters,
             "nixl_threads": args.threads,
+            "progress": args.progress,
             "torch_threads": torch.get_num_threads(),
             "results": results,
         }
@@ -183,6 +194,12 @@ def main() -> None:
     parser.add_argument("--sizes-mib", type=float, nargs="+", default=[64, 256])
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--threads", type=int, default=0, help="NIXL/UCX progress threads of every agent")
+    parser.add_argument(
+        "--progress",
+        default="thread",
+        choices=PROGRESS_MODES,
+        help="every agent's progress mode; 'nixl': NIXL's default thread, which spins (default: %(default)s)",
+    )
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where both KV caches live")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     args = parser.parse_args()
@@ -194,7 +211,7 @@ def main() -> None:
         return
     print(
         f"{args.layers} layers x [2, blocks, {args.block_size}, {args.heads}, {args.head_dim}] {args.dtype} "
-        f"on {report['device']}, median of {args.iters}"
+        f"on {report['device']}, median of {args.iters}, progress {args.progress}"
     )
     print(f"{'MiB':>6} {'blocks':>6} {'descs':>6} {'ours':>7} {'raw':>7} {'copy':>7} {'ours/raw':>9} {'ours/copy':>9}")
     for r in report["results"]:

@@ -185,3 +185,79 @@ def test_add_peer_refuses_runs_outside_the_blocks_and_descriptor_lists_over_the_
 
 def _fields(regions: KVRegions) -> dict:
     return {name: getattr(regions, name) for name in KVRegions.__slots__}
+
+
+IDLE_CPU_BOUND = 0.02  # of one core: what an idle engine's connector may use (issue: idle engines idle)
+
+
+def run_quiet_source(conn, progress: str) -> None:
+    """Child process: registers its caches, then never calls into NIXL again (a prefill engine busy in a
+    long forward pass); reports its CPU use while idle, then waits to be stopped."""
+    import os
+
+    with NixlKVTransport("prefill-quiet", progress=progress) as transport:
+        caches = make_caches(SOURCE_SEED)  # kept alive: NIXL reads this memory
+        regions = transport.register_kv_caches(caches, BLOCK_LEN_BYTES)
+        conn.send((transport.agent_metadata(), regions, transport.progress))
+        before, started = os.times(), time.monotonic()
+        time.sleep(3)
+        after = os.times()
+        conn.send((after.user + after.system - before.user - before.system) / (time.monotonic() - started))
+        conn.recv()  # "stop": no NIXL call until then
+
+
+@dataclass
+class QuietSource:
+    process: mp.Process
+    conn: object
+    metadata: bytes
+    regions: KVRegions
+    progress: str
+
+
+@pytest.fixture
+def quiet_source(request: pytest.FixtureRequest) -> Iterator[QuietSource]:
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    process = ctx.Process(target=run_quiet_source, args=(child, request.param), daemon=True)
+    process.start()
+    try:
+        if not parent.poll(WAIT_S + 20):
+            raise TimeoutError("source process did not send its metadata")
+        yield QuietSource(process, parent, *parent.recv())
+    finally:
+        stop(QuietSource(process, parent, b"", None, ""))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("quiet_source", ["thread"], indirect=True)
+def test_an_idle_agent_sleeps_and_a_source_that_never_polls_is_still_read(reader, quiet_source):
+    # NIXL's progress thread spins a core with the Python API's pthrDelay=0; ours wakes on UCX events.
+    assert quiet_source.progress == "thread"
+    idle = quiet_source.conn.recv()
+    assert idle < IDLE_CPU_BOUND, f"an idle NIXL agent used {idle:.1%} of a core"
+    transport, caches = reader
+    transport.add_peer("prefill-quiet", quiet_source.metadata, quiet_source.regions)
+    read = transport.read_blocks("prefill-quiet", [1, 2], [3, 4], notify=b"req-1")
+    assert read.wait() is TransferState.DONE, read.failure_reason
+    expected = make_caches(SOURCE_SEED)
+    for name, cache in caches.items():
+        assert torch.equal(cache[:, [1, 2]], expected[name][:, [3, 4]]), name
+
+
+def test_caller_progress_needs_no_thread_and_reads_from_a_polling_source(reader, source):
+    # The fallback mode: no NIXL thread at all; the source progresses in its own polls (an engine's steps).
+    transport = NixlKVTransport("decode-caller", transfer_timeout_s=READ_TIMEOUT_S, progress="caller")
+    try:
+        assert transport.progress == "caller"
+        caches = make_caches(None)
+        transport.register_kv_caches(caches, BLOCK_LEN_BYTES)
+        transport.add_peer("prefill-0", source.metadata, source.regions)
+        read = transport.read_blocks("prefill-0", [0, 5], [9, 10], notify=b"req-caller")
+        assert read.wait() is TransferState.DONE, read.failure_reason
+        expected = make_caches(SOURCE_SEED)
+        assert all(torch.equal(caches[n][:, [0, 5]], expected[n][:, [9, 10]]) for n in caches)
+        assert source.next_message() == [(transport.agent_name, b"req-caller")]
+    finally:
+        transport.close()
+    with pytest.raises(TransportError, match="progress must be one of"):
+        NixlKVTransport("decode-x", progress="spin")
