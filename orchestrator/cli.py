@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.errors import ClusterNotRunning, PdserveError, SpecError
-from proxy.config import DEFAULT_MAX_BODY_BYTES
 
 DEFAULT_PROXY_WORKERS = 1
 
@@ -500,7 +499,13 @@ def _add_routing_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The whole parser; with ``command``, the other commands' heavy options (whose defaults import the
+    proxy, the profiler, the traces) are left out, so that ``pdserve status`` starts in a fraction of a second."""
+
+    def wanted(name: str) -> bool:
+        return command is None or command == name
+
     parser = argparse.ArgumentParser(
         prog="pdserve", description="Disaggregated prefill/decode serving on Ray-managed vLLM engines."
     )
@@ -533,6 +538,37 @@ def build_parser() -> argparse.ArgumentParser:
         "to a --decode server (round robin, or as --prefill-policy / --decode-policy say), carrying the KV "
         "transfer parameters between them.",
     )
+    proxy.set_defaults(func=cmd_proxy)
+    if wanted("proxy"):
+        _add_proxy_args(proxy)
+    simulate = commands.add_parser(
+        "simulate",
+        help="run a request trace through a model of the spec's cluster (no Ray, no engines)",
+        description="Discrete-event simulation of the spec's cluster, timed by the autoscaling profile, "
+        "driven by a JSON-lines trace of {t, prompt_tokens, output_tokens}.",
+    )
+    simulate.add_argument("config", help="cluster spec with an 'autoscaling' section")
+    simulate.add_argument("--trace", required=True, metavar="FILE", help="JSON-lines request trace")
+    simulate.add_argument(
+        "--policy", default="autoscale", help="'autoscale' or 'static:P,D' fixed pools (default: %(default)s)"
+    )
+    simulate.add_argument("--profile", metavar="FILE", help="performance profile (default: autoscaling.profile)")
+    simulate.add_argument("--json", action="store_true", help="print the results and the replica timeline as JSON")
+    simulate.add_argument("--plot", metavar="FILE.png", help="draw load, replicas and latencies (needs matplotlib)")
+    simulate.set_defaults(func=cmd_simulate)
+    make_traces = commands.add_parser(
+        "traces", help="write a synthetic request trace for `pdserve simulate` (deterministic with --seed)"
+    )
+    make_traces.set_defaults(func=cmd_traces)
+    if wanted("traces"):
+        _add_traces_args(make_traces)
+    _add_profile_parser(commands, wanted("profile"))
+    return parser
+
+
+def _add_proxy_args(proxy: argparse.ArgumentParser) -> None:
+    from proxy.config import DEFAULT_MAX_BODY_BYTES
+
     proxy.add_argument("--prefill", nargs="+", required=True, metavar="URL", help="prefill servers' URLs")
     proxy.add_argument("--decode", nargs="+", required=True, metavar="URL", help="decode servers' URLs")
     proxy.add_argument(
@@ -592,27 +628,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="without --model: how long to wait for the engines to answer /v1/models (default: %(default)s)",
     )
     _add_routing_flags(proxy)
-    proxy.set_defaults(func=cmd_proxy)
-    simulate = commands.add_parser(
-        "simulate",
-        help="run a request trace through a model of the spec's cluster (no Ray, no engines)",
-        description="Discrete-event simulation of the spec's cluster, timed by the autoscaling profile, "
-        "driven by a JSON-lines trace of {t, prompt_tokens, output_tokens}.",
-    )
-    simulate.add_argument("config", help="cluster spec with an 'autoscaling' section")
-    simulate.add_argument("--trace", required=True, metavar="FILE", help="JSON-lines request trace")
-    simulate.add_argument(
-        "--policy", default="autoscale", help="'autoscale' or 'static:P,D' fixed pools (default: %(default)s)"
-    )
-    simulate.add_argument("--profile", metavar="FILE", help="performance profile (default: autoscaling.profile)")
-    simulate.add_argument("--json", action="store_true", help="print the results and the replica timeline as JSON")
-    simulate.add_argument("--plot", metavar="FILE.png", help="draw load, replicas and latencies (needs matplotlib)")
-    simulate.set_defaults(func=cmd_simulate)
+
+
+def _add_traces_args(make_traces: argparse.ArgumentParser) -> None:
     from orchestrator.autoscale.traces import MIXES
 
-    make_traces = commands.add_parser(
-        "traces", help="write a synthetic request trace for `pdserve simulate` (deterministic with --seed)"
-    )
     make_traces.add_argument("kind", choices=["poisson", "bursty", "diurnal"])
     make_traces.add_argument("--out", required=True, metavar="FILE", help="JSON-lines file to write")
     make_traces.add_argument("--duration", type=float, default=3600.0, help="seconds (default: %(default)s)")
@@ -630,14 +650,9 @@ def build_parser() -> argparse.ArgumentParser:
     make_traces.add_argument("--ramp-s", type=float, default=0.0, help="bursty: rise time (default: %(default)s)")
     make_traces.add_argument("--mix", choices=sorted(MIXES), default="chat", help="length mix (default: %(default)s)")
     make_traces.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
-    make_traces.set_defaults(func=cmd_traces)
-    _add_profile_parser(commands)
-    return parser
 
 
-def _add_profile_parser(commands: Any) -> None:
-    from orchestrator.autoscale.profiler import DEFAULT_GRID, QUICK_GRID
-
+def _add_profile_parser(commands: Any, with_args: bool) -> None:
     def axis(grid: Any, name: str) -> str:
         return " ".join(map(str, getattr(grid, name)))
 
@@ -649,6 +664,11 @@ def _add_profile_parser(commands: Any) -> None:
         "running cluster if there is one (it must be the one CONFIG describes); otherwise starts CONFIG's "
         "cluster and stops it at the end. Nothing else should use the engines meanwhile.",
     )
+    profile.set_defaults(func=cmd_profile)
+    if not with_args:
+        return
+    from orchestrator.autoscale.profiler import DEFAULT_GRID, QUICK_GRID
+
     profile.add_argument("config", help="cluster spec (the engines' settings come from it)")
     profile.add_argument("--out", metavar="FILE", help="where to write (default: profiles/NAME.yaml beside CONFIG)")
     profile.add_argument("--name", help="the profile's name (default: the cluster's)")
@@ -674,11 +694,12 @@ def _add_profile_parser(commands: Any) -> None:
         "--decode-tokens", type=_positive_int, metavar="N",
         help=f"output tokens of each decode request ({DEFAULT_GRID.decode_tokens} / {QUICK_GRID.decode_tokens})",
     )  # fmt: skip
-    profile.set_defaults(func=cmd_profile)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    command = next((arg for arg in argv if not arg.startswith("-")), None)
+    args = build_parser(command).parse_args(argv)
     try:
         return args.func(args)
     except SpecError as e:

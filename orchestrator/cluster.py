@@ -4,10 +4,13 @@
 names or starts a local Ray head of its own, creates the detached
 ``ClusterController`` actor and follows its events until the cluster is
 ready or has failed. What it started is recorded in a state file
-(``$PDSERVE_STATE_DIR/cluster.json``, default ``~/.cache/pdserve/run``), so
-``status`` and ``down`` in another shell find the cluster, and ``down``
-removes exactly what ``up`` made: the actors, every engine process, and the
-local Ray head if ``up`` started it (a joined Ray cluster is left running).
+(``$PDSERVE_STATE_DIR/cluster.json``, default ``~/.cache/pdserve/run``, mode
+0600): with the controller's API endpoint and the cluster's token, so
+``status``, ``scale`` and ``down`` in another shell are one HTTP call each
+(``orchestrator.control``), without a Ray driver. ``down`` removes exactly
+what ``up`` made: the actors, every engine process, and the local Ray head if
+``up`` started it (a joined Ray cluster is left running). Only ``up``, and
+``down`` when the controller does not answer, connect to Ray.
 """
 
 from __future__ import annotations
@@ -28,14 +31,16 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psutil
 
-from orchestrator.autoscale.profile import ProfileError, load_profile
+from orchestrator.control import ControlClient, ControlError, new_token, token_digest
 from orchestrator.errors import ClusterNotRunning, PdserveError
 from orchestrator.paths import pdserve_dir
-from orchestrator.spec import ClusterSpec
+
+if TYPE_CHECKING:
+    from orchestrator.spec import ClusterSpec
 
 logger = logging.getLogger(__name__)
 
@@ -58,10 +63,17 @@ class ClusterState:
     ray_temp_dir: str | None
     log_dir: str
     proxy_url: str
+    api_url: str = ""  # the controller's HTTP API, once it serves
+    api_token: str = ""  # the cluster's token for it: never printed or logged
 
     @property
     def controller_name(self) -> str:
         return self.name + CONTROLLER_SUFFIX
+
+    def client(self, timeout_s: float = 30.0) -> ControlClient:
+        if not self.api_url:
+            raise ClusterNotRunning(f"cluster {self.name!r} has no controller API recorded in {self.path()}")
+        return ControlClient(self.api_url, self.api_token, timeout_s)
 
     @staticmethod
     def path() -> Path:
@@ -70,7 +82,10 @@ class ClusterState:
     def save(self) -> None:
         self.path().parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path().with_suffix(".tmp")
-        tmp.write_text(json.dumps(asdict(self), indent=2))
+        tmp.unlink(missing_ok=True)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # it holds the cluster's token
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(asdict(self), indent=2))
         tmp.replace(self.path())
 
     @classmethod
@@ -213,10 +228,9 @@ def _use_ray_auth(state: ClusterState) -> None:
 
 def _cluster_alive(state: ClusterState) -> bool:
     try:
-        with ray_connection(state) as ray:
-            ray.get_actor(state.controller_name)
-            return True
-    except Exception:  # noqa: BLE001 - unreachable Ray or no controller: not alive
+        state.client(timeout_s=10).status()
+        return True
+    except PdserveError:  # nothing answers there: not alive
         return False
 
 
@@ -230,6 +244,8 @@ def up(
     With ``follow`` (a foreground ``up``), call it with a status getter once the
     cluster is ready, and stop the cluster when it returns or raises (Ctrl-C).
     """
+    from orchestrator.spec import ClusterSpec
+
     spec = ClusterSpec.from_file(config)
     profile = autoscaling_profile(spec, config)  # read and checked before anything starts
     with contextlib.suppress(ClusterNotRunning):
@@ -266,9 +282,7 @@ def up(
         raise
     if follow is not None:
         try:
-            with ray_connection(state) as ray:
-                controller = ray.get_actor(state.controller_name)
-                follow(lambda: ray.get(controller.status.remote(), timeout=30))
+            follow(state.client().status)
         finally:
             down()
     return status
@@ -276,6 +290,8 @@ def up(
 
 def autoscaling_profile(spec: ClusterSpec, config: str) -> dict[str, Any] | None:
     """The spec's ``autoscaling.profile``, loaded and checked (as a dict, for the controller actor); None if unset."""
+    from orchestrator.autoscale.profile import ProfileError, load_profile
+
     path = spec.profile_path(config)
     if path is None:
         return None
@@ -288,37 +304,41 @@ def autoscaling_profile(spec: ClusterSpec, config: str) -> dict[str, Any] | None
 def _bring_up(
     state: ClusterState, spec: ClusterSpec, on_event: Callable[[dict[str, Any]], None], profile: dict | None
 ) -> dict:
+    """Create the controller (the one Ray call), record its API and token, then follow it over HTTP."""
     _use_ray_auth(state)
     from orchestrator.controller import ClusterController
 
     host = "127.0.0.1" if state.started_ray else "0.0.0.0"
+    token = new_token()
     with ray_connection(state) as ray:
+        api_host = "127.0.0.1" if state.started_ray else ray.util.get_node_ip_address()
         controller = (
             ray.remote(ClusterController)
-            .options(name=state.controller_name, lifetime="detached", num_cpus=0, max_restarts=0)
-            .remote(spec.model_dump(mode="json"), state.log_dir, host, profile)
+            .options(name=state.controller_name, lifetime="detached", num_cpus=0, max_restarts=-1)
+            .remote(spec.model_dump(mode="json"), state.log_dir, host, profile, token_digest(token), api_host)
         )
-        ray.get(controller.start.remote(), timeout=120)
-        seen = 0
-        while True:
-            status = ray.get(controller.status.remote(), timeout=60)
-            for event in status["events"][seen:]:
-                on_event(event)
-            seen = len(status["events"])
-            if status["phase"] == "ready":
-                return status
-            if status["phase"] == "failed":
-                raise PdserveError(status["error"])
-            time.sleep(0.5)
+        state.api_url = ray.get(controller.start.remote(), timeout=120)
+    state.api_token = token
+    state.save()
+    client = state.client()
+    seen = 0
+    while True:
+        status = client.status()
+        for event in status["events"][seen:]:
+            on_event(event)
+        seen = len(status["events"])
+        if status["phase"] == "ready":
+            return status
+        if status["phase"] == "failed":
+            raise PdserveError(status["error"])
+        time.sleep(0.5)
 
 
 def status() -> dict[str, Any]:
     state = ClusterState.load()
     try:
-        with ray_connection(state) as ray:
-            controller = ray.get_actor(state.controller_name)
-            return ray.get(controller.status.remote(), timeout=30)
-    except (PdserveError, ValueError) as e:
+        return state.client().status()
+    except ClusterNotRunning as e:
         raise ClusterNotRunning(
             f"cluster {state.name!r} is recorded in {ClusterState.path()} but is not running ({e}); "
             "`pdserve down` cleans up"
@@ -330,29 +350,28 @@ def scale(
 ) -> dict[str, Any]:
     """Ask the controller to resize pools; with ``wait``, follow its events until every pool in
     ``targets`` has that many ready engines and none draining. Return the last status."""
-    state = ClusterState.load()
-    with ray_connection(state) as ray:
-        controller = ray.get_actor(state.controller_name)
-        seen = len(ray.get(controller.status.remote(), timeout=30)["events"])
-        answer = ray.get(controller.scale.remote(targets), timeout=60)
-        if "error" in answer:
-            raise PdserveError(f"cannot scale: {answer['error']}")
-        deadline = time.monotonic() + timeout_s
-        while True:
-            status = ray.get(controller.status.remote(), timeout=30)
-            for event in status["events"][seen:]:
-                on_event(event)
-            seen = len(status["events"])
-            pools = status["pools"]
-            done = all(pools[r]["ready"] == n and not pools[r]["draining"] for r, n in targets.items())
-            failed = [e["engine_id"] for e in status["engines"] if e["state"] == "failed"]
-            if not wait or done:
-                return status
-            if failed:
-                raise PdserveError(f"engine(s) {', '.join(failed)} failed to start; `pdserve status` shows why")
-            if time.monotonic() > deadline:
-                raise PdserveError(f"pools did not reach {targets} within {timeout_s:g}s")
-            time.sleep(0.5)
+    client = ClusterState.load().client()
+    seen = len(client.status()["events"])
+    try:
+        client.scale(targets)
+    except ControlError as e:
+        raise PdserveError(f"cannot scale: {e}") from None
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status = client.status()
+        for event in status["events"][seen:]:
+            on_event(event)
+        seen = len(status["events"])
+        pools = status["pools"]
+        done = all(pools[r]["ready"] == n and not pools[r]["draining"] for r, n in targets.items())
+        failed = [e["engine_id"] for e in status["engines"] if e["state"] == "failed"]
+        if not wait or done:
+            return status
+        if failed:
+            raise PdserveError(f"engine(s) {', '.join(failed)} failed to start; `pdserve status` shows why")
+        if time.monotonic() > deadline:
+            raise PdserveError(f"pools did not reach {targets} within {timeout_s:g}s")
+        time.sleep(0.5)
 
 
 def down() -> list[str]:
@@ -361,23 +380,41 @@ def down() -> list[str]:
     done: list[str] = []
     engine_procs: list[psutil.Process] = []
     try:
-        with ray_connection(state) as ray:
-            controller = ray.get_actor(state.controller_name)
-            current = ray.get(controller.status.remote(), timeout=30)
-            # Whole trees, taken now: once the controller has stopped an engine
-            # actor, its EngineCore and workers are no longer its children.
-            engine_procs = _trees([e["pid"] for e in current["engines"] if e.get("pid")])
-            ray.get(controller.shutdown.remote(), timeout=120)
-            ray.kill(controller, no_restart=True)
-            done.append(f"stopped cluster {state.name!r} ({len(current['engines'])} engines and the proxy)")
-    except Exception as e:  # noqa: BLE001 - Ray or controller already gone: clean up the rest
-        done.append(f"controller not reachable ({type(e).__name__}); cleaning up processes")
+        client = state.client()
+        current = client.status()
+        # Whole trees, taken now: once the controller has stopped an engine
+        # actor, its EngineCore and workers are no longer its children.
+        engine_procs = _trees([e["pid"] for e in current["engines"] if e.get("pid")])
+        client.shutdown()
+        done.append(f"stopped cluster {state.name!r} ({len(current['engines'])} engines and the proxy)")
+    except PdserveError as e:  # the controller is gone: clean up what it left
+        done.append(f"controller not reachable ({type(e).__name__}); cleaning up")
+        if not state.started_ray:  # a joined Ray cluster outlives us: its detached actors must go
+            done += _kill_actors(state)
     if state.started_ray and state.ray_temp_dir:
         stop_ray_head(state.ray_temp_dir, state.ray_address)
         done.append("stopped the local Ray head")
     terminate_trees(engine_procs)
     ClusterState.clear()
     return done
+
+
+def _kill_actors(state: ClusterState) -> list[str]:
+    """Kill the cluster's named actors (controller first, so it cannot restart the rest) through a Ray driver."""
+    try:
+        with ray_connection(state) as ray:
+            names = [
+                a["name"]
+                for a in ray.util.list_named_actors(all_namespaces=True)
+                if a["namespace"] == state.namespace and a["name"].startswith(state.name + "-")
+            ]
+            names.sort(key=lambda name: name != state.controller_name)
+            for name in names:
+                with contextlib.suppress(ValueError):
+                    ray.kill(ray.get_actor(name), no_restart=True)
+            return [f"killed {len(names)} actor(s) of {state.name!r} on the Ray cluster"]
+    except Exception as e:  # noqa: BLE001 - Ray itself is gone: nothing of ours is left on it
+        return [f"Ray at {state.ray_address} not reachable ({type(e).__name__})"]
 
 
 def _trees(pids: list[int]) -> list[psutil.Process]:
@@ -388,6 +425,26 @@ def _trees(pids: list[int]) -> list[psutil.Process]:
             root = psutil.Process(pid)
             procs += [root, *root.children(recursive=True)]
     return procs
+
+
+def tree_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) used so far by ``pid`` and its descendants now alive: an engine's whole
+    process tree (the Ray actor, vLLM's engine core, their threads)."""
+    total = 0.0
+    for proc in _trees([pid]):
+        with contextlib.suppress(psutil.Error):
+            times = proc.cpu_times()
+            total += times.user + times.system
+    return total
+
+
+def idle_cpu(pids: list[int], seconds: float) -> dict[int, float]:
+    """Each process tree's CPU use over ``seconds`` of wall time, in cores (1.0: one core busy)."""
+    before = {pid: tree_cpu_s(pid) for pid in pids}
+    started = time.monotonic()
+    time.sleep(seconds)
+    wall = time.monotonic() - started
+    return {pid: (tree_cpu_s(pid) - before[pid]) / wall for pid in pids}
 
 
 def install_stop_signals() -> None:

@@ -12,14 +12,26 @@
 4. on ``shutdown()`` stops the engines (vLLM shuts its engine core down),
    the proxy, and kills every actor it created.
 
-``status()`` is what ``pdserve status`` shows.
+``status()`` is what ``pdserve status`` shows. The CLI reaches all of this over
+the controller's HTTP API (``orchestrator.control``), not through Ray.
+
+The controller survives its own death. The engines and the proxy are
+detached actors (they do not share the controller's fate), the controller
+keeps a snapshot of what it decided (``controller.json`` in the log
+directory: phase, targets, each engine's state and restarts, events), and Ray
+restarts it (``max_restarts=-1``): the new process reads the snapshot, finds
+the running actors by name, asks each how it is, takes its API port back and
+carries on (``resume``), without restarting an engine. A request in flight
+never passes through the controller, so none fails on its account.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
+import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -32,6 +44,8 @@ from ray.exceptions import ActorDiedError, RayActorError, RayTaskError
 from orchestrator.autoscale.actuator import Autoscaler
 from orchestrator.autoscale.policy import PolicyConfig
 from orchestrator.autoscale.profile import PerformanceProfile
+from orchestrator.control import STATUS_SCHEMA
+from orchestrator.control_server import ControlServer
 from orchestrator.engine_actor import EngineActor, error_excerpt
 from orchestrator.engine_metrics import fetch_metrics
 from orchestrator.errors import EngineStartError
@@ -46,6 +60,7 @@ logger = logging.getLogger(__name__)
 MONITOR_INTERVAL_S = 1.0
 PROBE_TIMEOUT_S = 5.0
 ENGINE_MAX_RESTARTS = 5
+SNAPSHOT_NAME = "controller.json"
 
 
 @dataclass(slots=True)
@@ -65,7 +80,13 @@ class EngineRecord:
 
 class ClusterController:
     def __init__(
-        self, spec_data: dict[str, Any], log_dir: str, host: str, profile_data: dict[str, Any] | None = None
+        self,
+        spec_data: dict[str, Any],
+        log_dir: str,
+        host: str,
+        profile_data: dict[str, Any] | None = None,
+        api_token_sha256: str = "",
+        api_host: str = "127.0.0.1",
     ) -> None:
         self.log_dir = Path(log_dir)
         redirect_output(self.log_dir / "controller.log")
@@ -95,17 +116,27 @@ class ClusterController:
                 lambda: [(r.engine_id, r.role, r.state, r.url) for r in self.engines.values()],
                 self.scale,
             )
+        self.restarts = 0  # Ray restarts of this controller
+        self.api = ControlServer(self, api_token_sha256, api_host, after_shutdown=self._exit)
+        snapshot = self._read_snapshot()
+        if snapshot is not None:  # Ray restarted this controller: take the cluster back (``resume``)
+            self._restore(snapshot)
+            ray.get_runtime_context().current_actor.resume.remote()
 
     # --- public API (called by the CLI) ---------------------------------------------------
 
-    async def start(self) -> None:
-        if self.phase != "created":
-            return
-        self.phase = "starting"
-        self._spawn(self._bring_up())
+    async def start(self) -> str:
+        """Serve the API and bring the cluster up (in the background); return the API's URL."""
+        url = await self.api.start()
+        if self.phase == "created":
+            self.phase = "starting"
+            self._save()
+            self._spawn(self._bring_up())
+        return url
 
     async def status(self) -> dict[str, Any]:
         return {
+            "schema": STATUS_SCHEMA,
             "name": self.spec.name,
             "model": self.spec.model_name,
             "connector": self.spec.connector,
@@ -115,6 +146,7 @@ class ClusterController:
             "started_at": self.started_at,
             "ready_s": self.ready_s,
             "log_dir": str(self.log_dir),
+            "controller": {"pid": os.getpid(), "restarts": self.restarts, "api_url": self.api.url},
             "engines": [{k: v for k, v in asdict(r).items() if k != "handle"} for r in self.engines.values()],
             "pools": {
                 role: {
@@ -147,6 +179,65 @@ class ClusterController:
         self.phase = "stopped"
         self._event("cluster stopped")
 
+    async def _exit(self) -> None:
+        """After ``shutdown``: leave for good (an intentional exit, which Ray does not restart)."""
+        await self.api.stop()
+        ray.get_runtime_context().current_actor.exit.remote()
+
+    async def exit(self) -> None:
+        ray.actor.exit_actor()
+
+    # --- taking the cluster back after a restart of this controller --------------------------
+
+    async def resume(self) -> None:
+        """Serve the API again and adopt the running proxy and engines; nothing that runs is restarted."""
+        await self.api.start()
+        if self.phase in ("stopping", "stopped", "failed", "created"):
+            return
+        try:
+            self.proxy = ray.get_actor(f"{self.spec.name}-proxy")
+        except ValueError:
+            self._fail("the proxy actor is gone (found after a restart of the controller)")
+            return
+        for record in list(self.engines.values()):
+            await self._adopt(record)
+        for role in ROLES:
+            await self._publish(role)
+        self._event(
+            f"controller restarted by Ray (restart {self.restarts}); adopted "
+            + ", ".join(f"{r.engine_id} ({r.state})" for r in self.engines.values())
+        )
+        if self.phase == "starting":
+            self._spawn(self._finish_bring_up(list(self.engines)))
+        else:
+            self._start_supervision()
+
+    async def _adopt(self, record: EngineRecord) -> None:
+        try:
+            record.handle = ray.get_actor(f"{self.spec.name}-{record.engine_id}")
+            info = await asyncio.wait_for(record.handle.info.remote(), timeout=PROBE_TIMEOUT_S)
+        except (ValueError, RayActorError, TimeoutError) as e:
+            if record.handle is None:  # never created, or gone for good: start it (again)
+                record.handle = self._create_engine_actor(self.launches[record.engine_id])
+                self._spawn(self._start_engine(record.engine_id))
+            else:  # alive but not answering: the monitor treats it as any engine that stops answering
+                record.state = "restarting"
+                logger.warning("adopting %s: %s", record.engine_id, e)
+            return
+        if info["state"] == "ready":
+            record.url, record.pid, record.load_s = info["url"], info["pid"], info["load_s"]
+            record.cpu_bind = info["cpu_bind"]
+            if record.state == "draining":
+                self._spawn(self._retire(record, drain=True))
+            else:
+                record.state = "ready"
+        elif info["state"] == "failed":
+            record.state, record.error = "failed", info["error"]
+        elif record.state != "draining":  # idle (Ray restarted it meanwhile) or still starting: start / wait
+            self._spawn(self._start_engine(record.engine_id))
+        else:
+            self._spawn(self._retire(record, drain=False))
+
     # --- bring-up ---------------------------------------------------------------------------
 
     async def _bring_up(self) -> None:
@@ -157,8 +248,11 @@ class ClusterController:
             return
         for engine_id, record in self.engines.items():
             record.handle = self._create_engine_actor(self.launches[engine_id])
+        await self._finish_bring_up(list(self.engines))
+
+    async def _finish_bring_up(self, engine_ids: list[str]) -> None:
         # Report the first engine that fails at once, rather than after the others loaded.
-        for started in asyncio.as_completed([self._start_engine(engine_id) for engine_id in self.engines]):
+        for started in asyncio.as_completed([self._start_engine(engine_id) for engine_id in engine_ids]):
             record = self.engines[await started]
             if record.state == "failed":
                 self._fail(f"engine {record.engine_id} failed to start:\n{record.error}")
@@ -166,6 +260,9 @@ class ClusterController:
         self.ready_s = time.time() - self.started_at
         self.phase = "ready"
         self._event(f"cluster ready in {self.ready_s:.1f}s: {self.proxy_url}")
+        self._start_supervision()
+
+    def _start_supervision(self) -> None:
         self._spawn(self._monitor())
         if self.autoscaler is not None:
             config = self.autoscaler.config
@@ -184,7 +281,9 @@ class ClusterController:
         config = self.spec.proxy_config()
         self.proxy = (
             ray.remote(ProxyActor)
-            .options(num_cpus=0, max_restarts=-1, max_task_retries=0, name=f"{self.spec.name}-proxy")
+            .options(
+                num_cpus=0, max_restarts=-1, max_task_retries=0, name=f"{self.spec.name}-proxy", lifetime="detached"
+            )
             .remote(config, self.spec.proxy.host, self.spec.proxy.port, str(self.log_dir / "proxy.log"))
         )
         self._event(f"proxy starting on {self.proxy_url}")
@@ -200,6 +299,7 @@ class ClusterController:
                 max_restarts=ENGINE_MAX_RESTARTS,
                 max_task_retries=0,
                 name=f"{self.spec.name}-{launch.engine_id}",
+                lifetime="detached",  # outlives a restart of this controller, which adopts it
             )
             .remote(launch, self.engines[launch.engine_id].log_path)
         )
@@ -293,6 +393,7 @@ class ClusterController:
             plan[role] = {"start": started, "retire": [r.engine_id for r in retiring]}
             if started or retiring:
                 self._event(f"scaling {role} {len(serving)} -> {target} ({reason})")
+        self._save()
         return {"plan": plan, "targets": dict(self.targets)}
 
     def _grow(self, role: str, count: int) -> list[str]:
@@ -304,12 +405,15 @@ class ClusterController:
             started.append(launch.engine_id)
         return started
 
-    async def _retire(self, record: EngineRecord) -> None:
-        was_ready = record.state == "ready"
-        record.state = "draining"
-        if was_ready:
-            await self._publish(record.role)
-            self._event(f"{record.engine_id} draining: out of the proxy's pool; finishing its requests")
+    async def _retire(self, record: EngineRecord, drain: bool | None = None) -> None:
+        """Drain (when it served: ``drain`` None) and stop an engine; ``drain`` says so after a restart."""
+        if drain is None:
+            drain = record.state == "ready"
+            record.state = "draining"
+            if drain:
+                await self._publish(record.role)
+                self._event(f"{record.engine_id} draining: out of the proxy's pool; finishing its requests")
+        if drain:
             await self._wait_drained(record)
         await self._stop_engine(record)
 
@@ -419,10 +523,47 @@ class ClusterController:
         self.events.append({"t": time.time(), "message": message})
         del self.events[:-500]
         logger.info("%s", message)
+        self._save()
+
+    def _save(self) -> None:
+        """Write what a restarted controller needs (``_restore``); atomically, so it never reads half."""
+        snapshot = {
+            "phase": self.phase,
+            "error": self.error,
+            "started_at": self.started_at,
+            "ready_s": self.ready_s,
+            "targets": self.targets,
+            "api_port": self.api.port,
+            "restarts": self.restarts,
+            "engines": {r.engine_id: {"state": r.state, "restarts": r.restarts} for r in self.engines.values()},
+            "events": self.events,
+        }
+        path = self.log_dir / SNAPSHOT_NAME
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(snapshot))
+        tmp.replace(path)
+
+    def _read_snapshot(self) -> dict[str, Any] | None:
+        try:
+            return json.loads((self.log_dir / SNAPSHOT_NAME).read_text())
+        except (FileNotFoundError, ValueError):
+            return None
+
+    def _restore(self, snapshot: dict[str, Any]) -> None:
+        self.phase, self.error = snapshot["phase"], snapshot["error"]
+        self.started_at, self.ready_s = snapshot["started_at"], snapshot["ready_s"]
+        self.targets = snapshot["targets"]
+        self.restarts = snapshot["restarts"] + 1
+        self.api.port = snapshot["api_port"]
+        self.events = snapshot["events"]
+        self.engines = {}
+        for engine_id, saved in snapshot["engines"].items():
+            record = self.engines[engine_id] = self._record(self.launches[engine_id])
+            record.state, record.restarts = saved["state"], saved["restarts"]
 
     def _fail(self, error: str) -> None:
         self.phase, self.error = "failed", error
-        self._event("cluster failed to start")
+        self._event("cluster failed to start" if self.ready_s is None else f"cluster failed: {error}")
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.create_task(coro)

@@ -113,6 +113,7 @@ class EngineActor:
         self._stack: contextlib.AsyncExitStack | None = None
         self._server: Any = None
         self._tasks: list[asyncio.Task] = []
+        self._starting: asyncio.Future | None = None
         self.url = launch.url
         env = dict(launch.env)
         if launch.host in ("0.0.0.0", "::"):
@@ -139,9 +140,16 @@ class EngineActor:
         }
 
     async def start(self) -> dict[str, Any]:
-        if self.state in ("starting", "ready"):
+        """Start vLLM (or wait for the start under way: a restarted controller asks again); its ``info()``."""
+        if self.state == "ready":
             return await self.info()
-        self.state, self.error = "starting", None
+        if self.state != "starting" or self._starting is None:
+            self.state, self.error = "starting", None
+            self._starting = asyncio.ensure_future(self._start())
+        await asyncio.shield(self._starting)
+        return await self.info()
+
+    async def _start(self) -> None:
         started = time.monotonic()
         logger.info("engine %s: starting vLLM (%s)", self.launch.engine_id, " ".join(self.launch.vllm_args))
         try:
@@ -159,7 +167,6 @@ class EngineActor:
         self.load_s = time.monotonic() - started
         self.state = "ready"
         logger.info("engine %s ready at %s in %.1fs", self.launch.engine_id, self.url, self.load_s)
-        return await self.info()
 
     async def _start_vllm(self) -> None:
         import uvicorn

@@ -1,0 +1,165 @@
+"""The controller's HTTP API: one definition of its routes, its token and its status schema, and the client.
+
+``pdserve up`` creates the controller (a Ray actor), which serves this API on
+its node (``orchestrator.control_server``); the endpoint and a per-cluster
+token go into the state file (mode 0600), and from then on ``pdserve status``,
+``scale`` and ``down`` are one HTTP call each: no Ray driver, no Ray import.
+The controller holds only the token's SHA-256, so the token itself never
+leaves the state file (it is neither printed nor logged nor an actor argument).
+
+Routes (every one needs ``Authorization: Bearer <token>``; 401 without it):
+
+- ``GET  /v1/status``: the cluster as ``pdserve status --json`` prints it,
+  schema ``STATUS_SCHEMA`` (fields in ``STATUS_FIELDS``, README "Status schema").
+- ``POST /v1/scale``  ``{"targets": {"prefill": N, "decode": M}}``: the plan, or 409 with the reason.
+- ``POST /v1/shutdown``: stops engines and proxy, answers, then the controller exits.
+
+This module imports only the standard library: it is on every CLI call's path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import secrets
+import urllib.error
+import urllib.request
+from typing import Any
+
+from orchestrator.errors import ClusterNotRunning, PdserveError
+
+__all__ = [
+    "STATUS_FIELDS",
+    "STATUS_SCHEMA",
+    "ControlClient",
+    "ControlError",
+    "new_token",
+    "token_digest",
+    "token_matches",
+]
+
+STATUS_PATH = "/v1/status"
+SCALE_PATH = "/v1/scale"
+SHUTDOWN_PATH = "/v1/shutdown"
+HEALTH_PATH = "/health"  # no token: says only that the API is up
+
+STATUS_SCHEMA = "pdserve-status/1"
+# The stable part of ``pdserve status --json``: field -> JSON type(s). Fields may be added; none of these
+# is removed or changes type within one schema version.
+STATUS_FIELDS: dict[str, tuple[type, ...]] = {
+    "schema": (str,),
+    "name": (str,),
+    "model": (str,),
+    "connector": (str,),
+    "phase": (str,),  # created | starting | ready | failed | stopping | stopped
+    "error": (str, type(None)),
+    "proxy_url": (str,),
+    "started_at": (float, int),
+    "ready_s": (float, int, type(None)),
+    "log_dir": (str,),
+    "controller": (dict,),  # pid, restarts (Ray restarts of the controller), api_url
+    "pools": (dict,),  # role -> target, max, ready, draining
+    "engines": (list,),  # ENGINE_FIELDS each
+    "autoscaler": (dict, type(None)),  # interval_s, decisions, changes; None when off
+    "events": (list,),  # {"t": unix time, "message": str}, oldest first
+}
+ENGINE_FIELDS: dict[str, tuple[type, ...]] = {
+    "engine_id": (str,),
+    "role": (str,),  # prefill | decode
+    "state": (str,),  # pending | starting | ready | draining | restarting | failed | stopped
+    "url": (str,),
+    "pid": (int, type(None)),
+    "cpu_bind": (str, type(None)),
+    "load_s": (float, int, type(None)),
+    "restarts": (int,),
+    "error": (str, type(None)),
+    "log_path": (str,),
+}
+POOL_FIELDS: dict[str, tuple[type, ...]] = {"target": (int,), "max": (int,), "ready": (int,), "draining": (int,)}
+
+
+def schema_problems(status: dict[str, Any]) -> list[str]:
+    """What in ``status`` breaks ``STATUS_SCHEMA``, in words; empty when it holds."""
+    problems = _field_problems("", status, STATUS_FIELDS)
+    if status.get("schema") not in (None, STATUS_SCHEMA):
+        problems.append(f"schema is {status.get('schema')!r}, expected {STATUS_SCHEMA!r}")
+    for i, engine in enumerate(status.get("engines") or []):
+        problems += _field_problems(f"engines.{i}.", engine, ENGINE_FIELDS)
+    for role, pool in (status.get("pools") or {}).items():
+        problems += _field_problems(f"pools.{role}.", pool, POOL_FIELDS)
+    return problems
+
+
+def _field_problems(prefix: str, doc: dict[str, Any], fields: dict[str, tuple[type, ...]]) -> list[str]:
+    problems = []
+    for name, types in fields.items():
+        if name not in doc:
+            problems.append(f"{prefix}{name} is missing")
+        elif not isinstance(doc[name], types) or (isinstance(doc[name], bool) and bool not in types):
+            expected = "/".join(t.__name__ for t in types)
+            problems.append(f"{prefix}{name} is {type(doc[name]).__name__}, expected {expected}")
+    return problems
+
+
+def new_token() -> str:
+    return secrets.token_urlsafe(32)
+
+
+def token_digest(token: str) -> str:
+    """What the controller keeps of the token: its SHA-256, hex."""
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def token_matches(authorization: str | None, digest: str) -> bool:
+    """Whether an ``Authorization: Bearer <token>`` header carries the token of ``digest`` (constant time)."""
+    scheme, _, token = (authorization or "").partition(" ")
+    if scheme.lower() != "bearer" or not token:
+        return False
+    return hmac.compare_digest(token_digest(token.strip()), digest)
+
+
+class ControlError(PdserveError):
+    """The controller answered with an error (its words), or answered something that is not its API."""
+
+
+class ControlClient:
+    """The CLI's side of the API: one HTTP request per call, standard library only."""
+
+    def __init__(self, url: str, token: str, timeout_s: float = 30.0):
+        self.url, self._token, self.timeout_s = url.rstrip("/"), token, timeout_s
+
+    def status(self) -> dict[str, Any]:
+        return self._call("GET", STATUS_PATH)
+
+    def scale(self, targets: dict[str, int], reason: str = "by hand") -> dict[str, Any]:
+        return self._call("POST", SCALE_PATH, {"targets": targets, "reason": reason})
+
+    def shutdown(self, timeout_s: float = 180.0) -> dict[str, Any]:
+        return self._call("POST", SHUTDOWN_PATH, {}, timeout_s=timeout_s)
+
+    def _call(
+        self, method: str, path: str, body: dict[str, Any] | None = None, timeout_s: float | None = None
+    ) -> dict[str, Any]:
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(self.url + path, data=data, method=method)
+        request.add_header("Authorization", f"Bearer {self._token}")
+        if data is not None:
+            request.add_header("Content-Type", "application/json")
+        try:
+            with urllib.request.urlopen(request, timeout=timeout_s or self.timeout_s) as response:
+                return json.loads(response.read())
+        except urllib.error.HTTPError as e:
+            raise ControlError(f"the controller at {self.url} refused {method} {path}: {_error_text(e)}") from None
+        except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
+            reason = getattr(e, "reason", e)
+            raise ClusterNotRunning(f"the controller at {self.url} does not answer ({reason})") from None
+        except json.JSONDecodeError as e:
+            raise ControlError(f"the controller at {self.url} answered {method} {path} with no JSON: {e}") from None
+
+
+def _error_text(error: urllib.error.HTTPError) -> str:
+    try:
+        return json.loads(error.read())["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        return f"HTTP {error.code}"

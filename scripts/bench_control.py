@@ -1,0 +1,77 @@
+"""Idle engines and the control plane, measured on a running cluster (``pdserve up --detach`` first).
+
+1. Each engine's whole process tree (Ray actor, vLLM engine core, threads):
+   CPU used over ``--idle-s`` seconds while no request runs, in % of a core
+   (``/proc`` accounting through psutil).
+2. ``pdserve status`` and ``pdserve status --json``: wall time of ``--runs``
+   calls each, as a user runs them (a new process each), median and max.
+3. With ``--down``: ``pdserve down`` once, timed (it stops the cluster).
+
+Run from the repository root: ``.venv/bin/python scripts/bench_control.py [--json]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from orchestrator.cluster import idle_cpu  # noqa: E402
+
+PDSERVE = [sys.executable, "-m", "orchestrator.cli"]
+
+
+def timed(args: list[str]) -> tuple[float, subprocess.CompletedProcess]:
+    started = time.perf_counter()
+    result = subprocess.run([*PDSERVE, *args], capture_output=True, text=True, timeout=900)
+    took = time.perf_counter() - started
+    if result.returncode != 0:
+        raise SystemExit(f"pdserve {' '.join(args)} failed ({result.returncode}): {result.stderr}")
+    return took, result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--idle-s", type=float, default=30.0)
+    parser.add_argument("--runs", type=int, default=10)
+    parser.add_argument("--down", action="store_true", help="also time `pdserve down` (stops the cluster)")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    _, result = timed(["status", "--json"])
+    status = json.loads(result.stdout)
+    engines = {e["pid"]: e["engine_id"] for e in status["engines"] if e["pid"]}
+    cpu = idle_cpu(list(engines), args.idle_s)
+    report: dict = {
+        "connector": status["connector"],
+        "idle_s": args.idle_s,
+        "idle_cpu_pct": {engines[pid]: round(100 * used, 2) for pid, used in cpu.items()},
+    }
+    for name, cmd in (("status", ["status"]), ("status_json", ["status", "--json"])):
+        samples = [timed(cmd)[0] for _ in range(args.runs)]
+        report[name + "_s"] = {"median": round(statistics.median(samples), 3), "max": round(max(samples), 3)}
+    if args.down:
+        report["down_s"] = round(timed(["down"])[0], 2)
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return
+    print(f"connector {report['connector']}: idle CPU over {args.idle_s:g} s, % of one core (engine's process tree)")
+    for engine, pct in report["idle_cpu_pct"].items():
+        print(f"  {engine:<12} {pct:6.2f} %")
+    for name in ("status", "status_json"):
+        r = report[name + "_s"]
+        print(
+            f"pdserve {name.replace('_json', ' --json'):<14} median {r['median']:.3f} s, "
+            f"max {r['max']:.3f} s ({args.runs} runs)"
+        )
+    if "down_s" in report:
+        print(f"pdserve down           {report['down_s']:.2f} s")
+
+
+if __name__ == "__main__":
+    main()
