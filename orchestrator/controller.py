@@ -32,6 +32,7 @@ import contextlib
 import json
 import logging
 import os
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -119,9 +120,10 @@ class ClusterController:
         self.restarts = 0  # Ray restarts of this controller
         self.api = ControlServer(self, api_token_sha256, api_host, after_shutdown=self._exit)
         snapshot = self._read_snapshot()
+        self._resumed = False
         if snapshot is not None:  # Ray restarted this controller: take the cluster back (``resume``)
             self._restore(snapshot)
-            ray.get_runtime_context().current_actor.resume.remote()
+            threading.Thread(target=self._call_resume, name="pdserve-resume", daemon=True).start()
 
     # --- public API (called by the CLI) ---------------------------------------------------
 
@@ -189,8 +191,23 @@ class ClusterController:
 
     # --- taking the cluster back after a restart of this controller --------------------------
 
+    def _call_resume(self) -> None:
+        """Ask this actor to ``resume`` once Ray has it ALIVE (a call made during the constructor fails with
+        "the actor is restarting"); try again until it runs."""
+        handle = ray.get_runtime_context().current_actor
+        for attempt in range(120):
+            try:
+                ray.get(handle.resume.remote(), timeout=120)
+                return
+            except Exception as e:  # noqa: BLE001 - not alive yet: wait and ask again
+                logger.info("resume after restart, attempt %d: %s", attempt + 1, type(e).__name__)
+                time.sleep(1)
+
     async def resume(self) -> None:
         """Serve the API again and adopt the running proxy and engines; nothing that runs is restarted."""
+        if self._resumed:
+            return
+        self._resumed = True
         await self.api.start()
         if self.phase in ("stopping", "stopped", "failed", "created"):
             return
