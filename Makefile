@@ -32,7 +32,7 @@ run: setup
 	$(BIN)/pdserve up $(CONFIG)
 
 test: setup
-	$(BIN)/python -m pytest tests
+	$(BIN)/python -m pytest tests --durations=30
 
 test-unit: setup
 	$(BIN)/python -m pytest tests/unit
