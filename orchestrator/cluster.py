@@ -197,6 +197,9 @@ def ray_connection(state: ClusterState) -> Iterator[Any]:
     _use_ray_auth(state)
     import ray
 
+    # Ray's driver leaves SIGINT ignored after ``ray.shutdown()`` (seen: a foreground ``up`` deaf to
+    # Ctrl-C once it followed the cluster over HTTP): put back what this process had.
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         ray.init(
             address=state.ray_address,
@@ -210,6 +213,9 @@ def ray_connection(state: ClusterState) -> Iterator[Any]:
         yield ray
     finally:
         ray.shutdown()
+        for sig, handler in handlers.items():
+            if handler is not None:
+                signal.signal(sig, handler)
 
 
 def _use_ray_auth(state: ClusterState) -> None:
