@@ -197,8 +197,8 @@ def ray_connection(state: ClusterState) -> Iterator[Any]:
     _use_ray_auth(state)
     import ray
 
-    # Ray's driver leaves SIGINT ignored after ``ray.shutdown()`` (seen: a foreground ``up`` deaf to
-    # Ctrl-C once it followed the cluster over HTTP): put back what this process had.
+    # Ray's driver may set its own signal handlers: once it is shut down, put back what this process had
+    # (a foreground ``up`` follows the cluster after the driver is gone, and must still stop on Ctrl-C).
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         ray.init(
@@ -454,9 +454,16 @@ def idle_cpu(pids: list[int], seconds: float) -> dict[int, float]:
 
 
 def install_stop_signals() -> None:
-    """Make SIGTERM behave like Ctrl-C for a foreground ``pdserve up``."""
+    """Make SIGINT (Ctrl-C) and SIGTERM stop a foreground ``pdserve up``.
+
+    SIGINT too, not only Python's default: a process started in the background
+    by a non-interactive shell (``cmd &``, as CI scripts do) inherits SIGINT
+    ignored, and Python then leaves it ignored, so ``up`` would be deaf to the
+    SIGINT meant to stop it (seen: a leaked cluster in a backgrounded suite run).
+    """
 
     def _raise(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt(f"signal {signum}")
 
+    signal.signal(signal.SIGINT, _raise)
     signal.signal(signal.SIGTERM, _raise)
