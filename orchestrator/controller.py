@@ -212,7 +212,7 @@ class ClusterController:
         if self.phase in ("stopping", "stopped", "failed", "created"):
             return
         try:
-            self.proxy = ray.get_actor(f"{self.spec.name}-proxy")
+            self.proxy = ray.get_actor(self._actor_name("proxy"))
         except ValueError:
             self._fail("the proxy actor is gone (found after a restart of the controller)")
             return
@@ -231,12 +231,12 @@ class ClusterController:
 
     async def _adopt(self, record: EngineRecord) -> None:
         try:
-            record.handle = ray.get_actor(f"{self.spec.name}-{record.engine_id}")
+            record.handle = ray.get_actor(self._actor_name(record.engine_id))
             info = await asyncio.wait_for(record.handle.info.remote(), timeout=PROBE_TIMEOUT_S)
         except (ValueError, RayActorError, TimeoutError) as e:
             if record.handle is None:  # never created, or gone for good: start it (again)
                 record.handle = self._create_engine_actor(self.launches[record.engine_id])
-                self._spawn(self._start_engine(record.engine_id))
+                self._start_adopted(record)
             else:  # alive but not answering: the monitor treats it as any engine that stops answering
                 record.state = "restarting"
                 logger.warning("adopting %s: %s", record.engine_id, e)
@@ -251,9 +251,14 @@ class ClusterController:
         elif info["state"] == "failed":
             record.state, record.error = "failed", info["error"]
         elif record.state != "draining":  # idle (Ray restarted it meanwhile) or still starting: start / wait
-            self._spawn(self._start_engine(record.engine_id))
+            self._start_adopted(record)
         else:
             self._spawn(self._retire(record, drain=False))
+
+    def _start_adopted(self, record: EngineRecord) -> None:
+        """Start (or wait for) an adopted engine; during bring-up ``_finish_bring_up`` starts every engine."""
+        if self.phase != "starting":
+            self._spawn(self._start_engine(record.engine_id))
 
     # --- bring-up ---------------------------------------------------------------------------
 
@@ -299,7 +304,7 @@ class ClusterController:
         self.proxy = (
             ray.remote(ProxyActor)
             .options(
-                num_cpus=0, max_restarts=-1, max_task_retries=0, name=f"{self.spec.name}-proxy", lifetime="detached"
+                num_cpus=0, max_restarts=-1, max_task_retries=0, name=self._actor_name("proxy"), lifetime="detached"
             )
             .remote(config, self.spec.proxy.host, self.spec.proxy.port, str(self.log_dir / "proxy.log"))
         )
@@ -315,7 +320,7 @@ class ClusterController:
                 num_gpus=launch.num_gpus,
                 max_restarts=ENGINE_MAX_RESTARTS,
                 max_task_retries=0,
-                name=f"{self.spec.name}-{launch.engine_id}",
+                name=self._actor_name(launch.engine_id),
                 lifetime="detached",  # outlives a restart of this controller, which adopts it
             )
             .remote(launch, self.engines[launch.engine_id].log_path)
@@ -468,7 +473,7 @@ class ClusterController:
         return "; ".join(reasons)
 
     async def _stop_engine(self, record: EngineRecord) -> None:
-        name = f"{self.spec.name}-{record.engine_id}"
+        name = self._actor_name(record.engine_id)
         with contextlib.suppress(Exception):
             await asyncio.wait_for(record.handle.stop.remote(), timeout=60)
         with contextlib.suppress(Exception):
@@ -529,6 +534,10 @@ class ClusterController:
                 await self._publish(role)
 
     # --- helpers ----------------------------------------------------------------------------
+
+    def _actor_name(self, part: str) -> str:
+        """The Ray actor name of the proxy (``part="proxy"``) or an engine: found again by a restarted controller."""
+        return f"{self.spec.name}-{part}"
 
     def _launches(self, role: str) -> list[EngineLaunch]:
         return [launch for launch in self.launches.values() if launch.role == role]
