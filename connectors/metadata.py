@@ -28,9 +28,9 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-__all__ = ["ConnectorSettings", "KVTransferParams", "PdserveConnectorMetadata", "ReceiveSpec"]
+from connectors import wire
 
-_REQUIRED = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port", "remote_block_ids")
+__all__ = ["ConnectorSettings", "KVTransferParams", "PdserveConnectorMetadata", "ReceiveSpec"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,27 +52,31 @@ class KVTransferParams:
 
         Raises ``ValueError`` when it asks (``do_remote_prefill``) but a field is missing or mistyped.
         """
-        if not params or not params.get("do_remote_prefill"):
+        if not params or not params.get(wire.DO_REMOTE_PREFILL):
             return None
-        missing = [name for name in _REQUIRED if params.get(name) in (None, "")]
+        missing = [name for name in wire.REMOTE_PREFILL_REQUIRED if params.get(name) in (None, "")]
         if missing:
             raise ValueError(f"kv_transfer_params with do_remote_prefill lack {', '.join(missing)}")
-        block_ids = params["remote_block_ids"]
+        block_ids = params[wire.REMOTE_BLOCK_IDS]
         # vLLM's own connector sends one list per KV cache group; accept that shape for one group.
         if block_ids and isinstance(block_ids[0], list | tuple):
             if len(block_ids) != 1:
                 raise ValueError(f"remote_block_ids has {len(block_ids)} KV cache groups; only 1 is supported")
             block_ids = block_ids[0]
         return cls(
-            remote_engine_id=str(params["remote_engine_id"]),
-            remote_request_id=str(params["remote_request_id"]),
-            remote_host=str(params["remote_host"]),
-            remote_port=int(params["remote_port"]),
+            remote_engine_id=str(params[wire.REMOTE_ENGINE_ID]),
+            remote_request_id=str(params[wire.REMOTE_REQUEST_ID]),
+            remote_host=str(params[wire.REMOTE_HOST]),
+            remote_port=int(params[wire.REMOTE_PORT]),
             remote_block_ids=tuple(int(b) for b in block_ids),
-            remote_num_tokens=int(params.get("remote_num_tokens") or 0),
-            tp_size=int(params.get("tp_size") or 1),
-            block_size=int(params["block_size"]) if params.get("block_size") else None,
+            remote_num_tokens=int(params.get(wire.REMOTE_NUM_TOKENS) or 0),
+            tp_size=int(params.get(wire.TP_SIZE) or 1),
+            block_size=int(params[wire.BLOCK_SIZE]) if params.get(wire.BLOCK_SIZE) else None,
         )
+
+    def side_channel(self, rank: int) -> str:
+        """The side channel of the prefill engine's TP rank ``rank`` (handshake, release)."""
+        return wire.side_channel_endpoint(self.remote_host, self.remote_port, rank)
 
 
 @dataclass(frozen=True, slots=True)

@@ -35,6 +35,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
+from connectors import wire
 from connectors.metadata import ConnectorSettings, KVTransferParams, PdserveConnectorMetadata, ReceiveSpec
 from connectors.side_channel import ReleaseSender, release_message, report_key, report_message
 from connectors.stats import PdserveKVStats, PdserveWorkerMeta, merge_reports
@@ -82,7 +83,7 @@ class PdserveScheduler:
         if params is None:
             return
         # One transfer per request: vLLM may call this again once the load is done.
-        request.kv_transfer_params["do_remote_prefill"] = False
+        request.kv_transfer_params[wire.DO_REMOTE_PREFILL] = False
         ratio = self._block_ratio(params)
         if ratio is None:
             logger.warning(
@@ -170,7 +171,7 @@ class PdserveScheduler:
 
     def _release(self, params: KVTransferParams) -> None:
         for rank in range(params.tp_size):
-            self._releases.release(params.remote_host, params.remote_port + rank, params.remote_request_id)
+            self._releases.release(params.side_channel(rank), params.remote_request_id)
 
     # ------------------------------------------------------------ every step
 
@@ -209,7 +210,7 @@ class PdserveScheduler:
         from vllm.v1.request import RequestStatus
 
         params = request.kv_transfer_params
-        if not params or not params.get("do_remote_decode"):
+        if not params or not params.get(wire.DO_REMOTE_DECODE):
             return False, self._decode_finished(request)
         if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
             logger.info(
@@ -229,26 +230,26 @@ class PdserveScheduler:
             len(block_ids),
         )
         return True, {
-            "do_remote_prefill": True,
-            "do_remote_decode": False,
-            "remote_engine_id": self.engine_id,
-            "remote_request_id": request.request_id,
-            "remote_host": self.side_channel_host,
-            "remote_port": self.side_channel_port,
-            "remote_block_ids": list(block_ids),
-            "remote_num_tokens": request.num_computed_tokens,
-            "tp_size": self.tp_size,
-            "block_size": self.block_size,
+            wire.DO_REMOTE_PREFILL: True,
+            wire.DO_REMOTE_DECODE: False,
+            wire.REMOTE_ENGINE_ID: self.engine_id,
+            wire.REMOTE_REQUEST_ID: request.request_id,
+            wire.REMOTE_HOST: self.side_channel_host,
+            wire.REMOTE_PORT: self.side_channel_port,
+            wire.REMOTE_BLOCK_IDS: list(block_ids),
+            wire.REMOTE_NUM_TOKENS: request.num_computed_tokens,
+            wire.TP_SIZE: self.tp_size,
+            wire.BLOCK_SIZE: self.block_size,
             # For the proxy: send `message` to each endpoint if no decode engine will read these blocks.
-            "pdserve_release": {
-                "endpoints": [
-                    f"tcp://{self.side_channel_host}:{self.side_channel_port + rank}" for rank in range(self.tp_size)
-                ],
+            wire.PDSERVE_RELEASE: {
+                "endpoints": list(
+                    wire.side_channel_endpoints(self.side_channel_host, self.side_channel_port, self.tp_size)
+                ),
                 "message": release_message(request.request_id).decode(),
             },
             # For the proxy: send `message` to each rank of the decode engine when its stream starts; the
             # answer is how that rank loaded this KV (a stream has no kv_transfer_params for it).
-            "pdserve_report": {"message": report_message(self.engine_id, request.request_id).decode()},
+            wire.PDSERVE_REPORT: {"message": report_message(self.engine_id, request.request_id).decode()},
         }
 
     def _decode_finished(self, request: Request) -> dict[str, Any] | None:
@@ -268,4 +269,4 @@ class PdserveScheduler:
             )
             self._release(params)
             report = {"source": "none", "reason": "finished before loading"}
-        return {"pdserve_kv": report}
+        return {wire.PDSERVE_KV: report}

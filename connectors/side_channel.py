@@ -44,6 +44,7 @@ from connectors.handshake import (
     encode_request,
 )
 from connectors.topology import KVTopology
+from connectors.wire import tcp_endpoint
 
 __all__ = [
     "RELEASE_PREFIX",
@@ -118,7 +119,7 @@ class SideChannelServer:
         on_report: Callable[[str], bytes | None] | None = None,
     ):
         self.engine_id = engine_id
-        self.endpoint = f"tcp://{host}:{port}"
+        self.endpoint = tcp_endpoint(host, port)
         self._topology = topology
         self._response = response
         self._on_release = on_release
@@ -176,11 +177,9 @@ class SideChannelServer:
         self._context.term()
 
 
-def request_handshake(
-    engine_id: str, topology: KVTopology, host: str, port: int, timeout_s: float = 5.0
-) -> HandshakeResponse:
-    """Ask the prefill worker at ``host:port`` for its handshake response; raise on timeout or refusal."""
-    endpoint = f"tcp://{host}:{port}"
+def request_handshake(engine_id: str, topology: KVTopology, endpoint: str, timeout_s: float = 5.0) -> HandshakeResponse:
+    """Ask the prefill worker rank at ``endpoint`` (``tcp://host:port``) for its handshake response;
+    raise on timeout or refusal."""
     context = zmq.Context.instance()
     socket = context.socket(zmq.REQ)
     socket.setsockopt(zmq.LINGER, 0)
@@ -227,12 +226,12 @@ class ReleaseSender:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
-    def release(self, host: str, port: int, request_id: str) -> None:
+    def release(self, endpoint: str, request_id: str) -> None:
         with self._lock:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="pdserve-release", daemon=True)
                 self._thread.start()
-        self._queue.put((f"tcp://{host}:{port}", request_id))
+        self._queue.put((endpoint, request_id))
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:

@@ -281,11 +281,11 @@ class PdserveWorker:
             if name in self._peers or name in self._handshaking:
                 continue
             self._peer_failures.pop(name, None)
-            port = remote.remote_port + rank
+            endpoint = remote.side_channel(rank)
             future = self._handshake_pool.submit(
                 self._handshakes.get_or_handshake,
                 remote.remote_engine_id,
-                lambda port=port: request_handshake(self.engine_id, topology, remote.remote_host, port, timeout_s),
+                lambda endpoint=endpoint: request_handshake(self.engine_id, topology, endpoint, timeout_s),
                 rank,
             )
             self._handshaking[name] = _Handshake(remote.remote_engine_id, rank, remote.tp_size, future)
@@ -378,7 +378,7 @@ class PdserveWorker:
         params = spec.remote
         for rank in range(remote.tp_size):
             if not reader_ranks(rank, local, remote):
-                self._releases_out.release(params.remote_host, params.remote_port + rank, params.remote_request_id)
+                self._releases_out.release(params.side_channel(rank), params.remote_request_id)
 
     def _kernel_block_ids(self, spec: ReceiveSpec, remote: KVTopology) -> tuple[list[int], list[int]]:
         """The request's local and remote blocks as the cache tensors count them, local ones trimmed to the read.
@@ -462,7 +462,7 @@ class PdserveWorker:
             # Nobody will read those blocks now: every prefill rank may free them at once.
             params = spec.remote
             for rank in range(max(1, params.tp_size)):
-                self._releases_out.release(params.remote_host, params.remote_port + rank, params.remote_request_id)
+                self._releases_out.release(params.side_channel(rank), params.remote_request_id)
             logger.warning(
                 "request %s on engine %s: KV load from engine %s failed (%s), the prompt will be recomputed: %s",
                 spec.request_id,

@@ -42,16 +42,24 @@ def _usage_hint(status: dict[str, Any]) -> str:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
+    from connectors.wire import http_url
     from orchestrator.launch import plan_engines
+    from orchestrator.placement import host_plan
     from orchestrator.spec import ClusterSpec
 
     spec = ClusterSpec.from_file(args.config)
-    engines = plan_engines(spec)
+    engines = plan_engines(spec, host=None)
     _print(f"{args.config}: valid: cluster {spec.name!r}, model {spec.model_name!r}, connector {spec.connector}")
-    for engine in engines:
-        where = f"cores {engine.cpu_bind}" if engine.cpu_bind else f"{engine.num_gpus:g} GPU(s)"
-        _print(f"  {engine.engine_id:<10} {engine.url:<24} kv port {engine.kv_port:<6} {where}")
-    _print(f"  proxy      http://{spec.proxy.host}:{spec.proxy.port}")
+    nodes = None
+    if args.ray_address:
+        from orchestrator.cluster import cluster_nodes
+
+        nodes = cluster_nodes(args.ray_address)
+        _print(f"  placed on the Ray cluster at {args.ray_address} ({sum(n.alive for n in nodes)} alive nodes):")
+    lines = host_plan(spec, engines, nodes)
+    for line in lines:
+        _print(line)
+    _print(f"  proxy      {http_url(spec.proxy.host, spec.proxy.port)}")
     if spec.autoscaling is not None:
         from orchestrator.cluster import autoscaling_profile
 
@@ -62,7 +70,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
             f"; prefill {spec.min_replicas('prefill')}..{spec.max_replicas('prefill')}, "
             f"decode {spec.min_replicas('decode')}..{spec.max_replicas('decode')}"
         )
-    return 0
+    return 1 if any(line.startswith("  cannot place") for line in lines) else 0
 
 
 def _follow(get_status: Callable[[], dict[str, Any]], printer: _EventPrinter, seen: int) -> None:
@@ -512,6 +520,11 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     validate = commands.add_parser("validate", help="check a cluster spec and show the engines it plans")
     validate.add_argument("config")
+    validate.add_argument(
+        "--ray-address",
+        metavar="ADDRESS",
+        help="also place the plan on this running Ray cluster's nodes (labels, resources, GPUs) and show it per host",
+    )
     validate.set_defaults(func=cmd_validate)
     up = commands.add_parser("up", help="start the cluster a spec describes")
     up.add_argument("config")

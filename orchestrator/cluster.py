@@ -218,6 +218,22 @@ def ray_connection(state: ClusterState) -> Iterator[Any]:
                 signal.signal(sig, handler)
 
 
+def cluster_nodes(address: str) -> list[Any]:
+    """The nodes of the Ray cluster at ``address`` (``placement.Node``), for ``pdserve validate``."""
+    import ray
+
+    from orchestrator.placement import Node
+
+    try:
+        ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
+    except (ConnectionError, RuntimeError) as e:
+        raise PdserveError(f"cannot connect to the Ray cluster at {address}: {e}") from e
+    try:
+        return [Node.from_ray(node) for node in ray.nodes()]
+    finally:
+        ray.shutdown()
+
+
 def _use_ray_auth(state: ClusterState) -> None:
     """Our own head runs with token auth (Ray's default for new clusters); a
     client joining an existing cluster must ask for it explicitly, and before
@@ -313,15 +329,27 @@ def _bring_up(
     """Create the controller (the one Ray call), record its API and token, then follow it over HTTP."""
     _use_ray_auth(state)
     from orchestrator.controller import ClusterController
+    from orchestrator.placement import Node, assign, control_placement
 
-    host = "127.0.0.1" if state.started_ray else "0.0.0.0"
+    # A local cluster serves on loopback; on a joined one each engine resolves its node's address.
+    host = "127.0.0.1" if state.started_ray else None
     token = new_token()
     with ray_connection(state) as ray:
-        api_host = "127.0.0.1" if state.started_ray else ray.util.get_node_ip_address()
+        _, problems = assign(spec, [Node.from_ray(node) for node in ray.nodes()])
+        if problems:  # Ray would wait for ever for a node that can take them
+            raise PdserveError(
+                f"{state.config}: the Ray cluster at {state.ray_address} cannot hold this spec:\n  "
+                + "\n  ".join(problems)
+            )
         controller = (
             ray.remote(ClusterController)
-            .options(name=state.controller_name, lifetime="detached", num_cpus=0, max_restarts=-1)
-            .remote(spec.model_dump(mode="json"), state.log_dir, host, profile, token_digest(token), api_host)
+            .options(
+                name=state.controller_name,
+                lifetime="detached",
+                max_restarts=-1,
+                **control_placement(spec).actor_options(),
+            )
+            .remote(spec.model_dump(mode="json"), state.log_dir, host, profile, token_digest(token), None)
         )
         state.api_url = ray.get(controller.start.remote(), timeout=120)
     state.api_token = token

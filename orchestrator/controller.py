@@ -41,7 +41,9 @@ from typing import Any
 import aiohttp
 import ray
 from ray.exceptions import ActorDiedError, RayActorError, RayTaskError
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from connectors.wire import ROLES, http_url
 from orchestrator.autoscale.actuator import Autoscaler
 from orchestrator.autoscale.policy import PolicyConfig
 from orchestrator.autoscale.profile import PerformanceProfile
@@ -52,9 +54,9 @@ from orchestrator.engine_metrics import fetch_metrics
 from orchestrator.errors import EngineStartError
 from orchestrator.launch import EngineLaunch, plan_engines
 from orchestrator.logs import redirect_output
+from orchestrator.placement import control_placement
 from orchestrator.proxy_actor import ProxyActor
 from orchestrator.spec import ClusterSpec
-from proxy.pool import ROLES
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +72,8 @@ class EngineRecord:
     role: str
     state: str = "pending"  # pending | starting | ready | restarting | failed | stopped
     url: str = ""
+    host: str = ""  # the address other hosts reach it at (its node's, resolved by the engine)
+    kv_endpoints: tuple[str, ...] = ()  # its connector's side channel, one per TP rank
     pid: int | None = None
     cpu_bind: str | None = None
     load_s: float | None = None
@@ -84,10 +88,10 @@ class ClusterController:
         self,
         spec_data: dict[str, Any],
         log_dir: str,
-        host: str,
+        host: str | None,
         profile_data: dict[str, Any] | None = None,
         api_token_sha256: str = "",
-        api_host: str = "127.0.0.1",
+        api_host: str | None = None,
     ) -> None:
         self.log_dir = Path(log_dir)
         redirect_output(self.log_dir / "controller.log")
@@ -106,7 +110,7 @@ class ClusterController:
         self.started_at = time.time()
         self.ready_s: float | None = None
         self.proxy: Any = None
-        self.proxy_url = f"http://{self.spec.proxy.host}:{self.spec.proxy.port}"
+        self.proxy_url = http_url(self.spec.proxy.host, self.spec.proxy.port)
         self._tasks: set[asyncio.Task] = set()
         self.autoscaler: Autoscaler | None = None
         if self.spec.autoscaling is not None and profile_data is not None:
@@ -118,6 +122,8 @@ class ClusterController:
                 self.scale,
             )
         self.restarts = 0  # Ray restarts of this controller
+        # The API listens where the CLI reaches it: loopback on a local cluster, else this node's address.
+        api_host = api_host or host or ray.util.get_node_ip_address()
         self.api = ControlServer(self, api_token_sha256, api_host, after_shutdown=self._exit)
         snapshot = self._read_snapshot()
         self._resumed = False
@@ -177,6 +183,7 @@ class ClusterController:
             with contextlib.suppress(Exception):
                 ray.kill(handle, no_restart=True)
         for record in self.engines.values():
+            self._remove_placement_group(record.engine_id)
             record.state, record.handle = "stopped", None
         self.phase = "stopped"
         self._event("cluster stopped")
@@ -242,8 +249,7 @@ class ClusterController:
                 logger.warning("adopting %s: %s", record.engine_id, e)
             return
         if info["state"] == "ready":
-            record.url, record.pid, record.load_s = info["url"], info["pid"], info["load_s"]
-            record.cpu_bind = info["cpu_bind"]
+            _take_info(record, info)
             if record.state == "draining":
                 self._spawn(self._retire(record, drain=True))
             else:
@@ -304,27 +310,53 @@ class ClusterController:
         self.proxy = (
             ray.remote(ProxyActor)
             .options(
-                num_cpus=0, max_restarts=-1, max_task_retries=0, name=self._actor_name("proxy"), lifetime="detached"
+                max_restarts=-1,
+                max_task_retries=0,
+                name=self._actor_name("proxy"),
+                lifetime="detached",
+                **control_placement(self.spec).actor_options(),
             )
             .remote(config, self.spec.proxy.host, self.spec.proxy.port, str(self.log_dir / "proxy.log"))
         )
         self._event(f"proxy starting on {self.proxy_url}")
-        await self.proxy.start.remote()
+        self.proxy_url = (await self.proxy.start.remote())["url"]
         self._event("proxy ready")
 
     def _create_engine_actor(self, launch: EngineLaunch) -> Any:
+        options: dict[str, Any] = {
+            "max_restarts": ENGINE_MAX_RESTARTS,
+            "max_task_retries": 0,
+            "name": self._actor_name(launch.engine_id),
+            "lifetime": "detached",  # outlives a restart of this controller, which adopts it
+        }
+        if launch.placement.bundles:  # GPU: the engine and its TP workers in one placement group
+            options.update(
+                num_cpus=0,
+                num_gpus=0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    self._placement_group(launch), placement_group_capture_child_tasks=True
+                ),
+            )
+        else:
+            options.update(launch.placement.actor_options())
         return (
             ray.remote(EngineActor)
-            .options(
-                num_cpus=launch.num_cpus,
-                num_gpus=launch.num_gpus,
-                max_restarts=ENGINE_MAX_RESTARTS,
-                max_task_retries=0,
-                name=self._actor_name(launch.engine_id),
-                lifetime="detached",  # outlives a restart of this controller, which adopts it
-            )
-            .remote(launch, self.engines[launch.engine_id].log_path)
+            .options(**options)
+            .remote(launch, self.engines[launch.engine_id].log_path, self.spec.network.interface)
         )
+
+    def _placement_group(self, launch: EngineLaunch) -> Any:
+        """The engine's placement group (one bundle per TP rank): the one a previous controller made, or a new one."""
+        name = self._actor_name(launch.engine_id) + "-pg"
+        with contextlib.suppress(ValueError):
+            return ray.util.get_placement_group(name)
+        return ray.util.placement_group(name=name, lifetime="detached", **launch.placement.placement_group_args())
+
+    def _remove_placement_group(self, engine_id: str) -> None:
+        if not self.launches[engine_id].placement.bundles:
+            return
+        with contextlib.suppress(Exception):
+            ray.util.remove_placement_group(ray.util.get_placement_group(self._actor_name(engine_id) + "-pg"))
 
     async def _start_engine(self, engine_id: str) -> str:
         record, launch = self.engines[engine_id], self.launches[engine_id]
@@ -342,8 +374,7 @@ class ClusterController:
         if record.state != "starting":
             return engine_id
         record.state = "ready"
-        record.url, record.pid, record.cpu_bind = info["url"], info["pid"], info["cpu_bind"]
-        record.load_s = info["load_s"]
+        _take_info(record, info)
         self._event(f"{engine_id} ready in {record.load_s:.1f}s at {record.url}")
         await self._publish(record.role)
         return engine_id
@@ -373,9 +404,7 @@ class ClusterController:
         a decode engine there how a stream's KV got to it); none for vLLM's connector."""
         if self.spec.connector != "pdserve":
             return ()
-        launch = self.launches[engine_id]
-        ranks = self.spec.pool(launch.role).tensor_parallel_size
-        return tuple(f"tcp://{launch.host}:{launch.kv_port + rank}" for rank in range(ranks))
+        return self.engines[engine_id].kv_endpoints
 
     # --- scaling ----------------------------------------------------------------------------
 
@@ -485,6 +514,7 @@ class ClusterController:
             except ValueError:
                 break
             await asyncio.sleep(0.1)
+        self._remove_placement_group(record.engine_id)
         self.engines.pop(record.engine_id, None)
         await self._publish(record.role)
         self._event(f"{record.engine_id} stopped")
@@ -598,6 +628,12 @@ class ClusterController:
 
 
 _SERVING = ("pending", "starting", "ready", "restarting")
+
+
+def _take_info(record: EngineRecord, info: dict[str, Any]) -> None:
+    """What a ready engine reports about itself: where it serves (it resolved the address on its node)."""
+    record.url, record.host, record.kv_endpoints = info["url"], info["host"], tuple(info["kv_endpoints"])
+    record.pid, record.cpu_bind, record.load_s = info["pid"], info["cpu_bind"], info["load_s"]
 
 
 def _replica(engine_id: str) -> int:

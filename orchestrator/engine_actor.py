@@ -101,10 +101,21 @@ def error_excerpt(log_text: str, exc: BaseException | None = None, max_lines: in
     return "\n".join(excerpt) or "(the engine's log holds no error line)"
 
 
+def _node_address(interface: str | None) -> str:
+    """The address other hosts reach this engine at (its Ray node IP, or ``interface``'s)."""
+    import ray
+
+    from orchestrator.address import advertised_address
+
+    return advertised_address(interface, ray.util.get_node_ip_address())
+
+
 class EngineActor:
     """Ray actor class (wrapped with ``ray.remote`` by the controller)."""
 
-    def __init__(self, launch: EngineLaunch, log_path: str) -> None:
+    def __init__(self, launch: EngineLaunch, log_path: str, interface: str | None = None) -> None:
+        if launch.host is None or launch.bind:
+            launch = launch.on_host(launch.host or _node_address(interface), launch.bind)
         self.launch = launch
         self.log_path = Path(log_path)
         self.state = "idle"
@@ -115,15 +126,7 @@ class EngineActor:
         self._tasks: list[asyncio.Task] = []
         self._starting: asyncio.Future | None = None
         self.url = launch.url
-        env = dict(launch.env)
-        if launch.host in ("0.0.0.0", "::"):
-            # Listening everywhere (a multi-node cluster): peers reach us at the node's IP.
-            import ray
-
-            node_ip = ray.util.get_node_ip_address()
-            self.url = f"http://{node_ip}:{launch.port}"
-            env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = node_ip
-        os.environ.update(env)
+        os.environ.update(launch.env)
         redirect_output(self.log_path)
 
     async def info(self) -> dict[str, Any]:
@@ -132,6 +135,8 @@ class EngineActor:
             "role": self.launch.role,
             "state": self.state,
             "url": self.url,
+            "host": self.launch.host,
+            "kv_endpoints": list(self.launch.kv_endpoints),
             "pid": os.getpid(),
             "cpu_bind": self.launch.cpu_bind,
             "load_s": self.load_s,

@@ -3,27 +3,40 @@
 Each ``EngineLaunch`` says everything one engine actor needs: its id and role,
 the vLLM server flags (the role decides ``--kv-transfer-config``), the
 environment (CPU core pinning, KV cache size, NIXL side-channel port) and the
-Ray resources it asks for. On CPU, engines are given disjoint core ranges in
-order (prefill-0, prefill-1, ..., decode-0, ...): two unpinned vLLM CPU
-engines on one machine thrash each other (see ENVIRONMENT.md).
+Ray resources and placement it asks for. On CPU, the engines that may share
+hosts (pools with the same placement) are given disjoint core ranges in order
+(prefill-0, prefill-1, ..., decode-0, ...) from their pool's ``first_core``:
+two unpinned vLLM CPU engines on one machine thrash each other (see
+ENVIRONMENT.md). Pools placed on different hosts each have their own plan.
+
+An engine's address: on a local cluster ``127.0.0.1``; on a joined Ray cluster
+the plan leaves ``host`` unset and the engine actor resolves, on its node, the
+address other hosts reach it at (``orchestrator.address``), then takes
+``launch.on_host(...)``: the same launch with that address in vLLM's
+``--host`` and in the connector's side channel.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from typing import Any
 
+from connectors.wire import LISTEN_ALL, ROLES, http_url, side_channel_endpoints
 from orchestrator.models import resolve_dtype, resolve_model
+from orchestrator.placement import Placement, engine_placement
 from orchestrator.spec import ClusterSpec
-from proxy.pool import ROLES
+
+LOCAL_HOST = "127.0.0.1"
 
 
 @dataclass(frozen=True, slots=True)
 class EngineLaunch:
     engine_id: str
     role: str
-    host: str
+    host: str | None
+    """The address peers reach this engine at; None until the engine resolves it on its node."""
     port: int
     kv_port: int
     vllm_args: list[str]
@@ -31,10 +44,35 @@ class EngineLaunch:
     num_cpus: float
     num_gpus: float
     cpu_bind: str | None = None
+    tp_size: int = 1
+    placement: Placement = dataclasses.field(default_factory=Placement)
+    bind: str | None = None
+    """Where its HTTP server listens, when not ``host`` (``network.listen_all``: 0.0.0.0)."""
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        if self.host is None:
+            raise ValueError(f"engine {self.engine_id} has not resolved its address yet")
+        return http_url(self.host, self.port)
+
+    @property
+    def kv_endpoints(self) -> tuple[str, ...]:
+        """Its connector's side channel, one endpoint per TP rank (``connectors.wire``)."""
+        if self.host is None:
+            raise ValueError(f"engine {self.engine_id} has not resolved its address yet")
+        return side_channel_endpoints(self.host, self.kv_port, self.tp_size)
+
+    def on_host(self, host: str, bind: str | None = None) -> EngineLaunch:
+        """This launch at ``host`` (advertised to peers; vLLM listens at ``bind``, default ``host``)."""
+        args = list(self.vllm_args)
+        args[args.index("--host") + 1] = bind or host
+        config_at = args.index("--kv-transfer-config") + 1
+        config = json.loads(args[config_at])
+        if "side_channel_host" in config.get("kv_connector_extra_config", {}):
+            config["kv_connector_extra_config"]["side_channel_host"] = host
+            args[config_at] = json.dumps(config)
+        env = {**self.env, "VLLM_NIXL_SIDE_CHANNEL_HOST": host}
+        return dataclasses.replace(self, host=host, bind=bind, vllm_args=args, env=env)
 
 
 def kv_transfer_config(
@@ -105,13 +143,22 @@ def flag_args(options: dict[str, Any]) -> list[str]:
 
 
 def _core_ranges(spec: ClusterSpec) -> dict[str, str]:
-    """Disjoint OpenMP core bindings per engine; TP ranks separated by '|'."""
+    """Disjoint OpenMP core bindings per engine, one plan per group of pools that may share hosts;
+    TP ranks separated by '|'."""
+    bindings: dict[str, str] = {}
+    for roles in spec.placement_domains().values():
+        bindings.update(_host_core_ranges(spec, roles))
+    return bindings
+
+
+def _host_core_ranges(spec: ClusterSpec, roles: tuple[str, ...]) -> dict[str, str]:
     bindings: dict[str, str] = {}
     next_core = 0
     # Only with resources.share_cores can engines need more cores than there are: they wrap around.
     available = spec.cpu_cores_available
-    for role in ROLES:
+    for role in roles:
         pool = spec.pool(role)
+        next_core = max(next_core, pool.placement.first_core)
         for replica in range(spec.max_replicas(role)):
             ranks = []
             for _ in range(pool.tensor_parallel_size):
@@ -123,10 +170,12 @@ def _core_ranges(spec: ClusterSpec) -> dict[str, str]:
     return bindings
 
 
-def plan_engines(spec: ClusterSpec, host: str = "127.0.0.1") -> list[EngineLaunch]:
+def plan_engines(spec: ClusterSpec, host: str | None = LOCAL_HOST) -> list[EngineLaunch]:
     """How to launch every engine the cluster may run: ``spec.max_replicas(role)`` per pool, in
-    replica order (the first ``replicas`` of each pool start with the cluster)."""
+    replica order (the first ``replicas`` of each pool start with the cluster). ``host`` None: each
+    engine resolves its address where it lands (``EngineLaunch.on_host``)."""
     model_path = resolve_model(spec.model)
+    planned_host = host or LOCAL_HOST  # a stand-in until the engine resolves its own
     bindings = _core_ranges(spec) if spec.device == "cpu" else {}
     launches = []
     for role in ROLES:
@@ -134,11 +183,11 @@ def plan_engines(spec: ClusterSpec, host: str = "127.0.0.1") -> list[EngineLaunc
         count = spec.max_replicas(role)
         for replica, (port, kv_port) in enumerate(zip(pool.ports(count), pool.kv_ports(count), strict=True)):
             engine_id = f"{role}-{replica}"
-            transfer_config = kv_transfer_config(spec, role, host=host, kv_port=kv_port, engine_id=engine_id)
+            transfer_config = kv_transfer_config(spec, role, host=planned_host, kv_port=kv_port, engine_id=engine_id)
             args = [
                 "--model", model_path,
                 "--served-model-name", spec.model_name,
-                "--host", host,
+                "--host", planned_host,
                 "--port", str(port),
                 "--max-model-len", str(spec.engine.max_model_len),
                 "--dtype", resolve_dtype(spec.model, spec.engine.dtype),
@@ -150,7 +199,7 @@ def plan_engines(spec: ClusterSpec, host: str = "127.0.0.1") -> list[EngineLaunc
                 args.append("--enforce-eager")
             env = {
                 "VLLM_NIXL_SIDE_CHANNEL_PORT": str(kv_port),
-                "VLLM_NIXL_SIDE_CHANNEL_HOST": host,
+                "VLLM_NIXL_SIDE_CHANNEL_HOST": planned_host,
                 "VLLM_USAGE_STATS_DISABLED": "1",
                 "VLLM_NO_USAGE_STATS": "1",
                 "HF_HUB_OFFLINE": "1" if model_path.startswith("/") else "0",
@@ -161,7 +210,9 @@ def plan_engines(spec: ClusterSpec, host: str = "127.0.0.1") -> list[EngineLaunc
                 cpus, gpus = float(pool.tensor_parallel_size * pool.cpu_cores), 0.0
             else:
                 args += ["--gpu-memory-utilization", str(spec.engine.gpu_memory_utilization)]
-                cpus, gpus = 1.0, float(pool.tensor_parallel_size)
+                # vLLM's Ray executor runs the TP workers in the engine's placement group bundles.
+                args += ["--distributed-executor-backend", "ray"]
+                cpus, gpus = 0.0, float(pool.tensor_parallel_size)
             args += flag_args(spec.engine.extra_args)
             launches.append(
                 EngineLaunch(
@@ -175,6 +226,9 @@ def plan_engines(spec: ClusterSpec, host: str = "127.0.0.1") -> list[EngineLaunc
                     num_cpus=cpus,
                     num_gpus=gpus,
                     cpu_bind=bindings.get(engine_id),
+                    tp_size=pool.tensor_parallel_size,
+                    placement=engine_placement(spec, role),
+                    bind=LISTEN_ALL[0] if spec.network.listen_all else None,
                 )
             )
     return launches

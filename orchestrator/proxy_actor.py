@@ -18,6 +18,7 @@ from collections.abc import Generator
 
 import uvicorn
 
+from connectors.wire import LISTEN_ALL, http_url
 from orchestrator.logs import redirect_output
 from proxy.app import ProxyConfig, create_app
 from proxy.pool import Endpoint, EnginePool
@@ -83,10 +84,18 @@ class ProxyActor:
     async def info(self) -> dict:
         return {
             "state": self.state,
-            "url": f"http://{self.host}:{self.port}",
+            "url": http_url(self._reachable_host(), self.port),
             "pid": os.getpid(),
             "pool": self.pool.snapshot(),
         }
+
+    def _reachable_host(self) -> str:
+        """Where clients reach the proxy: its bind address, or this node's IP when it listens everywhere."""
+        if self.host not in LISTEN_ALL:
+            return self.host
+        import ray
+
+        return ray.util.get_node_ip_address()
 
     async def stop(self) -> None:
         if self._server is not None and self._task is not None:

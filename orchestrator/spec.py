@@ -25,12 +25,12 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from connectors.wire import ROLES
 from orchestrator.errors import SpecError
 from orchestrator.models import KNOWN_MODELS, model_cache_dir, resolve_model
 from proxy.auth import ENV_NAME
 from proxy.config import DEFAULT_MAX_BODY_BYTES, ProxyConfig
 from proxy.engine_client import CONNECT_TIMEOUT_S
-from proxy.pool import ROLES
 from proxy.routing import POLICIES, RoutingSettings
 
 # Connector names a spec may use, mapped to the vLLM kv_transfer_config they need.
@@ -48,6 +48,63 @@ class RaySpec(_Strict):
         "RAY_ADDRESS overrides; when neither is set pdserve starts a local Ray head.",
     )
     namespace: str = Field(default="pdserve", description="Ray namespace of the cluster's actors.")
+
+
+_DNS = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
+LABEL_KEY = rf"^({_DNS}(\.{_DNS})*/)?[A-Za-z0-9]([-A-Za-z0-9_.]{{0,61}}[A-Za-z0-9])?$"
+"""A Kubernetes-style label key, as Ray node labels take them (``pdserve.io/pool``)."""
+LabelKey = Annotated[str, Field(pattern=LABEL_KEY)]
+PG_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
+
+
+class NodeSelectorSpec(_Strict):
+    """Which Ray nodes may run a part of the cluster: all labels and resources must match."""
+
+    node_labels: dict[LabelKey, str] = Field(
+        default_factory=dict,
+        description="Ray node labels the host must carry (`ray start --labels k=v`; KubeRay: the group's labels).",
+    )
+    resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="Custom Ray resources asked for (per engine TP rank for pools; `ray start --resources`).",
+    )
+
+    @property
+    def key(self) -> tuple:
+        """Parts with the same key may land on the same hosts."""
+        return (tuple(sorted(self.node_labels.items())), tuple(sorted(self.resources.items())))
+
+    def describe(self) -> str:
+        parts = [f"{k}={v}" for k, v in sorted(self.node_labels.items())]
+        parts += [f"{k}:{v:g}" for k, v in sorted(self.resources.items())]
+        return ", ".join(parts) or "any node"
+
+
+class PlacementSpec(NodeSelectorSpec):
+    """Where a pool's engines run."""
+
+    strategy: Literal[PG_STRATEGIES] = Field(  # type: ignore[valid-type]
+        default="STRICT_PACK",
+        description="GPU engines: the Ray placement group strategy of an engine's TP-rank bundles.",
+    )
+    first_core: int = Field(
+        default=0,
+        ge=0,
+        description="CPU engines: the first core of this pool's core plan on its host (hosts that share a "
+        "machine, as the namespace test bed does, give each pool its own cores).",
+    )
+
+
+class NetworkSpec(_Strict):
+    interface: str | None = Field(
+        default=None,
+        description="Engines advertise this network interface's IPv4 address to their peers (default: their "
+        "Ray node IP).",
+    )
+    listen_all: bool = Field(
+        default=False,
+        description="Engines' HTTP servers bind 0.0.0.0 instead of the address they advertise.",
+    )
 
 
 _ROUTING = RoutingSettings()  # the defaults, said once (proxy.routing)
@@ -92,6 +149,10 @@ class ProxySpec(_Strict):
         default=CONNECT_TIMEOUT_S, gt=0, description="Upper bound on opening a connection to an engine."
     )
     routing: RoutingSpec = Field(default_factory=RoutingSpec)
+    placement: NodeSelectorSpec | None = Field(
+        default=None,
+        description="Where the proxy and the controller run (default: the Ray head node).",
+    )
     decode_only_below_tokens: int = Field(
         default=_ROUTING.decode_only_below_tokens,
         ge=0,
@@ -193,6 +254,7 @@ class PoolSpec(_Strict):
     cpu_cores: int = Field(default=1, ge=1, description="CPU cores pinned to each engine (per TP rank) on CPU.")
     port: int = Field(ge=1, le=65535, description="HTTP port of replica 0; replica i uses port+i.")
     kv_port: int = Field(ge=1, le=65535, description="KV side-channel port of replica 0; replica i uses kv_port+i.")
+    placement: PlacementSpec = Field(default_factory=PlacementSpec, description="Where this pool's engines run.")
 
     def ports(self, count: int | None = None) -> list[int]:
         """HTTP ports of the first ``count`` replicas (default: ``replicas``)."""
@@ -334,6 +396,7 @@ class ClusterSpec(_Strict):
         default=None, description="Settings of connector 'pdserve' (lease TTL, timeouts, fault injection)."
     )
     ray: RaySpec = Field(default_factory=RaySpec)
+    network: NetworkSpec = Field(default_factory=NetworkSpec)
     proxy: ProxySpec = Field(default_factory=ProxySpec)
     prefill: PoolSpec
     decode: PoolSpec
@@ -429,9 +492,25 @@ class ClusterSpec(_Strict):
 
     @property
     def cpu_cores_needed(self) -> int:
-        """Cores the CPU engines are pinned to at most, both pools: replicas x TP x cores per rank
-        (with autoscaling, of the largest split its ranges and budget allow)."""
-        return self.most_at_once({r: self.pool(r).tensor_parallel_size * self.pool(r).cpu_cores for r in ROLES})
+        """Cores the CPU engines are pinned to at most on one host: replicas x TP x cores per rank of the pools
+        that may share hosts, after their ``first_core`` (with autoscaling, of the largest split its ranges
+        and budget allow)."""
+        needed = 0
+        for roles in self.placement_domains().values():
+            per_engine = {
+                r: self.pool(r).tensor_parallel_size * self.pool(r).cpu_cores if r in roles else 0 for r in ROLES
+            }
+            first = min(self.pool(r).placement.first_core for r in roles)
+            needed = max(needed, first + self.most_at_once(per_engine))
+        return needed
+
+    def placement_domains(self) -> dict[tuple, tuple[str, ...]]:
+        """Pools grouped by where they may run: pools of one group may share hosts (and a core plan)."""
+        domains: dict[tuple, tuple[str, ...]] = {}
+        for role in ROLES:
+            key = self.pool(role).placement.key
+            domains[key] = (*domains.get(key, ()), role)
+        return domains
 
     def most_at_once(self, per_engine: dict[str, int]) -> int:
         """The most of a resource (``per_engine[role]`` each) the engines can hold at once."""
@@ -451,9 +530,9 @@ class ClusterSpec(_Strict):
             if needed > available and not self.resources.share_cores:
                 raise _FieldError(
                     "resources.cpus",
-                    f"engines need {needed} CPU cores (replicas x tensor_parallel_size x cpu_cores, "
-                    f"both pools) but only {available} are available (resources.cpus; resources.share_cores lets "
-                    "them share)",
+                    f"engines need {needed} CPU cores on one host (first_core + replicas x tensor_parallel_size x "
+                    f"cpu_cores of the pools that share hosts) but only {available} are available (resources.cpus; "
+                    "resources.share_cores lets them share)",
                 )
         else:
             for role in ROLES:

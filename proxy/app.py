@@ -60,6 +60,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
+from connectors import wire
+from connectors.wire import ROLES
 from proxy.admin import admin_router
 from proxy.auth import KeyCheck, bearer_token, load_keys
 from proxy.config import ProxyConfig
@@ -80,7 +82,7 @@ from proxy.kv_report import KVReports, kv_report
 from proxy.limits import AdmissionGate, read_body
 from proxy.load import LoadPoller
 from proxy.metrics import CONTENT_TYPE_LATEST, DEFAULT_SERVING_PATH, ProxyMetrics
-from proxy.pool import ROLES, EnginePool, EngineState
+from proxy.pool import EnginePool, EngineState
 from proxy.release import KVReleaser
 from proxy.routing import Router
 
@@ -196,7 +198,7 @@ def create_app(config: ProxyConfig, pool: EnginePool | None = None) -> FastAPI:
     ) -> Response:
         """The streamed answer. When the decode engine can say how the KV got to it (``pdserve`` connector),
         its headers wait for the first chunk (the KV is loaded by then) and carry ``X-PDServe-KV``."""
-        if engine.kv_endpoints and kv_params and "pdserve_report" in kv_params:
+        if engine.kv_endpoints and kv_params and wire.PDSERVE_REPORT in kv_params:
             try:
                 if await stream.first() is not None:
                     reports: KVReports = app.state.kv_reports

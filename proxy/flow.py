@@ -23,6 +23,7 @@ from typing import Any, Protocol
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
 
+from connectors import wire
 from proxy.engine_client import EngineClient, EngineResponse
 from proxy.errors import (
     ContextLengthExceeded,
@@ -35,14 +36,7 @@ from proxy.errors import (
 
 logger = logging.getLogger(__name__)
 
-PREFILL_KV_PARAMS = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
+PREFILL_KV_PARAMS = wire.PREFILL_REQUEST_PARAMS
 
 
 class _Request(BaseModel):
@@ -177,7 +171,7 @@ def check_context_length(body: dict[str, Any], max_model_len: int) -> None:
 
 
 def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
-    request = dict(body, max_tokens=1, stream=False, n=1, kv_transfer_params=dict(PREFILL_KV_PARAMS))
+    request = dict(body, max_tokens=1, stream=False, n=1, **{wire.KV_TRANSFER_PARAMS: dict(PREFILL_KV_PARAMS)})
     if "max_completion_tokens" in request:
         request["max_completion_tokens"] = 1
     request.pop("stream_options", None)
@@ -189,7 +183,7 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
 def decode_body(body: dict[str, Any], kv_transfer_params: dict[str, Any] | None) -> dict[str, Any]:
     request = dict(body)
     if kv_transfer_params:
-        request["kv_transfer_params"] = kv_transfer_params
+        request[wire.KV_TRANSFER_PARAMS] = kv_transfer_params
     return request
 
 
@@ -223,7 +217,7 @@ class Upstream:
         if status >= 400:
             raise EngineRejected(status, payload)
         try:
-            return orjson.loads(payload).get("kv_transfer_params")
+            return orjson.loads(payload).get(wire.KV_TRANSFER_PARAMS)
         except (orjson.JSONDecodeError, AttributeError) as e:
             raise _engine_failed(endpoint, "prefill", request_id, f"unreadable answer: {e}") from e
 

@@ -24,6 +24,7 @@ import orjson
 import zmq
 import zmq.asyncio
 
+from connectors import wire
 from proxy.release import ask
 
 __all__ = ["KVReports", "format_report", "kv_report"]
@@ -32,6 +33,7 @@ logger = logging.getLogger(__name__)
 
 REPORT_TIMEOUT_S = 0.25
 HEADER_KEYS = ("source", "bytes", "transfer_ms", "reason", "remote_engine_id")
+_REPORT_KEY = f'"{wire.PDSERVE_KV}"'.encode()
 
 
 def format_report(report: dict[str, Any]) -> str:
@@ -41,10 +43,10 @@ def format_report(report: dict[str, Any]) -> str:
 
 def kv_report(payload: bytes) -> str | None:
     """The ``X-PDServe-KV`` header value for a decode engine's JSON answer, if it reports its KV load."""
-    if b'"pdserve_kv"' not in payload:
+    if _REPORT_KEY not in payload:
         return None
     try:
-        report = orjson.loads(payload)["kv_transfer_params"]["pdserve_kv"]
+        report = orjson.loads(payload)[wire.KV_TRANSFER_PARAMS][wire.PDSERVE_KV]
     except (orjson.JSONDecodeError, KeyError, TypeError):
         return None
     return format_report(report) if isinstance(report, dict) else None
@@ -71,7 +73,7 @@ class KVReports:
 
     async def query(self, endpoints: tuple[str, ...], kv_params: dict | None, request_id: str) -> str | None:
         """The ``X-PDServe-KV`` value for a stream whose decode engine answers on ``endpoints``, or None."""
-        spec = (kv_params or {}).get("pdserve_report")
+        spec = (kv_params or {}).get(wire.PDSERVE_REPORT)
         if not endpoints or not isinstance(spec, dict) or not isinstance(message := spec.get("message"), str):
             return None
         answers = await asyncio.gather(

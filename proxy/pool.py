@@ -18,11 +18,13 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
+from connectors.wire import ROLES, TCP_ENDPOINT_PATTERN
 from proxy.errors import NoHealthyEngine, UnknownEngine
 
-ROLES = ("prefill", "decode")
-KV_ENDPOINT_PATTERN = r"^tcp://[^/\s:]+:\d{1,5}$"
-"""One TP rank's side channel of the ``pdserve`` connector: ``tcp://host:kv_port+rank``."""
+__all__ = ["KV_ENDPOINT_PATTERN", "ROLES", "Endpoint", "EnginePool", "EngineState"]
+
+KV_ENDPOINT_PATTERN = TCP_ENDPOINT_PATTERN
+"""One TP rank's side channel of the ``pdserve`` connector (``connectors.wire.side_channel_endpoint``)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,6 +19,8 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from connectors import wire
+
 logger = logging.getLogger(__name__)
 
 RELEASE_TIMEOUT_S = 2.0
@@ -47,7 +49,7 @@ class KVReleaser:
 
     def release(self, kv_params: dict[str, Any] | None, request_id: str) -> bool:
         """Start releasing the blocks ``kv_params`` name; False if they name no release endpoint."""
-        spec = (kv_params or {}).get("pdserve_release")
+        spec = (kv_params or {}).get(wire.PDSERVE_RELEASE)
         if not isinstance(spec, dict) or not spec.get("endpoints") or not isinstance(spec.get("message"), str):
             return False
         task = asyncio.get_running_loop().create_task(self._send_all(spec["endpoints"], spec["message"], request_id))

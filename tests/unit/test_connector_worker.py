@@ -29,6 +29,7 @@ from connectors.metadata import KVTransferParams, PdserveConnectorMetadata, Rece
 from connectors.nixl_transport import TransferState  # noqa: E402
 from connectors.side_channel import report_key  # noqa: E402
 from connectors.topology import KVLayout, KVTopology  # noqa: E402
+from connectors.wire import parse_tcp_endpoint  # noqa: E402
 from connectors.worker import PdserveWorker, describe_kv_cache  # noqa: E402
 
 HEAD_DIM = 8
@@ -99,8 +100,8 @@ class FakeReleases:
     def __init__(self, engine_id: str):
         self.sent: list[tuple[int, str]] = []
 
-    def release(self, host: str, port: int, request_id: str) -> None:
-        self.sent.append((port, request_id))
+    def release(self, endpoint: str, request_id: str) -> None:
+        self.sent.append((parse_tcp_endpoint(endpoint)[1], request_id))
 
     def close(self) -> None:
         pass
@@ -123,8 +124,9 @@ class FakePrefill:
     asked: list[int] = field(default_factory=list)
 
     def request_handshake(
-        self, engine_id: str, local: KVTopology, host: str, port: int, timeout_s: float
-    ) -> HandshakeResponse:
+        self, engine_id: str, local: KVTopology, endpoint: str, timeout_s: float
+    ) -> HandshakeResponse:  # noqa: E501
+        port = parse_tcp_endpoint(endpoint)[1]
         self.asked.append(port)
         heads = local.total_num_kv_heads
         remote = KVTopology(self.tp_size, port - PREFILL_PORT, heads, 16, "H2ND", HEAD_DIM, "bfloat16", NUM_LAYERS)

@@ -267,7 +267,7 @@ def test_cpu_engines_have_no_gpu_memory_flag(plan):
 # --- cuda ---------------------------------------------------------------------------------------
 
 
-def test_cuda_engines_ask_ray_for_tp_gpus_and_set_memory_utilization(plan):
+def test_cuda_engines_get_one_placement_group_bundle_per_tp_rank(plan):
     engines = plan(
         device="cuda",
         prefill={"tensor_parallel_size": 2},
@@ -276,8 +276,14 @@ def test_cuda_engines_ask_ray_for_tp_gpus_and_set_memory_utilization(plan):
     )
 
     prefill, decode = engines["prefill-0"], engines["decode-0"]
-    assert (prefill.num_gpus, prefill.num_cpus) == (2.0, 1.0)
-    assert (decode.num_gpus, decode.num_cpus) == (1.0, 1.0)
+    assert prefill.num_gpus == 2.0 and decode.num_gpus == 1.0
+    assert prefill.placement.placement_group_args() == {
+        "bundles": [{"GPU": 1.0, "CPU": 1.0}, {"GPU": 1.0, "CPU": 1.0}],
+        "strategy": "STRICT_PACK",
+    }
+    assert len(decode.placement.bundles) == 1
+    # vLLM's Ray executor puts the TP workers into those bundles: their GPUs are the bundles' own.
+    assert flag_value(prefill.vllm_args, "--distributed-executor-backend") == "ray"
     assert flag_value(prefill.vllm_args, "--gpu-memory-utilization") == "0.8"
 
 

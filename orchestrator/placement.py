@@ -1,0 +1,266 @@
+"""Where the cluster's parts run on a Ray cluster of several hosts (pure: no Ray import).
+
+- ``engine_placement(spec, role)``: what one engine of a pool asks Ray for.
+  CPU engines: an actor with ``num_cpus`` = TP x cores, the pool's node labels
+  as a Ray ``label_selector`` and its custom resources (per TP rank). GPU
+  engines: one placement group per engine, one bundle per TP rank
+  (``{"GPU": 1, "CPU": 1, **resources}``, ``STRICT_PACK`` by default, the
+  labels as each bundle's selector); vLLM's Ray executor runs the TP workers in
+  those bundles, so the CUDA devices are the bundles' own.
+- ``control_placement(spec)``: the proxy and the controller, on the Ray head
+  node unless ``proxy.placement`` says otherwise.
+- ``check_fit(spec, nodes)``: whether the alive nodes can hold the starting
+  engines and the control plane; each problem names the spec field and the
+  reason (a plan Ray cannot place would otherwise wait for ever).
+- ``host_plan(spec, nodes)``: the plan per host, for ``pdserve validate``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from connectors.wire import ROLES
+from orchestrator.spec import ClusterSpec, NodeSelectorSpec
+
+HEAD_RESOURCE = "node:__internal_head__"
+"""The resource Ray gives its head node only."""
+CONTROL_CPUS = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """What one part of the cluster asks Ray for."""
+
+    node_labels: Mapping[str, str] = field(default_factory=dict)
+    resources: Mapping[str, float] = field(default_factory=dict)
+    """Custom resources of the whole part (all its TP ranks)."""
+    num_cpus: float = 0.0
+    num_gpus: float = 0.0
+    bundles: tuple[Mapping[str, float], ...] = ()
+    """GPU engines: one bundle per TP rank, in one placement group."""
+    strategy: str = "STRICT_PACK"
+
+    def actor_options(self) -> dict[str, Any]:
+        """``ray.remote(...).options(**these)`` for a part placed without a placement group."""
+        options: dict[str, Any] = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus}
+        if self.node_labels:
+            options["label_selector"] = dict(self.node_labels)
+        if self.resources:
+            options["resources"] = dict(self.resources)
+        return options
+
+    def placement_group_args(self) -> dict[str, Any]:
+        """``ray.util.placement_group(**these)`` for a GPU engine."""
+        args: dict[str, Any] = {"bundles": [dict(b) for b in self.bundles], "strategy": self.strategy}
+        if self.node_labels:
+            args["bundle_label_selector"] = [dict(self.node_labels) for _ in self.bundles]
+        return args
+
+    def demand(self) -> dict[str, float]:
+        """Everything it takes from the nodes, as Ray resources."""
+        if self.bundles:
+            total: dict[str, float] = {}
+            for bundle in self.bundles:
+                for name, amount in bundle.items():
+                    total[name] = total.get(name, 0.0) + amount
+            return total
+        demand = {"CPU": self.num_cpus, "GPU": self.num_gpus, **self.resources}
+        return {name: amount for name, amount in demand.items() if amount}
+
+
+def engine_placement(spec: ClusterSpec, role: str) -> Placement:
+    pool = spec.pool(role)
+    tp, where = pool.tensor_parallel_size, pool.placement
+    if spec.device == "cpu":
+        return Placement(
+            node_labels=dict(where.node_labels),
+            resources={name: amount * tp for name, amount in where.resources.items()},
+            num_cpus=float(tp * pool.cpu_cores),
+        )
+    bundle = {"GPU": 1.0, "CPU": 1.0, **where.resources}
+    return Placement(
+        node_labels=dict(where.node_labels),
+        resources={name: amount * tp for name, amount in where.resources.items()},
+        bundles=tuple(dict(bundle) for _ in range(tp)),
+        strategy=where.strategy,
+    )
+
+
+def control_placement(spec: ClusterSpec) -> Placement:
+    """The controller's and the proxy's: the head node by default."""
+    where = spec.proxy.placement
+    if where is None:
+        return Placement(resources={HEAD_RESOURCE: 0.001}, num_cpus=CONTROL_CPUS)
+    return Placement(node_labels=dict(where.node_labels), resources=dict(where.resources), num_cpus=CONTROL_CPUS)
+
+
+@dataclass(frozen=True, slots=True)
+class Node:
+    """A Ray node, as ``ray.nodes()`` describes it."""
+
+    node_id: str
+    ip: str
+    labels: Mapping[str, str]
+    resources: Mapping[str, float]
+    alive: bool = True
+
+    @property
+    def is_head(self) -> bool:
+        return HEAD_RESOURCE in self.resources
+
+    @classmethod
+    def from_ray(cls, entry: Mapping[str, Any]) -> Node:
+        return cls(
+            node_id=str(entry.get("NodeID", "")),
+            ip=str(entry.get("NodeManagerAddress", "")),
+            labels=dict(entry.get("Labels") or {}),
+            resources={k: float(v) for k, v in (entry.get("Resources") or {}).items()},
+            alive=bool(entry.get("Alive", False)),
+        )
+
+
+def _matches(node: Node, placement: Placement) -> bool:
+    if any(node.labels.get(key) != value for key, value in placement.node_labels.items()):
+        return False
+    return all(name in node.resources for name in placement.demand() if name not in ("CPU", "GPU"))
+
+
+def _selector_field(spec: ClusterSpec, part: str) -> str:
+    if part == "proxy":
+        return "proxy.placement"
+    return f"{part}.placement"
+
+
+def _describe(placement: Placement, selector: NodeSelectorSpec | None) -> str:
+    if selector is None:
+        return "the Ray head node"
+    return f"nodes with {selector.describe()}"
+
+
+def _parts(spec: ClusterSpec) -> list[tuple[str, str, Placement, NodeSelectorSpec | None]]:
+    """``(part, name, placement, selector)`` of the control plane and each starting engine."""
+    parts = [("proxy", "proxy+controller", control_placement(spec), spec.proxy.placement)]
+    for role in ROLES:
+        placement = engine_placement(spec, role)
+        parts += [(role, f"{role}-{i}", placement, spec.pool(role).placement) for i in range(spec.pool(role).replicas)]
+    return parts
+
+
+def _fits_in(free: dict[str, float], demand: Mapping[str, float]) -> bool:
+    return all(free.get(name, 0.0) + 1e-9 >= amount for name, amount in demand.items())
+
+
+def _place_bundles(placement: Placement, nodes: list[Node], free: dict[str, dict[str, float]]) -> str | None:
+    """Place a GPU engine's bundles under its strategy; the node ips it took, or None when they do not fit."""
+    bundles = list(placement.bundles)
+    candidates = [n for n in nodes if _matches(n, placement)]
+    if placement.strategy == "STRICT_PACK":
+        total = placement.demand()
+        for node in candidates:
+            if _fits_in(free[node.node_id], total):
+                for name, amount in total.items():
+                    free[node.node_id][name] -= amount
+                return node.ip
+        return None
+    used: list[str] = []
+    for bundle in bundles:
+        spread = placement.strategy in ("SPREAD", "STRICT_SPREAD")
+        order = sorted(candidates, key=lambda n: n.ip in used) if spread else candidates
+        for node in order:
+            if placement.strategy == "STRICT_SPREAD" and node.ip in used:
+                continue
+            if _fits_in(free[node.node_id], bundle):
+                for name, amount in bundle.items():
+                    free[node.node_id][name] -= amount
+                used.append(node.ip)
+                break
+        else:
+            return None
+    return ",".join(dict.fromkeys(used))
+
+
+def assign(spec: ClusterSpec, nodes: Iterable[Node]) -> tuple[dict[str, str], list[str]]:
+    """First-fit the control plane and the starting engines onto the alive nodes.
+
+    Returns ``(where, problems)``: the node ip(s) of each part that fits, and one
+    ``"<field>: <reason>"`` per part that does not.
+    """
+    alive = [n for n in nodes if n.alive]
+    free = {n.node_id: dict(n.resources) for n in alive}
+    where: dict[str, str] = {}
+    problems: list[str] = []
+    for part, name, placement, selector in _parts(spec):
+        field_name = _selector_field(spec, part)
+        matching = [n for n in alive if _matches(n, placement)]
+        if not matching:
+            problems.append(
+                f"{field_name}: no alive Ray node is one of {_describe(placement, selector)} (nodes: "
+                + "; ".join(f"{n.ip} {dict(n.labels) or '{}'}" for n in alive)
+                + ")"
+            )
+            continue
+        if placement.bundles:
+            taken = _place_bundles(placement, matching, free)
+        else:
+            demand = placement.demand()
+            node = next((n for n in matching if _fits_in(free[n.node_id], demand)), None)
+            taken = None
+            if node is not None:
+                for resource, amount in demand.items():
+                    free[node.node_id][resource] -= amount
+                taken = node.ip
+        if taken is None:
+            asked = ", ".join(f"{k} {v:g}" for k, v in sorted(placement.demand().items()))
+            have = "; ".join(
+                f"{n.ip}: " + ", ".join(f"{k} {free[n.node_id].get(k, 0):g}" for k in sorted(placement.demand()))
+                for n in matching
+            )
+            how = placement.strategy if placement.bundles else "on one node"
+            among = _describe(placement, selector)
+            problems.append(f"{field_name}: {name} needs {asked} ({how}) but {among} have left {have}")
+            continue
+        where[name] = taken
+    return where, problems
+
+
+def host_plan(spec: ClusterSpec, launches: Iterable[Any], nodes: Iterable[Node] | None = None) -> list[str]:
+    """The plan per host, as ``pdserve validate`` prints it.
+
+    Without nodes (no Ray cluster to ask): per placement, the engines that go
+    there with their cores or GPUs. With nodes: which node each part lands on
+    (first fit), and the problems.
+    """
+    by_id = {launch.engine_id: launch for launch in launches}
+    lines: list[str] = []
+    if nodes is None:
+        groups: dict[str, list[str]] = {}
+        control = spec.proxy.placement.describe() if spec.proxy.placement else "Ray head node"
+        groups.setdefault(control, []).append("proxy, controller")
+        for role in ROLES:
+            where = spec.pool(role).placement.describe()
+            for launch in (v for v in by_id.values() if v.role == role):
+                groups.setdefault(where, []).append(_engine_line(spec, launch))
+        for where, items in groups.items():
+            lines.append(f"  on {where}:")
+            lines += [f"    {item}" for item in items]
+        return lines
+    where, problems = assign(spec, nodes)
+    by_host: dict[str, list[str]] = {}
+    for name, ip in where.items():
+        item = "proxy, controller" if name == "proxy+controller" else _engine_line(spec, by_id[name])
+        by_host.setdefault(ip, []).append(item)
+    for ip, items in sorted(by_host.items()):
+        lines.append(f"  host {ip}:")
+        lines += [f"    {item}" for item in items]
+    lines += [f"  cannot place: {problem}" for problem in problems]
+    return lines
+
+
+def _engine_line(spec: ClusterSpec, launch: Any) -> str:
+    starts = int(launch.engine_id.rpartition("-")[2]) < spec.pool(launch.role).replicas
+    what = f"cores {launch.cpu_bind}" if launch.cpu_bind else f"{launch.num_gpus:g} GPU(s) in one placement group"
+    return f"{launch.engine_id:<10} {what}, port {launch.port}, kv_port {launch.kv_port}" + (
+        "" if starts else " (autoscaling)"
+    )
