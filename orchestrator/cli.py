@@ -42,7 +42,7 @@ def _usage_hint(status: dict[str, Any]) -> str:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    from connectors.wire import http_url
+    from connectors.wire import url_host
     from orchestrator.launch import plan_engines
     from orchestrator.placement import host_plan
     from orchestrator.spec import ClusterSpec
@@ -59,7 +59,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     lines = host_plan(spec, engines, nodes)
     for line in lines:
         _print(line)
-    _print(f"  proxy      {http_url(spec.proxy.host, spec.proxy.port)}")
+    _print(f"  proxy      listens on {url_host(spec.proxy.host)}:{spec.proxy.port}")
     if spec.autoscaling is not None:
         from orchestrator.cluster import autoscaling_profile
 

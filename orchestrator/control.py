@@ -61,6 +61,7 @@ STATUS_FIELDS: dict[str, tuple[type, ...]] = {
     "controller": (dict,),  # pid, restarts (Ray restarts of the controller), api_url
     "pools": (dict,),  # role -> target, max, ready, draining
     "engines": (list,),  # ENGINE_FIELDS each
+    "hosts": (list,),  # HOST_FIELDS each: the Ray cluster's nodes
     "autoscaler": (dict, type(None)),  # interval_s, decisions, changes; None when off
     "events": (list,),  # {"t": unix time, "message": str}, oldest first
 }
@@ -69,12 +70,21 @@ ENGINE_FIELDS: dict[str, tuple[type, ...]] = {
     "role": (str,),  # prefill | decode
     "state": (str,),  # pending | starting | ready | draining | restarting | failed | stopped
     "url": (str,),
+    "host": (str,),  # the address other hosts reach it at ("" until it started)
+    "kv_endpoints": (list,),  # its connector's side channel, one tcp://host:port per TP rank
     "pid": (int, type(None)),
     "cpu_bind": (str, type(None)),
     "load_s": (float, int, type(None)),
     "restarts": (int,),
     "error": (str, type(None)),
     "log_path": (str,),
+}
+HOST_FIELDS: dict[str, tuple[type, ...]] = {
+    "ip": (str,),
+    "alive": (bool,),
+    "head": (bool,),
+    "labels": (dict,),  # the node's own labels (Ray's ray.io/* left out)
+    "engines": (list,),  # engine ids whose address is this host's
 }
 POOL_FIELDS: dict[str, tuple[type, ...]] = {"target": (int,), "max": (int,), "ready": (int,), "draining": (int,)}
 
@@ -88,6 +98,8 @@ def schema_problems(status: dict[str, Any]) -> list[str]:
         problems += _field_problems(f"engines.{i}.", engine, ENGINE_FIELDS)
     for role, pool in (status.get("pools") or {}).items():
         problems += _field_problems(f"pools.{role}.", pool, POOL_FIELDS)
+    for i, host in enumerate(status.get("hosts") or []):
+        problems += _field_problems(f"hosts.{i}.", host, HOST_FIELDS)
     return problems
 
 

@@ -54,7 +54,7 @@ from orchestrator.engine_metrics import fetch_metrics
 from orchestrator.errors import EngineStartError
 from orchestrator.launch import EngineLaunch, plan_engines
 from orchestrator.logs import redirect_output
-from orchestrator.placement import control_placement
+from orchestrator.placement import Node, control_placement
 from orchestrator.proxy_actor import ProxyActor
 from orchestrator.spec import ClusterSpec
 
@@ -156,6 +156,7 @@ class ClusterController:
             "log_dir": str(self.log_dir),
             "controller": {"pid": os.getpid(), "restarts": self.restarts, "api_url": self.api.url},
             "engines": [{k: v for k, v in asdict(r).items() if k != "handle"} for r in self.engines.values()],
+            "hosts": self._hosts(),
             "pools": {
                 role: {
                     "target": self.targets[role],
@@ -168,6 +169,28 @@ class ClusterController:
             "autoscaler": self.autoscaler.status() if self.autoscaler is not None else None,
             "events": self.events,
         }
+
+    def _hosts(self) -> list[dict[str, Any]]:
+        """The Ray cluster's nodes and the engines on each (a lost host shows ``alive: false``)."""
+        try:
+            nodes = [Node.from_ray(entry) for entry in ray.nodes()]
+        except Exception as e:  # noqa: BLE001 - status must answer even when the GCS does not
+            logger.warning("cannot list Ray's nodes: %s", e)
+            return []
+        latest: dict[str, Node] = {}
+        for node in nodes:  # a host that came back is a new node at the same address: show the live one
+            if node.ip not in latest or node.alive:
+                latest[node.ip] = node
+        return [
+            {
+                "ip": node.ip,
+                "alive": node.alive,
+                "head": node.is_head,
+                "labels": {k: v for k, v in node.labels.items() if not k.startswith("ray.io/")},
+                "engines": [r.engine_id for r in self.engines.values() if r.host == node.ip],
+            }
+            for node in sorted(latest.values(), key=lambda n: n.ip)
+        ]
 
     async def shutdown(self) -> None:
         self.phase = "stopping"

@@ -17,9 +17,14 @@ def test_validate_shipped_spec_prints_the_planned_engines(local_cpu_spec: Path, 
     assert lines[0] == (
         f"{local_cpu_spec}: valid: cluster 'local-cpu', model 'smollm2-135m-instruct', connector pdserve"
     )
-    assert lines[1].split() == ["prefill-0", "http://127.0.0.1:8100", "kv", "port", "5600", "cores", "0"]
-    assert lines[2].split() == ["decode-0", "http://127.0.0.1:8200", "kv", "port", "5700", "cores", "1"]
-    assert lines[3].split() == ["proxy", "http://127.0.0.1:8000"]
+    assert lines[1:7] == [
+        "  on Ray head node:",
+        "    proxy, controller",
+        "  on any node:",
+        "    prefill-0  cores 0, port 8100, kv_port 5600",
+        "    decode-0   cores 1, port 8200, kv_port 5700",
+        "  proxy      listens on 127.0.0.1:8000",
+    ]
     assert err == ""
 
 
@@ -30,7 +35,8 @@ def test_validate_lists_every_replica(write_spec, make_spec, capsys):
 
     out = capsys.readouterr().out
     assert "model 'smol'" in out
-    assert [line.split()[0] for line in out.splitlines()[1:]] == ["prefill-0", "prefill-1", "decode-0", "proxy"]
+    engines = [line.split()[0] for line in out.splitlines() if line.startswith("    ") and "port" in line]
+    assert engines == ["prefill-0", "prefill-1", "decode-0"]
 
 
 def test_validate_cuda_spec_shows_gpus_instead_of_cores(write_spec, make_spec, capsys):
@@ -39,8 +45,8 @@ def test_validate_cuda_spec_shows_gpus_instead_of_cores(write_spec, make_spec, c
     assert main(["validate", str(path)]) == 0
 
     lines = capsys.readouterr().out.splitlines()
-    assert lines[1].endswith("2 GPU(s)") and lines[1].startswith("  prefill-0")
-    assert lines[2].endswith("1 GPU(s)") and lines[2].startswith("  decode-0")
+    assert lines[4].startswith("    prefill-0  2 GPU(s) in one placement group")
+    assert lines[5].startswith("    decode-0   1 GPU(s) in one placement group")
 
 
 def test_validate_invalid_spec_exits_2_naming_file_and_field(write_spec, make_spec, capsys):

@@ -31,6 +31,8 @@ def status_document() -> dict[str, Any]:
         "role": "prefill",
         "state": "ready",
         "url": "http://127.0.0.1:8100",
+        "host": "127.0.0.1",
+        "kv_endpoints": ["tcp://127.0.0.1:5600"],
         "pid": 1234,
         "cpu_bind": "0",
         "load_s": 31.5,
@@ -52,6 +54,7 @@ def status_document() -> dict[str, Any]:
         "controller": {"pid": 99, "restarts": 0, "api_url": "http://127.0.0.1:1"},
         "pools": {"prefill": {"target": 1, "max": 1, "ready": 1, "draining": 0}},
         "engines": [engine],
+        "hosts": [{"ip": "127.0.0.1", "alive": True, "head": True, "labels": {}, "engines": ["prefill-0"]}],
         "autoscaler": None,
         "events": [{"t": 1.0, "message": "cluster ready"}],
     }
@@ -131,10 +134,12 @@ def test_schema_problems_name_the_field_and_the_type():
     del status["pools"]
     status["engines"][0]["restarts"] = "2"
     status["ready_s"] = True
+    status["hosts"][0]["alive"] = "yes"
     assert schema_problems(status) == [
         "ready_s is bool, expected float/int/NoneType",
         "pools is missing",
         "engines.0.restarts is str, expected int",
+        "hosts.0.alive is str, expected bool",
     ]
 
 
