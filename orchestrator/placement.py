@@ -127,16 +127,12 @@ def _matches(node: Node, placement: Placement) -> bool:
     return all(name in node.resources for name in placement.demand() if name not in ("CPU", "GPU"))
 
 
-def _selector_field(spec: ClusterSpec, part: str) -> str:
-    if part == "proxy":
-        return "proxy.placement"
-    return f"{part}.placement"
-
-
-def _describe(placement: Placement, selector: NodeSelectorSpec | None) -> str:
+def _describe(selector: NodeSelectorSpec | None) -> str:
+    """The nodes a part may use, in words."""
     if selector is None:
         return "the Ray head node"
-    return f"nodes with {selector.describe()}"
+    where = selector.describe()
+    return "any node" if where == "any node" else f"nodes with {where}"
 
 
 def _parts(spec: ClusterSpec) -> list[tuple[str, str, Placement, NodeSelectorSpec | None]]:
@@ -192,11 +188,10 @@ def assign(spec: ClusterSpec, nodes: Iterable[Node]) -> tuple[dict[str, str], li
     where: dict[str, str] = {}
     problems: list[str] = []
     for part, name, placement, selector in _parts(spec):
-        field_name = _selector_field(spec, part)
         matching = [n for n in alive if _matches(n, placement)]
         if not matching:
             problems.append(
-                f"{field_name}: no alive Ray node is one of {_describe(placement, selector)} (nodes: "
+                f"{part}.placement: no alive Ray node is one of {_describe(selector)} (nodes: "
                 + "; ".join(f"{n.ip} {dict(n.labels) or '{}'}" for n in alive)
                 + ")"
             )
@@ -218,8 +213,8 @@ def assign(spec: ClusterSpec, nodes: Iterable[Node]) -> tuple[dict[str, str], li
                 for n in matching
             )
             how = placement.strategy if placement.bundles else "on one node"
-            among = _describe(placement, selector)
-            problems.append(f"{field_name}: {name} needs {asked} ({how}) but {among} have left {have}")
+            among = _describe(selector)
+            problems.append(f"{part}: {name} needs {asked} ({how}) but the nodes it may use ({among}) have left {have}")
             continue
         where[name] = taken
     return where, problems

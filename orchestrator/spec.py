@@ -54,13 +54,15 @@ _DNS = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
 LABEL_KEY = rf"^({_DNS}(\.{_DNS})*/)?[A-Za-z0-9]([-A-Za-z0-9_.]{{0,61}}[A-Za-z0-9])?$"
 """A Kubernetes-style label key, as Ray node labels take them (``pdserve.io/pool``)."""
 LabelKey = Annotated[str, Field(pattern=LABEL_KEY)]
+LabelValue = Annotated[str, Field(pattern=r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$")]
+"""A Kubernetes-style label value: at most 63 of [A-Za-z0-9_.-], alphanumeric at both ends, or empty."""
 PG_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
 
 
 class NodeSelectorSpec(_Strict):
     """Which Ray nodes may run a part of the cluster: all labels and resources must match."""
 
-    node_labels: dict[LabelKey, str] = Field(
+    node_labels: dict[LabelKey, LabelValue] = Field(
         default_factory=dict,
         description="Ray node labels the host must carry (`ray start --labels k=v`; KubeRay: the group's labels).",
     )

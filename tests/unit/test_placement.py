@@ -106,9 +106,10 @@ def test_a_host_without_the_cores_its_pool_needs_names_the_field(make_spec):
     ClusterSpec.from_dict(make_spec(resources={"cpus": 3}, decode=decode))  # 1 + 2 cores fit
 
 
-def test_a_label_key_ray_would_refuse_is_refused_here(make_spec):
+@pytest.mark.parametrize("labels", [{"bad key!": "x"}, {"pdserve.io/pool": "bad value!"}, {"k": "x" * 64}])
+def test_a_label_ray_would_refuse_is_refused_here(make_spec, labels):
     with pytest.raises(SpecError, match=r"prefill\.placement\.node_labels"):
-        ClusterSpec.from_dict(make_spec(prefill={"placement": {"node_labels": {"bad key!": "x"}}}))
+        ClusterSpec.from_dict(make_spec(prefill={"placement": {"node_labels": labels}}))
 
 
 # --- fitting a plan onto the cluster's nodes ---------------------------------------------------
@@ -141,8 +142,8 @@ def test_too_few_cpus_on_the_pools_hosts_says_what_is_left(make_spec):
     where, problems = assign(spec, hosts)
     assert where["prefill-0"] == "198.18.0.11"
     assert problems == [
-        "prefill.placement: prefill-1 needs CPU 1 (on one node) but nodes with pdserve.io/pool=prefill have left "
-        "198.18.0.11: CPU 0"
+        "prefill: prefill-1 needs CPU 1 (on one node) but the nodes it may use (nodes with pdserve.io/pool=prefill) "
+        "have left 198.18.0.11: CPU 0"
     ]
 
 
@@ -160,7 +161,9 @@ def test_gpu_engines_strict_pack_on_one_node(make_spec):
     assert problems == [] and set(where.values()) == {"10.0.0.1"}
     two_small = [node("10.0.0.1", cpus=16, gpus=2, head=True), node("10.0.0.2", cpus=16, gpus=2)]
     _, problems = assign(spec, two_small)
-    assert problems[0].startswith("prefill.placement: prefill-0 needs CPU 4, GPU 4 (STRICT_PACK)")
+    assert problems[0].startswith(
+        "prefill: prefill-0 needs CPU 4, GPU 4 (STRICT_PACK) but the nodes it may use (any node)"
+    )
 
 
 def test_host_plan_without_a_cluster_groups_engines_by_placement(make_spec):
