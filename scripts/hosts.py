@@ -18,7 +18,7 @@ resource and CPU count. The root namespace reaches every host at its address thr
     python scripts/hosts.py down
 
 Defaults: hosts head, prefill, decode; 2 CPUs each; labels ``pdserve.io/host=<name>`` on every node, and
-``pdserve.io/pool=prefill|decode`` on hosts named prefill/decode (also prefill2, decode-b, ...); a custom
+``pdserve.io/pool=prefill|decode`` on hosts named prefill/decode (also prefill2, decode-b, decode_1, ...); a custom
 resource ``host:<name>: 1000`` per node. ``--labels HOST=KEY=`` (empty value) drops a default label.
 
 ``up`` is idempotent: when a bed with the same configuration is running and every node is alive in
@@ -30,8 +30,13 @@ until the next ``up`` (``PDS_HOSTS_DIR`` moves that directory).
 
 Ray runs with token auth by default (as Ray 2.60 and pdserve's own head do): a client needs
 ``RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH=/tmp/pds-hosts/auth_token`` besides ``RAY_ADDRESS``;
-``exec``/``exec_argv`` set all three. A driver (``ray.init``) must run inside a host namespace (it
-attaches to that host's raylet); from the root namespace only plain TCP reaches the hosts.
+``exec``/``exec_argv`` set all three. Run drivers (``ray.init``) inside a host namespace. Every host
+shares the machine's PID namespace and /tmp, so a driver sees every raylet and, given no IP, attaches
+to the head's: on another host say ``ray.init(_node_ip_address="198.18.0.11")``. From the root
+namespace, plain TCP reaches the hosts, and Ray Client (``ray://198.18.0.10:10001``) works.
+The GCS marks a killed host's node dead after Ray's health checks (3 s x 5 by default, ~12 s here);
+``--ray-env RAY_health_check_period_ms=1000 --ray-env RAY_health_check_failure_threshold=3`` cuts that
+to ~3 s. ``up`` and ``down`` run in the root namespace (the bridge is there); the rest anywhere.
 
 Importable (tests load it with importlib from its path): ``up``, ``down``, ``status``, ``nodes``,
 ``exec_argv``, ``client_env``, ``kill_host``, ``restart_host``, ``wait_nodes``, ``HOST_PREFIX``.
@@ -71,7 +76,7 @@ POOLS = ("prefill", "decode")
 STATE_DIR = Path(os.environ.get("PDS_HOSTS_DIR", "/tmp/pds-hosts"))
 REPO = Path(__file__).resolve().parents[1]
 NAME_RE = re.compile(r"[a-z0-9][a-z0-9_-]{0,19}")  # short: Ray's AF_UNIX socket paths live under STATE_DIR/<name>
-STOP_GRACE_S = 5.0
+STOP_GRACE_S = 3.0
 START_TIMEOUT_S = 120.0
 
 
@@ -84,7 +89,7 @@ class HostsError(RuntimeError):
 
 def default_labels(name: str) -> dict[str, str]:
     labels = {LABEL_HOST: name}
-    pool = re.match(r"(prefill|decode)(?:[-_]?[0-9a-z]*)?$", name)
+    pool = re.match(rf"({'|'.join(POOLS)})(?:[0-9]+|[-_][0-9a-z]+)?$", name)
     if pool:
         labels[LABEL_POOL] = pool.group(1)
     return labels
@@ -217,7 +222,18 @@ def namespaces() -> list[str]:
 def netns_pids(netns: str) -> list[int]:
     result = _ip("netns", "pids", netns, check=False)
     own = _own_lineage()
-    return [int(p) for p in result.stdout.split() if p.isdigit() and int(p) not in own]
+    # Not the `ip` that listed them (it is in the namespace too when this runs inside a host: gone now).
+    return [int(p) for p in result.stdout.split() if p.isdigit() and int(p) not in own and _exists(int(p))]
+
+
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _own_lineage() -> set[int]:
@@ -246,27 +262,53 @@ def _signal_all(pids: list[int], sig: int) -> None:
             os.kill(pid, sig)
 
 
-def _stop_processes(netns_list: list[str], *, grace_s: float) -> list[int]:
-    """SIGTERM every process in the namespaces, SIGKILL what is left after ``grace_s``; until they are empty.
+def _is_gcs(pid: int) -> bool:
+    return "gcs_server" in _cmdline(pid).split(" ", 1)[0]
 
-    Returns every pid signalled. A raylet may start a worker while the rest stops: the loop finds it.
+
+def _terminate(find, *, grace_s: float, signalled: set[int]) -> None:
+    """Signal what ``find()`` returns until it returns nothing: SIGTERM (once per pid), SIGKILL after
+    ``grace_s`` (at once when 0). A raylet may start a worker while the rest stops: the loop finds it."""
+    deadline = time.monotonic() + grace_s
+    give_up = deadline + 10
+    while True:
+        pids = find()
+        if not pids:
+            return
+        now = time.monotonic()
+        if now >= give_up:
+            raise HostsError(f"processes still there 10 s after SIGKILL: {pids}")
+        if now >= deadline:
+            _signal_all(pids, signal.SIGKILL)
+        else:
+            _signal_all([p for p in pids if p not in signalled], signal.SIGTERM)
+        signalled.update(pids)
+        time.sleep(0.05)
+
+
+def _stop_processes(netns_list: list[str], *, grace_s: float) -> list[int]:
+    """Stop every process in the namespaces; return the pids signalled.
+
+    With a grace period, in Ray's order: the worker nodes first (their raylets unregister from the
+    GCS), then the head's processes but the GCS, then the GCS. All at once, a SIGTERM'd raylet hangs
+    on the GCS that stops beside it, and every stop waited out the grace (5 s instead of < 1 s).
     """
     signalled: set[int] = set()
-    deadline = time.monotonic() + grace_s
-    sig = signal.SIGTERM if grace_s > 0 else signal.SIGKILL
-    for _ in range(200):
-        pids = [p for ns in netns_list for p in netns_pids(ns)]
-        if not pids:
-            return sorted(signalled)
-        if sig == signal.SIGTERM and time.monotonic() >= deadline:
-            sig = signal.SIGKILL
-        fresh = [p for p in pids if p not in signalled] if sig == signal.SIGTERM else pids
-        _signal_all(fresh, sig)
-        signalled.update(pids)
-        time.sleep(0.1)
-    left = [p for ns in netns_list for p in netns_pids(ns)]
-    if left:
-        raise HostsError(f"processes left in {netns_list} after SIGKILL: {left}")
+
+    def in_ns(names: list[str]) -> list[int]:
+        return [p for ns in names for p in netns_pids(ns)]
+
+    if grace_s > 0:
+        head_ns = [ns for ns in netns_list if any(_is_gcs(p) for p in netns_pids(ns))]
+        others = [ns for ns in netns_list if ns not in head_ns]
+        _terminate(lambda: in_ns(others), grace_s=grace_s, signalled=signalled)
+        _terminate(lambda: [p for p in in_ns(head_ns) if not _is_gcs(p)], grace_s=grace_s, signalled=signalled)
+    _terminate(lambda: in_ns(netns_list), grace_s=grace_s, signalled=signalled)
+    # Ray's daemons are children of init, which reaps them a moment later: wait for that, so that no
+    # <defunct> raylet is left for a `pgrep raylet` right after.
+    deadline = time.monotonic() + 3
+    while time.monotonic() < deadline and any(Path(f"/proc/{p}").exists() for p in signalled):
+        time.sleep(0.05)
     return sorted(signalled)
 
 
@@ -414,7 +456,10 @@ def wait_nodes(
     want = {"address": state["ray_address"], "alive": list(alive), "dead": list(dead), "exclude": list(exclude)}
     want["timeout"] = timeout_s
     argv = exec_argv(state["hosts"][0]["name"], [str(Path(state["venv_bin"]) / "python"), "-c", _NODES_SNIPPET])
-    result = _run([*argv, json.dumps(want)], check=False, timeout=timeout_s + 60, env=_ray_env(state))
+    try:
+        result = _run([*argv, json.dumps(want)], check=False, timeout=timeout_s + 60, env=_ray_env(state))
+    except subprocess.TimeoutExpired:
+        raise HostsError(f"the GCS at {state['ray_address']} did not answer in {timeout_s + 60:.0f} s") from None
     try:
         return json.loads(result.stdout.strip().splitlines()[-1])
     except (ValueError, IndexError):
@@ -477,9 +522,7 @@ def up(
         if check["ok"]:
             return info(old) | {"reused": True, "up_s": round(time.monotonic() - started, 2)}
     down()
-    if STATE_DIR.exists():
-        shutil.rmtree(STATE_DIR)  # the last bed's Ray logs
-    STATE_DIR.mkdir(parents=True, mode=0o700)
+    _clean_state_dir()
     state = {
         "config": config,
         "ray_address": f"{specs[0]['ip']}:{HEAD_PORT}",
@@ -513,6 +556,16 @@ def up(
         down()
         raise
     return info(state) | {"reused": False, "up_s": round(time.monotonic() - started, 2)}
+
+
+def _clean_state_dir() -> None:
+    """Remove what the last bed left in STATE_DIR (its token, its Ray temp dirs and logs), nothing else."""
+    STATE_DIR.mkdir(parents=True, mode=0o700, exist_ok=True)
+    for entry in STATE_DIR.iterdir():
+        if entry.name in ("state.json", "auth_token") or entry.name.endswith(".start.log"):
+            entry.unlink()
+        elif entry.is_dir() and ((entry / "session_latest").is_symlink() or (entry / "ray_current_cluster").exists()):
+            shutil.rmtree(entry)
 
 
 def down() -> dict:
@@ -621,10 +674,17 @@ def status() -> dict:
 
 
 def _check_root() -> None:
+    """Root, ``ip``, and not inside a host: the bridge and the veths are in the root namespace."""
     if os.geteuid() != 0:
         raise HostsError("network namespaces need root")
     if shutil.which("ip") is None:
         raise HostsError("`ip` (iproute2) not found")
+    here = os.stat("/proc/self/ns/net")
+    for ns in namespaces():
+        with contextlib.suppress(OSError):
+            there = os.stat(f"/run/netns/{ns}")
+            if (there.st_dev, there.st_ino) == (here.st_dev, here.st_ino):
+                raise HostsError(f"this runs inside host {ns}: run up/down from the root namespace")
 
 
 # --- CLI --------------------------------------------------------------------------------------
@@ -668,7 +728,7 @@ def main(argv: list[str] | None = None) -> int:
     p_up.add_argument("--fresh", action="store_true", help="tear down and make again even when reusable")
     p_up.add_argument("--json", nargs="?", const="-", metavar="PATH", help="write the info as JSON (- : stdout)")
     sub.add_parser("down", help="stop everything, delete namespaces, veths, bridge")
-    p_status = sub.add_parser("status")
+    p_status = sub.add_parser("status", help="namespaces, processes and GCS nodes of the bed")
     p_status.add_argument("--json", action="store_true")
     p_exec = sub.add_parser("exec", help="run a command in a host: exec HOST -- CMD...")
     p_exec.add_argument("host")
@@ -751,6 +811,8 @@ def main(argv: list[str] | None = None) -> int:
     except HostsError as e:
         print(f"hosts.py: {e}", file=sys.stderr)
         return 1
+    except BrokenPipeError:  # `hosts.py up | head -1`: the work is done, the reader went away
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
 
 
