@@ -54,7 +54,7 @@ from orchestrator.engine_metrics import fetch_metrics
 from orchestrator.errors import EngineStartError
 from orchestrator.launch import EngineLaunch, plan_engines
 from orchestrator.logs import redirect_output
-from orchestrator.placement import Node, control_placement
+from orchestrator.placement import Node, assign, control_placement
 from orchestrator.proxy_actor import ProxyActor
 from orchestrator.spec import ClusterSpec
 
@@ -454,6 +454,8 @@ class ClusterController:
                 return {
                     "error": f"{total} engines exceed autoscaling.max_engines ({self.spec.autoscaling.max_engines})"
                 }
+        if problems := self._unplaceable({**self.targets, **targets}):
+            return {"error": "the Ray cluster cannot hold that: " + "; ".join(problems)}
         plan: dict[str, dict[str, list[str]]] = {}
         for role, target in targets.items():
             self.targets[role] = target
@@ -469,6 +471,19 @@ class ClusterController:
                 self._event(f"scaling {role} {len(serving)} -> {target} ({reason})")
         self._save()
         return {"plan": plan, "targets": dict(self.targets)}
+
+    def _unplaceable(self, targets: dict[str, int]) -> list[str]:
+        """Why the alive nodes cannot hold pools of ``targets`` engines (none: they can), so that a new
+        engine never waits for a host its pool may not use or that has no room."""
+        if all(targets[role] <= self.targets[role] for role in ROLES):
+            return []  # shrinking needs no room
+        pools = {role: self.spec.pool(role).model_copy(update={"replicas": targets[role]}) for role in ROLES}
+        try:
+            nodes = [Node.from_ray(entry) for entry in ray.nodes()]
+        except Exception as e:  # noqa: BLE001 - then let Ray try
+            logger.warning("cannot list Ray's nodes to check a scale-up: %s", e)
+            return []
+        return assign(self.spec.model_copy(update=pools), nodes)[1]
 
     def _grow(self, role: str, count: int) -> list[str]:
         started = []

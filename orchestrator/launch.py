@@ -204,6 +204,7 @@ def plan_engines(spec: ClusterSpec, host: str | None = LOCAL_HOST) -> list[Engin
                 "VLLM_NO_USAGE_STATS": "1",
                 "HF_HUB_OFFLINE": "1" if model_path.startswith("/") else "0",
             }
+            env.update(spec.engine.env)
             if spec.device == "cpu":
                 env["VLLM_CPU_OMP_THREADS_BIND"] = bindings[engine_id]
                 env["VLLM_CPU_KVCACHE_SPACE"] = str(spec.engine.kv_cache_gib)

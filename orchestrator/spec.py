@@ -285,6 +285,10 @@ class EngineSpec(_Strict):
         default_factory=dict,
         description="Further vLLM server flags, e.g. {max_num_seqs: 64} -> --max-num-seqs 64.",
     )
+    env: dict[EnvName, str] = Field(
+        default_factory=dict,
+        description="Environment of every engine process, e.g. {UCX_TLS: tcp} or {UCX_NET_DEVICES: mlx5_0:1}.",
+    )
 
 
 class FaultInjectionSpec(_Strict):

@@ -336,3 +336,15 @@ def test_shared_cores_wrap_around_the_machine(plan, prefill, decode, expected):
     engines = plan(prefill=prefill, decode=decode, resources={"cpus": 2, "share_cores": True})
 
     assert {e.engine_id: e.cpu_bind for e in engines.values()} == expected
+
+
+def test_engine_env_reaches_every_engine_but_not_over_pdserves_own_settings(plan):
+    engines = plan(engine={"env": {"UCX_TLS": "tcp", "VLLM_CPU_KVCACHE_SPACE": "99"}})
+    for engine in engines.values():
+        assert engine.env["UCX_TLS"] == "tcp"
+        assert engine.env["VLLM_CPU_KVCACHE_SPACE"] == "1"
+
+
+def test_an_environment_variable_name_that_is_not_one_is_refused(make_spec):
+    with pytest.raises(SpecError, match=r"engine\.env"):
+        ClusterSpec.from_dict(make_spec(engine={"env": {"not a name": "x"}}))
