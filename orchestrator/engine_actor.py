@@ -101,6 +101,34 @@ def error_excerpt(log_text: str, exc: BaseException | None = None, max_lines: in
     return "\n".join(excerpt) or "(the engine's log holds no error line)"
 
 
+@contextlib.asynccontextmanager
+async def _engine_in_placement_group(args: Any) -> Any:
+    """vLLM's engine for a GPU engine actor: its TP workers go into this actor's placement group.
+
+    vLLM's engine core runs in a child process, where Ray's "current placement group" is unknown;
+    vLLM takes one from ``parallel_config.placement_group`` instead (as Ray Serve LLM hands it).
+    Otherwise as vLLM's own ``build_async_engine_client``.
+    """
+    import ray
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.usage.usage_lib import UsageContext
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    engine_args = AsyncEngineArgs.from_cli_args(args)
+    config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
+    config.parallel_config.placement_group = ray.util.get_current_placement_group()
+    engine = AsyncLLM.from_vllm_config(
+        vllm_config=config,
+        usage_context=UsageContext.OPENAI_API_SERVER,
+        enable_log_requests=engine_args.enable_log_requests,
+        disable_log_stats=engine_args.disable_log_stats,
+    )
+    try:
+        yield engine
+    finally:
+        engine.shutdown()
+
+
 def _node_address(interface: str | None) -> str:
     """The address other hosts reach this engine at (its Ray node IP, or ``interface``'s)."""
     import ray
@@ -188,7 +216,8 @@ class EngineActor:
         sock = listen_socket(args.host, args.port)
         self._stack = contextlib.AsyncExitStack()
         self._stack.callback(sock.close)
-        engine_client = await self._stack.enter_async_context(build_async_engine_client(args))
+        engine = _engine_in_placement_group(args) if self.launch.placement.bundles else build_async_engine_client(args)
+        engine_client = await self._stack.enter_async_context(engine)
         supported_tasks = await engine_client.get_supported_tasks()
         app = build_app(args, supported_tasks, engine_client.model_config)
         await init_app_state(engine_client, app.state, args, supported_tasks)

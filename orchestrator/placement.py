@@ -4,9 +4,10 @@
   CPU engines: an actor with ``num_cpus`` = TP x cores, the pool's node labels
   as a Ray ``label_selector`` and its custom resources (per TP rank). GPU
   engines: one placement group per engine, one bundle per TP rank
-  (``{"GPU": 1, "CPU": 1, **resources}``, ``STRICT_PACK`` by default, the
-  labels as each bundle's selector); vLLM's Ray executor runs the TP workers in
-  those bundles, so the CUDA devices are the bundles' own.
+  (``{"GPU": 1, **resources}``, as vLLM makes its own; ``STRICT_PACK`` by
+  default, the labels as each bundle's selector). The engine actor sits in
+  bundle 0 with no resources of its own and hands the group to vLLM, whose Ray
+  executor runs one TP worker per bundle: the CUDA devices are the bundles' own.
 - ``control_placement(spec)``: the proxy and the controller, on the Ray head
   node unless ``proxy.placement`` says otherwise.
 - ``check_fit(spec, nodes)``: whether the alive nodes can hold the starting
@@ -79,7 +80,7 @@ def engine_placement(spec: ClusterSpec, role: str) -> Placement:
             resources={name: amount * tp for name, amount in where.resources.items()},
             num_cpus=float(tp * pool.cpu_cores),
         )
-    bundle = {"GPU": 1.0, "CPU": 1.0, **where.resources}
+    bundle = {"GPU": 1.0, **where.resources}
     return Placement(
         node_labels=dict(where.node_labels),
         resources={name: amount * tp for name, amount in where.resources.items()},

@@ -25,7 +25,7 @@ GPU_MULTINODE = REPO_ROOT / "configs" / "gpu-multinode.yaml"
 KUBERAY = REPO_ROOT / "deploy" / "kuberay"
 PREFILL_HOST = {"pdserve.io/pool": "prefill"}
 DECODE_HOST = {"pdserve.io/pool": "decode"}
-GPU_BUNDLE = {"GPU": 1.0, "CPU": 1.0}
+GPU_BUNDLE = {"GPU": 1.0}
 
 
 def node(ip: str, labels: dict[str, str] | None = None, cpus: float = 32, gpus: float = 0, head: bool = False) -> Node:
@@ -112,7 +112,7 @@ def test_each_gpu_engine_is_one_strict_pack_placement_group_of_a_bundle_per_tp_r
             assert args["bundle_label_selector"] == [labels] * tp
         else:
             assert "bundle_label_selector" not in args
-        assert launch.placement.demand() == {"GPU": tp, "CPU": tp}
+        assert launch.placement.demand() == {"GPU": tp}
         flags = launch.vllm_args
         assert flags[flags.index("--tensor-parallel-size") + 1] == str(tp)
         assert flags[flags.index("--distributed-executor-backend") + 1] == "ray"
@@ -150,18 +150,16 @@ def test_one_node_with_too_few_gpus_names_the_pool_and_what_is_left(one_node):
     where, problems = assign(one_node, [node("10.0.0.1", cpus=64, gpus=4, head=True)])
     assert set(where) == {"proxy+controller", "prefill-0", "prefill-1"}
     assert len(problems) == 1
-    assert problems[0].startswith(
-        "decode: decode-0 needs CPU 4, GPU 4 (STRICT_PACK) but the nodes it may use (any node)"
-    )
-    assert problems[0].endswith("have left 10.0.0.1: CPU 60, GPU 0")
+    assert problems[0].startswith("decode: decode-0 needs GPU 4 (STRICT_PACK) but the nodes it may use (any node)")
+    assert problems[0].endswith("have left 10.0.0.1: GPU 0")
 
 
 def test_a_missing_decode_node_names_the_field_and_what_is_left(multinode):
     where, problems = assign(multinode, [HEAD, *PREFILL_NODES, DECODE_NODES[0]])
     assert where["decode-0"] == "10.0.2.1" and "decode-1" not in where
     assert problems == [
-        "decode: decode-1 needs CPU 8, GPU 8 (STRICT_PACK) but the nodes it may use (nodes with "
-        "pdserve.io/pool=decode) have left 10.0.2.1: CPU 24, GPU 0"
+        "decode: decode-1 needs GPU 8 (STRICT_PACK) but the nodes it may use (nodes with "
+        "pdserve.io/pool=decode) have left 10.0.2.1: GPU 0"
     ]
 
 
@@ -169,8 +167,8 @@ def test_enough_gpus_split_across_nodes_do_not_hold_a_strict_pack_engine(multino
     small = [node(f"10.0.2.{i}", DECODE_HOST, gpus=4) for i in range(1, 5)]  # 16 GPUs, but 4 per node
     _, problems = assign(multinode, [HEAD, *PREFILL_NODES, *small])
     assert [p.split(" (")[0] for p in problems] == [
-        "decode: decode-0 needs CPU 8, GPU 8",
-        "decode: decode-1 needs CPU 8, GPU 8",
+        "decode: decode-0 needs GPU 8",
+        "decode: decode-1 needs GPU 8",
     ]
     assert all("(STRICT_PACK)" in p for p in problems)
 
@@ -333,7 +331,7 @@ def test_each_pools_pods_hold_its_engines(raycluster, multinode):
         engines_per_pod = gpus // pool.tensor_parallel_size
         assert engines_per_pod * group["replicas"] >= multinode.max_replicas(role)
         assert gpus * group["replicas"] >= pool.replicas * pool.tensor_parallel_size
-        assert float(container(group)["resources"]["limits"]["cpu"]) >= gpus  # a CPU per TP-rank bundle
+        assert float(container(group)["resources"]["limits"]["cpu"]) >= gpus  # a core per TP worker process
     total = sum(gpus_per_pod(g) * g["replicas"] for g in worker_groups(raycluster).values())
     assert total == multinode.resources.gpus
     head = raycluster["spec"]["headGroupSpec"]

@@ -278,7 +278,7 @@ def test_cuda_engines_get_one_placement_group_bundle_per_tp_rank(plan):
     prefill, decode = engines["prefill-0"], engines["decode-0"]
     assert prefill.num_gpus == 2.0 and decode.num_gpus == 1.0
     assert prefill.placement.placement_group_args() == {
-        "bundles": [{"GPU": 1.0, "CPU": 1.0}, {"GPU": 1.0, "CPU": 1.0}],
+        "bundles": [{"GPU": 1.0}, {"GPU": 1.0}],
         "strategy": "STRICT_PACK",
     }
     assert len(decode.placement.bundles) == 1

@@ -161,9 +161,7 @@ def test_gpu_engines_strict_pack_on_one_node(make_spec):
     assert problems == [] and set(where.values()) == {"10.0.0.1"}
     two_small = [node("10.0.0.1", cpus=16, gpus=2, head=True), node("10.0.0.2", cpus=16, gpus=2)]
     _, problems = assign(spec, two_small)
-    assert problems[0].startswith(
-        "prefill: prefill-0 needs CPU 4, GPU 4 (STRICT_PACK) but the nodes it may use (any node)"
-    )
+    assert problems[0].startswith("prefill: prefill-0 needs GPU 4 (STRICT_PACK) but the nodes it may use (any node)")
 
 
 def test_host_plan_without_a_cluster_groups_engines_by_placement(make_spec):
