@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import importlib.util
 import json
 import os
 import statistics
@@ -40,18 +39,11 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from scripts import hosts  # noqa: E402
 from scripts.bench_latency import make_prompt  # noqa: E402
 
 PDSERVE = [sys.executable, "-m", "orchestrator.cli"]
 SPEC = ROOT / "configs" / "multi-host-cpu.yaml"
-
-
-def _hosts_module():
-    spec = importlib.util.spec_from_file_location("pdserve_hosts", ROOT / "scripts" / "hosts.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def one_host_spec(ucx_tls: str | None) -> dict:
@@ -136,7 +128,6 @@ def main() -> None:
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args()
     sizes = [int(s) for s in args.tokens.split(",")]
-    hosts = _hosts_module()
     results: dict[str, dict] = {}
     tag = int(time.time()) % 100000 * 1000
     with tempfile.TemporaryDirectory(prefix="bench-multihost-") as tmp:

@@ -101,8 +101,10 @@ def host_specs(
     cpus: int | dict[str, int] = DEFAULT_CPUS,
     labels: dict[str, dict[str, str]] | None = None,
     resources: dict[str, dict[str, float]] | None = None,
+    gpus: dict[str, int] | None = None,
 ) -> list[dict]:
-    """Each host's name, namespace, veth, IP, CPUs, labels and resources; the first one is the head.
+    """Each host's name, namespace, veth, IP, CPUs, logical GPUs, labels and resources; the first one is
+    the head. ``gpus``: Ray's ``--num-gpus`` per host (logical: for placing GPU specs, nothing runs on them).
 
     ``labels``/``resources`` are merged over the defaults per host; a label given as "" is dropped.
     """
@@ -116,9 +118,9 @@ def host_specs(
     for name in hosts:
         if not NAME_RE.fullmatch(name):
             raise HostsError(f"bad host name {name!r}: lower-case letters, digits, - and _, 20 at most")
-    labels, resources = labels or {}, resources or {}
+    labels, resources, gpus = labels or {}, resources or {}, gpus or {}
     cpus_of = cpus if isinstance(cpus, dict) else {}
-    for what, given in (("labels", labels), ("resources", resources), ("cpus", cpus_of)):
+    for what, given in (("labels", labels), ("resources", resources), ("cpus", cpus_of), ("gpus", gpus)):
         unknown = set(given) - set(hosts)
         if unknown:
             raise HostsError(f"{what} for unknown hosts {sorted(unknown)} (hosts: {hosts})")
@@ -134,6 +136,7 @@ def host_specs(
                 "veth": f"{VETH_PREFIX}{i}",
                 "ip": f"{NET}.{FIRST_HOST_OCTET + i}",
                 "num_cpus": int(cpus_of.get(name, DEFAULT_CPUS) if isinstance(cpus, dict) else cpus),
+                "num_gpus": int(gpus.get(name, 0)),
                 "labels": host_labels,
                 "resources": {f"host:{name}": HOST_RESOURCE} | resources.get(name, {}),
             }
@@ -355,7 +358,7 @@ def _ray_start_argv(state: dict, host: dict) -> list[str]:
     argv = [
         str(Path(state["venv_bin"]) / "ray"), "start",
         f"--node-ip-address={host['ip']}",
-        f"--num-cpus={host['num_cpus']}", "--num-gpus=0",
+        f"--num-cpus={host['num_cpus']}", f"--num-gpus={host.get('num_gpus', 0)}",
         f"--resources={json.dumps(host['resources'], separators=(',', ':'))}",
         f"--object-store-memory={state['object_store_mb'] * 1024 * 1024}",
         f"--temp-dir={host['temp_dir']}",
@@ -490,6 +493,7 @@ def up(
     cpus: int | dict[str, int] = DEFAULT_CPUS,
     labels: dict[str, dict[str, str]] | None = None,
     resources: dict[str, dict[str, float]] | None = None,
+    gpus: dict[str, int] | None = None,
     object_store_mb: int = DEFAULT_OBJECT_STORE_MB,
     auth: str = "token",
     ray_env: dict[str, str] | None = None,
@@ -509,7 +513,7 @@ def up(
     if bad_env:
         raise HostsError(f"ray_env takes RAY_* variables only: {bad_env}")
     _check_root()
-    specs = host_specs(hosts, cpus=cpus, labels=labels, resources=resources)
+    specs = host_specs(hosts, cpus=cpus, labels=labels, resources=resources, gpus=gpus)
     config = {
         "hosts": specs,
         "object_store_mb": int(object_store_mb),
@@ -721,6 +725,7 @@ def main(argv: list[str] | None = None) -> int:
     p_up.add_argument("--cpus", action="append", default=[], help="N for every host, or HOST=N (repeatable)")
     p_up.add_argument("--labels", "--label", action="append", default=[], metavar="HOST=KEY=VALUE")
     p_up.add_argument("--resources", "--resource", action="append", default=[], metavar="HOST=NAME=AMOUNT")
+    p_up.add_argument("--gpus", action="append", default=[], metavar="HOST=N", help="logical GPUs of a host")
     p_up.add_argument("--object-store-mb", type=int, default=DEFAULT_OBJECT_STORE_MB)
     p_up.add_argument("--auth", choices=("token", "disabled"), default="token")
     p_up.add_argument("--ray-env", action="append", default=[], metavar="RAY_X=VALUE")
@@ -758,9 +763,11 @@ def main(argv: list[str] | None = None) -> int:
             for host, key, value in _pairs(args.resources, "--resources", 3):
                 resources.setdefault(host, {})[key] = float(value)
             ray_env = {k: v for k, v in _pairs(args.ray_env, "--ray-env", 2)}
+            gpus = {host: int(count) for host, count in _pairs(args.gpus, "--gpus", 2)}
             data = up(
                 hosts,
                 cpus=cpus,
+                gpus=gpus,
                 labels=labels,
                 resources=resources,
                 object_store_mb=args.object_store_mb,

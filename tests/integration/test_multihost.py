@@ -9,12 +9,10 @@ fail fast (no hang) while `pdserve status` names the lost host, and the service 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from scripts import hosts
 from tests.integration.conftest import CLI_TIMEOUT_S, PDSERVE, UP_TIMEOUT_S, http_json, kv_report
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,17 +34,6 @@ pytestmark = [
     pytest.mark.after_cluster,  # its engines need the machine's cores: after the shared cluster is gone
     pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None, reason="needs root and iproute2"),
 ]
-
-
-def _load_hosts():
-    spec = importlib.util.spec_from_file_location("pdserve_hosts", ROOT / "scripts" / "hosts.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-hosts = _load_hosts()
 
 
 class MultiHost:
