@@ -76,7 +76,7 @@ def test_gpu_configs_validate_on_logical_gpus(gpu_bed, tmp_path):
     one_node = run_in_head([*PDSERVE, "validate", "configs/gpu-1node.yaml", "--ray-address", HEAD])
     assert one_node.returncode == 0, one_node.stdout + one_node.stderr
     too_wide = yaml.safe_load((ROOT / "configs" / "gpu-multinode.yaml").read_text())
-    too_wide["decode"]["tensor_parallel_size"] = 16  # more GPUs than any one decode host has
+    too_wide["decode"] |= {"replicas": 1, "tensor_parallel_size": 16}  # more GPUs than one decode host has
     path = tmp_path / "too-wide.yaml"
     path.write_text(yaml.safe_dump(too_wide))
     result = run_in_head([*PDSERVE, "validate", str(path), "--ray-address", HEAD])

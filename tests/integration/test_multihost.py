@@ -62,15 +62,31 @@ class MultiHost:
         return next(h for h in self.status["hosts"] if h["ip"] == ip)
 
 
+def scalable_spec() -> dict:
+    """configs/multi-host-cpu.yaml with room to scale by hand (no autoscaler decisions: no profile)."""
+    spec = yaml.safe_load(SPEC.read_text())
+    return spec | {
+        "resources": spec["resources"] | {"share_cores": True},
+        "autoscaling": {
+            "prefill": {"min": 1, "max": 2},
+            "decode": {"min": 1, "max": 3},  # the decode host's Ray node has 2 CPUs: a third engine cannot fit
+            "max_engines": 5,
+            "targets": {"ttft_p90_s": 30, "itl_p90_s": 5},
+        },
+    }
+
+
 @pytest.fixture(scope="module")
 def multihost(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MultiHost]:
     root = tmp_path_factory.mktemp("multihost")
     # Ray notices a lost host within ~3 s instead of ~30 s (the host-loss test waits for it).
     hosts.up(HOSTS, ray_env={"RAY_health_check_period_ms": "1000", "RAY_health_check_failure_threshold": "3"})
     cluster = MultiHost(root)
+    spec_path = root / "cluster.yaml"
+    spec_path.write_text(yaml.safe_dump(scalable_spec()))
     try:
         started = time.monotonic()
-        up = cluster.pdserve("up", str(SPEC), "--detach", timeout=UP_TIMEOUT_S)
+        up = cluster.pdserve("up", str(spec_path), "--detach", timeout=UP_TIMEOUT_S)
         assert up.returncode == 0, f"pdserve up on three hosts failed:\n{up.stdout}\n{up.stderr}"
         print(f"pdserve up on three hosts: ready in {time.monotonic() - started:.1f} s")
         cluster.refresh()
@@ -128,6 +144,28 @@ def test_kv_crosses_hosts_and_answers_equal_the_decode_engine_alone(multihost):
         assert body["choices"][0]["message"]["content"] == alone["choices"][0]["message"]["content"]
     sent = veth_bytes("prefill")[0] - sent_before
     assert moved > 0 and sent >= moved, f"the prefill host sent {sent} bytes, the KV reports say {moved}"
+
+
+def test_scaling_places_new_engines_on_their_pools_hosts(multihost):
+    refused = multihost.pdserve("scale", "decode=3", host=None)
+    assert refused.returncode == 1
+    assert "cannot hold that: decode: decode-2 needs CPU 1" in refused.stderr
+    assert f"{IPS['decode']}: CPU 0" in refused.stderr
+    grown = multihost.pdserve("scale", "prefill=2", host=None, timeout=900)
+    assert grown.returncode == 0, grown.stdout + grown.stderr
+    multihost.refresh()
+    assert multihost.engine("prefill-1")["host"] == IPS["prefill"]
+    assert multihost.engine("prefill-1")["url"] == f"http://{IPS['prefill']}:8101"
+    reports = set()
+    for prompt in PROMPTS[:2]:  # round robin: one request each
+        code, body, headers = chat(multihost.status["proxy_url"], prompt)
+        assert code == 200, body
+        reports.add((kv_report(headers)["source"], kv_report(headers)["remote_engine_id"]))
+    assert reports == {("transfer", "prefill-0"), ("transfer", "prefill-1")}
+    shrunk = multihost.pdserve("scale", "prefill=1", host=None, timeout=900)
+    assert shrunk.returncode == 0, shrunk.stdout + shrunk.stderr
+    assert "prefill-1 stopped" in shrunk.stdout
+    assert {e["engine_id"] for e in multihost.refresh()["engines"]} == {"prefill-0", "decode-0"}
 
 
 def test_losing_the_decode_host_fails_fast_and_the_service_returns_with_it(multihost):
