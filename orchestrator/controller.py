@@ -579,6 +579,12 @@ class ClusterController:
                 record.state, record.error = "failed", f"actor died for good: {e}"
                 self._event(f"{record.engine_id} is gone: Ray will not restart it again")
             return
+        if info["state"] == "ready" and record.state == "restarting":  # it was only slow to answer
+            record.state = "ready"
+            _take_info(record, info)
+            self._event(f"{record.engine_id} answers again; back in the pool")
+            await self._publish(record.role)
+            return
         if info["state"] == "idle":  # Ray restarted the actor: start vLLM in it again
             # Ray may bring the actor back before a probe ever failed: the old
             # engine's URL must leave the pool before the slow start begins.

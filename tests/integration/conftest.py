@@ -97,6 +97,24 @@ def cluster(request: pytest.FixtureRequest, pdserve_env: dict[str, str], state_d
         running.down()
 
 
+# The GCS notices a lost host after period x threshold (Ray's defaults: 3 s x 5, ~12 s here).
+FAST_HEALTH_CHECKS = {"RAY_health_check_period_ms": "1000", "RAY_health_check_failure_threshold": "3"}
+THREE_HOSTS = ("head", "prefill", "decode")
+
+
+@pytest.fixture(scope="session")
+def three_hosts() -> Iterator[dict]:
+    """The multi-host test bed (scripts/hosts.py): head, prefill and decode namespace hosts, a Ray node
+    each; shared by the tests that use it (they run last, ``tests/conftest.py``), always torn down."""
+    from scripts import hosts
+
+    try:
+        yield hosts.up(THREE_HOSTS, ray_env=FAST_HEALTH_CHECKS, fresh=True, timeout_s=180)
+    finally:
+        hosts.down()
+    assert not hosts.namespaces()
+
+
 @contextlib.contextmanager
 def own_cluster(root: Path, spec: dict) -> Iterator[dict]:
     """A cluster of a test module's own: ``pdserve up --detach`` on ``spec`` in a private

@@ -1,39 +1,28 @@
 """The multi-host test bed of ``scripts/hosts.py``: three network namespaces on a bridge, one Ray node each.
 
-Brings the bed up (``up(fresh=True)``: a bed left running on this machine is replaced), checks from a
+On the suite's shared bed (fixture ``three_hosts``: ``up(fresh=True)`` replaces a bed left running), checks from a
 driver in the head's namespace that every node has its own IP and labels and that actors placed by
 ``label_selector`` run on the right host (in its namespace), then loses a host (``kill_host``) and
 brings it back (``restart_host``): the old node dead, a new one alive at the same IP with the same
-labels, and serving. ``down`` always follows, and nothing of the bed may be left.
+labels, and serving. And a bed of its own, taken down: nothing of it may be left.
 
 Needs root and iproute2 (network namespaces); ~35 s on a 2-core machine, most of it Ray starting.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-HOSTS_PY = Path(__file__).resolve().parents[2] / "scripts" / "hosts.py"
-
-
-def _load_hosts():
-    spec = importlib.util.spec_from_file_location("pdserve_test_hosts", HOSTS_PY)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-hosts = _load_hosts()
+from scripts import hosts
+from tests.integration.conftest import FAST_HEALTH_CHECKS, THREE_HOSTS
 
 pytestmark = [
     pytest.mark.integration,
@@ -45,10 +34,8 @@ pytestmark = [
     ),
 ]
 
-HOST_NAMES = ("head", "prefill", "decode")
+HOST_NAMES = THREE_HOSTS
 IPS = {"head": "198.18.0.10", "prefill": "198.18.0.11", "decode": "198.18.0.12"}
-# The GCS notices a lost node after period x threshold (Ray's defaults: 3 s x 5, ~12 s here).
-FAST_HEALTH_CHECKS = {"RAY_health_check_period_ms": "1000", "RAY_health_check_failure_threshold": "3"}
 
 # A driver in a host: where actors placed by label / host resource run (IP, node, network namespace).
 PROBE = """
@@ -113,12 +100,15 @@ def bed_left() -> dict:
 
 
 @pytest.fixture(scope="module")
-def bed() -> Iterator[dict]:
-    try:
-        yield hosts.up(HOST_NAMES, ray_env=FAST_HEALTH_CHECKS, fresh=True, timeout_s=180)
-    finally:
-        hosts.down()
-        assert bed_left() == {"namespaces": [], "bridge": False, "ray_processes": []}
+def bed(three_hosts: dict) -> dict:
+    return three_hosts
+
+
+def test_down_leaves_nothing_of_a_bed() -> None:
+    made = hosts.up(("solo",), fresh=True, timeout_s=120)
+    assert made["hosts"]["solo"]["ip"] == "198.18.0.10"
+    hosts.down()
+    assert bed_left() == {"namespaces": [], "bridge": False, "ray_processes": []}
 
 
 def test_nodes_have_their_own_ip_labels_and_namespace(bed: dict) -> None:

@@ -77,10 +77,8 @@ def scalable_spec() -> dict:
 
 
 @pytest.fixture(scope="module")
-def multihost(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MultiHost]:
+def multihost(three_hosts: dict, tmp_path_factory: pytest.TempPathFactory) -> Iterator[MultiHost]:
     root = tmp_path_factory.mktemp("multihost")
-    # Ray notices a lost host within ~3 s instead of ~30 s (the host-loss test waits for it).
-    hosts.up(HOSTS, ray_env={"RAY_health_check_period_ms": "1000", "RAY_health_check_failure_threshold": "3"})
     cluster = MultiHost(root)
     spec_path = root / "cluster.yaml"
     spec_path.write_text(yaml.safe_dump(scalable_spec()))
@@ -93,9 +91,7 @@ def multihost(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MultiHost]:
         yield cluster
     finally:
         down = cluster.pdserve("down", timeout=300)
-        hosts.down()
         assert down.returncode == 0, down.stderr
-    assert not hosts.namespaces()
 
 
 def chat(url: str, prompt: str, timeout: float = 120) -> tuple[int, dict, dict]:
@@ -156,12 +152,20 @@ def test_scaling_places_new_engines_on_their_pools_hosts(multihost):
     multihost.refresh()
     assert multihost.engine("prefill-1")["host"] == IPS["prefill"]
     assert multihost.engine("prefill-1")["url"] == f"http://{IPS['prefill']}:8101"
-    reports = set()
-    for prompt in PROMPTS[:2]:  # round robin: one request each
-        code, body, headers = chat(multihost.status["proxy_url"], prompt)
+    # Round robin reaches the new engine, and its KV crosses to the decode host. (On this oversubscribed
+    # machine a first handshake with a just-started engine can time out: the prompt is then recomputed
+    # and the next request handshakes again.)
+    transfers, answers = set(), []
+    for n in range(8):
+        code, body, headers = chat(multihost.status["proxy_url"], f"Say the number {n}.")
         assert code == 200, body
-        reports.add((kv_report(headers)["source"], kv_report(headers)["remote_engine_id"]))
-    assert reports == {("transfer", "prefill-0"), ("transfer", "prefill-1")}
+        report = kv_report(headers)
+        answers.append(report)
+        if report["source"] == "transfer":
+            transfers.add(report["remote_engine_id"])
+        if transfers == {"prefill-0", "prefill-1"}:
+            break
+    assert transfers == {"prefill-0", "prefill-1"}, answers
     shrunk = multihost.pdserve("scale", "prefill=1", host=None, timeout=900)
     assert shrunk.returncode == 0, shrunk.stdout + shrunk.stderr
     assert "prefill-1 stopped" in shrunk.stdout
