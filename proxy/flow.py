@@ -74,6 +74,13 @@ def parse_request(raw: bytes, kind: str, model_name: str) -> dict[str, Any]:
         raise InvalidRequest("request body must be a JSON object")
     if not _plainly_valid(body, kind):
         _validate(body, kind)
+    if wire.KV_TRANSFER_PARAMS in body:
+        # Only what a prefill engine of the cluster issued may reach a decode engine: a client's own
+        # would make a decode engine connect where the client says and read what it names.
+        raise InvalidRequest(
+            f"{wire.KV_TRANSFER_PARAMS} is set by pdserve between its engines, never by a client; remove it",
+            param=wire.KV_TRANSFER_PARAMS,
+        )
     if body["model"] != model_name:
         raise ModelNotFound(
             f"The model `{body['model']}` does not exist; this server serves `{model_name}`", param="model"
@@ -181,7 +188,10 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
 
 
 def decode_body(body: dict[str, Any], kv_transfer_params: dict[str, Any] | None) -> dict[str, Any]:
+    """The decode leg: the client's request with the prefill engine's ``kv_transfer_params`` (none: the
+    decode engine computes the prompt). A client's own field never gets here (``parse_request``)."""
     request = dict(body)
+    request.pop(wire.KV_TRANSFER_PARAMS, None)
     if kv_transfer_params:
         request[wire.KV_TRANSFER_PARAMS] = kv_transfer_params
     return request

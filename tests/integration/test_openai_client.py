@@ -86,3 +86,12 @@ def test_errors_are_the_clients_exceptions(client: openai.OpenAI) -> None:
         client.completions.create(model=MODEL, prompt="hi " * 5000, max_tokens=4)
     assert "context" in too_long.value.message.lower()
     assert [m.id for m in client.models.list()] == [MODEL]
+
+
+def test_a_client_cannot_tell_the_engines_where_to_read_kv(client: openai.OpenAI) -> None:
+    # vLLM's connectors take kv_transfer_params from the request: through the proxy, only a prefill
+    # engine of the cluster sets them.
+    forged = {"do_remote_prefill": True, "remote_host": "198.18.0.99", "remote_port": 5600, "remote_block_ids": [0]}
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=MODEL, messages=QUESTION, extra_body={"kv_transfer_params": forged})
+    assert refused.value.param == "kv_transfer_params"

@@ -70,6 +70,22 @@ def test_decode_body_without_kv_transfer_params_is_the_clients_request(kv_params
 # --- proxy.flow: validation -------------------------------------------------------------
 
 
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+def test_a_clients_kv_transfer_params_are_refused_naming_the_field(kind):
+    body = (CHAT if kind == "chat" else COMPLETION) | {
+        "kv_transfer_params": {"do_remote_prefill": True, "remote_host": "10.0.0.9", "remote_port": 5600}
+    }
+    with pytest.raises(InvalidRequest, match="set by pdserve between its engines, never by a client") as caught:
+        parse_request(orjson.dumps(body), kind, PROXY_MODEL)
+    assert caught.value.param == "kv_transfer_params"
+
+
+def test_decode_body_never_carries_anything_but_the_prefills_params():
+    body = CHAT | {"kv_transfer_params": {"remote_host": "10.0.0.9"}}
+    assert "kv_transfer_params" not in decode_body(body, None)
+    assert decode_body(body, {"remote_host": "198.18.0.11"})["kv_transfer_params"] == {"remote_host": "198.18.0.11"}
+
+
 def test_parse_request_returns_the_body_with_unknown_fields_kept():
     sent = CHAT | {"temperature": 0.1, "ignore_eos": True, "chat_template_kwargs": {"x": 1}}
     assert parse_request(orjson.dumps(sent), "chat", PROXY_MODEL) == sent

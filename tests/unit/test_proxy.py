@@ -397,6 +397,18 @@ async def test_invalid_request_is_400_naming_the_parameter(client, path, sent, p
     assert prefill_engine.requests == []
 
 
+@pytest.mark.parametrize("path", [CHAT_PATH, COMPLETION_PATH])
+async def test_a_client_cannot_send_kv_transfer_params_to_an_engine(client, path, prefill_engine, decode_engine):
+    body = (CHAT if path == CHAT_PATH else COMPLETION) | {
+        "kv_transfer_params": {"do_remote_prefill": True, "remote_host": "10.0.0.9", "remote_block_ids": [1]}
+    }
+    response = await client.post(path, json=body)
+
+    error = assert_openai_error(response, 400, error_type="invalid_request_error", param="kv_transfer_params")
+    assert "never by a client" in error["message"]
+    assert prefill_engine.requests == [] and decode_engine.requests == []
+
+
 async def test_unknown_model_is_404_model_not_found(client, prefill_engine):
     response = await client.post(CHAT_PATH, json=CHAT | {"model": "gpt-4"})
 
