@@ -176,6 +176,11 @@ class ProxySpec(_Strict):
         ge=0,
         description="A prefill that fails (connection, timeout, 5xx) is tried on up to this many other engines.",
     )
+    degrade: bool = Field(
+        default=_ROUTING.degrade,
+        description="When no prefill engine can take a request (none ready, or every prefill failed), serve it "
+        "decode-only; when no decode engine exists, on a prefill engine alone. 503 only when no engine can.",
+    )
     health_interval_s: float = Field(
         default=_ROUTING.health_interval_s,
         ge=0,
@@ -211,6 +216,7 @@ class ProxySpec(_Strict):
             decode_only_if_cached=self.decode_only_if_cached,
             decode_only_cached_fraction=self.decode_only_cached_fraction,
             prefill_retries=self.prefill_retries,
+            degrade=self.degrade,
             health_interval_s=self.health_interval_s,
             health_timeout_s=self.health_timeout_s,
             unhealthy_after=self.unhealthy_after,

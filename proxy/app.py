@@ -84,13 +84,13 @@ from proxy.load import LoadPoller
 from proxy.metrics import CONTENT_TYPE_LATEST, DEFAULT_SERVING_PATH, ProxyMetrics
 from proxy.pool import EnginePool, EngineState
 from proxy.release import KVReleaser
-from proxy.routing import Router
+from proxy.routing import DEGRADED_REASONS, NO_DECODE_ENGINE, PREFILL_FAILED, Router
 
-__all__ = ["DECODE_ONLY", "DISAGGREGATED", "ProxyConfig", "create_app"]
+__all__ = ["DECODE_ONLY", "DISAGGREGATED", "PREFILL_ONLY", "ProxyConfig", "create_app"]
 
 logger = logging.getLogger(__name__)
 
-DISAGGREGATED, DECODE_ONLY = "disaggregated", "decode-only"
+DISAGGREGATED, DECODE_ONLY, PREFILL_ONLY = "disaggregated", "decode-only", "prefill-only"
 """The values of ``X-PDServe-Path`` and ``request.state.serving_path``."""
 
 
@@ -257,10 +257,15 @@ def create_app(config: ProxyConfig, pool: EnginePool | None = None) -> FastAPI:
                 await gate.enter()
             slot_handed_on = False
             try:
-                prefill_engine, decode_engine, prefix = router.route(body, kind)
-                path = DECODE_ONLY if prefill_engine is None else DISAGGREGATED
+                prefill_engine, decode_engine, prefix, reason = router.route(body, kind)
+                if prefill_engine is not None:
+                    path = DISAGGREGATED
+                else:
+                    path = PREFILL_ONLY if reason == NO_DECODE_ENGINE else DECODE_ONLY
+                    if reason in DEGRADED_REASONS:
+                        metrics.degraded.labels(reason).inc()
                 request.state.serving_path = path
-                reply_headers["X-PDServe-Path"] = path
+                reply_headers["X-PDServe-Path"] = _path_header(path, reason)
                 reply_headers["X-PDServe-Decode"] = decode_engine.engine_id
                 # identity: answers are relayed byte for byte, so they must not come compressed.
                 headers = {"Content-Type": "application/json", "X-Request-Id": request_id}
@@ -270,10 +275,23 @@ def create_app(config: ProxyConfig, pool: EnginePool | None = None) -> FastAPI:
                 kv_params = None
                 prefill_started = time.perf_counter()
                 if prefill_engine is not None:
-                    kv_params = await prefill(
-                        upstream, prefill_engine, prefix, route, body, headers, request_id, reply_headers
-                    )
-                    if not kv_params:
+                    try:
+                        kv_params = await prefill(
+                            upstream, prefill_engine, prefix, route, body, headers, request_id, reply_headers
+                        )
+                    except UpstreamFailed as failure:
+                        if not config.routing.degrade:
+                            raise
+                        # Every prefill engine tried failed: the decode engine computes the prompt itself.
+                        logger.warning(
+                            "request %s: no prefill engine could take it (%s); serving it decode-only on %s",
+                            request_id, failure.message, decode_engine.engine_id,
+                        )  # fmt: skip
+                        metrics.degraded.labels(PREFILL_FAILED).inc()
+                        request.state.serving_path = DECODE_ONLY
+                        reply_headers["X-PDServe-Path"] = _path_header(DECODE_ONLY, PREFILL_FAILED)
+                        kv_params = None
+                    if not kv_params and request.state.serving_path == DISAGGREGATED:
                         logger.warning(
                             "request %s: prefill engine %s returned no kv_transfer_params; decode engine %s "
                             "will compute the prompt itself",
@@ -357,6 +375,11 @@ def create_app(config: ProxyConfig, pool: EnginePool | None = None) -> FastAPI:
         app.include_router(admin_router(pool, admin_keys))
 
     return app
+
+
+def _path_header(path: str, reason: str | None) -> str:
+    """``X-PDServe-Path``: ``disaggregated``, or ``decode-only; reason=...`` / ``prefill-only; reason=...``."""
+    return f"{path}; reason={reason}" if reason else path
 
 
 def serving_path(request: Request) -> str:

@@ -74,6 +74,13 @@ class ProxyMetrics:
             buckets=E2E_BUCKETS,
             registry=self.registry,
         )
+        self.degraded = Counter(
+            "pdserve_proxy_degraded_requests",
+            "Requests served by one engine alone because a pool could not take them, by reason "
+            "(no-prefill-engine, prefill-failed: decode-only; no-decode-engine: on a prefill engine).",
+            ("reason",),
+            registry=self.registry,
+        )
         self.registry.register(_EngineInFlight(pool))
         self._counters: dict[tuple[str, int, str], Any] = {}
 

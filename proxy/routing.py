@@ -33,7 +33,7 @@ import itertools
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import orjson
 
@@ -65,6 +65,9 @@ class RoutingSettings:
     """With ``decode_only_if_cached``: the share of the prompt's blocks the decode engine must have been sent."""
     prefill_retries: int = 1
     """A failed prefill (connection, timeout, 5xx) is tried again on this many other prefill engines."""
+    degrade: bool = True
+    """When one pool has no engine that can take a request (empty, all ejected or draining; or every
+    prefill failed), serve it on an engine of the other pool alone instead of failing with 503."""
     health_interval_s: float = 2.0
     """Seconds between ``/health`` probes of every engine; 0 turns health checking (and ejection) off."""
     health_timeout_s: float = 1.0
@@ -219,6 +222,22 @@ def make_policy(name: str, settings: RoutingSettings) -> RoundRobin | LeastLoade
 # --- the router -----------------------------------------------------------------------------
 
 
+# Why a request is not disaggregated (``Route.reason``; the ``X-PDServe-Path`` header says it).
+SHORT_PROMPT, CACHED = "short-prompt", "cached"
+NO_PREFILL_ENGINE, NO_DECODE_ENGINE, PREFILL_FAILED = "no-prefill-engine", "no-decode-engine", "prefill-failed"
+DEGRADED_REASONS = (NO_PREFILL_ENGINE, NO_DECODE_ENGINE, PREFILL_FAILED)
+
+
+class Route(NamedTuple):
+    """A request's engines: ``prefill`` None to serve it on ``decode`` alone (then ``reason`` says why;
+    with ``NO_DECODE_ENGINE`` the engine that serves it whole is a prefill engine)."""
+
+    prefill: EngineState | None
+    decode: EngineState
+    prefix: tuple[int, ...]
+    reason: str | None = None
+
+
 class Router:
     """A request's engines: ``route`` picks (prefill or None for decode-only, decode); ``retry_prefill`` another."""
 
@@ -237,13 +256,16 @@ class Router:
         self._decode_only_below = settings.decode_only_below_tokens
         self._cached_fraction = settings.decode_only_cached_fraction
 
-    def route(self, body: dict[str, Any], kind: str) -> tuple[EngineState | None, EngineState, tuple[int, ...]]:
-        """(prefill engine, or None to serve decode-only; decode engine; the prompt's prefix hashes)."""
+    def route(self, body: dict[str, Any], kind: str) -> Route:
+        """The request's engines (``Route``). With ``degrade``, a pool without a ready engine is skipped:
+        the other pool's engine serves the request alone; ``NoHealthyEngine`` only when neither can."""
         prefix = (
             prefix_hashes(body, kind, self.settings.prefix_block_chars, self.settings.prefix_max_blocks)
             if self._uses_prefix
             else ()
         )
+        if self.settings.degrade and not self.pool.ready("decode"):
+            return Route(None, self.prefill_policy.pick(self._ready("prefill"), prefix), prefix, NO_DECODE_ENGINE)
         if self.decode_index is None:
             decode = self.decode_policy.pick(self._ready("decode"), prefix)
         else:
@@ -254,10 +276,12 @@ class Router:
                 sent = self.decode_index.blocks_sent(prefix, decode.engine_id)
                 self.decode_index.record(prefix, decode.engine_id)
                 if self.settings.decode_only_if_cached and sent >= self._cached_fraction * len(prefix):
-                    return None, decode, prefix
+                    return Route(None, decode, prefix, CACHED)
         if self._decode_only_below and estimate_prompt_tokens(body, kind) < self._decode_only_below:
-            return None, decode, prefix
-        return self.prefill_policy.pick(self._ready("prefill"), prefix), decode, prefix
+            return Route(None, decode, prefix, SHORT_PROMPT)
+        if self.settings.degrade and not self.pool.ready("prefill"):
+            return Route(None, decode, prefix, NO_PREFILL_ENGINE)
+        return Route(self.prefill_policy.pick(self._ready("prefill"), prefix), decode, prefix)
 
     def retry_prefill(self, prefix: tuple[int, ...], tried: Sequence[EngineState]) -> EngineState | None:
         """A ready prefill engine not in ``tried``, or None."""

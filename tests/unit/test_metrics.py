@@ -72,7 +72,7 @@ async def test_serving_path_label_comes_from_the_router(make_proxy):
     server = await make_proxy(decode_only_below_tokens=10_000)  # every prompt here is shorter: decode-only
     async with httpx.AsyncClient(base_url=server.url) as client:
         response = await client.post(CHAT_PATH, json=CHAT)
-        assert response.status_code == 200 and response.headers["x-pdserve-path"] == "decode-only"
+        assert response.status_code == 200 and response.headers["x-pdserve-path"] == "decode-only; reason=short-prompt"
         samples = await scrape(client)
 
     assert samples[requests_total(CHAT_PATH, "200", "decode-only")] == 1

@@ -122,7 +122,6 @@ async def test_prefill_asks_for_one_token_and_remote_decode(client, path, prefil
         "n": 2,
         "stream": True,
         "stream_options": {"include_usage": True},
-        "kv_transfer_params": {"do_remote_decode": False},  # the client's own: overridden
     }
     async with client.stream("POST", path, json=sent) as response:
         await response.aread()
@@ -322,9 +321,13 @@ async def test_round_robin_alternates_between_two_engines(client, pool, make_eng
 
 
 @both_roles
-async def test_empty_pool_is_503_with_retry_after(client, pool, prefill_engine, decode_engine, role):
+async def test_empty_pool_is_503_with_retry_after_when_degrading_is_off(
+    make_proxy, pool, prefill_engine, decode_engine, role
+):
+    proxy = await make_proxy(degrade=False)
     pool.set_endpoints(role, [])
-    response = await client.post(CHAT_PATH, json=CHAT)
+    async with httpx.AsyncClient(base_url=proxy.url) as client:
+        response = await client.post(CHAT_PATH, json=CHAT)
 
     error = assert_openai_error(response, 503, error_type="service_unavailable", code="no_healthy_engine")
     assert role in error["message"]
@@ -333,12 +336,46 @@ async def test_empty_pool_is_503_with_retry_after(client, pool, prefill_engine, 
     assert prefill_engine.requests == [] and decode_engine.requests == []
 
 
+async def test_no_engine_at_all_is_503(client, pool, prefill_engine, decode_engine):
+    pool.set_endpoints("prefill", [])
+    pool.set_endpoints("decode", [])
+    response = await client.post(CHAT_PATH, json=CHAT)
+    assert_openai_error(response, 503, error_type="service_unavailable", code="no_healthy_engine")
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+async def test_an_empty_prefill_pool_degrades_to_decode_only_and_says_so(
+    client, pool, prefill_engine, decode_engine, stream
+):
+    pool.set_endpoints("prefill", [])
+    async with client.stream("POST", CHAT_PATH, json=CHAT | {"stream": stream}) as response:
+        await response.aread()
+
+    assert response.status_code == 200
+    assert response.headers["x-pdserve-path"] == "decode-only; reason=no-prefill-engine"
+    assert prefill_engine.requests == [] and "kv_transfer_params" not in decode_engine.requests[0].body
+    metrics = (await client.get("/metrics")).text
+    assert 'pdserve_proxy_degraded_requests_total{reason="no-prefill-engine"} 1.0' in metrics
+
+
+async def test_an_empty_decode_pool_is_served_whole_by_a_prefill_engine(client, pool, prefill_engine, decode_engine):
+    pool.set_endpoints("decode", [])
+    response = await client.post(CHAT_PATH, json=CHAT | {"max_tokens": 7})
+
+    assert response.status_code == 200
+    assert response.headers["x-pdserve-path"] == "prefill-only; reason=no-decode-engine"
+    assert response.headers["x-pdserve-decode"] == "prefill-0"
+    (received,) = prefill_engine.requests
+    assert received.body == CHAT | {"max_tokens": 7}  # the client's own request: no KV hand-over
+    assert decode_engine.requests == []
+
+
 async def test_engines_taken_out_and_put_back(client, pool, prefill_engine):
     endpoints = pool.endpoints("prefill")
     pool.set_endpoints("prefill", [])
-    assert (await client.post(CHAT_PATH, json=CHAT)).status_code == 503
+    assert (await client.post(CHAT_PATH, json=CHAT)).headers["x-pdserve-path"].startswith("decode-only")
     pool.set_endpoints("prefill", list(endpoints))
-    assert (await client.post(CHAT_PATH, json=CHAT)).status_code == 200
+    assert (await client.post(CHAT_PATH, json=CHAT)).headers["x-pdserve-path"] == "disaggregated"
 
 
 # --- the client's errors ----------------------------------------------------------------

@@ -119,7 +119,7 @@ async def test_a_short_prompt_is_served_by_the_decode_engine_alone(make_proxy, p
             await response.aread()
 
     assert response.status_code == 200
-    assert response.headers["x-pdserve-path"] == "decode-only"
+    assert response.headers["x-pdserve-path"] == "decode-only; reason=short-prompt"
     assert response.headers["x-pdserve-decode"] == "decode-0"
     assert "x-pdserve-prefill" not in response.headers
     assert prefill_engine.requests == []
@@ -157,7 +157,7 @@ async def test_a_prompt_the_decode_engine_was_just_sent_goes_decode_only(make_pr
     first, second = await post(proxy, LONG), await post(proxy, LONG)
 
     assert first.headers["x-pdserve-path"] == "disaggregated"
-    assert second.headers["x-pdserve-path"] == "decode-only"
+    assert second.headers["x-pdserve-path"] == "decode-only; reason=cached"
     assert len(prefill_engine.requests) == 1 and len(decode_engine.requests) == 2
 
 
@@ -224,7 +224,7 @@ async def test_least_loaded_counts_the_proxys_own_requests(make_proxy, pool, dec
 async def test_an_unreachable_prefill_engine_is_ejected_then_503_when_none_is_left(
     make_proxy, pool, prefill_engine, two_prefill
 ):
-    proxy = await make_proxy(unhealthy_after=2, health_interval_s=60)
+    proxy = await make_proxy(unhealthy_after=2, health_interval_s=60, degrade=False)
     await prefill_engine.stop()  # connection refused
     served = [await post(proxy, LONG) for _ in range(4)]
 
@@ -240,6 +240,22 @@ async def test_an_unreachable_prefill_engine_is_ejected_then_503_when_none_is_le
     health = await httpx.AsyncClient(base_url=proxy.url).get("/health")
     assert health.status_code == 503
     assert [e["healthy"] for e in health.json()["engines"]["prefill"]] == [False, False]
+
+
+async def test_when_every_prefill_engine_fails_the_decode_engine_serves_the_request(
+    make_proxy, pool, prefill_engine, two_prefill, decode_engine
+):
+    proxy = await make_proxy(unhealthy_after=2, health_interval_s=60)
+    await prefill_engine.stop()
+    await two_prefill.stop()
+    failed_over = await post(proxy, LONG)  # both prefill engines fail: decode-only, no 502
+    assert failed_over.status_code == 200
+    assert failed_over.headers["x-pdserve-path"] == "decode-only; reason=prefill-failed"
+    await post(proxy, LONG)
+    ejected = await post(proxy, LONG)  # both ejected by now: not even tried
+    assert ejected.status_code == 200
+    assert ejected.headers["x-pdserve-path"] == "decode-only; reason=no-prefill-engine"
+    assert all("kv_transfer_params" not in r.body for r in decode_engine.requests)
 
 
 async def test_an_engine_failing_its_health_checks_is_ejected_and_readmitted(

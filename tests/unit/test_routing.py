@@ -256,11 +256,26 @@ def test_router_serves_short_prompts_decode_only():
 
 
 def test_router_decode_only_needs_no_prefill_engine():
-    router = make_router(prefill=0, decode_only_below_tokens=100)
+    router = make_router(prefill=0, decode_only_below_tokens=100, degrade=False)
 
     assert router.route(completion("hi"), "completion")[0] is None
     with pytest.raises(NoHealthyEngine, match="prefill"):
         router.route(completion("x" * 400), "completion")
+
+
+def test_without_prefill_engines_the_router_degrades_to_decode_only():
+    route = make_router(prefill=0).route(completion("x" * 400), "completion")
+    assert route.prefill is None and route.decode.engine_id == "decode-0" and route.reason == "no-prefill-engine"
+
+
+def test_without_decode_engines_a_prefill_engine_serves_the_request_whole():
+    route = make_router(decode=0).route(completion("x" * 400), "completion")
+    assert route.prefill is None and route.decode.engine_id == "prefill-0" and route.reason == "no-decode-engine"
+
+
+def test_with_no_engine_at_all_the_router_still_says_retry_later():
+    with pytest.raises(NoHealthyEngine, match="prefill"):
+        make_router(prefill=0, decode=0).route(completion("hi"), "completion")
 
 
 def test_router_decode_only_if_the_decode_engine_was_sent_the_prefix():
@@ -302,7 +317,7 @@ def test_router_retries_prefill_on_an_engine_not_tried():
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])
 def test_router_with_an_empty_pool_says_retry_later(role):
-    router = make_router(**{role: 0})
+    router = make_router(**{role: 0}, degrade=False)
 
     with pytest.raises(NoHealthyEngine) as caught:
         router.route(completion("hi"), "completion")

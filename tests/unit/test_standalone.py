@@ -335,7 +335,7 @@ async def test_decode_only_below_tokens_on_the_command_line(prefill_engine, deco
             response = await client.post("/v1/completions", json={"model": "stub-model", "prompt": "Hi"})
 
     assert response.status_code == 200, response.text
-    assert response.headers["x-pdserve-path"] == "decode-only"
+    assert response.headers["x-pdserve-path"] == "decode-only; reason=short-prompt"
     assert prefill_engine.requests == [] and len(decode_engine.requests) == 1
 
 
