@@ -178,8 +178,8 @@ class ProxySpec(_Strict):
     )
     degrade: bool = Field(
         default=_ROUTING.degrade,
-        description="When no prefill engine can take a request (none ready, or every prefill failed), serve it "
-        "decode-only; when no decode engine exists, on a prefill engine alone. 503 only when no engine can.",
+        description="When no prefill engine can take a request (none ready: empty, ejected or draining), serve it "
+        "decode-only; when no decode engine can, on a prefill engine alone. 503 only when no engine can.",
     )
     health_interval_s: float = Field(
         default=_ROUTING.health_interval_s,

@@ -84,7 +84,7 @@ from proxy.load import LoadPoller
 from proxy.metrics import CONTENT_TYPE_LATEST, DEFAULT_SERVING_PATH, ProxyMetrics
 from proxy.pool import EnginePool, EngineState
 from proxy.release import KVReleaser
-from proxy.routing import DEGRADED_REASONS, NO_DECODE_ENGINE, PREFILL_FAILED, Router
+from proxy.routing import DEGRADED_REASONS, NO_DECODE_ENGINE, Router
 
 __all__ = ["DECODE_ONLY", "DISAGGREGATED", "PREFILL_ONLY", "ProxyConfig", "create_app"]
 
@@ -275,23 +275,10 @@ def create_app(config: ProxyConfig, pool: EnginePool | None = None) -> FastAPI:
                 kv_params = None
                 prefill_started = time.perf_counter()
                 if prefill_engine is not None:
-                    try:
-                        kv_params = await prefill(
-                            upstream, prefill_engine, prefix, route, body, headers, request_id, reply_headers
-                        )
-                    except UpstreamFailed as failure:
-                        if not config.routing.degrade:
-                            raise
-                        # Every prefill engine tried failed: the decode engine computes the prompt itself.
-                        logger.warning(
-                            "request %s: no prefill engine could take it (%s); serving it decode-only on %s",
-                            request_id, failure.message, decode_engine.engine_id,
-                        )  # fmt: skip
-                        metrics.degraded.labels(PREFILL_FAILED).inc()
-                        request.state.serving_path = DECODE_ONLY
-                        reply_headers["X-PDServe-Path"] = _path_header(DECODE_ONLY, PREFILL_FAILED)
-                        kv_params = None
-                    if not kv_params and request.state.serving_path == DISAGGREGATED:
+                    kv_params = await prefill(
+                        upstream, prefill_engine, prefix, route, body, headers, request_id, reply_headers
+                    )
+                    if not kv_params:
                         logger.warning(
                             "request %s: prefill engine %s returned no kv_transfer_params; decode engine %s "
                             "will compute the prompt itself",
@@ -362,10 +349,17 @@ def create_app(config: ProxyConfig, pool: EnginePool | None = None) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
+        # ok: both pools can take requests; degraded: one can, and serves them alone (proxy.degrade);
+        # unavailable (503): requests would fail.
         engines = pool.snapshot()
-        healthy = all(pool.ready(role) for role in ROLES)
-        body = {"status": "ok" if healthy else "unavailable", "engines": engines}
-        return Response(orjson.dumps(body), status_code=200 if healthy else 503, media_type="application/json")
+        ready = [role for role in ROLES if pool.ready(role)]
+        if len(ready) == len(ROLES):
+            status = "ok"
+        else:
+            status = "degraded" if ready and config.routing.degrade else "unavailable"
+        body = {"status": status, "engines": engines}
+        code = 503 if status == "unavailable" else 200
+        return Response(orjson.dumps(body), status_code=code, media_type="application/json")
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

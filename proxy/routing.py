@@ -66,8 +66,9 @@ class RoutingSettings:
     prefill_retries: int = 1
     """A failed prefill (connection, timeout, 5xx) is tried again on this many other prefill engines."""
     degrade: bool = True
-    """When one pool has no engine that can take a request (empty, all ejected or draining; or every
-    prefill failed), serve it on an engine of the other pool alone instead of failing with 503."""
+    """When one pool has no engine that can take a request (empty, all ejected or draining), serve it on an
+    engine of the other pool alone instead of failing with 503. (A prefill that fails is retried, then 502:
+    after ``unhealthy_after`` failures the engine is ejected, and the next requests degrade.)"""
     health_interval_s: float = 2.0
     """Seconds between ``/health`` probes of every engine; 0 turns health checking (and ejection) off."""
     health_timeout_s: float = 1.0
@@ -224,8 +225,8 @@ def make_policy(name: str, settings: RoutingSettings) -> RoundRobin | LeastLoade
 
 # Why a request is not disaggregated (``Route.reason``; the ``X-PDServe-Path`` header says it).
 SHORT_PROMPT, CACHED = "short-prompt", "cached"
-NO_PREFILL_ENGINE, NO_DECODE_ENGINE, PREFILL_FAILED = "no-prefill-engine", "no-decode-engine", "prefill-failed"
-DEGRADED_REASONS = (NO_PREFILL_ENGINE, NO_DECODE_ENGINE, PREFILL_FAILED)
+NO_PREFILL_ENGINE, NO_DECODE_ENGINE = "no-prefill-engine", "no-decode-engine"
+DEGRADED_REASONS = (NO_PREFILL_ENGINE, NO_DECODE_ENGINE)
 
 
 class Route(NamedTuple):

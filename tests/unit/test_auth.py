@@ -164,7 +164,9 @@ async def test_admin_lists_adds_drains_and_removes_engines(admin, pool, make_eng
     removed = await admin.delete("/admin/engines/decode-9", headers=key)
     assert removed.status_code == 200
     assert [(e["engine_id"], e["draining"]) for e in removed.json()["decode"]] == [("decode-0", True)]
-    assert (await admin.post(CHAT_PATH, json=CHAT, headers=bearer(KEY))).status_code == 503
+    # No decode engine takes requests now: a prefill engine serves them whole (proxy.degrade).
+    degraded = await admin.post(CHAT_PATH, json=CHAT, headers=bearer(KEY))
+    assert degraded.headers["x-pdserve-path"] == "prefill-only; reason=no-decode-engine"
 
 
 @pytest.mark.parametrize(

@@ -657,13 +657,24 @@ async def test_health_is_200_with_both_pools(client, prefill_engine, decode_engi
 
 
 @both_roles
-async def test_health_is_503_when_a_pool_is_empty(client, pool, role):
+async def test_health_is_degraded_when_a_pool_is_empty_and_503_without_degrading(client, make_proxy, pool, role):
     pool.set_endpoints(role, [])
     response = await client.get("/health")
-
-    assert response.status_code == 503
-    assert response.json()["status"] == "unavailable"
+    assert response.status_code == 200  # the other pool's engines serve requests alone
+    assert response.json()["status"] == "degraded"
     assert response.json()["engines"][role] == []
+
+    strict = await make_proxy(degrade=False)
+    async with httpx.AsyncClient(base_url=strict.url) as other:
+        response = await other.get("/health")
+    assert response.status_code == 503 and response.json()["status"] == "unavailable"
+
+
+async def test_health_is_503_when_no_engine_is_left(client, pool):
+    pool.set_endpoints("prefill", [])
+    pool.set_endpoints("decode", [])
+    response = await client.get("/health")
+    assert response.status_code == 503 and response.json()["status"] == "unavailable"
 
 
 async def test_many_concurrent_requests(client, pool, make_engine):

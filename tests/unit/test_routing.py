@@ -239,7 +239,7 @@ def test_prefix_index_forgets_the_least_recently_used_hashes():
 
 
 def test_router_disaggregates_by_default():
-    prefill, decode, _ = make_router().route(completion("hi"), "completion")
+    prefill, decode, _, _ = make_router().route(completion("hi"), "completion")
 
     assert prefill is not None and prefill.role == "prefill"
     assert decode.role == "decode"
@@ -304,7 +304,7 @@ def test_router_decode_only_if_cached_with_a_prefix_aware_decode_pool():
 
 def test_router_retries_prefill_on_an_engine_not_tried():
     router = make_router(prefill=3)
-    prefill, _, prefix = router.route(completion("hi"), "completion")
+    prefill, _, prefix, _ = router.route(completion("hi"), "completion")
     tried = [prefill]
 
     second = router.retry_prefill(prefix, tried)
@@ -363,5 +363,5 @@ def test_router_accepts_plain_endpoints_in_its_pool():
     pool.set_endpoints("prefill", [Endpoint("p", "http://p")])
     pool.set_endpoints("decode", [Endpoint("d", "http://d")])
 
-    prefill, decode, _ = Router(pool, RoutingSettings()).route(chat("hi"), "chat")
+    prefill, decode, _, _ = Router(pool, RoutingSettings()).route(chat("hi"), "chat")
     assert (prefill.url, decode.url) == ("http://p", "http://d")
