@@ -17,10 +17,15 @@ A call::
 Connections are kept per engine (scheme, host, port) and reused last-in first-out.
 One idle longer than ``idle_timeout_s`` is closed rather than reused: uvicorn,
 which serves vLLM, drops idle connections after 5 s, and a request written on a
-connection the server is closing is lost. If a reused connection dies before
-any byte of the answer came back, the request is sent once more on a fresh
-connection (the engine closed it without reading the request). A response the
-caller stops reading before its end closes its connection.
+connection the server is closing is lost. Before a kept connection is reused,
+its socket is checked for the engine's close (a FIN waiting to be read): such a
+connection is dropped, and the request goes out on another. A request is sent
+again only when it provably never reached the engine: a GET (``/health``,
+``/metrics``: harmless to repeat) that died on a reused connection before any
+byte came back. A POST that dies after it was written is never sent again: the
+engine may have read it and started the work (a second prefill would run, and
+one KV lease leak); the error goes up, and the caller's retry policy decides.
+A response the caller stops reading before its end closes its connection.
 
 Failures are ``EngineConnectionError`` (refused, reset, closed, malformed
 answer) and ``TimeoutError``; an HTTP error status is not a failure here.
@@ -207,6 +212,20 @@ class _Connection(asyncio.Protocol):
     def received_any(self) -> bool:
         return self._received
 
+    def peer_closed(self) -> bool:
+        """Whether the engine has closed its end (a FIN, or anything, waiting on an idle connection)."""
+        sock = self._transport.get_extra_info("socket") if self._transport is not None else None
+        if sock is None:
+            return self._transport is None
+        try:  # asyncio's socket wrapper has no recv: peek through a duplicate of the descriptor
+            with socket.fromfd(sock.fileno(), sock.family, sock.type) as peek:
+                peek.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)  # b"": a FIN; bytes: nobody asked
+            return True
+        except BlockingIOError:
+            return False  # nothing there: open and quiet
+        except OSError:
+            return True
+
     def finished(self, reusable: bool) -> None:
         self._response = None
         if self._paused:
@@ -337,7 +356,7 @@ class EngineClient:
                 return response
             except EngineConnectionError:
                 connection.close()
-                if attempt == 0 and reused and not connection.received_any:
+                if attempt == 0 and reused and not connection.received_any and method == b"GET":
                     continue  # the engine had closed this idle connection: send it again on a new one
                 raise
             except BaseException:
@@ -377,8 +396,9 @@ class EngineClient:
             pool.popleft().close()
         while pool:
             connection = pool.pop()
-            if not connection.closed:
+            if not connection.closed and not connection.peer_closed():
                 return connection, True
+            connection.close()
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(self.connect_timeout_s):

@@ -89,8 +89,8 @@ async def test_a_connection_the_engine_closed_is_replaced(engine_client, decode_
     assert first.peer != second.peer
 
 
-async def test_a_request_lost_on_a_reused_connection_is_sent_again_once(engine_client, decode_engine):
-    # As when uvicorn closes an idle keep-alive connection just as the next request goes out.
+async def test_a_post_lost_on_a_reused_connection_is_not_sent_again(engine_client, decode_engine):
+    # The engine read the request, then the connection died: sending it again would run it twice.
     served = []
 
     async def closes_reused_connections(request: web.Request, received) -> web.Response:
@@ -103,11 +103,31 @@ async def test_a_request_lost_on_a_reused_connection_is_sent_again_once(engine_c
     decode_engine.handler = closes_reused_connections
     await (await post(engine_client, decode_engine)).read(5)
 
-    response = await post(engine_client, decode_engine)
+    with pytest.raises(EngineConnectionError):
+        await post(engine_client, decode_engine)
 
-    assert response.status == 200 and orjson.loads(await response.read(5)) == {"ok": True}
-    first, lost, again = decode_engine.requests
-    assert first.peer == lost.peer != again.peer
+    first, lost = decode_engine.requests
+    assert first.peer == lost.peer
+
+
+async def test_a_kept_connection_the_engine_closed_while_idle_is_never_written_to(decode_engine):
+    # The engine's FIN is waiting on the socket (the event loop has not seen it yet): the request goes
+    # out on a new connection, once.
+    client = EngineClient(idle_timeout_s=60)
+    try:
+        await (await post(client, decode_engine)).read(5)
+        (kept,) = next(iter(client._pools.values()))
+        kept._transport.pause_reading()  # the loop does not read the FIN: only the check before reuse can
+        await decode_engine.stop()
+        await decode_engine.start()
+        await asyncio.sleep(0.1)
+
+        response = await post(client, decode_engine)
+
+        assert response.status == 200 and await response.read(5)
+        assert len(decode_engine.requests) == 2 and decode_engine.requests[0].peer != decode_engine.requests[1].peer
+    finally:
+        await client.close()
 
 
 async def test_a_fresh_connection_that_fails_is_not_retried(engine_client, decode_engine):
