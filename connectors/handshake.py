@@ -70,6 +70,7 @@ _PREFIX = struct.Struct(">4sH")  # enough to check magic and version on a trunca
 _HEADER = struct.Struct(">4sH32sB")
 _HASH_PATTERN = re.compile(r"[0-9a-f]{64}")
 _TOPOLOGY_FIELDS = tuple(f.name for f in dataclasses.fields(KVTopology))
+_TOPOLOGY_TEXT = ("layout", "dtype", "model_identity")
 _MAX_ADDRESS = 2**64
 
 
@@ -341,9 +342,9 @@ def _topology_field(payload: dict[str, Any]) -> KVTopology:
     if not isinstance(wire, dict) or set(wire) != set(_TOPOLOGY_FIELDS):
         raise _malformed(f"topology must be a map with exactly the fields {', '.join(_TOPOLOGY_FIELDS)}")
     for name, value in wire.items():
-        if name in ("layout", "dtype") and not isinstance(value, str):
+        if name in _TOPOLOGY_TEXT and not isinstance(value, str):
             raise _malformed(f"topology.{name} must be a string, got {value!r:.80}")
-        if name not in ("layout", "dtype") and not _is_int(value):
+        if name not in _TOPOLOGY_TEXT and not _is_int(value):
             raise _malformed(f"topology.{name} must be an int, got {value!r:.80}")
     try:
         return KVTopology(**wire)

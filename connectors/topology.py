@@ -67,7 +67,7 @@ __all__ = [
 # Bump when the rules of what can exchange KV change: peers on different
 # schemas then fail the hash check instead of misreading each other's blocks.
 # 2: H2ND (vLLM's CPU cache) and reads across TP and block sizes in the data path.
-COMPATIBILITY_SCHEMA = 2
+COMPATIBILITY_SCHEMA = 3
 
 # Bytes per element of the KV cache dtypes we know; names as torch spells them
 # (``str(tensor.dtype)`` without the ``torch.`` prefix) or as vLLM's cache_dtype.
@@ -112,6 +112,8 @@ class KVTopology:
     head_dim: int
     dtype: str
     num_layers: int
+    model_identity: str = ""
+    """Which weights produced this KV (``connectors.identity.model_identity``; "" when unknown)."""
 
     def __post_init__(self) -> None:
         problems = [
@@ -247,6 +249,11 @@ def incompatibilities(local: KVTopology, remote: KVTopology) -> list[str]:
         for name in ("dtype", "head_dim", "num_layers", "total_num_kv_heads")
         if getattr(local, name) != getattr(remote, name)
     ]
+    if local.model_identity != remote.model_identity:
+        reasons.append(
+            f"model identity differs (another checkpoint, or another configuration): local "
+            f"{local.model_identity[:16] or 'unknown'}, remote {remote.model_identity[:16] or 'unknown'}"
+        )
     big, small = max(local.tp_size, remote.tp_size), min(local.tp_size, remote.tp_size)
     if big % small:
         reasons.append(f"tp sizes do not divide one another: local {local.tp_size}, remote {remote.tp_size}")
@@ -276,6 +283,7 @@ def compatibility_factors(topology: KVTopology) -> dict[str, object]:
         "head_dim": topology.head_dim,
         "num_layers": topology.num_layers,
         "total_num_kv_heads": topology.total_num_kv_heads,
+        "model_identity": topology.model_identity,
         "layouts": sorted(KVLayout),
     }
 

@@ -43,6 +43,7 @@ Pull mode moves nothing during the forward pass: the per-layer hooks are no-ops.
 
 from __future__ import annotations
 
+import json
 import logging
 import queue
 import random
@@ -55,6 +56,7 @@ from typing import TYPE_CHECKING, Any
 from connectors.block_ranges import KVRegions, plan_peer_ranges
 from connectors.errors import ConnectorError, HandshakeRejected, TopologyError
 from connectors.handshake import HandshakeCache, HandshakeResponse, encode_response
+from connectors.identity import model_identity
 from connectors.leases import LeaseState, LeaseTable, parse_read_notification, read_notification
 from connectors.metadata import ConnectorSettings, PdserveConnectorMetadata, ReceiveSpec
 from connectors.nixl_transport import KVRead, NixlKVTransport, TransferState
@@ -122,6 +124,29 @@ def peer_name(engine_id: str, tp_rank: int) -> str:
     return f"{engine_id}/rank{tp_rank}"
 
 
+def check_servable(kv_cache_config: KVCacheConfig, engine_id: str) -> None:
+    """Refuse, when the engine starts, a model whose KV this connector cannot move: more than one KV
+    cache group (hybrid models: sliding-window or Mamba layers beside full attention)."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+    if len(groups) > 1:
+        kinds = ", ".join(sorted({type(g.kv_cache_spec).__name__ for g in groups}))
+        raise ValueError(
+            f"engine {engine_id}: the pdserve connector moves one KV cache group, and this model has "
+            f"{len(groups)} ({kinds}: a hybrid model); serve it with connector 'vllm-nixl' or without P/D"
+        )
+
+
+def engine_model_identity(model_config: Any) -> str:
+    """``connectors.identity.model_identity`` of the engine's model: its configuration (without fields that
+    name where it was loaded from) and its weights."""
+    config = {
+        k: v
+        for k, v in model_config.hf_config.to_dict().items()
+        if not k.startswith("_") and k != "transformers_version"
+    }
+    return model_identity(model_config.model, json.dumps(config, sort_keys=True, default=str), model_config.revision)
+
+
 def describe_kv_cache(cache: torch.Tensor, num_heads: int, head_dim: int) -> tuple[KVLayout, int, int]:
     """``(layout, block_size, planes_per_layer)`` of one layer's vLLM KV cache tensor on this rank.
 
@@ -150,6 +175,7 @@ class PdserveWorker:
     """The worker-side half of ``PdserveConnector``; one per TP rank, driven by the model runner's thread."""
 
     def __init__(self, vllm_config: VllmConfig, engine_id: str, kv_cache_config: KVCacheConfig):
+        check_servable(kv_cache_config, engine_id)
         self.settings = ConnectorSettings.from_extra_config(
             vllm_config.kv_transfer_config.kv_connector_extra_config, engine_id
         )
@@ -212,6 +238,7 @@ class PdserveWorker:
             head_dim=head_dim,
             dtype=str(first.dtype),
             num_layers=len(kv_caches),
+            model_identity=engine_model_identity(model_config),
         )
         self._transport = NixlKVTransport(self.engine_id, transfer_timeout_s=self.settings.transfer_timeout_s)
         regions = self._transport.register_kv_caches(

@@ -67,6 +67,10 @@ def scalable_spec() -> dict:
     spec = yaml.safe_load(SPEC.read_text())
     return spec | {
         "resources": spec["resources"] | {"share_cores": True},
+        # Three engines on two cores: a starved engine answers a handshake late, and a prefill engine being
+        # scaled away holds blocks nobody read until their lease ends.
+        "connector_options": {"handshake_timeout_s": 20, "lease_ttl_s": 20},
+        "engine": spec["engine"] | {"drain_timeout_s": 60},
         "autoscaling": {
             "prefill": {"min": 1, "max": 2},
             "decode": {"min": 1, "max": 3},  # the decode host's Ray node has 2 CPUs: a third engine cannot fit
@@ -195,11 +199,25 @@ def test_losing_the_decode_host_degrades_and_the_service_returns_with_it(multiho
     print(f"service back {time.monotonic() - lost_at:.1f} s after the decode host was lost")
     assert multihost.host(IPS["decode"])["alive"] is True
     assert multihost.engine("decode-0")["host"] == IPS["decode"]
-    deadline = time.monotonic() + 30
-    while (result := chat(proxy, PROMPTS[1]))[0] != 200:  # the proxy's health check admits it again
-        assert time.monotonic() < deadline, result
+    # The proxy's health checks admit it again, and KV crosses hosts again (a first handshake with the
+    # restarted engine may still time out on this machine: that request is recomputed, the next reads).
+    deadline, seen = time.monotonic() + 60, []
+    while True:
+        code, _, headers = chat(proxy, f"{PROMPTS[1]} ({len(seen)})")
+        path = {k.lower(): v for k, v in headers.items()}.get("x-pdserve-path")
+        seen.append(
+            (
+                code,
+                path,
+                kv_report(headers).get("source")
+                if code == 200 and "x-pdserve-kv" in {k.lower() for k in headers}
+                else None,
+            )
+        )
+        if seen[-1] == (200, "disaggregated", "transfer"):
+            break
+        assert time.monotonic() < deadline, seen
         time.sleep(1)
-    assert kv_report(result[2])["source"] == "transfer"
 
 
 def test_the_spec_validates_against_the_beds_nodes(multihost):

@@ -128,6 +128,7 @@ def test_bad_requests_get_openai_errors(cluster: Cluster) -> None:
     assert status == 200 and [m["id"] for m in body["data"]] == [MODEL]
 
 
+@pytest.mark.parametrize("cluster", ["pdserve"], indirect=True)  # the controller's and proxy's doing
 def test_dead_engine_is_restarted_and_the_pool_follows(cluster: Cluster) -> None:
     decode = cluster.engine("decode")
     os.kill(decode["pid"], signal.SIGKILL)

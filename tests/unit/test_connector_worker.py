@@ -30,7 +30,7 @@ from connectors.nixl_transport import TransferState  # noqa: E402
 from connectors.side_channel import report_key  # noqa: E402
 from connectors.topology import KVLayout, KVTopology  # noqa: E402
 from connectors.wire import parse_tcp_endpoint  # noqa: E402
-from connectors.worker import PdserveWorker, describe_kv_cache  # noqa: E402
+from connectors.worker import PdserveWorker, describe_kv_cache, engine_model_identity  # noqa: E402
 
 HEAD_DIM = 8
 NUM_LAYERS = 2
@@ -96,6 +96,11 @@ class FakeTransport:
         pass
 
 
+# The model both fake engines serve (not a directory: identified by name and configuration).
+FAKE_MODEL = {"model": "fake/model", "revision": None, "hf_config": SimpleNamespace(to_dict=lambda: {"hidden": 64})}
+IDENTITY = engine_model_identity(SimpleNamespace(**FAKE_MODEL))
+
+
 class FakeReleases:
     def __init__(self, engine_id: str):
         self.sent: list[tuple[int, str]] = []
@@ -129,7 +134,9 @@ class FakePrefill:
         port = parse_tcp_endpoint(endpoint)[1]
         self.asked.append(port)
         heads = local.total_num_kv_heads
-        remote = KVTopology(self.tp_size, port - PREFILL_PORT, heads, 16, "H2ND", HEAD_DIM, "bfloat16", NUM_LAYERS)
+        remote = KVTopology(
+            self.tp_size, port - PREFILL_PORT, heads, 16, "H2ND", HEAD_DIM, "bfloat16", NUM_LAYERS, IDENTITY
+        )
         return HandshakeResponse(
             engine_id="prefill",
             topology=remote,
@@ -175,7 +182,9 @@ def make_worker(fakes: Fakes) -> Iterator[Callable[..., PdserveWorker]]:
         extra = {"side_channel_host": "127.0.0.1", "side_channel_port": 17700}
         config = SimpleNamespace(
             kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra),
-            model_config=SimpleNamespace(get_total_num_kv_heads=lambda: heads, get_head_size=lambda: HEAD_DIM),
+            model_config=SimpleNamespace(
+                get_total_num_kv_heads=lambda: heads, get_head_size=lambda: HEAD_DIM, **FAKE_MODEL
+            ),
             parallel_config=SimpleNamespace(tensor_parallel_size=tp_size),
             cache_config=SimpleNamespace(block_size=block_size),
         )

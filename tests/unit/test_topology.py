@@ -406,12 +406,19 @@ def test_layouts_and_sizes_that_differ_are_compatible(make_topology: TopologyFac
 # ---------------------------------------------------------------- compatibility hash
 
 
+def test_another_model_of_the_same_shape_is_incompatible(make_topology: TopologyFactory) -> None:
+    base, tuned = make_topology(model_identity="a" * 64), make_topology(model_identity="b" * 64)
+    assert compatibility_hash(base) != compatibility_hash(tuned)
+    (reason,) = incompatibilities(base, tuned)
+    assert reason.startswith("model identity differs (another checkpoint, or another configuration)")
+
+
 def test_compatibility_hash_ignores_what_may_differ(make_topology: TopologyFactory) -> None:
     base = compatibility_hash(make_topology())
     # Stable across processes and Python versions: a digest of canonical JSON, not hash().
     encoded = (
-        b'{"dtype":"bfloat16","head_dim":4,"layouts":["H2ND","HND","NHD"],"num_layers":2,"schema":2,'
-        b'"total_num_kv_heads":4}'
+        b'{"dtype":"bfloat16","head_dim":4,"layouts":["H2ND","HND","NHD"],"model_identity":"","num_layers":2,'
+        b'"schema":3,"total_num_kv_heads":4}'
     )
     assert base == hashlib.sha256(encoded).hexdigest()
     same = [
