@@ -204,16 +204,9 @@ def test_losing_the_decode_host_degrades_and_the_service_returns_with_it(multiho
     deadline, seen = time.monotonic() + 60, []
     while True:
         code, _, headers = chat(proxy, f"{PROMPTS[1]} ({len(seen)})")
-        path = {k.lower(): v for k, v in headers.items()}.get("x-pdserve-path")
-        seen.append(
-            (
-                code,
-                path,
-                kv_report(headers).get("source")
-                if code == 200 and "x-pdserve-kv" in {k.lower() for k in headers}
-                else None,
-            )
-        )
+        named = {k.lower(): v for k, v in headers.items()}
+        source = kv_report(headers)["source"] if "x-pdserve-kv" in named else None
+        seen.append((code, named.get("x-pdserve-path"), source))
         if seen[-1] == (200, "disaggregated", "transfer"):
             break
         assert time.monotonic() < deadline, seen
