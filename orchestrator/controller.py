@@ -246,6 +246,8 @@ class ClusterController:
         except ValueError:
             self._fail("the proxy actor is gone (found after a restart of the controller)")
             return
+        with contextlib.suppress(Exception):  # where clients reach it (its node's address if it listens everywhere)
+            self.proxy_url = (await asyncio.wait_for(self.proxy.info.remote(), timeout=PROBE_TIMEOUT_S))["url"]
         for record in list(self.engines.values()):
             await self._adopt(record)
         for role in ROLES:
