@@ -102,7 +102,14 @@ def vllm_config(case: Case, role: str, port: int) -> SimpleNamespace:
     }
     return SimpleNamespace(
         kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra),
-        model_config=SimpleNamespace(get_total_num_kv_heads=lambda: case.num_heads, get_head_size=lambda: HEAD_DIM),
+        model_config=SimpleNamespace(
+            get_total_num_kv_heads=lambda: case.num_heads,
+            get_head_size=lambda: HEAD_DIM,
+            # One model on both sides (its identity enters the compatibility hash).
+            model="test/model",
+            revision=None,
+            hf_config=SimpleNamespace(to_dict=lambda: {"num_kv_heads": case.num_heads}),
+        ),
         parallel_config=SimpleNamespace(tensor_parallel_size=tp_size),
         cache_config=SimpleNamespace(block_size=block_size),
     )
