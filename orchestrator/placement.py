@@ -149,32 +149,39 @@ def _fits_in(free: dict[str, float], demand: Mapping[str, float]) -> bool:
     return all(free.get(name, 0.0) + 1e-9 >= amount for name, amount in demand.items())
 
 
+def _take(left: dict[str, float], demand: Mapping[str, float]) -> None:
+    for name, amount in demand.items():
+        left[name] = left.get(name, 0.0) - amount
+
+
+def _first_fitting(
+    nodes: Iterable[Node], free: dict[str, dict[str, float]], demand: Mapping[str, float]
+) -> Node | None:
+    return next((n for n in nodes if _fits_in(free[n.node_id], demand)), None)
+
+
 def _place_bundles(placement: Placement, nodes: list[Node], free: dict[str, dict[str, float]]) -> str | None:
-    """Place a GPU engine's bundles under its strategy; the node ips it took, or None when they do not fit."""
-    bundles = list(placement.bundles)
-    candidates = [n for n in nodes if _matches(n, placement)]
+    """Place a GPU engine's bundles on ``nodes`` (those it may use) under its strategy; the node ips it took,
+    or None (and nothing taken) when they do not fit."""
     if placement.strategy == "STRICT_PACK":
-        total = placement.demand()
-        for node in candidates:
-            if _fits_in(free[node.node_id], total):
-                for name, amount in total.items():
-                    free[node.node_id][name] -= amount
-                return node.ip
-        return None
-    used: list[str] = []
-    for bundle in bundles:
-        spread = placement.strategy in ("SPREAD", "STRICT_SPREAD")
-        order = sorted(candidates, key=lambda n: n.ip in used) if spread else candidates
-        for node in order:
-            if placement.strategy == "STRICT_SPREAD" and node.ip in used:
-                continue
-            if _fits_in(free[node.node_id], bundle):
-                for name, amount in bundle.items():
-                    free[node.node_id][name] -= amount
-                used.append(node.ip)
-                break
-        else:
+        node = _first_fitting(nodes, free, placement.demand())
+        if node is None:
             return None
+        _take(free[node.node_id], placement.demand())
+        return node.ip
+    trial = {n.node_id: dict(free[n.node_id]) for n in nodes}
+    spread = placement.strategy in ("SPREAD", "STRICT_SPREAD")
+    used: list[str] = []
+    for bundle in placement.bundles:
+        order = sorted(nodes, key=lambda n: n.ip in used) if spread else nodes
+        if placement.strategy == "STRICT_SPREAD":
+            order = [n for n in order if n.ip not in used]
+        node = _first_fitting(order, trial, bundle)
+        if node is None:
+            return None
+        _take(trial[node.node_id], bundle)
+        used.append(node.ip)
+    free.update(trial)
     return ",".join(dict.fromkeys(used))
 
 
@@ -199,14 +206,11 @@ def assign(spec: ClusterSpec, nodes: Iterable[Node]) -> tuple[dict[str, str], li
             continue
         if placement.bundles:
             taken = _place_bundles(placement, matching, free)
+        elif node := _first_fitting(matching, free, placement.demand()):
+            _take(free[node.node_id], placement.demand())
+            taken = node.ip
         else:
-            demand = placement.demand()
-            node = next((n for n in matching if _fits_in(free[n.node_id], demand)), None)
             taken = None
-            if node is not None:
-                for resource, amount in demand.items():
-                    free[node.node_id][resource] -= amount
-                taken = node.ip
         if taken is None:
             asked = ", ".join(f"{k} {v:g}" for k, v in sorted(placement.demand().items()))
             have = "; ".join(

@@ -220,3 +220,18 @@ def test_the_advertised_address_is_the_node_ip_or_the_named_interface():
         advertised_address("nope0", "198.18.0.12")
     with pytest.raises(AddressError, match="not an address another host can reach"):
         advertised_address(None, "0.0.0.0")
+
+
+def test_a_gpu_engine_that_does_not_fit_takes_nothing_from_the_nodes(make_spec):
+    # decode-0 (TP 4, STRICT_SPREAD) needs 4 hosts and finds 3: prefill-0 (TP 1) still fits after it.
+    spec = ClusterSpec.from_dict(
+        make_spec(
+            device="cuda",
+            resources={"gpus": 5},
+            decode={"tensor_parallel_size": 4, "placement": {"strategy": "STRICT_SPREAD"}},
+        )
+    )
+    hosts = [node("10.0.0.1", gpus=1, head=True), node("10.0.0.2", gpus=1), node("10.0.0.3", gpus=1)]
+    where, problems = assign(spec, hosts)
+    assert [p.split(" (")[0] for p in problems] == ["decode: decode-0 needs GPU 4"]
+    assert where["prefill-0"] == "10.0.0.1"
