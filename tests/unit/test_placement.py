@@ -223,15 +223,14 @@ def test_the_advertised_address_is_the_node_ip_or_the_named_interface():
 
 
 def test_a_gpu_engine_that_does_not_fit_takes_nothing_from_the_nodes(make_spec):
-    # decode-0 (TP 4, STRICT_SPREAD) needs 4 hosts and finds 3: prefill-0 (TP 1) still fits after it.
+    # prefill-0 (TP 3, STRICT_SPREAD) needs 3 hosts and finds 2: decode-0 (TP 1) still gets a GPU after it.
     spec = ClusterSpec.from_dict(
         make_spec(
             device="cuda",
-            resources={"gpus": 5},
-            decode={"tensor_parallel_size": 4, "placement": {"strategy": "STRICT_SPREAD"}},
+            resources={"gpus": 4},
+            prefill={"tensor_parallel_size": 3, "placement": {"strategy": "STRICT_SPREAD"}},
         )
     )
-    hosts = [node("10.0.0.1", gpus=1, head=True), node("10.0.0.2", gpus=1), node("10.0.0.3", gpus=1)]
-    where, problems = assign(spec, hosts)
-    assert [p.split(" (")[0] for p in problems] == ["decode: decode-0 needs GPU 4"]
-    assert where["prefill-0"] == "10.0.0.1"
+    where, problems = assign(spec, [node("10.0.0.1", gpus=1, head=True), node("10.0.0.2", gpus=1)])
+    assert [p.split(" (")[0] for p in problems] == ["prefill: prefill-0 needs GPU 3"]
+    assert where["decode-0"] == "10.0.0.1"
