@@ -265,13 +265,15 @@ class Router:
             if self._uses_prefix
             else ()
         )
-        if self.settings.degrade and not self.pool.ready("decode"):
+        engines = self.pool.ready("decode")
+        if not engines:
+            if not self.settings.degrade:
+                raise no_healthy_engine("decode")
             return Route(None, self.prefill_policy.pick(self._ready("prefill"), prefix), prefix, NO_DECODE_ENGINE)
         if self.decode_index is None:
-            decode = self.decode_policy.pick(self._ready("decode"), prefix)
+            decode = self.decode_policy.pick(engines, prefix)
         else:
             policy = self.decode_policy
-            engines = self._ready("decode")
             decode = policy.choose(engines, prefix) if isinstance(policy, PrefixAware) else policy.pick(engines, prefix)
             if prefix:
                 sent = self.decode_index.blocks_sent(prefix, decode.engine_id)
@@ -280,9 +282,12 @@ class Router:
                     return Route(None, decode, prefix, CACHED)
         if self._decode_only_below and estimate_prompt_tokens(body, kind) < self._decode_only_below:
             return Route(None, decode, prefix, SHORT_PROMPT)
-        if self.settings.degrade and not self.pool.ready("prefill"):
-            return Route(None, decode, prefix, NO_PREFILL_ENGINE)
-        return Route(self.prefill_policy.pick(self._ready("prefill"), prefix), decode, prefix)
+        engines = self.pool.ready("prefill")
+        if engines:
+            return Route(self.prefill_policy.pick(engines, prefix), decode, prefix)
+        if not self.settings.degrade:
+            raise no_healthy_engine("prefill")
+        return Route(None, decode, prefix, NO_PREFILL_ENGINE)
 
     def retry_prefill(self, prefix: tuple[int, ...], tried: Sequence[EngineState]) -> EngineState | None:
         """A ready prefill engine not in ``tried``, or None."""
