@@ -44,20 +44,20 @@ def _usage_hint(status: dict[str, Any]) -> str:
 def cmd_validate(args: argparse.Namespace) -> int:
     from connectors.wire import url_host
     from orchestrator.launch import plan_engines
-    from orchestrator.placement import host_plan
+    from orchestrator.placement import assign, host_plan
     from orchestrator.spec import ClusterSpec
 
     spec = ClusterSpec.from_file(args.config)
     engines = plan_engines(spec, host=None)
     _print(f"{args.config}: valid: cluster {spec.name!r}, model {spec.model_name!r}, connector {spec.connector}")
-    nodes = None
+    placed = None
     if args.ray_address:
         from orchestrator.cluster import cluster_nodes
 
         nodes = cluster_nodes(args.ray_address)
         _print(f"  placed on the Ray cluster at {args.ray_address} ({sum(n.alive for n in nodes)} alive nodes):")
-    lines = host_plan(spec, engines, nodes)
-    for line in lines:
+        placed = assign(spec, nodes)
+    for line in host_plan(spec, engines, placed):
         _print(line)
     _print(f"  proxy      listens on {url_host(spec.proxy.host)}:{spec.proxy.port}")
     if spec.autoscaling is not None:
@@ -70,7 +70,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
             f"; prefill {spec.min_replicas('prefill')}..{spec.max_replicas('prefill')}, "
             f"decode {spec.min_replicas('decode')}..{spec.max_replicas('decode')}"
         )
-    return 1 if any(line.startswith("  cannot place") for line in lines) else 0
+    return 1 if placed is not None and placed[1] else 0
 
 
 def _follow(get_status: Callable[[], dict[str, Any]], printer: _EventPrinter, seen: int) -> None:

@@ -13,7 +13,7 @@
 - ``check_fit(spec, nodes)``: whether the alive nodes can hold the starting
   engines and the control plane; each problem names the spec field and the
   reason (a plan Ray cannot place would otherwise wait for ever).
-- ``host_plan(spec, nodes)``: the plan per host, for ``pdserve validate``.
+- ``host_plan(spec, launches, assign(...))``: the plan per host, for ``pdserve validate``.
 """
 
 from __future__ import annotations
@@ -225,16 +225,18 @@ def assign(spec: ClusterSpec, nodes: Iterable[Node]) -> tuple[dict[str, str], li
     return where, problems
 
 
-def host_plan(spec: ClusterSpec, launches: Iterable[Any], nodes: Iterable[Node] | None = None) -> list[str]:
+def host_plan(
+    spec: ClusterSpec, launches: Iterable[Any], placed: tuple[dict[str, str], list[str]] | None = None
+) -> list[str]:
     """The plan per host, as ``pdserve validate`` prints it.
 
-    Without nodes (no Ray cluster to ask): per placement, the engines that go
-    there with their cores or GPUs. With nodes: which node each part lands on
-    (first fit), and the problems.
+    Without ``placed`` (no Ray cluster to ask): per placement, the engines that
+    go there with their cores or GPUs. With ``placed`` (``assign``'s answer on a
+    cluster's nodes): which node each part lands on, and the problems.
     """
     by_id = {launch.engine_id: launch for launch in launches}
     lines: list[str] = []
-    if nodes is None:
+    if placed is None:
         groups: dict[str, list[str]] = {}
         control = spec.proxy.placement.describe() if spec.proxy.placement else "Ray head node"
         groups.setdefault(control, []).append("proxy, controller")
@@ -246,7 +248,7 @@ def host_plan(spec: ClusterSpec, launches: Iterable[Any], nodes: Iterable[Node] 
             lines.append(f"  on {where}:")
             lines += [f"    {item}" for item in items]
         return lines
-    where, problems = assign(spec, nodes)
+    where, problems = placed
     by_host: dict[str, list[str]] = {}
     for name, ip in where.items():
         item = "proxy, controller" if name == "proxy+controller" else _engine_line(spec, by_id[name])

@@ -226,7 +226,7 @@ def test_host_plan_without_nodes_groups_the_multinode_pools_by_label(multinode):
 
 
 def test_host_plan_on_nodes_lists_each_host(multinode):
-    lines = host_plan(multinode, plan_engines(multinode, host=None), MULTINODE_HOSTS)
+    lines = host_plan(multinode, plan_engines(multinode, host=None), assign(multinode, MULTINODE_HOSTS))
     assert [line for line in lines if line.startswith("  host ")] == [
         f"  host {ip}:" for ip in ("10.0.0.1", "10.0.1.1", "10.0.1.2", "10.0.2.1", "10.0.2.2")
     ]

@@ -179,7 +179,7 @@ def test_host_plan_without_a_cluster_groups_engines_by_placement(make_spec):
 
 def test_host_plan_on_nodes_lists_each_host_and_what_cannot_be_placed(make_spec):
     spec = split_spec(make_spec)
-    lines = host_plan(spec, plan_engines(spec, host=None), THREE_HOSTS[:2])
+    lines = host_plan(spec, plan_engines(spec, host=None), assign(spec, THREE_HOSTS[:2]))
     assert lines[:4] == [
         "  host 198.18.0.10:",
         "    proxy, controller",
