@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import psutil
 
+from connectors.wire import http_url
 from orchestrator.control import ControlClient, ControlError, new_token, token_digest
 from orchestrator.errors import ClusterNotRunning, PdserveError
 from orchestrator.paths import pdserve_dir
@@ -195,20 +196,22 @@ def terminate_trees(roots: list[psutil.Process]) -> None:
 def ray_connection(state: ClusterState) -> Iterator[Any]:
     """Connect this process to the cluster's Ray as a driver, for the ``with`` block."""
     _use_ray_auth(state)
+    with _ray_driver(state.ray_address, state.namespace) as ray:
+        yield ray
+
+
+@contextlib.contextmanager
+def _ray_driver(address: str, namespace: str | None = None) -> Iterator[Any]:
+    """This process as a Ray driver of the cluster at ``address``, for the ``with`` block."""
     import ray
 
     # Ray's driver may set its own signal handlers: once it is shut down, put back what this process had
     # (a foreground ``up`` follows the cluster after the driver is gone, and must still stop on Ctrl-C).
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        ray.init(
-            address=state.ray_address,
-            namespace=state.namespace,
-            log_to_driver=False,
-            logging_level=logging.WARNING,
-        )
+        ray.init(address=address, namespace=namespace, log_to_driver=False, logging_level=logging.WARNING)
     except (ConnectionError, RuntimeError) as e:
-        raise PdserveError(f"cannot connect to the Ray cluster at {state.ray_address}: {e}") from e
+        raise PdserveError(f"cannot connect to the Ray cluster at {address}: {e}") from e
     try:
         yield ray
     finally:
@@ -220,18 +223,10 @@ def ray_connection(state: ClusterState) -> Iterator[Any]:
 
 def cluster_nodes(address: str) -> list[Any]:
     """The nodes of the Ray cluster at ``address`` (``placement.Node``), for ``pdserve validate``."""
-    import ray
-
     from orchestrator.placement import Node
 
-    try:
-        ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
-    except (ConnectionError, RuntimeError) as e:
-        raise PdserveError(f"cannot connect to the Ray cluster at {address}: {e}") from e
-    try:
+    with _ray_driver(address) as ray:
         return [Node.from_ray(node) for node in ray.nodes()]
-    finally:
-        ray.shutdown()
 
 
 def _use_ray_auth(state: ClusterState) -> None:
@@ -294,7 +289,7 @@ def up(
         started_ray=started_ray,
         ray_temp_dir=temp_dir,
         log_dir=str(log_dir),
-        proxy_url=f"http://{spec.proxy.host}:{spec.proxy.port}",
+        proxy_url=http_url(spec.proxy.host, spec.proxy.port),
     )
     state.save()  # from here on, `pdserve down` can clean up whatever happens
     try:
