@@ -28,6 +28,13 @@ A request's life, seen from here:
 - A stream's client learns how its KV got here too: the prefill's params carry
   a ``pdserve_report`` message that the proxy sends to the decode engine's
   side channel when the stream starts (``side_channel.RecentReports``).
+- Trust (``connectors.auth``): the prefill side MACs what it issues (with the
+  lease's end, and the decode engine the proxy named); the decode side acts on
+  parameters only if their MAC holds, they have not expired, they name this
+  engine (when they name one) and it has not used them before. Anything else
+  is refused before any connection is made: the prompt is computed here,
+  nothing is released anywhere, and ``pdserve:kv_refused_total{kind="params"}``
+  counts it.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from connectors import wire
+from connectors.auth import ConsumedParams, KVAuth, Unauthenticated
 from connectors.metadata import ConnectorSettings, KVTransferParams, PdserveConnectorMetadata, ReceiveSpec
 from connectors.side_channel import ReleaseSender, release_message, report_key, report_message
 from connectors.stats import PdserveKVStats, PdserveWorkerMeta, merge_reports
@@ -59,6 +67,10 @@ class PdserveScheduler:
         settings = ConnectorSettings.from_extra_config(extra, engine_id)
         self.side_channel_host, self.side_channel_port = settings.side_channel_host, settings.side_channel_port
         self.engine_id = engine_id
+        self.lease_ttl_s = settings.lease_ttl_s
+        self._auth = KVAuth.from_env()
+        self._consumed = ConsumedParams()
+        self._checked: dict[str, KVTransferParams | None] = {}  # decode requests' params, checked once
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
         self.block_size = vllm_config.cache_config.block_size
         self._to_receive: dict[str, ReceiveSpec] = {}
@@ -67,7 +79,7 @@ class PdserveScheduler:
         self._loading_tokens: dict[str, int] = {}  # decode requests being loaded -> tokens to load
         self._reports: dict[str, dict[str, Any]] = {}
         self._stats = PdserveKVStats()
-        self._releases = ReleaseSender(engine_id)
+        self._releases = ReleaseSender(engine_id, self._auth)
 
     # ------------------------------------------------------------ decode side
 
@@ -151,8 +163,14 @@ class PdserveScheduler:
         self._to_report[report_key(params.remote_engine_id, params.remote_request_id)] = report
 
     def _remote_prefill_params(self, request: Request) -> KVTransferParams | None:
+        """The request's remote-prefill parameters if they ask to load and hold up; checked once per request."""
+        raw = request.kv_transfer_params
+        if not raw or not raw.get(wire.DO_REMOTE_PREFILL):
+            return None
+        if request.request_id in self._checked:
+            return self._checked[request.request_id]
         try:
-            return KVTransferParams.for_remote_prefill(request.kv_transfer_params)
+            params = KVTransferParams.for_remote_prefill(raw)
         except ValueError as e:
             logger.warning(
                 "request %s on engine %s: ignoring invalid kv_transfer_params, computing the prompt here: %s",
@@ -160,7 +178,26 @@ class PdserveScheduler:
                 self.engine_id,
                 e,
             )
-            return None
+            params = None
+        if params is not None:
+            try:
+                self._auth.check_params(raw, self.engine_id)
+                if not self._consumed.claim(raw):
+                    raise Unauthenticated("params", "already used (a replay)")
+            except Unauthenticated as e:
+                logger.warning(
+                    "request %s on engine %s: refused kv_transfer_params naming engine %s, computing the prompt "
+                    "here: %s",
+                    request.request_id,
+                    self.engine_id,
+                    params.remote_engine_id,
+                    e.reason,
+                )
+                self._stats.record_refused("params")
+                self._reports[request.request_id] = {"source": "recomputed", "reason": "unauthenticated"}
+                params = None
+        self._checked[request.request_id] = params
+        return params
 
     def _block_ratio(self, params: KVTransferParams) -> int | None:
         """Remote blocks per local block; None when the prefill's block size does not divide ours."""
@@ -229,7 +266,7 @@ class PdserveScheduler:
             self.engine_id,
             len(block_ids),
         )
-        return True, {
+        issued = {
             wire.DO_REMOTE_PREFILL: True,
             wire.DO_REMOTE_DECODE: False,
             wire.REMOTE_ENGINE_ID: self.engine_id,
@@ -245,16 +282,22 @@ class PdserveScheduler:
                 "endpoints": list(
                     wire.side_channel_endpoints(self.side_channel_host, self.side_channel_port, self.tp_size)
                 ),
-                "message": release_message(request.request_id).decode(),
+                "message": release_message(self._auth, request.request_id, self.lease_ttl_s).decode(),
             },
             # For the proxy: send `message` to each rank of the decode engine when its stream starts; the
             # answer is how that rank loaded this KV (a stream has no kv_transfer_params for it).
-            wire.PDSERVE_REPORT: {"message": report_message(self.engine_id, request.request_id).decode()},
+            wire.PDSERVE_REPORT: {
+                "message": report_message(self._auth, self.engine_id, request.request_id, self.lease_ttl_s).decode()
+            },
         }
+        if isinstance(reader := params.get(wire.PDSERVE_READER), str):
+            issued[wire.PDSERVE_READER] = reader  # only that decode engine may act on these
+        return True, self._auth.sign_params(issued, self.lease_ttl_s)
 
     def _decode_finished(self, request: Request) -> dict[str, Any] | None:
         """The ``kv_transfer_params`` a finished decode request returns: how its prompt KV got here."""
         self._loading_tokens.pop(request.request_id, None)
+        self._checked.pop(request.request_id, None)
         report = self._reports.pop(request.request_id, None)
         if report is None:
             params = self._remote_prefill_params(request)

@@ -2,16 +2,17 @@
 
 Two kinds of message arrive:
 
-- A handshake (starts with ``handshake.MAGIC``): the server thread answers
+- A handshake (a nonce and a ``handshake`` message): the server thread answers
   every well-formed ``HandshakeRequest`` with one pre-encoded
   ``HandshakeResponse`` (agent metadata and KV regions do not change after
   registration). A request it rejects gets an ``ERR`` reply carrying the
   reason, which the caller raises as ``HandshakeRejected``.
-- A release (``RELEASE_PREFIX`` + request id): nobody will read that
+- A release (``release_message``: a request id): nobody will read that
   request's blocks (the client went away, or the decode engine's read
   failed), so free them now instead of at lease expiry. The proxy sends the
   message it finds in the prefill's ``kv_transfer_params`` without knowing
-  its format; the server hands the id to ``on_release`` and answers ``OK``.
+  its format (sealed by the prefill engine, valid as long as the lease);
+  the server hands the id to ``on_release`` and answers ``OK``.
 - A report query (``report_message(prefill engine id, prefill request id)``,
   which the prefill engine hands the proxy in its ``kv_transfer_params`` as it
   does a release), from the proxy when a decode engine's stream starts: how
@@ -20,6 +21,11 @@ Two kinds of message arrive:
   ``NONE`` if it did not load it (not yet, or too long ago: ``RecentReports``
   keeps the last ``RECENT_REPORTS``). A stream has no ``kv_transfer_params``
   in vLLM 0.32; this is how its client still gets ``X-PDServe-KV``.
+
+Every message, both ways for a handshake, is sealed with the cluster's KV key
+(``connectors.auth``): the server answers a message it cannot open with
+``ERR unauthenticated <reason>``, does nothing else for it, and counts it
+(``refused``, by kind; ``pdserve:side_channel_refused_total`` on ``/metrics``).
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from __future__ import annotations
 import json
 import logging
 import queue
+import secrets
 import threading
 import time
 from collections import OrderedDict
@@ -35,6 +42,7 @@ from typing import Any
 
 import zmq
 
+from connectors.auth import LIVE_TTL_S, KVAuth, Unauthenticated
 from connectors.errors import HandshakeRejected, TransportError
 from connectors.handshake import (
     HandshakeRequest,
@@ -47,9 +55,8 @@ from connectors.topology import KVTopology
 from connectors.wire import tcp_endpoint
 
 __all__ = [
-    "RELEASE_PREFIX",
-    "REPORT_PREFIX",
     "RecentReports",
+    "RefusedMessages",
     "ReleaseSender",
     "SideChannelServer",
     "release_message",
@@ -62,15 +69,15 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _ERROR_PREFIX = b"ERR "
-RELEASE_PREFIX = b"PDRL "
-REPORT_PREFIX = b"PDKV "
 NO_REPORT = b"NONE"
 RECENT_REPORTS = 4096
 _POLL_MS = 100
+_NONCE_BYTES = 16
 
 
-def release_message(request_id: str) -> bytes:
-    return RELEASE_PREFIX + request_id.encode()
+def release_message(auth: KVAuth, request_id: str, ttl_s: float = LIVE_TTL_S) -> bytes:
+    """A sealed release of ``request_id``'s blocks, valid for ``ttl_s``."""
+    return auth.seal(b"release", request_id.encode(), ttl_s)
 
 
 def report_key(remote_engine_id: str, remote_request_id: str) -> str:
@@ -79,8 +86,27 @@ def report_key(remote_engine_id: str, remote_request_id: str) -> str:
     return f"{remote_engine_id} {remote_request_id}"
 
 
-def report_message(remote_engine_id: str, remote_request_id: str) -> bytes:
-    return REPORT_PREFIX + report_key(remote_engine_id, remote_request_id).encode()
+def report_message(auth: KVAuth, remote_engine_id: str, remote_request_id: str, ttl_s: float = LIVE_TTL_S) -> bytes:
+    """A sealed report query, valid for ``ttl_s``."""
+    return auth.seal(b"report", report_key(remote_engine_id, remote_request_id).encode(), ttl_s)
+
+
+class RefusedMessages:
+    """Side-channel messages refused for want of authentication, by kind (handshake, release, report,
+    message: not even framed as ours); the server thread counts, the engine's stats take them."""
+
+    def __init__(self) -> None:
+        self._counts: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def add(self, kind: str) -> None:
+        with self._lock:
+            self._counts[kind] = self._counts.get(kind, 0) + 1
+
+    def take(self) -> dict[str, int]:
+        with self._lock:
+            counts, self._counts = self._counts, {}
+        return counts
 
 
 class RecentReports:
@@ -114,11 +140,14 @@ class SideChannelServer:
         port: int,
         topology: KVTopology,
         response: bytes,
+        auth: KVAuth,
         on_release: Callable[[str], None] | None = None,
         answer_delay_s: float = 0.0,
         on_report: Callable[[str], bytes | None] | None = None,
     ):
         self.engine_id = engine_id
+        self._auth = auth
+        self.refused = RefusedMessages()
         self.endpoint = tcp_endpoint(host, port)
         self._topology = topology
         self._response = response
@@ -143,33 +172,36 @@ class SideChannelServer:
         while not self._stop.is_set():
             if not self._socket.poll(_POLL_MS):
                 continue
-            message = self._socket.recv()
-            if message.startswith(RELEASE_PREFIX):
-                self._release(message[len(RELEASE_PREFIX) :].decode(errors="replace"))
-                continue
-            if message.startswith(REPORT_PREFIX):
-                key = message[len(REPORT_PREFIX) :].decode(errors="replace")
-                report = self._on_report(key) if self._on_report is not None else None
-                self._socket.send(report or NO_REPORT)
-                continue
-            try:
-                request = decode_request(message, self._topology)
-            except HandshakeRejected as e:
-                logger.warning("engine %s: refused a handshake: %s", self.engine_id, e)
-                self._socket.send(_ERROR_PREFIX + e.kind.encode() + b" " + str(e).encode())
-                continue
-            logger.info("engine %s: handshake from engine %s", self.engine_id, request.engine_id)
-            if self._answer_delay_s:
-                time.sleep(self._answer_delay_s)
-            self._socket.send(self._response)
+            self._socket.send(self._answer(self._socket.recv()))
         self._socket.close()
 
-    def _release(self, request_id: str) -> None:
-        if self._on_release is not None and request_id:
-            self._on_release(request_id)
-            self._socket.send(b"OK")
-        else:
-            self._socket.send(_ERROR_PREFIX + b"malformed release")
+    def _answer(self, message: bytes) -> bytes:
+        try:
+            kind, body = self._auth.open(message)
+        except Unauthenticated as e:
+            self.refused.add(e.kind)
+            logger.warning("engine %s: refused a side-channel message: %s", self.engine_id, e)
+            return _ERROR_PREFIX + b"unauthenticated " + e.reason.encode()
+        if kind == b"release":
+            if self._on_release is None or not body:
+                return _ERROR_PREFIX + b"malformed release"
+            self._on_release(body.decode(errors="replace"))
+            return b"OK"
+        if kind == b"report":
+            report = self._on_report(body.decode(errors="replace")) if self._on_report is not None else None
+            return report or NO_REPORT
+        if kind != b"handshake":
+            return _ERROR_PREFIX + b"malformed unexpected message kind"
+        nonce, _, handshake = body.partition(b" ")
+        try:
+            request = decode_request(handshake, self._topology)
+        except HandshakeRejected as e:
+            logger.warning("engine %s: refused a handshake: %s", self.engine_id, e)
+            return _ERROR_PREFIX + e.kind.encode() + b" " + str(e).encode()
+        logger.info("engine %s: handshake from engine %s", self.engine_id, request.engine_id)
+        if self._answer_delay_s:
+            time.sleep(self._answer_delay_s)
+        return self._auth.seal(b"handshake-reply", nonce + b" " + self._response)
 
     def close(self) -> None:
         self._stop.set()
@@ -177,50 +209,60 @@ class SideChannelServer:
         self._context.term()
 
 
-def request_handshake(engine_id: str, topology: KVTopology, endpoint: str, timeout_s: float = 5.0) -> HandshakeResponse:
+def request_handshake(
+    engine_id: str, topology: KVTopology, endpoint: str, auth: KVAuth, timeout_s: float = 5.0
+) -> HandshakeResponse:
     """Ask the prefill worker rank at ``endpoint`` (``tcp://host:port``) for its handshake response;
-    raise on timeout or refusal."""
-    context = zmq.Context.instance()
-    socket = context.socket(zmq.REQ)
-    socket.setsockopt(zmq.LINGER, 0)
-    socket.setsockopt(zmq.RCVTIMEO, int(timeout_s * 1000))
-    socket.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
-    try:
-        socket.connect(endpoint)
-        socket.send(encode_request(HandshakeRequest(engine_id=engine_id, topology=topology)))
-        reply = socket.recv()
-    except zmq.ZMQError as e:
-        raise TransportError(f"engine {engine_id}: no handshake answer from {endpoint}: {e}") from e
-    finally:
-        socket.close()
+    raise on timeout, refusal, or an answer not sealed for this very request."""
+    nonce = secrets.token_hex(_NONCE_BYTES).encode()
+    handshake = encode_request(HandshakeRequest(engine_id=engine_id, topology=topology))
+    message = auth.seal(b"handshake", nonce + b" " + handshake)
+    reply = _ask(endpoint, message, timeout_s, f"engine {engine_id}: no handshake answer from {endpoint}")
     if reply.startswith(_ERROR_PREFIX):
         kind, _, reason = reply[len(_ERROR_PREFIX) :].decode(errors="replace").partition(" ")
+        if kind == "unauthenticated":
+            raise Unauthenticated("handshake", f"{endpoint} refused ours: {reason}")
         raise HandshakeRejected(kind if kind in ("version", "incompatible", "malformed") else "malformed", [reason])
-    return decode_response(reply, topology)
+    try:
+        kind, body = auth.open(reply)
+    except Unauthenticated as e:
+        raise Unauthenticated("handshake-reply", f"from {endpoint}: {e.reason}") from e
+    echoed, _, response = body.partition(b" ")
+    if kind != b"handshake-reply" or not secrets.compare_digest(echoed, nonce):
+        raise Unauthenticated("handshake-reply", f"from {endpoint}: not the answer to this handshake")
+    return decode_response(response, topology)
 
 
-def send_release(endpoint: str, request_id: str, timeout_s: float = 2.0) -> bool:
-    """Tell the worker at ``endpoint`` to free ``request_id``'s blocks; False if it did not answer."""
+def _ask(endpoint: str, message: bytes, timeout_s: float, failure: str) -> bytes:
     socket = zmq.Context.instance().socket(zmq.REQ)
     socket.setsockopt(zmq.LINGER, 0)
     socket.setsockopt(zmq.RCVTIMEO, int(timeout_s * 1000))
     socket.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
     try:
         socket.connect(endpoint)
-        socket.send(release_message(request_id))
-        return socket.recv() == b"OK"
+        socket.send(message)
+        return socket.recv()
     except zmq.ZMQError as e:
-        logger.warning("release of request %s at %s not delivered: %s", request_id, endpoint, e)
-        return False
+        raise TransportError(f"{failure}: {e}") from e
     finally:
         socket.close()
+
+
+def send_release(endpoint: str, message: bytes, timeout_s: float = 2.0) -> bool:
+    """Send a sealed release (``release_message``) to the worker at ``endpoint``; False if it did not take it."""
+    try:
+        return _ask(endpoint, message, timeout_s, "release not delivered") == b"OK"
+    except TransportError as e:
+        logger.warning("release at %s: %s", endpoint, e)
+        return False
 
 
 class ReleaseSender:
     """Sends releases from a daemon thread, so the engine's step never waits on a peer that may be gone."""
 
-    def __init__(self, engine_id: str, timeout_s: float = 2.0):
+    def __init__(self, engine_id: str, auth: KVAuth, timeout_s: float = 2.0):
         self.engine_id = engine_id
+        self._auth = auth
         self._timeout_s = timeout_s
         self._queue: queue.SimpleQueue[tuple[str, str] | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
@@ -236,7 +278,7 @@ class ReleaseSender:
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
             endpoint, request_id = item
-            if send_release(endpoint, request_id, self._timeout_s):
+            if send_release(endpoint, release_message(self._auth, request_id), self._timeout_s):
                 logger.debug("engine %s: released request %s at %s", self.engine_id, request_id, endpoint)
 
     def close(self) -> None:

@@ -23,6 +23,10 @@ Metrics (label ``kind`` / ``outcome`` as listed):
   version, malformed, transport
 - ``pdserve:kv_leases_total{outcome}`` — prefill leases that ended read, released or expired
 - ``pdserve:kv_recomputed_tokens_total`` — prompt tokens a decode engine recomputed after a failed load
+- ``pdserve:kv_refused_total{kind}`` — what failed the cluster's authentication: side-channel messages
+  (handshake, handshake-reply, release, report, message: not framed as ours) and transfer parameters
+  (params: forged, altered, expired, replayed or for another decode engine); counted at the engine's
+  next step
 """
 
 from __future__ import annotations
@@ -40,13 +44,15 @@ if TYPE_CHECKING:
 __all__ = [
     "FAILURE_KINDS",
     "LEASE_OUTCOMES",
+    "REFUSED_KINDS",
     "PdserveKVStats",
     "PdservePromMetrics",
     "PdserveWorkerMeta",
     "merge_reports",
 ]
 
-FAILURE_KINDS = ("injected", "unreachable", "incompatible", "version", "malformed", "transport")
+FAILURE_KINDS = ("injected", "unreachable", "incompatible", "version", "malformed", "transport", "unauthenticated")
+REFUSED_KINDS = ("handshake", "handshake-reply", "release", "report", "message", "params")
 LEASE_OUTCOMES = ("read", "released", "expired")
 
 # Buckets: a few KiB over shared memory takes well under a millisecond; a 4k-token
@@ -56,7 +62,7 @@ _GBPS_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.
 
 
 def _empty() -> dict[str, Any]:
-    return {"transfers": [], "failures": {}, "leases": {}, "recomputed_tokens": 0}
+    return {"transfers": [], "failures": {}, "leases": {}, "refused": {}, "recomputed_tokens": 0}
 
 
 @dataclasses.dataclass
@@ -81,6 +87,10 @@ class PdserveKVStats(KVConnectorStats):
             leases = self.data["leases"]
             leases[outcome] = leases.get(outcome, 0) + count
 
+    def record_refused(self, kind: str, count: int = 1) -> None:
+        refused = self.data["refused"]
+        refused[kind] = refused.get(kind, 0) + count
+
     def record_recomputed(self, tokens: int) -> None:
         self.data["recomputed_tokens"] += int(tokens)
 
@@ -92,7 +102,7 @@ class PdserveKVStats(KVConnectorStats):
     def aggregate(self, other: KVConnectorStats) -> PdserveKVStats:
         theirs = other.data
         self.data["transfers"].extend(theirs.get("transfers", ()))
-        for key in ("failures", "leases"):
+        for key in ("failures", "leases", "refused"):
             for name, count in theirs.get(key, {}).items():
                 self.data[key][name] = self.data[key].get(name, 0) + count
         self.data["recomputed_tokens"] += theirs.get("recomputed_tokens", 0)
@@ -111,11 +121,16 @@ class PdserveKVStats(KVConnectorStats):
         }
         summary.update({f"failed_{k}": v for k, v in sorted(self.data["failures"].items())})
         summary.update({f"lease_{k}": v for k, v in sorted(self.data["leases"].items())})
+        summary.update({f"refused_{k}": v for k, v in sorted(self.data["refused"].items())})
         return summary
 
     def is_empty(self) -> bool:
         return not (
-            self.data["transfers"] or self.data["failures"] or self.data["leases"] or self.data["recomputed_tokens"]
+            self.data["transfers"]
+            or self.data["failures"]
+            or self.data["leases"]
+            or self.data["refused"]
+            or self.data["recomputed_tokens"]
         )
 
 
@@ -162,6 +177,12 @@ class PdservePromMetrics(KVConnectorPromMetrics):
         self.leases = per_engine_and(
             "outcome", LEASE_OUTCOMES, "pdserve:kv_leases", "Prefill KV leases that ended, by outcome."
         )
+        self.refused = per_engine_and(
+            "kind",
+            REFUSED_KINDS,
+            "pdserve:kv_refused",
+            "Side-channel messages and transfer parameters that failed the cluster's authentication.",
+        )
         self.recomputed = per_engine(
             self._counter_cls, "pdserve:kv_recomputed_tokens", "Prompt tokens recomputed after a failed KV load."
         )
@@ -179,6 +200,9 @@ class PdservePromMetrics(KVConnectorPromMetrics):
         for outcome, count in transfer_stats_data.get("leases", {}).items():
             if outcome in self.leases[engine_idx]:
                 self.leases[engine_idx][outcome].inc(count)
+        for kind, count in transfer_stats_data.get("refused", {}).items():
+            if kind in self.refused[engine_idx]:
+                self.refused[engine_idx][kind].inc(count)
         if tokens := transfer_stats_data.get("recomputed_tokens", 0):
             self.recomputed[engine_idx].inc(tokens)
 

@@ -81,6 +81,12 @@ PDSERVE_RELEASE = "pdserve_release"
 """Prefill side's offer: ``{"endpoints", "message"}`` to free the blocks if no decode engine reads them."""
 PDSERVE_REPORT = "pdserve_report"
 """Prefill side's offer: ``{"message"}`` the proxy sends a decode engine's ranks to learn a stream's report."""
+PDSERVE_EXPIRES = "pdserve_expires"
+"""Prefill side's: when the issued parameters stop being valid (the lease's end, unix seconds)."""
+PDSERVE_READER = "pdserve_reader"
+"""The proxy's, to the prefill engine: the decode engine that will read; the prefill binds its parameters to it."""
+PDSERVE_MAC = "pdserve_mac"
+"""Prefill side's: the MAC over the parameters a decode engine acts on (``connectors.auth``)."""
 
 REMOTE_PREFILL_REQUIRED = (REMOTE_ENGINE_ID, REMOTE_REQUEST_ID, REMOTE_HOST, REMOTE_PORT, REMOTE_BLOCK_IDS)
 """What a decode request's params must carry to load remote KV."""

@@ -53,6 +53,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from connectors.auth import KVAuth, Unauthenticated
 from connectors.block_ranges import KVRegions, plan_peer_ranges
 from connectors.errors import ConnectorError, HandshakeRejected, TopologyError
 from connectors.handshake import HandshakeCache, HandshakeResponse, encode_response
@@ -181,6 +182,7 @@ class PdserveWorker:
         )
         self.lease_ttl_s = self.settings.lease_ttl_s
         self.engine_id = engine_id
+        self._auth = KVAuth.from_env()
         self._vllm_config = vllm_config
         self._kv_cache_config = kv_cache_config
         self._transport: NixlKVTransport | None = None
@@ -190,7 +192,7 @@ class PdserveWorker:
         self._stats = PdserveKVStats()
         self._reports: dict[str, dict[str, Any]] = {}
         self._answered = RecentReports()  # read by the side-channel thread
-        self._releases_out = ReleaseSender(engine_id)
+        self._releases_out = ReleaseSender(engine_id, self._auth)
         # decode side; remote ranks are keyed by peer_name(engine_id, rank)
         self._handshakes = HandshakeCache()
         self._handshake_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="pdserve-handshake")
@@ -258,6 +260,7 @@ class PdserveWorker:
             self.settings.side_channel_port + tp_rank,
             self._topology,
             encode_response(response),
+            self._auth,
             on_release=self._releases_in.put,
             on_report=self._answered.encoded,
             answer_delay_s=self.settings.handshake_delay_s,
@@ -312,7 +315,7 @@ class PdserveWorker:
             future = self._handshake_pool.submit(
                 self._handshakes.get_or_handshake,
                 remote.remote_engine_id,
-                lambda endpoint=endpoint: request_handshake(self.engine_id, topology, endpoint, timeout_s),
+                lambda endpoint=endpoint: request_handshake(self.engine_id, topology, endpoint, self._auth, timeout_s),
                 rank,
             )
             self._handshaking[name] = _Handshake(remote.remote_engine_id, rank, remote.tp_size, future)
@@ -361,6 +364,9 @@ class PdserveWorker:
             self._require_transport().add_peer(name, response.agent_metadata, regions, ranges)
         except HandshakeRejected as e:
             self._peer_failed(name, handshake, e.kind, f"handshake refused: {e}")
+            return
+        except Unauthenticated as e:
+            self._peer_failed(name, handshake, "unauthenticated", str(e))
             return
         except ConnectorError as e:
             self._peer_failed(name, handshake, "unreachable" if future.exception() else "incompatible", str(e))
@@ -555,6 +561,9 @@ class PdserveWorker:
 
     def take_stats(self) -> PdserveKVStats | None:
         """This interval's stats (None if nothing happened); the next interval starts empty."""
+        if self._server is not None:
+            for kind, count in self._server.refused.take().items():
+                self._stats.record_refused(kind, count)
         if self._stats.is_empty():
             return None
         stats, self._stats = self._stats, PdserveKVStats()

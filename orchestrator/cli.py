@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -205,7 +206,7 @@ def cmd_down(args: argparse.Namespace) -> int:
 def cmd_proxy(args: argparse.Namespace) -> int:
     import logging
 
-    from proxy.auth import load_keys
+    from proxy.auth import load_engine_key, load_keys
     from proxy.config import ProxyConfig
     from proxy.errors import ProxyConfigError
     from proxy.routing import RoutingSettings
@@ -220,6 +221,11 @@ def cmd_proxy(args: argparse.Namespace) -> int:
     )
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from connectors.auth import SECRET_ENV, SECRET_FILE_ENV
+
+    if args.cluster_secret_file:  # the workers inherit it; only the file's name travels
+        os.environ[SECRET_FILE_ENV] = args.cluster_secret_file
+    engine_auth = bool(os.environ.get(SECRET_ENV) or os.environ.get(SECRET_FILE_ENV))
     try:
         routing = RoutingSettings(
             prefill_policy=args.prefill_policy,
@@ -244,6 +250,7 @@ def cmd_proxy(args: argparse.Namespace) -> int:
         model = args.model or model_name_from_engines(
             prefill + decode,
             args.wait_s,
+            engine_key=load_engine_key() if engine_auth else None,
             on_wait=lambda missing: _print(
                 f"pdserve proxy: waiting up to {args.wait_s:g}s for {', '.join(missing)} to answer /v1/models "
                 "(--model skips this)"
@@ -254,6 +261,8 @@ def cmd_proxy(args: argparse.Namespace) -> int:
         return 1
     config = ProxyConfig(
         model_name=model,
+        engine_auth=engine_auth,
+        fast_path=not args.no_fast_path,
         request_timeout_s=args.request_timeout_s,
         max_body_bytes=args.max_body_bytes,
         max_concurrent_requests=args.max_concurrent_requests,
@@ -270,6 +279,8 @@ def cmd_proxy(args: argparse.Namespace) -> int:
     try:  # here, not only in each worker: a key that cannot be read stops the command with its reason
         load_keys(config.api_key_env, config.api_key_file)
         load_keys(config.admin_key_env, config.admin_key_file)
+        if engine_auth:
+            load_engine_key()
     except ProxyConfigError as e:
         print(f"pdserve proxy: {e}", file=sys.stderr)
         return 1
@@ -286,6 +297,31 @@ def cmd_proxy(args: argparse.Namespace) -> int:
     except OSError as e:
         print(f"pdserve proxy: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
         return 1
+
+
+def cmd_secret(args: argparse.Namespace) -> int:
+    """Make a cluster secret file (mode 0600), or keep the one there; never prints the secret."""
+    from connectors.auth import ENGINE_KEY_ENV, MissingSecret, engine_key, new_secret, read_secret_file, write_secret
+
+    path = Path(args.path)
+    if path.exists():
+        try:
+            secret = read_secret_file(path)
+        except MissingSecret as e:
+            print(f"pdserve secret: {e}", file=sys.stderr)
+            return 1
+        _print(f"pdserve secret: {path} already holds a cluster secret; kept")
+    else:
+        secret = new_secret()
+        write_secret(path, secret)
+        _print(f"pdserve secret: wrote a new cluster secret to {path} (mode 0600)")
+    if args.engine_key_file:
+        key_path = Path(args.engine_key_file)
+        fd = os.open(key_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(engine_key(secret) + "\n")
+        _print(f"pdserve secret: wrote its engine key to {key_path} (engines: {ENGINE_KEY_ENV}=$(cat {key_path}))")
+    return 0
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
@@ -391,7 +427,10 @@ def cmd_profile(args: argparse.Namespace) -> int:
                 f"the running cluster {running[0]!r} (model {running[1]!r}, connector {running[2]}) is not the one "
                 f"{args.config} describes; `pdserve down` it first"
             )
-        endpoints = profiler.ClusterEndpoints.from_status(status)
+        from connectors.auth import engine_key
+        from orchestrator.cluster import load_cluster_secret
+
+        endpoints = profiler.ClusterEndpoints.from_status(status, engine_key(load_cluster_secret()))
         engines = f"{endpoints.prefill_url} (prefill), {endpoints.decode_url} (decode), {endpoints.proxy_url} (proxy)"
         _print(f"pdserve profile: measuring {engines}")
         profile = asyncio.run(
@@ -552,6 +591,16 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         "transfer parameters between them.",
     )
     proxy.set_defaults(func=cmd_proxy)
+    secret = commands.add_parser(
+        "secret",
+        help="make a cluster secret file for engines and a proxy started by hand (`pdserve up` makes its own)",
+        description="Writes a new random cluster secret to PATH (mode 0600) unless PATH holds one; prints no "
+        "secret. Engines read it from PDSERVE_CLUSTER_SECRET_FILE (the pdserve connector's side channels and "
+        "transfer parameters); `pdserve proxy --cluster-secret-file PATH` sends engines the key derived from it.",
+    )
+    secret.add_argument("path", metavar="PATH")
+    secret.add_argument("--engine-key-file", metavar="OUT", help="also write the engines' API key (mode 0600)")
+    secret.set_defaults(func=cmd_secret)
     if wanted("proxy"):
         _add_proxy_args(proxy)
     simulate = commands.add_parser(
@@ -633,6 +682,16 @@ def _add_proxy_args(proxy: argparse.ArgumentParser) -> None:
     security.add_argument(
         "--forward-authorization", action="store_true",
         help="send the client's Authorization header on to the engines (engines started with --api-key)",
+    )  # fmt: skip
+    security.add_argument(
+        "--cluster-secret-file", metavar="PATH",
+        help="the cluster secret (`pdserve secret PATH` makes one; or PDSERVE_CLUSTER_SECRET): the proxy sends "
+        "the engine key derived from it (hand-started engines: VLLM_API_KEY from "
+        "`pdserve secret PATH --engine-key-file OUT`)",
+    )  # fmt: skip
+    proxy.add_argument(
+        "--no-fast-path", action="store_true",
+        help="stock FastAPI routing and uvicorn protocol instead of pdserve's faster ones (if an upgrade broke them)",
     )  # fmt: skip
     proxy.add_argument(
         "--wait-s",

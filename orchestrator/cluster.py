@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import psutil
 
+from connectors.auth import ClusterSecret, new_secret, read_secret_file, write_secret
 from connectors.wire import http_url
 from orchestrator.control import ControlClient, ControlError, new_token, token_digest
 from orchestrator.errors import ClusterNotRunning, PdserveError
@@ -99,6 +100,20 @@ class ClusterState:
     @classmethod
     def clear(cls) -> None:
         cls.path().unlink(missing_ok=True)
+        secret_path().unlink(missing_ok=True)
+
+
+def secret_path() -> Path:
+    """The running cluster's secret (mode 0600): for ``pdserve proxy --cluster-secret-file`` and tools
+    that call its engines (``load_cluster_secret``)."""
+    return state_dir() / "cluster-secret"
+
+
+def load_cluster_secret() -> ClusterSecret:
+    """The running cluster's secret, from the state directory."""
+    if not secret_path().exists():
+        raise ClusterNotRunning(f"no pdserve cluster is running (no {secret_path()})")
+    return read_secret_file(secret_path())
 
 
 # --- the local Ray head ---------------------------------------------------------------------
@@ -329,6 +344,8 @@ def _bring_up(
     # A local cluster serves on loopback; on a joined one each engine resolves its node's address.
     host = "127.0.0.1" if state.started_ray else None
     token = new_token()
+    secret = new_secret()
+    write_secret(secret_path(), secret)
     with ray_connection(state) as ray:
         _, problems = assign(spec, [Node.from_ray(node) for node in ray.nodes()])
         if problems:  # Ray would wait for ever for a node that can take them
@@ -344,7 +361,7 @@ def _bring_up(
                 max_restarts=-1,
                 **control_placement(spec).actor_options(),
             )
-            .remote(spec.model_dump(mode="json"), state.log_dir, host, profile, token_digest(token), None)
+            .remote(spec.model_dump(mode="json"), state.log_dir, host, profile, token_digest(token), None, secret)
         )
         state.api_url = ray.get(controller.start.remote(), timeout=120)
     state.api_token = token

@@ -43,6 +43,7 @@ import ray
 from ray.exceptions import ActorDiedError, RayActorError, RayTaskError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from connectors.auth import ClusterSecret, new_secret
 from connectors.wire import ROLES, http_url
 from orchestrator.autoscale.actuator import Autoscaler
 from orchestrator.autoscale.policy import PolicyConfig
@@ -92,11 +93,13 @@ class ClusterController:
         profile_data: dict[str, Any] | None = None,
         api_token_sha256: str = "",
         api_host: str | None = None,
+        secret: ClusterSecret | None = None,
     ) -> None:
         self.log_dir = Path(log_dir)
         redirect_output(self.log_dir / "controller.log")
         self.spec = ClusterSpec.model_validate(spec_data)
         self.host = host
+        self._secret = secret or new_secret()  # engines and proxy get it; never logged
         # Every engine the pools may grow to; the first `replicas` of each start with the cluster.
         self.launches: dict[str, EngineLaunch] = {e.engine_id: e for e in plan_engines(self.spec, host)}
         self.targets = {role: self.spec.pool(role).replicas for role in ROLES}
@@ -341,7 +344,7 @@ class ClusterController:
                 lifetime="detached",
                 **control_placement(self.spec).actor_options(),
             )
-            .remote(config, self.spec.proxy.host, self.spec.proxy.port, str(self.log_dir / "proxy.log"))
+            .remote(config, self.spec.proxy.host, self.spec.proxy.port, str(self.log_dir / "proxy.log"), self._secret)
         )
         self._event(f"proxy starting on {self.proxy_url}")
         self.proxy_url = (await self.proxy.start.remote())["url"]
@@ -367,7 +370,7 @@ class ClusterController:
         return (
             ray.remote(EngineActor)
             .options(**options)
-            .remote(launch, self.engines[launch.engine_id].log_path, self.spec.network.interface)
+            .remote(launch, self.engines[launch.engine_id].log_path, self.spec.network.interface, self._secret)
         )
 
     def _placement_group(self, launch: EngineLaunch) -> Any:

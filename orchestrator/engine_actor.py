@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from connectors.auth import ENGINE_KEY_ENV, SECRET_ENV, ClusterSecret, engine_key
 from orchestrator.errors import EngineStartError
 from orchestrator.launch import EngineLaunch
 from orchestrator.logs import redirect_output
@@ -141,7 +142,9 @@ def _node_address(interface: str | None) -> str:
 class EngineActor:
     """Ray actor class (wrapped with ``ray.remote`` by the controller)."""
 
-    def __init__(self, launch: EngineLaunch, log_path: str, interface: str | None = None) -> None:
+    def __init__(
+        self, launch: EngineLaunch, log_path: str, interface: str | None = None, secret: ClusterSecret | None = None
+    ) -> None:
         if launch.host is None or launch.bind:
             launch = launch.on_host(launch.host or _node_address(interface), launch.bind)
         self.launch = launch
@@ -155,6 +158,9 @@ class EngineActor:
         self._starting: asyncio.Future | None = None
         self.url = launch.url
         os.environ.update(launch.env)
+        if secret is not None:  # for the connector (side channel, transfer parameters) and vLLM's --api-key
+            os.environ[SECRET_ENV] = secret.reveal()
+            os.environ[ENGINE_KEY_ENV] = engine_key(secret)
         redirect_output(self.log_path)
 
     async def info(self) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from collections.abc import Generator
 
 import uvicorn
 
+from connectors.auth import SECRET_ENV, ClusterSecret
 from connectors.wire import LISTEN_ALL, http_url
 from orchestrator.logs import redirect_output
 from proxy.app import ProxyConfig, create_app
@@ -36,7 +37,11 @@ class _ThreadServer(uvicorn.Server):
 
 
 class ProxyActor:
-    def __init__(self, config: ProxyConfig, host: str, port: int, log_path: str) -> None:
+    def __init__(
+        self, config: ProxyConfig, host: str, port: int, log_path: str, secret: ClusterSecret | None = None
+    ) -> None:
+        if secret is not None:  # the engines' key is derived from it (``ProxyConfig.engine_auth``)
+            os.environ[SECRET_ENV] = secret.reveal()
         redirect_output(log_path)
         self.config, self.host, self.port = config, host, port
         self.pool = EnginePool()

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from connectors.wire import ROLES
 from orchestrator.errors import SpecError
@@ -251,9 +251,19 @@ class ProxySpec(_Strict):
     admin_key_file: str | None = Field(default=None, description="A file of admin keys, one per line.")
     forward_authorization: bool = Field(
         default=False,
-        description="Send the client's Authorization header on to the engines (only for engines started with "
-        "--api-key; pdserve's engines listen where only the proxy reaches them).",
+        description="Not for a pdserve cluster: its engines accept only the cluster's engine key, which the "
+        "proxy sends (`pdserve proxy --forward-authorization` is for engines someone else started).",
     )
+
+    @field_validator("forward_authorization")
+    @classmethod
+    def _no_forwarding(cls, value: bool) -> bool:
+        if value:
+            raise ValueError(
+                "a pdserve cluster's engines accept only the cluster's engine key, which the proxy sends; "
+                "clients' keys stay at the proxy (remove this field)"
+            )
+        return value
 
 
 class PoolSpec(_Strict):
@@ -453,7 +463,8 @@ class ClusterSpec(_Strict):
             api_key_file=proxy.api_key_file,
             admin_key_env=tuple(proxy.admin_key_env),
             admin_key_file=proxy.admin_key_file,
-            forward_authorization=proxy.forward_authorization,
+            engine_auth=True,
+            bind_reader=self.connector == "pdserve",
         )
 
     @model_validator(mode="after")

@@ -19,9 +19,10 @@ import re
 from collections.abc import Iterable
 from pathlib import Path
 
+from connectors.auth import MissingSecret, engine_key, load_secret
 from proxy.errors import ProxyConfigError
 
-__all__ = ["ENV_NAME", "KeyCheck", "bearer_token", "load_keys"]
+__all__ = ["ENV_NAME", "KeyCheck", "bearer_token", "load_engine_key", "load_keys"]
 
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 """What an environment variable's name looks like (and a secret, usually, does not)."""
@@ -47,6 +48,15 @@ def load_keys(env_names: Iterable[str] = (), file: str | None = None) -> tuple[b
             raise ProxyConfigError(f"the API key file {file} holds no key")
         keys += from_file
     return tuple(key.encode() for key in keys)
+
+
+def load_engine_key() -> str:
+    """The engines' key, derived from the cluster secret in this process's environment; ``ProxyConfigError``
+    naming where it is looked for if there is none."""
+    try:
+        return engine_key(load_secret())
+    except MissingSecret as e:
+        raise ProxyConfigError(str(e)) from e
 
 
 def bearer_token(authorization: str | None) -> str | None:

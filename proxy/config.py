@@ -40,3 +40,12 @@ class ProxyConfig:
     admin_key_file: str | None = None
     forward_authorization: bool = False
     """Send the client's ``Authorization`` header on to the engines (for engines started with --api-key)."""
+    fast_path: bool = True
+    """Serve with the routes and uvicorn protocol that rely on FastAPI/uvicorn internals (``proxy.app``);
+    false: stock FastAPI routing and uvicorn's protocol."""
+    engine_auth: bool = False
+    """Send the engines the cluster's engine key (derived from the cluster secret, ``connectors.auth``:
+    ``PDSERVE_CLUSTER_SECRET`` or ``PDSERVE_CLUSTER_SECRET_FILE``), instead of any client's."""
+    bind_reader: bool = False
+    """Tell the prefill engine which decode engine will read (``pdserve_reader``): the engines' connector ids
+    are the pool's engine ids (a pdserve cluster's ``pdserve`` connector)."""

@@ -177,8 +177,10 @@ def check_context_length(body: dict[str, Any], max_model_len: int) -> None:
     )
 
 
-def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
-    request = dict(body, max_tokens=1, stream=False, n=1, **{wire.KV_TRANSFER_PARAMS: dict(PREFILL_KV_PARAMS)})
+def prefill_body(body: dict[str, Any], reader: str | None = None) -> dict[str, Any]:
+    """The prefill leg: one token, no stream; ``reader``, the decode engine that will read its KV, if known."""
+    kv_params = dict(PREFILL_KV_PARAMS, **{wire.PDSERVE_READER: reader}) if reader else dict(PREFILL_KV_PARAMS)
+    request = dict(body, max_tokens=1, stream=False, n=1, **{wire.KV_TRANSFER_PARAMS: kv_params})
     if "max_completion_tokens" in request:
         request["max_completion_tokens"] = 1
     request.pop("stream_options", None)
@@ -222,8 +224,8 @@ class Upstream:
         except (EngineConnectionError, TimeoutError) as e:
             raise _engine_failed(endpoint, "prefill", request_id, e) from e
         status = response.status
-        if status >= 500:
-            raise _engine_failed(endpoint, "prefill", request_id, f"HTTP {status}: {payload[:200]!r}")
+        if status >= 500 or status == 401:
+            raise _engine_failed(endpoint, "prefill", request_id, _engine_status(status, payload))
         if status >= 400:
             raise EngineRejected(status, payload)
         try:
@@ -244,8 +246,8 @@ class Upstream:
                 payload = await response.read(self.timeout_s)
             except (EngineConnectionError, TimeoutError) as e:
                 raise _engine_failed(endpoint, "decode", request_id, e) from e
-            if response.status >= 500:
-                raise _engine_failed(endpoint, "decode", request_id, f"HTTP {response.status}: {payload[:200]!r}")
+            if response.status >= 500 or response.status == 401:
+                raise _engine_failed(endpoint, "decode", request_id, _engine_status(response.status, payload))
             raise EngineRejected(response.status, payload)
         return response
 
@@ -280,6 +282,12 @@ class EngineRejected(Exception):
         if not (isinstance(parsed, dict) and "error" in parsed):
             parsed = error_body(payload.decode(errors="replace")[:500], "invalid_request_error")
         self.body = parsed
+
+
+def _engine_status(status: int, payload: bytes) -> str:
+    if status == 401:  # the proxy's own key, not the client's: the client must not see a 401
+        return "HTTP 401: the engine refused the proxy's engine key (is it of another cluster's secret?)"
+    return f"HTTP {status}: {payload[:200]!r}"
 
 
 def _engine_failed(endpoint: EngineAddress, phase: str, request_id: str, cause: object) -> UpstreamFailed:

@@ -121,11 +121,14 @@ class CoalescingHttpToolsProtocol(HttpToolsProtocol):
 
 
 def uvicorn_config(app: Any, host: str = "127.0.0.1", port: int = 8000, **overrides: Any) -> uvicorn.Config:
+    """How the proxy's ``app`` is served: our protocol on its fast path (``ProxyConfig.fast_path``), else uvicorn's."""
+    config = getattr(getattr(app, "state", None), "config", None)
+    fast = getattr(config, "fast_path", True)
     settings: dict[str, Any] = {
         "host": host,
         "port": port,
         "loop": "uvloop",
-        "http": CoalescingHttpToolsProtocol,
+        "http": CoalescingHttpToolsProtocol if fast else "httptools",
         "ws": "none",
         "lifespan": "on",
         "proxy_headers": False,  # its middleware costs every request; the proxy reads no X-Forwarded-*

@@ -96,7 +96,12 @@ def normalize_url(url: str) -> str:
     return url.removesuffix("/v1")
 
 
-def model_name_from_engines(urls: list[str], wait_s: float, on_wait: Callable[[list[str]], None] | None = None) -> str:
+def model_name_from_engines(
+    urls: list[str],
+    wait_s: float,
+    on_wait: Callable[[list[str]], None] | None = None,
+    engine_key: str | None = None,
+) -> str:
     """The model every engine in ``urls`` serves, from their ``/v1/models``.
 
     Engines that do not answer yet are asked again every second, for up to
@@ -113,7 +118,7 @@ def model_name_from_engines(urls: list[str], wait_s: float, on_wait: Callable[[l
             if url in served:
                 continue
             try:
-                served[url] = _served_model(url)
+                served[url] = _served_model(url, engine_key)
                 problems.pop(url, None)
             except _NotServing as e:
                 problems[url] = str(e)
@@ -138,10 +143,13 @@ class _NotServing(Exception):
     pass
 
 
-def _served_model(url: str) -> str:
+def _served_model(url: str, engine_key: str | None = None) -> str:
     """The first model of ``url``'s ``/v1/models`` (vLLM lists its served model name first)."""
+    request = urllib.request.Request(url + "/v1/models")
+    if engine_key is not None:
+        request.add_header("Authorization", f"Bearer {engine_key}")
     try:
-        with urllib.request.urlopen(url + "/v1/models", timeout=5) as response:
+        with urllib.request.urlopen(request, timeout=5) as response:
             listing = json.loads(response.read())
     except urllib.error.HTTPError as e:
         raise _NotServing(f"/v1/models answered HTTP {e.code}") from e

@@ -32,7 +32,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from connectors.auth import engine_key  # noqa: E402
+from orchestrator.cluster import load_cluster_secret  # noqa: E402
+
 PDSERVE = [sys.executable, "-m", "orchestrator.cli"]
+ENGINE_HEADERS: dict[str, dict[str, str]] = {}
+"""Per engine URL called directly: the cluster's engine key (engines answer only the proxy and its holders)."""
 WORDS = (
     "the river carried old leaves past the mill while children counted boats and the baker sang about "
     "rain over the hills where a lighthouse keeper wrote letters to a friend across the sea "
@@ -56,7 +61,9 @@ def stream_completion(url: str, model: str, prompt: str, max_tokens: int) -> dic
         "stream_options": {"include_usage": True},
     }
     request = urllib.request.Request(
-        url + "/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        url + "/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", **ENGINE_HEADERS.get(url, {})},
     )
     start = time.perf_counter()
     token_times: list[float] = []
@@ -148,6 +155,7 @@ def main() -> None:
             decode_url = next(e["url"] for e in status["engines"] if e["role"] == "decode")
             model = status["model"]
             paths = [("disaggregated", status["proxy_url"]), ("one engine", decode_url)]
+            ENGINE_HEADERS[decode_url] = {"Authorization": f"Bearer {engine_key(load_cluster_secret())}"}
             if args.no_connector:
                 paths.append(("no connector", stack.enter_context(plain_engine(args.config, args.plain_port))))
             results: dict[str, list[dict]] = {name: [] for name, _ in paths}

@@ -54,7 +54,7 @@ import random
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from itertools import pairwise
 from typing import Any
@@ -189,9 +189,11 @@ class ClusterEndpoints:
     prefill_url: str
     decode_url: str
     startup_s: float
+    engine_key: str = field(default="", repr=False)
+    """The cluster's engine key: the profiler calls the engines' ``/v1`` routes itself (never printed)."""
 
     @classmethod
-    def from_status(cls, status: dict[str, Any]) -> ClusterEndpoints:
+    def from_status(cls, status: dict[str, Any], engine_key: str = "") -> ClusterEndpoints:
         ready = [e for e in status["engines"] if e["state"] == "ready" and e.get("url")]
         urls = {}
         for role in ("prefill", "decode"):
@@ -209,6 +211,7 @@ class ClusterEndpoints:
             prefill_url=urls["prefill"],
             decode_url=urls["decode"],
             startup_s=round(statistics.mean(loads), 1) if loads else 0.0,
+            engine_key=engine_key,
         )
 
 
@@ -483,7 +486,8 @@ async def measure(
     max_num_seqs, budget = batch_limits(spec)
     grid.check(max_num_seqs, budget, spec.engine.max_model_len, spec.proxy.decode_only_below_tokens)
     timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
+    headers = {"Authorization": f"Bearer {endpoints.engine_key}"} if endpoints.engine_key else None
+    async with aiohttp.ClientSession(timeout=timeout, headers=headers) as session:
         http = _Http(session)
         model, prefill_url, decode_url = endpoints.model, endpoints.prefill_url, endpoints.decode_url
         prompts = await RandomPrompts.from_engine(http, prefill_url, model, seed)

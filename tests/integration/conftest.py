@@ -54,6 +54,10 @@ class Cluster:
     def proxy_url(self) -> str:
         return self.status["proxy_url"]
 
+    @property
+    def engine_headers(self) -> dict[str, str]:
+        return engine_headers(self.env["PDSERVE_STATE_DIR"])
+
     def engine(self, role: str) -> dict:
         return next(e for e in self.status["engines"] if e["role"] == role)
 
@@ -129,16 +133,26 @@ def own_cluster(root: Path, spec: dict) -> Iterator[dict]:
             pytest.fail(f"pdserve up failed ({up.returncode}):\n{up.stdout}\n{up.stderr}")
         status = run_pdserve("status", "--json", env=env)
         assert status.returncode == 0, status.stderr
-        yield json.loads(status.stdout)
+        yield json.loads(status.stdout) | {"state_dir": str(root / "state")}
     finally:
         down = run_pdserve("down", env=env)
         assert down.returncode == 0, down.stderr
 
 
-def http_json(url: str, body: dict | None = None, timeout: float = 120) -> tuple[int, dict, dict]:
+def engine_headers(state_dir: str | Path) -> dict[str, str]:
+    """What a caller of a cluster's engines must send: the engine key derived from the cluster's secret,
+    which ``pdserve up`` left in its state directory (only the proxy and tests call engines)."""
+    from connectors.auth import engine_key, read_secret_file
+
+    return {"Authorization": f"Bearer {engine_key(read_secret_file(Path(state_dir) / 'cluster-secret'))}"}
+
+
+def http_json(
+    url: str, body: dict | None = None, timeout: float = 120, headers: dict[str, str] | None = None
+) -> tuple[int, dict, dict]:
     """POST ``body`` (or GET when None); return (status, headers, parsed JSON)."""
     data = json.dumps(body).encode() if body is not None else None
-    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **(headers or {})})
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
             return response.status, dict(response.headers), json.loads(response.read())

@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from scripts import hosts
-from tests.integration.conftest import CLI_TIMEOUT_S, PDSERVE, UP_TIMEOUT_S, http_json, kv_report
+from tests.integration.conftest import CLI_TIMEOUT_S, PDSERVE, UP_TIMEOUT_S, engine_headers, http_json, kv_report
 
 ROOT = Path(__file__).resolve().parents[2]
 SPEC = ROOT / "configs" / "multi-host-cpu.yaml"
@@ -98,10 +98,10 @@ def multihost(three_hosts: dict, tmp_path_factory: pytest.TempPathFactory) -> It
         assert down.returncode == 0, down.stderr
 
 
-def chat(url: str, prompt: str, timeout: float = 120) -> tuple[int, dict, dict]:
+def chat(url: str, prompt: str, timeout: float = 120, headers: dict | None = None) -> tuple[int, dict, dict]:
     """A greedy chat completion: (status, body, headers)."""
     body = {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": 16, "temperature": 0}
-    code, headers, answer = http_json(url + "/v1/chat/completions", body, timeout=timeout)
+    code, headers, answer = http_json(url + "/v1/chat/completions", body, timeout=timeout, headers=headers)
     return code, answer, headers
 
 
@@ -139,7 +139,7 @@ def test_kv_crosses_hosts_and_answers_equal_the_decode_engine_alone(multihost):
         assert report["source"] == "transfer", report
         assert report["remote_engine_id"] == "prefill-0"
         moved += int(report["bytes"])
-        alone_code, alone, _ = chat(decode_url, prompt)
+        alone_code, alone, _ = chat(decode_url, prompt, headers=engine_headers(multihost.env["PDSERVE_STATE_DIR"]))
         assert alone_code == 200, alone
         assert body["choices"][0]["message"]["content"] == alone["choices"][0]["message"]["content"]
     sent = veth_bytes("prefill")[0] - sent_before

@@ -20,7 +20,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.conftest import http_json, http_stream, kv_report, metric_values, own_cluster
+from tests.integration.conftest import (
+    engine_headers,
+    http_json,
+    http_stream,
+    kv_report,
+    metric_values,
+    own_cluster,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.after_cluster]
 
@@ -65,6 +72,10 @@ def pdserve_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
         yield status
 
 
+def headers_of(status: dict) -> dict[str, str]:
+    return engine_headers(status["state_dir"])
+
+
 def engine_url(status: dict, role: str) -> str:
     return next(e["url"] for e in status["engines"] if e["role"] == role)
 
@@ -93,7 +104,7 @@ def test_failed_reads_are_recomputed_with_the_same_greedy_answer(pdserve_cluster
     sources, recomputed_tokens = [], 0
     for prompt in PROMPTS:
         request = chat(prompt, temperature=0, max_tokens=24)
-        status, _, alone = http_json(prefill_url + "/v1/chat/completions", request)
+        status, _, alone = http_json(prefill_url + "/v1/chat/completions", request, headers=headers_of(pdserve_cluster))
         assert status == 200, alone
         status, headers, disaggregated = http_json(pdserve_cluster["proxy_url"] + "/v1/chat/completions", request)
         assert status == 200, disaggregated
@@ -156,7 +167,7 @@ def test_blocks_nobody_reads_are_freed_when_the_lease_expires(pdserve_cluster: d
     prefill_url = engine_url(pdserve_cluster, "prefill")
     before = metric_values(prefill_url, LEASES, "outcome")
     request = chat(PROMPTS[1], max_tokens=1, kv_transfer_params={"do_remote_decode": True})
-    status, _, body = http_json(prefill_url + "/v1/chat/completions", request)
+    status, _, body = http_json(prefill_url + "/v1/chat/completions", request, headers=headers_of(pdserve_cluster))
     assert status == 200, body
     assert body["kv_transfer_params"]["remote_block_ids"], body
 

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.integration.conftest import http_json, http_stream, kv_report, metric_values, own_cluster
+from tests.integration.conftest import engine_headers, http_json, http_stream, kv_report, metric_values, own_cluster
 
 pytestmark = [pytest.mark.integration, pytest.mark.after_cluster]
 
@@ -64,7 +64,9 @@ def test_tp1_prefill_to_tp2_decode_gives_the_decode_engines_own_greedy_output(tp
     proxy_url = tp_cluster["proxy_url"]
     alone = {}
     for prompt in PROMPTS:
-        status, _, body = http_json(decode_url + "/v1/completions", completion(prompt))
+        status, _, body = http_json(
+            decode_url + "/v1/completions", completion(prompt), headers=engine_headers(tp_cluster["state_dir"])
+        )
         assert status == 200, body
         alone[prompt] = body
 

@@ -74,7 +74,7 @@ def test_disaggregated_greedy_output_equals_one_engine_alone(cluster: Cluster) -
     prompt_tokens = 0
     for prompt in PROMPTS:
         request = chat(prompt, temperature=0, max_tokens=32)
-        status, _, alone = http_json(prefill_url + "/v1/chat/completions", request)
+        status, _, alone = http_json(prefill_url + "/v1/chat/completions", request, headers=cluster.engine_headers)
         assert status == 200, alone
         status, headers, disaggregated = http_json(cluster.proxy_url + "/v1/chat/completions", request)
         assert status == 200, disaggregated

@@ -27,6 +27,7 @@ import yaml
 import zmq
 import zmq.asyncio
 
+from connectors.auth import SECRET_ENV, SECRET_FILE_ENV, ClusterSecret
 from orchestrator.models import DEMO_MODEL_NAME, KNOWN_MODELS
 from proxy.app import ProxyConfig, create_app
 from proxy.pool import Endpoint, EnginePool
@@ -70,6 +71,17 @@ def model_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     (cache / KNOWN_MODELS[DEMO_MODEL_NAME].dir_name).mkdir(parents=True)
     monkeypatch.setenv("PDSERVE_MODEL_CACHE", str(cache))
     return cache
+
+
+TEST_SECRET = ClusterSecret("the-unit-tests-cluster-secret-0123456789")
+"""The cluster secret every unit test's process holds (connectors read it from the environment)."""
+
+
+@pytest.fixture(autouse=True)
+def cluster_secret(monkeypatch: pytest.MonkeyPatch) -> ClusterSecret:
+    monkeypatch.setenv(SECRET_ENV, TEST_SECRET.reveal())
+    monkeypatch.delenv(SECRET_FILE_ENV, raising=False)
+    return TEST_SECRET
 
 
 @pytest.fixture(autouse=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -13,10 +14,18 @@ pytest.importorskip("vllm")
 from vllm.v1.outputs import KVConnectorOutput  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
+from connectors.auth import KVAuth  # noqa: E402
 from connectors.metadata import KVTransferParams  # noqa: E402
 from connectors.scheduler import PdserveScheduler  # noqa: E402
 from connectors.side_channel import report_key  # noqa: E402
 from connectors.stats import PdserveWorkerMeta  # noqa: E402
+from tests.unit.conftest import TEST_SECRET  # noqa: E402
+
+
+def signed(**fields: Any) -> dict[str, Any]:
+    """``REMOTE`` with ``fields``, as a prefill engine of the test cluster issues them (MAC'd)."""
+    return KVAuth(TEST_SECRET).sign_params(dict(REMOTE, **fields), ttl_s=120)
+
 
 REMOTE = {
     "do_remote_prefill": True,
@@ -65,7 +74,7 @@ def scheduler() -> PdserveScheduler:
 
 
 def test_decode_loads_every_prompt_token_not_computed_locally(scheduler):
-    request = FakeRequest(kv_transfer_params=dict(REMOTE))
+    request = FakeRequest(kv_transfer_params=signed())
 
     assert scheduler.get_num_new_matched_tokens(request, 0) == (300, True)
     assert scheduler.get_num_new_matched_tokens(request, 128) == (172, True)
@@ -73,7 +82,7 @@ def test_decode_loads_every_prompt_token_not_computed_locally(scheduler):
 
 
 def test_local_blocks_pair_with_remote_blocks_by_position_skipping_prefix_hits(scheduler):
-    request = FakeRequest(kv_transfer_params=dict(REMOTE))
+    request = FakeRequest(kv_transfer_params=signed())
 
     scheduler.update_state_after_alloc(request, fake_blocks((3, True), (4, False), (5, False)), 172)
     meta = scheduler.build_connector_meta()
@@ -101,8 +110,65 @@ def test_prefill_keeps_the_blocks_and_says_where_they_are(scheduler):
         block_size=BLOCK_SIZE,
     )
     assert scheduler.build_connector_meta().reqs_to_hold == {"req-1": (7, 8, 9)}
-    # what the proxy sends the decode engine's side channel when the stream starts
-    assert params["pdserve_report"] == {"message": "PDKV engine-a req-1"}
+    # MAC'd, for as long as the lease, for any decode engine (the proxy named none)
+    auth = KVAuth(TEST_SECRET)
+    auth.check_params(params, "any-decode-engine")
+    assert params["pdserve_expires"] == pytest.approx(time.time() + scheduler.lease_ttl_s, abs=5)
+    # what the proxy sends the decode engine's side channel when the stream starts, and the release: sealed
+    assert auth.open(params["pdserve_report"]["message"].encode()) == (b"report", b"engine-a req-1")
+    assert auth.open(params["pdserve_release"]["message"].encode()) == (b"release", b"req-1")
+
+
+def test_prefill_binds_its_parameters_to_the_decode_engine_the_proxy_named(scheduler):
+    request = FakeRequest(kv_transfer_params={"do_remote_decode": True, "pdserve_reader": "decode-3"})
+    _, params = scheduler.request_finished(request, [7])
+    assert params["pdserve_reader"] == "decode-3"
+    KVAuth(TEST_SECRET).check_params(params, "decode-3")
+    decode = make_scheduler()
+    decode.engine_id = "decode-4"
+    other = FakeRequest(request_id="d1", kv_transfer_params=params)
+    assert decode.get_num_new_matched_tokens(other, 0) == (0, False)
+
+
+def refused_params(scheduler: PdserveScheduler) -> int:
+    stats = scheduler.take_stats()
+    return stats.data["refused"].get("params", 0) if stats else 0
+
+
+@pytest.mark.parametrize(
+    "tamper",
+    [
+        pytest.param(lambda p: p.update(remote_host="203.0.113.9"), id="foreign host"),
+        pytest.param(lambda p: p.update(remote_block_ids=[1, 2, 3]), id="other blocks"),
+        pytest.param(lambda p: p.update(pdserve_mac="0" * 64), id="wrong MAC"),
+        pytest.param(lambda p: p.pop("pdserve_mac"), id="no MAC"),
+        pytest.param(lambda p: p.update(pdserve_expires=time.time() - 1), id="expired"),
+    ],
+)
+def test_parameters_that_do_not_hold_up_are_computed_here_and_never_released_anywhere(scheduler, tamper):
+    params = signed()
+    tamper(params)
+    request = FakeRequest(kv_transfer_params=params)
+
+    assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False)  # the prompt is computed here
+    scheduler.update_state_after_alloc(request, fake_blocks((4, False)), 0)
+    assert scheduler.build_connector_meta().reqs_to_receive == []
+    assert refused_params(scheduler) == 1
+    request.status = RequestStatus.FINISHED_STOPPED
+    assert scheduler.request_finished(request, [4]) == (
+        False,
+        {"pdserve_kv": {"source": "recomputed", "reason": "unauthenticated"}},
+    )
+    assert scheduler._releases._thread is None  # nothing was sent to the forged peer
+
+
+def test_a_replay_of_used_parameters_is_refused(scheduler):
+    params = signed()
+    first = FakeRequest(request_id="a", kv_transfer_params=dict(params))
+    assert scheduler.get_num_new_matched_tokens(first, 0) == (300, True)
+    replay = FakeRequest(request_id="b", kv_transfer_params=dict(params))
+    assert scheduler.get_num_new_matched_tokens(replay, 0) == (0, False)
+    assert refused_params(scheduler) == 1
 
 
 def test_prefill_with_tp_names_every_ranks_side_channel_for_releases():
@@ -116,7 +182,7 @@ def test_prefill_with_tp_names_every_ranks_side_channel_for_releases():
 
 def test_a_smaller_prefill_block_size_pairs_each_local_block_with_several_remote_ones(scheduler):
     # 300 tokens in prefill blocks of 32 (10 blocks) land in decode blocks of 128 (3 blocks).
-    remote = dict(REMOTE, remote_block_ids=list(range(40, 50)), block_size=32)
+    remote = signed(remote_block_ids=list(range(40, 50)), block_size=32)
     request = FakeRequest(kv_transfer_params=remote)
     assert scheduler.get_num_new_matched_tokens(request, 128) == (172, True)
 
@@ -128,7 +194,7 @@ def test_a_smaller_prefill_block_size_pairs_each_local_block_with_several_remote
 
 
 def test_a_prefill_block_size_that_does_not_divide_ours_is_computed_locally(scheduler):
-    request = FakeRequest(kv_transfer_params=dict(REMOTE, block_size=96))
+    request = FakeRequest(kv_transfer_params=signed(block_size=96))
 
     assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
     scheduler.update_state_after_alloc(request, fake_blocks((3, False)), 0)
@@ -142,7 +208,7 @@ def test_a_prefill_block_size_that_does_not_divide_ours_is_computed_locally(sche
 
 
 def test_a_local_prefix_hit_of_the_whole_prompt_is_reported_without_a_read(scheduler):
-    request = FakeRequest(kv_transfer_params=dict(REMOTE))
+    request = FakeRequest(kv_transfer_params=signed())
 
     scheduler.update_state_after_alloc(request, fake_blocks((3, True)), 0)
 
@@ -157,7 +223,7 @@ def test_a_local_prefix_hit_of_the_whole_prompt_is_reported_without_a_read(sched
 
 
 def test_the_ranks_reports_of_one_load_add_up_when_they_come_in_different_steps(scheduler):
-    request = FakeRequest(kv_transfer_params=dict(REMOTE))
+    request = FakeRequest(kv_transfer_params=signed())
     scheduler.update_state_after_alloc(request, fake_blocks((3, False), (4, False), (5, False)), 300)
     part = {"source": "transfer", "bytes": 1000, "transfer_ms": 2.0, "remote_engine_id": "prefill-engine"}
 

@@ -21,13 +21,14 @@ import torch
 pytest.importorskip("vllm")
 
 from connectors import worker as worker_module  # noqa: E402
+from connectors.auth import KVAuth  # noqa: E402
 from connectors.block_ranges import KVRegions  # noqa: E402
 from connectors.errors import ConnectorError  # noqa: E402
 from connectors.handshake import HandshakeResponse  # noqa: E402
 from connectors.leases import read_notification  # noqa: E402
 from connectors.metadata import KVTransferParams, PdserveConnectorMetadata, ReceiveSpec  # noqa: E402
 from connectors.nixl_transport import TransferState  # noqa: E402
-from connectors.side_channel import report_key  # noqa: E402
+from connectors.side_channel import RefusedMessages, report_key  # noqa: E402
 from connectors.topology import KVLayout, KVTopology  # noqa: E402
 from connectors.wire import parse_tcp_endpoint  # noqa: E402
 from connectors.worker import PdserveWorker, describe_kv_cache, engine_model_identity  # noqa: E402
@@ -116,6 +117,7 @@ class FakeServer:
     def __init__(self, engine_id: str, host: str, port: int, *args: Any, **kwargs: Any):
         self.endpoint = f"tcp://{host}:{port}"
         self.on_report = kwargs["on_report"]
+        self.refused = RefusedMessages()
 
     def close(self) -> None:
         pass
@@ -129,8 +131,8 @@ class FakePrefill:
     asked: list[int] = field(default_factory=list)
 
     def request_handshake(
-        self, engine_id: str, local: KVTopology, endpoint: str, timeout_s: float
-    ) -> HandshakeResponse:  # noqa: E501
+        self, engine_id: str, local: KVTopology, endpoint: str, auth: KVAuth, timeout_s: float
+    ) -> HandshakeResponse:
         port = parse_tcp_endpoint(endpoint)[1]
         self.asked.append(port)
         heads = local.total_num_kv_heads
@@ -162,7 +164,7 @@ def fakes(monkeypatch: pytest.MonkeyPatch) -> Fakes:
         made.transports.append(FakeTransport())
         return made.transports[-1]
 
-    def releases(engine_id: str) -> FakeReleases:
+    def releases(engine_id: str, auth: KVAuth) -> FakeReleases:
         made.releases.append(FakeReleases(engine_id))
         return made.releases[-1]
 

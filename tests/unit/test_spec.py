@@ -79,7 +79,6 @@ def test_proxy_settings_reach_the_proxy_config(load):
             "max_queued_requests": 2,
             "api_key_env": ["PD_KEY", "PD_KEY_2"],
             "admin_key_file": "/etc/pdserve/admin-keys",
-            "forward_authorization": True,
         },
         engine={"max_model_len": 2048},
     )
@@ -90,8 +89,14 @@ def test_proxy_settings_reach_the_proxy_config(load):
     assert (config.max_body_bytes, config.max_concurrent_requests, config.max_queued_requests) == (4096, 8, 2)
     assert config.api_key_env == ("PD_KEY", "PD_KEY_2") and config.api_key_file is None
     assert config.admin_key_env == () and config.admin_key_file == "/etc/pdserve/admin-keys"
-    assert config.forward_authorization is True
+    assert config.forward_authorization is False and config.engine_auth is True  # engines take the cluster's key
+    assert config.bind_reader is True  # the pdserve connector's ids are the pool's engine ids
     assert pickle.loads(pickle.dumps(config)) == config  # it travels to the proxy's Ray actor
+
+
+def test_forwarding_client_keys_to_a_clusters_engines_is_refused(load):
+    with pytest.raises(SpecError, match="proxy.forward_authorization: .*accept only the cluster's engine key"):
+        load(proxy={"forward_authorization": True})
 
 
 def test_proxy_defaults_need_no_key_and_set_no_concurrency_limit(load):
