@@ -77,7 +77,7 @@ class ProxyMetrics:
         self.degraded = Counter(
             "pdserve_proxy_degraded_requests",
             "Requests served by one engine alone because a pool could not take them, by reason "
-            "(no-prefill-engine: decode-only; no-decode-engine: on a prefill engine).",
+            "(no-prefill-engine, prefill-failed: decode-only; no-decode-engine: on a prefill engine).",
             ("reason",),
             registry=self.registry,
         )

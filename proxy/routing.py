@@ -226,7 +226,9 @@ def make_policy(name: str, settings: RoutingSettings) -> RoundRobin | LeastLoade
 # Why a request is not disaggregated (``Route.reason``; the ``X-PDServe-Path`` header says it).
 SHORT_PROMPT, CACHED = "short-prompt", "cached"
 NO_PREFILL_ENGINE, NO_DECODE_ENGINE = "no-prefill-engine", "no-decode-engine"
-DEGRADED_REASONS = (NO_PREFILL_ENGINE, NO_DECODE_ENGINE)
+PREFILL_FAILED = "prefill-failed"
+"""The prefill leg failed on every engine tried (``TwoPhaseFlow``): the decode engine computes the prompt."""
+DEGRADED_REASONS = (NO_PREFILL_ENGINE, NO_DECODE_ENGINE, PREFILL_FAILED)
 
 
 class Route(NamedTuple):

@@ -41,7 +41,7 @@ from proxy.limits import AdmissionGate, read_body
 from proxy.metrics import DEFAULT_SERVING_PATH, ProxyMetrics
 from proxy.pool import EngineState
 from proxy.release import KVReleaser
-from proxy.routing import DEGRADED_REASONS, NO_DECODE_ENGINE, Router
+from proxy.routing import DEGRADED_REASONS, NO_DECODE_ENGINE, PREFILL_FAILED, Router
 
 __all__ = ["DECODE_ONLY", "DISAGGREGATED", "PREFILL_ONLY", "TwoPhaseFlow", "serving_path"]
 
@@ -180,15 +180,29 @@ class TwoPhaseFlow:
         prefill_started = time.perf_counter()
         if prefill_engine is not None:
             reader = decode_engine.engine_id if self.config.bind_reader else None
-            kv_params = await self._prefill(
-                prefill_engine, prefix, route, body, reader, headers, request_id, reply_headers
-            )
-            if not kv_params:
+            try:
+                kv_params = await self._prefill(
+                    prefill_engine, prefix, route, body, reader, headers, request_id, reply_headers
+                )
+            except UpstreamFailed as failure:
+                if not self.config.routing.degrade:
+                    raise
+                # Nothing reached the client yet: the decode engine computes the prompt (and says so).
                 logger.warning(
-                    "request %s: prefill engine %s returned no kv_transfer_params; decode engine %s "
-                    "will compute the prompt itself",
-                    request_id, reply_headers["X-PDServe-Prefill"], decode_engine.engine_id,
+                    "request %s: the prefill leg failed (%s); decode engine %s computes the prompt",
+                    request_id, failure.message, decode_engine.engine_id,
                 )  # fmt: skip
+                self.metrics.degraded.labels(PREFILL_FAILED).inc()
+                request.state.serving_path = DECODE_ONLY
+                reply_headers.pop("X-PDServe-Prefill", None)
+                reply_headers["X-PDServe-Path"] = _path_header(DECODE_ONLY, PREFILL_FAILED)
+            else:
+                if not kv_params:
+                    logger.warning(
+                        "request %s: prefill engine %s returned no kv_transfer_params; decode engine %s "
+                        "will compute the prompt itself",
+                        request_id, reply_headers["X-PDServe-Prefill"], decode_engine.engine_id,
+                    )  # fmt: skip
         decode_engine.start_leg()
         leg_open = True
         try:

@@ -31,6 +31,7 @@ import torch
 pytest.importorskip("vllm")
 pytest.importorskip("nixl")
 
+from connectors.auth import SECRET_ENV, new_secret  # noqa: E402
 from connectors.metadata import KVTransferParams, PdserveConnectorMetadata, ReceiveSpec  # noqa: E402
 from connectors.worker import PdserveWorker  # noqa: E402
 from tests.integration.test_nixl_transport import stop  # noqa: E402
@@ -202,6 +203,12 @@ class Prefill:
         while len(self.lease_ends) < count and time.monotonic() < deadline:
             self.poll_lease_ends(0.05)
         return self.lease_ends
+
+
+@pytest.fixture(autouse=True)
+def cluster_secret(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The workers (here and in the spawned prefill process) read the cluster's secret from the environment."""
+    monkeypatch.setenv(SECRET_ENV, new_secret().reveal())
 
 
 @pytest.fixture

@@ -45,11 +45,26 @@ async def test_an_engine_refusing_the_proxys_key_is_a_502_not_the_clients_401(
         return web.json_response({"error": "Unauthorized"}, status=401)
 
     (prefill_engine if refusing == "prefill" else decode_engine).handler = unauthorized
-    client = await make_client(engine_auth=True, prefill_retries=0)
+    client = await make_client(engine_auth=True, prefill_retries=0, degrade=False)
     response = await client.post(CHAT_PATH, json=CHAT)
 
     assert response.status_code == 502, response.text
     assert "engine key" in response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+async def test_a_failed_prefill_leg_is_served_decode_only_and_counted(
+    make_client, prefill_engine, decode_engine, stream
+):
+    prefill_engine.behaviour = Behaviour.ERROR_500
+    client = await make_client()
+    async with client.stream("POST", CHAT_PATH, json=CHAT | {"stream": stream}) as response:
+        await response.aread()
+    assert response.status_code == 200
+    assert response.headers["x-pdserve-path"] == "decode-only; reason=prefill-failed"
+    assert "kv_transfer_params" not in decode_engine.requests[0].body
+    metrics = (await client.get("/metrics")).text
+    assert 'pdserve_proxy_degraded_requests_total{reason="prefill-failed"} 1.0' in metrics
 
 
 async def test_the_prefill_is_told_which_decode_engine_will_read(make_client, prefill_engine, decode_engine):

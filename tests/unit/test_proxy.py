@@ -471,7 +471,8 @@ async def test_wrong_method_is_405_in_openai_format(client):
 # --- the engines' errors ----------------------------------------------------------------
 
 
-async def test_prefill_down_is_502(client, prefill_engine, decode_engine):
+async def test_prefill_down_is_502(make_client, prefill_engine, decode_engine):
+    client = await make_client(degrade=False)  # with degrade, the decode engine would serve it
     await prefill_engine.stop()  # connection refused
     response = await client.post(CHAT_PATH, json=CHAT)
 
@@ -481,14 +482,16 @@ async def test_prefill_down_is_502(client, prefill_engine, decode_engine):
     assert decode_engine.requests == []
 
 
-async def test_prefill_back_up_serves_again(client, prefill_engine):
+async def test_prefill_back_up_serves_again(make_client, prefill_engine):
+    client = await make_client(degrade=False)  # with degrade, the decode engine would serve it
     await prefill_engine.stop()
     assert (await client.post(CHAT_PATH, json=CHAT)).status_code == 502
     await prefill_engine.start()
     assert (await client.post(CHAT_PATH, json=CHAT)).status_code == 200
 
 
-async def test_prefill_500_is_502(client, prefill_engine, decode_engine):
+async def test_prefill_500_is_502(make_client, prefill_engine, decode_engine):
+    client = await make_client(degrade=False)  # with degrade, the decode engine would serve it
     prefill_engine.behaviour = Behaviour.ERROR_500
     response = await client.post(CHAT_PATH, json=CHAT)
 
@@ -498,7 +501,8 @@ async def test_prefill_500_is_502(client, prefill_engine, decode_engine):
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
-async def test_prefill_hang_is_502_after_the_timeout(client, prefill_engine, decode_engine, stream):
+async def test_prefill_hang_is_502_after_the_timeout(make_client, prefill_engine, decode_engine, stream):
+    client = await make_client(degrade=False)  # with degrade, the decode engine would serve it
     prefill_engine.behaviour = Behaviour.HANG
     started = time.monotonic()
     response = await client.post(CHAT_PATH, json=CHAT | {"stream": stream})
@@ -511,7 +515,9 @@ async def test_prefill_hang_is_502_after_the_timeout(client, prefill_engine, dec
 
 
 @pytest.mark.parametrize("answer", [b"not json", b'["not", "an", "object"]'], ids=["not-json", "not-an-object"])
-async def test_prefill_unreadable_answer_is_502(client, prefill_engine, decode_engine, answer):
+async def test_prefill_unreadable_answer_is_502(make_client, prefill_engine, decode_engine, answer):
+    client = await make_client(degrade=False)  # with degrade, the decode engine would serve it
+
     async def unreadable(request, received):
         return web.Response(body=answer, content_type="application/json")
 

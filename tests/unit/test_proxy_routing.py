@@ -84,7 +84,7 @@ async def test_retries_stop_after_prefill_retries(make_proxy, make_engine, pool,
     pool.set_endpoints("prefill", [endpoint(e) for e in (prefill_engine, *others)])
     for engine in (prefill_engine, *others):
         engine.behaviour = Behaviour.ERROR_500
-    proxy = await make_proxy(prefill_retries=1)
+    proxy = await make_proxy(prefill_retries=1, degrade=False)
     response = await post(proxy, LONG)
 
     assert_openai_error(response, 502, error_type="upstream_error", code="engine_failed")
@@ -94,7 +94,7 @@ async def test_retries_stop_after_prefill_retries(make_proxy, make_engine, pool,
 
 async def test_no_retry_with_prefill_retries_0(make_proxy, prefill_engine, two_prefill):
     prefill_engine.behaviour = two_prefill.behaviour = Behaviour.ERROR_500
-    proxy = await make_proxy(prefill_retries=0)
+    proxy = await make_proxy(prefill_retries=0, degrade=False)
 
     assert (await post(proxy, LONG)).status_code == 502
     assert len(prefill_engine.requests) + len(two_prefill.requests) == 1
@@ -102,7 +102,7 @@ async def test_no_retry_with_prefill_retries_0(make_proxy, prefill_engine, two_p
 
 async def test_the_only_prefill_engine_is_not_tried_twice(make_proxy, prefill_engine):
     prefill_engine.behaviour = Behaviour.ERROR_500
-    proxy = await make_proxy()
+    proxy = await make_proxy(degrade=False)
 
     assert (await post(proxy, LONG)).status_code == 502
     assert len(prefill_engine.requests) == 1
@@ -248,8 +248,10 @@ async def test_once_every_prefill_engine_is_ejected_requests_go_decode_only(
     proxy = await make_proxy(unhealthy_after=1, health_interval_s=60)
     await prefill_engine.stop()
     await two_prefill.stop()
-    failed = await post(proxy, LONG)  # both tried, both fail: 502, and both are ejected
-    assert failed.status_code == 502
+    failed = await post(proxy, LONG)  # both tried, both fail, both are ejected: the decode engine serves it
+    assert failed.status_code == 200
+    assert failed.headers["x-pdserve-path"] == "decode-only; reason=prefill-failed"
+    assert "x-pdserve-prefill" not in failed.headers
     degraded = await post(proxy, LONG)
     assert degraded.status_code == 200
     assert degraded.headers["x-pdserve-path"] == "decode-only; reason=no-prefill-engine"
@@ -317,7 +319,7 @@ async def test_in_flight_counts_a_prefill_under_way_and_return_to_zero_when_it_t
     make_proxy, pool, prefill_engine
 ):
     prefill_engine.behaviour = Behaviour.HANG
-    proxy = await make_proxy(request_timeout_s=0.5)
+    proxy = await make_proxy(request_timeout_s=0.5, degrade=False)
     request = asyncio.create_task(post(proxy, LONG))
     await wait_until(lambda: in_flight(pool)["prefill-0"] == 1)
 
