@@ -178,8 +178,9 @@ class ProxySpec(_Strict):
     )
     degrade: bool = Field(
         default=_ROUTING.degrade,
-        description="When no prefill engine can take a request (none ready: empty, ejected or draining), serve it "
-        "decode-only; when no decode engine can, on a prefill engine alone. 503 only when no engine can.",
+        description="When no prefill engine can take a request (none ready: empty, ejected or draining), or its "
+        "prefill failed on every engine tried, serve it decode-only; when no decode engine can, on a prefill engine "
+        "alone. 503 only when no engine can.",
     )
     health_interval_s: float = Field(
         default=_ROUTING.health_interval_s,
@@ -249,6 +250,11 @@ class ProxySpec(_Strict):
         "(none, and no file: the /admin routes do not exist).",
     )
     admin_key_file: str | None = Field(default=None, description="A file of admin keys, one per line.")
+    fast_path: bool = Field(
+        default=True,
+        description="Serve with the routes and uvicorn protocol that lean on FastAPI/uvicorn internals (faster); "
+        "false: stock FastAPI routing and uvicorn's httptools protocol (the same answers).",
+    )
     forward_authorization: bool = Field(
         default=False,
         description="Not for a pdserve cluster: its engines accept only the cluster's engine key, which the "
@@ -465,6 +471,7 @@ class ClusterSpec(_Strict):
             admin_key_file=proxy.admin_key_file,
             engine_auth=True,
             bind_reader=self.connector == "pdserve",
+            fast_path=proxy.fast_path,
         )
 
     @model_validator(mode="after")

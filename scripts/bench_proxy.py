@@ -5,6 +5,9 @@ Starts, each as its own process on 127.0.0.1:
 - a prefill and a decode stub engine (``tests/stub_engine.py``: vLLM's OpenAI
   routes with NixlConnector-style ``kv_transfer_params``, no model),
 - our proxy, standalone: ``pdserve proxy --prefill URL --decode URL --workers N``,
+- the same with authentication on (``ours+auth``): clients must present an API
+  key (``--api-key-env``) and the proxy sends the engines the key derived from a
+  cluster secret (``--cluster-secret-file``), as in a cluster,
 - vllm-router in P/D mode (``vllm-router --vllm-pd-disaggregation --prefill URL
   --decode URL --policy round_robin``), when it is installed (``pip install
   -e '.[dev]'`` brings it),
@@ -158,8 +161,11 @@ def cpu_seconds(process: subprocess.Popen) -> float:
 WRK_SCRIPT = """
 wrk.method = "POST"
 wrk.headers["Content-Type"] = "application/json"
+wrk.headers["Authorization"] = "Bearer {key}"
 wrk.body = '{body}'
 """
+CLIENT_KEY = "bench-client-key"
+"""Every load generator sends it (``ours+auth`` checks it; the others ignore it)."""
 
 
 def run_wrk(url: str, connections: int, duration_s: float, script: Path) -> LoadResult:
@@ -194,7 +200,7 @@ def run_aiohttp(url: str, connections: int, duration_s: float) -> LoadResult:
         latencies: list[float] = []
         errors = 0
         body = json.dumps(CHAT).encode()
-        headers = {"Content-Type": "application/json"}
+        headers = {"Content-Type": "application/json", "Authorization": f"Bearer {CLIENT_KEY}"}
         connector = aiohttp.TCPConnector(limit=connections)
         async with aiohttp.ClientSession(connector=connector) as session:
             start = time.perf_counter()
@@ -245,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=1, help="our proxy's worker processes (default: 1)")
     parser.add_argument("--load", choices=["auto", "wrk", "aiohttp"], default="auto", help="load generator")
     parser.add_argument("--no-router", action="store_true", help="measure our proxy only")
+    parser.add_argument("--no-auth", action="store_true", help="leave out our proxy with authentication on")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     args = parser.parse_args(argv)
 
@@ -254,14 +261,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.no_router:
         router_bin = None
     python = sys.executable
-    ports = {name: free_port() for name in ("prefill", "decode", "ours", "router", "router_metrics")}
+    ports = {name: free_port() for name in ("prefill", "decode", "ours", "ours+auth", "router", "router_metrics")}
     url = {name: f"http://127.0.0.1:{port}" for name, port in ports.items()}
     chat = "/v1/chat/completions"
 
     with tempfile.TemporaryDirectory(prefix="bench-proxy-") as tmp, contextlib.ExitStack() as stack:
         log_dir = Path(tmp)
         script = log_dir / "post.lua"
-        script.write_text(WRK_SCRIPT.format(body=json.dumps(CHAT)))
+        script.write_text(WRK_SCRIPT.format(body=json.dumps(CHAT), key=CLIENT_KEY))
         load = Load(tool, script)
         stub = [python, "-m", "tests.stub_engine", "--model-name", MODEL]
         processes = {}
@@ -273,6 +280,20 @@ def main(argv: list[str] | None = None) -> int:
         ours += ["--port", str(ports["ours"]), "--model", MODEL, "--workers", str(args.workers)]
         processes["ours"] = stack.enter_context(started("ours", ours, log_dir))
         targets = ["ours"]
+        if not args.no_auth:
+            from connectors.auth import new_secret, write_secret
+
+            write_secret(log_dir / "cluster-secret", new_secret())
+            os.environ["PDSERVE_BENCH_CLIENT_KEY"] = CLIENT_KEY
+            authed = [*ours[:-6], "--port", str(ports["ours+auth"]), "--model", MODEL, "--workers", str(args.workers)]
+            authed += [
+                "--api-key-env",
+                "PDSERVE_BENCH_CLIENT_KEY",
+                "--cluster-secret-file",
+                str(log_dir / "cluster-secret"),
+            ]
+            processes["ours+auth"] = stack.enter_context(started("ours+auth", authed, log_dir))
+            targets.append("ours+auth")
         if router_bin:
             router = [router_bin, "--vllm-pd-disaggregation", "--prefill", url["prefill"], "--decode", url["decode"]]
             router += ["--host", "127.0.0.1", "--port", str(ports["router"]), "--policy", "round_robin"]
@@ -290,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
                 at_load[name].append(result)
                 if not args.json:
                     print(
-                        f"round {number + 1} {name:<6} {result.rate:8.0f} req/s  p50 {result.p50_ms:6.2f} ms  "
+                        f"round {number + 1} {name:<9} {result.rate:8.0f} req/s  p50 {result.p50_ms:6.2f} ms  "
                         f"{result.cpu_us_per_request:5.0f} µs CPU/req  errors {result.errors}",
                         flush=True,
                     )
@@ -331,6 +352,12 @@ def _report(args: argparse.Namespace, tool: str, at_load: dict, single: dict) ->
     if "router" in at_load:
         rates = {name: summary["rate_rps"] for name, summary in report["at_load"].items()}
         report["rate_ratio_ours_to_router"] = rates["ours"] / rates["router"]
+        if "ours+auth" in rates:
+            report["rate_ratio_ours_auth_to_router"] = rates["ours+auth"] / rates["router"]
+    if "ours+auth" in at_load:
+        report["rate_ratio_auth_to_no_auth"] = (
+            report["at_load"]["ours+auth"]["rate_rps"] / report["at_load"]["ours"]["rate_rps"]
+        )
     return report
 
 
@@ -344,6 +371,10 @@ def _print_report(report: dict) -> None:
         )
     if "rate_ratio_ours_to_router" in report:
         print(f"  ours / router: {report['rate_ratio_ours_to_router']:.2f}")
+    if "rate_ratio_ours_auth_to_router" in report:
+        print(f"  ours+auth / router: {report['rate_ratio_ours_auth_to_router']:.2f}")
+    if "rate_ratio_auth_to_no_auth" in report:
+        print(f"  ours+auth / ours: {report['rate_ratio_auth_to_no_auth']:.3f}")
     p50 = report["concurrency_1_p50_ms"]
     print("concurrency 1, p50: " + ", ".join(f"{name} {ms:.3f} ms" for name, ms in p50.items()))
     print(f"  added by our proxy (vs the decode stub directly): {report['added_p50_ms']:.3f} ms")

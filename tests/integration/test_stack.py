@@ -9,10 +9,7 @@ engine's metrics that prove the prompt's KV arrived over the connector.
 from __future__ import annotations
 
 import json
-import os
-import signal
 import socket
-import time
 from pathlib import Path
 
 import psutil
@@ -130,33 +127,6 @@ def test_bad_requests_get_openai_errors(cluster: Cluster) -> None:
     assert status == 400 and "context" in body["error"]["message"].lower()
     status, _, body = http_json(cluster.proxy_url + "/v1/models")
     assert status == 200 and [m["id"] for m in body["data"]] == [MODEL]
-
-
-@pytest.mark.parametrize("cluster", ["pdserve"], indirect=True)  # the controller's and proxy's doing
-def test_dead_engine_is_restarted_and_the_pool_follows(cluster: Cluster) -> None:
-    decode = cluster.engine("decode")
-    os.kill(decode["pid"], signal.SIGKILL)
-    # The proxy stops sending to it at once, and the prefill engine serves requests whole meanwhile...
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        status, _, health = http_json(cluster.proxy_url + "/health")
-        if health["status"] == "degraded":
-            break
-        time.sleep(0.5)
-    assert status == 200 and health["status"] == "degraded" and health["engines"]["decode"] == []
-    status, headers, body = http_json(cluster.proxy_url + "/v1/chat/completions", chat(PROMPTS[0], temperature=0))
-    assert status == 200 and "Paris" in body["choices"][0]["message"]["content"]
-    assert headers["x-pdserve-path"] == "prefill-only; reason=no-decode-engine"
-    # ...Ray restarts the actor, the controller starts vLLM in it again, and it is back in the pool.
-    deadline = time.monotonic() + 900  # each `pdserve status` may be slow here (see CLI_TIMEOUT_S)
-    while time.monotonic() < deadline:
-        engine = cluster.refresh() and cluster.engine("decode")
-        if engine["state"] == "ready" and engine["pid"] != decode["pid"]:
-            break
-        time.sleep(2)
-    assert engine["state"] == "ready" and engine["restarts"] == 1
-    status, _, body = http_json(cluster.proxy_url + "/v1/chat/completions", chat(PROMPTS[0], temperature=0))
-    assert status == 200 and "Paris" in body["choices"][0]["message"]["content"]
 
 
 @pytest.mark.teardown_check

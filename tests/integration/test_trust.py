@@ -1,0 +1,294 @@
+"""Who may talk to the cluster's engines, on the shared cluster of our connector (real engines, real NIXL).
+
+- Engines' ``/v1`` routes answer only the cluster's engine key (the proxy's); ``/health`` stays open.
+- A decode engine acts only on transfer parameters a prefill engine of this cluster issued, for it, once,
+  before they expire: forged, altered, expired, replayed or someone else's parameters make it compute
+  the prompt itself (same greedy answer), and it never connects to the peer they name.
+- A side channel answers nobody without the secret: raw ZMQ handshakes, releases and report queries
+  are refused, counted in ``pdserve:kv_refused_total``, and change nothing.
+- SIGKILL of the only prefill engine under load (8 clients): no request fails beyond those in flight at
+  the kill; the rest are served decode-only, and disaggregated serving returns with the engine.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import zmq
+
+from connectors import wire
+from connectors.auth import KVAuth, read_secret_file
+from connectors.handshake import HandshakeRequest, encode_request
+from tests.integration.conftest import Cluster, http_json, metric_values
+
+pytestmark = [pytest.mark.integration, pytest.mark.parametrize("cluster", ["pdserve"], indirect=True)]
+
+MODEL = "smollm2-135m-instruct"
+REFUSED = "pdserve:kv_refused_total"
+SOURCE_METRIC = "vllm:prompt_tokens_by_source_total"
+
+
+def chat(prompt: str, **extra) -> dict:
+    return {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "temperature": 0, **extra}
+
+
+def kv_auth(cluster: Cluster) -> KVAuth:
+    """The cluster's KV key: the test plays a prefill engine of the cluster where it needs valid MACs."""
+    return KVAuth(read_secret_file(Path(cluster.env["PDSERVE_STATE_DIR"]) / "cluster-secret"))
+
+
+def eventually(read, expected, timeout_s: float = 20.0):
+    deadline = time.monotonic() + timeout_s
+    while (value := read()) != expected and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return value
+
+
+def test_engines_answer_only_the_clusters_engine_key(cluster: Cluster) -> None:
+    for role in ("prefill", "decode"):
+        url = cluster.engine(role)["url"]
+        status, _, body = http_json(url + "/v1/chat/completions", chat("Hi", max_tokens=2))
+        assert status == 401, body
+        status, _, body = http_json(
+            url + "/v1/chat/completions", chat("Hi", max_tokens=2), headers={"Authorization": "Bearer guess"}
+        )
+        assert status == 401, body
+        with urllib.request.urlopen(url + "/health", timeout=10) as response:  # open: the controller probes it
+            assert response.status == 200
+    # The proxy holds the key: the same request through it is served.
+    status, _, body = http_json(cluster.proxy_url + "/v1/chat/completions", chat("Hi", max_tokens=2))
+    assert status == 200, body
+
+
+class ForgedPeer:
+    """A TCP listener where forged parameters send the decode engine: it records any connection (the
+    side channel's port and the next, as for a TP rank)."""
+
+    def __init__(self) -> None:
+        self.sockets = []
+        for _ in range(20):
+            first = socket.socket()
+            first.bind(("127.0.0.1", 0))
+            port = first.getsockname()[1]
+            second = socket.socket()
+            try:
+                second.bind(("127.0.0.1", port + 1))
+            except OSError:
+                first.close()
+                second.close()
+                continue
+            self.sockets = [first, second]
+            break
+        self.port = port
+        for sock in self.sockets:
+            sock.listen(8)
+            sock.setblocking(False)
+
+    def connections(self) -> int:
+        count = 0
+        for sock in self.sockets:
+            while True:
+                try:
+                    conn, _ = sock.accept()
+                except BlockingIOError:
+                    break
+                conn.close()
+                count += 1
+        return count
+
+    def close(self) -> None:
+        for sock in self.sockets:
+            sock.close()
+
+
+def issued_params(cluster: Cluster, prompt: str, reader: str = "decode-0") -> dict:
+    """Real parameters: the prefill engine computes ``prompt`` for ``reader``, as the proxy has it do."""
+    body = chat(prompt, max_tokens=1)
+    body[wire.KV_TRANSFER_PARAMS] = dict(wire.PREFILL_REQUEST_PARAMS, **{wire.PDSERVE_READER: reader})
+    status, _, answer = http_json(
+        cluster.engine("prefill")["url"] + "/v1/chat/completions", body, headers=cluster.engine_headers
+    )
+    assert status == 200, answer
+    params = answer[wire.KV_TRANSFER_PARAMS]
+    assert params[wire.PDSERVE_MAC] and params[wire.PDSERVE_READER] == reader
+    return params
+
+
+def decode_with(cluster: Cluster, prompt: str, params: dict) -> dict:
+    body = chat(prompt, max_tokens=12) | {wire.KV_TRANSFER_PARAMS: params}
+    status, _, answer = http_json(
+        cluster.engine("decode")["url"] + "/v1/chat/completions", body, headers=cluster.engine_headers
+    )
+    assert status == 200, answer
+    return answer
+
+
+def test_transfer_parameters_not_issued_for_this_read_are_refused_and_the_prompt_computed(cluster: Cluster) -> None:
+    decode_url = cluster.engine("decode")["url"]
+    prompt = "Name a large animal that lives in the sea."
+    status, _, alone = http_json(
+        decode_url + "/v1/chat/completions", chat(prompt, max_tokens=12), headers=cluster.engine_headers
+    )
+    assert status == 200, alone
+    expected = alone["choices"][0]["message"]["content"]
+    auth, peer = kv_auth(cluster), ForgedPeer()
+    try:
+        genuine = issued_params(cluster, prompt)
+        at_peer = {**genuine, wire.REMOTE_HOST: "127.0.0.1", wire.REMOTE_PORT: peer.port}
+        forged = {
+            "no MAC": {k: v for k, v in at_peer.items() if k != wire.PDSERVE_MAC},
+            "wrong MAC (a foreign host put in)": at_peer,
+            "another cluster's MAC": {**at_peer, wire.PDSERVE_MAC: "ab" * 32},
+            "expired": auth.sign_params(dict(at_peer), ttl_s=-5),
+            "for another decode engine": auth.sign_params({**at_peer, wire.PDSERVE_READER: "decode-9"}, ttl_s=60),
+        }
+        refused_before = metric_values(decode_url, REFUSED, "kind").get("params", 0)
+        for case, params in forged.items():
+            answer = decode_with(cluster, prompt, params)
+            assert answer["choices"][0]["message"]["content"] == expected, case
+            assert answer[wire.KV_TRANSFER_PARAMS][wire.PDSERVE_KV] == {
+                "source": "recomputed",
+                "reason": "unauthenticated",
+            }, case
+        # The genuine ones, once: read over NIXL; a replay of them: refused (their blocks are gone by now).
+        first = decode_with(cluster, prompt, genuine)
+        assert first[wire.KV_TRANSFER_PARAMS][wire.PDSERVE_KV]["source"] == "transfer"
+        replay = decode_with(cluster, prompt, genuine)
+        assert replay[wire.KV_TRANSFER_PARAMS][wire.PDSERVE_KV]["reason"] == "unauthenticated"
+        assert first["choices"][0]["message"]["content"] == replay["choices"][0]["message"]["content"] == expected
+        time.sleep(1.0)
+        assert peer.connections() == 0  # the decode engine never went where the forged parameters said
+        refused = lambda: metric_values(decode_url, REFUSED, "kind").get("params", 0) - refused_before  # noqa: E731
+        assert eventually(refused, len(forged) + 1) == len(forged) + 1
+    finally:
+        peer.close()
+
+
+def ask(endpoint: str, message: bytes) -> bytes:
+    sock = zmq.Context.instance().socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 10_000)
+    try:
+        sock.connect(endpoint)
+        sock.send(message)
+        return sock.recv()
+    finally:
+        sock.close()
+
+
+def test_a_side_channel_refuses_and_counts_a_client_without_the_secret(cluster: Cluster) -> None:
+    prefill = cluster.engine("prefill")
+    prefill_url, endpoint = prefill["url"], prefill["kv_endpoints"][0]
+    before = metric_values(prefill_url, REFUSED, "kind")
+    leases_before = metric_values(prefill_url, "pdserve:kv_leases_total", "outcome").get("released", 0)
+    params = issued_params(cluster, "What colour is the sky?")  # a lease the intruder tries to end
+    from tests.unit.kv_factories import topology_factory
+
+    messages = {
+        "handshake": encode_request(HandshakeRequest(engine_id="intruder", topology=topology_factory()())),
+        "release": b"PDRL " + params[wire.REMOTE_REQUEST_ID].encode(),
+        "report": b"PDKV prefill-0 " + params[wire.REMOTE_REQUEST_ID].encode(),
+    }
+    for message in messages.values():
+        assert ask(endpoint, message).startswith(b"ERR unauthenticated")
+    # Sealed, but with a key of its own:
+    stranger = KVAuth(read_secret_file(_write_other_secret(cluster)))
+    assert ask(endpoint, stranger.seal(b"release", params[wire.REMOTE_REQUEST_ID].encode())).startswith(
+        b"ERR unauthenticated wrong MAC"
+    )
+    # The engine counts at its next step; one request through the proxy makes one.
+    status, _, _ = http_json(cluster.proxy_url + "/v1/chat/completions", chat("Hello", max_tokens=2))
+    assert status == 200
+
+    def refused() -> dict:
+        after = metric_values(prefill_url, REFUSED, "kind")
+        return {k: after.get(k, 0) - before.get(k, 0) for k in ("message", "release")}
+
+    assert eventually(refused, {"message": 3, "release": 1}) == {"message": 3, "release": 1}
+    released = metric_values(prefill_url, "pdserve:kv_leases_total", "outcome").get("released", 0)
+    assert released == leases_before  # nothing the intruder sent ended the lease
+    # The cluster's own release (the proxy's, from the parameters) still does.
+    assert ask(endpoint, params[wire.PDSERVE_RELEASE]["message"].encode()) == b"OK"
+
+
+def _write_other_secret(cluster: Cluster) -> Path:
+    from connectors.auth import new_secret, write_secret
+
+    path = Path(cluster.env["PDSERVE_STATE_DIR"]) / "another-clusters-secret"
+    write_secret(path, new_secret())
+    return path
+
+
+def test_killing_the_only_prefill_engine_under_load_fails_only_what_was_in_flight(cluster: Cluster) -> None:
+    prefill = cluster.engine("prefill")
+    results: list[tuple[float, float, int, str]] = []  # (sent, answered, status, X-PDServe-Path)
+    stop = threading.Event()
+    killed_at: list[float] = []
+
+    def client(n: int) -> None:
+        i = 0
+        while not stop.is_set():
+            sent = time.monotonic()
+            try:
+                status, headers, _ = http_json(
+                    cluster.proxy_url + "/v1/chat/completions",
+                    chat(f"Client {n}, question {i}: name a fruit.", max_tokens=4),
+                    timeout=300,
+                )
+            except OSError as e:  # the proxy itself failed the client: counted as a failure
+                status, headers = 0, {"x-pdserve-path": f"no answer: {e}"}
+            results.append((sent, time.monotonic(), status, path_of(headers)))
+            i += 1
+
+    threads = [threading.Thread(target=client, args=(n,), daemon=True) for n in range(8)]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + 120
+    while sum(1 for r in results if r[3] == "disaggregated") < 8 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    killed_at.append(time.monotonic())
+    os.kill(prefill["pid"], signal.SIGKILL)
+    deadline = time.monotonic() + 120
+    while sum(1 for r in results if r[0] > killed_at[0] + 2) < 8 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    stop.set()
+    for thread in threads:
+        thread.join(timeout=300)
+
+    kill = killed_at[0]
+    in_flight = [r for r in results if r[0] < kill < r[1]]
+    failed = [r for r in results if r[2] != 200]
+    after = [r for r in results if r[0] > kill]
+    print(
+        f"kill under load: {len(results)} requests, {len(in_flight)} in flight at the kill, {len(failed)} failed, "
+        f"{len(after)} sent after it: {sorted({r[3] for r in after})}"
+    )
+    assert all(r[0] < kill < r[1] for r in failed), failed  # nothing sent after the kill failed
+    assert len(after) >= 8 and all(r[2] == 200 for r in after)
+    assert all(r[3].startswith("decode-only") for r in after if r[0] > kill + 2), after
+    # Ray restarts the actor, the controller starts vLLM in it again: disaggregated serving returns.
+    deadline = time.monotonic() + 900
+    while time.monotonic() < deadline:
+        engine = cluster.refresh() and cluster.engine("prefill")
+        if engine["state"] == "ready" and engine["pid"] != prefill["pid"]:
+            break
+        time.sleep(2)
+    assert engine["state"] == "ready"
+    deadline = time.monotonic() + 60  # the proxy hears of it at the controller's next probe
+    while True:
+        status, headers, _ = http_json(cluster.proxy_url + "/v1/chat/completions", chat("Name a colour.", max_tokens=4))
+        if path_of(headers) == "disaggregated" or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert status == 200 and path_of(headers) == "disaggregated"
+
+
+def path_of(headers: dict) -> str:
+    return {name.lower(): value for name, value in headers.items()}.get("x-pdserve-path", "")
