@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -169,6 +170,59 @@ def test_transfer_parameters_not_issued_for_this_read_are_refused_and_the_prompt
         assert eventually(refused, len(forged) + 1) == len(forged) + 1
     finally:
         peer.close()
+
+
+def test_a_handshake_that_times_out_is_recomputed_within_the_timeout(cluster: Cluster) -> None:
+    """Valid parameters (the test signs them as a prefill of the cluster would) naming a side channel that
+    never answers: the decode engine gives up after ``handshake_timeout_s`` (5 s) and computes the prompt."""
+    context = zmq.Context.instance()
+    silent = context.socket(zmq.REP)  # takes the handshake, never answers
+    silent.setsockopt(zmq.LINGER, 0)
+    port = silent.bind_to_random_port("tcp://127.0.0.1")
+    prompt = "Name a planet of the solar system."
+    try:
+        params = issued_params(cluster, prompt)
+        params = kv_auth(cluster).sign_params({**params, wire.REMOTE_HOST: "127.0.0.1", wire.REMOTE_PORT: port}, 60)
+        started = time.monotonic()
+        answer = decode_with(cluster, prompt, params)
+        elapsed = time.monotonic() - started
+        report = answer[wire.KV_TRANSFER_PARAMS][wire.PDSERVE_KV]
+        assert report["source"] == "recomputed" and report["reason"] == "unreachable", report
+        assert elapsed < 5 + 30, elapsed  # the handshake timeout, then a short CPU prefill
+        assert silent.poll(0)  # the handshake did arrive: the timeout, not a refusal, decided
+    finally:
+        silent.close()
+
+
+def test_a_decode_engine_dying_mid_stream_ends_the_stream_cleanly(cluster: Cluster) -> None:
+    """SIGKILL of the decode engine while a stream is under way: the client gets the tokens so far and an
+    error event, within the proxy's timeout, not a hang; the engine comes back."""
+    decode = cluster.engine("decode")
+    body = chat("Count from one to one hundred in words.", max_tokens=400, stream=True)
+    request = urllib.request.Request(
+        cluster.proxy_url + "/v1/chat/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    events: list[str] = []
+    started = time.monotonic()
+    with urllib.request.urlopen(request, timeout=120) as response:
+        for raw in response:
+            line = raw.decode().strip()
+            if not line.startswith("data: "):
+                continue
+            events.append(line)
+            if len(events) == 5:
+                os.kill(decode["pid"], signal.SIGKILL)
+    elapsed = time.monotonic() - started
+    assert len(events) >= 5 and elapsed < 60, (len(events), elapsed)
+    last = json.loads(events[-1][len("data: ") :])
+    assert last["error"]["type"] == "upstream_error", last  # said, not a silent truncation
+    deadline = time.monotonic() + 900
+    while time.monotonic() < deadline:
+        engine = cluster.refresh() and cluster.engine("decode")
+        if engine["state"] == "ready" and engine["pid"] != decode["pid"]:
+            break
+        time.sleep(2)
+    assert engine["state"] == "ready"
 
 
 def ask(endpoint: str, message: bytes) -> bytes:
