@@ -118,7 +118,9 @@ def wait_answering(url: str, process: subprocess.Popen, name: str, log_dir: Path
                 urllib.request.urlopen(url, timeout=2).read()
                 return
             request = urllib.request.Request(
-                url, data=json.dumps(CHAT).encode(), headers={"Content-Type": "application/json"}
+                url,
+                data=json.dumps(CHAT).encode(),
+                headers={"Content-Type": "application/json", "Authorization": f"Bearer {CLIENT_KEY}"},
             )
             answer = json.loads(urllib.request.urlopen(request, timeout=5).read())
             text = answer["choices"][0]["message"]["content"]
