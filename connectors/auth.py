@@ -52,6 +52,7 @@ from connectors.errors import ConnectorError
 
 __all__ = [
     "LIVE_TTL_S",
+    "MACED_FIELDS",
     "MAX_MESSAGE_TTL_S",
     "SECRET_ENV",
     "SECRET_FILE_ENV",
@@ -171,7 +172,7 @@ def engine_key(secret: ClusterSecret) -> str:
 
 
 # The fields of kv_transfer_params a decode engine acts on, in MAC order.
-_MACED_FIELDS = (
+MACED_FIELDS = (
     wire.REMOTE_ENGINE_ID,
     wire.REMOTE_REQUEST_ID,
     wire.REMOTE_HOST,
@@ -233,7 +234,7 @@ class KVAuth:
     # ---------------------------------------------------------------- transfer parameters
 
     def _params_mac(self, params: Mapping[str, Any]) -> str:
-        fields = [params.get(name) for name in _MACED_FIELDS]
+        fields = [params.get(name) for name in MACED_FIELDS]
         canonical = json.dumps(fields, separators=(",", ":"), sort_keys=True).encode()
         return self._mac(b"params " + canonical).decode()
 

@@ -28,6 +28,7 @@ from connectors import wire
 from connectors.auth import KVAuth, read_secret_file
 from connectors.handshake import HandshakeRequest, encode_request
 from tests.integration.conftest import Cluster, http_json, metric_values
+from tests.unit.test_side_channel import ask
 
 pytestmark = [pytest.mark.integration, pytest.mark.parametrize("cluster", ["pdserve"], indirect=True)]
 
@@ -216,25 +217,19 @@ def test_a_decode_engine_dying_mid_stream_ends_the_stream_cleanly(cluster: Clust
     assert len(events) >= 5 and elapsed < 60, (len(events), elapsed)
     last = json.loads(events[-1][len("data: ") :])
     assert last["error"]["type"] == "upstream_error", last  # said, not a silent truncation
+    wait_restarted(cluster, "decode", decode["pid"])
+
+
+def wait_restarted(cluster: Cluster, role: str, old_pid: int) -> None:
+    """Ray restarts the killed actor and the controller starts vLLM in it again (each `pdserve status` may be
+    slow here: see CLI_TIMEOUT_S)."""
     deadline = time.monotonic() + 900
     while time.monotonic() < deadline:
-        engine = cluster.refresh() and cluster.engine("decode")
-        if engine["state"] == "ready" and engine["pid"] != decode["pid"]:
-            break
+        engine = cluster.refresh() and cluster.engine(role)
+        if engine["state"] == "ready" and engine["pid"] != old_pid:
+            return
         time.sleep(2)
-    assert engine["state"] == "ready"
-
-
-def ask(endpoint: str, message: bytes) -> bytes:
-    sock = zmq.Context.instance().socket(zmq.REQ)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.RCVTIMEO, 10_000)
-    try:
-        sock.connect(endpoint)
-        sock.send(message)
-        return sock.recv()
-    finally:
-        sock.close()
+    raise AssertionError(f"the {role} engine did not come back: {engine}")
 
 
 def test_a_side_channel_refuses_and_counts_a_client_without_the_secret(cluster: Cluster) -> None:
@@ -328,13 +323,7 @@ def test_killing_the_only_prefill_engine_under_load_fails_only_what_was_in_fligh
     assert len(after) >= 8 and all(r[2] == 200 for r in after)
     assert all(r[3].startswith("decode-only") for r in after if r[0] > kill + 2), after
     # Ray restarts the actor, the controller starts vLLM in it again: disaggregated serving returns.
-    deadline = time.monotonic() + 900
-    while time.monotonic() < deadline:
-        engine = cluster.refresh() and cluster.engine("prefill")
-        if engine["state"] == "ready" and engine["pid"] != prefill["pid"]:
-            break
-        time.sleep(2)
-    assert engine["state"] == "ready"
+    wait_restarted(cluster, "prefill", prefill["pid"])
     deadline = time.monotonic() + 60  # the proxy hears of it at the controller's next probe
     while True:
         status, headers, _ = http_json(cluster.proxy_url + "/v1/chat/completions", chat("Name a colour.", max_tokens=4))

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from connectors import wire
 from connectors.auth import (
+    MACED_FIELDS,
     MAX_MESSAGE_TTL_S,
     SECRET_ENV,
     SECRET_FILE_ENV,
@@ -143,18 +144,6 @@ def test_issued_parameters_pass_for_their_reader_until_they_expire() -> None:
     AUTH.check_params(unbound, "decode-7", now=NOW)  # a proxy that named no reader: any decode engine
 
 
-MACED = [
-    wire.REMOTE_ENGINE_ID,
-    wire.REMOTE_REQUEST_ID,
-    wire.REMOTE_HOST,
-    wire.REMOTE_PORT,
-    wire.REMOTE_BLOCK_IDS,
-    wire.REMOTE_NUM_TOKENS,
-    wire.TP_SIZE,
-    wire.BLOCK_SIZE,
-    wire.PDSERVE_EXPIRES,
-    wire.PDSERVE_READER,
-]
 VALUES = st.one_of(
     st.none(),
     st.booleans(),
@@ -166,7 +155,7 @@ VALUES = st.one_of(
 
 
 @settings(max_examples=400)
-@given(field=st.sampled_from(MACED), value=VALUES)
+@given(field=st.sampled_from(MACED_FIELDS), value=VALUES)
 def test_any_change_to_a_field_a_decode_engine_acts_on_is_refused(field: str, value) -> None:
     params = issued()
     if params.get(field) == value and type(params.get(field)) is type(value):

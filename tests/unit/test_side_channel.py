@@ -52,10 +52,11 @@ def server() -> Iterator[tuple[SideChannelServer, RecentReports, list[str]]]:
     channel.close()
 
 
-def ask(endpoint: str, message: bytes) -> bytes:
+def ask(endpoint: str, message: bytes, timeout_ms: int = 10_000) -> bytes:
+    """One raw ZMQ request, as any client on the network could send it."""
     sock = zmq.Context.instance().socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.RCVTIMEO, 3000)
+    sock.setsockopt(zmq.RCVTIMEO, timeout_ms)
     try:
         sock.connect(endpoint)
         sock.send(message)
