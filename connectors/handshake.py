@@ -124,12 +124,18 @@ class HandshakeResponse:
     kv_caches_base_addr: tuple[int, ...]
     block_len: int
     num_blocks: int
+    transports: tuple[str, ...] = ("nixl",)
+    """The transports this rank can serve reads over (``connectors.transport``)."""
+    node: str = ""
+    """This rank's node (``connectors.transport.node_identity``): a reader on the same node may take a
+    node-local transport."""
     compatibility_hash: str = ""
     protocol_version: int = PROTOCOL_VERSION
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "compatibility_hash", _checked_hash(self.compatibility_hash, self.topology))
         object.__setattr__(self, "kv_caches_base_addr", tuple(self.kv_caches_base_addr))
+        object.__setattr__(self, "transports", tuple(self.transports))
 
 
 # ---------------------------------------------------------------- encoding
@@ -153,6 +159,8 @@ def encode_response(response: HandshakeResponse, codec: PayloadCodec | None = No
         "kv_caches_base_addr": list(response.kv_caches_base_addr),
         "block_len": response.block_len,
         "num_blocks": response.num_blocks,
+        "transports": list(response.transports),
+        "node": response.node,
     }
     return _encode(response.protocol_version, response.compatibility_hash, payload, codec)
 
@@ -223,6 +231,8 @@ def decode_response(data: bytes | bytearray | memoryview, local_topology: KVTopo
         kv_caches_base_addr=tuple(addresses),
         block_len=_int_field(payload, "block_len", minimum=1),
         num_blocks=_int_field(payload, "num_blocks", minimum=1),
+        transports=_transports_field(payload),
+        node=str(payload.get("node") or ""),
         compatibility_hash=hash_hex,
     )
     _check_pair(response.topology, hash_hex, reader=local_topology, source=response.topology)
@@ -316,6 +326,14 @@ def _int_field(payload: dict[str, Any], name: str, *, minimum: int) -> int:
     if not _is_int(value) or value < minimum:
         raise _malformed(f"{name} must be an int >= {minimum}, got {value!r:.80}")
     return value
+
+
+def _transports_field(payload: dict[str, Any]) -> tuple[str, ...]:
+    """The offered transports; a peer that does not say offers NIXL only (as every peer before the field)."""
+    offered = payload.get("transports", ["nixl"])
+    if not isinstance(offered, list) or not offered or not all(isinstance(name, str) for name in offered):
+        raise _malformed("transports must be a non-empty list of names")
+    return tuple(offered)
 
 
 def _str_field(payload: dict[str, Any], name: str) -> str:

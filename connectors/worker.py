@@ -60,10 +60,12 @@ from connectors.handshake import HandshakeCache, HandshakeResponse, encode_respo
 from connectors.identity import model_identity
 from connectors.leases import LeaseState, LeaseTable, parse_read_notification, read_notification
 from connectors.metadata import ConnectorSettings, PdserveConnectorMetadata, ReceiveSpec
-from connectors.nixl_transport import KVRead, NixlKVTransport, TransferState
 from connectors.side_channel import RecentReports, ReleaseSender, SideChannelServer, report_key, request_handshake
 from connectors.stats import PdserveKVStats, PdserveWorkerMeta
 from connectors.topology import KVLayout, KVTopology, reader_ranks, source_ranks
+from connectors.transport import choose_transport, node_identity, where
+from connectors.transport.base import TransferState
+from connectors.transport.nixl import KVRead, NixlKVTransport
 
 if TYPE_CHECKING:
     import torch
@@ -100,6 +102,7 @@ class _SourceRank:
 
     topology: KVTopology
     expected_reads: int
+    transport: str
 
 
 @dataclass(slots=True)
@@ -249,10 +252,12 @@ class PdserveWorker:
         response = HandshakeResponse(
             engine_id=self.engine_id,
             topology=self._topology,
-            agent_metadata=self._transport.agent_metadata(),
+            agent_metadata=self._transport.handshake_payload(),
             kv_caches_base_addr=regions.region_addrs,
             block_len=regions.block_len_bytes,
             num_blocks=regions.num_blocks,
+            transports=(self._transport.name,),
+            node=node_identity(),
         )
         self._server = SideChannelServer(
             self.engine_id,
@@ -345,6 +350,8 @@ class PdserveWorker:
         try:
             response = future.result()
             remote = response.topology
+            transport = self._require_transport()
+            chosen = choose_transport((transport.name,), response.transports, where(node_identity(), response.node))
             if remote.tp_size != handshake.tp_size:
                 raise HandshakeRejected(
                     "incompatible",
@@ -371,7 +378,8 @@ class PdserveWorker:
         except ConnectorError as e:
             self._peer_failed(name, handshake, "unreachable" if future.exception() else "incompatible", str(e))
             return
-        self._peers[name] = _SourceRank(remote, len(reader_ranks(remote.tp_rank, local_topology, remote)))
+        readers = len(reader_ranks(remote.tp_rank, local_topology, remote))
+        self._peers[name] = _SourceRank(remote, readers, chosen)
 
     def _peer_failed(self, name: str, handshake: _Handshake, kind: str, reason: str) -> None:
         self._handshakes.invalidate(handshake.engine_id, handshake.tp_rank)
@@ -464,6 +472,7 @@ class PdserveWorker:
             finished.add(request_id)
             num_bytes = sum(read.num_bytes for read in group.reads)
             elapsed_s = max((read.elapsed_s for read in group.reads), default=0.0)
+            transport = next((self._peers[read.peer].transport for read in group.reads if read.peer in self._peers), "")
             self._stats.record_transfer(num_bytes, elapsed_s)
             self._report(spec, {
                 "source": "transfer",
@@ -471,6 +480,7 @@ class PdserveWorker:
                 "transfer_ms": round(elapsed_s * 1e3, 3),
                 "remote_engine_id": spec.remote.remote_engine_id,
                 "remote_ranks": [read.peer.rpartition("/rank")[2] for read in group.reads],
+                "transport": transport,
             })  # fmt: skip
             logger.debug(
                 "request %s on engine %s: read %d bytes from %d rank(s) in %.1f ms",

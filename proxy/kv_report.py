@@ -32,7 +32,7 @@ __all__ = ["KVReports", "format_report", "kv_report"]
 logger = logging.getLogger(__name__)
 
 REPORT_TIMEOUT_S = 0.25
-HEADER_KEYS = ("source", "bytes", "transfer_ms", "reason", "remote_engine_id")
+HEADER_KEYS = ("source", "bytes", "transfer_ms", "transport", "reason", "remote_engine_id")
 _REPORT_KEY = f'"{wire.PDSERVE_KV}"'.encode()
 
 

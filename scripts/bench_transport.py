@@ -35,7 +35,7 @@ import torch
 # A script, not a package module: make ``connectors`` importable when run by path (here and in the spawned source).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from connectors.nixl_transport import (  # noqa: E402
+from connectors.transport.nixl import (  # noqa: E402
     DEFAULT_PROGRESS_WAKE_US,
     PROGRESS_MODES,
     KVRegions,
@@ -64,7 +64,7 @@ def run_source(conn, args: argparse.Namespace, num_blocks: int) -> None:
     }
     with NixlKVTransport("bench-source", num_threads=args.threads, progress=args.progress) as transport:
         regions = transport.register_kv_caches(caches, plane_bytes(args))  # before the metadata, which lists it
-        conn.send((transport.agent_metadata(), regions))
+        conn.send((transport.handshake_payload(), regions))
         if args.progress != "caller":
             conn.recv()  # "stop": NIXL's thread progresses the source
             return

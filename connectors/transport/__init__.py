@@ -18,11 +18,13 @@ chose in every request's report (``transport=...`` in ``X-PDServe-KV``).
 from __future__ import annotations
 
 import enum
+import os
 from collections.abc import Sequence
+from functools import cache
 
 from connectors.errors import TransportError
 
-__all__ = ["NIXL", "PREFERENCE", "TRANSPORTS", "Where", "choose_transport", "where"]
+__all__ = ["NIXL", "PREFERENCE", "TRANSPORTS", "Where", "choose_transport", "node_identity", "where"]
 
 NIXL, CUDA_IPC, NCCL = "nixl", "cuda-ipc", "nccl"
 TRANSPORTS = (NIXL, CUDA_IPC, NCCL)
@@ -61,3 +63,15 @@ def choose_transport(ours: Sequence[str], theirs: Sequence[str], place: Where) -
         f"no common KV transport for a peer ({place}): we offer {', '.join(ours) or 'none'}, "
         f"it offers {', '.join(theirs) or 'none'}"
     )
+
+
+@cache
+def node_identity() -> str:
+    """This machine's boot id and network namespace: two processes with the same identity share a node's
+    memory and devices (network namespaces count apart, as the multi-host test bed's hosts do)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        return f"{boot}/{os.stat('/proc/self/ns/net').st_ino}"
+    except OSError:
+        return ""

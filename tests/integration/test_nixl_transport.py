@@ -18,7 +18,7 @@ import torch
 
 from connectors.block_ranges import PlaneRanges
 from connectors.errors import BlockMappingError, TransportError
-from connectors.nixl_transport import KVRegions, NixlKVTransport, TransferState
+from connectors.transport.nixl import KVRegions, NixlKVTransport, TransferState
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]  # a safety net: ~4 s per test on an idle host
 
@@ -46,7 +46,7 @@ def run_source(conn, device: str = "cpu") -> None:
     with NixlKVTransport("prefill-0") as transport:
         caches = make_caches(SOURCE_SEED, device)
         regions = transport.register_kv_caches(caches, BLOCK_LEN_BYTES)
-        conn.send((transport.agent_metadata(), regions))
+        conn.send((transport.handshake_payload(), regions))
         while True:
             notifications = transport.poll_notifications()
             if notifications:
@@ -198,7 +198,7 @@ def run_quiet_source(conn, progress: str) -> None:
     with NixlKVTransport("prefill-quiet", progress=progress) as transport:
         caches = make_caches(SOURCE_SEED)  # kept alive: NIXL reads this memory
         regions = transport.register_kv_caches(caches, BLOCK_LEN_BYTES)
-        conn.send((transport.agent_metadata(), regions, transport.progress))
+        conn.send((transport.handshake_payload(), regions, transport.progress))
         before, started = os.times(), time.monotonic()
         time.sleep(3)
         after = os.times()

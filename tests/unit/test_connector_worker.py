@@ -27,9 +27,9 @@ from connectors.errors import ConnectorError  # noqa: E402
 from connectors.handshake import HandshakeResponse  # noqa: E402
 from connectors.leases import read_notification  # noqa: E402
 from connectors.metadata import KVTransferParams, PdserveConnectorMetadata, ReceiveSpec  # noqa: E402
-from connectors.nixl_transport import TransferState  # noqa: E402
 from connectors.side_channel import RefusedMessages, report_key  # noqa: E402
 from connectors.topology import KVLayout, KVTopology  # noqa: E402
+from connectors.transport.base import TransferState  # noqa: E402
 from connectors.wire import parse_tcp_endpoint  # noqa: E402
 from connectors.worker import PdserveWorker, describe_kv_cache, engine_model_identity  # noqa: E402
 
@@ -59,6 +59,9 @@ class FakeRead:
 
 @dataclass
 class FakeTransport:
+    """Stands in for ``NixlKVTransport``: reads are scripted by the test (states set by hand)."""
+
+    name: str = "nixl"
     regions: KVRegions | None = None
     peers: dict[str, Any] = field(default_factory=dict)
     reads: list[tuple[str, list[int], list[int], bytes, FakeRead]] = field(default_factory=list)
@@ -73,7 +76,7 @@ class FakeTransport:
     def kv_regions(self) -> KVRegions:
         return self.regions
 
-    def agent_metadata(self) -> bytes:
+    def handshake_payload(self) -> bytes:
         return b"agent"
 
     def add_peer(self, peer: str, metadata: bytes, regions: KVRegions, ranges: Any) -> str:
@@ -240,6 +243,7 @@ def test_one_decode_rank_reads_each_prefill_rank_and_handshakes_once_per_rank(
     assert (finished, failed) == ({"r1", "r2"}, set())
     report = worker.take_reports().reports["r1"]
     assert (report["source"], report["remote_ranks"], report["bytes"]) == ("transfer", ["0", "1"], 6)
+    assert report["transport"] == "nixl"  # both sides offer only NIXL: the choice, said per request
     # the proxy asks the side channel with the prefill's ids (a stream's X-PDServe-KV)
     assert json.loads(worker._server.on_report(report_key("prefill", "p-r1"))) == report
     assert worker._server.on_report(report_key("prefill", "r1")) is None

@@ -413,3 +413,30 @@ def test_without_msgspec_json_is_used_and_msgpack_is_refused(monkeypatch: pytest
     error = rejection(decode_response, msgpack_message, topology())
     assert error.kind == "malformed"
     assert "msgspec is not installed" in error.reasons[0]
+
+
+def test_a_response_carries_the_transports_and_node_of_its_rank(codec: PayloadCodec) -> None:
+    sent = response(transports=("cuda-ipc", "nixl"), node="boot-1/4026531840")
+    got = decode_response(encode_response(sent, codec), topology())
+    assert (got.transports, got.node) == (("cuda-ipc", "nixl"), "boot-1/4026531840")
+
+
+def test_a_response_without_transports_offers_nixl_and_a_bad_offer_is_malformed(monkeypatch) -> None:
+    import connectors.handshake as handshake
+
+    real_encode = handshake._encode
+
+    def without(version, hash_hex, payload, codec):
+        payload.pop("transports", None)
+        payload.pop("node", None)
+        return real_encode(version, hash_hex, payload, codec)
+
+    monkeypatch.setattr(handshake, "_encode", without)
+    assert decode_response(encode_response(response()), topology()).transports == ("nixl",)
+
+    def bad(version, hash_hex, payload, codec):
+        return real_encode(version, hash_hex, payload | {"transports": []}, codec)
+
+    monkeypatch.setattr(handshake, "_encode", bad)
+    with pytest.raises(HandshakeRejected, match="transports must be a non-empty list"):
+        decode_response(encode_response(response()), topology())

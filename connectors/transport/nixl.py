@@ -6,8 +6,8 @@ from the reading (decode) side:
 1. Both sides ``register_kv_caches``: every layer's cache is registered with
    the agent as *regions* of block planes (one block of one layer's K, V, or
    both as in vLLM's CPU cache; ``block_len_bytes`` long).
-2. The reader learns a source rank with ``add_peer(peer, metadata, regions,
-   ranges)``: ``metadata`` is the source's ``agent_metadata()``, ``regions``
+2. The reader learns a source rank with ``add_peer(peer, payload, regions,
+   ranges)``: ``payload`` is the source's ``handshake_payload()`` (its NIXL agent metadata), ``regions``
    its ``kv_regions()``, ``ranges`` the ``PlaneRanges`` this rank reads from it
    (``connectors.block_ranges``: its head slice, remote block size dividing
    ours). Both descriptor lists are prepared here, once: the source's runs of
@@ -46,7 +46,6 @@ tensors are inspected.
 
 from __future__ import annotations
 
-import enum
 import logging
 import threading
 import time
@@ -55,17 +54,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from connectors.block_ranges import (
     KVRegions,
     PlaneRanges,
     local_descriptors,
     read_indices,
     remote_descriptors,
-    whole_plane_ranges,
 )
 from connectors.errors import TransportError
+from connectors.transport.base import TransferState, cache_regions, checked_ranges
 
 if TYPE_CHECKING:
     import torch
@@ -83,14 +80,6 @@ DEFAULT_MAX_DESCRIPTORS = 1 << 24
 DEFAULT_PROGRESS_WAKE_US = 10_000
 # "nixl": NIXL's own default (its thread, never sleeping): only a reference for benchmarks.
 PROGRESS_MODES = ("thread", "caller", "nixl")
-
-
-class TransferState(enum.Enum):
-    """Where one READ stands; DONE and FAILED are final."""
-
-    PENDING = "pending"
-    DONE = "done"
-    FAILED = "failed"
 
 
 class KVRead:
@@ -256,6 +245,8 @@ class NixlKVTransport:
     Not thread-safe: one worker thread drives it, as vLLM's worker does.
     """
 
+    name = "nixl"
+
     def __init__(
         self,
         engine_id: str,
@@ -311,44 +302,7 @@ class NixlKVTransport:
         """
         if self._regions is not None:
             raise TransportError(f"engine {self.engine_id}: KV caches are already registered")
-        if not caches or block_len_bytes <= 0:
-            raise TransportError(f"engine {self.engine_id}: need >= 1 cache and block_len_bytes > 0")
-        region_addrs: list[int] = []
-        first = next(iter(caches.values()))
-        for name, cache in caches.items():
-            if cache.shape != first.shape or cache.dtype != first.dtype or cache.device != first.device:
-                raise TransportError(f"layer {name}: cache {tuple(cache.shape)} differs from the first layer's")
-            if not _is_dense(cache):
-                raise TransportError(f"layer {name}: cache must be dense in memory (a permuted contiguous tensor)")
-            num_regions = planes_per_layer or (2 if cache.dim() >= 2 and cache.shape[0] == 2 else 1)
-            if num_regions not in (1, 2):
-                raise TransportError(f"planes_per_layer must be 1 or 2, got {planes_per_layer}")
-            num_blocks = cache.shape[1] if num_regions == 2 else cache.shape[0]
-            if cache.numel() * cache.element_size() != num_regions * num_blocks * block_len_bytes:
-                raise TransportError(
-                    f"layer {name}: {num_regions} x {num_blocks} blocks of {block_len_bytes} bytes "
-                    f"do not make up its cache of {tuple(cache.shape)} {cache.dtype}"
-                )
-            # Regions and blocks are cut by address: the plane and block dims must be outermost in memory.
-            block_dim = 1 if num_regions == 2 else 0
-            outer = ((0, num_blocks * block_len_bytes),) if num_regions == 2 else ()
-            for dim, stride_bytes in (*outer, (block_dim, block_len_bytes)):
-                if cache.shape[dim] > 1 and cache.stride(dim) * cache.element_size() != stride_bytes:
-                    raise TransportError(
-                        f"layer {name}: dim {dim} of its cache {tuple(cache.shape)} is not outermost in memory "
-                        f"(stride {cache.stride(dim)} elements)"
-                    )
-            region_bytes = num_blocks * block_len_bytes
-            region_addrs += [cache.data_ptr() + i * region_bytes for i in range(num_regions)]
-        on_cuda = first.device.type == "cuda"
-        regions = KVRegions(
-            layer_names=tuple(caches),
-            region_addrs=tuple(region_addrs),
-            num_blocks=num_blocks,
-            block_len_bytes=block_len_bytes,
-            mem_type="VRAM" if on_cuda else "DRAM",
-            device_id=first.device.index or 0,
-        )
+        regions = cache_regions(caches, block_len_bytes, planes_per_layer, self.engine_id)
         whole = [(c.data_ptr(), c.numel() * c.element_size(), regions.device_id, "") for c in caches.values()]
         try:
             self._reg_descs = self._agent.register_memory(whole, regions.mem_type, backends=self._backends)
@@ -359,7 +313,7 @@ class NixlKVTransport:
             "engine %s registered %d layers, %d block planes of %d bytes",
             self.engine_id,
             len(caches),
-            len(region_addrs) * num_blocks,
+            len(regions.region_addrs) * regions.num_blocks,
             block_len_bytes,
         )
         return regions
@@ -367,13 +321,13 @@ class NixlKVTransport:
     def kv_regions(self) -> KVRegions:
         return self._require_regions()
 
-    def agent_metadata(self) -> bytes:
+    def handshake_payload(self) -> bytes:
         """This agent's NIXL metadata, for a peer's ``add_peer`` (send it after ``register_kv_caches``)."""
         return self._agent.get_agent_metadata()
 
     # ------------------------------------------------------------ peers
 
-    def add_peer(self, peer: str, metadata: bytes, regions: KVRegions, ranges: PlaneRanges | None = None) -> str:
+    def add_peer(self, peer: str, payload: bytes, regions: KVRegions, ranges: PlaneRanges | None = None) -> str:
         """Learn a source rank's agent, prepare the descriptors of reading ``ranges`` from it; returns its agent name.
 
         Without ``ranges`` the peer's caches must equal ours and whole planes go 1:1.
@@ -381,12 +335,11 @@ class NixlKVTransport:
         local = self._require_regions()
         if peer in self._peers:
             raise TransportError(f"peer {peer} is already added")
-        if ranges is None:
-            ranges = self._whole_plane_ranges(peer, regions)
-        self._check_ranges(peer, regions, ranges)
+        ranges = checked_ranges(peer, local, regions, ranges)
+        self._check_descriptor_counts(peer, regions, ranges)
         local_key = ranges.local_key()
         try:
-            agent_name = self._agent.add_remote_agent(metadata)
+            agent_name = self._agent.add_remote_agent(payload)
         except self._nixl_errors as e:
             raise TransportError(f"cannot load NIXL metadata of peer {peer}: {e}") from e
         try:
@@ -425,40 +378,14 @@ class NixlKVTransport:
             logger.warning("engine %s: removing peer %s: %s", self.engine_id, peer, e)
         self._drop_local_list(entry.local_key)
 
-    def _whole_plane_ranges(self, peer: str, regions: KVRegions) -> PlaneRanges:
+    def _check_descriptor_counts(self, peer: str, regions: KVRegions, ranges: PlaneRanges) -> None:
+        """Refuse descriptor lists too large for NIXL to prepare."""
         local = self._require_regions()
-        problems = [
-            f"{field} differs: local {getattr(local, field)}, remote {getattr(regions, field)}"
-            for field in ("layer_names", "block_len_bytes")
-            if getattr(local, field) != getattr(regions, field)
-        ]
-        if len(local.region_addrs) != len(regions.region_addrs):
-            problems.append(f"{len(regions.region_addrs)} remote regions, {len(local.region_addrs)} local")
-        if problems:
-            raise TransportError(f"cannot read KV from peer {peer}: " + "; ".join(problems))
-        return whole_plane_ranges(local.planes_per_layer, local.block_len_bytes)
-
-    def _check_ranges(self, peer: str, regions: KVRegions, ranges: PlaneRanges) -> None:
-        """Refuse runs that would leave either side's block planes, and descriptor lists too large to prepare."""
-        local = self._require_regions()
-        problems: list[str] = []
-        if regions.num_layers != local.num_layers or len(regions.region_addrs) % max(1, regions.num_layers):
-            problems.append(f"{len(regions.region_addrs)} remote regions for {local.num_layers} local layers")
-        if ranges.num_runs == 0:
-            problems.append("no runs to read")
-        else:
-            lengths = np.asarray(ranges.lengths)
-            remote_end = int((np.asarray(ranges.remote_offsets) + lengths).max())
-            local_end = int((np.asarray(ranges.local_offsets) + lengths).max())
-            if remote_end > regions.block_len_bytes or max(ranges.remote_planes) >= regions.planes_per_layer:
-                problems.append(f"runs leave the remote block plane of {regions.block_len_bytes} bytes")
-            if local_end > local.block_len_bytes or max(ranges.local_planes) >= local.planes_per_layer:
-                problems.append(f"runs leave the local block plane of {local.block_len_bytes} bytes")
         counts = {
             "remote": local.num_layers * regions.num_blocks * ranges.num_runs,
             "local": local.num_layers * local.num_blocks * ranges.ratio * ranges.num_runs,
         }
-        problems += [
+        problems = [
             f"{count} {side} descriptors exceed the limit of {self.max_descriptors} "
             f"({ranges.num_runs} runs per block and layer: an NHD cache read by head slice; prefer HND)"
             for side, count in counts.items()
@@ -598,17 +525,3 @@ class NixlKVTransport:
             if retry:
                 self._unreleased.append(xfer)
             logger.debug("engine %s: NIXL handle not released yet: %s", self.engine_id, e)
-
-
-def _is_dense(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` covers exactly ``numel`` elements from its data pointer: contiguous in some dim order.
-
-    vLLM hands GPU caches as permuted views of contiguous memory (an HND cache seen as NHD).
-    """
-    dims = sorted((stride, size) for stride, size in zip(tensor.stride(), tensor.shape, strict=True) if size > 1)
-    expected = 1
-    for stride, size in dims:
-        if stride != expected:
-            return False
-        expected *= size
-    return True
