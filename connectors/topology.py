@@ -13,15 +13,13 @@ blocks are read *remote* (prefill). Before a local rank reads a request's KV:
 1. ``plan_reads(local, remote)`` says which remote ranks to read and which head
    slice of their blocks (``check_compatible`` runs first, so an unsupported
    pair fails with all its reasons at once);
-2. ``plan_local_fills`` / ``map_local_to_remote`` say which remote blocks fill
-   which local block when the remote block size divides the local one;
-3. ``connectors.block_ranges`` turns a head slice into the byte runs of a
-   direct READ, remote block plane -> local block plane, for the transport's
-   descriptors (``source_ranks`` answers which remote ranks before any handshake).
+2. ``connectors.block_ranges`` turns a head slice into the byte runs of a
+   direct READ, remote block plane -> local block plane (several remote blocks
+   per local block when the remote block size divides ours), for the
+   transport's descriptors (``source_ranks`` answers which remote ranks before
+   any handshake). The tests check those moves against the torch reference of
+   ``tests/kv_reference``, through the in-memory and the NIXL transports.
 
-``block_read_ranges`` / ``received_block_shape`` and
-``connectors.layout.assemble_local_blocks`` describe the same move through a
-staging buffer; the tests keep them as a torch reference of the arithmetic.
 The handshake compares ``compatibility_hash`` first and logs ``incompatibilities``.
 
 Head placement is vLLM's: with TP <= H heads, rank r holds heads
@@ -35,11 +33,9 @@ import dataclasses
 import enum
 import hashlib
 import json
-import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 
-from connectors.errors import BlockMappingError, InvalidTopology, TopologyMismatch
+from connectors.errors import InvalidTopology, TopologyMismatch
 
 __all__ = [
     "COMPATIBILITY_SCHEMA",
@@ -47,20 +43,14 @@ __all__ = [
     "HeadSlice",
     "KVLayout",
     "KVTopology",
-    "LocalBlockFill",
     "ReadPlan",
-    "block_read_ranges",
     "block_size_ratio",
     "check_compatible",
     "compatibility_factors",
     "compatibility_hash",
-    "expand_to_remote_granularity",
     "incompatibilities",
-    "map_local_to_remote",
-    "plan_local_fills",
     "plan_reads",
     "reader_ranks",
-    "received_block_shape",
     "source_ranks",
 ]
 
@@ -209,14 +199,6 @@ class ReadPlan:
         return tuple(s.remote_rank for s in self.slices)
 
 
-@dataclass(frozen=True, slots=True)
-class LocalBlockFill:
-    """What one local block receives: whole remote blocks, in token order."""
-
-    remote_block_ids: tuple[int, ...]
-    num_tokens: int
-
-
 # ---------------------------------------------------------------- compatibility
 
 
@@ -355,97 +337,3 @@ def source_ranks(local: KVTopology, remote_tp_size: int) -> tuple[int, ...]:
     """
     remote = dataclasses.replace(local, tp_size=remote_tp_size, tp_rank=0)
     return plan_reads(local, remote).remote_ranks
-
-
-def block_read_ranges(remote: KVTopology, head_start: int, num_heads: int) -> list[tuple[int, int]]:
-    """``(byte offset, byte length)`` ranges of one remote K or V block plane holding heads [start, start+n).
-
-    HND keeps a head slice in one range; NHD interleaves heads per token, so a
-    partial slice is one range per token (a whole block is still one range).
-    Read in order, the ranges give a buffer of ``received_block_shape(remote, num_heads)``.
-    """
-    _require_split_planes(remote)
-    if num_heads < 1 or head_start < 0 or head_start + num_heads > remote.num_heads:
-        raise InvalidTopology(
-            f"heads [{head_start}, {head_start + num_heads}) are not within the remote rank's {remote.num_heads} heads"
-        )
-    head_bytes = remote.head_dim * remote.element_size  # one head of one token
-    if remote.layout is KVLayout.HND:
-        per_head = remote.block_size * head_bytes
-        return [(head_start * per_head, num_heads * per_head)]
-    if num_heads == remote.num_heads:
-        return [(0, remote.block_plane_bytes)]
-    token_bytes = remote.num_heads * head_bytes
-    return [(t * token_bytes + head_start * head_bytes, num_heads * head_bytes) for t in range(remote.block_size)]
-
-
-def received_block_shape(remote: KVTopology, num_heads: int) -> tuple[int, int, int]:
-    """Shape of one received K or V block plane holding ``num_heads`` heads, in the remote layout."""
-    _require_split_planes(remote)
-    if remote.layout is KVLayout.NHD:
-        return (remote.block_size, num_heads, remote.head_dim)
-    return (num_heads, remote.block_size, remote.head_dim)
-
-
-def _require_split_planes(remote: KVTopology) -> None:
-    if remote.layout is KVLayout.H2ND:
-        raise InvalidTopology("H2ND keeps K and V in one block plane; its byte runs come from connectors.block_ranges")
-
-
-# ---------------------------------------------------------------- block mapping
-
-
-def plan_local_fills(
-    remote_block_ids: Sequence[int], num_tokens: int, local_block_size: int, remote_block_size: int
-) -> list[LocalBlockFill]:
-    """Local blocks to allocate for ``num_tokens`` tokens held in ``remote_block_ids``, and what fills each.
-
-    Local block i gets remote blocks [i*ratio, (i+1)*ratio); the last one may
-    get fewer and hold fewer tokens.
-    """
-    ratio = block_size_ratio(local_block_size, remote_block_size)
-    expected = math.ceil(num_tokens / remote_block_size)
-    if num_tokens < 0 or len(remote_block_ids) != expected:
-        raise BlockMappingError(
-            f"{num_tokens} tokens take {expected} remote blocks of {remote_block_size}, got {len(remote_block_ids)}"
-        )
-    return [
-        LocalBlockFill(
-            tuple(remote_block_ids[start : start + ratio]),
-            min(local_block_size, num_tokens - start * remote_block_size),
-        )
-        for start in range(0, len(remote_block_ids), ratio)
-    ]
-
-
-def map_local_to_remote(
-    local_block_ids: Sequence[int], remote_block_ids: Sequence[int], ratio: int
-) -> list[tuple[int, tuple[int, ...]]]:
-    """Pair each local block id with the ``ratio`` remote block ids (fewer for the last) that fill it."""
-    if ratio < 1:
-        raise BlockMappingError(f"block size ratio must be >= 1, got {ratio}")
-    needed = math.ceil(len(remote_block_ids) / ratio)
-    if len(local_block_ids) != needed:
-        raise BlockMappingError(
-            f"{len(remote_block_ids)} remote blocks at ratio {ratio} fill {needed} local blocks, "
-            f"got {len(local_block_ids)} local block ids"
-        )
-    return [
-        (local_id, tuple(remote_block_ids[i * ratio : (i + 1) * ratio])) for i, local_id in enumerate(local_block_ids)
-    ]
-
-
-def expand_to_remote_granularity(local_block_ids: Sequence[int], ratio: int, num_remote_blocks: int) -> list[int]:
-    """Local block ids as sub-block ids of the remote block size, one per remote block.
-
-    For a local cache registered with the transport in remote-sized pieces:
-    local block b is sub-blocks [b*ratio, (b+1)*ratio); the tail past
-    ``num_remote_blocks`` is dropped, so the result pairs 1:1 with the remote ids.
-    """
-    sub_blocks = [block_id * ratio + j for block_id in local_block_ids for j in range(ratio)]
-    if not 0 <= num_remote_blocks <= len(sub_blocks) or len(sub_blocks) - num_remote_blocks >= ratio:
-        raise BlockMappingError(
-            f"{len(local_block_ids)} local blocks at ratio {ratio} "
-            f"cannot hold exactly {num_remote_blocks} remote blocks"
-        )
-    return sub_blocks[:num_remote_blocks]

@@ -30,7 +30,7 @@ from connectors.block_ranges import (
     whole_plane_ranges,
 )
 from connectors.errors import BlockMappingError, TopologyMismatch
-from connectors.topology import HeadSlice, KVTopology, plan_local_fills, plan_reads, source_ranks
+from connectors.topology import HeadSlice, KVTopology, plan_reads, source_ranks
 from tests.kv_reference import cache_shape, noise_cache, padded, rank_heads, read_tokens, write_tokens
 from tests.unit.kv_factories import topology_factory
 
@@ -168,7 +168,7 @@ def test_direct_reads_put_each_decode_ranks_heads_in_its_blocks_and_nothing_else
     num_prefill_blocks = -(-NUM_TOKENS // prefill_block)
     prefill_ids = torch.randperm(num_prefill_blocks + SPARE_BLOCKS, generator=generator)[:num_prefill_blocks].tolist()
     prefill_caches = prefill_engine(prefill, whole, prefill_ids, generator)
-    num_decode_blocks = len(plan_local_fills(prefill_ids, NUM_TOKENS, decode_block, prefill_block))
+    num_decode_blocks = -(-NUM_TOKENS // decode_block)
 
     for rank in range(decode_tp):
         local = decode.with_rank(rank)

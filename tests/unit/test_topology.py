@@ -1,48 +1,32 @@
-"""KV topology arithmetic against a torch reference.
+"""KV topology arithmetic: read plans, reader ranks, derived sizes, compatibility and its reasons.
 
-The end-to-end tests build one sequence's whole KV (all heads, all tokens),
-store it the way every prefill TP rank would (its heads, in blocks of the
-prefill block size and layout, at scattered block ids), move it with our plan
-(``block_read_ranges`` over the raw bytes stands in for the NIXL read), run
-``assemble_local_blocks`` and check that every decode rank's cache holds
-exactly its heads of the sequence. Head placement and blocking in the
-reference are written out here, independently of the code under test.
+(Moving a sequence's KV between TP ranks, checked against a torch reference, is in
+``test_block_ranges.py`` and ``test_transport.py``.)
 """
 
 from __future__ import annotations
 
 import hashlib
 import pickle
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
-import torch
 
-from connectors.errors import BlockMappingError, InvalidTopology, TopologyError, TopologyMismatch
-from connectors.layout import assemble_local_blocks, store_blocks
+from connectors.errors import InvalidTopology, TopologyError, TopologyMismatch
 from connectors.topology import (
     HeadSlice,
     KVTopology,
-    LocalBlockFill,
-    block_read_ranges,
     block_size_ratio,
     check_compatible,
     compatibility_hash,
-    expand_to_remote_granularity,
     incompatibilities,
-    map_local_to_remote,
-    plan_local_fills,
     plan_reads,
     reader_ranks,
-    received_block_shape,
 )
 from tests.unit.kv_factories import topology_factory
 
 HEAD_DIM = 4
-DTYPE = torch.bfloat16
-NUM_TOKENS = 64 + 37  # a partly filled last block for every block size below
-SPARE_BLOCKS = 3  # cache blocks no request uses, so wrong block ids show
 
 TopologyFactory = Callable[..., KVTopology]
 
@@ -53,142 +37,7 @@ def make_topology() -> TopologyFactory:
     return topology_factory(head_dim=HEAD_DIM)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def single_torch_thread() -> Iterator[None]:
-    """These tensors are tiny: extra intra-op threads only spin against a busy machine's other work."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture
-def generator() -> torch.Generator:
-    return torch.Generator().manual_seed(0)
-
-
-# ---------------------------------------------------------------- torch reference
-
-
-def reference_heads(tp_size: int, rank: int, total_heads: int) -> list[int]:
-    """Global KV heads of ``rank``: a contiguous share, or one head copied on tp/heads ranks."""
-    if tp_size <= total_heads:
-        per_rank = total_heads // tp_size
-        return list(range(rank * per_rank, (rank + 1) * per_rank))
-    return [rank // (tp_size // total_heads)]
-
-
-def reference_blocks(tokens: torch.Tensor, block_size: int, layout: str) -> torch.Tensor:
-    """[2, T, H, D] -> [2, nblocks, N, H, D] (NHD) or [2, nblocks, H, N, D] (HND), tail zeros."""
-    kv, num_tokens, heads, dim = tokens.shape
-    num_blocks = (num_tokens + block_size - 1) // block_size
-    padded = torch.zeros(kv, num_blocks * block_size, heads, dim, dtype=tokens.dtype)
-    padded[:, :num_tokens] = tokens
-    blocks = padded.reshape(kv, num_blocks, block_size, heads, dim)
-    return blocks if layout == "NHD" else blocks.permute(0, 1, 3, 2, 4)
-
-
-def reference_tokens(blocks: torch.Tensor, layout: str) -> torch.Tensor:
-    """Inverse of ``reference_blocks``, keeping the padded tail."""
-    nhd = blocks if layout == "NHD" else blocks.permute(0, 1, 3, 2, 4)
-    kv, num_blocks, block_size, heads, dim = nhd.shape
-    return nhd.reshape(kv, num_blocks * block_size, heads, dim)
-
-
-def block_shape(block_size: int, num_heads: int, layout: str) -> tuple[int, int, int]:
-    return (block_size, num_heads, HEAD_DIM) if layout == "NHD" else (num_heads, block_size, HEAD_DIM)
-
-
-def noise_cache(shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
-    """A per-layer cache full of stale noise, so unwritten or misplaced blocks show."""
-    return torch.randn(shape, generator=generator).to(DTYPE)
-
-
-def block_ids_in(num_used: int, generator: torch.Generator) -> list[int]:
-    """``num_used`` shuffled ids out of ``num_used + SPARE_BLOCKS`` cache blocks."""
-    return torch.randperm(num_used + SPARE_BLOCKS, generator=generator)[:num_used].tolist()
-
-
-def nixl_read(cache: torch.Tensor, remote: KVTopology, block_ids: list[int], head_slice: HeadSlice) -> torch.Tensor:
-    """Stand-in for the transport: copy our byte ranges of each K/V block plane into a staging buffer."""
-    raw = cache.contiguous().view(-1).view(torch.uint8)
-    ranges = block_read_ranges(remote, head_slice.remote_head_start, head_slice.num_heads)
-    (length,) = {length for _, length in ranges}
-    planes = torch.arange(2)[:, None] * cache.shape[1] + torch.tensor(block_ids)[None, :]  # [kv, block]
-    starts = planes[:, :, None] * remote.block_plane_bytes + torch.tensor([offset for offset, _ in ranges])
-    staged = raw[(starts[..., None] + torch.arange(length)).flatten()].view(cache.dtype)
-    return staged.view(2, len(block_ids), *received_block_shape(remote, head_slice.num_heads))
-
-
-# ---------------------------------------------------------------- end to end
-
-TP_PAIRS = [(1, 1), (1, 2), (2, 1), (2, 4), (4, 2), (1, 4), (4, 1)]
-BLOCK_SIZES = [(16, 16), (16, 64), (32, 64)]
-LAYOUTS = ["NHD", "HND"]
-
-
-@pytest.mark.parametrize("prefill_layout", LAYOUTS)
-@pytest.mark.parametrize("decode_layout", LAYOUTS)
-@pytest.mark.parametrize(("prefill_block", "decode_block"), BLOCK_SIZES, ids=lambda b: str(b))
-@pytest.mark.parametrize("num_heads", [2, 4, 8])
-@pytest.mark.parametrize(("prefill_tp", "decode_tp"), TP_PAIRS, ids=[f"P{p}-D{d}" for p, d in TP_PAIRS])
-def test_decode_ranks_receive_their_heads(
-    make_topology: TopologyFactory,
-    generator: torch.Generator,
-    prefill_tp: int,
-    decode_tp: int,
-    num_heads: int,
-    prefill_block: int,
-    decode_block: int,
-    prefill_layout: str,
-    decode_layout: str,
-) -> None:
-    prefill = make_topology(
-        tp_size=prefill_tp, total_num_kv_heads=num_heads, block_size=prefill_block, layout=prefill_layout
-    )
-    decode = make_topology(
-        tp_size=decode_tp, total_num_kv_heads=num_heads, block_size=decode_block, layout=decode_layout
-    )
-    whole = torch.randn(2, NUM_TOKENS, num_heads, HEAD_DIM, generator=generator).to(DTYPE)
-
-    # Prefill: every rank stores its heads; vLLM's scheduler gives all ranks the same block ids.
-    num_prefill_blocks = -(-NUM_TOKENS // prefill_block)
-    prefill_ids = block_ids_in(num_prefill_blocks, generator)
-    prefill_caches = []
-    for rank in range(prefill_tp):
-        heads = reference_heads(prefill_tp, rank, num_heads)
-        cache = noise_cache(
-            (2, num_prefill_blocks + SPARE_BLOCKS, *block_shape(prefill_block, len(heads), prefill_layout)), generator
-        )
-        cache[:, prefill_ids] = reference_blocks(whole[:, :, heads], prefill_block, prefill_layout)
-        prefill_caches.append(cache)
-
-    fills = plan_local_fills(prefill_ids, NUM_TOKENS, decode_block, prefill_block)
-    assert sum(fill.num_tokens for fill in fills) == NUM_TOKENS
-    for rank in range(decode_tp):
-        local = decode.with_rank(rank)
-        plan = plan_reads(local, prefill)
-        heads = reference_heads(decode_tp, rank, num_heads)
-        decode_ids = block_ids_in(len(fills), generator)
-        decode_cache = noise_cache(
-            (2, len(fills) + SPARE_BLOCKS, *block_shape(decode_block, len(heads), decode_layout)), generator
-        )
-        pairs = map_local_to_remote(decode_ids, prefill_ids, plan.block_size_ratio)
-        read_order = [remote_id for _, remote_ids in pairs for remote_id in remote_ids]
-        received = [
-            nixl_read(prefill_caches[head_slice.remote_rank], prefill, read_order, head_slice)
-            for head_slice in plan.slices
-        ]
-        store_blocks(decode_cache, decode_ids, assemble_local_blocks(received, plan))
-
-        seen = reference_tokens(decode_cache[:, decode_ids], decode_layout)
-        assert torch.equal(seen[:, :NUM_TOKENS], whole[:, :, heads])
-        assert not seen[:, NUM_TOKENS:].any(), "tail of the last local block must be zeroed"
-        # Replicas are read once: one slice per distinct source of this rank's heads.
-        assert sum(s.num_heads for s in plan.slices) == len(heads)
-
-
-# ---------------------------------------------------------------- TP mapping
+# ---------------------------------------------------------------- read plans
 
 
 @pytest.mark.parametrize(
@@ -242,78 +91,6 @@ def test_topology_derived_sizes(make_topology: TopologyFactory) -> None:
 
 
 # ---------------------------------------------------------------- byte ranges and shapes
-
-
-@pytest.mark.parametrize(
-    ("layout", "head_start", "num_heads", "expected"),
-    [
-        ("HND", 1, 2, [(1 * 16 * 4 * 2, 2 * 16 * 4 * 2)]),  # a head slice is one run
-        ("NHD", 0, 4, [(0, 16 * 4 * 4 * 2)]),  # the whole block is one run
-        ("NHD", 2, 1, [(t * 4 * 4 * 2 + 2 * 4 * 2, 4 * 2) for t in range(16)]),  # one run per token
-    ],
-)
-def test_block_read_ranges(
-    make_topology: TopologyFactory, layout: str, head_start: int, num_heads: int, expected: list[tuple[int, int]]
-) -> None:
-    remote = make_topology(layout=layout)
-    assert block_read_ranges(remote, head_start, num_heads) == expected
-    assert sum(length for _, length in expected) == num_heads * 16 * HEAD_DIM * 2
-
-
-def test_block_read_ranges_rejects_heads_the_rank_lacks(make_topology: TopologyFactory) -> None:
-    with pytest.raises(InvalidTopology, match=r"heads \[3, 5\) are not within the remote rank's 4 heads"):
-        block_read_ranges(make_topology(), 3, 2)
-
-
-@pytest.mark.parametrize(("layout", "shape"), [("NHD", (16, 3, HEAD_DIM)), ("HND", (3, 16, HEAD_DIM))])
-def test_received_block_shape(make_topology: TopologyFactory, layout: str, shape: tuple[int, ...]) -> None:
-    assert received_block_shape(make_topology(layout=layout), 3) == shape
-
-
-# ---------------------------------------------------------------- block mapping
-
-
-def test_plan_local_fills_groups_remote_blocks_in_token_order() -> None:
-    fills = plan_local_fills([7, 3, 9, 1, 5], 70, local_block_size=64, remote_block_size=16)
-    assert fills == [LocalBlockFill((7, 3, 9, 1), 64), LocalBlockFill((5,), 6)]
-
-
-def test_map_local_to_remote_pairs_each_local_block_with_its_sources() -> None:
-    assert map_local_to_remote([10, 4], [7, 3, 9, 1, 5], 4) == [(10, (7, 3, 9, 1)), (4, (5,))]
-    assert map_local_to_remote([2, 8], [6, 0], 1) == [(2, (6,)), (8, (0,))]
-
-
-def test_expand_to_remote_granularity_clips_the_unfilled_tail() -> None:
-    assert expand_to_remote_granularity([0, 2], 2, 3) == [0, 1, 4]
-    assert expand_to_remote_granularity([5], 4, 4) == [20, 21, 22, 23]
-
-
-@pytest.mark.parametrize(
-    ("call", "message"),
-    [
-        (
-            lambda: plan_local_fills([1, 2], 70, 64, 16),
-            "70 tokens take 5 remote blocks of 16, got 2",
-        ),
-        (
-            lambda: map_local_to_remote([1], [7, 3, 9, 1, 5], 4),
-            "5 remote blocks at ratio 4 fill 2 local blocks, got 1 local block ids",
-        ),
-        (lambda: map_local_to_remote([1], [2], 0), "block size ratio must be >= 1, got 0"),
-        (
-            lambda: expand_to_remote_granularity([0, 1], 4, 3),
-            "2 local blocks at ratio 4 cannot hold exactly 3 remote blocks",
-        ),
-        (
-            lambda: expand_to_remote_granularity([0], 2, 3),
-            "1 local blocks at ratio 2 cannot hold exactly 3 remote blocks",
-        ),
-    ],
-)
-def test_block_mapping_errors(call: Callable[[], object], message: str) -> None:
-    with pytest.raises(BlockMappingError) as info:
-        call()
-    assert str(info.value) == message
 
 
 # ---------------------------------------------------------------- invalid and mismatched topologies
