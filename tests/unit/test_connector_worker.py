@@ -20,6 +20,7 @@ import torch
 
 pytest.importorskip("vllm")
 
+from connectors import reader as reader_module  # noqa: E402
 from connectors import worker as worker_module  # noqa: E402
 from connectors.auth import KVAuth  # noqa: E402
 from connectors.block_ranges import KVRegions  # noqa: E402
@@ -173,8 +174,8 @@ def fakes(monkeypatch: pytest.MonkeyPatch) -> Fakes:
 
     monkeypatch.setattr(worker_module, "NixlKVTransport", transport)
     monkeypatch.setattr(worker_module, "SideChannelServer", FakeServer)
-    monkeypatch.setattr(worker_module, "ReleaseSender", releases)
-    monkeypatch.setattr(worker_module, "request_handshake", made.prefill.request_handshake)
+    monkeypatch.setattr(reader_module, "ReleaseSender", releases)
+    monkeypatch.setattr(reader_module, "request_handshake", made.prefill.request_handshake)
     return made
 
 

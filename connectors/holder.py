@@ -1,0 +1,90 @@
+"""Prefill side of the pdserve connector's worker: the blocks of finished requests, held for their readers.
+
+``hold`` puts a request's blocks under a ``LeaseTable`` lease (the scheduler
+side asks, one step after the request finished). ``poll`` turns the
+transport's READ notifications (each says how many decode ranks will read this
+rank) and the side channel's releases into lease ends, expires leases, and
+returns the ended ones: vLLM frees their blocks ("finished sending"). A READ
+notification or a release can arrive before the hold (the hold comes with the
+next scheduler step): it waits, up to a lease's life, for its lease.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from dataclasses import dataclass
+
+from connectors.leases import LeaseState, LeaseTable, parse_read_notification
+from connectors.stats import PdserveKVStats
+from connectors.transport.base import KVTransport
+
+__all__ = ["LeaseHolder"]
+
+_LEASE_OUTCOMES = {LeaseState.READ: "read", LeaseState.RELEASED: "released", LeaseState.EXPIRED: "expired"}
+
+
+@dataclass(slots=True)
+class _LeaseEvent:
+    """A READ notification or release that came before this worker held the lease."""
+
+    what: str  # "read" or "release"
+    reader: str
+    expected_reads: int | None
+    seen_at: float
+
+
+class LeaseHolder:
+    """The prefill side of one TP rank; ``releases_in`` is fed by the side-channel thread."""
+
+    def __init__(self, engine_id: str, lease_ttl_s: float) -> None:
+        self.lease_ttl_s = lease_ttl_s
+        self._leases = LeaseTable(lease_ttl_s, engine_id=engine_id)
+        self._holding: set[str] = set()
+        self._early: dict[str, list[_LeaseEvent]] = {}
+        self._stats = PdserveKVStats()
+        self.releases_in: queue.SimpleQueue[str] = queue.SimpleQueue()
+
+    def hold(self, request_id: str, block_ids: tuple[int, ...]) -> None:
+        self._leases.hold(request_id, block_ids)
+        self._holding.add(request_id)
+        for event in self._early.pop(request_id, ()):
+            self._apply_lease_event(request_id, event)
+
+    def poll(self, transport: KVTransport) -> set[str]:
+        """The requests whose lease ended since the last call (read, released or expired)."""
+        now = time.monotonic()
+        for reader, message in transport.poll_notifications():
+            request_id, expected_reads = parse_read_notification(message)
+            self._lease_event(request_id, _LeaseEvent("read", reader, expected_reads, now))
+        while True:
+            try:
+                request_id = self.releases_in.get_nowait()
+            except queue.Empty:
+                break
+            self._lease_event(request_id, _LeaseEvent("release", "", None, now))
+        for request_id, events in list(self._early.items()):
+            if now - events[0].seen_at > self.lease_ttl_s:
+                del self._early[request_id]
+        self._leases.expire()
+        finished = self._leases.take_finished_with_state()
+        for state in finished.values():
+            self._stats.record_lease(_LEASE_OUTCOMES[state])
+        self._holding.difference_update(finished)
+        return set(finished)
+
+    def _lease_event(self, request_id: str, event: _LeaseEvent) -> None:
+        if request_id not in self._holding:
+            self._early.setdefault(request_id, []).append(event)
+        else:
+            self._apply_lease_event(request_id, event)
+
+    def _apply_lease_event(self, request_id: str, event: _LeaseEvent) -> None:
+        if event.what == "read":
+            self._leases.mark_read(request_id, event.reader, event.expected_reads)
+        else:
+            self._leases.release(request_id)
+
+    def take_stats(self) -> PdserveKVStats:
+        stats, self._stats = self._stats, PdserveKVStats()
+        return stats
