@@ -20,7 +20,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     if not _cuda_available():
         reason = "needs an NVIDIA GPU (torch.cuda.is_available() is False)"
     elif importlib.util.find_spec("nixl") is None:
-        reason = "needs NIXL (`pip install nixl nixl-cu12` or nixl-cu13)"
+        reason = "needs NIXL (`pip install -e '.[gpu]'`: nixl and nixl-cu13)"
     for item in items:
         if "tests/gpu/" in item.nodeid or item.nodeid.startswith("gpu/"):
             item.add_marker(pytest.mark.gpu)
