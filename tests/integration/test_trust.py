@@ -175,15 +175,19 @@ def test_transfer_parameters_not_issued_for_this_read_are_refused_and_the_prompt
 
 def test_a_handshake_that_times_out_is_recomputed_within_the_timeout(cluster: Cluster) -> None:
     """Valid parameters (the test signs them as a prefill of the cluster would) naming a side channel that
-    never answers: the decode engine gives up after ``handshake_timeout_s`` (5 s) and computes the prompt."""
+    never answers: the decode engine gives up after ``handshake_timeout_s`` (5 s) and computes the prompt.
+
+    The parameters name an engine the decode engine has not met: it keeps one connection per remote
+    engine rank, and a known engine's blocks would be read over it whatever address they named."""
     context = zmq.Context.instance()
     silent = context.socket(zmq.REP)  # takes the handshake, never answers
     silent.setsockopt(zmq.LINGER, 0)
     port = silent.bind_to_random_port("tcp://127.0.0.1")
     prompt = "Name a planet of the solar system."
     try:
-        params = issued_params(cluster, prompt)
-        params = kv_auth(cluster).sign_params({**params, wire.REMOTE_HOST: "127.0.0.1", wire.REMOTE_PORT: port}, 60)
+        issued = issued_params(cluster, prompt)
+        elsewhere = {wire.REMOTE_ENGINE_ID: "prefill-silent", wire.REMOTE_HOST: "127.0.0.1", wire.REMOTE_PORT: port}
+        params = kv_auth(cluster).sign_params({**issued, **elsewhere}, 60)
         started = time.monotonic()
         answer = decode_with(cluster, prompt, params)
         elapsed = time.monotonic() - started
@@ -193,19 +197,23 @@ def test_a_handshake_that_times_out_is_recomputed_within_the_timeout(cluster: Cl
         assert silent.poll(0)  # the handshake did arrive: the timeout, not a refusal, decided
     finally:
         silent.close()
+    # The lease the real prefill holds for the unread blocks ends with the cluster's own release.
+    assert ask(cluster.engine("prefill")["kv_endpoints"][0], issued[wire.PDSERVE_RELEASE]["message"].encode()) == b"OK"
 
 
 def test_a_decode_engine_dying_mid_stream_ends_the_stream_cleanly(cluster: Cluster) -> None:
     """SIGKILL of the decode engine while a stream is under way: the client gets the tokens so far and an
     error event, within the proxy's timeout, not a hang; the engine comes back."""
+    cluster.refresh()  # the engine's pid now: an earlier test or the controller may have restarted it
     decode = cluster.engine("decode")
-    body = chat("Count from one to one hundred in words.", max_tokens=400, stream=True)
+    body = chat("Count from one to one hundred in words.", max_tokens=400, ignore_eos=True, stream=True)
     request = urllib.request.Request(
         cluster.proxy_url + "/v1/chat/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
     )
     events: list[str] = []
     started = time.monotonic()
     with urllib.request.urlopen(request, timeout=120) as response:
+        served_by = response.headers.get("X-PDServe-Path"), response.headers.get("X-PDServe-Decode")
         for raw in response:
             line = raw.decode().strip()
             if not line.startswith("data: "):
@@ -216,7 +224,7 @@ def test_a_decode_engine_dying_mid_stream_ends_the_stream_cleanly(cluster: Clust
     elapsed = time.monotonic() - started
     assert len(events) >= 5 and elapsed < 60, (len(events), elapsed)
     last = json.loads(events[-1][len("data: ") :])
-    assert last["error"]["type"] == "upstream_error", last  # said, not a silent truncation
+    assert last["error"]["type"] == "upstream_error", (served_by, decode, last)  # said, not a silent truncation
     wait_restarted(cluster, "decode", decode["pid"])
 
 
@@ -276,6 +284,7 @@ def _write_other_secret(cluster: Cluster) -> Path:
 
 
 def test_killing_the_only_prefill_engine_under_load_fails_only_what_was_in_flight(cluster: Cluster) -> None:
+    cluster.refresh()
     prefill = cluster.engine("prefill")
     results: list[tuple[float, float, int, str]] = []  # (sent, answered, status, X-PDServe-Path)
     stop = threading.Event()
