@@ -48,6 +48,7 @@ from connectors.wire import ROLES, http_url
 from orchestrator.autoscale.actuator import Autoscaler
 from orchestrator.autoscale.policy import PolicyConfig
 from orchestrator.autoscale.profile import PerformanceProfile
+from orchestrator.autoscale.rules import new_replicas, retirement_order
 from orchestrator.control import STATUS_SCHEMA
 from orchestrator.control_server import ControlServer
 from orchestrator.engine_actor import EngineActor, error_excerpt
@@ -440,7 +441,8 @@ class ClusterController:
         """Grow or shrink pools to ``targets`` (``{role: replicas}``); return at once with the plan.
 
         Growing starts the lowest free replicas; each joins the proxy's pool when
-        ready. Shrinking retires the newest engines (those still starting first):
+        ready. Shrinking retires the newest engines (those still starting first;
+        ``orchestrator.autoscale.rules``, which the simulator follows too):
         each leaves the proxy's pool at once, finishes its running requests, and a
         prefill engine keeps its KV until the decode engines have read it; then it
         is stopped (``_retire``). ``{"error": ...}`` when a target is out of bounds.
@@ -466,8 +468,7 @@ class ClusterController:
             self.targets[role] = target
             serving = [r for r in self.engines.values() if r.role == role and r.state in _SERVING]
             started = self._grow(role, target - len(serving)) if target > len(serving) else []
-            # the newest first, and an engine not ready yet before one that serves
-            retiring = sorted(serving, key=lambda r: (r.state == "ready", -_replica(r.engine_id)))
+            retiring = retirement_order(serving, lambda r: r.state == "ready", lambda r: _replica(r.engine_id))
             retiring = retiring[: max(len(serving) - target, 0)]
             for record in retiring:
                 self._spawn(self._retire(record))
@@ -492,7 +493,8 @@ class ClusterController:
 
     def _grow(self, role: str, count: int) -> list[str]:
         started = []
-        for launch in [launch for launch in self._launches(role) if launch.engine_id not in self.engines][:count]:
+        wanted = set(new_replicas((_replica(r.engine_id) for r in self.engines.values() if r.role == role), count))
+        for launch in [launch for launch in self._launches(role) if _replica(launch.engine_id) in wanted]:
             record = self.engines[launch.engine_id] = self._record(launch)
             record.handle = self._create_engine_actor(launch)
             self._spawn(self._start_engine(launch.engine_id))

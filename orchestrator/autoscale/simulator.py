@@ -23,7 +23,9 @@ fractional step counter and the next finish is computed, not stepped to.
 Every ``interval_s`` the policy gets a ``ClusterObservation`` of the last
 interval and returns target counts. New engines serve after ``startup_s``;
 removed ones stop taking requests and stop once their own work is done
-(drain); an engine asked for back while draining serves again at once.
+(drain). Which engines start and which retire follows the controller's rules
+(``orchestrator.autoscale.rules``): the newest retire first, and a draining
+engine is not taken back (a scale-up while it drains starts another).
 Engine-hours count every engine from start to stop, starting and draining included.
 """
 
@@ -40,6 +42,7 @@ from typing import Any, Protocol
 
 from orchestrator.autoscale.policy import ClusterObservation, PoolObservation, ScalingDecision
 from orchestrator.autoscale.profile import PerformanceProfile
+from orchestrator.autoscale.rules import new_replicas, retirement_order
 from orchestrator.autoscale.traces import TraceRequest
 
 logger = logging.getLogger(__name__)
@@ -82,7 +85,7 @@ class _Request:
 
 @dataclass(slots=True, eq=False)
 class _Engine:
-    eid: str
+    replica: int
     started: float
     state: EngineState
     stopped: float = -1.0
@@ -197,7 +200,6 @@ class Simulator:
         self.now = 0.0
         self._events: list[tuple[float, int, int, Any]] = []
         self._seq = itertools.count()
-        self._ids = itertools.count()
         self.prefill: list[_PrefillEngine] = []
         self.decode: list[_DecodeEngine] = []
         self._proxy_queue: deque[_Request] = deque()  # no prefill engine serving
@@ -207,10 +209,8 @@ class Simulator:
         self._window: dict[str, Any] = self._new_window()
         self._last_means = (1.0, 1.0)
         self.timeline: list[dict[str, Any]] = []
-        for _ in range(initial[0]):
-            self.prefill.append(_PrefillEngine(f"prefill-{next(self._ids)}", 0.0, EngineState.SERVING))
-        for _ in range(initial[1]):
-            self.decode.append(_DecodeEngine(f"decode-{next(self._ids)}", 0.0, EngineState.SERVING))
+        self.prefill.extend(_PrefillEngine(n, 0.0, EngineState.SERVING) for n in range(initial[0]))
+        self.decode.extend(_DecodeEngine(n, 0.0, EngineState.SERVING) for n in range(initial[1]))
 
     # --- event plumbing -----------------------------------------------------------------------
 
@@ -451,24 +451,19 @@ class Simulator:
             self._at(self.now + self.interval_s, _DECIDE, None)
 
     def _scale(self, pool: list, target: int, kind: type, role: str) -> None:
+        """The controller's rules (``rules``): new engines on the lowest free replicas, the newest retired
+        first, a draining engine never taken back."""
         provisioned = [e for e in pool if e.state in (EngineState.STARTING, EngineState.SERVING)]
         missing = target - len(provisioned)
         if missing > 0:
-            for engine in [e for e in pool if e.state is EngineState.DRAINING][:missing]:
-                engine.state = EngineState.SERVING
-                missing -= 1
-                self._serve_pending(engine)
-            for _ in range(missing):
-                engine = kind(f"{role}-{next(self._ids)}", self.now, EngineState.STARTING)
+            held = (e.replica for e in pool if e.state is not EngineState.STOPPED)
+            for replica in new_replicas(held, missing):
+                engine = kind(replica, self.now, EngineState.STARTING)
                 pool.append(engine)
                 self._at(self.now + self.startup_s, _READY, engine)
         elif missing < 0:
-            starting = [e for e in provisioned if e.state is EngineState.STARTING]
-            serving = sorted(
-                (e for e in provisioned if e.state is EngineState.SERVING),
-                key=lambda e: e.queued_tokens if role == "prefill" else e.load,
-            )
-            for engine in (starting[::-1] + serving)[:-missing]:
+            order = retirement_order(provisioned, lambda e: e.state is EngineState.SERVING, lambda e: e.replica)
+            for engine in order[:-missing]:
                 if engine.state is EngineState.STARTING or engine.idle:
                     self._stop(engine)
                 else:

@@ -16,7 +16,8 @@ import pytest
 from orchestrator.autoscale import traces
 from orchestrator.autoscale.policy import ClusterObservation, ScalingDecision, StaticPolicy
 from orchestrator.autoscale.profile import EngineLimits, Grid1D, Grid2D, PerformanceProfile
-from orchestrator.autoscale.simulator import SloTargets, simulate
+from orchestrator.autoscale.rules import new_replicas, retirement_order
+from orchestrator.autoscale.simulator import Simulator, SloTargets, simulate
 from orchestrator.autoscale.traces import TraceRequest
 
 TARGETS = SloTargets(ttft_s=1e9, itl_s=1e9)
@@ -169,6 +170,30 @@ def test_removed_engines_finish_their_requests_before_stopping():
     end_h = max(r.done for r in result.records) / 3600
     assert 2 * end_h < result.engine_hours < 2.8 * end_h
     assert result.timeline[-1]["engines"] == 2
+
+
+def test_scaling_follows_the_controllers_rules():
+    """Newest retired first; a draining engine is not taken back: a scale-up while it drains starts
+    another engine, which serves only after its startup (as ``Controller.scale`` does)."""
+    profile = make_profile(prefill_s_per_token=INSTANT, decode_step=(0.1, 0.0), max_num_seqs=1000, startup_s=30.0)
+    trace = poisson_trace(2.0, 100, prompt=lambda rng: 10, output=lambda rng: 300)
+    policy = _Script([(1, 1), (1, 2)])  # t=10: decode 2 -> 1 (decode-1 drains); t=20: back to 2
+    sim = Simulator(profile, policy, TARGETS, (1, 2), interval_s=10.0)
+    sim.run(trace)
+
+    by_t = {round(obs.t): obs.decode for obs in policy.seen}
+    assert (by_t[30].replicas, by_t[30].starting) == (1, 1)  # the drained engine did not come back
+    assert (by_t[60].replicas, by_t[60].starting) == (2, 0)  # the new one serves after 30 s
+    # decode-1 (the newest) retired and stopped; the new engine took the lowest free number once it had.
+    assert [(e.replica, e.state.value) for e in sim.decode] == [(0, "serving"), (1, "stopped"), (2, "serving")]
+
+
+def test_rules_retire_the_newest_and_the_not_yet_serving_first():
+    engines = [("a", 0, True), ("b", 3, True), ("c", 1, False), ("d", 2, True)]
+    order = retirement_order(engines, serving=lambda e: e[2], replica=lambda e: e[1])
+    assert [e[0] for e in order] == ["c", "b", "d", "a"]
+    assert new_replicas([0, 2, 3], 3) == [1, 4, 5]
+    assert new_replicas([], 0) == []
 
 
 def test_trace_files_round_trip_and_bad_lines_are_named(tmp_path):
