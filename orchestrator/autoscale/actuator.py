@@ -16,6 +16,8 @@ Every ``interval_s`` it
      finished request (the decode engines' when only decode-only requests ran);
      mean output tokens: the decode engines' ``vllm:generation_tokens_total`` per
      finished request; the last known means hold through a window without any;
+   - the spread of prompt lengths (variance / mean^2) from the same engines'
+     ``vllm:request_prompt_tokens`` histogram, each bucket at its middle;
    - per pool: engines serving and starting (the controller's records), requests
      waiting and running and the KV-cache use (the engines' own gauges);
 
@@ -56,7 +58,7 @@ from orchestrator.engine_metrics import MetricsReading, fetch_metrics
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Autoscaler", "EngineReading", "Observer", "histogram_quantile"]
+__all__ = ["Autoscaler", "EngineReading", "Observer", "histogram_cv2", "histogram_quantile"]
 
 ROLES = ("prefill", "decode")
 RECEIVED = "pdserve_proxy_requests_received_total"
@@ -64,6 +66,7 @@ PROXY_TTFT = "pdserve_proxy_time_to_first_token_seconds"
 PROXY_ITL = "pdserve_proxy_inter_token_latency_seconds"
 PROMPT_TOKENS = "vllm:prompt_tokens_total"
 OUTPUT_TOKENS = "vllm:generation_tokens_total"
+PROMPT_LENGTHS = "vllm:request_prompt_tokens"  # histogram: the spread of prompt lengths
 FINISHED = "vllm:request_success_total"
 WAITING = "vllm:num_requests_waiting"
 RUNNING = "vllm:num_requests_running"
@@ -102,6 +105,22 @@ def histogram_quantile(q: float, now: dict[float, float], before: dict[float, fl
     return lower
 
 
+def histogram_cv2(now: dict[float, float], before: dict[float, float]) -> float | None:
+    """Variance / mean^2 of the observations between two readings of a histogram's cumulative buckets,
+    each taken at its bucket's middle (the ``+Inf`` bucket's at its lower edge). None without observations."""
+    lower, below, total, first, second = 0.0, 0.0, 0.0, 0.0, 0.0
+    for le in sorted(now):
+        count = _increase(now[le], before.get(le, 0.0))
+        n = count - below
+        value = lower if math.isinf(le) else (lower + le) / 2
+        total, first, second = total + n, first + n * value, second + n * value * value
+        lower, below = le, count
+    if total <= 0 or first <= 0:
+        return None
+    mean = first / total
+    return max(second / total / (mean * mean) - 1.0, 0.0)
+
+
 @dataclass(slots=True, frozen=True)
 class EngineReading:
     """An engine as the controller knows it, with its ``/metrics`` (None: it did not answer)."""
@@ -124,6 +143,7 @@ class Observer:
         self._t: float | None = None
         self.mean_prompt_tokens = 1.0
         self.mean_output_tokens = 1.0
+        self.prompt_tokens_cv2 = 1.0
 
     def observe(self, t: float, proxy: MetricsReading | None, engines: Iterable[EngineReading]) -> ClusterObservation:
         engines = list(engines)
@@ -154,6 +174,7 @@ class Observer:
             decode=pools["decode"],
             ttft_p90_s=ttft,
             itl_p90_s=itl,
+            prompt_tokens_cv2=self.prompt_tokens_cv2,
         )
 
     def _delta(self, engines: list[EngineReading], name: str) -> float:
@@ -163,12 +184,28 @@ class Observer:
             if e.metrics is not None and e.engine_id in self._engines
         )
 
+    def _bucket_delta(self, engines: list[EngineReading], name: str) -> tuple[dict[float, float], dict[float, float]]:
+        """A histogram's buckets summed over ``engines`` now and at their last reading (both read)."""
+        now: dict[float, float] = {}
+        before: dict[float, float] = {}
+        for e in engines:
+            if e.metrics is None or e.engine_id not in self._engines:
+                continue
+            last = self._engines[e.engine_id].buckets.get(name, {})
+            for le, count in e.metrics.buckets.get(name, {}).items():
+                restarted = count < last.get(le, 0.0)
+                now[le] = now.get(le, 0.0) + count
+                before[le] = before.get(le, 0.0) + (0.0 if restarted else last.get(le, 0.0))
+        return now, before
+
     def _update_means(self, engines: list[EngineReading]) -> None:
         prefill = [e for e in engines if e.role == "prefill"]
         decode = [e for e in engines if e.role == "decode"]
         for pool in (prefill, decode):  # prefill engines first; decode engines when only decode-only ran
             if (finished := self._delta(pool, FINISHED)) > 0:
                 self.mean_prompt_tokens = max(self._delta(pool, PROMPT_TOKENS) / finished, 1.0)
+                cv2 = histogram_cv2(*self._bucket_delta(pool, PROMPT_LENGTHS))
+                self.prompt_tokens_cv2 = self.prompt_tokens_cv2 if cv2 is None else cv2
                 break
         if (finished := self._delta(decode, FINISHED)) > 0:
             self.mean_output_tokens = max(self._delta(decode, OUTPUT_TOKENS) / finished, 1.0)

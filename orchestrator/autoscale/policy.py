@@ -17,8 +17,10 @@ How one decision is made (both pools at once):
    the profile says how long that takes, hence tokens/s per engine and a mean
    service time per request. The TTFT target, less the time an idle engine needs
    (prefill, KV transfer, one decode step), is the wait we can afford; the
-   smallest N whose M/M/N (Erlang C) chance of waiting longer than that is under
-   10 % is the prefill demand. Queued prompt tokens add engines to clear them
+   smallest N whose M/G/N chance of waiting longer than that is under 10 % is the
+   prefill demand (Erlang C, its tail stretched by (1 + cv^2) / 2 for the spread
+   of the window's prompt lengths: a heavy tail needs more engines than its mean
+   says). Queued prompt tokens add engines to clear them
    within one interval plus an engine's startup time.
 2. Decode. The largest batch whose step time is within ``target_utilization`` of
    the ITL target and whose sequences fill at most that fraction of the KV cache
@@ -135,6 +137,7 @@ class ClusterObservation:
     decode: PoolObservation
     ttft_p90_s: float | None = None  # measured over the window; None when no request finished one
     itl_p90_s: float | None = None
+    prompt_tokens_cv2: float = 1.0  # variance / mean^2 of the window's prompt lengths (1: as exponential)
 
     def pool(self, role: str) -> PoolObservation:
         return self.prefill if role == "prefill" else self.decode
@@ -153,8 +156,14 @@ class ScalingDecision:
         return self.prefill if role == "prefill" else self.decode
 
 
-def erlang_c_wait_tail(servers: int, arrival_rate: float, service_s: float, wait_s: float) -> float:
-    """P(wait > wait_s) in an M/M/c queue (c = servers); 1.0 when the queue is unstable."""
+def erlang_c_wait_tail(
+    servers: int, arrival_rate: float, service_s: float, wait_s: float, service_cv2: float = 1.0
+) -> float:
+    """P(wait > wait_s) in an M/M/c queue (c = servers); 1.0 when the queue is unstable.
+
+    ``service_cv2`` (the squared coefficient of variation of service times; 1 for M/M/c) stretches the
+    tail as Allen and Cunneen's M/G/c approximation stretches the mean wait: by (1 + cv2) / 2. Heavy-tailed
+    prompts (cv2 of 3-4) wait about twice as long as their mean alone says."""
     if arrival_rate <= 0:
         return 0.0
     offered = arrival_rate * service_s  # in Erlangs
@@ -166,7 +175,8 @@ def erlang_c_wait_tail(servers: int, arrival_rate: float, service_s: float, wait
         erlang_b = offered * erlang_b / (k + offered * erlang_b)
     utilization = offered / servers
     p_wait = erlang_b / (1 - utilization + utilization * erlang_b)
-    return p_wait * math.exp(-(servers - offered) * max(wait_s, 0.0) / service_s)
+    stretch = (1 + max(service_cv2, 0.0)) / 2
+    return p_wait * math.exp(-(servers - offered) * max(wait_s, 0.0) / (service_s * stretch))
 
 
 class AutoscalePolicy:
@@ -234,14 +244,15 @@ class AutoscalePolicy:
                 f"over the {cfg.ttft_p90_s:g}s target; sizing for no waiting at all"
             )
             wait_s = 0.0
+        cv2 = obs.prompt_tokens_cv2
         n = 1
-        while n < cfg.max_engines and erlang_c_wait_tail(n, rate, service_s, wait_s) > TTFT_TAIL:
+        while n < cfg.max_engines and erlang_c_wait_tail(n, rate, service_s, wait_s, cv2) > TTFT_TAIL:
             n += 1
         reasons.append(
             f"prefill: {rate:.2f} req/s x {prompt:.0f} tokens = "
             f"{rate * prompt:.0f} tok/s at {tokens_per_s:.0f} tok/s/engine "
             f"(load {rate * service_s:.2f} engines); "
-            f"P(wait > {wait_s:.3f}s) <= {TTFT_TAIL:.0%} (M/M/c) needs {n}"
+            f"P(wait > {wait_s:.3f}s) <= {TTFT_TAIL:.0%} (M/G/c, prompt cv^2 {cv2:.2f}) needs {n}"
         )
         backlog = obs.prefill.queued_tokens
         # Until new engines serve, the engines serving now take the arrivals: what they cannot

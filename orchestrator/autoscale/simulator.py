@@ -208,6 +208,7 @@ class Simulator:
         self._in_flight = 0
         self._window: dict[str, Any] = self._new_window()
         self._last_means = (1.0, 1.0)
+        self._last_cv2 = 1.0
         self.timeline: list[dict[str, Any]] = []
         self.prefill.extend(_PrefillEngine(n, 0.0, EngineState.SERVING) for n in range(initial[0]))
         self.decode.extend(_DecodeEngine(n, 0.0, EngineState.SERVING) for n in range(initial[1]))
@@ -253,6 +254,7 @@ class Simulator:
         w = self._window
         w["arrivals"] += 1
         w["prompt"] += item.prompt_tokens
+        w["prompt_sq"] += item.prompt_tokens**2
         w["output"] += item.output_tokens
         prompt = max(1, item.prompt_tokens)
         req = _Request(len(self._records) + self._in_flight, item.t, prompt, max(1, item.output_tokens), prompt)
@@ -387,12 +389,14 @@ class Simulator:
     # --- scaling ------------------------------------------------------------------------------
 
     def _new_window(self) -> dict[str, Any]:
-        return {"arrivals": 0, "prompt": 0, "output": 0, "ttft": [], "itl": []}
+        return {"arrivals": 0, "prompt": 0, "prompt_sq": 0, "output": 0, "ttft": [], "itl": []}
 
     def _observe(self) -> ClusterObservation:
         w = self._window
         if w["arrivals"]:
-            self._last_means = (w["prompt"] / w["arrivals"], w["output"] / w["arrivals"])
+            mean_prompt = w["prompt"] / w["arrivals"]
+            self._last_means = (mean_prompt, w["output"] / w["arrivals"])
+            self._last_cv2 = max(w["prompt_sq"] / w["arrivals"] / mean_prompt**2 - 1, 0.0)
         prefill_serving = [e for e in self.prefill if e.state is EngineState.SERVING]
         decode_serving = [e for e in self.decode if e.state is EngineState.SERVING]
         prefill_queued = [r for e in prefill_serving for r in e.queue if r.prefill_left == r.prompt]
@@ -423,6 +427,7 @@ class Simulator:
             decode=decode,
             ttft_p90_s=_quantile(sorted(w["ttft"]), 0.9),
             itl_p90_s=_quantile(sorted(w["itl"]), 0.9),
+            prompt_tokens_cv2=self._last_cv2,
         )
 
     def _on_decide(self, _: None) -> None:

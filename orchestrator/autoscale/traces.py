@@ -14,7 +14,8 @@ deterministic: the same arguments and seed give the same trace, byte for byte.
   ``period_s``, repeated; a non-homogeneous Poisson process drawn by thinning.
 
 Each takes a ``LengthMix`` for prompt and output lengths: ``MIXES`` holds the
-chat mix, the long-prompt and long-output mixes, and a short mix for CPU engines.
+chat mix, the long-prompt and long-output mixes, a heavy-tailed mix, and a short
+mix for CPU engines. ``merge`` lays tenants' traces over each other.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ __all__ = [
     "TraceRequest",
     "bursty",
     "diurnal",
+    "merge",
     "poisson",
     "read_trace",
     "write_trace",
@@ -97,6 +99,9 @@ MIXES: dict[str, LengthMix] = {
     "long-output": LengthMix(
         "long-output", ((0.75, _CHAT_PROMPT, _CHAT_OUTPUT), (0.25, _CHAT_PROMPT, LengthDist(2000, 0.4, 500, 8192)))
     ),
+    # Heavy tails: log-normal with sigma 1.2 (the p99 prompt is ~10x the median), prompts up to 8k
+    # tokens, outputs up to 2k. Sizing from the mean alone under-provisions it.
+    "heavy": LengthMix("heavy", ((1.0, LengthDist(1500, 1.2, 16, 8192), LengthDist(250, 1.2, 4, 2048)),)),
     # Short requests a CPU engine serves in seconds (the CPU demo, scripts/validate_simulator.py).
     "short": LengthMix("short", ((1.0, LengthDist(300, 0.5, 64, 1024), LengthDist(24, 0.5, 8, 64)),)),
 }
@@ -176,6 +181,11 @@ def diurnal(
         return trough_rps + (peak_rps - trough_rps) * (1 - math.cos(2 * math.pi * t / period_s)) / 2
 
     return _with_lengths(_arrivals(rate_at, max(peak_rps, trough_rps), duration_s, rng), mix, rng)
+
+
+def merge(*tenants: Iterable[TraceRequest]) -> list[TraceRequest]:
+    """Several tenants' traces as one, in arrival order."""
+    return sorted((r for tenant in tenants for r in tenant), key=lambda r: r.t)
 
 
 def write_trace(requests: Iterable[TraceRequest], path: str | os.PathLike[str]) -> int:

@@ -3,19 +3,23 @@
 from __future__ import annotations
 
 import asyncio
+import math
 
 import aiohttp
 import pytest
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from orchestrator.autoscale.actuator import Autoscaler, EngineReading, Observer, histogram_quantile
+from orchestrator.autoscale.actuator import Autoscaler, EngineReading, Observer, histogram_cv2, histogram_quantile
 from orchestrator.autoscale.policy import PolicyConfig, PoolLimits
 from orchestrator.autoscale.profile import load_profile
 from orchestrator.engine_metrics import parse_metrics
 from proxy.metrics import TTFT_BUCKETS, ProxyMetrics
 
 PROFILE = "configs/profiles/example-gpu.yaml"
+
+
+VLLM_LENGTH_BUCKETS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000]  # vLLM's 1-2-5 series
 
 
 class EnginePage:
@@ -29,11 +33,16 @@ class EnginePage:
         self.waiting = Gauge("vllm:num_requests_waiting", "", registry=self.registry)
         self.running = Gauge("vllm:num_requests_running", "", registry=self.registry)
         self.kv = Gauge("vllm:kv_cache_usage_perc", "", registry=self.registry)
+        self.prompt_lengths = Histogram(
+            "vllm:request_prompt_tokens", "", buckets=VLLM_LENGTH_BUCKETS, registry=self.registry
+        )
 
     def finish(self, n: int, prompt: int, output: int) -> None:
         self.success.labels("length").inc(n)
         self.prompt_tokens.inc(n * prompt)
         self.generation_tokens.inc(n * output)
+        for _ in range(n):
+            self.prompt_lengths.observe(prompt)
 
     def reading(self):
         return parse_metrics(generate_latest(self.registry).decode())
@@ -94,6 +103,22 @@ def test_observer_turns_two_readings_into_rates_means_and_pools() -> None:
     assert obs.decode.queued_tokens == 3 * 350
     assert obs.decode.kv_cache_usage == pytest.approx(0.25)
     assert (obs.prefill.replicas, obs.prefill.starting, obs.prefill.queue_depth) == (1, 0, 0)
+
+
+def test_the_spread_of_prompt_lengths_comes_from_vllms_histogram() -> None:
+    observer = Observer()
+    prefill = EnginePage()
+    reading = lambda: [EngineReading("prefill-0", "prefill", "ready", prefill.reading())]  # noqa: E731
+    observer.observe(0.0, None, reading())
+    prefill.finish(10, prompt=300, output=1)
+    assert observer.observe(10.0, None, reading()).prompt_tokens_cv2 == pytest.approx(0.0)  # one length
+    prefill.finish(10, prompt=150, output=1)  # bucket (100, 200]: 150
+    prefill.finish(10, prompt=3000, output=1)  # bucket (2000, 5000]: 3500
+    spread = (150**2 + 3500**2) / 2 / ((150 + 3500) / 2) ** 2 - 1
+    assert observer.observe(20.0, None, reading()).prompt_tokens_cv2 == pytest.approx(spread)
+    # a window without requests keeps the last spread
+    assert observer.observe(30.0, None, reading()).prompt_tokens_cv2 == pytest.approx(spread)
+    assert histogram_cv2({1.0: 0.0, math.inf: 0.0}, {}) is None
 
 
 def test_observer_keeps_the_last_means_and_survives_an_engine_restart() -> None:

@@ -87,6 +87,19 @@ def test_erlang_c_matches_the_m_m_1_formula():
     assert erlang_c_wait_tail(1, 0.5, 1.0, 2.0) == pytest.approx(0.5 * 2.718281828 ** (-1.0))
     assert erlang_c_wait_tail(4, 10.0, 1.0, 0.0) == 1.0  # unstable
     assert erlang_c_wait_tail(3, 0.0, 1.0, 0.0) == 0.0
+    # Service times spread as exponential ones (cv^2 = 1): M/M/c itself; deterministic ones (0) halve the
+    # tail's time constant, heavy tails (cv^2 = 3) double it.
+    assert erlang_c_wait_tail(1, 0.5, 1.0, 2.0, 1.0) == erlang_c_wait_tail(1, 0.5, 1.0, 2.0)
+    assert erlang_c_wait_tail(1, 0.5, 1.0, 2.0, 0.0) == pytest.approx(0.5 * 2.718281828 ** (-2.0))
+    assert erlang_c_wait_tail(1, 0.5, 1.0, 2.0, 3.0) == pytest.approx(0.5 * 2.718281828 ** (-0.5))
+
+
+def test_heavy_tailed_prompts_get_more_prefill_engines_than_their_mean_says(policy):
+    # 8000-token prompts take 0.8 s of an engine and may wait 1.1 s: the spread decides the tail.
+    even = policy().decide(observe(0.0, rate=4.0, prefill=10, prompt=8000, prompt_tokens_cv2=1.0))
+    heavy = policy().decide(observe(0.0, rate=4.0, prefill=10, prompt=8000, prompt_tokens_cv2=4.0))
+    assert heavy.prefill > even.prefill and heavy.decode == even.decode
+    assert any("prompt cv^2 4.00" in line for line in heavy.reasons)
 
 
 def test_demand_follows_the_profile_arithmetic_and_says_so(policy):

@@ -213,6 +213,18 @@ def test_length_mixes_have_their_advertised_means():
     # 75 % chat (mean 2000, clipped) + 25 % documents (mean 12000): about 4500.
     assert mean(prompts) == pytest.approx(0.75 * 2000 + 0.25 * 12000, rel=0.1)
     assert not math.isnan(mean(r.output_tokens for r in rng_trace))
+    heavy = traces.poisson(50.0, 400.0, mix=traces.MIXES["heavy"], seed=3)
+    prompts = sorted(r.prompt_tokens for r in heavy)
+    assert max(prompts) == 8192 and max(r.output_tokens for r in heavy) == 2048  # clipped where promised
+    assert prompts[int(0.99 * len(prompts))] > 8 * prompts[len(prompts) // 2]  # a heavy tail
+
+
+def test_merged_tenants_keep_every_request_in_arrival_order():
+    base = traces.poisson(2.0, 100.0, seed=1)
+    tenant = traces.bursty(0.1, 100.0, burst_factor=10, mean_burst_s=20, mean_gap_s=40, seed=2)
+    merged = traces.merge(base, tenant)
+    assert len(merged) == len(base) + len(tenant)
+    assert [r.t for r in merged] == sorted(r.t for r in merged)
 
 
 def test_profile_holds_a_falling_last_segment_flat_above_the_grid() -> None:
