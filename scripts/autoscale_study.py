@@ -1,128 +1,263 @@
-"""The autoscaling study: the autoscaler against every static prefill:decode split, at 64-engine scale.
+"""The autoscaling study: the autoscaler against the best static split, on load it was not tuned on.
 
-For each trace (bursty, diurnal; defined below, deterministic), simulate the
-spec's cluster (configs/autoscaling-sim.yaml: the illustrative GPU profile,
-max_engines 64) under the autoscaler and under static splits P:D with
-P + D = max_engines, and print one table.
+Four trace families (below) x three length mixes (``chat``; ``heavy``, log-normal
+with sigma 1.2, prompts up to 8k and outputs up to 2k tokens; ``long-output``, a
+quarter of the requests writing 500-8k tokens), each at a rate calibrated so that
+a static 32:32 split of the 64 engines attains about 91 % of its SLO (``RATES``,
+from ``--calibrate`` on the calibration seed). For each trace: the spec's cluster
+(configs/autoscaling-sim.yaml: the illustrative GPU profile, max_engines 64) under
+the autoscaler, and under the best static split P:D with P + D = 64.
+
+Seeds are disjoint by role, and the README says which is which:
+
+- ``CALIBRATION_SEED`` sets the rates;
+- ``TUNING_SEEDS`` are the only ones a change of the policy may be judged on while
+  it is being made;
+- ``EVALUATION_SEEDS`` are the ones reported: ``--seeds evaluation`` (the default).
 
 Best static: the split with the most goodput (requests meeting both SLO targets
-per second). All static splits run the same number of engines for the same time,
-so this is also the split with the best goodput per engine-hour and the best SLO
-attainment. ``--splits all`` simulates every P from 1 to 63; the default ``scan``
-simulates every 4th P, then every P within 3 of the best of those (the goodput
-of a split rises then falls with P; the scan finds the same best split in a
-third of the time: compare with ``--splits all``).
+per second); all static splits run 64 engines for the same time, so it also has
+the best goodput per engine-hour and SLO attainment. Found by a scan of every 8th
+P, then every 2nd around the best, then its neighbours (goodput rises then falls
+with P). The target (issue 15): on every family, at least 1.3x the best static
+split's goodput per engine-hour with SLO attainment within 5 points of it.
 
-    python scripts/autoscale_study.py [--plots docs/autoscale] [--splits all] [--json out.json]
+    python scripts/autoscale_study.py [--seeds evaluation|tuning|3,4] [--families bursty,...]
+        [--mixes chat,...] [--jobs 2] [--json out.json] [--calibrate]
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import statistics
 import sys
 import time
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from orchestrator.autoscale import traces
 from orchestrator.autoscale.runner import load_spec_and_profile, simulate_spec
+from orchestrator.autoscale.traces import LengthDist, LengthMix, TraceRequest
 
 REPO = Path(__file__).resolve().parents[1]
+CONFIG = REPO / "configs/autoscaling-sim.yaml"
+SIMULATOR_SOURCES = [REPO / "orchestrator/autoscale" / name for name in ("simulator.py", "rules.py", "traces.py")]
+HOUR = 3600.0
 
-RAMP_S = 120.0  # bursts build up over two minutes (0: they jump; see the README for both)
+CALIBRATION_SEED = 0
+TUNING_SEEDS = (1, 2)
+EVALUATION_SEEDS = (11, 12, 13)
+MIX_NAMES = ("chat", "heavy", "long-output")
+TARGET_RATIO, TARGET_SLO_POINTS = 1.3, -5.0
+CALIBRATION_TARGET = 0.91  # static 32:32 attains 85-97 % at the calibrated rate
 
-# Both at the scale of the 64-engine budget: their peaks need most of it.
-TRACES = {
-    # 25 req/s with bursts of 3x (75 req/s), ~10 min long, ~20 min apart, for an hour.
-    "bursty": lambda seed: traces.bursty(
-        25.0, 3600.0, burst_factor=3.0, mean_burst_s=600.0, mean_gap_s=1200.0, ramp_s=RAMP_S, seed=seed
+# The long-prompt tenant of the mixed family: documents of 4-8k tokens.
+DOCUMENTS = LengthMix("documents", ((1.0, LengthDist(6000, 0.3, 4000, 8192), LengthDist(250, 1.2, 4, 2048)),))
+
+# Each family: (mean-ish rate in req/s, length mix, seed) -> an hour of requests.
+FAMILIES: dict[str, Callable[[float, LengthMix, int], list[TraceRequest]]] = {
+    # Poisson arrivals at one rate.
+    "steady": lambda rps, mix, seed: traces.poisson(rps, HOUR, mix=mix, seed=seed),
+    # Markov-modulated: the rate jumps to 3x for ~5 min, every ~15 min (no ramp).
+    "bursty": lambda rps, mix, seed: traces.bursty(
+        rps / 1.5, HOUR, burst_factor=3.0, mean_burst_s=300.0, mean_gap_s=900.0, mix=mix, seed=seed
     ),
-    # A day compressed into an hour: 8 req/s at the trough, 75 at the peak.
-    "diurnal": lambda seed: traces.diurnal(8.0, 75.0, 3600.0, period_s=3600.0, seed=seed),
+    # A slow swing from 0.4x to 1.6x over 90 minutes (the hour sees trough, peak and the way down).
+    "diurnal": lambda rps, mix, seed: traces.diurnal(0.4 * rps, 1.6 * rps, HOUR, period_s=5400.0, mix=mix, seed=seed),
+    # A diurnal base of the mix, and a tenant of long documents bursting on top of it (15x for ~4 min).
+    "tenants": lambda rps, mix, seed: traces.merge(
+        traces.diurnal(0.35 * rps, 1.05 * rps, HOUR, period_s=5400.0, mix=mix, seed=seed),
+        traces.bursty(
+            0.02 * rps, HOUR, burst_factor=15.0, mean_burst_s=240.0, mean_gap_s=900.0, mix=DOCUMENTS, seed=seed + 1000
+        ),
+    ),  # fmt: skip
+}
+
+# Rates (req/s) at which a static 32:32 split attains ~91 % on CALIBRATION_SEED (``--calibrate``).
+RATES: dict[tuple[str, str], float] = {
+    ("steady", "chat"): 66.25,
+    ("steady", "heavy"): 96.75,
+    ("bursty", "chat"): 33.62,
+    ("bursty", "heavy"): 49.38,
+    ("diurnal", "chat"): 43.38,
+    ("diurnal", "heavy"): 62.88,
+    ("tenants", "chat"): 35.88,
+    ("tenants", "heavy"): 42.62,
+    ("steady", "long-output"): 66.25,
+    ("bursty", "long-output"): 33.62,
+    ("diurnal", "long-output"): 43.12,
+    ("tenants", "long-output"): 35.88,
 }
 
 
-def _row(trace: str, policy: str, summary: dict[str, Any]) -> dict[str, Any]:
+def make_trace(family: str, mix: str, seed: int, rate: float | None = None) -> list[TraceRequest]:
+    return FAMILIES[family](RATES[(family, mix)] if rate is None else rate, traces.MIXES[mix], seed)
+
+
+def _summary(result: Any) -> dict[str, Any]:
     keys = ("requests", "slo_attainment", "goodput_rps", "engine_hours", "goodput_per_engine_hour")
-    return {"trace": trace, "policy": policy, **{k: summary[k] for k in keys}}
+    return {k: result.summary()[k] for k in keys}
 
 
-def study(config: Path, trace_name: str, seed: int, splits: str, plots: Path | None) -> list[dict[str, Any]]:
-    spec, profile = load_spec_and_profile(config)
+def search_split(budget: int, score: Callable[[int], float]) -> int:
+    """The P in [1, budget) with the highest ``score`` (ties: nearer the middle), for a score that rises then
+    falls with P: every 8th P, then every 2nd within 6 of the best, then its neighbours."""
+
+    def key(p: int) -> tuple[float, float]:
+        return score(p), -abs(p - budget / 2)
+
+    best = max(range(min(4, budget - 1), budget, 8), key=key)
+    for step in (2, 1):
+        best = max((p for p in range(best - 3 * step, best + 3 * step + 1, step) if 1 <= p < budget), key=key)
+    return best
+
+
+def best_static(spec: Any, profile: Any, trace: list[TraceRequest]) -> tuple[int, dict[str, Any], int]:
+    """The split with the most goodput, its summary, and how many splits were simulated."""
     budget = spec.autoscaling.max_engines
-    trace = TRACES[trace_name](seed)
-    statics: dict[int, dict[str, Any]] = {}
+    runs: dict[int, dict[str, Any]] = {}
 
-    def run_static(p: int) -> float:
-        if p not in statics:
-            statics[p] = simulate_spec(spec, profile, trace, (p, budget - p)).summary()
-            print(f"  {trace_name} static {p}:{budget - p}: {statics[p]['slo_attainment']:.1%}", file=sys.stderr)
-        return statics[p]["goodput_rps"]
+    def goodput(p: int) -> float:
+        if p not in runs:
+            runs[p] = _summary(simulate_spec(spec, profile, trace, (p, budget - p)))
+        return runs[p]["goodput_rps"]
 
-    if splits == "all":
-        candidates = range(1, budget)
+    best = search_split(budget, goodput)
+    return best, runs[best], len(runs)
+
+
+def static_key(family: str, mix: str, seed: int) -> str:
+    """What a best static split depends on: the trace, the cluster's config and profile, the simulator."""
+    digest = hashlib.sha256()
+    config = yaml.safe_load(CONFIG.read_text())
+    for path in (CONFIG, CONFIG.parent / config["autoscaling"]["profile"], *SIMULATOR_SOURCES):
+        digest.update(path.read_bytes())
+    return f"{family}/{mix}/{seed}/{RATES[(family, mix)]}/{digest.hexdigest()[:16]}"
+
+
+def study_one(family: str, mix: str, seed: int, cached: dict[str, Any] | None = None) -> dict[str, Any]:
+    spec, profile = load_spec_and_profile(CONFIG)
+    trace = make_trace(family, mix, seed)
+    if cached is not None:
+        split, static, runs = cached["split"], cached["static"], 0
     else:
-        coarse = max(range(2, budget, 4), key=run_static)
-        candidates = range(max(1, coarse - 3), min(budget - 1, coarse + 3) + 1)
-    best = max(candidates, key=lambda p: (run_static(p), -abs(p - budget / 2)))
-    best_summary = statics[best]
+        split, static, runs = best_static(spec, profile, trace)
     auto = simulate_spec(spec, profile, trace, None)
-    auto_summary = auto.summary()
-    rows = [
-        _row(trace_name, f"static {best}:{budget - best} (best of {len(statics)})", best_summary),
-        _row(trace_name, "autoscale", auto_summary),
-    ]
-    rows[1]["vs_best_static"] = auto_summary["goodput_per_engine_hour"] / best_summary["goodput_per_engine_hour"]
-    rows[1]["slo_points_vs_best_static"] = 100 * (auto_summary["slo_attainment"] - best_summary["slo_attainment"])
-    rows[1]["replica_changes"] = sum(
+    summary = _summary(auto)
+    changes = sum(
         1
         for a, b in zip(auto.timeline, auto.timeline[1:], strict=False)
         if (a["prefill"], a["decode"]) != (b["prefill"], b["decode"])
     )
-    if plots is not None:
-        from orchestrator.autoscale.plot import plot_result
-        from orchestrator.autoscale.runner import simulate_spec as run
+    return {
+        "family": family,
+        "mix": mix,
+        "seed": seed,
+        "rate_rps": RATES[(family, mix)],
+        "best_static": f"{split}:{spec.autoscaling.max_engines - split}",
+        "static_runs": runs,
+        "split": split,
+        "static": static,
+        "autoscale": summary,
+        "ratio": summary["goodput_per_engine_hour"] / static["goodput_per_engine_hour"],
+        "slo_points": 100 * (summary["slo_attainment"] - static["slo_attainment"]),
+        "replica_changes": changes,
+    }
 
-        plots.mkdir(parents=True, exist_ok=True)
-        plot_result(auto, plots / f"{trace_name}-autoscale.png", title=f"{trace_name}: autoscale")
-        static_result = run(spec, profile, trace, (best, budget - best))
-        plot_result(
-            static_result, plots / f"{trace_name}-static.png", title=f"{trace_name}: static {best}:{budget - best}"
+
+def calibrate_one(family: str, mix: str) -> float:
+    """The rate at which static 32:32 attains CALIBRATION_TARGET on CALIBRATION_SEED (bisection)."""
+    spec, profile = load_spec_and_profile(CONFIG)
+    half = spec.autoscaling.max_engines // 2
+
+    def attainment(rate: float) -> float:
+        trace = make_trace(family, mix, CALIBRATION_SEED, rate)
+        return simulate_spec(spec, profile, trace, (half, half)).summary()["slo_attainment"]
+
+    low, high = 1.0, 2.0
+    if attainment(low) <= CALIBRATION_TARGET:
+        raise ValueError(f"{family}/{mix}: static {half}:{half} misses {CALIBRATION_TARGET:.0%} even at {low} req/s")
+    while attainment(high) > CALIBRATION_TARGET:
+        low, high = high, high * 2
+    for _ in range(7):
+        mid = (low + high) / 2
+        low, high = (mid, high) if attainment(mid) > CALIBRATION_TARGET else (low, mid)
+    return round((low + high) / 2, 2)
+
+
+def _spread(values: list[float], fmt: str) -> str:
+    if len(values) == 1:
+        return format(values[0], fmt)
+    return f"{format(statistics.mean(values), fmt)} [{format(min(values), fmt)}, {format(max(values), fmt)}]"
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| family | mix | req/s | best static (per seed) | static SLO | autoscale SLO | goodput/engine-hour "
+        "vs best static | SLO points vs best static | target met |",
+        "|---|---|---:|---|---:|---:|---:|---:|---:|",
+    ]
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for row in rows:
+        groups.setdefault((row["family"], row["mix"]), []).append(row)
+    for (family, mix), group in groups.items():
+        met = sum(1 for r in group if r["ratio"] >= TARGET_RATIO and r["slo_points"] >= TARGET_SLO_POINTS)
+        lines.append(
+            f"| {family} | {mix} | {group[0]['rate_rps']:g} | {', '.join(r['best_static'] for r in group)} | "
+            f"{_spread([100 * r['static']['slo_attainment'] for r in group], '.1f')} % | "
+            f"{_spread([100 * r['autoscale']['slo_attainment'] for r in group], '.1f')} % | "
+            f"{_spread([r['ratio'] for r in group], '.2f')}x | {_spread([r['slo_points'] for r in group], '+.1f')} | "
+            f"{met}/{len(group)} |"
         )
-    return rows
+    return "\n".join(lines)
+
+
+def _seeds(text: str) -> tuple[int, ...]:
+    named = {"evaluation": EVALUATION_SEEDS, "tuning": TUNING_SEEDS}
+    return named[text] if text in named else tuple(int(s) for s in text.split(","))
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", type=Path, default=REPO / "configs/autoscaling-sim.yaml")
-    parser.add_argument("--traces", default=",".join(TRACES), help="comma-separated: " + ", ".join(TRACES))
-    parser.add_argument("--splits", choices=["scan", "all"], default="scan")
-    parser.add_argument("--seed", type=int, default=3, help="trace seed (3: the bursty hour holds three bursts)")
-    parser.add_argument("--plots", type=Path, help="directory for the plots (needs matplotlib)")
+    parser.add_argument("--seeds", type=_seeds, default=EVALUATION_SEEDS, help="evaluation (default), tuning, or 3,4")
+    parser.add_argument("--families", default=",".join(FAMILIES), help="comma-separated: " + ", ".join(FAMILIES))
+    parser.add_argument("--mixes", default=",".join(MIX_NAMES), help="comma-separated: " + ", ".join(MIX_NAMES))
+    parser.add_argument("--jobs", type=int, default=1, help="simulations in parallel (processes)")
+    parser.add_argument("--calibrate", action="store_true", help="find RATES again (on the calibration seed)")
     parser.add_argument("--json", type=Path, help="also write the rows as JSON here")
-    args = parser.parse_args()
-    started = time.time()
-    rows = []
-    for name in args.traces.split(","):
-        rows += study(args.config, name, args.seed, args.splits, args.plots)
-    print(
-        "| trace | policy | requests | SLO attainment | goodput (req/s) | engine-hours "
-        "| good req / engine-hour | vs best static |"
+    parser.add_argument(
+        "--static-cache",
+        type=Path,
+        help="JSON file of best static splits, read and extended (they do not depend on the policy: a change "
+        "of it is then judged in one simulation per trace); keyed by trace, config, profile and simulator",
     )
-    print("|---|---|---:|---:|---:|---:|---:|---|")
-    for row in rows:
-        versus = ""
-        if "vs_best_static" in row:
-            versus = (
-                f"{row['vs_best_static']:.2f}x, SLO {row['slo_points_vs_best_static']:+.1f} pts, "
-                f"{row['replica_changes']} changes"
-            )
-        print(
-            f"| {row['trace']} | {row['policy']} | {row['requests']} | {row['slo_attainment']:.1%} | "
-            f"{row['goodput_rps']:.2f} | {row['engine_hours']:.1f} | {row['goodput_per_engine_hour']:.0f} | {versus} |"
-        )
-    print(f"({time.time() - started:.0f} s)", file=sys.stderr)
+    args = parser.parse_args()
+    if set(args.seeds) & {CALIBRATION_SEED, *TUNING_SEEDS} and args.seeds != TUNING_SEEDS:
+        print(f"note: seeds {args.seeds} include calibration or tuning seeds", file=sys.stderr)
+    started = time.time()
+    cases = [(f, m) for f in args.families.split(",") for m in args.mixes.split(",")]
+    with ProcessPoolExecutor(max_workers=args.jobs) as pool:
+        if args.calibrate:
+            rates = list(pool.map(calibrate_one, *zip(*cases, strict=True)))
+            for (family, mix), rate in zip(cases, rates, strict=True):
+                print(f'    ("{family}", "{mix}"): {rate},')
+            return 0
+        cache = json.loads(args.static_cache.read_text()) if args.static_cache and args.static_cache.exists() else {}
+        jobs = [(f, m, s) for f, m in cases for s in args.seeds]
+        cached = [cache.get(static_key(*job)) for job in jobs]
+        rows = list(pool.map(study_one, *zip(*jobs, strict=True), cached))
+    if args.static_cache:
+        for job, row in zip(jobs, rows, strict=True):
+            cache[static_key(*job)] = {"split": row["split"], "static": row["static"]}
+        args.static_cache.write_text(json.dumps(cache, indent=1, sort_keys=True) + "\n")
+    print(f"seeds {', '.join(map(str, args.seeds))}; {time.time() - started:.0f} s", file=sys.stderr)
+    print(table(rows))
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2) + "\n")
     return 0
