@@ -388,6 +388,16 @@ class AutoscalingSpec(_Strict):
     hysteresis: float = Field(
         default=0.1, ge=0, lt=1, description="A pool shrinks only to free more than this fraction of it."
     )
+    burst_guard: float = Field(
+        default=0.5,
+        ge=0,
+        le=1,
+        description="A pool shrinks only to its demand plus this share of the largest rise of demand within "
+        "burst_memory_s (the next burst finds that much already serving; 0: off).",
+    )
+    burst_memory_s: float = Field(
+        default=1800.0, ge=0, description="How long a rise of demand is remembered by burst_guard."
+    )
     target_utilization: float = Field(
         default=0.8, gt=0, le=1, description="Fraction of the largest ITL-safe decode batch each engine is given."
     )

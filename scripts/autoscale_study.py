@@ -148,7 +148,8 @@ def study_one(family: str, mix: str, seed: int, cached: dict[str, Any] | None = 
         split, static, runs = cached["split"], cached["static"], 0
     else:
         split, static, runs = best_static(spec, profile, trace)
-    auto = simulate_spec(spec, profile, trace, None)
+    # Both start alike: the autoscaler with the engines of the static split it is judged against.
+    auto = simulate_spec(spec, profile, trace, None, start=(split, spec.autoscaling.max_engines - split))
     summary = _summary(auto)
     changes = sum(
         1

@@ -34,12 +34,18 @@ How one decision is made (both pools at once):
 5. Stability. Growing is allowed once ``scale_up_cooldown_s`` has passed since the
    pool's last change. Shrinking goes to the largest wish of the last
    ``scale_down_cooldown_s`` (so a burst that fades is not forgotten at once),
-   only after that long since the pool's last change, and only when it frees more
-   than ``hysteresis`` of the pool (and at least one engine).
+   only after that long since the pool's last change (or since the first window:
+   a cluster just started is not shrunk on one cold sample), and only when it frees more
+   than ``hysteresis`` of the pool (and at least one engine). Burst guard: a pool
+   shrinks only to its demand plus ``burst_guard`` of the largest one-interval
+   rise of its demand in the last ``burst_memory_s``, so that a burst like the
+   last one finds part of its engines still serving while the rest start
+   (bursts come at random; holding all of it would cost what scaling saves).
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 from collections import deque
@@ -89,6 +95,8 @@ class PolicyConfig:
     scale_down_cooldown_s: float = 300.0
     hysteresis: float = 0.1
     target_utilization: float = 0.8
+    burst_guard: float = 0.5
+    burst_memory_s: float = 1800.0
 
     @classmethod
     def from_spec(cls, spec: AutoscalingSpec) -> PolicyConfig:
@@ -103,6 +111,8 @@ class PolicyConfig:
             scale_down_cooldown_s=spec.scale_down_cooldown_s,
             hysteresis=spec.hysteresis,
             target_utilization=spec.target_utilization,
+            burst_guard=spec.burst_guard,
+            burst_memory_s=spec.burst_memory_s,
         )
 
     def limits(self, role: str) -> PoolLimits:
@@ -187,6 +197,8 @@ class AutoscalePolicy:
         self.profile = profile
         self._wishes: deque[tuple[float, int, int]] = deque()  # (t, prefill, decode) before stability rules
         self._last_change: dict[str, float] = {}
+        self._watching_since = math.inf  # when the first observed window began
+        self._history: deque[tuple[float, int, int]] = deque()  # wishes of the last burst_memory_s
         self._previous_rate: float | None = None
         self._held: tuple[float, float] | None = None  # (made at t, forecast rate) of a rise under way
 
@@ -353,6 +365,16 @@ class AutoscalePolicy:
             return current
         index = 1 if role == "prefill" else 2
         recent = max(max(w[index] for w in self._wishes), floor)
+        history = [w[index] for w in self._history]
+        rise = max((b - a for a, b in itertools.pairwise(history)), default=0)
+        guarded = min(wish + math.ceil(cfg.burst_guard * rise), current)
+        if guarded > recent:
+            reasons.append(
+                f"{role}: burst guard: demand rose by {rise} in one interval within the last "
+                f"{cfg.burst_memory_s:g}s; {cfg.burst_guard:g} of that kept in reserve: {wish} + "
+                f"{math.ceil(cfg.burst_guard * rise)} = {guarded}"
+            )
+            recent = guarded
         step = max(1, math.ceil(cfg.hysteresis * current))
         if recent > current - step:
             reasons.append(
@@ -360,10 +382,12 @@ class AutoscalePolicy:
                 f"{cfg.scale_down_cooldown_s:g}s is {recent}, within the hysteresis band of {step})"
             )
             return current
+        # The start counts as a change: shrinking waits for a whole window of wishes, not one cold sample.
+        since = min(since, t - self._watching_since)
         if since < cfg.scale_down_cooldown_s:
             reasons.append(
                 f"{role}: hold at {current} (wants {recent}; scale-down cooldown, {since:.0f}s of "
-                f"{cfg.scale_down_cooldown_s:g}s since the last change)"
+                f"{cfg.scale_down_cooldown_s:g}s since the last change or the first window)"
             )
             return current
         reasons.append(f"{role}: {current} -> {recent} (largest wish of the last {cfg.scale_down_cooldown_s:g}s)")
@@ -372,6 +396,7 @@ class AutoscalePolicy:
     def decide(self, obs: ClusterObservation) -> ScalingDecision:
         cfg = self.config
         reasons: list[str] = []
+        self._watching_since = min(self._watching_since, obs.t - cfg.interval_s)
         rate = self._forecast_rate(obs, reasons)
         wish = {"prefill": self._prefill_demand(obs, rate, reasons), "decode": self._decode_demand(obs, rate, reasons)}
         floor = {"prefill": 0, "decode": 0}
@@ -386,6 +411,9 @@ class AutoscalePolicy:
         wish = self._fit_budget(wish, reasons)
 
         self._wishes.append((obs.t, wish["prefill"], wish["decode"]))
+        self._history.append((obs.t, wish["prefill"], wish["decode"]))
+        while self._history and self._history[0][0] <= obs.t - cfg.burst_memory_s:
+            self._history.popleft()
         while self._wishes and self._wishes[0][0] <= obs.t - cfg.scale_down_cooldown_s:
             self._wishes.popleft()
 

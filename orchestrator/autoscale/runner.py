@@ -51,9 +51,14 @@ def load_spec_and_profile(
 
 
 def simulate_spec(
-    spec: ClusterSpec, profile: PerformanceProfile, trace: list[TraceRequest], static: tuple[int, int] | None
+    spec: ClusterSpec,
+    profile: PerformanceProfile,
+    trace: list[TraceRequest],
+    static: tuple[int, int] | None,
+    start: tuple[int, int] | None = None,
 ) -> SimulationResult:
-    """Run ``trace`` under the autoscaler (``static`` None) or a fixed ``static`` = (prefill, decode) split."""
+    """Run ``trace`` under the autoscaler (``static`` None) or a fixed ``static`` = (prefill, decode) split.
+    The autoscaler starts with ``start`` engines serving (default: the spec's replicas)."""
     scaling = spec.autoscaling
     if scaling is None:
         raise SimulationSetupError("the spec has no 'autoscaling' section")
@@ -66,5 +71,5 @@ def simulate_spec(
         policy, initial = StaticPolicy(*static), static
     else:
         policy = AutoscalePolicy(PolicyConfig.from_spec(scaling), profile)
-        initial = (spec.prefill.replicas, spec.decode.replicas)
+        initial = start or (spec.prefill.replicas, spec.decode.replicas)
     return simulate(profile, policy, trace, targets, initial, interval_s=scaling.interval_s)

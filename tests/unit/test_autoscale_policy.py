@@ -96,8 +96,8 @@ def test_erlang_c_matches_the_m_m_1_formula():
 
 def test_heavy_tailed_prompts_get_more_prefill_engines_than_their_mean_says(policy):
     # 8000-token prompts take 0.8 s of an engine and may wait 1.1 s: the spread decides the tail.
-    even = policy().decide(observe(0.0, rate=4.0, prefill=10, prompt=8000, prompt_tokens_cv2=1.0))
-    heavy = policy().decide(observe(0.0, rate=4.0, prefill=10, prompt=8000, prompt_tokens_cv2=4.0))
+    even = policy().decide(observe(0.0, rate=4.0, prefill=1, prompt=8000, prompt_tokens_cv2=1.0))
+    heavy = policy().decide(observe(0.0, rate=4.0, prefill=1, prompt=8000, prompt_tokens_cv2=4.0))
     assert heavy.prefill > even.prefill and heavy.decode == even.decode
     assert any("prompt cv^2 4.00" in line for line in heavy.reasons)
 
@@ -124,9 +124,22 @@ def test_a_burst_grows_both_pools_in_one_decision(policy):
     assert any("trend" in line for line in burst.reasons)
 
 
+def test_a_cluster_just_started_is_not_shrunk_on_its_first_window(policy):
+    p = policy()
+    first = p.decide(observe(30.0, rate=1.0, prefill=8, decode=8))
+    assert (first.prefill, first.decode) == (8, 8)
+    assert any("since the last change or the first window" in line for line in first.reasons)
+    later = None
+    for t in range(60, 400, 30):
+        later = p.decide(observe(float(t), rate=1.0, prefill=8, decode=8))
+        if later.prefill < 8:
+            break
+    assert later is not None and later.prefill < 8 and t >= 300  # a whole cooldown of low wishes first
+
+
 def test_a_prefill_backlog_adds_engines_to_clear_it(policy):
-    backlog = PoolObservation(replicas=4, queue_depth=500, queued_tokens=1_000_000)
-    without = policy().decide(observe(0.0, 10.0, 4, 2))
+    backlog = PoolObservation(replicas=2, queue_depth=500, queued_tokens=1_000_000)
+    without = policy().decide(observe(0.0, 10.0, 2, 2))
     with_backlog = policy().decide(observe(0.0, 10.0, 4, 2, prefill_pool=backlog))
 
     # 1,000,000 tokens / (10,000 tok/s x (30 s + 60 s startup)) = 2 more.
@@ -167,7 +180,7 @@ def test_load_that_flaps_every_interval_does_not_make_the_pools_flap(policy):
     # up once (maybe in two steps; the first also sized for what queues while engines start),
     # at most one correction once that is over, and never back down between peaks
     assert changes <= 3
-    assert len(set(sizes[12:])) == 1
+    assert len(set(sizes[14:])) == 1
 
 
 def test_after_a_burst_the_pools_shrink_only_after_the_cooldown(policy):
@@ -254,3 +267,19 @@ def test_static_policy_keeps_its_split_and_refuses_an_empty_pool():
     assert StaticPolicy(40, 24).decide(observe(0.0, 100.0)).target("prefill") == 40
     with pytest.raises(ValueError, match="at least one engine per pool"):
         StaticPolicy(0, 64)
+
+
+def test_after_a_burst_the_guard_keeps_part_of_its_rise_until_the_memory_ends(policy):
+    """Demand jumps from quiet to a burst and back: past the cooldown the pool shrinks only to the quiet
+    demand plus half the jump; once the jump is older than burst_memory_s, to the quiet demand."""
+    p = policy(burst_memory_s=900.0)
+    decisions = run(p, [5.0] * 12 + [40.0] * 4 + [5.0] * 40)
+    quiet = decisions[11].prefill
+    peak = max(d.prefill for d in decisions)
+    rise = max(b.prefill - a.prefill for a, b in zip(decisions, decisions[1:], strict=False))
+    after_cooldown = [d for d in decisions if 16 * 30 + 300 <= d.t < 12 * 30 + 900]
+    assert after_cooldown and all(d.prefill >= quiet + rise // 2 for d in after_cooldown)
+    assert any("burst guard" in line for d in after_cooldown for line in d.reasons)
+    assert decisions[-1].prefill == quiet < peak
+    without = run(policy(burst_guard=0.0), [5.0] * 12 + [40.0] * 4 + [5.0] * 40)
+    assert [d.prefill for d in without][33] == quiet  # the guard off: back to the quiet demand at t=990
