@@ -1,96 +1,57 @@
 """The simulator against the real cluster: traces at three loads through both, p50 and p90 of TTFT and ITL.
 
-The cluster of ``--config`` is started (``pdserve up --detach``), the trace is
-replayed against its proxy in real time (each request at its ``t``: a streamed
-completion of ``prompt_tokens`` random token ids, fresh per request so no prefix
-cache helps, and exactly ``output_tokens`` tokens with ``ignore_eos``), and the
-cluster is stopped. The same trace then goes through ``pdserve simulate``'s model
-of that cluster (``--profile``, the spec's pool sizes held fixed). Per request,
-TTFT is arrival to the first streamed token and ITL the mean gap between tokens;
-the table compares their medians and p90s (the issue's bar: within 20 %). The
-loads (``LOADS``): light, near saturation (the prefill engine busy most of the
-time) and overloaded (arrivals above what it computes: a queue builds up).
+The cluster of ``--config`` is started (``pdserve up --detach``) and, unless
+``--profile`` names one, profiled (``pdserve profile``: the simulator's model of
+these engines as fast as they run today). Each trace is replayed against its
+proxy in real time (``orchestrator.autoscale.fidelity.replay``: streamed
+completions of random token ids, no prefix cache help, exactly
+``output_tokens`` tokens), and the cluster is stopped. The same trace then goes
+through ``pdserve simulate``'s model of that cluster (the profile, the spec's pool
+sizes held fixed). Per request, TTFT is arrival to the first streamed token and
+ITL the mean gap between tokens; the table compares their medians and p90s (the
+issue's bar: within 20 %). The loads (``LOADS``), as shares of what the prefill
+pool computes by the profile: light, near saturation (the prefill engine busy
+most of the time) and overloaded (arrivals above what it computes: a queue
+builds up).
 
-    python scripts/validate_simulator.py [--config configs/local-cpu.yaml] \\
-        [--profile configs/profiles/local-cpu.yaml] [--loads light,...] [--duration 180 | --trace FILE]
-        [--out docs/simulator-fidelity.json] [--json]
+    python scripts/validate_simulator.py [--config configs/local-cpu.yaml] [--profile FILE | --profile-out FILE] \\
+        [--loads light,...] [--duration 180 | --trace FILE] [--out docs/simulator-fidelity.json] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import json
-import random
 import statistics
 import sys
-import time
-import urllib.request
+import tempfile
 
 from bench_latency import pdserve
 
 from orchestrator.autoscale import traces
+from orchestrator.autoscale.fidelity import TOLERANCE, compare, prefill_capacity_rps, replay, within
 from orchestrator.autoscale.policy import StaticPolicy
 from orchestrator.autoscale.profile import load_profile
 from orchestrator.autoscale.runner import simulate_spec
 from orchestrator.autoscale.simulator import SloTargets, simulate
 from orchestrator.spec import ClusterSpec
 
-TOLERANCE = 0.20
-# Token ids well inside SmolLM2's vocabulary and clear of its special tokens.
-TOKEN_IDS = (1000, 40000)
+# Arrival rate as a share of what the spec's prefill pool computes (by the profile, one prompt per pass).
+LOADS = {"light": 0.2, "near saturation": 0.8, "overloaded": 1.2}
+MIX = traces.MIXES["short"]
 
 
-def replay(proxy_url: str, model: str, trace: list[traces.TraceRequest], seed: int) -> list[dict]:
-    """Send every request at its time; return each one's TTFT and mean ITL (seconds)."""
-    rng = random.Random(seed)
-    prompts = [[rng.randrange(*TOKEN_IDS) for _ in range(r.prompt_tokens)] for r in trace]
-    start = time.perf_counter()
-
-    def one(index: int) -> dict:
-        request = trace[index]
-        time.sleep(max(0.0, start + request.t - time.perf_counter()))
-        sent = time.perf_counter()
-        body = {
-            "model": model,
-            "prompt": prompts[index],
-            "max_tokens": request.output_tokens,
-            "min_tokens": request.output_tokens,
-            "ignore_eos": True,
-            "temperature": 0,
-            "stream": True,
-        }
-        http = urllib.request.Request(
-            proxy_url + "/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-        )
-        stamps = []
-        try:
-            with urllib.request.urlopen(http, timeout=900) as response:
-                for raw in response:
-                    line = raw.decode().strip()
-                    if line.startswith("data: {") and json.loads(line[6:]).get("choices"):
-                        stamps.append(time.perf_counter())
-        except OSError as e:  # counted, and kept out of the latencies
-            return {"failed": f"{type(e).__name__}: {e}"}
-        if not stamps:
-            return {"failed": "no token came back"}
-        gaps = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
-        return {"ttft_s": stamps[0] - sent, "itl_s": statistics.mean(gaps) if gaps else 0.0, "chunks": len(stamps)}
-
-    with concurrent.futures.ThreadPoolExecutor(max_workers=64) as pool:
-        return list(pool.map(one, range(len(trace))))
-
-
-LOADS = {"light": 0.2, "near saturation": 0.7, "overloaded": 1.0}  # req/s; 1 + 1 CPU engines, short mix
-
-
-def load_trace(name: str, duration_s: float, seed: int) -> list[traces.TraceRequest]:
-    """A Poisson trace at one of ``LOADS``, or ``bursty``: 0.2 req/s with 4x bursts of ~1 min every ~2 min."""
+def load_trace(name: str, capacity_rps: float, duration_s: float, seed: int) -> tuple[float, list[traces.TraceRequest]]:
+    """``(rate, trace)``: Poisson at a share (``LOADS``) of the capacity, or ``bursty``: a fifth of it with 4x
+    bursts of ~1 min every ~2 min."""
     if name == "bursty":
-        return traces.bursty(
-            0.2, duration_s, burst_factor=4.0, mean_burst_s=60.0, mean_gap_s=120.0, mix=traces.MIXES["short"], seed=seed
+        rate = 0.2 * capacity_rps
+        trace = traces.bursty(
+            rate, duration_s, burst_factor=4.0, mean_burst_s=60.0, mean_gap_s=120.0, mix=MIX, seed=seed
         )
-    return traces.poisson(LOADS[name], duration_s, traces.MIXES["short"], seed=seed)
+        return rate, trace
+    rate = LOADS[name] * capacity_rps
+    return rate, traces.poisson(rate, duration_s, MIX, seed=seed)
 
 
 def attainment(pairs: list[tuple[float, float]], ttft_s: float, itl_s: float) -> float:
@@ -98,32 +59,22 @@ def attainment(pairs: list[tuple[float, float]], ttft_s: float, itl_s: float) ->
     return sum(1 for ttft, itl in pairs if ttft <= ttft_s and itl <= itl_s) / len(pairs)
 
 
-def quantile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
-def compare(measured: list[dict], simulated: list) -> dict[str, dict[str, float]]:
-    """Per metric and quantile: the cluster's value, the simulator's, and their ratio."""
-    rows = {}
-    for name, key in (("TTFT", "ttft_s"), ("ITL", "itl_s")):
-        for q in (0.5, 0.9):
-            real = quantile([m[key] for m in measured], q)
-            sim = quantile([getattr(r, key) for r in simulated], q)
-            rows[f"{name} p{round(q * 100)}"] = {"cluster_s": round(real, 4), "simulator_s": round(sim, 4),
-                                                 "ratio": round(sim / real, 3)}  # fmt: skip
-    return rows
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="configs/local-cpu.yaml")
-    parser.add_argument("--profile", default="configs/profiles/local-cpu.yaml")
+    parser.add_argument(
+        "--profile",
+        help="the simulator's profile; by default one measured on the started cluster first (pdserve profile), "
+        "so the simulator models the engines as fast as they run in this run (shared machines vary 2x by the day)",
+    )
+    parser.add_argument("--profile-out", help="where the measured profile goes (default: beside --out, or a temp dir)")
     parser.add_argument("--trace", help="a trace file (JSON lines) instead of the generated loads")
     parser.add_argument(
         "--loads",
         default=",".join(LOADS),
-        help="comma-separated, of: " + ", ".join(f"{k} ({v} req/s)" for k, v in LOADS.items()),
+        help="comma-separated, of: "
+        + ", ".join(f"{k} ({v:g} x the prefill pool's capacity)" for k, v in LOADS.items())
+        + ", bursty",
     )
     parser.add_argument("--duration", type=float, default=180.0, help="seconds of each generated trace")
     parser.add_argument("--seed", type=int, default=7)
@@ -137,33 +88,46 @@ def main() -> None:
     args = parser.parse_args()
 
     spec = ClusterSpec.from_file(args.config)
-    profile = load_profile(args.profile)
-    if args.trace:
-        cases = {args.trace: traces.read_trace(args.trace)}
-    else:
-        cases = {name: load_trace(name, args.duration, args.seed) for name in args.loads.split(",")}
-    limit = spec.engine.max_model_len
-    for name, trace in cases.items():
-        if any(r.prompt_tokens + r.output_tokens > limit for r in trace):
-            sys.exit(f"{name}: the trace has requests longer than engine.max_model_len ({limit})")
-
     split = (spec.prefill.replicas, spec.decode.replicas)
+    profile_path = args.profile or args.profile_out
+    if profile_path is None:
+        profile_path = args.out.removesuffix(".json") + "-profile.yaml" if args.out else tempfile.mktemp(".yaml")
     up = pdserve("up", args.config, "--detach")
     if up.returncode != 0:
         sys.exit(f"pdserve up failed:\n{up.stdout}\n{up.stderr}")
     measured = {}
     try:
+        if args.profile is None:  # the running cluster's engines, measured now
+            profiled = pdserve("profile", args.config, "--out", profile_path, timeout=1800)
+            if profiled.returncode != 0:
+                sys.exit(f"pdserve profile failed:\n{profiled.stdout}\n{profiled.stderr}")
+        profile = load_profile(profile_path)
+        capacity = prefill_capacity_rps(profile, spec.prefill.replicas, MIX, args.seed)
+        if args.trace:
+            cases = {args.trace: (None, traces.read_trace(args.trace))}
+        else:
+            cases = {name: load_trace(name, capacity, args.duration, args.seed) for name in args.loads.split(",")}
+        limit = spec.engine.max_model_len
+        for name, (_, trace) in cases.items():
+            if any(r.prompt_tokens + r.output_tokens > limit for r in trace):
+                sys.exit(f"{name}: the trace has requests longer than engine.max_model_len ({limit})")
         status = json.loads(pdserve("status", "--json").stdout)
-        for name, trace in cases.items():  # one after the other: each replay ends when its last answer did
+        for name, (_, trace) in cases.items():  # one after the other: each replay ends when its last answer did
             measured[name] = replay(status["proxy_url"], status["model"], trace, args.seed)
         autoscaler = json.loads(pdserve("status", "--json").stdout).get("autoscaler") or {}
     finally:
         pdserve("down")
 
-    report = {"config": args.config, "profile": args.profile, "tolerance": TOLERANCE, "loads": {}}
+    report = {
+        "config": args.config,
+        "profile": profile_path if args.profile else f"{profile_path} (measured in this run)",
+        "prefill_capacity_rps": round(capacity, 3),
+        "tolerance": TOLERANCE,
+        "loads": {},
+    }
     if args.autoscale:  # what the cluster's autoscaler changed, in order
         report["cluster_changes"] = [change["changed"] for change in autoscaler.get("changes", [])]
-    for name, trace in cases.items():
+    for name, (rate, trace) in cases.items():
         failed = [m["failed"] for m in measured[name] if "failed" in m]
         measured[name] = [m for m in measured[name] if "failed" not in m]
         if args.autoscale:
@@ -173,13 +137,13 @@ def main() -> None:
             simulated = simulate(profile, StaticPolicy(*split), trace, SloTargets(1e9, 1e9), split).records
         rows = compare(measured[name], simulated)
         report["loads"][name] = {
-            "rate_rps": LOADS.get(name),
+            "rate_rps": None if rate is None else round(rate, 3),
             "requests": len(trace),
             "failed": failed,
             "mean_prompt_tokens": round(statistics.mean(r.prompt_tokens for r in trace), 1),
             "mean_output_tokens": round(statistics.mean(r.output_tokens for r in trace), 1),
             "quantiles": rows,
-            "within_tolerance": all(abs(row["ratio"] - 1) <= TOLERANCE for row in rows.values()),
+            "within_tolerance": within(rows),
         }
         if args.autoscale and spec.autoscaling is not None:
             targets = spec.autoscaling.targets
@@ -199,7 +163,7 @@ def main() -> None:
     if args.json:
         print(json.dumps(report, indent=2))
         return
-    print(f"{args.config}, profile {args.profile}; simulator / cluster:")
+    print(f"{args.config}, profile {report['profile']}; cluster / simulator (simulator / cluster):")
     print("| load | req/s | requests | " + " | ".join(next(iter(report["loads"].values()))["quantiles"]) + " |")
     for name, load in report["loads"].items():
         cells = [

@@ -3,7 +3,9 @@
 It must write a profile that ``load_profile`` accepts, whose numbers have the shape
 real engines give (longer prompts take longer, every table positive, the KV of one
 SmolLM2 token about its layer x head arithmetic), and leave the cluster it did not
-start running.
+start running. With that profile, the simulator must predict what a light load
+replayed through the cluster's proxy measures (the light-load case of
+``scripts/validate_simulator.py``).
 
 It runs on the shared cluster of our connector (the default, whose profile
 configs/profiles/ ships) only: on vLLM's ``NixlConnector`` cluster both idle
@@ -14,11 +16,16 @@ the engines: the suite's largest single cost.
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import pytest
 
+from orchestrator.autoscale import traces
+from orchestrator.autoscale.fidelity import TOLERANCE, compare, prefill_capacity_rps, replay, within
+from orchestrator.autoscale.policy import StaticPolicy
 from orchestrator.autoscale.profile import load_profile
+from orchestrator.autoscale.simulator import SloTargets, simulate
 from tests.integration.conftest import Cluster, run_pdserve
 
 pytestmark = [pytest.mark.integration, pytest.mark.parametrize("cluster", ["pdserve"], indirect=True)]
@@ -27,16 +34,22 @@ pytestmark = [pytest.mark.integration, pytest.mark.parametrize("cluster", ["pdse
 KV_BYTES_PER_TOKEN = (30 * 3 * 64 * 2 * 2, 30 * 3 * 64 * 2 * 4)
 
 
-def test_profile_of_the_running_cluster_loads_and_leaves_it_running(
-    cluster: Cluster, state_dir: Path, tmp_path: Path
-) -> None:
-    out = tmp_path / "profile.yaml"
+@pytest.fixture(scope="module")
+def profiled(
+    cluster: Cluster, state_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[subprocess.CompletedProcess, Path]:
+    """``pdserve profile`` of the shared cluster over a small grid: its run and the file it wrote."""
+    out = tmp_path_factory.mktemp("profile") / "profile.yaml"
     spec_path = state_dir / f"cluster-{cluster.connector}.yaml"
     grid = ["--prefill-tokens", "64", "512", "--prefill-batch", "1", "2", "--decode-batch", "1", "2"]
     grid += ["--decode-context", "128", "--transfer-tokens", "256", "1024", "--repeats", "1", "--decode-tokens", "8"]
+    return run_pdserve("profile", str(spec_path), "--out", str(out), *grid, env=cluster.env), out
 
-    result = run_pdserve("profile", str(spec_path), "--out", str(out), *grid, env=cluster.env)
 
+def test_profile_of_the_running_cluster_loads_and_leaves_it_running(
+    cluster: Cluster, profiled: tuple[subprocess.CompletedProcess, Path]
+) -> None:
+    result, out = profiled
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"pdserve profile: wrote {out}" in result.stdout
     profile = load_profile(out)
@@ -52,3 +65,22 @@ def test_profile_of_the_running_cluster_loads_and_leaves_it_running(
     assert profile.engine.max_num_batched_tokens == 2048 and profile.engine.kv_capacity_tokens > 4096
     assert profile.engine.startup_s > 0
     assert cluster.refresh()["phase"] == "ready"
+
+
+def test_the_simulator_predicts_a_light_load_within_tolerance(
+    cluster: Cluster, profiled: tuple[subprocess.CompletedProcess, Path]
+) -> None:
+    result, out = profiled
+    assert result.returncode == 0, result.stdout + result.stderr
+    profile = load_profile(out)
+    mix = traces.MIXES["short"]
+    rate = 0.25 * prefill_capacity_rps(profile, 1, mix)  # light: a quarter of what the prefill engine computes
+    trace = traces.poisson(rate, 24 / rate, mix, seed=7)[:16]  # 16 requests in ~140 prefill times (~95 s here)
+
+    answers = replay(cluster.proxy_url, cluster.status["model"], trace, seed=7)
+
+    failed = [a["failed"] for a in answers if "failed" in a]
+    assert not failed, failed
+    simulated = simulate(profile, StaticPolicy(1, 1), trace, SloTargets(1e9, 1e9), (1, 1)).records
+    rows = compare(answers, simulated)
+    assert within(rows), f"simulator / cluster beyond {TOLERANCE:.0%}: {rows}"

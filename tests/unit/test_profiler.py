@@ -1,7 +1,8 @@
 """``pdserve profile``'s measurement logic (``orchestrator.autoscale.profiler``) against stub engines.
 
 The stubs play vLLM engines whose costs follow known formulas: the prefill stub
-reports ``prefill_pass_s(tokens, batch)`` in ``vllm:request_prefill_time_seconds``,
+reports ``prefill_pass_s(tokens, batch)`` in ``vllm:request_prefill_time_seconds`` (and
+can answer a pass late, as two passes would),
 the decode stub streams tokens ``decode_step_s(active streams, context)`` apart and
 counts each KV transfer the proxy sets up in vLLM NIXL's metrics. A profile measured
 against them must hold those formulas' values, and load back with ``load_profile``.
@@ -46,7 +47,7 @@ class FakeVllm:
     def __init__(self, prefill: StubEngine, decode: StubEngine) -> None:
         self.prefill_sum = self.prefill_count = self.queue_sum = 0.0
         self.transfer_sum = self.transfer_count = self.transfer_bytes = 0.0
-        self.queue_next = 0  # measured prefill requests still to report a long wait (a later pass)
+        self.split_next = 0  # measured prefill requests still to be answered two passes late (not one pass)
         self.active = 0
         prefill.handler, prefill.extra_metrics = self.prefill, self.prefill_metrics
         decode.handler, decode.extra_metrics = self.decode, self.decode_metrics
@@ -57,11 +58,11 @@ class FakeVllm:
         prompts = received.body["prompt"]
         prompts = [prompts] if isinstance(prompts[0], int) else prompts  # one prompt, or a batch of them
         batch, tokens = len(prompts), sum(len(p) for p in prompts)
+        if self.split_next and tokens > 16:  # not the warm-up: answered a whole pass after its own
+            self.split_next -= 1
+            await asyncio.sleep(2 * prefill_pass_s(tokens, batch))
         self.prefill_sum += batch * prefill_pass_s(tokens, batch)
         self.prefill_count += batch
-        if self.queue_next and tokens > 16:  # not the warm-up
-            self.queue_next -= 1
-            self.queue_sum += batch * 1.0
         return web.json_response({"choices": [{"index": i, "text": "x"} for i in range(batch)]})
 
     def prefill_metrics(self) -> str:
@@ -131,7 +132,7 @@ async def test_measured_profile_holds_the_engines_costs_and_loads_back(
 ):
     proxy = await make_proxy(request_timeout_s=10)
     endpoints = ClusterEndpoints("fake", "m", "vllm-nixl", proxy.url, prefill_engine.url, decode_engine.url, 31.5)
-    fake.queue_next = 1  # the first measured prefill waited for a later pass: measured again
+    fake.split_next = 1  # the first measured prefill answered a pass late: measured again
     progress: list[str] = []
 
     profile = await profiler.measure(spec, endpoints, SMALL_GRID, on_progress=progress.append, seed=1)
@@ -143,11 +144,12 @@ async def test_measured_profile_holds_the_engines_costs_and_loads_back(
     expected = [[round(prefill_pass_s(t, b), 5) for b in (1, 2)] for t in (64, 256)]
     assert loaded.prefill.seconds == expected
     measured = [r.body for r in prefill_engine.requests if not r.is_prefill]
-    # warm-up, 8 points x 2 repeats, and the attempt that waited
-    assert len(measured) == 1 + 8 + 1
+    # warm-up, 4 points x 2 repeats, a blocker before each batch of 2, and the attempt answered late
+    assert len(measured) == 1 + 8 + 4 + 1
+    assert [len(p) for p in measured[-2]["prompt"]] == [128]  # the blocker: one sequence the size of the batch's
     assert [len(p) for p in measured[-1]["prompt"]] == [128, 128]
     prompts = [tuple(p) for body in measured[1:] for p in body["prompt"]]
-    assert len(set(prompts)) == len(prompts) == 2 * (1 + 2) * 2 + 1  # fresh every time: no prefix cache hit
+    assert len(set(prompts)) == len(prompts) == 2 * (1 + 2 + 1) * 2 + 1  # fresh every time: no prefix cache hit
     assert loaded.decode.rows == [1.0, 4.0] and loaded.decode.cols == [128.0, 512.0]
     for i, batch in enumerate((1, 4)):
         for j, context in enumerate((128, 512)):
@@ -169,7 +171,7 @@ async def test_prefill_that_never_shares_a_pass_fails_naming_the_engine(
 ):
     proxy = await make_proxy(request_timeout_s=10)
     endpoints = ClusterEndpoints("fake", "m", "vllm-nixl", proxy.url, prefill_engine.url, decode_engine.url, 1.0)
-    fake.queue_next = 1000
+    fake.split_next = 1000
 
     with pytest.raises(ProfilingError, match=rf"{prefill_engine.url}: 1 sequences of 64 tokens never shared one"):
         await profiler.measure(spec, endpoints, SMALL_GRID)

@@ -1,0 +1,108 @@
+"""The simulator against a real cluster: replay a trace through the proxy, compare latency quantiles.
+
+``replay`` sends each request of a trace at its time to a running cluster's
+proxy (a streamed completion of ``prompt_tokens`` random token ids, fresh per
+request so no prefix cache helps, and exactly ``output_tokens`` tokens with
+``ignore_eos``) and keeps each one's TTFT (arrival to the first streamed token)
+and mean inter-token latency. ``compare`` sets those against the simulator's
+records of the same trace, per metric and quantile. ``scripts/validate_simulator.py``
+and the integration suite both use them.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import random
+import statistics
+import time
+import urllib.request
+
+from orchestrator.autoscale import traces
+from orchestrator.autoscale.profile import PerformanceProfile
+from orchestrator.autoscale.traces import TraceRequest
+
+TOLERANCE = 0.20  # the simulator within 20 % of the cluster, per quantile
+QUANTILES = (0.5, 0.9)
+# Token ids well inside SmolLM2's vocabulary and clear of its special tokens.
+TOKEN_IDS = (1000, 40000)
+
+
+def prefill_capacity_rps(
+    profile: PerformanceProfile, prefill_engines: int, mix: traces.LengthMix, seed: int = 0
+) -> float:
+    """Requests per second a prefill pool computes, by the profile, for the mix's prompts one at a time."""
+    sample = traces.poisson(50.0, 20.0, mix, seed=seed)  # ~1000 draws of the mix
+    return prefill_engines / statistics.mean(profile.prefill_seconds(r.prompt_tokens) for r in sample)
+
+
+def replay(
+    proxy_url: str, model: str, trace: list[TraceRequest], seed: int, headers: dict[str, str] | None = None
+) -> list[dict]:
+    """Send every request at its time; per request ``{"ttft_s", "itl_s", "chunks"}`` or ``{"failed": why}``."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(*TOKEN_IDS) for _ in range(r.prompt_tokens)] for r in trace]
+    start = time.perf_counter()
+
+    def one(index: int) -> dict:
+        request = trace[index]
+        time.sleep(max(0.0, start + request.t - time.perf_counter()))
+        sent = time.perf_counter()
+        body = {
+            "model": model,
+            "prompt": prompts[index],
+            "max_tokens": request.output_tokens,
+            "min_tokens": request.output_tokens,
+            "ignore_eos": True,
+            "temperature": 0,
+            "stream": True,
+        }
+        http = urllib.request.Request(
+            proxy_url + "/v1/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json", **(headers or {})},
+        )
+        stamps = []
+        try:
+            with urllib.request.urlopen(http, timeout=900) as response:
+                for raw in response:
+                    line = raw.decode().strip()
+                    if line.startswith("data: {") and json.loads(line[6:]).get("choices"):
+                        stamps.append(time.perf_counter())
+        except OSError as e:  # counted, and kept out of the latencies
+            return {"failed": f"{type(e).__name__}: {e}"}
+        if not stamps:
+            return {"failed": "no token came back"}
+        gaps = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+        return {"ttft_s": stamps[0] - sent, "itl_s": statistics.mean(gaps) if gaps else 0.0, "chunks": len(stamps)}
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=64) as pool:
+        return list(pool.map(one, range(len(trace))))
+
+
+def quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def compare(measured: list[dict], simulated: list) -> dict[str, dict[str, float]]:
+    """Per metric and quantile (``"TTFT p50"``...): the cluster's value, the simulator's, and their ratio.
+
+    ``measured`` holds ``replay``'s answers that did not fail; ``simulated`` the
+    simulator's records (``ttft_s``, ``itl_s``) of the same trace.
+    """
+    rows = {}
+    for name, key in (("TTFT", "ttft_s"), ("ITL", "itl_s")):
+        for q in QUANTILES:
+            real = quantile([m[key] for m in measured], q)
+            sim = quantile([getattr(r, key) for r in simulated], q)
+            rows[f"{name} p{round(q * 100)}"] = {
+                "cluster_s": round(real, 4),
+                "simulator_s": round(sim, 4),
+                "ratio": round(sim / real, 3),
+            }
+    return rows
+
+
+def within(rows: dict[str, dict[str, float]], tolerance: float = TOLERANCE) -> bool:
+    return all(abs(row["ratio"] - 1) <= tolerance for row in rows.values())
