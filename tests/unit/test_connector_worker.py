@@ -31,6 +31,7 @@ from connectors.metadata import KVTransferParams, PdserveConnectorMetadata, Rece
 from connectors.side_channel import RefusedMessages, report_key  # noqa: E402
 from connectors.topology import KVLayout, KVTopology  # noqa: E402
 from connectors.transport.base import TransferState  # noqa: E402
+from connectors.transport.fake import InMemoryTransfer  # noqa: E402
 from connectors.wire import parse_tcp_endpoint  # noqa: E402
 from connectors.worker import PdserveWorker, describe_kv_cache, engine_model_identity  # noqa: E402
 
@@ -43,29 +44,13 @@ WorkerFactory = Callable[..., PdserveWorker]
 
 
 @dataclass
-class FakeRead:
-    peer: str
-    num_bytes: int
-    state: TransferState = TransferState.PENDING
-    failure_reason: str | None = None
-    elapsed_s: float = 0.001
-
-    def poll(self) -> TransferState:
-        return self.state
-
-    def abort(self, reason: str = "aborted") -> None:
-        if self.state is TransferState.PENDING:
-            self.state, self.failure_reason = TransferState.FAILED, reason
-
-
-@dataclass
 class FakeTransport:
     """Stands in for ``NixlKVTransport``: reads are scripted by the test (states set by hand)."""
 
     name: str = "nixl"
     regions: KVRegions | None = None
     peers: dict[str, Any] = field(default_factory=dict)
-    reads: list[tuple[str, list[int], list[int], bytes, FakeRead]] = field(default_factory=list)
+    reads: list[tuple[str, list[int], list[int], bytes, InMemoryTransfer]] = field(default_factory=list)
     removed: list[str] = field(default_factory=list)
     notifications: list[tuple[str, bytes]] = field(default_factory=list)
 
@@ -88,8 +73,10 @@ class FakeTransport:
         self.peers.pop(peer, None)
         self.removed.append(peer)
 
-    def read_blocks(self, peer: str, local_ids: list[int], remote_ids: list[int], notify: bytes = b"") -> FakeRead:
-        read = FakeRead(peer, len(remote_ids))
+    def read_blocks(
+        self, peer: str, local_ids: list[int], remote_ids: list[int], notify: bytes = b""
+    ) -> InMemoryTransfer:
+        read = InMemoryTransfer(peer, len(remote_ids), elapsed_s=0.001)
         self.reads.append((peer, local_ids, remote_ids, notify, read))
         return read
 
