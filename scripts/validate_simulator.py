@@ -21,6 +21,7 @@ builds up).
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import statistics
 import sys
@@ -113,7 +114,7 @@ def main() -> None:
                 sys.exit(f"{name}: the trace has requests longer than engine.max_model_len ({limit})")
         status = json.loads(pdserve("status", "--json").stdout)
         for name, (_, trace) in cases.items():  # one after the other: each replay ends when its last answer did
-            measured[name] = replay(status["proxy_url"], status["model"], trace, args.seed)
+            measured[name] = replay(status["proxy_url"], status["model"], trace)
         autoscaler = json.loads(pdserve("status", "--json").stdout).get("autoscaler") or {}
     finally:
         pdserve("down")
@@ -140,6 +141,7 @@ def main() -> None:
             "rate_rps": None if rate is None else round(rate, 3),
             "requests": len(trace),
             "failed": failed,
+            "paths": dict(collections.Counter(m["path"] for m in measured[name])),
             "mean_prompt_tokens": round(statistics.mean(r.prompt_tokens for r in trace), 1),
             "mean_output_tokens": round(statistics.mean(r.output_tokens for r in trace), 1),
             "quantiles": rows,

@@ -36,11 +36,12 @@ def prefill_capacity_rps(
     return prefill_engines / statistics.mean(profile.prefill_seconds(r.prompt_tokens) for r in sample)
 
 
-def replay(
-    proxy_url: str, model: str, trace: list[TraceRequest], seed: int, headers: dict[str, str] | None = None
-) -> list[dict]:
-    """Send every request at its time; per request ``{"ttft_s", "itl_s", "chunks"}`` or ``{"failed": why}``."""
-    rng = random.Random(seed)
+def replay(proxy_url: str, model: str, trace: list[TraceRequest], headers: dict[str, str] | None = None) -> list[dict]:
+    """Send every request at its time; per request ``{"ttft_s", "itl_s", "chunks", "path"}`` (``path``: the
+    proxy's ``X-PDServe-Path``, e.g. ``decode-only; reason=...``) or ``{"failed": why}``."""
+    # Never seeded: prompts another replay sent (a lower load of the same seed, a test before) would hit the
+    # engines' prefix caches, and a trace's second run would prefill for free.
+    rng = random.Random()
     prompts = [[rng.randrange(*TOKEN_IDS) for _ in range(r.prompt_tokens)] for r in trace]
     start = time.perf_counter()
 
@@ -65,6 +66,7 @@ def replay(
         stamps = []
         try:
             with urllib.request.urlopen(http, timeout=900) as response:
+                path = response.headers.get("X-PDServe-Path", "")
                 for raw in response:
                     line = raw.decode().strip()
                     if line.startswith("data: {") and json.loads(line[6:]).get("choices"):
@@ -74,7 +76,8 @@ def replay(
         if not stamps:
             return {"failed": "no token came back"}
         gaps = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
-        return {"ttft_s": stamps[0] - sent, "itl_s": statistics.mean(gaps) if gaps else 0.0, "chunks": len(stamps)}
+        itl_s = statistics.mean(gaps) if gaps else 0.0
+        return {"ttft_s": stamps[0] - sent, "itl_s": itl_s, "chunks": len(stamps), "path": path}
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=64) as pool:
         return list(pool.map(one, range(len(trace))))
