@@ -27,12 +27,16 @@ so the prefix cache never helps; prefill checks it on ``vllm:prefix_cache_hits``
 2. Decode step time by batch and context. ``batch`` concurrent streaming requests of
    ``context`` prompt tokens and ``decode_tokens`` output tokens (``ignore_eos``) go
    straight to a decode engine, which computes the prompts itself (no KV transfer).
-   The step time is the median gap between tokens, as the client sees them, while ALL
-   ``batch`` sequences decode (after the last first token, before the first last
-   token). vLLM's inter-token histogram would also count the gaps of sequences that
-   decode while others still prefill in the same step (chunked prefill), which are
-   prefill passes. With ``continuous_usage_stats`` each chunk says how many tokens it
-   carries, so a chunk of two tokens (the server fell behind) counts as two gaps.
+   The step time is the time the client saw tokens take while ALL ``batch`` sequences
+   decode (after the last first token, before the first last token): each stream's
+   span in that window over the tokens it got in it, pooled over streams and runs.
+   vLLM's inter-token histogram would also count the gaps of sequences that decode
+   while others still prefill in the same step (chunked prefill), which are prefill
+   passes. With ``continuous_usage_stats`` each chunk says how many tokens it carries.
+   Not the median gap: when the client (or the engine's front end) is descheduled,
+   tokens that came a step apart are read together, and the median of such gaps read
+   ~0.1 ms on a loaded CI machine whose engine decoded at 115 ms a token; a span only
+   moves by the delay at its two ends.
 3. Transfer time by bytes. Disaggregated requests of each of ``transfer_tokens``
    prompt lengths go through the proxy one at a time; the decode engine's transfer
    histogram and bytes counter for the cluster's connector (``TRANSFER_METRICS``)
@@ -61,7 +65,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from itertools import pairwise
 from typing import Any
 
 import aiohttp
@@ -77,7 +80,7 @@ __all__ = [
     "ClusterEndpoints",
     "ProfileGrid",
     "RandomPrompts",
-    "all_decoding_gaps",
+    "decoding_span",
     "batch_limits",
     "format_profile",
     "grid_with",
@@ -260,23 +263,24 @@ def kv_capacity_tokens(labels: dict[str, str] | None, url: str) -> int:
     return int(blocks) * int(block_size)
 
 
-def all_decoding_gaps(streams: list[list[tuple[float, int]]]) -> list[float]:
-    """Per-token gaps (seconds) of every stream while all streams were decoding.
+def decoding_span(streams: list[list[tuple[float, int]]]) -> tuple[float, int]:
+    """Seconds and tokens of every stream while all streams were decoding, summed over streams.
 
     A stream is its chunks as ``(arrival time, tokens generated so far)``, the first one
     carrying the first token. The window opens at the last stream's first token (every
-    prompt computed) and closes at the first stream's last token (one has finished).
-    A gap of ``k`` tokens counts as ``k`` gaps of a ``k``-th of its length each.
+    prompt computed) and closes at the first stream's last token (one has finished); a
+    stream counts from its first chunk in the window to its last.
     """
     if any(not s for s in streams):
-        return []
+        return 0.0, 0
     start, end = max(s[0][0] for s in streams), min(s[-1][0] for s in streams)
-    gaps: list[float] = []
+    seconds, tokens = 0.0, 0
     for stream in streams:
-        for (t0, n0), (t1, n1) in pairwise(stream):
-            if t0 >= start and t1 <= end and n1 > n0:
-                gaps += [(t1 - t0) / (n1 - n0)] * (n1 - n0)
-    return gaps
+        inside = [(t, n) for t, n in stream if start <= t <= end]
+        if len(inside) >= 2:
+            seconds += inside[-1][0] - inside[0][0]
+            tokens += inside[-1][1] - inside[0][1]
+    return seconds, tokens
 
 
 @dataclass(slots=True, frozen=True)
@@ -458,17 +462,18 @@ async def _prefill_point(
 async def _decode_point(
     http: _Http, url: str, model: str, prompts: RandomPrompts, batch: int, context: int, grid: ProfileGrid
 ) -> float:
-    """Median decode step of ``batch`` sequences of ``context`` prompt tokens, pooled over ``repeats`` runs."""
-    gaps: list[float] = []
+    """Decode step of ``batch`` sequences of ``context`` prompt tokens: seconds per token over ``repeats`` runs."""
+    seconds, tokens = 0.0, 0
     for _ in range(grid.repeats):
         body = {"model": model, "max_tokens": grid.decode_tokens, "ignore_eos": True, "temperature": 0}
         streams = await asyncio.gather(*(http.stream(url, body | {"prompt": prompts(context)}) for _ in range(batch)))
-        gaps += all_decoding_gaps(list(streams))
-    if not gaps:
+        span_s, span_tokens = decoding_span(list(streams))
+        seconds, tokens = seconds + span_s, tokens + span_tokens
+    if tokens <= 0 or seconds <= 0:
         raise ProfilingError(
             f"{url}: the {batch} sequences of {context} tokens were never all decoding at once; raise --decode-tokens"
         )
-    return statistics.median(gaps)
+    return seconds / tokens
 
 
 async def _transfer_samples(
@@ -568,9 +573,9 @@ async def measure(
         f"{_machine()}; cluster {endpoints.name!r}: {_engines_text(spec)}, model {model!r}, connector "
         f"{endpoints.connector}, max_model_len {spec.engine.max_model_len}. prefill: the engine's {PREFILL_TIME} of "
         f"sequences sharing one pass (a batch sent behind a blocker's pass), median of {grid.repeats}; "
-        "decode: median client-side inter-token gap while "
-        f"all sequences decode ({grid.decode_tokens} output tokens, {grid.repeats} run(s)); transfer: the decode "
-        f"engine's {seconds_name} and {bytes_name} per request through the proxy, median of {grid.repeats}; "
+        "decode: client-side seconds per token while all sequences decode, pooled "
+        f"({grid.decode_tokens} output tokens, {grid.repeats} run(s)); transfer: the decode engine's "
+        f"{seconds_name} and {bytes_name} per request through the proxy, median of {grid.repeats}; "
         f"max_num_seqs, max_num_batched_tokens: {limits_from}; kv_capacity_tokens: {CACHE_INFO}; "
         "startup_s: mean engine load_s."
     )
