@@ -245,9 +245,7 @@ class AutoscalePolicy:
         tokens_per_s = budget / prof.prefill_seconds(budget, per_pass)
         service_s = prompt / tokens_per_s
         idle_s = (
-            prof.prefill_seconds(prompt, 1)
-            + prof.kv_transfer_seconds(int(prompt))
-            + prof.decode_step_seconds(1, prompt)
+            prof.prefill_seconds(prompt, 1) + prof.handoff_seconds(int(prompt)) + prof.decode_step_seconds(1, prompt)
         )
         wait_s = cfg.ttft_p90_s - idle_s
         if wait_s <= 0:

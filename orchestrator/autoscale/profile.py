@@ -15,6 +15,9 @@ File format (YAML or JSON, chosen by the file's suffix; ``format`` is checked fi
       kv_capacity_tokens: 460000     # KV cache of one decode engine, in tokens
       kv_bytes_per_token: 327680     # KV bytes one prompt token moves from prefill to decode
       startup_s: 60                  # from "start an engine" to "it serves"
+      handoff_s: 0.15                # optional (0): a disaggregated request's fixed cost between the
+                                     # prefill pass and the decode engine's first step, beyond the KV
+                                     # transfer (HTTP both ways, the decode engine's scheduling of it)
     prefill:                         # one forward pass computing `tokens` prompt tokens of `batch` sequences
       tokens: [256, 1024, 4096, 8192]
       batch: [1, 2, 4]
@@ -113,6 +116,7 @@ class EngineLimits:
     kv_capacity_tokens: int
     kv_bytes_per_token: int
     startup_s: float
+    handoff_s: float = 0.0  # fixed cost of the prefill -> decode hand-off beyond the KV transfer
 
 
 @dataclass(slots=True, frozen=True)
@@ -138,6 +142,10 @@ class PerformanceProfile:
 
     def kv_transfer_seconds(self, prompt_tokens: int) -> float:
         return self.transfer(prompt_tokens * self.engine.kv_bytes_per_token)
+
+    def handoff_seconds(self, prompt_tokens: int) -> float:
+        """From the end of a prompt's prefill pass to its decode engine's first step: KV transfer + hand-off."""
+        return self.kv_transfer_seconds(prompt_tokens) + self.engine.handoff_s
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -203,6 +211,15 @@ class _Reader:
             raise self.fail(field, f"must be greater than 0 (got {value!r})")
         return float(value)
 
+    def handoff(self, engine: dict[str, Any]) -> float:
+        """``engine.handoff_s``: optional (profiles from before it have none: 0), never negative."""
+        if "handoff_s" not in engine:
+            return 0.0
+        value = self.number(engine, "handoff_s", "engine.handoff_s", positive=False)
+        if value < 0:
+            raise self.fail("engine.handoff_s", f"must be 0 or more (got {value!r})")
+        return value
+
     def axis(self, raw: dict[str, Any], key: str, field: str) -> list[float]:
         values = raw.get(key)
         if not isinstance(values, list) or not values:
@@ -242,6 +259,7 @@ class _Reader:
             kv_capacity_tokens=int(self.number(engine, "kv_capacity_tokens", "engine.kv_capacity_tokens")),
             kv_bytes_per_token=int(self.number(engine, "kv_bytes_per_token", "engine.kv_bytes_per_token")),
             startup_s=self.number(engine, "startup_s", "engine.startup_s", positive=False),
+            handoff_s=self.handoff(engine),
         )
         transfer = self.section(raw, "transfer")
         nbytes = self.axis(transfer, "bytes", "transfer.bytes")

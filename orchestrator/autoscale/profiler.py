@@ -42,7 +42,10 @@ so the prefix cache never helps; prefill checks it on ``vllm:prefix_cache_hits``
    histogram and bytes counter for the cluster's connector (``TRANSFER_METRICS``)
    give each request's KV move: seconds and bytes. ``kv_bytes_per_token`` is all the
    bytes over all the prompt tokens (the long prompts dominate, so the rounding up to
-   whole KV blocks weighs little).
+   whole KV blocks weighs little). The same requests are streamed, and what their
+   TTFT spent beyond the prefill engine's queue + pass, the transfer and one decode
+   step is the hand-off's fixed cost (``handoff_s``, median): HTTP, the proxy, and
+   the decode engine's steps of waiting for the KV load to start and finish.
 4. Engine limits. The engines do not export ``max_num_seqs`` / ``max_num_batched_tokens``,
    so they come from the spec's ``engine.extra_args`` or else vLLM's defaults for an
    API server on CPU (what ``orchestrator.launch`` leaves them at); on GPU vLLM's
@@ -86,6 +89,7 @@ __all__ = [
     "grid_with",
     "kv_capacity_tokens",
     "measure",
+    "handoff_seconds",
     "transfer_table",
 ]
 
@@ -288,6 +292,20 @@ class TransferSample:
     prompt_tokens: int
     seconds: float
     nbytes: float
+    ttft_s: float = 0.0  # the client's, through the proxy
+    prefill_s: float = 0.0  # the prefill engine's queue + prefill time for it
+
+
+def handoff_seconds(samples: list[TransferSample], decode_step: Callable[[int], float]) -> float:
+    """The hand-off's fixed cost: the median over requests of what their TTFT through the proxy spent beyond
+    the prefill engine's queue + pass, the KV transfer and one decode step (``decode_step(prompt_tokens)``).
+
+    It is HTTP to and from both engines, the proxy's work, and the decode engine's scheduling of a
+    request whose KV arrives from elsewhere (it waits a step for the load to start and one for it to
+    finish). On the CPU demo it was about 0.15-0.25 s, which a simulator without it lacked at light load.
+    """
+    extra = [s.ttft_s - s.prefill_s - s.seconds - decode_step(s.prompt_tokens) for s in samples]
+    return round(max(0.0, statistics.median(extra)), 4) if extra else 0.0
 
 
 def transfer_table(samples: list[TransferSample]) -> tuple[list[float], list[float], int]:
@@ -483,17 +501,34 @@ async def _transfer_samples(
         raise ProfilingError(f"connector {endpoints.connector!r}: no known transfer metrics")
     seconds_name, bytes_name = TRANSFER_METRICS[endpoints.connector]
     names = (seconds_name + "_sum", seconds_name + "_count", bytes_name)
-    count = seconds_name + "_count"
+    count, prefill_count = seconds_name + "_count", PREFILL_TIME + "_count"
     samples = []
     for length in grid.transfer_tokens:
         for _ in range(grid.repeats):
             before = await http.samples(endpoints.decode_url, names)
+            prefill_before = await http.samples(endpoints.prefill_url, PREFILL_SAMPLES)
             body = {"model": endpoints.model, "prompt": prompts(length), "max_tokens": 2, "temperature": 0}
-            await http.post(endpoints.proxy_url, "/v1/completions", body)
-            after = await http.wait_for(endpoints.decode_url, names, count, before[count] + 1)
-            delta = _delta(after, before)
+            sent = time.perf_counter()
+            chunks = await http.stream(endpoints.proxy_url, body)
+            if not chunks:
+                raise ProfilingError(f"{endpoints.proxy_url}/v1/completions: the stream carried no token")
+            delta = _delta(await http.wait_for(endpoints.decode_url, names, count, before[count] + 1), before)
+            prefill = _delta(
+                await http.wait_for(
+                    endpoints.prefill_url, PREFILL_SAMPLES, prefill_count, prefill_before[prefill_count] + 1
+                ),
+                prefill_before,
+            )
             # One request may be moved in several transfers: its KV move is their total.
-            samples.append(TransferSample(length, delta[seconds_name + "_sum"], delta[bytes_name]))
+            samples.append(
+                TransferSample(
+                    length,
+                    delta[seconds_name + "_sum"],
+                    delta[bytes_name],
+                    ttft_s=chunks[0][0] - sent,
+                    prefill_s=prefill[PREFILL_TIME + "_sum"] + prefill[QUEUE_TIME + "_sum"],
+                )
+            )
     return samples
 
 
@@ -564,6 +599,9 @@ async def measure(
         nbytes, seconds, per_token = transfer_table(samples)
         points = zip(nbytes, seconds, strict=True)
         on_progress("transfer: " + ", ".join(f"{b / 2**20:.2f} MiB {1000 * s:.1f}ms" for b, s in points))
+        decode_table = Grid2D([float(b) for b in grid.decode_batch], [float(c) for c in grid.decode_context], decode)
+        handoff = handoff_seconds(samples, lambda tokens: decode_table(1, tokens))
+        on_progress(f"hand-off beyond the transfer: {1000 * handoff:.1f}ms")
         measured_s = time.monotonic() - started
 
     seconds_name, bytes_name = TRANSFER_METRICS[endpoints.connector]
@@ -576,6 +614,8 @@ async def measure(
         "decode: client-side seconds per token while all sequences decode, pooled "
         f"({grid.decode_tokens} output tokens, {grid.repeats} run(s)); transfer: the decode engine's "
         f"{seconds_name} and {bytes_name} per request through the proxy, median of {grid.repeats}; "
+        "handoff_s: those requests' streamed TTFT beyond "
+        "the prefill engine's queue + prefill time, the transfer and one decode step, median; "
         f"max_num_seqs, max_num_batched_tokens: {limits_from}; kv_capacity_tokens: {CACHE_INFO}; "
         "startup_s: mean engine load_s."
     )
@@ -588,9 +628,10 @@ async def measure(
             kv_capacity_tokens=capacity,
             kv_bytes_per_token=per_token,
             startup_s=endpoints.startup_s,
+            handoff_s=handoff,
         ),
         prefill=Grid2D([float(t) for t in grid.prefill_tokens], [float(b) for b in grid.prefill_batch], prefill),
-        decode=Grid2D([float(b) for b in grid.decode_batch], [float(c) for c in grid.decode_context], decode),
+        decode=decode_table,
         transfer=Grid1D(nbytes, seconds),
     )
 
@@ -614,6 +655,7 @@ def format_profile(profile: PerformanceProfile) -> list[str]:
             f"{b / 2**20:.2f} MiB in {1000 * s:.1f} ms"
             for b, s in zip(profile.transfer.x, profile.transfer.y, strict=True)
         )
+        + f"; hand-off beyond it {1000 * e.handoff_s:.1f} ms"
     )
     return lines
 

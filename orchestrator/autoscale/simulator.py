@@ -10,7 +10,8 @@ A request's life, as modelled (times from the performance profile):
 3. When its prompt is done the proxy sends it to the serving decode engine with
    the least KV cache promised. The decode engine admits it when a batch slot
    and KV room for prompt + output tokens are free (waiting until then), then
-   its KV cache moves over (``transfer_seconds``).
+   its KV cache moves over and the hand-off's fixed cost passes (``handoff_seconds``:
+   the transfer plus the profile's ``handoff_s``).
 4. It joins the decode batch (continuous batching); each step emits one token
    for every sequence in the batch and lasts ``decode_step_seconds(batch, mean
    context)``. TTFT is arrival to the end of its first step; ITL is the mean gap
@@ -329,7 +330,7 @@ class Simulator:
             engine.waiting_kv -= need
             engine.kv_used += need
             engine.transferring += 1
-            self._at(self.now + self.profile.kv_transfer_seconds(req.prompt), _TRANSFER_DONE, (engine, req))
+            self._at(self.now + self.profile.handoff_seconds(req.prompt), _TRANSFER_DONE, (engine, req))
 
     def _advance(self, engine: _DecodeEngine) -> None:
         if engine.running and engine.step_s > 0:

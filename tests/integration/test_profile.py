@@ -70,6 +70,7 @@ def test_profile_of_the_running_cluster_loads_and_leaves_it_running(
     assert low <= profile.engine.kv_bytes_per_token <= 1.5 * high
     assert profile.engine.max_num_batched_tokens == 2048 and profile.engine.kv_capacity_tokens > 4096
     assert profile.engine.startup_s > 0
+    assert 0 <= profile.engine.handoff_s < 2  # HTTP, the proxy, the decode engine scheduling a KV load
     assert cluster.refresh()["phase"] == "ready"
 
 

@@ -53,8 +53,10 @@ class FakeVllm:
         decode.handler, decode.extra_metrics = self.decode, self.decode_metrics
 
     async def prefill(self, request: web.Request, received: ReceivedRequest) -> web.StreamResponse | None:
-        if received.is_prefill:
-            return None  # the proxy's prefill leg: the stub's usual answer
+        if received.is_prefill:  # the proxy's prefill leg: recorded, and the stub's usual answer
+            self.prefill_sum += prefill_pass_s(len(received.body["prompt"]), 1)
+            self.prefill_count += 1
+            return None
         prompts = received.body["prompt"]
         prompts = [prompts] if isinstance(prompts[0], int) else prompts  # one prompt, or a batch of them
         batch, tokens = len(prompts), sum(len(p) for p in prompts)
@@ -158,12 +160,14 @@ async def test_measured_profile_holds_the_engines_costs_and_loads_back(
     assert loaded.transfer.x == [256_000.0, 1_024_000.0]
     assert loaded.transfer.y == [round(transfer_s(256_000), 6), round(transfer_s(1_024_000), 6)]
     assert loaded.engine.kv_bytes_per_token == BYTES_PER_TOKEN
+    assert loaded.engine.handoff_s == 0.0  # the stubs answer at once: nothing beyond the costs they report
+    assert any(line.startswith("hand-off beyond the transfer") for line in progress)
     assert loaded.engine.kv_capacity_tokens == KV_CAPACITY
     assert (loaded.engine.max_num_seqs, loaded.engine.max_num_batched_tokens) == (128, 2048)
     assert loaded.engine.startup_s == 31.5
     assert "vllm:nixl_xfer_time_seconds" in loaded.provenance and "model 'm'" in loaded.provenance
     assert progress[0].startswith("prefill    64 tokens: batch 1 0.034s, batch 2 0.036s")
-    assert len(progress) == 2 + 2 + 1
+    assert len(progress) == 2 + 2 + 1 + 1
 
 
 async def test_prefill_that_never_shares_a_pass_fails_naming_the_engine(
@@ -197,6 +201,17 @@ def test_decoding_span_is_not_fooled_by_tokens_read_together():
     bunched = [(t if i in (0, 7) else 0.6 + 1e-4 * i, i + 1) for i, t in enumerate(steps)]  # steps 1-6 read at 0.6
     seconds, tokens = profiler.decoding_span([bunched])
     assert round(seconds / tokens, 6) == 0.1
+
+
+def test_handoff_is_what_ttft_spends_beyond_prefill_transfer_and_one_step():
+    samples = [  # TTFT = 0.5 prefill + 0.05 transfer + 0.1 step + hand-off 0.2 / 0.3 / 0.25
+        TransferSample(256, 0.05, 1e6, ttft_s=0.85, prefill_s=0.5),
+        TransferSample(256, 0.05, 1e6, ttft_s=0.95, prefill_s=0.5),
+        TransferSample(1024, 0.05, 4e6, ttft_s=0.90, prefill_s=0.5),
+    ]
+    assert profiler.handoff_seconds(samples, lambda tokens: 0.1) == pytest.approx(0.25)
+    # A faster TTFT than its parts (clock skew, a descheduled scrape) never makes the hand-off negative.
+    assert profiler.handoff_seconds([TransferSample(256, 0.05, 1e6, ttft_s=0.1, prefill_s=0.5)], lambda t: 0.1) == 0
 
 
 def test_transfer_table_merges_equal_bytes_and_weighs_tokens():

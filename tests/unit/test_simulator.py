@@ -227,6 +227,34 @@ def test_merged_tenants_keep_every_request_in_arrival_order():
     assert [r.t for r in merged] == sorted(r.t for r in merged)
 
 
+def test_the_hand_off_adds_to_every_ttft_and_a_profile_without_it_reads_zero(tmp_path) -> None:
+    import dataclasses
+
+    import yaml
+
+    from orchestrator.autoscale.profile import ProfileError, load_profile
+
+    base = make_profile(prefill_s_per_token=0.001, decode_step=(0.02, 0.0), max_num_seqs=100)
+    handed = dataclasses.replace(base, engine=dataclasses.replace(base.engine, handoff_s=0.25))
+    trace = [TraceRequest(10.0 * i, 100, 4) for i in range(5)]  # far apart: nothing queues
+    plain = simulate(base, StaticPolicy(1, 1), trace, TARGETS, (1, 1)).records
+    slower = simulate(handed, StaticPolicy(1, 1), trace, TARGETS, (1, 1)).records
+    for a, b in zip(plain, slower, strict=True):
+        assert a.ttft_s == pytest.approx(0.1 + 0.02)  # prefill + first step
+        assert b.ttft_s == pytest.approx(a.ttft_s + 0.25) and b.itl_s == pytest.approx(a.itl_s)
+
+    dataclasses.replace(handed, transfer=Grid1D([1.0, 2.0], [0.001, 0.001])).save(tmp_path / "p.yaml")
+    assert load_profile(tmp_path / "p.yaml").engine.handoff_s == 0.25
+    raw = yaml.safe_load((tmp_path / "p.yaml").read_text())
+    del raw["engine"]["handoff_s"]
+    (tmp_path / "old.yaml").write_text(yaml.safe_dump(raw))
+    assert load_profile(tmp_path / "old.yaml").engine.handoff_s == 0.0  # profiles from before it: no hand-off
+    raw["engine"]["handoff_s"] = -1
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump(raw))
+    with pytest.raises(ProfileError, match="engine.handoff_s"):
+        load_profile(tmp_path / "bad.yaml")
+
+
 def test_profile_holds_a_falling_last_segment_flat_above_the_grid() -> None:
     from orchestrator.autoscale.profile import Grid2D
 
