@@ -14,6 +14,16 @@ pool computes by the profile: light, near saturation (the prefill engine busy
 most of the time) and overloaded (arrivals above what it computes: a queue
 builds up).
 
+With ``--autoscale`` the spec's autoscaler runs on both sides (its SLO attainment
+is compared too), and both read the same profile: ``--profile``, or one measured
+first on the same engines without the autoscaler (a copy of the spec without its
+``autoscaling`` section, started, profiled and stopped); the cluster then runs a
+copy of the spec whose ``autoscaling.profile`` is that file. The ``bursty`` load
+(0.3 of the prefill pool's capacity, 4x bursts) is the one meant for it:
+
+    python scripts/validate_simulator.py --config configs/local-cpu-autoscale.yaml --autoscale --loads bursty \
+        --duration 900 --out docs/autoscale-fidelity.json
+
     python scripts/validate_simulator.py [--config configs/local-cpu.yaml] [--profile FILE | --profile-out FILE] \\
         [--loads light,...] [--duration 180 | --trace FILE] [--out docs/simulator-fidelity.json] [--json]
 """
@@ -23,10 +33,12 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import os
 import statistics
 import sys
 import tempfile
 
+import yaml
 from bench_latency import pdserve
 
 from orchestrator.autoscale import traces
@@ -43,16 +55,32 @@ MIX = traces.MIXES["short"]
 
 
 def load_trace(name: str, capacity_rps: float, duration_s: float, seed: int) -> tuple[float, list[traces.TraceRequest]]:
-    """``(rate, trace)``: Poisson at a share (``LOADS``) of the capacity, or ``bursty``: a fifth of it with 4x
-    bursts of ~1 min every ~2 min."""
+    """``(rate, trace)``: Poisson at a share (``LOADS``) of the capacity, or ``bursty``: 0.3 of it with 4x
+    bursts (1.2x what the prefill pool computes: a queue builds that a larger pool would not have) of ~1 min
+    every ~2 min."""
     if name == "bursty":
-        rate = 0.2 * capacity_rps
+        rate = 0.3 * capacity_rps
         trace = traces.bursty(
             rate, duration_s, burst_factor=4.0, mean_burst_s=60.0, mean_gap_s=120.0, mix=MIX, seed=seed
         )
         return rate, trace
     rate = LOADS[name] * capacity_rps
     return rate, traces.poisson(rate, duration_s, MIX, seed=seed)
+
+
+def spec_copy(config: str, **autoscaling: object) -> str:
+    """A temporary copy of the spec file at ``config`` with its ``autoscaling`` section dropped
+    (``autoscaling=None``) or some of its fields replaced; its path."""
+    with open(config) as f:
+        raw = yaml.safe_load(f)
+    if "autoscaling" in autoscaling and autoscaling["autoscaling"] is None:
+        raw.pop("autoscaling", None)
+    else:
+        raw["autoscaling"] = raw.get("autoscaling", {}) | autoscaling
+    fd, path = tempfile.mkstemp(suffix=".yaml", prefix="validate-simulator-")
+    with os.fdopen(fd, "w") as f:
+        yaml.safe_dump(raw, f)
+    return path
 
 
 def attainment(pairs: list[tuple[float, float]], ttft_s: float, itl_s: float) -> float:
@@ -93,13 +121,20 @@ def main() -> None:
     profile_path = args.profile or args.profile_out
     if profile_path is None:
         profile_path = args.out.removesuffix(".json") + "-profile.yaml" if args.out else tempfile.mktemp(".yaml")
-    up = pdserve("up", args.config, "--detach")
+    config = args.config
+    if args.autoscale:  # the cluster's autoscaler and the simulator's must read the same profile
+        if args.profile is None:  # measured on the same engines, without an autoscaler to move them meanwhile
+            profiled = pdserve("profile", spec_copy(args.config, autoscaling=None), "--out", profile_path, timeout=1800)
+            if profiled.returncode != 0:
+                sys.exit(f"pdserve profile failed:\n{profiled.stdout}\n{profiled.stderr}")
+        config = spec_copy(args.config, profile=os.path.abspath(profile_path))
+    up = pdserve("up", config, "--detach")
     if up.returncode != 0:
         sys.exit(f"pdserve up failed:\n{up.stdout}\n{up.stderr}")
     measured = {}
     try:
-        if args.profile is None:  # the running cluster's engines, measured now
-            profiled = pdserve("profile", args.config, "--out", profile_path, timeout=1800)
+        if args.profile is None and not args.autoscale:  # the running cluster's engines, measured now
+            profiled = pdserve("profile", config, "--out", profile_path, timeout=1800)
             if profiled.returncode != 0:
                 sys.exit(f"pdserve profile failed:\n{profiled.stdout}\n{profiled.stderr}")
         profile = load_profile(profile_path)
