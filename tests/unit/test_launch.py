@@ -8,9 +8,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from orchestrator.errors import SpecError
-from orchestrator.launch import EngineLaunch, flag_args, kv_transfer_config, plan_engines
+from orchestrator.launch import EngineLaunch, _core_ranges, flag_args, kv_transfer_config, plan_engines
 from orchestrator.spec import ClusterSpec
 
 
@@ -336,6 +337,18 @@ def test_shared_cores_wrap_around_the_machine(plan, prefill, decode, expected):
     engines = plan(prefill=prefill, decode=decode, resources={"cpus": 2, "share_cores": True})
 
     assert {e.engine_id: e.cpu_bind for e in engines.values()} == expected
+
+
+def test_engines_that_start_with_the_cluster_get_their_own_cores_before_those_it_may_add(tmp_path: Path):
+    configs = Path(__file__).resolve().parents[2] / "configs"
+    raw = yaml.safe_load((configs / "local-cpu-autoscale.yaml").read_text())
+    raw["autoscaling"]["profile"] = str(configs / raw["autoscaling"]["profile"])
+    raw["resources"]["cpus"] = 2  # the 2-core machine it is written for
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(raw))
+    spec = ClusterSpec.from_file(tmp_path / "spec.yaml")
+    assert (spec.prefill.replicas, spec.decode.replicas, spec.max_replicas("prefill")) == (1, 1, 2)
+    # prefill-0 and decode-0 run from the start, each on a core; prefill-1, if the autoscaler adds it, shares.
+    assert _core_ranges(spec) == {"prefill-0": "0", "decode-0": "1", "prefill-1": "0"}
 
 
 def test_engine_env_reaches_every_engine_but_not_over_pdserves_own_settings(plan):
