@@ -153,29 +153,46 @@ def _core_ranges(spec: ClusterSpec) -> dict[str, str]:
 
 def _host_core_ranges(spec: ClusterSpec, roles: tuple[str, ...]) -> dict[str, str]:
     """The engines that start with the cluster are planned first, so that they get cores of their own
-    whenever there are enough; the replicas only an autoscaler or ``pdserve scale`` may add come after
-    (with ``resources.share_cores`` those wrap around onto cores in use). Planned the other way, the
+    whenever there are enough; the replicas only an autoscaler or ``pdserve scale`` may add come after.
+    Engines get consecutive cores while the machine has them; after that (``resources.share_cores``) a
+    rank goes where the fewest ranks of its own pool run, then the fewest of any: a second prefill engine
+    on the first one's core would add no prefill compute. Planned by replica order instead, the
     autoscaling demo (prefill 1..2, decode 1, two cores) ran prefill-0 and decode-0 on core 0 while core 1
     waited for a prefill-1 that might never start."""
     bindings: dict[str, str] = {}
-    next_core = 0
-    # Only with resources.share_cores can engines need more cores than there are: they wrap around.
     available = spec.cpu_cores_available
+    next_core = 0
+    total = [0] * available
+    own = {role: [0] * available for role in roles}
     for starting in (True, False):
         for role in roles:
             pool = spec.pool(role)
             if starting:
                 next_core = max(next_core, pool.placement.first_core)
+            width = min(pool.cpu_cores, available)
             replicas = range(pool.replicas) if starting else range(pool.replicas, spec.max_replicas(role))
             for replica in replicas:
                 ranks = []
                 for _ in range(pool.tensor_parallel_size):
-                    cores = [(next_core + i) % available for i in range(pool.cpu_cores)]
+                    if next_core + width <= available:  # free cores left: the next ones
+                        first, next_core = next_core, next_core + width
+                    else:  # shared: the fewest of this pool's ranks, then of all, then the lowest core
+                        first = min(
+                            range(available),
+                            key=lambda c: (
+                                sum(own[role][(c + i) % available] for i in range(width)),
+                                sum(total[(c + i) % available] for i in range(width)),
+                                c,
+                            ),
+                        )
+                    cores = [(first + i) % available for i in range(width)]
+                    for core in cores:
+                        total[core] += 1
+                        own[role][core] += 1
                     contiguous = cores == list(range(cores[0], cores[-1] + 1))
                     ranks.append(
                         f"{cores[0]}-{cores[-1]}" if contiguous and len(cores) > 1 else ",".join(map(str, cores))
                     )
-                    next_core += pool.cpu_cores
                 bindings[f"{role}-{replica}"] = "|".join(ranks)
     return bindings
 
