@@ -147,11 +147,11 @@ def _core_ranges(spec: ClusterSpec) -> dict[str, str]:
     TP ranks separated by '|'."""
     bindings: dict[str, str] = {}
     for roles in spec.placement_domains().values():
-        bindings.update(_host_core_ranges(spec, roles))
+        bindings.update(host_core_ranges(spec, roles))
     return bindings
 
 
-def _host_core_ranges(spec: ClusterSpec, roles: tuple[str, ...]) -> dict[str, str]:
+def host_core_ranges(spec: ClusterSpec, roles: tuple[str, ...]) -> dict[str, str]:
     """The engines that start with the cluster are planned first, so that they get cores of their own
     whenever there are enough; the replicas only an autoscaler or ``pdserve scale`` may add come after.
     Engines get consecutive cores while the machine has them; after that (``resources.share_cores``) a

@@ -72,4 +72,27 @@ def simulate_spec(
     else:
         policy = AutoscalePolicy(PolicyConfig.from_spec(scaling), profile)
         initial = start or (spec.prefill.replicas, spec.decode.replicas)
-    return simulate(profile, policy, trace, targets, initial, interval_s=scaling.interval_s)
+    return simulate(profile, policy, trace, targets, initial, interval_s=scaling.interval_s, cores=shared_cores(spec))
+
+
+def shared_cores(spec: ClusterSpec) -> dict[str, frozenset[tuple[int, int]]] | None:
+    """For a CPU spec whose engines share cores (``resources.share_cores``): each engine's cores as
+    ``orchestrator.launch`` pins them, as (placement domain, core), every domain taken as one machine;
+    else None (each engine has its cores to itself)."""
+    if spec.device != "cpu" or not spec.resources.share_cores:
+        return None
+    from orchestrator.launch import host_core_ranges
+
+    cores: dict[str, frozenset[tuple[int, int]]] = {}
+    for domain, roles in enumerate(spec.placement_domains().values()):
+        for engine_id, ranks in host_core_ranges(spec, roles).items():
+            cores[engine_id] = frozenset((domain, core) for rank in ranks.split("|") for core in _cores_of(rank))
+    return cores
+
+
+def _cores_of(binding: str) -> list[int]:
+    """``"0-3"`` or ``"0,2"`` (one rank's OpenMP binding) as core numbers."""
+    if "-" in binding:
+        first, last = binding.split("-")
+        return list(range(int(first), int(last) + 1))
+    return [int(core) for core in binding.split(",")]

@@ -28,6 +28,14 @@ removed ones stop taking requests and stop once their own work is done
 (``orchestrator.autoscale.rules``): the newest retire first, and a draining
 engine is not taken back (a scale-up while it drains starts another).
 Engine-hours count every engine from start to stop, starting and draining included.
+
+Engines that share CPU cores (``cores``: each engine's cores by id, ``prefill-0``
+..., as ``orchestrator.launch`` pins them; a CPU cluster with
+``resources.share_cores``) share their speed: a prefill pass or a decode step
+takes the profile's time (measured with the engine's cores to itself) times the
+most engines busy at once on any of its cores, the engine itself included. A
+decode engine's step is re-timed whenever a neighbour starts or ends a pass;
+a pass in flight keeps the time it started with.
 """
 
 from __future__ import annotations
@@ -192,11 +200,13 @@ class Simulator:
         initial: tuple[int, int],
         interval_s: float = 30.0,
         startup_s: float | None = None,
+        cores: dict[str, frozenset[Any]] | None = None,
     ) -> None:
         if interval_s <= 0:
             raise ValueError(f"interval_s must be > 0 (got {interval_s})")
         self.profile, self.policy, self.targets = profile, policy, targets
         self.interval_s = interval_s
+        self.cores = cores or {}
         self.startup_s = profile.engine.startup_s if startup_s is None else startup_s
         self.now = 0.0
         self._events: list[tuple[float, int, int, Any]] = []
@@ -218,6 +228,34 @@ class Simulator:
 
     def _at(self, t: float, kind: int, payload: Any) -> None:
         heapq.heappush(self._events, (t, kind, next(self._seq), payload))
+
+    # --- engines that share cores -------------------------------------------------------------
+
+    def _cores(self, engine: _Engine) -> frozenset[Any]:
+        role = "prefill" if isinstance(engine, _PrefillEngine) else "decode"
+        return self.cores.get(f"{role}-{engine.replica}", frozenset())
+
+    def _share(self, engine: _Engine) -> int:
+        """How many engines are busy on this engine's most crowded core, itself counted as busy."""
+        mine = self._cores(engine)
+        if not mine:
+            return 1
+        busy = [
+            self._cores(e)
+            for e in itertools.chain(self.prefill, self.decode)
+            if e is not engine and e.state is not EngineState.STOPPED and not e.idle
+        ]
+        return 1 + max(sum(1 for theirs in busy if core in theirs) for core in mine)
+
+    def _neighbours_changed(self, engine: _Engine) -> None:
+        """Re-time the decode steps of the engines sharing a core with ``engine`` (it started or ended work)."""
+        mine = self._cores(engine)
+        if not mine:
+            return
+        for other in self.decode:
+            if other is not engine and other.running and mine & self._cores(other):
+                self._advance(other)
+                self._reschedule(other)
 
     def run(self, trace: Iterable[TraceRequest]) -> SimulationResult:
         arrivals = iter(sorted(trace, key=lambda r: r.t))
@@ -274,6 +312,7 @@ class Simulator:
         best.queued_tokens += req.prefill_left
         if not best.busy:
             self._start_prefill_pass(best)
+            self._neighbours_changed(best)  # it was idle
 
     def _start_prefill_pass(self, engine: _PrefillEngine) -> None:
         limits = self.profile.engine
@@ -288,7 +327,8 @@ class Simulator:
             return
         tokens = limits.max_num_batched_tokens - room
         engine.busy = True
-        self._at(self.now + self.profile.prefill_seconds(tokens, len(chunks)), _PREFILL_DONE, (engine, chunks))
+        seconds = self.profile.prefill_seconds(tokens, len(chunks)) * self._share(engine)
+        self._at(self.now + seconds, _PREFILL_DONE, (engine, chunks))
 
     def _on_prefill_done(self, payload: tuple[_PrefillEngine, list[tuple[_Request, int]]]) -> None:
         engine, chunks = payload
@@ -300,8 +340,10 @@ class Simulator:
             self._route_decode(engine.queue.popleft())
         if engine.queue:
             self._start_prefill_pass(engine)
-        elif engine.state is EngineState.DRAINING:
-            self._stop(engine)
+        else:
+            self._neighbours_changed(engine)  # idle now
+            if engine.state is EngineState.DRAINING:
+                self._stop(engine)
 
     # --- decode -------------------------------------------------------------------------------
 
@@ -344,7 +386,7 @@ class Simulator:
             engine.step_s = 0.0
             return
         context = (engine.sum_prompt + n * engine.steps - engine.sum_start) / n
-        engine.step_s = self.profile.decode_step_seconds(n, context)
+        engine.step_s = self.profile.decode_step_seconds(n, context) * self._share(engine)
         finish = engine.running[0][0]
         self._at(self.now + max(0.0, finish - engine.steps) * engine.step_s, _DECODE_DONE, (engine, engine.version))
 
@@ -359,6 +401,8 @@ class Simulator:
         self._reschedule(engine)
         req.first_token = self.now + engine.step_s
         self._window["ttft"].append(req.first_token - req.arrival)
+        if len(engine.running) == 1:
+            self._neighbours_changed(engine)  # it was idle
 
     def _on_decode_done(self, payload: tuple[_DecodeEngine, int]) -> None:
         engine, version = payload
@@ -375,6 +419,8 @@ class Simulator:
             self._finish(req)
         self._admit(engine)
         self._reschedule(engine)
+        if not engine.running:
+            self._neighbours_changed(engine)  # idle now
         if engine.state is EngineState.DRAINING and engine.idle:
             self._stop(engine)
 
@@ -501,7 +547,9 @@ def simulate(
     initial: tuple[int, int],
     interval_s: float = 30.0,
     startup_s: float | None = None,
+    cores: dict[str, frozenset[Any]] | None = None,
 ) -> SimulationResult:
-    """Run ``trace`` through a cluster that starts with ``initial`` = (prefill, decode) serving engines."""
-    sim = Simulator(profile, policy, targets, initial, interval_s=interval_s, startup_s=startup_s)
+    """Run ``trace`` through a cluster that starts with ``initial`` = (prefill, decode) serving engines
+    (``cores``: engines that share CPU cores, see the module's docstring)."""
+    sim = Simulator(profile, policy, targets, initial, interval_s=interval_s, startup_s=startup_s, cores=cores)
     return sim.run(trace)

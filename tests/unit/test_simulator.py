@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import random
+from pathlib import Path
 
 import pytest
 
@@ -253,6 +254,51 @@ def test_the_hand_off_adds_to_every_ttft_and_a_profile_without_it_reads_zero(tmp
     (tmp_path / "bad.yaml").write_text(yaml.safe_dump(raw))
     with pytest.raises(ProfileError, match="engine.handoff_s"):
         load_profile(tmp_path / "bad.yaml")
+
+
+def test_engines_sharing_a_core_share_its_speed():
+    profile = make_profile(prefill_s_per_token=0.001, decode_step=(0.03, 0.0), max_num_seqs=100)
+    # A decodes 100 tokens; B's 5000-token prompt (5 s alone) starts while A decodes.
+    trace = [TraceRequest(0.0, 10, 100), TraceRequest(0.5, 5000, 1)]
+    alone = simulate(profile, StaticPolicy(1, 1), trace, TARGETS, (1, 1)).records
+    one_core = {"prefill-0": frozenset({0}), "decode-0": frozenset({0})}
+    shared = simulate(profile, StaticPolicy(1, 1), trace, TARGETS, (1, 1), cores=one_core).records
+    two_cores = {"prefill-0": frozenset({0}), "decode-0": frozenset({1})}
+    apart = simulate(profile, StaticPolicy(1, 1), trace, TARGETS, (1, 1), cores=two_cores).records
+
+    a, b = sorted(alone, key=lambda r: r.arrival)
+    assert (a.done, b.ttft_s) == (pytest.approx(0.01 + 100 * 0.03), pytest.approx(5.0 + 0.03))
+    assert sorted(apart, key=lambda r: r.arrival) == [a, b]  # cores of their own: as if alone
+    a, b = sorted(shared, key=lambda r: r.arrival)
+    # A's prefill and first 16.33 steps run alone; from 0.5 s its steps take 2x while B's pass runs
+    # (B's pass, begun beside a busy decode engine, takes 2x: 10 s); B's one step runs alone again.
+    steps_alone = (0.5 - 0.01) / 0.03
+    assert a.done == pytest.approx(0.5 + (100 - steps_alone) * 0.06)
+    assert b.ttft_s == pytest.approx(10.0 + 0.03)
+
+
+def test_the_spec_gives_the_simulator_its_shared_cores(tmp_path: Path) -> None:
+    import yaml
+
+    from orchestrator.autoscale.runner import shared_cores
+    from orchestrator.spec import ClusterSpec
+
+    configs = Path(__file__).resolve().parents[2] / "configs"
+    raw = yaml.safe_load((configs / "local-cpu-autoscale.yaml").read_text())
+    raw["autoscaling"]["profile"] = str(configs / raw["autoscaling"]["profile"])
+    raw["resources"]["cpus"] = 2
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(raw))
+    spec = ClusterSpec.from_file(tmp_path / "spec.yaml")
+    assert shared_cores(spec) == {
+        "prefill-0": frozenset({(0, 0)}),
+        "decode-0": frozenset({(0, 1)}),
+        "prefill-1": frozenset({(0, 1)}),
+    }
+    raw["resources"]["share_cores"] = False
+    raw["autoscaling"]["max_engines"] = 2
+    raw["autoscaling"]["prefill"]["max"] = 1
+    (tmp_path / "own.yaml").write_text(yaml.safe_dump(raw))
+    assert shared_cores(ClusterSpec.from_file(tmp_path / "own.yaml")) is None  # each engine on its own cores
 
 
 def test_profile_holds_a_falling_last_segment_flat_above_the_grid() -> None:
