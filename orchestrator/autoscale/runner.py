@@ -17,7 +17,7 @@ from orchestrator.autoscale.traces import TraceRequest
 from orchestrator.errors import PdserveError
 from orchestrator.spec import ClusterSpec
 
-__all__ = ["SimulationSetupError", "load_spec_and_profile", "parse_policy", "simulate_spec"]
+__all__ = ["SimulationSetupError", "load_spec_and_profile", "parse_policy", "shared_cores", "simulate_spec"]
 
 
 class SimulationSetupError(PdserveError):
