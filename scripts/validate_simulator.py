@@ -43,9 +43,9 @@ from bench_latency import pdserve
 
 from orchestrator.autoscale import traces
 from orchestrator.autoscale.fidelity import TOLERANCE, compare, prefill_capacity_rps, replay, within
-from orchestrator.autoscale.policy import StaticPolicy
+from orchestrator.autoscale.policy import AutoscalePolicy, PolicyConfig, StaticPolicy
 from orchestrator.autoscale.profile import load_profile
-from orchestrator.autoscale.runner import simulate_spec
+from orchestrator.autoscale.runner import shared_cores, simulate_spec
 from orchestrator.autoscale.simulator import SloTargets, simulate
 from orchestrator.spec import ClusterSpec
 
@@ -88,6 +88,46 @@ def attainment(pairs: list[tuple[float, float]], ttft_s: float, itl_s: float) ->
     return sum(1 for ttft, itl in pairs if ttft <= ttft_s and itl <= itl_s) / len(pairs)
 
 
+def resimulate(report_path: str, core_plan: str | None, seed: int, duration_s: float) -> None:
+    with open(report_path) as f:
+        report = json.load(f)
+    spec = ClusterSpec.from_file(report["config"])
+    profile = load_profile(report["profile"].split(" (")[0])
+    seed, duration_s = report.get("seed", seed), report.get("duration_s", duration_s)  # the run's own
+    if spec.autoscaling is None:
+        sys.exit(f"{report['config']}: no autoscaling section")
+    cores = shared_cores(spec)
+    core_plan = core_plan or report.get("core_plan", "").split(" (")[0]
+    if core_plan:
+        plan = dict(item.split(":") for item in core_plan.split())
+        cores = {engine: frozenset((0, int(c)) for c in plan_cores.split(",")) for engine, plan_cores in plan.items()}
+    capacity = prefill_capacity_rps(profile, spec.prefill.replicas, MIX, seed)
+    targets = spec.autoscaling.targets
+    for name, load in report["loads"].items():
+        _, trace = load_trace(name, capacity, duration_s, seed)
+        if len(trace) != load["requests"]:
+            sys.exit(f"{name}: {len(trace)} requests, the report replayed {load['requests']}: --seed / --duration?")
+        policy = AutoscalePolicy(PolicyConfig.from_spec(spec.autoscaling), profile)
+        split = (spec.prefill.replicas, spec.decode.replicas)
+        slo = SloTargets(targets.ttft_p90_s, targets.itl_p90_s)
+        records = simulate(
+            profile, policy, trace, slo, split, interval_s=spec.autoscaling.interval_s, cores=cores
+        ).records
+        sim = attainment([(r.ttft_s, r.itl_s) for r in records], targets.ttft_p90_s, targets.itl_p90_s)
+        real = load["slo_attainment"]["cluster"]
+        rows = {
+            "TTFT p50": statistics.median(r.ttft_s for r in records),
+            "ITL p50": statistics.median(r.itl_s for r in records),
+        }
+        measured = {key: load["quantiles"][key]["cluster_s"] for key in rows}
+        print(
+            f"{name}: SLO attainment cluster {100 * real:.1f} %, simulator {100 * sim:.1f} % "
+            f"({100 * (sim - real):+.1f} points); "
+            + ", ".join(f"{k} {1000 * measured[k]:.0f} / {1000 * v:.0f} ms" for k, v in rows.items())
+            + f"; cores {sorted((e, sorted(c for _, c in cs)) for e, cs in (cores or {}).items())}"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="configs/local-cpu.yaml")
@@ -114,7 +154,21 @@ def main() -> None:
     )
     parser.add_argument("--out", help="also write the report (JSON) here")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument(
+        "--resimulate",
+        metavar="REPORT",
+        help="no cluster: the simulator side of an --autoscale REPORT again (its config, profile, seed and "
+        "duration), with today's simulator and --core-plan; against the cluster attainment it measured",
+    )
+    parser.add_argument(
+        "--core-plan",
+        help="with --resimulate: the engines' cores as the cluster ran them, e.g. 'prefill-0:0 prefill-1:1 "
+        "decode-0:0' (default: the report's core_plan, else the plan the code makes for the spec now)",
+    )
     args = parser.parse_args()
+    if args.resimulate:
+        resimulate(args.resimulate, args.core_plan, args.seed, args.duration)
+        return
 
     spec = ClusterSpec.from_file(args.config)
     split = (spec.prefill.replicas, spec.decode.replicas)
@@ -159,6 +213,11 @@ def main() -> None:
         "profile": profile_path if args.profile else f"{profile_path} (measured in this run)",
         "prefill_capacity_rps": round(capacity, 3),
         "tolerance": TOLERANCE,
+        "seed": args.seed,
+        "duration_s": args.duration,
+        "core_plan": " ".join(
+            f"{engine}:{','.join(str(c) for _, c in sorted(cs))}" for engine, cs in (shared_cores(spec) or {}).items()
+        ),
         "loads": {},
     }
     if args.autoscale:  # what the cluster's autoscaler changed, in order
