@@ -21,7 +21,7 @@ first on the same engines without the autoscaler (a copy of the spec without its
 copy of the spec whose ``autoscaling.profile`` is that file. The ``bursty`` load
 (0.3 of the prefill pool's capacity, 4x bursts) is the one meant for it:
 
-    python scripts/validate_simulator.py --config configs/local-cpu-autoscale.yaml --autoscale --loads bursty \
+    python scripts/validate_simulator.py --config configs/local-cpu-autoscale.yaml --autoscale --loads bursty \\
         --duration 900 --out docs/autoscale-fidelity.json
 
     python scripts/validate_simulator.py [--config configs/local-cpu.yaml] [--profile FILE | --profile-out FILE] \\
@@ -43,7 +43,7 @@ from bench_latency import pdserve
 
 from orchestrator.autoscale import traces
 from orchestrator.autoscale.fidelity import TOLERANCE, compare, prefill_capacity_rps, replay, within
-from orchestrator.autoscale.policy import AutoscalePolicy, PolicyConfig, StaticPolicy
+from orchestrator.autoscale.policy import StaticPolicy
 from orchestrator.autoscale.profile import load_profile
 from orchestrator.autoscale.runner import shared_cores, simulate_spec
 from orchestrator.autoscale.simulator import SloTargets, simulate
@@ -107,12 +107,7 @@ def resimulate(report_path: str, core_plan: str | None, seed: int, duration_s: f
         _, trace = load_trace(name, capacity, duration_s, seed)
         if len(trace) != load["requests"]:
             sys.exit(f"{name}: {len(trace)} requests, the report replayed {load['requests']}: --seed / --duration?")
-        policy = AutoscalePolicy(PolicyConfig.from_spec(spec.autoscaling), profile)
-        split = (spec.prefill.replicas, spec.decode.replicas)
-        slo = SloTargets(targets.ttft_p90_s, targets.itl_p90_s)
-        records = simulate(
-            profile, policy, trace, slo, split, interval_s=spec.autoscaling.interval_s, cores=cores
-        ).records
+        records = simulate_spec(spec, profile, trace, None, cores=cores).records
         sim = attainment([(r.ttft_s, r.itl_s) for r in records], targets.ttft_p90_s, targets.itl_p90_s)
         real = load["slo_attainment"]["cluster"]
         rows = {

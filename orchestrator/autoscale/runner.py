@@ -56,9 +56,11 @@ def simulate_spec(
     trace: list[TraceRequest],
     static: tuple[int, int] | None,
     start: tuple[int, int] | None = None,
+    cores: dict[str, frozenset[tuple[int, int]]] | None = None,
 ) -> SimulationResult:
     """Run ``trace`` under the autoscaler (``static`` None) or a fixed ``static`` = (prefill, decode) split.
-    The autoscaler starts with ``start`` engines serving (default: the spec's replicas)."""
+    The autoscaler starts with ``start`` engines serving (default: the spec's replicas); ``cores``: the
+    engines' shared cores as a cluster ran them (default: the plan the spec makes now, ``shared_cores``)."""
     scaling = spec.autoscaling
     if scaling is None:
         raise SimulationSetupError("the spec has no 'autoscaling' section")
@@ -72,7 +74,9 @@ def simulate_spec(
     else:
         policy = AutoscalePolicy(PolicyConfig.from_spec(scaling), profile)
         initial = start or (spec.prefill.replicas, spec.decode.replicas)
-    return simulate(profile, policy, trace, targets, initial, interval_s=scaling.interval_s, cores=shared_cores(spec))
+    return simulate(
+        profile, policy, trace, targets, initial, interval_s=scaling.interval_s, cores=cores or shared_cores(spec)
+    )
 
 
 def shared_cores(spec: ClusterSpec) -> dict[str, frozenset[tuple[int, int]]] | None:
