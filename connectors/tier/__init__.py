@@ -1,0 +1,13 @@
+"""The KV tier: prompt KV blocks kept outside the engines' caches, reused across requests and engines.
+
+vLLM's offloading machinery does the bookkeeping (``OffloadingConnector``, its
+scheduler, ``TieringOffloadingManager`` with a host-memory primary tier and
+secondary tiers); what it lacks on CPU engines, and what the shared tier needs
+beyond its ``fs`` tier, lives here:
+
+- ``connectors.tier.spec``: ``PdserveTierSpec`` and a worker that copies blocks
+  between the engine's KV cache and the host tier on CPU (vLLM's own worker is
+  CUDA/XPU only).
+- ``connectors.tier.store``: the shared filesystem tier: checksummed, crash-safe
+  entries, bounded by bytes with LRU eviction, with metrics.
+"""

@@ -1,0 +1,319 @@
+"""The KV tier's own parts: entry format, crash safety, LRU budget, keys, and the CPU copy worker."""
+
+from __future__ import annotations
+
+import os
+import threading
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from vllm.utils.hashing import get_hash_fn_by_name
+from vllm.v1.core import kv_cache_utils
+from vllm.v1.kv_offload.base import (
+    BlockIDsLoadStoreSpec,
+    CanonicalKVCacheRef,
+    CanonicalKVCaches,
+    CanonicalKVCacheTensor,
+    GPULoadStoreSpec,
+    make_offload_key,
+)
+from vllm.v1.kv_offload.file_mapper import FileMapper
+
+from connectors.tier.fs_tier import namespace
+from connectors.tier.spec import CpuTierWorker
+from connectors.tier.store import HEADER, CorruptEntry, EntryStore, LruIndex, read_entry, write_entry
+
+BLOCK = 4096
+
+
+def payload(seed: int, size: int = BLOCK) -> memoryview:
+    return memoryview(np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8).tobytes())
+
+
+def buffer(size: int = BLOCK) -> memoryview:
+    return memoryview(bytearray(size))
+
+
+# --- entries ------------------------------------------------------------------------------------
+
+
+def test_entry_round_trip_and_existing_entry_is_kept(tmp_path: Path) -> None:
+    path = tmp_path / "a" / "b.bin"
+    assert write_entry(path, payload(1)) == HEADER.size + BLOCK
+    assert write_entry(path, payload(2)) == 0  # the same key again: the first entry stays
+    out = buffer()
+    assert read_entry(path, out) == HEADER.size + BLOCK
+    assert bytes(out) == bytes(payload(1))
+
+
+@pytest.mark.parametrize(
+    ("damage", "reason"),
+    [
+        (lambda b: b[: len(b) // 2], "bytes, expected"),  # torn: the writer died half way
+        (lambda b: b[:-1], "bytes, expected"),
+        (lambda b: b[: HEADER.size + 10] + bytes([b[HEADER.size + 10] ^ 1]) + b[HEADER.size + 11 :], "checksum"),
+        (lambda b: b"XXXX" + b[4:], "bad header"),
+        (lambda b: b + b"\0", "bytes, expected"),
+    ],
+)
+def test_a_damaged_entry_is_detected_and_deleted(tmp_path: Path, damage, reason: str) -> None:
+    path = tmp_path / "e.bin"
+    write_entry(path, payload(3))
+    path.write_bytes(damage(path.read_bytes()))
+    with pytest.raises(CorruptEntry, match=reason):
+        read_entry(path, buffer())
+    assert not path.exists()  # dropped, so the recomputed block is stored again
+
+
+def test_a_missing_entry_is_a_plain_miss(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError):
+        read_entry(tmp_path / "none.bin", buffer())
+
+
+def test_a_crashed_writer_leaves_no_entry_and_its_temp_file_is_removed_on_open(tmp_path: Path) -> None:
+    path = tmp_path / "ns" / "k.bin"
+    path.parent.mkdir(parents=True)
+    tmp = path.with_name(path.name + ".deadbeef.tmp")
+    tmp.write_bytes(b"half an entry")  # what a writer killed before its rename leaves
+    with pytest.raises(FileNotFoundError):
+        read_entry(path, buffer())
+    EntryStore(tmp_path, 10 * BLOCK)
+    assert not tmp.exists()
+
+
+def test_a_failed_write_leaves_nothing_behind(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "tier" / "k.bin"
+
+    def broken_fsync(fd: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", broken_fsync)
+    with pytest.raises(OSError, match="No space"):
+        write_entry(path, payload(4))
+    assert list(path.parent.iterdir()) == []
+
+
+def test_concurrent_writers_of_one_key_leave_one_valid_entry(tmp_path: Path) -> None:
+    path = tmp_path / "tier" / "same.bin"
+    data = payload(5, 256 * 1024)
+    errors: list[BaseException] = []
+
+    def write() -> None:
+        try:
+            for _ in range(20):
+                write_entry(path, data)
+                path.unlink(missing_ok=True)  # another engine evicting it between writes
+            write_entry(path, data)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=write) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    out = buffer(len(data))
+    read_entry(path, out)
+    assert bytes(out) == bytes(data)
+    assert [p.name for p in path.parent.iterdir()] == ["same.bin"]  # no temp files left
+
+
+def test_header_carries_the_crc_of_the_payload(tmp_path: Path) -> None:
+    path = tmp_path / "h.bin"
+    write_entry(path, payload(6))
+    magic, version, _, length, crc = HEADER.unpack(path.read_bytes()[: HEADER.size])
+    assert (magic, version, length, crc) == (b"PDKV", 1, BLOCK, zlib.crc32(payload(6)))
+
+
+# --- the byte budget ------------------------------------------------------------------------------
+
+
+def test_lru_index_evicts_least_recently_used_first() -> None:
+    index = LruIndex(max_bytes=300)
+    for key in "abc":
+        index.add(key, 100)
+    index.touch("a")
+    index.add("d", 100)
+    assert list(index.over_budget(protect="d")) == ["b"]
+    assert index.total_bytes == 300 and "a" in index and "b" not in index
+
+
+def test_lru_index_never_evicts_the_protected_entry() -> None:
+    index = LruIndex(max_bytes=100)
+    index.add("big", 500)
+    assert list(index.over_budget(protect="big")) == []
+    with pytest.raises(ValueError, match="max_bytes"):
+        LruIndex(0)
+
+
+def test_store_stays_within_its_budget_and_counts_evictions(tmp_path: Path) -> None:
+    entry = HEADER.size + BLOCK
+    store = EntryStore(tmp_path, max_bytes=3 * entry, fsync=False)
+    paths = [tmp_path / f"{i}.bin" for i in range(5)]
+    for i, path in enumerate(paths[:3]):
+        store.write(path, payload(i))
+    store.read(paths[0], buffer())  # used: the oldest is now 1
+    store.write(paths[3], payload(3))
+    store.write(paths[4], payload(4))
+    assert [p.exists() for p in paths] == [True, False, False, True, True]
+    assert store.usage() == (3, 3 * entry)
+    counters = store.take_counters()
+    assert (counters.evictions, counters.evicted_bytes) == (2, 2 * entry)
+    assert counters.stored_bytes == 5 * entry and counters.loaded_bytes == entry
+    assert store.take_counters().evictions == 0  # counters are taken once
+
+
+def test_store_counts_corrupt_entries_and_forgets_them(tmp_path: Path) -> None:
+    store = EntryStore(tmp_path, max_bytes=10 * BLOCK, fsync=False)
+    path = tmp_path / "c.bin"
+    store.write(path, payload(7))
+    path.write_bytes(path.read_bytes()[:100])
+    with pytest.raises(CorruptEntry):
+        store.read(path, buffer())
+    assert store.take_counters().corrupt == 1
+    assert store.usage() == (0, 0)
+
+
+def test_reopened_store_rebuilds_its_index_in_last_use_order(tmp_path: Path) -> None:
+    entry = HEADER.size + BLOCK
+    paths = [tmp_path / "x" / f"{i}.bin" for i in range(4)]
+    for i, path in enumerate(paths):
+        write_entry(path, payload(i), fsync=False)
+        os.utime(path, (1000 + 10 * i, 1000 + 10 * i))
+    os.utime(paths[0], (2000, 2000))  # read last before the restart
+    store = EntryStore(tmp_path, max_bytes=3 * entry)  # a smaller budget than what is on disk
+    assert [p.exists() for p in paths] == [True, False, True, True]
+    assert store.usage() == (3, 3 * entry)
+
+
+def test_entries_written_by_another_engine_are_counted_when_read(tmp_path: Path) -> None:
+    mine = EntryStore(tmp_path, max_bytes=10 * BLOCK, fsync=False)
+    other = EntryStore(tmp_path, max_bytes=10 * BLOCK, fsync=False)
+    path = tmp_path / "shared.bin"
+    other.write(path, payload(8))
+    mine.read(path, buffer())
+    assert mine.usage() == (1, HEADER.size + BLOCK)
+
+
+# --- keys -----------------------------------------------------------------------------------------
+
+
+def chain_keys(tokens: list[int], block_tokens: int = 4, algo: str = "sha256_cbor") -> list[bytes]:
+    hash_fn = get_hash_fn_by_name(algo)
+    kv_cache_utils.init_none_hash(hash_fn)
+    keys, parent = [], None
+    for start in range(0, len(tokens) - block_tokens + 1, block_tokens):
+        parent = kv_cache_utils.hash_block_tokens(hash_fn, parent, tokens[start : start + block_tokens])
+        keys.append(make_offload_key(parent, 0))
+    return keys
+
+
+def entry_path(root: Path, key: bytes, model: str = "m", block_bytes: int = BLOCK, dtype: str = "bfloat16") -> str:
+    mapper = FileMapper(
+        root_dir=str(root / namespace(block_bytes)),
+        model_name=model,
+        tokens_per_hash=4,
+        blocks_per_file=1,
+        tp_size=1,
+        pp_size=1,
+        pcp_size=1,
+        dcp_size=1,
+        rank=0,
+        dtype=dtype,
+        kv_cache_groups=[{"tokens_per_block": 4, "layer_names": ["layers.0.attn"]}],
+    )
+    return mapper.get_file_name(key)
+
+
+def test_same_tokens_same_key_in_another_process_too(tmp_path: Path) -> None:
+    tokens = list(range(100, 116))
+    assert chain_keys(tokens) == chain_keys(list(tokens))
+    assert entry_path(tmp_path, chain_keys(tokens)[-1]) == entry_path(tmp_path, chain_keys(tokens)[-1])
+    # the hash is reproducible: no per-process seed (PYTHONHASHSEED unset, cryptographic hash)
+    import subprocess
+    import sys
+
+    code = "from tests.unit.test_kv_tier import chain_keys; print(chain_keys(list(range(100, 116)))[-1].hex())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=Path.cwd())
+    assert out.stdout.strip() == chain_keys(tokens)[-1].hex()
+
+
+def test_any_token_changes_the_key_of_its_block_and_all_later_ones() -> None:
+    tokens = list(range(100, 116))
+    changed = tokens.copy()
+    changed[5] += 1
+    a, b = chain_keys(tokens), chain_keys(changed)
+    assert a[0] == b[0]
+    assert all(x != y for x, y in zip(a[1:], b[1:], strict=True))
+
+
+def test_model_dtype_and_layout_are_part_of_the_key(tmp_path: Path) -> None:
+    key = chain_keys(list(range(100, 108)))[-1]
+    base = entry_path(tmp_path, key)
+    assert entry_path(tmp_path, key, model="other-model") != base
+    assert entry_path(tmp_path, key, dtype="float16") != base
+    assert entry_path(tmp_path, key, block_bytes=2 * BLOCK) != base  # another engine layout
+
+
+# --- the CPU copy worker --------------------------------------------------------------------------
+
+
+class _Region:
+    """What the worker uses of vLLM's SharedOffloadRegion: a strided view per tensor."""
+
+    def __init__(self, chunks: int, row_bytes: int) -> None:
+        self.memory = torch.zeros(chunks, row_bytes + 64, dtype=torch.int8)  # padded rows, like the real one
+        self.offset = 0
+        self.cleaned = False
+
+    def create_next_worker_view(self, page: int) -> torch.Tensor:
+        view = torch.as_strided(self.memory, (self.memory.shape[0], page), (self.memory.stride(0), 1), self.offset)
+        self.offset += page
+        return view
+
+    def cleanup(self) -> None:
+        self.cleaned = True
+
+
+def kv_caches(layers: int = 2, blocks: int = 10, page: int = 32) -> tuple[CanonicalKVCaches, list[torch.Tensor]]:
+    tensors = [torch.randint(-128, 127, (blocks, page), dtype=torch.int8) for _ in range(layers)]
+    caches = CanonicalKVCaches(
+        tensors=[CanonicalKVCacheTensor(tensor=t, page_size_bytes=page) for t in tensors],
+        group_data_refs=[[CanonicalKVCacheRef(tensor_idx=i, page_size_bytes=page) for i in range(layers)]],
+    )
+    return caches, tensors
+
+
+@pytest.mark.parametrize("blocks_per_chunk", [1, 2])
+def test_cpu_worker_stores_and_loads_blocks_exactly(blocks_per_chunk: int) -> None:
+    caches, tensors = kv_caches()
+    original = [t.clone() for t in tensors]
+    region = _Region(chunks=6, row_bytes=2 * 32 * blocks_per_chunk)
+    worker = CpuTierWorker(caches, blocks_per_chunk, region)  # type: ignore[arg-type]
+    # blocks 3, 5, 6 of a request (logical blocks 1..3) into chunks; the first starts mid-chunk when 2 per chunk
+    chunks = [4, 1, 2] if blocks_per_chunk == 1 else [4, 1]
+    assert worker.submit_store(1, GPULoadStoreSpec([3, 5, 6], [3], [1]), BlockIDsLoadStoreSpec(chunks))
+    for t in tensors:
+        t.zero_()
+    assert worker.submit_load(2, BlockIDsLoadStoreSpec(chunks), GPULoadStoreSpec([7, 8, 9], [3], [1]))
+    for t, o in zip(tensors, original, strict=True):
+        assert torch.equal(t[7:10], o[[3, 5, 6]])
+        assert not t[:7].any()  # nothing else written
+    results = worker.get_finished()
+    assert [(r.job_id, r.success, r.transfer_size) for r in results] == [(1, True, 3 * 2 * 32), (2, True, 3 * 2 * 32)]
+    assert worker.get_finished() == []
+    worker.wait({1, 2})
+    worker.shutdown()
+    assert region.cleaned
+
+
+def test_cpu_worker_refuses_device_memory() -> None:
+    caches, _ = kv_caches()
+    on_device = torch.empty(10, 32, dtype=torch.int8, device="meta")
+    caches.tensors[0] = CanonicalKVCacheTensor(tensor=on_device, page_size_bytes=32)
+    with pytest.raises(ValueError, match="host memory"):
+        CpuTierWorker(caches, 1, _Region(4, 64))  # type: ignore[arg-type]
