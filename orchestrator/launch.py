@@ -23,12 +23,14 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from connectors.tier import TIER_HASH_ALGO
 from connectors.wire import LISTEN_ALL, ROLES, http_url, side_channel_endpoints
 from orchestrator.models import resolve_dtype, resolve_model
 from orchestrator.placement import Placement, engine_placement
 from orchestrator.spec import ClusterSpec
 
 LOCAL_HOST = "127.0.0.1"
+GIB = 1 << 30
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,9 +70,11 @@ class EngineLaunch:
         args[args.index("--host") + 1] = bind or host
         config_at = args.index("--kv-transfer-config") + 1
         config = json.loads(args[config_at])
-        if "side_channel_host" in config.get("kv_connector_extra_config", {}):
-            config["kv_connector_extra_config"]["side_channel_host"] = host
-            args[config_at] = json.dumps(config)
+        extra = config.get("kv_connector_extra_config", {})
+        for child in [config, *extra.get("connectors", ())]:  # ours may sit inside the tier's MultiConnector
+            if "side_channel_host" in child.get("kv_connector_extra_config", {}):
+                child["kv_connector_extra_config"]["side_channel_host"] = host
+        args[config_at] = json.dumps(config)
         env = {**self.env, "VLLM_NIXL_SIDE_CHANNEL_HOST": host}
         return dataclasses.replace(self, host=host, bind=bind, vllm_args=args, env=env)
 
@@ -108,7 +112,7 @@ def kv_transfer_config(
     if spec.connector == "pdserve":
         if kv_port is None:
             raise ValueError(f"connector 'pdserve' needs the {role} engine's kv_port for its side channel")
-        return {
+        ours = {
             **({"engine_id": engine_id} if engine_id else {}),
             "kv_connector": "PdserveConnector",
             "kv_connector_module_path": "connectors.vllm_connector",
@@ -121,7 +125,49 @@ def kv_transfer_config(
                 **spec.pdserve_connector.model_dump(),
             },
         }
+        if spec.kv_tier is None or role not in spec.kv_tier.pools:
+            return ours
+        return with_kv_tier(spec, ours)
     raise ValueError(f"unknown connector {spec.connector!r}")
+
+
+def with_kv_tier(spec: ClusterSpec, ours: dict[str, Any]) -> dict[str, Any]:
+    """``ours`` beside vLLM's ``OffloadingConnector`` with the tier (``connectors.tier``), in our MultiConnector.
+
+    Ours comes first: on a decode engine it loads a remote prefill's KV; where it has
+    nothing to load (the prefill leg, a decode-only request) the tier serves the prompt's
+    stored prefix. Both keep what they need when a request finishes. The engine id is the
+    MultiConnector's, which its children inherit.
+    """
+    tier = spec.kv_tier
+    assert tier is not None
+    node, shared = spec.kv_tier_paths()
+    secondary = [
+        {"type": "PdserveFsTier", "module_path": "connectors.tier.fs_tier", "name": name, "root_dir": str(path),
+         "max_bytes": int(gib * GIB), "fsync": tier.fsync and name == "shared"}
+        for name, path, gib in (("node", node, tier.node_gib), ("shared", shared, tier.shared_gib))
+        if path is not None
+    ]  # fmt: skip
+    child = {key: value for key, value in ours.items() if key != "engine_id"}
+    offloading = {
+        "kv_connector": "OffloadingConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            "spec_name": "PdserveTierSpec",
+            "spec_module_path": "connectors.tier.spec",
+            "cpu_bytes_to_use": int(tier.host_gib * GIB),
+            "secondary_tiers": secondary,
+        },
+    }
+    return {
+        **({"engine_id": ours["engine_id"]} if "engine_id" in ours else {}),
+        "kv_connector": "PdserveMultiConnector",
+        "kv_connector_module_path": "connectors.tier.multi",
+        "kv_role": "kv_both",
+        "kv_buffer_device": ours["kv_buffer_device"],
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"connectors": [child, offloading]},
+    }
 
 
 def flag_args(options: dict[str, Any]) -> list[str]:
@@ -224,6 +270,9 @@ def plan_engines(spec: ClusterSpec, host: str | None = LOCAL_HOST) -> list[Engin
             ]  # fmt: skip
             if spec.engine.enforce_eager:
                 args.append("--enforce-eager")
+            if spec.kv_tier is not None:
+                # block hashes name the tier's entries: every engine must compute the same ones
+                args += ["--prefix-caching-hash-algo", TIER_HASH_ALGO]
             env = {
                 "VLLM_NIXL_SIDE_CHANNEL_PORT": str(kv_port),
                 "VLLM_NIXL_SIDE_CHANNEL_HOST": planned_host,

@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from connectors.wire import ROLES
 from orchestrator.errors import SpecError
 from orchestrator.models import KNOWN_MODELS, model_cache_dir, resolve_model
+from orchestrator.paths import pdserve_dir
 from proxy.auth import ENV_NAME
 from proxy.config import DEFAULT_MAX_BODY_BYTES, ProxyConfig
 from proxy.engine_client import CONNECT_TIMEOUT_S
@@ -418,6 +419,47 @@ class AutoscalingSpec(_Strict):
         return self
 
 
+class KvTierSpec(_Strict):
+    """Prompt KV kept outside the engines' caches (``connectors.tier``): stored after prefill, looked up
+    before it, reused across requests, engines and restarts. Absent: no tier."""
+
+    pools: list[Literal["prefill", "decode"]] = Field(
+        default_factory=lambda: ["prefill", "decode"],
+        min_length=1,
+        description="Pools whose engines store to and load from the tier.",
+    )
+    host_gib: float = Field(
+        default=1.0, gt=0, description="Each engine's host-memory tier (the first looked up; LRU), in GiB."
+    )
+    node_gib: float = Field(
+        default=0.0,
+        ge=0,
+        description="A tier in the node's shared memory (/dev/shm/pdserve-kv/<name>), shared by the node's "
+        "engines, in GiB; 0: none.",
+    )
+    shared_gib: float = Field(
+        default=8.0, ge=0, description="The tier on shared_path, shared by all engines of the cluster, in GiB; 0: none."
+    )
+    shared_path: str | None = Field(
+        default=None,
+        description="Directory every engine of the cluster reaches (a shared volume on a cluster of hosts); "
+        "absolute or starting with ~. Default: ~/.cache/pdserve/kv-tier/<name> ($PDSERVE_KV_TIER_DIR/<name>).",
+    )
+    fsync: bool = Field(
+        default=True, description="Flush each entry (and its directory) to the disk before it becomes visible."
+    )
+
+    @field_validator("shared_path")
+    @classmethod
+    def _absolute(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith(("/", "~")):
+            raise ValueError(
+                f"{value!r} is relative: engines start in other directories (and on other hosts), so give an "
+                "absolute path or one starting with ~"
+            )
+        return value
+
+
 class ClusterSpec(_Strict):
     name: str = Field(default="pdserve", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
     model: str = Field(description="Known model name, a model directory, or a Hugging Face id.")
@@ -443,6 +485,9 @@ class ClusterSpec(_Strict):
     autoscaling: AutoscalingSpec | None = Field(
         default=None,
         description="Grow and shrink the pools from load; the pools' replicas are then the starting sizes.",
+    )
+    kv_tier: KvTierSpec | None = Field(
+        default=None, description="A KV tier shared by the cluster's engines (connector 'pdserve'); absent: none."
     )
 
     @property
@@ -508,6 +553,24 @@ class ClusterSpec(_Strict):
                 "connector_options", f"these settings are for connector 'pdserve', not {self.connector!r}"
             )
         return self
+
+    @model_validator(mode="after")
+    def _check_kv_tier(self) -> ClusterSpec:
+        if self.kv_tier is not None and self.connector != "pdserve":
+            raise _FieldError("kv_tier", f"the KV tier runs beside connector 'pdserve', not {self.connector!r}")
+        return self
+
+    def kv_tier_paths(self) -> tuple[Path | None, Path | None]:
+        """(the node tier's directory, the shared tier's directory); None for a tier that is off."""
+        tier = self.kv_tier
+        if tier is None:
+            return None, None
+        node = Path("/dev/shm/pdserve-kv") / self.name if tier.node_gib > 0 else None
+        shared = None
+        if tier.shared_gib > 0:
+            default = pdserve_dir("kv-tier", "PDSERVE_KV_TIER_DIR") / self.name
+            shared = Path(tier.shared_path).expanduser() if tier.shared_path else default
+        return node, shared
 
     @model_validator(mode="after")
     def _check_ports(self) -> ClusterSpec:

@@ -11,3 +11,7 @@ beyond its ``fs`` tier, lives here:
 - ``connectors.tier.store``: the shared filesystem tier: checksummed, crash-safe
   entries, bounded by bytes with LRU eviction, with metrics.
 """
+
+TIER_HASH_ALGO = "sha256_cbor"
+"""The block hash every engine with the tier computes (``--prefix-caching-hash-algo``): it names the
+tier's entries, so it must be reproducible across processes and hosts (vLLM's documented choice)."""

@@ -147,6 +147,8 @@ class PdserveTierSpec(TieringOffloadingSpec):
 
     @override
     def create_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
+        if not _on_host(kv_caches):
+            return super().create_worker(kv_caches)  # vLLM's worker, on CUDA/XPU
         if self.config.canonical_layout:
             raise ValueError("the CPU tier worker does not write the canonical layout: leave canonical_layout off")
         region = SharedOffloadRegion(
@@ -164,6 +166,12 @@ class PdserveTierSpec(TieringOffloadingSpec):
 
     @override
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
+        if not _on_host(kv_caches):
+            return super().get_worker(kv_caches)
         if self._worker is None:
             self._worker = self.create_worker(kv_caches)
         return self._worker
+
+
+def _on_host(kv_caches: CanonicalKVCaches) -> bool:
+    return all(t.tensor.device.type == "cpu" for t in kv_caches.tensors)

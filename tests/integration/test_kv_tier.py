@@ -1,0 +1,119 @@
+"""The KV tier on real engines: a conversation's next turn loads its history from the shared tier
+after the engines restart, answers exactly as without the tier, and a corrupted entry on disk never
+changes an answer.
+
+Two clusters of their own, one after the other, sharing one tier directory: the second is the first
+"restarted" (new engines, empty host memory, empty prefix caches), so what it does not compute it
+can only have loaded from the directory. The answer "without the tier" is the same request with a
+``cache_salt``: its block hashes differ, so nothing stored matches and the engines compute it all.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+from connectors.tier.store import HEADER, read_entry
+from tests.integration.conftest import HERE, engine_headers, http_json, own_cluster
+
+pytestmark = [pytest.mark.integration, pytest.mark.after_cluster]
+
+MODEL = "smollm2-135m-instruct"
+STORY = (
+    "The keepers of the northern lighthouse wrote in their log every evening: the wind, the height of "
+    "the sea, the ships that passed and how much oil the lamp had burnt. "
+)
+
+
+def spec(tier_dir: Path) -> dict:
+    base = yaml.safe_load((HERE / "cluster.yaml").read_text())
+    return base | {
+        "name": "pdserve-kv-tier",
+        "connector": "pdserve",
+        "proxy": {"port": 18600},
+        "prefill": base["prefill"] | {"port": 18700, "kv_port": 16000},
+        "decode": base["decode"] | {"port": 18800, "kv_port": 16100},
+        "kv_tier": {"host_gib": 0.25, "shared_gib": 1, "shared_path": str(tier_dir)},
+    }
+
+
+def chat(proxy_url: str, messages: list[dict], salt: str | None = None) -> str:
+    body = {"model": MODEL, "messages": messages, "max_tokens": 24, "temperature": 0}
+    if salt is not None:
+        body["cache_salt"] = salt
+    status, _, answer = http_json(proxy_url + "/v1/chat/completions", body, timeout=300)
+    assert status == 200, answer
+    return answer["choices"][0]["message"]["content"]
+
+
+def metrics(url: str, headers: dict[str, str]) -> dict[str, float]:
+    """An engine's counters, ``name{labels}`` -> value."""
+    request = urllib.request.Request(url + "/metrics", headers=headers)
+    with urllib.request.urlopen(request, timeout=30) as response:
+        text = response.read().decode()
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            values[name] = float(value)
+    return values
+
+
+def total(values: dict[str, float], name: str, **labels: str) -> float:
+    """The sum of a counter over its series whose labels include ``labels``."""
+    want = [f'{k}="{v}"' for k, v in labels.items()]
+    return sum(v for key, v in values.items() if key.startswith(name + "{") and all(w in key for w in want))
+
+
+def intact(entry: Path) -> bool:
+    try:
+        read_entry(entry, memoryview(bytearray(entry.stat().st_size - HEADER.size)))
+    except OSError:
+        return False
+    return True
+
+
+def conversation(topic: str) -> list[dict]:
+    return [{"role": "user", "content": f"A question about {topic}. " + STORY * 18 + f"Tell me about {topic}."}]
+
+
+def test_history_comes_from_the_shared_tier_after_a_restart_and_answers_do_not_change(tmp_path: Path) -> None:
+    tier = tmp_path / "tier"
+    for run in ("a", "b"):
+        (tmp_path / run).mkdir()
+    first, second = conversation("the wind"), conversation("the oil")
+    with own_cluster(tmp_path / "a", spec(tier)) as status:
+        url = status["proxy_url"]
+        for talk in (first, second):
+            talk += [{"role": "assistant", "content": chat(url, talk)}, {"role": "user", "content": "And then?"}]
+        expected = [chat(url, talk, salt="no-tier") for talk in (first, second)]  # computed whole
+    entries = sorted(tier.rglob("*.bin"))
+    assert entries, "the first cluster stored nothing in the tier"
+
+    with own_cluster(tmp_path / "b", spec(tier)) as status:
+        url, headers = status["proxy_url"], engine_headers(status["state_dir"])
+        prefill = next(e["url"] for e in status["engines"] if e["role"] == "prefill")
+
+        # 1. The next turn after a restart: its history is loaded from the disk tier, its answer is the same.
+        assert chat(url, first) == expected[0]
+        after = metrics(prefill, headers)
+        from_disk = total(after, "vllm:prompt_tokens_cached_by_source_total", source="disk")
+        assert from_disk >= 4 * 128, json.dumps({k: v for k, v in after.items() if "by_source" in k}, indent=1)
+        assert total(after, "pdserve:kv_tier_hits_total", tier="shared") >= 4
+        assert total(after, "pdserve:kv_tier_load_bytes_total", tier="shared") > 0
+
+        # 2. Every entry on disk corrupted (one flipped byte each): the other conversation's next turn
+        #    finds them, drops them, computes its history again and answers exactly as before.
+        for entry in tier.rglob("*.bin"):
+            data = bytearray(entry.read_bytes())
+            data[len(data) // 2] ^= 0x5A
+            entry.write_bytes(bytes(data))
+        assert chat(url, second) == expected[1]
+        after = metrics(prefill, headers)
+        assert total(after, "pdserve:kv_tier_corrupt_entries_total", tier="shared") >= 1
+        # ... and stored again: its blocks' entries on disk read back intact.
+        assert sum(intact(entry) for entry in tier.rglob("*.bin")) >= 4
