@@ -362,3 +362,76 @@ def test_engine_env_reaches_every_engine_but_not_over_pdserves_own_settings(plan
 def test_an_environment_variable_name_that_is_not_one_is_refused(make_spec):
     with pytest.raises(SpecError, match=r"engine\.env"):
         ClusterSpec.from_dict(make_spec(engine={"env": {"not a name": "x"}}))
+
+
+# --- the KV tier ----------------------------------------------------------------------------------
+
+
+def test_kv_tier_puts_our_connector_beside_vllms_offloading_one(plan, monkeypatch, tmp_path: Path):
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    import connectors.tier.multi  # noqa: F401 - registers PdserveConnector, as the front end's import does
+
+    monkeypatch.setenv("PDSERVE_KV_TIER_DIR", str(tmp_path))
+    tier = {"host_gib": 0.5, "node_gib": 1, "shared_gib": 2}
+    for engine_id, launch in plan(connector="pdserve", kv_tier=tier).items():
+        config = json.loads(flag_value(launch.vllm_args, "--kv-transfer-config"))
+        assert (config["kv_connector"], config["kv_connector_module_path"]) == (
+            "PdserveMultiConnector",
+            "connectors.tier.multi",
+        )
+        assert config["engine_id"] == engine_id and config["kv_load_failure_policy"] == "recompute"
+        ours, offloading = config["kv_connector_extra_config"]["connectors"]
+        assert ours["kv_connector"] == "PdserveConnector" and "engine_id" not in ours  # the parent's, inherited
+        assert ours["kv_connector_extra_config"]["side_channel_port"] == launch.kv_port
+        extra = offloading["kv_connector_extra_config"]
+        assert (extra["spec_name"], extra["spec_module_path"]) == ("PdserveTierSpec", "connectors.tier.spec")
+        assert extra["cpu_bytes_to_use"] == 1 << 29
+        node, shared = extra["secondary_tiers"]
+        assert (node["name"], node["root_dir"], node["max_bytes"], node["fsync"]) == (
+            "node",
+            "/dev/shm/pdserve-kv/pdserve",
+            1 << 30,
+            False,  # shared memory: nothing to flush
+        )
+        assert (shared["root_dir"], shared["max_bytes"], shared["fsync"]) == (str(tmp_path / "pdserve"), 2 << 30, True)
+        assert flag_value(launch.vllm_args, "--prefix-caching-hash-algo") == "sha256_cbor"
+        assert KVConnectorFactory.get_connector_class_by_name("PdserveConnector").__name__ == "PdserveConnector"
+        # a host the engine lands on reaches our connector's side channel inside the MultiConnector
+        moved = json.loads(flag_value(launch.on_host("198.18.0.7").vllm_args, "--kv-transfer-config"))
+        ours_moved = moved["kv_connector_extra_config"]["connectors"][0]["kv_connector_extra_config"]
+        assert ours_moved["side_channel_host"] == "198.18.0.7"
+
+
+def test_kv_tier_only_for_the_pools_named(plan):
+    launches = plan(connector="pdserve", kv_tier={"pools": ["decode"], "shared_gib": 0})
+    prefill = json.loads(flag_value(launches["prefill-0"].vllm_args, "--kv-transfer-config"))
+    decode = json.loads(flag_value(launches["decode-0"].vllm_args, "--kv-transfer-config"))
+    assert prefill["kv_connector"] == "PdserveConnector"
+    assert decode["kv_connector"] == "PdserveMultiConnector"
+    assert decode["kv_connector_extra_config"]["connectors"][1]["kv_connector_extra_config"]["secondary_tiers"] == []
+    # every engine hashes blocks the same way, with the tier or not
+    assert flag_value(launches["prefill-0"].vllm_args, "--prefix-caching-hash-algo") == "sha256_cbor"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field", "reason"),
+    [
+        ({"connector": "vllm-nixl", "kv_tier": {}}, "kv_tier", "beside connector 'pdserve'"),
+        ({"kv_tier": {"shared_path": "kv"}}, "kv_tier.shared_path", "relative"),
+        ({"kv_tier": {"host_gib": 0}}, "kv_tier.host_gib", "greater than 0"),
+        ({"kv_tier": {"pools": []}}, "kv_tier.pools", "at least 1"),
+        ({"kv_tier": {"pools": ["router"]}}, "kv_tier.pools.0", "prefill"),
+        ({"kv_tier": {"size_gib": 1}}, "kv_tier.size_gib", "unknown key"),
+    ],
+)
+def test_bad_kv_tier_names_the_field(make_spec, overrides, field, reason):
+    with pytest.raises(SpecError) as caught:
+        ClusterSpec.from_dict(make_spec(**({"connector": "pdserve"} | overrides)))
+    assert caught.value.field == field
+    assert reason in caught.value.reason
+
+
+def test_kv_tier_shared_path_may_start_with_home(make_spec):
+    spec = ClusterSpec.from_dict(make_spec(connector="pdserve", kv_tier={"shared_path": "~/kv"}))
+    assert spec.kv_tier_paths() == (None, Path("~/kv").expanduser())
