@@ -18,6 +18,7 @@ Example (``configs/local-cpu.yaml``)::
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -515,7 +516,7 @@ class ClusterSpec(_Strict):
             model_name=self.model_name,
             request_timeout_s=proxy.request_timeout_s,
             connect_timeout_s=proxy.connect_timeout_s,
-            routing=proxy.routing_settings(),
+            routing=dataclasses.replace(proxy.routing_settings(), tier_pools=self.shared_tier_pools),
             max_body_bytes=proxy.max_body_bytes,
             max_concurrent_requests=proxy.max_concurrent_requests,
             max_queued_requests=proxy.max_queued_requests,
@@ -559,6 +560,12 @@ class ClusterSpec(_Strict):
         if self.kv_tier is not None and self.connector != "pdserve":
             raise _FieldError("kv_tier", f"the KV tier runs beside connector 'pdserve', not {self.connector!r}")
         return self
+
+    @property
+    def shared_tier_pools(self) -> tuple[str, ...]:
+        """The pools whose engines share a KV tier directory (the proxy's routing counts on it), or ()."""
+        tier = self.kv_tier
+        return tuple(tier.pools) if tier is not None and tier.shared_gib > 0 else ()
 
     def kv_tier_paths(self) -> tuple[Path | None, Path | None]:
         """(the node tier's directory, the shared tier's directory); None for a tier that is off."""

@@ -24,6 +24,12 @@ Decode-only: a prompt estimated shorter than ``decode_only_below_tokens``
 the decode engine alone; so does, with ``decode_only_if_cached``, a prompt
 whose prefix the chosen decode engine was sent recently (it is mostly in its
 prefix cache already).
+
+With a shared KV tier (``tier_pools``), a prompt the cluster was sent is stored
+where every engine of those pools loads it: such a prefix counts as held by all of
+them (``Router.tier_index``), for ``decode_only_if_cached`` and ``prefix_aware``.
+The index is what this proxy routed, not a listing of the tier: an entry the tier
+evicted since is computed again by the engine that finds it missing.
 """
 
 from __future__ import annotations
@@ -63,6 +69,10 @@ class RoutingSettings:
     decode_only_if_cached: bool = False
     decode_only_cached_fraction: float = 0.8
     """With ``decode_only_if_cached``: the share of the prompt's blocks the decode engine must have been sent."""
+    tier_pools: tuple[str, ...] = ()
+    """Pools whose engines share a KV tier (the spec's ``kv_tier`` with a shared directory): every prompt they
+    serve is stored there and any of them loads it, so a prompt the cluster was sent is no longer only on the
+    engine it went to (``decode_only_if_cached`` and ``prefix_aware`` count it as held by all of them)."""
     prefill_retries: int = 1
     """A failed prefill (connection, timeout, 5xx) is tried again on this many other prefill engines."""
     degrade: bool = True
@@ -98,6 +108,8 @@ class RoutingSettings:
                 raise ValueError(f"{name} must not be negative, got {getattr(self, name)}")
         if self.health_timeout_s <= 0:
             raise ValueError(f"health_timeout_s must be positive, got {self.health_timeout_s}")
+        if not set(self.tier_pools) <= {"prefill", "decode"}:
+            raise ValueError(f"tier_pools: expected prefill and/or decode, got {self.tier_pools}")
         if self.prefix_overload_factor < 1:
             raise ValueError(f"prefix_overload_factor must be at least 1, got {self.prefix_overload_factor}")
         if not 0 < self.decode_only_cached_fraction <= 1:
@@ -201,11 +213,13 @@ class PrefixAware:
             self.index.record(prefix, chosen.engine_id)
         return chosen
 
-    def choose(self, engines: Sequence[EngineState], prefix: tuple[int, ...]) -> EngineState:
-        """``pick`` without recording the choice."""
+    def choose(self, engines: Sequence[EngineState], prefix: tuple[int, ...], shared_depth: int = 0) -> EngineState:
+        """``pick`` without recording the choice. ``shared_depth``: leading blocks of ``prefix`` that every engine
+        can load (a shared KV tier holds them); a holder of no more than that has nothing to offer over the least
+        loaded engine."""
         least = least_loaded(engines, next(self._counter))
-        holder, _ = self.index.longest(prefix, engines) if prefix else (None, 0)
-        if holder is not None and holder.load + 1 <= self.overload_factor * (least.load + 1):
+        holder, depth = self.index.longest(prefix, engines) if prefix else (None, 0)
+        if holder is not None and depth > shared_depth and holder.load + 1 <= self.overload_factor * (least.load + 1):
             return holder
         return least
 
@@ -227,6 +241,8 @@ def make_policy(name: str, settings: RoutingSettings) -> RoundRobin | LeastLoade
 SHORT_PROMPT, CACHED = "short-prompt", "cached"
 NO_PREFILL_ENGINE, NO_DECODE_ENGINE = "no-prefill-engine", "no-decode-engine"
 PREFILL_FAILED = "prefill-failed"
+SHARED_TIER = "<shared KV tier>"
+"""The owner ``Router.tier_index`` records: not an engine, all of the tier's pools."""
 """The prefill leg failed on every engine tried (``TwoPhaseFlow``): the decode engine computes the prompt."""
 DEGRADED_REASONS = (NO_PREFILL_ENGINE, NO_DECODE_ENGINE, PREFILL_FAILED)
 
@@ -255,7 +271,11 @@ class Router:
             self.decode_index = self.decode_policy.index
         elif settings.decode_only_if_cached:
             self.decode_index = PrefixIndex(settings.prefix_cache_size)
-        self._uses_prefix = isinstance(self.prefill_policy, PrefixAware) or self.decode_index is not None
+        # What the cluster's shared KV tier holds, as far as this proxy knows: the prompts it routed there.
+        self.tier_index = PrefixIndex(settings.prefix_cache_size) if settings.tier_pools else None
+        self._uses_prefix = (
+            isinstance(self.prefill_policy, PrefixAware) or self.decode_index is not None or self.tier_index is not None
+        )
         self._decode_only_below = settings.decode_only_below_tokens
         self._cached_fraction = settings.decode_only_cached_fraction
 
@@ -267,6 +287,11 @@ class Router:
             if self._uses_prefix
             else ()
         )
+        in_tier = 0
+        if self.tier_index is not None and prefix:
+            in_tier = self.tier_index.blocks_sent(prefix, SHARED_TIER)
+            self.tier_index.record(prefix, SHARED_TIER)
+        tiers = self.settings.tier_pools
         engines = self.pool.ready("decode")
         if not engines:
             if not self.settings.degrade:
@@ -276,9 +301,14 @@ class Router:
             decode = self.decode_policy.pick(engines, prefix)
         else:
             policy = self.decode_policy
-            decode = policy.choose(engines, prefix) if isinstance(policy, PrefixAware) else policy.pick(engines, prefix)
+            shared = in_tier if "decode" in tiers else 0
+            decode = (
+                policy.choose(engines, prefix, shared)
+                if isinstance(policy, PrefixAware)
+                else policy.pick(engines, prefix)
+            )
             if prefix:
-                sent = self.decode_index.blocks_sent(prefix, decode.engine_id)
+                sent = max(self.decode_index.blocks_sent(prefix, decode.engine_id), shared)
                 self.decode_index.record(prefix, decode.engine_id)
                 if self.settings.decode_only_if_cached and sent >= self._cached_fraction * len(prefix):
                     return Route(None, decode, prefix, CACHED)
@@ -286,7 +316,12 @@ class Router:
             return Route(None, decode, prefix, SHORT_PROMPT)
         engines = self.pool.ready("prefill")
         if engines:
-            return Route(self.prefill_policy.pick(engines, prefix), decode, prefix)
+            policy = self.prefill_policy
+            if isinstance(policy, PrefixAware) and "prefill" in tiers and prefix:
+                chosen = policy.choose(engines, prefix, in_tier)
+                policy.index.record(prefix, chosen.engine_id)
+                return Route(chosen, decode, prefix)
+            return Route(policy.pick(engines, prefix), decode, prefix)
         if not self.settings.degrade:
             raise no_healthy_engine("prefill")
         return Route(None, decode, prefix, NO_PREFILL_ENGINE)

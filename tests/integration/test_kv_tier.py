@@ -106,7 +106,20 @@ def test_history_comes_from_the_shared_tier_after_a_restart_and_answers_do_not_c
         assert total(after, "pdserve:kv_tier_hits_total", tier="shared") >= 4
         assert total(after, "pdserve:kv_tier_load_bytes_total", tier="shared") > 0
 
-        # 2. Every entry on disk corrupted (one flipped byte each): the other conversation's next turn
+        # 2. A decode engine alone takes a whole stored history from the tier (what decode-only serves).
+        decode = next(e["url"] for e in status["engines"] if e["role"] == "decode")
+        code, _, answer = http_json(
+            decode + "/v1/chat/completions",
+            {"model": MODEL, "messages": second, "max_tokens": 24, "temperature": 0},
+            timeout=300,
+            headers=headers,
+        )
+        assert code == 200, answer
+        assert answer["choices"][0]["message"]["content"] == expected[1]
+        on_decode = metrics(decode, headers)
+        assert total(on_decode, "vllm:prompt_tokens_cached_by_source_total", source="disk") >= 4 * 128
+
+        # 3. Every entry on disk corrupted (one flipped byte each): the other conversation's next turn
         #    finds them, drops them, computes its history again and answers exactly as before.
         for entry in tier.rglob("*.bin"):
             data = bytearray(entry.read_bytes())

@@ -365,3 +365,61 @@ def test_router_accepts_plain_endpoints_in_its_pool():
 
     prefill, decode, _, _ = Router(pool, RoutingSettings()).route(chat("hi"), "chat")
     assert (prefill.url, decode.url) == ("http://p", "http://d")
+
+
+# --- a shared KV tier -------------------------------------------------------------------------
+
+
+def test_with_a_shared_tier_any_decode_engine_serves_a_stored_prompt_decode_only():
+    router = make_router(decode=3, decode_policy="least_loaded", decode_only_if_cached=True, tier_pools=("decode",))
+    prompt = completion("t" * (5 * BLOCK))
+
+    first = router.route(prompt, "completion")
+    first.decode.in_flight += 5  # busy: the next request goes to another decode engine
+    second = router.route(prompt, "completion")
+
+    assert first.prefill is not None  # nothing stored yet
+    assert second.prefill is None and second.reason == "cached"
+    assert second.decode is not first.decode  # it loads the prompt from the tier, not from its own cache
+
+
+def test_without_a_tier_only_the_engine_sent_the_prefix_counts_it_cached():
+    router = make_router(decode=3, decode_policy="least_loaded", decode_only_if_cached=True)
+    prompt = completion("t" * (5 * BLOCK))
+
+    first = router.route(prompt, "completion")
+    first.decode.in_flight += 5
+    second = router.route(prompt, "completion")
+
+    assert second.prefill is not None and second.decode is not first.decode
+
+
+def test_prefix_aware_leaves_a_holder_whose_prefix_the_tier_holds_for_the_least_loaded():
+    prompt = completion("s" * (6 * BLOCK))
+    with_tier = make_router(prefill=3, prefill_policy="prefix_aware", tier_pools=("prefill", "decode"))
+    without = make_router(prefill=3, prefill_policy="prefix_aware")
+    for router in (with_tier, without):
+        holder = router.route(prompt, "completion").prefill
+        holder.in_flight += 1  # a little busier than the others: not overloaded
+        again = router.route(prompt, "completion").prefill
+        holder.in_flight -= 1
+        if router is without:
+            assert again is holder  # its prefix cache is the only copy
+        else:
+            assert again is not holder  # every prefill engine loads it from the tier
+
+
+def test_a_longer_prefix_on_one_engine_still_wins_over_the_tier():
+    router = make_router(prefill=3, prefill_policy="prefix_aware", tier_pools=("prefill",))
+    short, longer = completion("u" * (3 * BLOCK)), completion("u" * (8 * BLOCK))
+    router.route(short, "completion")  # the tier holds 3 blocks
+    holder = router.route(longer, "completion").prefill  # and one engine was sent 8
+    router.tier_index = type(router.tier_index)(router.settings.prefix_cache_size)  # the tier forgot the long one
+    router.route(short, "completion")
+    holder.in_flight += 1
+    assert router.route(longer, "completion").prefill is holder
+
+
+def test_tier_pools_must_name_pools():
+    with pytest.raises(ValueError, match="tier_pools"):
+        RoutingSettings(tier_pools=("router",))

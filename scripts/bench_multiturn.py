@@ -1,0 +1,234 @@
+"""Multi-turn conversations with the KV tier and without it, through the cluster, in one run.
+
+``--conversations`` conversations of 6-10 turns (seeded) take turns one request at
+a time: round *t* sends turn *t* of every conversation still going, so between two
+turns of one conversation all the others run. Each user message is ~300 tokens
+(``--user-sentences``) and each answer at most ``--max-tokens`` greedy tokens, so
+histories grow to 2-3k tokens; the engines' KV caches are cut to ``--kv-blocks``
+blocks (128 tokens each) so that vLLM's prefix cache alone cannot keep all the
+conversations (it is on in every run). Three runs of the same conversations, each on a cluster of its own:
+
+- ``no-tier``: ``--config`` without ``kv_tier``;
+- ``tier``: with ``kv_tier`` (a fresh shared directory);
+- ``tier-restart``: with the tier, and the cluster stopped and started again (new
+  engines: empty host memory and prefix caches) after each round in ``--restart-after``.
+
+Each turn is streamed through the proxy; TTFT is the time to the first content
+token. Reported per run: TTFT p50/p90 of turns >= 2 and its ratio to ``no-tier``,
+and whether every answer is the same as in ``no-tier`` (greedy, so it must be).
+Machine speed drifts: compare the ratios, measured in the same run.
+
+    python scripts/bench_multiturn.py [--conversations 6] [--out docs/multiturn-benchmark.json]
+    python scripts/bench_multiturn.py --first-sentences 80 --user-sentences 8 --max-tokens 64   (chat over a document)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from scripts.bench_latency import pdserve  # noqa: E402
+
+MODEL = "smollm2-135m-instruct"
+TOPICS = (
+    "a lighthouse keeper", "a river mill", "a mountain school", "a night train", "an old bakery",
+    "a harbour storm", "a desert well", "a winter market", "a forest library", "a fishing village",
+    "a clock tower", "a island ferry",
+)  # fmt: skip
+SENTENCES = (
+    "The wind came from the north and the windows rattled all night.",
+    "Someone had left a lantern burning on the stairs by the door.",
+    "In the morning the road was covered with leaves and small branches.",
+    "The children counted the boats that came back before noon.",
+    "A letter arrived with a stamp that nobody in the town had seen before.",
+    "The old map showed a path that no longer existed along the cliffs.",
+    "By evening the bread was gone and the oven was still warm.",
+    "Rain fell on the roofs while the bells rang for the third time.",
+    "The keeper wrote every ship's name in a book with a green cover.",
+    "Nobody could remember who had planted the tall trees by the gate.",
+)
+
+
+def user_message(rng: random.Random, topic: str, turn: int, sentences: int = 22) -> str:
+    body = " ".join(rng.choice(SENTENCES) for _ in range(sentences))
+    return f"Part {turn} of the story of {topic}. {body} What happens next? Answer in two sentences."
+
+
+def conversations(count: int, seed: int, sentences: int = 22, first: int | None = None) -> list[list[str]]:
+    """Per conversation, its user messages: 6-10 turns of ``sentences`` sentences (~13 tokens each), the first
+    of ``first`` (a document the conversation is about)."""
+    rng = random.Random(seed)
+    talks = []
+    for c in range(count):
+        topic = TOPICS[c % len(TOPICS)] + (f" (number {c})" if c >= len(TOPICS) else "")
+        turns = rng.randint(6, 10)
+        talks.append([user_message(rng, topic, t + 1, sentences if t else (first or sentences)) for t in range(turns)])
+    return talks
+
+
+def stream_chat(proxy_url: str, messages: list[dict], max_tokens: int) -> tuple[float, str, int]:
+    """(TTFT, answer, prompt tokens) of one streamed greedy turn."""
+    body = {
+        "model": MODEL,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    request = urllib.request.Request(
+        proxy_url + "/v1/chat/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    start, ttft, parts, prompt_tokens = time.perf_counter(), None, [], 0
+    with urllib.request.urlopen(request, timeout=900) as response:
+        for raw in response:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[len("data: ") :])
+            for choice in event.get("choices", ()):
+                text = choice.get("delta", {}).get("content")
+                if text:
+                    ttft = ttft if ttft is not None else time.perf_counter() - start
+                    parts.append(text)
+            if event.get("usage"):
+                prompt_tokens = event["usage"]["prompt_tokens"]
+    if ttft is None:
+        raise RuntimeError("the stream carried no content")
+    return ttft, "".join(parts), prompt_tokens
+
+
+def spec_file(config: str, workdir: Path, run: str, tier_dir: Path | None, kv_blocks: int) -> str:
+    raw = yaml.safe_load(Path(config).read_text())
+    raw.pop("kv_tier", None)
+    raw["name"] = f"multiturn-{run}"
+    engine = raw.setdefault("engine", {})
+    engine["extra_args"] = {**engine.get("extra_args", {}), "num_gpu_blocks_override": kv_blocks}
+    if tier_dir is not None:
+        raw["kv_tier"] = {"host_gib": 1, "shared_gib": 4, "shared_path": str(tier_dir)}
+    path = workdir / f"{run}.yaml"
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return str(path)
+
+
+def up(spec: str) -> str:
+    started = pdserve("up", spec, "--detach")
+    if started.returncode != 0:
+        pdserve("down")
+        sys.exit(f"pdserve up {spec} failed:\n{started.stdout}\n{started.stderr}")
+    return json.loads(pdserve("status", "--json").stdout)["proxy_url"]
+
+
+def down() -> None:
+    stopped = pdserve("down")
+    if stopped.returncode != 0:
+        sys.exit(f"pdserve down failed:\n{stopped.stdout}\n{stopped.stderr}")
+
+
+def run(spec: str, talks: list[list[str]], max_tokens: int, restart_after: set[int]) -> list[dict]:
+    """Every turn of every conversation, round by round; a row per turn."""
+    rows: list[dict] = []
+    histories: list[list[dict]] = [[] for _ in talks]
+    proxy_url = up(spec)
+    try:
+        for turn in range(max(len(t) for t in talks)):
+            for c, talk in enumerate(talks):
+                if turn >= len(talk):
+                    continue
+                histories[c].append({"role": "user", "content": talk[turn]})
+                ttft, answer, prompt_tokens = stream_chat(proxy_url, histories[c], max_tokens)
+                histories[c].append({"role": "assistant", "content": answer})
+                row = {"conversation": c, "turn": turn + 1, "ttft_s": ttft, "prompt_tokens": prompt_tokens}
+                rows.append(row | {"answer": answer})
+                print(f"  conversation {c} turn {turn + 1}: {prompt_tokens} tokens, TTFT {ttft:.2f} s", flush=True)
+            if turn + 1 in restart_after:
+                print(f"  restarting the engines after round {turn + 1}", flush=True)
+                down()
+                proxy_url = up(spec)
+    finally:
+        down()
+    return rows
+
+
+def summary(rows: list[dict], baseline: list[dict] | None) -> dict:
+    later = sorted(r["ttft_s"] for r in rows if r["turn"] >= 2)
+    first = sorted(r["ttft_s"] for r in rows if r["turn"] == 1)
+    out = {
+        "turns": len(rows),
+        "ttft_turn1_p50_s": statistics.median(first),
+        "ttft_later_p50_s": statistics.median(later),
+        "ttft_later_p90_s": later[int(0.9 * (len(later) - 1))],
+        "max_prompt_tokens": max(r["prompt_tokens"] for r in rows),
+    }
+    if baseline is not None:
+        answers = {(r["conversation"], r["turn"]): r["answer"] for r in baseline}
+        out["answers_identical"] = sum(answers.get((r["conversation"], r["turn"])) == r["answer"] for r in rows)
+        out["answers_compared"] = len(rows)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="configs/local-cpu.yaml")
+    parser.add_argument("--conversations", type=int, default=6)
+    parser.add_argument("--max-tokens", type=int, default=32, help="longest answer (greedy; most use all)")
+    parser.add_argument("--user-sentences", type=int, default=22, help="sentences per user message (~13 tokens each)")
+    parser.add_argument("--first-sentences", type=int, help="sentences of the first message (default: as others)")
+    parser.add_argument("--kv-blocks", type=int, default=40, help="KV cache blocks per engine (128 tokens each)")
+    parser.add_argument("--restart-after", default="1,4", help="rounds after which tier-restart restarts its engines")
+    parser.add_argument("--runs", default="no-tier,tier,tier-restart")
+    parser.add_argument("--seed", type=int, default=11)
+    parser.add_argument("--out", help="also write the report (JSON) here")
+    args = parser.parse_args()
+
+    talks = conversations(args.conversations, args.seed, args.user_sentences, args.first_sentences)
+    restart_after = {int(r) for r in args.restart_after.split(",") if r}
+    workdir = Path(tempfile.mkdtemp(prefix="pdserve-multiturn-"))
+    os.environ.setdefault("PDSERVE_STATE_DIR", str(workdir / "state"))  # a cluster of this script's own
+    results: dict[str, dict] = {}
+    rows_by_run: dict[str, list[dict]] = {}
+    for name in args.runs.split(","):
+        tier_dir = workdir / f"tier-{name}" if name.startswith("tier") else None
+        spec = spec_file(args.config, workdir, name, tier_dir, args.kv_blocks)
+        print(f"{name}:", flush=True)
+        started = time.perf_counter()
+        rows_by_run[name] = run(spec, talks, args.max_tokens, restart_after if name == "tier-restart" else set())
+        results[name] = summary(rows_by_run[name], rows_by_run.get("no-tier") if name != "no-tier" else None)
+        results[name]["wall_s"] = time.perf_counter() - started
+    base = results.get("no-tier")
+    for name, result in results.items():
+        if base is not None and name != "no-tier":
+            result["ttft_later_p50_ratio"] = result["ttft_later_p50_s"] / base["ttft_later_p50_s"]
+            result["ttft_later_p90_ratio"] = result["ttft_later_p90_s"] / base["ttft_later_p90_s"]
+    report = {
+        "config": args.config,
+        "conversations": args.conversations,
+        "turns": [len(t) for t in talks],
+        "max_tokens": args.max_tokens,
+        "user_sentences": args.user_sentences,
+        "first_sentences": args.first_sentences or args.user_sentences,
+        "kv_blocks_per_engine": args.kv_blocks,
+        "restart_after_rounds": sorted(restart_after),
+        "seed": args.seed,
+        "results": results,
+        "rows": rows_by_run,
+    }
+    print(json.dumps({k: v for k, v in report.items() if k != "rows"}, indent=2))
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
