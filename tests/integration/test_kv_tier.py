@@ -103,6 +103,8 @@ def test_history_comes_from_the_shared_tier_after_a_restart_and_answers_do_not_c
         after = metrics(prefill, headers)
         from_disk = total(after, "vllm:prompt_tokens_cached_by_source_total", source="disk")
         assert from_disk >= 4 * 128, json.dumps({k: v for k, v in after.items() if "by_source" in k}, indent=1)
+        # the prefill engine loads KV from nothing but the tier: its external tokens are the tier's
+        assert total(after, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer") >= 4 * 128
         assert total(after, "pdserve:kv_tier_hits_total", tier="shared") >= 4
         assert total(after, "pdserve:kv_tier_load_bytes_total", tier="shared") > 0
 
