@@ -156,6 +156,8 @@ def with_kv_tier(spec: ClusterSpec, ours: dict[str, Any]) -> dict[str, Any]:
             "spec_name": "PdserveTierSpec",
             "spec_module_path": "connectors.tier.spec",
             "cpu_bytes_to_use": int(tier.host_gib * GIB),
+            # also the blocks of the answer: a conversation's next prompt repeats it (vLLM stores prompts only)
+            "offload_prompt_only": False,
             "secondary_tiers": secondary,
         },
     }

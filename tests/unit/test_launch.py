@@ -387,6 +387,7 @@ def test_kv_tier_puts_our_connector_beside_vllms_offloading_one(plan, monkeypatc
         extra = offloading["kv_connector_extra_config"]
         assert (extra["spec_name"], extra["spec_module_path"]) == ("PdserveTierSpec", "connectors.tier.spec")
         assert extra["cpu_bytes_to_use"] == 1 << 29
+        assert extra["offload_prompt_only"] is False  # answers too: the next turn's prompt repeats them
         node, shared = extra["secondary_tiers"]
         assert (node["name"], node["root_dir"], node["max_bytes"], node["fsync"]) == (
             "node",
