@@ -64,34 +64,23 @@ class _Direction:
         engine_ids, chunk_ids = engine_spec.block_ids, host_spec.block_ids
         copied = 0
         e_off = c_off = 0
-        groups = zip(engine_spec.group_sizes, engine_spec.block_indices, strict=True)
-        for group, (size, first) in enumerate(groups):
+        for group, (size, first) in enumerate(zip(engine_spec.group_sizes, engine_spec.block_indices, strict=True)):
             if size == 0:
                 continue
             skip = first % self.blocks_per_chunk
             n_chunks = -(-(size + skip) // self.blocks_per_chunk)
-            chunks = chunk_ids[c_off : c_off + n_chunks]
-            # host sub-block (chunk, slot) of each engine block, past the first chunk's leading slots
+            blocks = torch.from_numpy(engine_ids[e_off : e_off + size].astype(np.int64))
+            chunks = chunk_ids[c_off : c_off + n_chunks].astype(np.int64)
+            # host sub-block (chunk, slot) for each engine block, skipping the first chunk's leading slots
             slots = np.arange(skip, skip + size)
-            pairs = list(
-                zip(
-                    engine_ids[e_off : e_off + size].tolist(),
-                    chunks[slots // self.blocks_per_chunk].tolist(),
-                    (slots % self.blocks_per_chunk).tolist(),
-                    strict=True,
-                )
-            )
-            # One page copy per (block, tensor): 7x faster here than an indexed copy of all the blocks at
-            # once, which gathers into a temporary first (30 MB: 5.5 ms against 39 ms, one thread).
+            chunk_of = torch.from_numpy(chunks[slots // self.blocks_per_chunk])
+            slot_of = torch.from_numpy(slots % self.blocks_per_chunk)
             for t in sorted(set(self.refs[group])):
-                engine, host = self.engine[t], self.host[t]
                 if self.to_host:
-                    for block, chunk, slot in pairs:
-                        host[chunk, slot].copy_(engine[block])
+                    self.host[t][chunk_of, slot_of] = self.engine[t].index_select(0, blocks)
                 else:
-                    for block, chunk, slot in pairs:
-                        engine[block].copy_(host[chunk, slot])
-                copied += size * engine.shape[1]
+                    self.engine[t].index_copy_(0, blocks, self.host[t][chunk_of, slot_of])
+                copied += size * self.engine[t].shape[1]
             e_off += size
             c_off += n_chunks
         assert e_off == len(engine_ids) and c_off == len(chunk_ids), "block and chunk counts disagree"
