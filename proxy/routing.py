@@ -130,7 +130,7 @@ class RoundRobin:
     def __init__(self) -> None:
         self._counter = itertools.count()
 
-    def pick(self, engines: Sequence[EngineState], prefix: tuple[int, ...] = ()) -> EngineState:
+    def pick(self, engines: Sequence[EngineState], prefix: tuple[int, ...] = (), shared_depth: int = 0) -> EngineState:
         return engines[next(self._counter) % len(engines)]
 
 
@@ -140,7 +140,7 @@ class LeastLoaded:
     def __init__(self) -> None:
         self._counter = itertools.count()
 
-    def pick(self, engines: Sequence[EngineState], prefix: tuple[int, ...] = ()) -> EngineState:
+    def pick(self, engines: Sequence[EngineState], prefix: tuple[int, ...] = (), shared_depth: int = 0) -> EngineState:
         return least_loaded(engines, next(self._counter))
 
 
@@ -207,8 +207,8 @@ class PrefixAware:
         self.overload_factor = overload_factor
         self._counter = itertools.count()
 
-    def pick(self, engines: Sequence[EngineState], prefix: tuple[int, ...] = ()) -> EngineState:
-        chosen = self.choose(engines, prefix)
+    def pick(self, engines: Sequence[EngineState], prefix: tuple[int, ...] = (), shared_depth: int = 0) -> EngineState:
+        chosen = self.choose(engines, prefix, shared_depth)
         if prefix:
             self.index.record(prefix, chosen.engine_id)
         return chosen
@@ -241,10 +241,10 @@ def make_policy(name: str, settings: RoutingSettings) -> RoundRobin | LeastLoade
 SHORT_PROMPT, CACHED = "short-prompt", "cached"
 NO_PREFILL_ENGINE, NO_DECODE_ENGINE = "no-prefill-engine", "no-decode-engine"
 PREFILL_FAILED = "prefill-failed"
-SHARED_TIER = "<shared KV tier>"
-"""The owner ``Router.tier_index`` records: not an engine, all of the tier's pools."""
 """The prefill leg failed on every engine tried (``TwoPhaseFlow``): the decode engine computes the prompt."""
 DEGRADED_REASONS = (NO_PREFILL_ENGINE, NO_DECODE_ENGINE, PREFILL_FAILED)
+SHARED_TIER = "<shared KV tier>"
+"""The owner ``Router.tier_index`` records: not an engine, all of the tier's pools."""
 
 
 class Route(NamedTuple):
@@ -316,12 +316,8 @@ class Router:
             return Route(None, decode, prefix, SHORT_PROMPT)
         engines = self.pool.ready("prefill")
         if engines:
-            policy = self.prefill_policy
-            if isinstance(policy, PrefixAware) and "prefill" in tiers and prefix:
-                chosen = policy.choose(engines, prefix, in_tier)
-                policy.index.record(prefix, chosen.engine_id)
-                return Route(chosen, decode, prefix)
-            return Route(policy.pick(engines, prefix), decode, prefix)
+            shared = in_tier if "prefill" in tiers else 0
+            return Route(self.prefill_policy.pick(engines, prefix, shared), decode, prefix)
         if not self.settings.degrade:
             raise no_healthy_engine("prefill")
         return Route(None, decode, prefix, NO_PREFILL_ENGINE)
