@@ -560,9 +560,11 @@ class ClusterController:
                 break
             await asyncio.sleep(0.1)
         self._remove_placement_group(record.engine_id)
+        # Gone from the status and said so in one step: `pdserve scale` returns once the pool
+        # has no draining engine, and prints the events it saw by then.
         self.engines.pop(record.engine_id, None)
-        await self._publish(record.role)
         self._event(f"{record.engine_id} stopped")
+        await self._publish(record.role)
 
     # --- supervision ------------------------------------------------------------------------
 

@@ -246,6 +246,10 @@ async def test_once_every_prefill_engine_is_ejected_requests_go_decode_only(
     make_proxy, pool, prefill_engine, two_prefill, decode_engine
 ):
     proxy = await make_proxy(unhealthy_after=1, health_interval_s=60)
+    # The proxy's first health sweep runs as it starts: let it find the engines up, or it ejects
+    # them before the request does (then the request never tries a prefill engine).
+    await wait_until(lambda: all(e.health_probes for e in (prefill_engine, two_prefill, decode_engine)))
+    await asyncio.sleep(0.2)
     await prefill_engine.stop()
     await two_prefill.stop()
     failed = await post(proxy, LONG)  # both tried, both fail, both are ejected: the decode engine serves it
