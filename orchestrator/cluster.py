@@ -37,6 +37,7 @@ import psutil
 
 from connectors.auth import ClusterSecret, new_secret, read_secret_file, write_secret
 from connectors.wire import http_url
+from orchestrator import shm
 from orchestrator.control import ControlClient, ControlError, new_token, token_digest
 from orchestrator.errors import ClusterNotRunning, PdserveError
 from orchestrator.paths import pdserve_dir
@@ -425,12 +426,14 @@ def down() -> list[str]:
     state = ClusterState.load()
     done: list[str] = []
     engine_procs: list[psutil.Process] = []
+    shm_files: set[Path] = set()
     try:
         client = state.client()
         current = client.status()
         # Whole trees, taken now: once the controller has stopped an engine
         # actor, its EngineCore and workers are no longer its children.
         engine_procs = _trees([e["pid"] for e in current["engines"] if e.get("pid")])
+        shm_files = shm.mapped(p.pid for p in engine_procs)
         client.shutdown()
         done.append(f"stopped cluster {state.name!r} ({len(current['engines'])} engines and the proxy)")
     except PdserveError as e:  # the controller is gone: clean up what it left
@@ -441,6 +444,9 @@ def down() -> list[str]:
         stop_ray_head(state.ray_temp_dir, state.ray_address)
         done.append("stopped the local Ray head")
     terminate_trees(engine_procs)
+    # what engines that did not exit cleanly left in /dev/shm (each stopping engine removes its own too)
+    if removed := shm.remove_unheld(shm_files):
+        done.append(f"removed {len(removed)} shared-memory file(s) the engines left in /dev/shm")
     ClusterState.clear()
     return done
 

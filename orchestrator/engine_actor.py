@@ -23,6 +23,7 @@ import contextlib
 import logging
 import os
 import re
+import secrets
 import socket
 import sys
 import time
@@ -30,9 +31,11 @@ from pathlib import Path
 from typing import Any
 
 from connectors.auth import ENGINE_KEY_ENV, SECRET_ENV, ClusterSecret, engine_key
+from connectors.tier import REGION_ENV, region_file
 from orchestrator.errors import EngineStartError
 from orchestrator.launch import EngineLaunch
 from orchestrator.logs import redirect_output
+from orchestrator.shm import mapped, remove_unheld
 from proxy.server import listen_socket as proxy_listen_socket
 
 logger = logging.getLogger(__name__)
@@ -158,6 +161,12 @@ class EngineActor:
         self._starting: asyncio.Future | None = None
         self.url = launch.url
         os.environ.update(launch.env)
+        # What vLLM's processes leave in /dev/shm when they do not exit cleanly, noted while they run;
+        # a record left by an earlier run of this engine (Ray restarted the actor after a crash) is
+        # cleaned up now.
+        self._shm_record = self.log_path.with_name(self.log_path.name + ".shm")
+        self._remove_shm_leftovers()
+        os.environ[REGION_ENV] = f"{launch.engine_id}-{secrets.token_hex(4)}"
         if secret is not None:  # for the connector (side channel, transfer parameters) and vLLM's --api-key
             os.environ[SECRET_ENV] = secret.reveal()
             os.environ[ENGINE_KEY_ENV] = engine_key(secret)
@@ -204,6 +213,7 @@ class EngineActor:
             pinned = pin_process_tree(os.getpid(), parse_cores(self.launch.cpu_bind))
             logger.info("engine %s: %d threads pinned to cores %s", self.launch.engine_id, pinned, self.launch.cpu_bind)
         self.load_s = time.monotonic() - started
+        self._note_shm()
         self.state = "ready"
         logger.info("engine %s ready at %s in %.1fs", self.launch.engine_id, self.url, self.load_s)
 
@@ -255,7 +265,30 @@ class EngineActor:
         await self._close()
         self.state = "idle"
 
+    def _note_shm(self) -> None:
+        """Add the /dev/shm files this engine's processes hold now to its record."""
+        import psutil
+
+        with contextlib.suppress(psutil.Error, OSError):
+            pids = [os.getpid(), *(p.pid for p in psutil.Process(os.getpid()).children(recursive=True))]
+            held = {str(path) for path in mapped(pids)} | set(self._recorded_shm())
+            self._shm_record.write_text("".join(f"{path}\n" for path in sorted(held)))
+
+    def _recorded_shm(self) -> list[str]:
+        with contextlib.suppress(OSError):
+            return self._shm_record.read_text().split()
+        return []
+
+    def _remove_shm_leftovers(self) -> None:
+        """Remove the recorded /dev/shm files (and this start's tier region) that no process holds."""
+        candidates = [*self._recorded_shm(), region_file(os.environ.get(REGION_ENV, ""))]
+        remove_unheld((Path(path) for path in candidates), ignore=os.getpid())  # this actor is done with them
+        self._shm_record.unlink(missing_ok=True)
+
     async def _close(self) -> None:
+        import psutil
+
+        self._note_shm()
         if self._server is not None:
             self._server.should_exit = True
         for task in self._tasks:
@@ -265,7 +298,10 @@ class EngineActor:
             with contextlib.suppress(BaseException):
                 await asyncio.wait_for(self._tasks[0], timeout=5)
         self._tasks, self._server = [], None
+        children = psutil.Process(os.getpid()).children(recursive=True)
         if self._stack is not None:
             stack, self._stack = self._stack, None
             with contextlib.suppress(BaseException):
                 await stack.aclose()
+        await asyncio.to_thread(psutil.wait_procs, children, timeout=10)
+        self._remove_shm_leftovers()

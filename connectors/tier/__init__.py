@@ -15,3 +15,13 @@ beyond its ``fs`` tier, lives here:
 TIER_HASH_ALGO = "sha256_cbor"
 """The block hash every engine with the tier computes (``--prefix-caching-hash-algo``): it names the
 tier's entries, so it must be reproducible across processes and hosts (vLLM's documented choice)."""
+
+REGION_ENV = "PDSERVE_KV_REGION"
+"""Names an engine's host tier region (``/dev/shm/vllm_offload_<name>.mmap``). vLLM names it by engine
+id, which two clusters on one machine share (``prefill-0``): one would join the other's region. The
+engine actor sets a name of its own start (``orchestrator.engine_actor``)."""
+
+
+def region_file(name: str) -> str:
+    """Where vLLM's ``SharedOffloadRegion`` keeps the host region ``name``."""
+    return f"/dev/shm/vllm_offload_{name}.mmap"

@@ -15,6 +15,7 @@ Loaded by ``OffloadingConnector`` through ``kv_connector_extra_config``::
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import numpy as np
@@ -28,8 +29,11 @@ from vllm.v1.kv_offload.base import (
     OffloadingWorker,
     TransferResult,
 )
+from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+from connectors.tier import REGION_ENV
 
 __all__ = ["CpuTierWorker", "PdserveTierSpec"]
 
@@ -144,6 +148,11 @@ class CpuTierWorker(OffloadingWorker):
 
 class PdserveTierSpec(TieringOffloadingSpec):
     """``TieringOffloadingSpec`` whose worker copies on CPU (see the module's docstring)."""
+
+    def __init__(self, config: OffloadingConfig) -> None:
+        super().__init__(config)
+        # the host region's name: vLLM's is the engine id, the same in every cluster
+        self._engine_id = os.environ.get(REGION_ENV) or self._engine_id
 
     @override
     def create_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:

@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 from connectors.tier.store import HEADER, read_entry
+from orchestrator.shm import SHM_DIR
 from tests.integration.conftest import HERE, engine_headers, http_json, own_cluster
 
 pytestmark = [pytest.mark.integration, pytest.mark.after_cluster]
@@ -83,6 +84,7 @@ def conversation(topic: str) -> list[dict]:
 
 def test_history_comes_from_the_shared_tier_after_a_restart_and_answers_do_not_change(tmp_path: Path) -> None:
     tier = tmp_path / "tier"
+    regions_before = set(SHM_DIR.glob("vllm_offload_*"))
     for run in ("a", "b"):
         (tmp_path / run).mkdir()
     first, second = conversation("the wind"), conversation("the oil")
@@ -97,6 +99,9 @@ def test_history_comes_from_the_shared_tier_after_a_restart_and_answers_do_not_c
     with own_cluster(tmp_path / "b", spec(tier)) as status:
         url, headers = status["proxy_url"], engine_headers(status["state_dir"])
         prefill = next(e["url"] for e in status["engines"] if e["role"] == "prefill")
+        # each engine's host tier region is named for this start, not by its engine id alone
+        regions = {path.name for path in set(SHM_DIR.glob("vllm_offload_*")) - regions_before}
+        assert len(regions) == 2 and not regions & {"vllm_offload_prefill-0.mmap", "vllm_offload_decode-0.mmap"}
 
         # 1. The next turn after a restart: its history is loaded from the disk tier, its answer is the same.
         assert chat(url, first) == expected[0]
@@ -132,3 +137,5 @@ def test_history_comes_from_the_shared_tier_after_a_restart_and_answers_do_not_c
         assert total(after, "pdserve:kv_tier_corrupt_entries_total", tier="shared") >= 1
         # ... and stored again: its blocks' entries on disk read back intact.
         assert sum(intact(entry) for entry in tier.rglob("*.bin")) >= 4
+    # the engines took their host regions (host_gib each in /dev/shm) with them
+    assert set(SHM_DIR.glob("vllm_offload_*")) - regions_before == set()

@@ -15,6 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from orchestrator import shm
 from tests.integration.conftest import Cluster, http_json, http_stream, kv_report, metric_values, run_pdserve
 
 pytestmark = pytest.mark.integration
@@ -136,10 +137,13 @@ def test_down_leaves_no_process_behind(cluster: Cluster) -> None:
     ours = [psutil.Process(e["pid"]) for e in status["engines"]]
     ours += [child for proc in list(ours) for child in proc.children(recursive=True)]
     assert any("EngineCore" in p.name() + " ".join(p.cmdline()) for p in ours), "engine cores not found"
+    in_shm = shm.mapped(p.pid for p in ours)
+    assert in_shm, "the engines hold nothing in /dev/shm: the check below would check nothing"
     result = cluster.down()
     assert result.returncode == 0, result.stderr
     assert "stopped cluster 'pdserve-test'" in result.stdout
     assert [p.pid for p in ours if _alive(p)] == []
+    assert [str(f) for f in in_shm if f.exists()] == []  # vLLM's queues and regions went with the engines
     ray_processes = [
         p.pid for p in psutil.process_iter(["cmdline"]) if recorded["ray_temp_dir"] in " ".join(p.info["cmdline"] or [])
     ]

@@ -1,0 +1,64 @@
+"""Shared-memory files an engine leaves in ``/dev/shm`` when it stops or dies.
+
+vLLM's engine processes keep state in files directly under ``/dev/shm``: message
+queues and tensor arenas (``psm_*``, ``sem.mp-*``), the KV tier's host region
+(``vllm_offload_<id>.mmap``). Each is unlinked by the process that made it, on a
+clean exit only: an engine stopped by its actor, killed by ``pdserve down`` or
+crashed leaves them behind, up to ``host_gib`` each, for every start.
+
+We take no names on trust: ``mapped`` lists the files an engine's processes map or
+hold open while they run, and ``remove_unheld`` later removes those of them that no
+process on the machine holds any more. Files in sub-directories (the node tier's
+``/dev/shm/pdserve-kv``) are never touched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+SHM_DIR = Path("/dev/shm")
+
+
+def _held_by(pid: int | str) -> set[Path]:
+    files: set[Path] = set()
+    with contextlib.suppress(OSError):
+        for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+            parts = line.split(maxsplit=5)
+            if len(parts) == 6 and parts[5].startswith("/dev/shm/") and not parts[5].endswith(" (deleted)"):
+                files.add(Path(parts[5]))
+    with contextlib.suppress(OSError):
+        for fd in os.scandir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                target = os.readlink(fd.path)
+                if target.startswith("/dev/shm/"):
+                    files.add(Path(target))
+    return {f for f in files if f.parent == SHM_DIR}
+
+
+def mapped(pids: Iterable[int]) -> set[Path]:
+    """The files directly under ``/dev/shm`` that the processes ``pids`` map or hold open now."""
+    return set().union(*(_held_by(pid) for pid in pids))
+
+
+def remove_unheld(paths: Iterable[Path], ignore: int | None = None) -> list[Path]:
+    """Remove those of ``paths`` (directly under ``/dev/shm``) that no process but ``ignore`` holds;
+    the ones removed."""
+    candidates = {Path(p) for p in paths if Path(p).parent == SHM_DIR and Path(p).is_file()}
+    if not candidates:
+        return []
+    pids = [entry.name for entry in os.scandir("/proc") if entry.name.isdigit() and entry.name != str(ignore)]
+    held = set().union(*(_held_by(pid) for pid in pids))
+    removed = []
+    for path in sorted(candidates - held):
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+            removed.append(path)
+    if removed:
+        logger.info("removed %d shared-memory file(s) no process holds: %s", len(removed), ", ".join(map(str, removed)))
+    return removed

@@ -1,0 +1,83 @@
+"""What engines leave in /dev/shm: found while a process holds it, removed once none does."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from orchestrator.shm import SHM_DIR, mapped, remove_unheld
+
+HOLD = """
+import mmap, os, sys, time
+fd = os.open(sys.argv[1], os.O_CREAT | os.O_RDWR, 0o600)
+os.ftruncate(fd, 4096)
+view = mmap.mmap(fd, 4096)
+if sys.argv[2] == "map":
+    os.close(fd)  # held by the mapping alone
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.fixture
+def shm_name():
+    path = SHM_DIR / f"pdserve-test-{secrets.token_hex(4)}"
+    yield path
+    path.unlink(missing_ok=True)
+
+
+def hold(path: Path, how: str) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(path), how], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    return proc
+
+
+@pytest.mark.parametrize("how", ["map", "open"])
+def test_a_file_a_process_holds_is_found_and_kept_until_it_exits(shm_name, how):
+    proc = hold(shm_name, how)
+    try:
+        assert shm_name in mapped([proc.pid])
+        assert remove_unheld([shm_name]) == []
+        assert shm_name.exists()
+    finally:
+        proc.kill()
+        proc.wait()
+    assert remove_unheld([shm_name]) == [shm_name]
+    assert not shm_name.exists()
+
+
+def test_the_caller_may_ignore_its_own_hold(shm_name):
+    fd = os.open(shm_name, os.O_CREAT | os.O_RDWR, 0o600)
+    try:
+        assert remove_unheld([shm_name]) == []
+        assert remove_unheld([shm_name], ignore=os.getpid()) == [shm_name]
+    finally:
+        os.close(fd)
+
+
+def test_files_outside_dev_shm_or_in_its_subdirectories_are_never_removed(tmp_path):
+    elsewhere = tmp_path / "kv"
+    elsewhere.write_bytes(b"x")
+    nested = SHM_DIR / f"pdserve-test-{secrets.token_hex(4)}"
+    nested.mkdir()
+    try:
+        (nested / "entry").write_bytes(b"x")
+        assert remove_unheld([elsewhere, nested / "entry", nested]) == []
+        assert elsewhere.exists() and (nested / "entry").exists()
+    finally:
+        (nested / "entry").unlink()
+        nested.rmdir()
+
+
+def test_missing_files_and_gone_processes_are_no_error(shm_name):
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    time.sleep(0.05)
+    assert mapped([proc.pid]) == set()
+    assert remove_unheld([shm_name]) == []
