@@ -144,7 +144,8 @@ def with_kv_tier(spec: ClusterSpec, ours: dict[str, Any]) -> dict[str, Any]:
     node, shared = spec.kv_tier_paths()
     secondary = [
         {"type": "PdserveFsTier", "module_path": "connectors.tier.fs_tier", "name": name, "root_dir": str(path),
-         "max_bytes": int(gib * GIB), "fsync": tier.fsync and name == "shared"}
+         "max_bytes": int(gib * GIB), "fsync": tier.fsync and name == "shared",
+         "async_lookup": tier.async_lookup and name == "shared"}
         for name, path, gib in (("node", node, tier.node_gib), ("shared", shared, tier.shared_gib))
         if path is not None
     ]  # fmt: skip

@@ -449,6 +449,11 @@ class KvTierSpec(_Strict):
     fsync: bool = Field(
         default=True, description="Flush each entry (and its directory) to the disk before it becomes visible."
     )
+    async_lookup: bool = Field(
+        default=False,
+        description="Look entries up on a thread (vLLM's batched lookup; the request waits an engine step) "
+        "instead of at once: for a shared_path on a network filesystem where a stat takes milliseconds.",
+    )
 
     @field_validator("shared_path")
     @classmethod

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 import zlib
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -18,11 +20,12 @@ from vllm.v1.kv_offload.base import (
     CanonicalKVCaches,
     CanonicalKVCacheTensor,
     GPULoadStoreSpec,
+    ReqContext,
     make_offload_key,
 )
 from vllm.v1.kv_offload.file_mapper import FileMapper
 
-from connectors.tier.fs_tier import namespace
+from connectors.tier.fs_tier import _CountingLookup, namespace
 from connectors.tier.spec import CpuTierWorker
 from connectors.tier.store import HEADER, CorruptEntry, EntryStore, LruIndex, read_entry, write_entry
 
@@ -317,3 +320,25 @@ def test_cpu_worker_refuses_device_memory() -> None:
     caches.tensors[0] = CanonicalKVCacheTensor(tensor=on_device, page_size_bytes=32)
     with pytest.raises(ValueError, match="host memory"):
         CpuTierWorker(caches, 1, _Region(4, 64))  # type: ignore[arg-type]
+
+
+def test_a_lookup_answers_at_once_unless_asked_to_wait_for_vllms_async_one(tmp_path: Path) -> None:
+    (tmp_path / "stored").write_bytes(b"x")
+    tier = SimpleNamespace(file_mapper=SimpleNamespace(get_file_name=lambda key: str(tmp_path / key)))
+    request = ReqContext(req_id="r")
+    at_once = _CountingLookup(tier, "fs", async_lookup=False)
+    later = _CountingLookup(tier, "fs", async_lookup=True)
+    try:
+        assert (at_once.lookup("stored", request), at_once.lookup("new", request)) == (True, False)
+        assert (at_once.hits, at_once.misses) == (1, 1)
+        # vLLM's: "not yet" (the scheduler's RETRY: an engine step later), then the answer
+        assert later.lookup("stored", request) is None
+        later.flush()
+        deadline = time.monotonic() + 5
+        while (answer := later.lookup("stored", request)) is None and time.monotonic() < deadline:
+            later.flush()
+            time.sleep(0.01)
+        assert answer is True and later.hits == 1
+    finally:
+        at_once.shutdown()
+        later.shutdown()

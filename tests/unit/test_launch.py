@@ -396,6 +396,7 @@ def test_kv_tier_puts_our_connector_beside_vllms_offloading_one(plan, monkeypatc
             False,  # shared memory: nothing to flush
         )
         assert (shared["root_dir"], shared["max_bytes"], shared["fsync"]) == (str(tmp_path / "pdserve"), 2 << 30, True)
+        assert node["async_lookup"] is shared["async_lookup"] is False  # a stat at once, not an engine step later
         assert flag_value(launch.vllm_args, "--prefix-caching-hash-algo") == "sha256_cbor"
         assert KVConnectorFactory.get_connector_class_by_name("PdserveConnector").__name__ == "PdserveConnector"
         # a host the engine lands on reaches our connector's side channel inside the MultiConnector
