@@ -281,6 +281,43 @@ def up(
 
     spec = ClusterSpec.from_file(config)
     profile = autoscaling_profile(spec, config)  # read and checked before anything starts
+    with _starting_lock():
+        state, status = _start(spec, config, on_event, profile)
+    if follow is not None:
+        try:
+            follow(state.client().status)
+        finally:
+            down()
+    return status
+
+
+@contextlib.contextmanager
+def _starting_lock() -> Iterator[None]:
+    """Held while ``up`` brings a cluster up: a second ``up`` from the same state directory meanwhile
+    would find nothing running yet, take the first one's records for leftovers and remove them."""
+    import fcntl
+
+    state_dir().mkdir(parents=True, exist_ok=True)
+    with open(state_dir() / "up.lock", "a+") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.seek(0)
+            holder = lock.read().strip() or "another process"
+            raise PdserveError(
+                f"another `pdserve up` ({holder}) is starting a cluster from {state_dir()}: "
+                "wait until it is ready (then `pdserve down` stops it)"
+            ) from None
+        lock.seek(0)
+        lock.truncate()
+        lock.write(f"pid {os.getpid()}")
+        lock.flush()
+        yield
+
+
+def _start(
+    spec: ClusterSpec, config: str, on_event: Callable[[dict[str, Any]], None], profile: dict | None
+) -> tuple[ClusterState, dict[str, Any]]:
     with contextlib.suppress(ClusterNotRunning):
         previous = ClusterState.load()
         if _cluster_alive(previous):
@@ -309,16 +346,10 @@ def up(
     )
     state.save()  # from here on, `pdserve down` can clean up whatever happens
     try:
-        status = _bring_up(state, spec, on_event, profile)
+        return state, _bring_up(state, spec, on_event, profile)
     except BaseException:
         down()
         raise
-    if follow is not None:
-        try:
-            follow(state.client().status)
-        finally:
-            down()
-    return status
 
 
 def autoscaling_profile(spec: ClusterSpec, config: str) -> dict[str, Any] | None:

@@ -1,6 +1,6 @@
-"""The KV tier on real engines: a conversation's next turn loads its history from the shared tier
-after the engines restart, answers exactly as without the tier, and a corrupted entry on disk never
-changes an answer.
+"""The KV tier on real engines: a conversation's next turn loads its history from the node tier, or
+the shared one, after the engines restart, answers exactly as without the tier, and a corrupted entry
+on disk never changes an answer.
 
 Two clusters of their own, one after the other, sharing one tier directory: the second is the first
 "restarted" (new engines, empty host memory, empty prefix caches), so what it does not compute it
@@ -11,6 +11,8 @@ can only have loaded from the directory. The answer "without the tier" is the sa
 from __future__ import annotations
 
 import json
+import secrets
+import shutil
 import urllib.request
 from pathlib import Path
 
@@ -30,15 +32,15 @@ STORY = (
 )
 
 
-def spec(tier_dir: Path) -> dict:
+def spec(tier_dir: Path, name: str) -> dict:
     base = yaml.safe_load((HERE / "cluster.yaml").read_text())
     return base | {
-        "name": "pdserve-kv-tier",
+        "name": name,
         "connector": "pdserve",
         "proxy": {"port": 18600},
         "prefill": base["prefill"] | {"port": 18700, "kv_port": 16000},
         "decode": base["decode"] | {"port": 18800, "kv_port": 16100},
-        "kv_tier": {"host_gib": 0.25, "shared_gib": 1, "shared_path": str(tier_dir)},
+        "kv_tier": {"host_gib": 0.25, "node_gib": 0.5, "shared_gib": 1, "shared_path": str(tier_dir)},
     }
 
 
@@ -82,39 +84,51 @@ def conversation(topic: str) -> list[dict]:
     return [{"role": "user", "content": f"A question about {topic}. " + STORY * 18 + f"Tell me about {topic}."}]
 
 
-def test_history_comes_from_the_shared_tier_after_a_restart_and_answers_do_not_change(tmp_path: Path) -> None:
-    tier = tmp_path / "tier"
+def test_history_comes_from_the_tiers_after_a_restart_and_answers_do_not_change(tmp_path: Path) -> None:
+    name = f"pdserve-kv-tier-{secrets.token_hex(3)}"
+    tier, node = tmp_path / "tier", Path("/dev/shm/pdserve-kv") / name
+    try:
+        check_tiers(tmp_path, name, tier, node)
+    finally:
+        shutil.rmtree(node, ignore_errors=True)  # the node tier outlives the cluster by design
+
+
+def check_tiers(tmp_path: Path, name: str, tier: Path, node: Path) -> None:
     regions_before = set(SHM_DIR.glob("vllm_offload_*"))
     for run in ("a", "b"):
         (tmp_path / run).mkdir()
     first, second = conversation("the wind"), conversation("the oil")
-    with own_cluster(tmp_path / "a", spec(tier)) as status:
+    with own_cluster(tmp_path / "a", spec(tier, name)) as status:
         url = status["proxy_url"]
         for talk in (first, second):
             talk += [{"role": "assistant", "content": chat(url, talk)}, {"role": "user", "content": "And then?"}]
         expected = [chat(url, talk, salt="no-tier") for talk in (first, second)]  # computed whole
-    entries = sorted(tier.rglob("*.bin"))
-    assert entries, "the first cluster stored nothing in the tier"
+    assert sorted(tier.rglob("*.bin")), "the first cluster stored nothing in the shared tier"
+    assert sorted(node.rglob("*.bin")), "the first cluster stored nothing in the node tier"
 
-    with own_cluster(tmp_path / "b", spec(tier)) as status:
+    with own_cluster(tmp_path / "b", spec(tier, name)) as status:
         url, headers = status["proxy_url"], engine_headers(status["state_dir"])
         prefill = next(e["url"] for e in status["engines"] if e["role"] == "prefill")
+        decode = next(e["url"] for e in status["engines"] if e["role"] == "decode")
         # each engine's host tier region is named for this start, not by its engine id alone
         regions = {path.name for path in set(SHM_DIR.glob("vllm_offload_*")) - regions_before}
         assert len(regions) == 2 and not regions & {"vllm_offload_prefill-0.mmap", "vllm_offload_decode-0.mmap"}
 
-        # 1. The next turn after a restart: its history is loaded from the disk tier, its answer is the same.
+        # 1. The next turn after a restart: its history is loaded from the node tier (looked up before the
+        #    shared one), its answer is the same.
         assert chat(url, first) == expected[0]
         after = metrics(prefill, headers)
         from_disk = total(after, "vllm:prompt_tokens_cached_by_source_total", source="disk")
         assert from_disk >= 4 * 128, json.dumps({k: v for k, v in after.items() if "by_source" in k}, indent=1)
         # the prefill engine loads KV from nothing but the tier: its external tokens are the tier's
         assert total(after, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer") >= 4 * 128
-        assert total(after, "pdserve:kv_tier_hits_total", tier="shared") >= 4
-        assert total(after, "pdserve:kv_tier_load_bytes_total", tier="shared") > 0
+        assert total(after, "pdserve:kv_tier_hits_total", tier="node") >= 4
+        assert total(after, "pdserve:kv_tier_load_bytes_total", tier="node") > 0
 
-        # 2. A decode engine alone takes a whole stored history from the tier (what decode-only serves).
-        decode = next(e["url"] for e in status["engines"] if e["role"] == "decode")
+        # 2. The node tier lost (the engine runs on another host now): a decode engine alone takes a whole
+        #    stored history from the shared tier (what decode-only serves).
+        for entry in node.rglob("*.bin"):
+            entry.unlink()
         code, _, answer = http_json(
             decode + "/v1/chat/completions",
             {"model": MODEL, "messages": second, "max_tokens": 24, "temperature": 0},
@@ -125,6 +139,8 @@ def test_history_comes_from_the_shared_tier_after_a_restart_and_answers_do_not_c
         assert answer["choices"][0]["message"]["content"] == expected[1]
         on_decode = metrics(decode, headers)
         assert total(on_decode, "vllm:prompt_tokens_cached_by_source_total", source="disk") >= 4 * 128
+        assert total(on_decode, "pdserve:kv_tier_hits_total", tier="shared") >= 4
+        assert total(on_decode, "pdserve:kv_tier_load_bytes_total", tier="shared") > 0
 
         # 3. Every entry on disk corrupted (one flipped byte each): the other conversation's next turn
         #    finds them, drops them, computes its history again and answers exactly as before.

@@ -137,3 +137,27 @@ def test_status_shows_the_autoscalers_last_decisions_and_why(monkeypatch, capsys
     assert "prefill 2 decode 1 (prefill 1->2); saw 0.50 req/s, p90 TTFT 3.20s, p90 ITL 140ms" in out
     assert "      prefill: 0.50 req/s x 262 tokens ... needs 2" in out
     assert "autoscaler changes: " in out and out.rstrip().endswith("prefill 1->2")
+
+
+def test_a_second_up_while_one_is_starting_is_refused_and_touches_nothing(
+    local_cpu_spec: Path, monkeypatch, tmp_path: Path, capsys
+):
+    import subprocess
+    import sys
+
+    monkeypatch.setenv("PDSERVE_STATE_DIR", str(tmp_path))
+    (tmp_path / "cluster.json").write_text("{}")  # the first one's records, not yet alive
+    hold = (
+        "import fcntl, sys, time; f = open(sys.argv[1], 'a+'); fcntl.flock(f, fcntl.LOCK_EX); "
+        "f.write('pid 4242'); f.flush(); print('held', flush=True); time.sleep(60)"
+    )
+    first = subprocess.Popen([sys.executable, "-c", hold, str(tmp_path / "up.lock")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert first.stdout.readline().strip() == "held"
+        assert main(["up", str(local_cpu_spec), "--detach"]) == 1
+    finally:
+        first.kill()
+        first.wait()
+    err = capsys.readouterr().err
+    assert f"another `pdserve up` (pid 4242) is starting a cluster from {tmp_path}" in err
+    assert (tmp_path / "cluster.json").read_text() == "{}"
