@@ -233,6 +233,7 @@ def cmd_proxy(args: argparse.Namespace) -> int:
             decode_only_below_tokens=args.decode_only_below_tokens,
             decode_only_if_cached=args.decode_only_if_cached,
             prefill_retries=args.prefill_retries,
+            decode_retries=args.decode_retries,
             prefix_overload_factor=args.prefix_overload_factor,
             health_interval_s=args.health_interval_s,
             health_timeout_s=args.health_timeout_s,
@@ -500,6 +501,12 @@ def _add_routing_flags(parser: argparse.ArgumentParser) -> None:
         type=_non_negative_int,
         default=defaults.prefill_retries,
         help="other prefill engines a failed prefill is tried on (default: %(default)s)",
+    )
+    group.add_argument(
+        "--decode-retries",
+        type=_non_negative_int,
+        default=defaults.decode_retries,
+        help="other decode engines tried when the chosen one cannot be reached (default: %(default)s)",
     )
     group.add_argument(
         "--prefix-overload-factor",

@@ -178,6 +178,12 @@ class ProxySpec(_Strict):
         ge=0,
         description="A prefill that fails (connection, timeout, 5xx) is tried on up to this many other engines.",
     )
+    decode_retries: int = Field(
+        default=_ROUTING.decode_retries,
+        ge=0,
+        description="A decode engine that cannot be reached is replaced by up to this many other decode engines "
+        "(not after a timeout or a 5xx: it may have begun).",
+    )
     degrade: bool = Field(
         default=_ROUTING.degrade,
         description="When no prefill engine can take a request (none ready: empty, ejected or draining), or its "
@@ -219,6 +225,7 @@ class ProxySpec(_Strict):
             decode_only_if_cached=self.decode_only_if_cached,
             decode_only_cached_fraction=self.decode_only_cached_fraction,
             prefill_retries=self.prefill_retries,
+            decode_retries=self.decode_retries,
             degrade=self.degrade,
             health_interval_s=self.health_interval_s,
             health_timeout_s=self.health_timeout_s,

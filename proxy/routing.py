@@ -75,6 +75,10 @@ class RoutingSettings:
     engine it went to (``decode_only_if_cached`` and ``prefix_aware`` count it as held by all of them)."""
     prefill_retries: int = 1
     """A failed prefill (connection, timeout, 5xx) is tried again on this many other prefill engines."""
+    decode_retries: int = 1
+    """A decode engine that cannot be reached (connection refused or reset before it answered: nothing reached
+    it or the client) is replaced by up to this many other decode engines. Not after a timeout or a 5xx: the
+    engine may have begun, and a second one would compute the same answer again."""
     degrade: bool = True
     """When one pool has no engine that can take a request (empty, all ejected or draining), serve it on an
     engine of the other pool alone instead of failing with 503. (A prefill that fails is retried, then 502:
@@ -103,7 +107,9 @@ class RoutingSettings:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.healthy_after < 1:
             raise ValueError(f"healthy_after must be at least 1, got {self.healthy_after}")
-        for name in ("decode_only_below_tokens", "prefill_retries", "health_interval_s", "metrics_interval_s"):
+        for name in (
+            "decode_only_below_tokens", "prefill_retries", "decode_retries", "health_interval_s", "metrics_interval_s"
+        ):  # fmt: skip
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must not be negative, got {getattr(self, name)}")
         if self.health_timeout_s <= 0:
@@ -241,8 +247,11 @@ def make_policy(name: str, settings: RoutingSettings) -> RoundRobin | LeastLoade
 SHORT_PROMPT, CACHED = "short-prompt", "cached"
 NO_PREFILL_ENGINE, NO_DECODE_ENGINE = "no-prefill-engine", "no-decode-engine"
 PREFILL_FAILED = "prefill-failed"
+DECODE_FAILED = "decode-failed"
+"""The decode engine chosen could not be reached, and the prefill's KV was bound to it: another decode engine
+computes the prompt."""
 """The prefill leg failed on every engine tried (``TwoPhaseFlow``): the decode engine computes the prompt."""
-DEGRADED_REASONS = (NO_PREFILL_ENGINE, NO_DECODE_ENGINE, PREFILL_FAILED)
+DEGRADED_REASONS = (NO_PREFILL_ENGINE, NO_DECODE_ENGINE, PREFILL_FAILED, DECODE_FAILED)
 SHARED_TIER = "<shared KV tier>"
 """The owner ``Router.tier_index`` records: not an engine, all of the tier's pools."""
 
@@ -258,7 +267,7 @@ class Route(NamedTuple):
 
 
 class Router:
-    """A request's engines: ``route`` picks (prefill or None for decode-only, decode); ``retry_prefill`` another."""
+    """A request's engines: ``route`` picks (prefill or None for decode-only, decode); ``retry`` another."""
 
     def __init__(self, pool: EnginePool, settings: RoutingSettings) -> None:
         self.pool = pool
@@ -322,10 +331,11 @@ class Router:
             raise no_healthy_engine("prefill")
         return Route(None, decode, prefix, NO_PREFILL_ENGINE)
 
-    def retry_prefill(self, prefix: tuple[int, ...], tried: Sequence[EngineState]) -> EngineState | None:
-        """A ready prefill engine not in ``tried``, or None."""
-        engines = tuple(e for e in self.pool.ready("prefill") if e not in tried)
-        return self.prefill_policy.pick(engines, prefix) if engines else None
+    def retry(self, role: str, prefix: tuple[int, ...], tried: Sequence[EngineState]) -> EngineState | None:
+        """A ready engine of ``role``'s pool not in ``tried`` (chosen by the pool's policy), or None."""
+        engines = tuple(e for e in self.pool.ready(role) if e not in tried)
+        policy = self.prefill_policy if role == "prefill" else self.decode_policy
+        return policy.pick(engines, prefix) if engines else None
 
     def _ready(self, role: str) -> tuple[EngineState, ...]:
         engines = self.pool.ready(role)

@@ -41,7 +41,7 @@ from proxy.limits import AdmissionGate, read_body
 from proxy.metrics import DEFAULT_SERVING_PATH, ProxyMetrics
 from proxy.pool import EngineState
 from proxy.release import KVReleaser
-from proxy.routing import DEGRADED_REASONS, NO_DECODE_ENGINE, PREFILL_FAILED, Router
+from proxy.routing import DECODE_FAILED, DEGRADED_REASONS, NO_DECODE_ENGINE, PREFILL_FAILED, Router
 
 __all__ = ["DECODE_ONLY", "DISAGGREGATED", "PREFILL_ONLY", "TwoPhaseFlow", "serving_path"]
 
@@ -203,11 +203,12 @@ class TwoPhaseFlow:
                         "will compute the prompt itself",
                         request_id, reply_headers["X-PDServe-Prefill"], decode_engine.engine_id,
                     )  # fmt: skip
-        decode_engine.start_leg()
+        decode_started = time.perf_counter()
+        response, decode_engine, kv_params = await self._open_decode(
+            request, decode_engine, prefix, route, body, kv_params, headers, request_id, reply_headers
+        )
         leg_open = True
         try:
-            decode_started = time.perf_counter()
-            response = await upstream.decode(decode_engine, route, decode_body(body, kv_params), headers, request_id)
             if logger.isEnabledFor(logging.DEBUG):
                 logger.debug(
                     "request %s: queued %.1f ms, prefill %.1f ms, decode headers %.1f ms",
@@ -238,6 +239,59 @@ class TwoPhaseFlow:
             reply_headers["X-PDServe-KV"] = report
         return Response(payload, media_type="application/json", headers=reply_headers)
 
+    async def _open_decode(
+        self,
+        request: Request,
+        engine: EngineState,
+        prefix: tuple[int, ...],
+        route: str,
+        body: dict,
+        kv_params: dict | None,
+        headers: dict,
+        request_id: str,
+        reply_headers: dict,
+    ) -> tuple[EngineResponse, EngineState, dict | None]:
+        """Open the decode leg: the response, its engine (its leg started) and the KV parameters it got.
+
+        An engine that cannot be reached is replaced by another ready decode engine
+        (``routing.decode_retries``): nothing reached it or the client. KV bound to the
+        engine that failed (``bind_reader``) cannot be read by another: it is released,
+        and the next engine computes the prompt (``decode-only; reason=decode-failed``).
+        """
+        assert self.upstream is not None and self.releaser is not None
+        tried: list[EngineState] = []
+        while True:
+            reply_headers["X-PDServe-Decode"] = engine.engine_id
+            engine.start_leg()
+            try:
+                response = await self.upstream.decode(engine, route, decode_body(body, kv_params), headers, request_id)
+                return response, engine, kv_params
+            except BaseException as e:
+                engine.end_leg()
+                if not isinstance(e, UpstreamFailed):
+                    self.releaser.release(kv_params, request_id)  # the client went away: nobody reads the KV
+                    raise
+                failure = e
+            self._unreachable(engine, failure, request_id)
+            tried.append(engine)
+            retryable = failure.unreachable and len(tried) <= self.config.routing.decode_retries
+            retry = self.router.retry("decode", prefix, tried) if retryable else None
+            if retry is None:
+                self.releaser.release(kv_params, request_id)
+                raise failure
+            logger.warning(
+                "request %s: decode engine %s failed; trying decode engine %s",
+                request_id, engine.engine_id, retry.engine_id,
+            )  # fmt: skip
+            if kv_params and self.config.bind_reader:
+                self.releaser.release(kv_params, request_id)
+                kv_params = None
+                self.metrics.degraded.labels(DECODE_FAILED).inc()
+                request.state.serving_path = DECODE_ONLY
+                reply_headers.pop("X-PDServe-Prefill", None)
+                reply_headers["X-PDServe-Path"] = _path_header(DECODE_ONLY, DECODE_FAILED)
+            engine = retry
+
     def _unreachable(self, engine: EngineState, failure: UpstreamFailed, request_id: str) -> None:
         if self.checks_health and failure.unreachable:
             self.tracker.failed(engine, failure.message, request_id)
@@ -267,7 +321,7 @@ class TwoPhaseFlow:
             except UpstreamFailed as failure:
                 self._unreachable(engine, failure, request_id)
                 tried.append(engine)
-                retry = self.router.retry_prefill(prefix, tried) if len(tried) <= self.retries else None
+                retry = self.router.retry("prefill", prefix, tried) if len(tried) <= self.retries else None
                 if retry is None:
                     raise
                 logger.warning(

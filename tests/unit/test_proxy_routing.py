@@ -16,8 +16,16 @@ from fastapi import Request
 from proxy.app import ProxyConfig, create_app
 from proxy.routing import RoutingSettings
 from tests.stub_engine import Behaviour, answer_text
-from tests.unit.conftest import PROXY_MODEL, ProxyServer, endpoint
-from tests.unit.test_proxy import CHAT, CHAT_PATH, answer_of, assert_openai_error, wait_until
+from tests.unit.conftest import PROXY_MODEL, ProxyServer, endpoint, released
+from tests.unit.test_proxy import (
+    CHAT,
+    CHAT_PATH,
+    answer_of,
+    assert_openai_error,
+    sse_events,
+    streamed_text,
+    wait_until,
+)
 
 pytestmark = pytest.mark.timeout(20)
 
@@ -242,14 +250,18 @@ async def test_an_unreachable_prefill_engine_is_ejected_then_503_when_none_is_le
     assert [e["healthy"] for e in health.json()["engines"]["prefill"]] == [False, False]
 
 
+async def first_sweep_done(*engines) -> None:
+    """The proxy's first health sweep runs as it starts: wait until it found ``engines`` up, or an engine a
+    test stops next could be ejected by that sweep before its request tries it."""
+    await wait_until(lambda: all(e.health_probes for e in engines))
+    await asyncio.sleep(0.2)  # the sweep's answers reach the tracker
+
+
 async def test_once_every_prefill_engine_is_ejected_requests_go_decode_only(
     make_proxy, pool, prefill_engine, two_prefill, decode_engine
 ):
     proxy = await make_proxy(unhealthy_after=1, health_interval_s=60)
-    # The proxy's first health sweep runs as it starts: let it find the engines up, or it ejects
-    # them before the request does (then the request never tries a prefill engine).
-    await wait_until(lambda: all(e.health_probes for e in (prefill_engine, two_prefill, decode_engine)))
-    await asyncio.sleep(0.2)
+    await first_sweep_done(prefill_engine, two_prefill, decode_engine)
     await prefill_engine.stop()
     await two_prefill.stop()
     failed = await post(proxy, LONG)  # both tried, both fail, both are ejected: the decode engine serves it
@@ -329,3 +341,59 @@ async def test_in_flight_counts_a_prefill_under_way_and_return_to_zero_when_it_t
 
     assert (await request).status_code == 502
     assert in_flight(pool) == {"prefill-0": 0, "decode-0": 0}
+
+
+@pytest.mark.parametrize("bound", [False, True], ids=["kv-passed-on", "kv-bound-to-the-failed-engine"])
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+async def test_a_decode_engine_that_cannot_be_reached_is_replaced_by_another(
+    make_proxy, pool, side_channel, prefill_engine, decode_engine, two_decode, bound, stream
+):
+    proxy = await make_proxy(health_interval_s=60, bind_reader=bound)
+    await first_sweep_done(prefill_engine, decode_engine, two_decode)
+    await decode_engine.stop()  # round robin picks decode-0 first
+
+    served = await post(proxy, LONG | {"stream": stream}, headers={"X-Request-Id": "req-9"})
+
+    assert served.status_code == 200
+    assert served.headers["x-pdserve-decode"] == "decode-1"
+    path = "/v1/completions"
+    text = streamed_text(path, sse_events(served.text)) if stream else answer_of(path, served.json())
+    assert text == answer_text("decode-1", with_kv=not bound)
+    got = two_decode.requests[-1].body
+    if bound:  # the prefill bound its KV to decode-0: released, and decode-1 computes the prompt
+        assert served.headers["x-pdserve-path"] == "decode-only; reason=decode-failed"
+        assert "kv_transfer_params" not in got
+        assert await released(side_channel) == ["PDRL req-9"]
+    else:  # any decode engine may read it
+        assert served.headers["x-pdserve-path"] == "disaggregated"
+        assert got["kv_transfer_params"] == prefill_engine.prefill_requests[0].answered_kv_transfer_params
+        await asyncio.sleep(0.3)
+        assert side_channel.messages == []
+    assert in_flight(pool) == {"prefill-0": 0, "decode-0": 0, "decode-1": 0}
+
+
+async def test_a_decode_engine_that_answers_500_is_not_replaced(
+    make_proxy, pool, side_channel, prefill_engine, decode_engine, two_decode
+):
+    proxy = await make_proxy(health_interval_s=60)
+    decode_engine.behaviour = Behaviour.ERROR_500  # it may have begun: another would compute it again
+
+    failed = await post(proxy, LONG, headers={"X-Request-Id": "req-10"})
+
+    assert_openai_error(failed, 502, error_type="upstream_error", code="engine_failed")
+    assert two_decode.requests == []
+    assert await released(side_channel) == ["PDRL req-10"]
+
+
+async def test_decode_retries_0_gives_502_when_the_decode_engine_is_down(
+    make_proxy, pool, side_channel, prefill_engine, decode_engine, two_decode
+):
+    proxy = await make_proxy(health_interval_s=60, decode_retries=0)
+    await first_sweep_done(prefill_engine, decode_engine, two_decode)
+    await decode_engine.stop()
+
+    failed = await post(proxy, LONG, headers={"X-Request-Id": "req-11"})
+
+    assert failed.status_code == 502
+    assert two_decode.requests == []
+    assert await released(side_channel) == ["PDRL req-11"]

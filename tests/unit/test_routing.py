@@ -302,17 +302,20 @@ def test_router_decode_only_if_cached_with_a_prefix_aware_decode_pool():
     assert second[0] is None and second[1] is first[1]
 
 
-def test_router_retries_prefill_on_an_engine_not_tried():
-    router = make_router(prefill=3)
-    prefill, _, prefix, _ = router.route(completion("hi"), "completion")
-    tried = [prefill]
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_router_retries_on_an_engine_not_tried(role):
+    router = make_router(**{role: 3})
+    prefill, decode, prefix, _ = router.route(completion("hi"), "completion")
+    first = prefill if role == "prefill" else decode
+    tried = [first]
 
-    second = router.retry_prefill(prefix, tried)
+    second = router.retry(role, prefix, tried)
     tried.append(second)
-    third = router.retry_prefill(prefix, tried)
+    third = router.retry(role, prefix, tried)
 
-    assert len({prefill.engine_id, second.engine_id, third.engine_id}) == 3
-    assert router.retry_prefill(prefix, [*tried, third]) is None
+    assert len({first.engine_id, second.engine_id, third.engine_id}) == 3
+    assert {e.role for e in tried} == {role}
+    assert router.retry(role, prefix, [*tried, third]) is None
 
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])

@@ -297,6 +297,7 @@ def test_proxy_routing_reaches_the_proxys_settings(load):
             "health_interval_s": 0.5,
             "unhealthy_after": 2,
             "prefill_retries": 0,
+            "decode_retries": 2,
         }
     )
     settings = spec.proxy.routing_settings()
@@ -304,6 +305,7 @@ def test_proxy_routing_reaches_the_proxys_settings(load):
     assert (settings.prefill_policy, settings.decode_policy) == ("prefix_aware", "least_loaded")
     assert (settings.prefix_block_chars, settings.decode_only_below_tokens) == (64, 32)
     assert (settings.health_interval_s, settings.unhealthy_after, settings.prefill_retries) == (0.5, 2, 0)
+    assert settings.decode_retries == 2
     assert settings.healthy_after == 2  # a default
 
 

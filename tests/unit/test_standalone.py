@@ -303,11 +303,13 @@ def test_routing_flags():
         ["proxy", "--prefill", "http://p:1", "--decode", "http://d:1"]
         + ["--prefill-policy", "prefix_aware", "--decode-policy", "least_loaded", "--decode-only-below-tokens", "64"]
         + ["--decode-only-if-cached", "--prefill-retries", "2", "--health-interval-s", "0", "--unhealthy-after", "4"]
+        + ["--decode-retries", "0"]
     )
 
     assert (args.prefill_policy, args.decode_policy) == ("prefix_aware", "least_loaded")
     assert (args.decode_only_below_tokens, args.decode_only_if_cached, args.prefill_retries) == (64, True, 2)
     assert (args.health_interval_s, args.unhealthy_after, args.healthy_after) == (0.0, 4, 2)
+    assert args.decode_retries == 0
 
 
 @pytest.mark.parametrize(
