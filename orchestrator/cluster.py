@@ -198,14 +198,23 @@ def terminate_trees(roots: list[psutil.Process]) -> None:
         with contextlib.suppress(psutil.Error):
             for proc in [root, *root.children(recursive=True)]:
                 procs[proc.pid] = proc
-    for proc in procs.values():
+    # Python's resource trackers ignore SIGTERM; once the processes they serve are gone they remove the
+    # semaphores and shared memory those left registered (/dev/shm/sem.mp-*, psm_*) and exit. Killed
+    # with the rest, they left them behind: they go last, and are killed only if they stay.
+    trackers = [p for p in procs.values() if shm.is_resource_tracker(p)]
+    others = [p for p in procs.values() if p not in trackers]
+    for proc in others:
         with contextlib.suppress(psutil.Error):
             proc.terminate()
-    _, alive = psutil.wait_procs(list(procs.values()), timeout=STOP_GRACE_S)
+    _, alive = psutil.wait_procs(others, timeout=STOP_GRACE_S)
     for proc in alive:
         with contextlib.suppress(psutil.Error):
             proc.kill()
     psutil.wait_procs(alive, timeout=5)
+    _, alive = psutil.wait_procs(trackers, timeout=5)
+    for proc in alive:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
 
 
 @contextlib.contextmanager

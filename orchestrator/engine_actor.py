@@ -35,7 +35,7 @@ from connectors.tier import REGION_ENV, region_file
 from orchestrator.errors import EngineStartError
 from orchestrator.launch import EngineLaunch
 from orchestrator.logs import redirect_output
-from orchestrator.shm import mapped, remove_unheld
+from orchestrator.shm import is_resource_tracker, mapped, remove_unheld, stop_resource_tracker
 from proxy.server import listen_socket as proxy_listen_socket
 
 logger = logging.getLogger(__name__)
@@ -298,10 +298,12 @@ class EngineActor:
             with contextlib.suppress(BaseException):
                 await asyncio.wait_for(self._tasks[0], timeout=5)
         self._tasks, self._server = [], None
-        children = psutil.Process(os.getpid()).children(recursive=True)
+        # (not the resource tracker: it stays as long as this process)
+        children = [p for p in psutil.Process(os.getpid()).children(recursive=True) if not is_resource_tracker(p)]
         if self._stack is not None:
             stack, self._stack = self._stack, None
             with contextlib.suppress(BaseException):
                 await stack.aclose()
         await asyncio.to_thread(psutil.wait_procs, children, timeout=10)
         self._remove_shm_leftovers()
+        await asyncio.to_thread(stop_resource_tracker)

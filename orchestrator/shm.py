@@ -20,6 +20,8 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
+import psutil
+
 logger = logging.getLogger(__name__)
 
 SHM_DIR = Path("/dev/shm")
@@ -44,6 +46,33 @@ def _held_by(pid: int | str) -> set[Path]:
 def mapped(pids: Iterable[int]) -> set[Path]:
     """The files directly under ``/dev/shm`` that the processes ``pids`` map or hold open now."""
     return set().union(*(_held_by(pid) for pid in pids))
+
+
+def is_resource_tracker(proc: psutil.Process) -> bool:
+    """Python's ``multiprocessing`` resource tracker: it ignores SIGTERM, outlives the processes it serves
+    and, when they are gone, removes what they left registered (semaphores, shared memory) and exits."""
+    try:
+        return "multiprocessing.resource_tracker" in " ".join(proc.cmdline())
+    except psutil.Error:
+        return False
+
+
+def stop_resource_tracker(timeout_s: float = 5.0) -> None:
+    """Stop this process's resource tracker now, so that it removes what the processes it served left
+    registered: Ray kills an actor's child processes with the actor, the tracker among them, before
+    it could (vLLM's engine start leaves two semaphores, ``/dev/shm/sem.mp-*``, per engine). A later
+    registration starts a new tracker."""
+    from multiprocessing import resource_tracker
+
+    tracker = resource_tracker._resource_tracker  # private: Python has no public way to stop it
+    with tracker._lock:
+        if tracker._fd is None:
+            return
+        pid = tracker._pid
+        os.close(tracker._fd)  # our end of its pipe: once no process holds one, it cleans up and exits
+        tracker._fd = tracker._pid = None
+    with contextlib.suppress(psutil.Error):
+        psutil.Process(pid).wait(timeout=timeout_s)
 
 
 def remove_unheld(paths: Iterable[Path], ignore: int | None = None) -> list[Path]:

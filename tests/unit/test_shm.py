@@ -81,3 +81,20 @@ def test_missing_files_and_gone_processes_are_no_error(shm_name):
     time.sleep(0.05)
     assert mapped([proc.pid]) == set()
     assert remove_unheld([shm_name]) == []
+
+
+def test_a_stopped_resource_tracker_removes_what_the_processes_it_served_left():
+    """An engine actor stops its tracker at stop: Ray kills the tracker with the actor before it cleans up."""
+    code = """
+import multiprocessing as mp, os, sys
+from orchestrator.shm import stop_resource_tracker
+lock = mp.get_context("spawn").Lock()   # registered with this process's tracker, still in use
+print(lock._semlock.name, flush=True)
+stop_resource_tracker()
+print(os.path.exists("/dev/shm/sem." + lock._semlock.name.lstrip("/")), flush=True)
+os._exit(0)                              # as Ray ends an actor: no finalizers
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    name, still_there = proc.stdout.split()
+    assert still_there == "False", proc.stderr
+    assert not (SHM_DIR / ("sem." + name.lstrip("/"))).exists()
