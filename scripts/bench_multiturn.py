@@ -42,6 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from scripts.bench_latency import pdserve  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
+CPU_BLOCK_TOKENS = 128
+"""vLLM's KV block on CPU engines (its default ``--block-size`` there)."""
 TOPICS = (
     "a lighthouse keeper", "a river mill", "a mountain school", "a night train", "an old bakery",
     "a harbour storm", "a desert well", "a winter market", "a forest library", "a fishing village",
@@ -110,12 +112,16 @@ def stream_chat(proxy_url: str, messages: list[dict], max_tokens: int) -> tuple[
     return ttft, "".join(parts), prompt_tokens
 
 
-def spec_file(config: str, workdir: Path, run: str, tier_dir: Path | None, kv_blocks: int) -> str:
+def spec_file(config: str, workdir: Path, run: str, tier_dir: Path | None, kv_blocks: int, block_size: int) -> str:
     raw = yaml.safe_load(Path(config).read_text())
     raw.pop("kv_tier", None)
     raw["name"] = f"multiturn-{run}"
     engine = raw.setdefault("engine", {})
-    engine["extra_args"] = {**engine.get("extra_args", {}), "num_gpu_blocks_override": kv_blocks}
+    # the same KV cache in tokens whatever the block size
+    blocks = kv_blocks * CPU_BLOCK_TOKENS // block_size
+    engine["extra_args"] = {**engine.get("extra_args", {}), "num_gpu_blocks_override": blocks}
+    if block_size != CPU_BLOCK_TOKENS:
+        engine["extra_args"]["block_size"] = block_size
     if tier_dir is not None:
         raw["kv_tier"] = {"host_gib": 1, "shared_gib": 4, "shared_path": str(tier_dir)}
     path = workdir / f"{run}.yaml"
@@ -186,7 +192,15 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32, help="longest answer (greedy; most use all)")
     parser.add_argument("--user-sentences", type=int, default=22, help="sentences per user message (~13 tokens each)")
     parser.add_argument("--first-sentences", type=int, help="sentences of the first message (default: as others)")
-    parser.add_argument("--kv-blocks", type=int, default=40, help="KV cache blocks per engine (128 tokens each)")
+    parser.add_argument(
+        "--kv-blocks", type=int, default=40, help="KV cache per engine, in 128-token blocks (whatever --block-size)"
+    )
+    parser.add_argument(
+        "--block-size",
+        type=int,
+        default=CPU_BLOCK_TOKENS,
+        help="tokens per KV block (vLLM's --block-size) in every run: the tier stores full blocks only",
+    )
     parser.add_argument("--restart-after", default="1,4", help="rounds after which tier-restart restarts its engines")
     parser.add_argument("--runs", default="no-tier,tier,tier-restart")
     parser.add_argument("--seed", type=int, default=11)
@@ -201,7 +215,7 @@ def main() -> None:
     rows_by_run: dict[str, list[dict]] = {}
     for name in args.runs.split(","):
         tier_dir = workdir / f"tier-{name}" if name.startswith("tier") else None
-        spec = spec_file(args.config, workdir, name, tier_dir, args.kv_blocks)
+        spec = spec_file(args.config, workdir, name, tier_dir, args.kv_blocks, args.block_size)
         print(f"{name}:", flush=True)
         started = time.perf_counter()
         rows_by_run[name] = run(spec, talks, args.max_tokens, restart_after if name == "tier-restart" else set())
@@ -220,6 +234,7 @@ def main() -> None:
         "user_sentences": args.user_sentences,
         "first_sentences": args.first_sentences or args.user_sentences,
         "kv_blocks_per_engine": args.kv_blocks,
+        "block_size": args.block_size,
         "restart_after_rounds": sorted(restart_after),
         "seed": args.seed,
         "results": results,
