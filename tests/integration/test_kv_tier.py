@@ -10,6 +10,7 @@ can only have loaded from the directory. The answer "without the tier" is the sa
 
 from __future__ import annotations
 
+import contextlib
 import json
 import secrets
 import shutil
@@ -91,6 +92,8 @@ def test_history_comes_from_the_tiers_after_a_restart_and_answers_do_not_change(
         check_tiers(tmp_path, name, tier, node)
     finally:
         shutil.rmtree(node, ignore_errors=True)  # the node tier outlives the cluster by design
+        with contextlib.suppress(OSError):
+            node.parent.rmdir()  # when no other cluster's node tier is in it
 
 
 def check_tiers(tmp_path: Path, name: str, tier: Path, node: Path) -> None:
