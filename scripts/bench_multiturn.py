@@ -8,13 +8,15 @@ histories grow to 2-3k tokens; the engines' KV caches are cut to ``--kv-blocks``
 blocks (128 tokens each) so that vLLM's prefix cache alone cannot keep all the
 conversations (it is on in every run). Three runs of the same conversations, each on a cluster of its own:
 
-- ``no-tier``: ``--config`` without ``kv_tier``;
+- ``no-tier``: ``--config`` without ``kv_tier``, run first and again last
+  (``no-tier-again``): the machine's speed drifts over the half hour the runs take, and
+  the reference is both, pooled, so that it brackets the tier runs in time;
 - ``tier``: with ``kv_tier`` (a fresh shared directory);
 - ``tier-restart``: with the tier, and the cluster stopped and started again (new
   engines: empty host memory and prefix caches) after each round in ``--restart-after``.
 
 Each turn is streamed through the proxy; TTFT is the time to the first content
-token. Reported per run: TTFT p50/p90 of turns >= 2 and its ratio to ``no-tier``,
+token. Reported per run: TTFT p50/p90 of turns >= 2 and its ratio to the pooled no-tier runs,
 and whether every answer is the same as in ``no-tier`` (greedy, so it must be).
 Machine speed drifts: compare the ratios, measured in the same run.
 
@@ -202,7 +204,7 @@ def main() -> None:
         help="tokens per KV block (vLLM's --block-size) in every run: the tier stores full blocks only",
     )
     parser.add_argument("--restart-after", default="1,4", help="rounds after which tier-restart restarts its engines")
-    parser.add_argument("--runs", default="no-tier,tier,tier-restart")
+    parser.add_argument("--runs", default="no-tier,tier,tier-restart,no-tier-again")
     parser.add_argument("--seed", type=int, default=11)
     parser.add_argument("--out", help="also write the report (JSON) here")
     args = parser.parse_args()
@@ -214,16 +216,18 @@ def main() -> None:
     results: dict[str, dict] = {}
     rows_by_run: dict[str, list[dict]] = {}
     for name in args.runs.split(","):
-        tier_dir = workdir / f"tier-{name}" if name.startswith("tier") else None
+        tier_dir = None if name.startswith("no-tier") else workdir / f"tier-{name}"
         spec = spec_file(args.config, workdir, name, tier_dir, args.kv_blocks, args.block_size)
         print(f"{name}:", flush=True)
-        started = time.perf_counter()
+        started, began = time.perf_counter(), time.strftime("%H:%M:%S")
         rows_by_run[name] = run(spec, talks, args.max_tokens, restart_after if name == "tier-restart" else set())
         results[name] = summary(rows_by_run[name], rows_by_run.get("no-tier") if name != "no-tier" else None)
+        results[name]["began"] = began
         results[name]["wall_s"] = time.perf_counter() - started
-    base = results.get("no-tier")
+    references = [rows for name, rows in rows_by_run.items() if name.startswith("no-tier")]
+    base = summary([row for rows in references for row in rows], None) if references else None
     for name, result in results.items():
-        if base is not None and name != "no-tier":
+        if base is not None and not name.startswith("no-tier"):
             result["ttft_later_p50_ratio"] = result["ttft_later_p50_s"] / base["ttft_later_p50_s"]
             result["ttft_later_p90_ratio"] = result["ttft_later_p90_s"] / base["ttft_later_p90_s"]
     report = {
@@ -238,6 +242,7 @@ def main() -> None:
         "restart_after_rounds": sorted(restart_after),
         "seed": args.seed,
         "results": results,
+        "reference": base,
         "rows": rows_by_run,
     }
     print(json.dumps({k: v for k, v in report.items() if k != "rows"}, indent=2))
