@@ -281,7 +281,8 @@ class EngineActor:
 
     def _remove_shm_leftovers(self) -> None:
         """Remove the recorded /dev/shm files (and this start's tier region) that no process holds."""
-        candidates = [*self._recorded_shm(), region_file(os.environ.get(REGION_ENV, ""))]
+        region = os.environ.get(REGION_ENV)  # unset before the first start
+        candidates = [*self._recorded_shm(), *([region_file(region)] if region else [])]
         remove_unheld((Path(path) for path in candidates), ignore=os.getpid())  # this actor is done with them
         self._shm_record.unlink(missing_ok=True)
 
