@@ -2,10 +2,16 @@
 
 1. Each engine's whole process tree (Ray actor, vLLM engine core, threads):
    CPU used over ``--idle-s`` seconds while no request runs, in % of a core
-   (``/proc`` accounting through psutil).
+   (``/proc`` accounting through psutil); its busiest thread; and its threads'
+   wake-ups (context switches) per second, which unlike CPU time do not depend
+   on how fast the machine is that day.
 2. ``pdserve status`` and ``pdserve status --json``: wall time of ``--runs``
    calls each, as a user runs them (a new process each), median and max.
 3. With ``--down``: ``pdserve down`` once, timed (it stops the cluster).
+
+``--idle-only`` skips 2. To compare two commits' idle engines on one machine, run them in turn from a
+``git worktree`` of each (``PYTHONPATH`` set to that tree for ``pdserve up`` and this script), as the
+README's "Idle engines" section shows.
 
 Run from the repository root: ``.venv/bin/python scripts/bench_control.py [--json]``.
 """
@@ -20,9 +26,9 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import psutil
 
-from orchestrator.cluster import idle_cpu  # noqa: E402
+
 
 PDSERVE = [sys.executable, "-m", "orchestrator.cli"]
 
@@ -36,23 +42,64 @@ def timed(args: list[str]) -> tuple[float, subprocess.CompletedProcess]:
     return took, result
 
 
+def threads(pid: int) -> dict[tuple[int, int], tuple[str, float, int]]:
+    """Every thread of ``pid``'s process tree: (its process's name / its own), CPU seconds, context switches."""
+    root = psutil.Process(pid)
+    table = {}
+    for proc in [root, *root.children(recursive=True)]:
+        try:
+            name = proc.name()
+            for thread in proc.threads():
+                task = Path(f"/proc/{proc.pid}/task/{thread.id}")
+                comm = (task / "comm").read_text().strip()
+                switches = sum(int(line.split()[1]) for line in (task / "status").read_text().splitlines()
+                               if "ctxt_switches" in line)  # fmt: skip
+                table[(proc.pid, thread.id)] = (f"{name}/{comm}", thread.user_time + thread.system_time, switches)
+        except (psutil.Error, OSError):  # a thread or process that ended meanwhile
+            continue
+    return table
+
+
+def idle_threads(pids: list[int], seconds: float) -> dict[int, dict]:
+    """Each engine tree over ``seconds``: CPU (% of a core), its busiest thread, wake-ups per second."""
+    before = {pid: threads(pid) for pid in pids}
+    started = time.monotonic()
+    time.sleep(seconds)
+    wall = time.monotonic() - started
+    report = {}
+    for pid in pids:
+        after = threads(pid)
+        cpu = {key: (name, used - before[pid].get(key, (name, 0.0, 0))[1]) for key, (name, used, _) in after.items()}
+        busiest = max(cpu.values(), key=lambda entry: entry[1])
+        switches = sum(n - before[pid].get(key, ("", 0.0, n))[2] for key, (_, _, n) in after.items())
+        report[pid] = {
+            "cpu_pct": round(100 * sum(used for _, used in cpu.values()) / wall, 2),
+            "busiest_thread": busiest[0],
+            "busiest_thread_pct": round(100 * busiest[1] / wall, 2),
+            "wakeups_per_s": round(switches / wall),
+        }
+    return report
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--idle-s", type=float, default=30.0)
     parser.add_argument("--runs", type=int, default=10)
     parser.add_argument("--down", action="store_true", help="also time `pdserve down` (stops the cluster)")
+    parser.add_argument("--idle-only", action="store_true", help="only the idle engines, not the status timings")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     _, result = timed(["status", "--json"])
     status = json.loads(result.stdout)
     engines = {e["pid"]: e["engine_id"] for e in status["engines"] if e["pid"]}
-    cpu = idle_cpu(list(engines), args.idle_s)
+    idle = idle_threads(list(engines), args.idle_s)
     report: dict = {
         "connector": status["connector"],
         "idle_s": args.idle_s,
-        "idle_cpu_pct": {engines[pid]: round(100 * used, 2) for pid, used in cpu.items()},
+        "idle_cpu_pct": {engines[pid]: entry["cpu_pct"] for pid, entry in idle.items()},
+        "idle_threads": {engines[pid]: entry for pid, entry in idle.items()},
     }
-    for name, cmd in (("status", ["status"]), ("status_json", ["status", "--json"])):
+    for name, cmd in () if args.idle_only else (("status", ["status"]), ("status_json", ["status", "--json"])):
         samples = [timed(cmd)[0] for _ in range(args.runs)]
         report[name + "_s"] = {"median": round(statistics.median(samples), 3), "max": round(max(samples), 3)}
     if args.down:
@@ -61,14 +108,17 @@ def main() -> None:
         print(json.dumps(report, indent=2))
         return
     print(f"connector {report['connector']}: idle CPU over {args.idle_s:g} s, % of one core (engine's process tree)")
-    for engine, pct in report["idle_cpu_pct"].items():
-        print(f"  {engine:<12} {pct:6.2f} %")
-    for name in ("status", "status_json"):
-        r = report[name + "_s"]
+    for engine, entry in report["idle_threads"].items():
         print(
-            f"pdserve {name.replace('_json', ' --json'):<14} median {r['median']:.3f} s, "
-            f"max {r['max']:.3f} s ({args.runs} runs)"
+            f"  {engine:<12} {entry['cpu_pct']:6.2f} %   busiest thread {entry['busiest_thread_pct']:.2f} % "
+            f"({entry['busiest_thread']})   {entry['wakeups_per_s']} wake-ups/s"
         )
+    for name in ("status", "status_json"):
+        if (r := report.get(name + "_s")) is not None:
+            print(
+                f"pdserve {name.replace('_json', ' --json'):<14} median {r['median']:.3f} s, "
+                f"max {r['max']:.3f} s ({args.runs} runs)"
+            )
     if "down_s" in report:
         print(f"pdserve down           {report['down_s']:.2f} s")
 
