@@ -26,9 +26,9 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-
+from orchestrator.cluster import idle_use  # noqa: E402
 
 PDSERVE = [sys.executable, "-m", "orchestrator.cli"]
 
@@ -42,45 +42,6 @@ def timed(args: list[str]) -> tuple[float, subprocess.CompletedProcess]:
     return took, result
 
 
-def threads(pid: int) -> dict[tuple[int, int], tuple[str, float, int]]:
-    """Every thread of ``pid``'s process tree: (its process's name / its own), CPU seconds, context switches."""
-    root = psutil.Process(pid)
-    table = {}
-    for proc in [root, *root.children(recursive=True)]:
-        try:
-            name = proc.name()
-            for thread in proc.threads():
-                task = Path(f"/proc/{proc.pid}/task/{thread.id}")
-                comm = (task / "comm").read_text().strip()
-                switches = sum(int(line.split()[1]) for line in (task / "status").read_text().splitlines()
-                               if "ctxt_switches" in line)  # fmt: skip
-                table[(proc.pid, thread.id)] = (f"{name}/{comm}", thread.user_time + thread.system_time, switches)
-        except (psutil.Error, OSError):  # a thread or process that ended meanwhile
-            continue
-    return table
-
-
-def idle_threads(pids: list[int], seconds: float) -> dict[int, dict]:
-    """Each engine tree over ``seconds``: CPU (% of a core), its busiest thread, wake-ups per second."""
-    before = {pid: threads(pid) for pid in pids}
-    started = time.monotonic()
-    time.sleep(seconds)
-    wall = time.monotonic() - started
-    report = {}
-    for pid in pids:
-        after = threads(pid)
-        cpu = {key: (name, used - before[pid].get(key, (name, 0.0, 0))[1]) for key, (name, used, _) in after.items()}
-        busiest = max(cpu.values(), key=lambda entry: entry[1])
-        switches = sum(n - before[pid].get(key, ("", 0.0, n))[2] for key, (_, _, n) in after.items())
-        report[pid] = {
-            "cpu_pct": round(100 * sum(used for _, used in cpu.values()) / wall, 2),
-            "busiest_thread": busiest[0],
-            "busiest_thread_pct": round(100 * busiest[1] / wall, 2),
-            "wakeups_per_s": round(switches / wall),
-        }
-    return report
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--idle-s", type=float, default=30.0)
@@ -92,12 +53,19 @@ def main() -> None:
     _, result = timed(["status", "--json"])
     status = json.loads(result.stdout)
     engines = {e["pid"]: e["engine_id"] for e in status["engines"] if e["pid"]}
-    idle = idle_threads(list(engines), args.idle_s)
+    idle = idle_use(list(engines), args.idle_s)
     report: dict = {
         "connector": status["connector"],
         "idle_s": args.idle_s,
-        "idle_cpu_pct": {engines[pid]: entry["cpu_pct"] for pid, entry in idle.items()},
-        "idle_threads": {engines[pid]: entry for pid, entry in idle.items()},
+        "idle_cpu_pct": {engines[pid]: round(100 * use.cpu, 2) for pid, use in idle.items()},
+        "idle_threads": {
+            engines[pid]: {
+                "busiest_thread": use.busiest_thread,
+                "busiest_thread_pct": round(100 * use.busiest_thread_cpu, 2),
+                "wakeups_per_s": round(use.wakeups_per_s),
+            }
+            for pid, use in idle.items()
+        },
     }
     for name, cmd in () if args.idle_only else (("status", ["status"]), ("status_json", ["status", "--json"])):
         samples = [timed(cmd)[0] for _ in range(args.runs)]
@@ -110,8 +78,8 @@ def main() -> None:
     print(f"connector {report['connector']}: idle CPU over {args.idle_s:g} s, % of one core (engine's process tree)")
     for engine, entry in report["idle_threads"].items():
         print(
-            f"  {engine:<12} {entry['cpu_pct']:6.2f} %   busiest thread {entry['busiest_thread_pct']:.2f} % "
-            f"({entry['busiest_thread']})   {entry['wakeups_per_s']} wake-ups/s"
+            f"  {engine:<12} {report['idle_cpu_pct'][engine]:6.2f} %   busiest thread "
+            f"{entry['busiest_thread_pct']:.2f} % ({entry['busiest_thread']})   {entry['wakeups_per_s']} wake-ups/s"
         )
     for name in ("status", "status_json"):
         if (r := report.get(name + "_s")) is not None:

@@ -19,10 +19,9 @@ import threading
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
-from orchestrator.cluster import idle_cpu
+from orchestrator.cluster import idle_use
 from orchestrator.control import STATUS_SCHEMA, schema_problems
 from tests.integration.conftest import Cluster, http_json, run_pdserve
 
@@ -41,30 +40,13 @@ IDLE_TREE_BOUND = 0.15
 IDLE_THREAD_BOUND = 0.10
 
 
-def thread_cpu(pid: int) -> dict[tuple[int, int], float]:
-    """CPU seconds of every thread of ``pid``'s process tree, by (process, thread) id."""
-    root = psutil.Process(pid)
-    seconds = {}
-    for proc in [root, *root.children(recursive=True)]:
-        try:
-            for thread in proc.threads():
-                seconds[(proc.pid, thread.id)] = thread.user_time + thread.system_time
-        except psutil.Error:
-            continue
-    return seconds
-
-
 def test_idle_engines_use_a_few_percent_of_a_core_and_no_thread_spins(cluster: Cluster) -> None:
     engines = {e["pid"]: e["engine_id"] for e in cluster.refresh()["engines"]}
-    threads_before = {pid: thread_cpu(pid) for pid in engines}
-    started = time.monotonic()
-    used = idle_cpu(list(engines), IDLE_S)
-    wall = time.monotonic() - started
-    for pid, engine_id in engines.items():
-        assert used[pid] < IDLE_TREE_BOUND, f"{engine_id} used {used[pid]:.1%} of a core while idle"
-        after = thread_cpu(pid)
-        busiest = max((after[key] - threads_before[pid].get(key, 0.0)) / wall for key in after)
-        assert busiest < IDLE_THREAD_BOUND, f"a thread of {engine_id} used {busiest:.1%} of a core while idle"
+    for pid, use in idle_use(list(engines), IDLE_S).items():
+        assert use.cpu < IDLE_TREE_BOUND, f"{engines[pid]} used {use.cpu:.1%} of a core while idle"
+        assert use.busiest_thread_cpu < IDLE_THREAD_BOUND, (
+            f"a thread of {engines[pid]} ({use.busiest_thread}) used {use.busiest_thread_cpu:.1%} of a core while idle"
+        )
 
 
 def test_status_json_answers_fast_in_the_documented_schema(cluster: Cluster) -> None:
