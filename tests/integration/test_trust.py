@@ -27,6 +27,7 @@ import zmq
 from connectors import wire
 from connectors.auth import KVAuth, read_secret_file
 from connectors.handshake import HandshakeRequest, encode_request
+from orchestrator.cluster import ClusterState, ray_connection
 from tests.integration.conftest import Cluster, http_json, metric_values
 from tests.unit.test_side_channel import ask
 
@@ -238,6 +239,43 @@ def wait_restarted(cluster: Cluster, role: str, old_pid: int) -> None:
             return
         time.sleep(2)
     raise AssertionError(f"the {role} engine did not come back: {engine}")
+
+
+def test_a_decode_engine_that_cannot_be_reached_is_replaced_and_the_kv_bound_to_it_released(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The proxy's pool gets a decode engine that is gone (its port refuses, as a dead engine's does) beside
+    decode-0: the requests round robin sends there are served by decode-0 instead, whole (the prefill's
+    KV was bound to the gone engine and is released at once, not at its lease's end), same answer."""
+    status = cluster.refresh()
+    decode, prefill_url = cluster.engine("decode"), cluster.engine("prefill")["url"]
+    serving = [(decode["engine_id"], decode["url"], tuple(decode["kv_endpoints"]))]
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        gone_port = closed.getsockname()[1]
+    gone = ("decode-9", f"http://127.0.0.1:{gone_port}", (f"tcp://127.0.0.1:{gone_port}",))
+    prompt = chat("Name three rivers of Europe.", max_tokens=12)
+    code, _, body = http_json(cluster.proxy_url + "/v1/chat/completions", prompt)
+    assert code == 200, body
+    expected = body["choices"][0]["message"]["content"]
+
+    monkeypatch.setenv("PDSERVE_STATE_DIR", cluster.env["PDSERVE_STATE_DIR"])
+    with ray_connection(ClusterState.load()) as ray:
+        proxy = ray.get_actor(f"{status['name']}-proxy")
+        ray.get(proxy.set_endpoints.remote("decode", [*serving, gone]))
+        try:
+            answers = [http_json(cluster.proxy_url + "/v1/chat/completions", prompt) for _ in range(4)]
+        finally:
+            ray.get(proxy.set_endpoints.remote("decode", serving))
+    for code, _, body in answers:
+        assert code == 200, body
+        assert body["choices"][0]["message"]["content"] == expected
+    paths = [{k.lower(): v for k, v in headers.items()}["x-pdserve-path"] for _, headers, _ in answers]
+    assert paths.count("decode-only; reason=decode-failed") >= 1, paths  # round robin sent some to decode-9
+    # Released, not left to the lease (60 s): the prefill engine holds no KV a few seconds later.
+    assert eventually(lambda: metric_values(prefill_url, "vllm:kv_cache_usage_perc", "engine"), {"0": 0.0}, 10) == {
+        "0": 0.0
+    }
 
 
 def test_a_side_channel_refuses_and_counts_a_client_without_the_secret(cluster: Cluster) -> None:
