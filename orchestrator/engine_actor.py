@@ -263,6 +263,7 @@ class EngineActor:
             pinned = pin_process_tree(os.getpid(), parse_cores(self.launch.cpu_bind))
             logger.info("engine %s: %d threads pinned to cores %s", self.launch.engine_id, pinned, self.launch.cpu_bind)
         self.load_s = time.monotonic() - started
+        self._remove_shm_leftovers(this_start_too=False)  # what a crashed start's children still held at first
         self._note_shm()
         self.state = "ready"
         logger.info("engine %s ready at %s in %.1fs", self.launch.engine_id, self.url, self.load_s)
@@ -331,12 +332,23 @@ class EngineActor:
             return self._shm_record.read_text().split()
         return []
 
-    def _remove_shm_leftovers(self) -> None:
-        """Remove the recorded /dev/shm files (and this start's tier region) that no process holds."""
-        region = os.environ.get(REGION_ENV)  # unset before the first start
-        candidates = [*self._recorded_shm(), *([region_file(region)] if region else [])]
-        remove_unheld((Path(path) for path in candidates), ignore=os.getpid())  # this actor is done with them
-        self._shm_record.unlink(missing_ok=True)
+    def _remove_shm_leftovers(self, this_start_too: bool = True) -> None:
+        """Remove the recorded /dev/shm files (and, when this start is over, its tier region) that no process
+        holds. Those still held stay in the record for the next look: after a crash, the dead engine's
+        children can outlive it by a moment, holding its files when the restarted actor first looks (seen:
+        semaphores left behind by an engine killed under load), so the engine looks again once it is ready.
+        """
+        recorded = self._recorded_shm()
+        if this_start_too:
+            region = os.environ.get(REGION_ENV)  # unset before the first start
+            candidates = [*recorded, *([region_file(region)] if region else [])]
+            remove_unheld((Path(path) for path in candidates), ignore=os.getpid())  # this actor is done with them
+        else:  # this start's files are in use, and none of them is in the record yet
+            remove_unheld(Path(path) for path in recorded)
+        if left := [path for path in recorded if Path(path).exists()]:
+            self._shm_record.write_text("".join(f"{path}\n" for path in left))
+        else:
+            self._shm_record.unlink(missing_ok=True)
 
     async def _close(self) -> None:
         import psutil

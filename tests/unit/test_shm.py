@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from orchestrator.engine_actor import EngineActor
 from orchestrator.shm import SHM_DIR, mapped, remove_unheld
 
 HOLD = """
@@ -98,3 +99,29 @@ os._exit(0)                              # as Ray ends an actor: no finalizers
     name, still_there = proc.stdout.split()
     assert still_there == "False", proc.stderr
     assert not (SHM_DIR / ("sem." + name.lstrip("/"))).exists()
+
+
+class _Actor:
+    """The engine actor's record of its /dev/shm files, without the rest of the actor."""
+
+    _recorded_shm = EngineActor._recorded_shm
+    _remove_shm_leftovers = EngineActor._remove_shm_leftovers
+
+    def __init__(self, record: Path) -> None:
+        self._shm_record = record
+
+
+def test_a_restarted_engine_removes_its_last_lifes_files_once_their_last_holder_is_gone(shm_name, tmp_path):
+    actor = _Actor(tmp_path / "prefill-0.log.shm")
+    actor._shm_record.write_text(f"{shm_name}\n")
+    straggler = hold(shm_name, "map")  # a child of the killed engine, not gone yet
+    try:
+        actor._remove_shm_leftovers()  # the restarted actor's first look
+        assert shm_name.exists()
+        assert actor._recorded_shm() == [str(shm_name)]  # kept for the next look
+    finally:
+        straggler.kill()
+        straggler.wait()
+    actor._remove_shm_leftovers(this_start_too=False)  # the look once it is ready
+    assert not shm_name.exists()
+    assert not actor._shm_record.exists()
