@@ -336,8 +336,9 @@ class EngineActor:
     def _remove_shm_leftovers(self, this_start_too: bool = True) -> None:
         """Remove the recorded /dev/shm files (and, when this start is over, its tier region) that no process
         holds. Those still held stay in the record for the next look: after a crash, the dead engine's
-        children can outlive it by a moment, holding its files when the restarted actor first looks (the likely
-        source of the semaphores a whole suite run left), so the engine looks again once it is ready.
+        children can outlive it by a moment, holding its files when the restarted actor first looks, so the
+        engine looks again once it is ready. (This is not what leaves the few semaphores a whole suite run
+        still leaves: those came back with it. Not traced yet.)
         """
         recorded = self._recorded_shm()
         if this_start_too:
