@@ -531,6 +531,13 @@ class IdleUse:
     wakeups_per_s: float
 
 
+def context_switches(task: Path) -> int:
+    """Voluntary and involuntary context switches so far of the thread at ``task`` (``/proc/<pid>/task/<tid>``):
+    how often it woke."""
+    status = (task / "status").read_text().splitlines()
+    return sum(int(line.split()[1]) for line in status if "ctxt_switches" in line)
+
+
 def _thread_times(pid: int) -> dict[tuple[int, int], tuple[str, float, int]]:
     """Every thread of ``pid``'s process tree now: its name, CPU seconds and context switches so far."""
     table = {}
@@ -539,10 +546,12 @@ def _thread_times(pid: int) -> dict[tuple[int, int], tuple[str, float, int]]:
             name = proc.name()
             for thread in proc.threads():
                 task = Path(f"/proc/{proc.pid}/task/{thread.id}")
-                status = (task / "status").read_text().splitlines()
-                switches = sum(int(line.split()[1]) for line in status if "ctxt_switches" in line)
                 comm = (task / "comm").read_text().strip()
-                table[(proc.pid, thread.id)] = (f"{name}/{comm}", thread.user_time + thread.system_time, switches)
+                table[(proc.pid, thread.id)] = (
+                    f"{name}/{comm}",
+                    thread.user_time + thread.system_time,
+                    context_switches(task),
+                )
     return table
 
 

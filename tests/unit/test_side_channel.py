@@ -11,6 +11,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import zmq
@@ -26,6 +27,7 @@ from connectors.side_channel import (
     request_handshake,
     send_release,
 )
+from orchestrator.cluster import context_switches
 from tests.unit.conftest import TEST_SECRET
 from tests.unit.test_handshake import response, topology
 
@@ -170,17 +172,12 @@ def test_a_handshake_answer_not_sealed_for_this_handshake_is_refused(forged: str
         rep.close()
 
 
-def _switches(thread_id: int) -> int:
-    status = open(f"/proc/self/task/{thread_id}/status").read()  # noqa: SIM115 - read at once
-    return sum(int(line.split()[1]) for line in status.splitlines() if "ctxt_switches" in line)
-
-
 def test_an_idle_side_channel_sleeps_until_a_message_and_closes_at_once(server) -> None:
     channel, _, released = server
-    thread_id = channel._thread.native_id
-    before = _switches(thread_id)
+    task = Path(f"/proc/self/task/{channel._thread.native_id}")
+    before = context_switches(task)
     time.sleep(1.0)
-    assert _switches(thread_id) - before <= 1  # it polled ten times a second before: ten wake-ups
+    assert context_switches(task) - before <= 1  # it polled ten times a second before: ten wake-ups
     ask(channel.endpoint, release_message(AUTH, "req-7"))
     assert released == ["req-7"]
     started = time.monotonic()
