@@ -27,25 +27,42 @@ logger = logging.getLogger(__name__)
 SHM_DIR = Path("/dev/shm")
 
 
-def _held_by(pid: int | str) -> set[Path]:
-    files: set[Path] = set()
+def _held_inodes(pid: int | str) -> set[int]:
+    """The inodes of the files under ``/dev/shm`` that process ``pid`` maps or holds open.
+
+    By inode, not by the name ``/proc`` shows: a POSIX semaphore (glibc's ``sem_open``) is made under a
+    temporary name, mapped, linked to its real name (``sem.mp-*``) and the temporary name unlinked, so its
+    mapping reads ``/dev/shm/sem.XXXXXX (deleted)`` while ``sem.mp-*`` is the same file.
+    """
+    inodes: set[int] = set()
     with contextlib.suppress(OSError):
         for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
             parts = line.split(maxsplit=5)
-            if len(parts) == 6 and parts[5].startswith("/dev/shm/") and not parts[5].endswith(" (deleted)"):
-                files.add(Path(parts[5]))
+            if len(parts) == 6 and parts[5].startswith("/dev/shm/"):
+                inodes.add(int(parts[4]))
     with contextlib.suppress(OSError):
         for fd in os.scandir(f"/proc/{pid}/fd"):
             with contextlib.suppress(OSError):
-                target = os.readlink(fd.path)
-                if target.startswith("/dev/shm/"):
-                    files.add(Path(target))
-    return {f for f in files if f.parent == SHM_DIR}
+                if os.readlink(fd.path).startswith("/dev/shm/"):
+                    inodes.add(os.stat(fd.path).st_ino)
+    return inodes
+
+
+def _held(pids: Iterable[int | str]) -> set[Path]:
+    """The files directly under ``/dev/shm`` that any of ``pids`` maps or holds open."""
+    inodes = set().union(*(_held_inodes(pid) for pid in pids))
+    held = set()
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(SHM_DIR):
+            with contextlib.suppress(OSError):
+                if entry.is_file(follow_symlinks=False) and entry.inode() in inodes:
+                    held.add(Path(entry.path))
+    return held
 
 
 def mapped(pids: Iterable[int]) -> set[Path]:
     """The files directly under ``/dev/shm`` that the processes ``pids`` map or hold open now."""
-    return set().union(*(_held_by(pid) for pid in pids))
+    return _held(pids)
 
 
 def is_resource_tracker(proc: psutil.Process) -> bool:
@@ -82,7 +99,7 @@ def remove_unheld(paths: Iterable[Path], ignore: int | None = None) -> list[Path
     if not candidates:
         return []
     pids = [entry.name for entry in os.scandir("/proc") if entry.name.isdigit() and entry.name != str(ignore)]
-    held = set().union(*(_held_by(pid) for pid in pids))
+    held = _held(pids)
     removed = []
     for path in sorted(candidates - held):
         with contextlib.suppress(FileNotFoundError):
