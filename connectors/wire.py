@@ -100,3 +100,16 @@ PREFILL_REQUEST_PARAMS = {
     REMOTE_PORT: None,
 }
 """What the proxy sends a prefill engine: compute the prompt, keep its KV for a decode engine."""
+
+# --- an engine's KV tier, asked by the proxy -------------------------------------------------
+TIER_HELD_PATH = "/v1/pdserve/tier_held"
+"""``POST`` an OpenAI request's body here, with ``?kind=chat`` or ``?kind=completion``: the engine answers how
+many of its prompt's tokens its KV tiers hold (``connectors.tier.held``). Under ``/v1``, so vLLM's key check
+(the cluster's engine key) guards it like the completions routes."""
+TIER_HELD_KINDS = ("chat", "completion")
+PROMPT_TOKENS = "prompt_tokens"
+"""The answer: the prompt's length in tokens, as the engine renders and tokenizes it."""
+TIERS = "tiers"
+"""The answer: per tier name (``shared``, ``node``), how many leading prompt tokens it holds (whole chunks)."""
+SHARED_TIER = "shared"
+"""The tier every engine of the cluster reads (``kv_tier.shared_path``); ``node`` is one node's."""

@@ -24,6 +24,7 @@ import logging
 import os
 import re
 import secrets
+import shutil
 import socket
 import sys
 import time
@@ -31,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from connectors.auth import ENGINE_KEY_ENV, SECRET_ENV, ClusterSecret, engine_key
-from connectors.tier import REGION_ENV, region_file
+from connectors.tier import LAYOUT_ENV, REGION_ENV, region_file
 from orchestrator.errors import EngineStartError
 from orchestrator.launch import EngineLaunch
 from orchestrator.logs import redirect_output
@@ -218,6 +219,9 @@ class EngineActor:
         self._shm_record = self.log_path.with_name(self.log_path.name + ".shm")
         self._remove_shm_leftovers()
         os.environ[REGION_ENV] = f"{launch.engine_id}-{secrets.token_hex(4)}"
+        # where the engine core's tiers say how their entries are named, for the HTTP server's answers
+        self._tier_layouts = self.log_path.with_name(self.log_path.name + ".tiers")
+        os.environ[LAYOUT_ENV] = str(self._tier_layouts)
         if secret is not None:  # for the connector (side channel, transfer parameters) and vLLM's --api-key
             os.environ[SECRET_ENV] = secret.reveal()
             os.environ[ENGINE_KEY_ENV] = engine_key(secret)
@@ -278,8 +282,11 @@ class EngineActor:
         from vllm.entrypoints.launchers.launcher import NoSignalServer
         from vllm.utils.argparse_utils import FlexibleArgumentParser
 
+        from connectors.tier.held import add_route as add_tier_route
+
         args = make_arg_parser(FlexibleArgumentParser()).parse_args(self.launch.vllm_args)
         validate_parsed_serve_args(args)
+        shutil.rmtree(self._tier_layouts, ignore_errors=True)  # this start's tiers write theirs again
         # Bind before loading the model so that a taken port fails in a second, not a minute.
         sock = listen_socket(args.host, args.port)
         self._stack = contextlib.AsyncExitStack()
@@ -289,6 +296,7 @@ class EngineActor:
         supported_tasks = await engine_client.get_supported_tasks()
         app = build_app(args, supported_tasks, engine_client.model_config)
         await init_app_state(engine_client, app.state, args, supported_tasks)
+        add_tier_route(app, self._tier_layouts, engine_client.vllm_config.cache_config.prefix_caching_hash_algo)
         config = uvicorn.Config(
             _health_first(app, engine_client), log_level="warning", access_log=False, timeout_keep_alive=30
         )
@@ -337,8 +345,8 @@ class EngineActor:
         """Remove the recorded /dev/shm files (and, when this start is over, its tier region) that no process
         holds. Those still held stay in the record for the next look: after a crash, the dead engine's
         children can outlive it by a moment, holding its files when the restarted actor first looks, so the
-        engine looks again once it is ready. (This is not what leaves the few semaphores a whole suite run
-        still leaves: those came back with it. Not traced yet.)
+        engine looks again once it is ready. (The semaphores a whole suite run used to leave were never in
+        the record at all: their mappings show another name; ``orchestrator.shm`` now finds them by inode.)
         """
         recorded = self._recorded_shm()
         if this_start_too:

@@ -165,13 +165,22 @@ class ProxySpec(_Strict):
     )
     decode_only_if_cached: bool = Field(
         default=_ROUTING.decode_only_if_cached,
-        description="Serve decode-only a prompt whose prefix the chosen decode engine was recently sent.",
+        description="Serve decode-only a prompt whose prefix the chosen decode engine was recently sent, or, with "
+        "a shared kv_tier, whose prompt the tier holds (asked of a tier engine before routing).",
     )
     decode_only_cached_fraction: float = Field(
         default=_ROUTING.decode_only_cached_fraction,
         gt=0,
         le=1,
-        description="With decode_only_if_cached: the share of the prompt's prefix blocks that must have been sent.",
+        description="With decode_only_if_cached: the share of the prompt's prefix blocks that must have been sent "
+        "(or of its tokens the shared KV tier must hold).",
+    )
+    tier_lookup_timeout_s: float = Field(
+        default=_ROUTING.tier_lookup_timeout_s,
+        gt=0,
+        description="With a shared kv_tier and a routing choice it changes (decode_only_if_cached, prefix_aware): "
+        "how long routing waits for a tier engine to say what the tier holds of a prompt; without an answer the "
+        "request is routed as without a tier.",
     )
     prefill_retries: int = Field(
         default=_ROUTING.prefill_retries,
@@ -224,6 +233,7 @@ class ProxySpec(_Strict):
             decode_only_below_tokens=self.decode_only_below_tokens,
             decode_only_if_cached=self.decode_only_if_cached,
             decode_only_cached_fraction=self.decode_only_cached_fraction,
+            tier_lookup_timeout_s=self.tier_lookup_timeout_s,
             prefill_retries=self.prefill_retries,
             decode_retries=self.decode_retries,
             degrade=self.degrade,

@@ -14,6 +14,9 @@ tests, count apart):
   streamed chunk relayed (streams only; a JSON answer has no first token to see).
 - ``pdserve_proxy_inter_token_latency_seconds``: between streamed chunks.
 - ``pdserve_proxy_e2e_request_latency_seconds``: arrival to the last byte handed on.
+- ``pdserve_proxy_tier_lookups_total{outcome}``: what the shared KV tier holds of a
+  prompt, asked of a tier engine before routing (``ok``; ``failed``: no answer in
+  time, routed as without a tier).
 - ``pdserve_proxy_engine_in_flight{role,engine_id}``: read from ``pool.snapshot()``
   when scraped, so the hot path pays nothing for it.
 
@@ -79,6 +82,12 @@ class ProxyMetrics:
             "Requests served by one engine alone because a pool could not take them, by reason "
             "(no-prefill-engine, prefill-failed: decode-only; no-decode-engine: on a prefill engine).",
             ("reason",),
+            registry=self.registry,
+        )
+        self.tier_lookups = Counter(
+            "pdserve_proxy_tier_lookups",
+            "Lookups of what the shared KV tier holds of a prompt, before routing, by outcome (ok, failed).",
+            ("outcome",),
             registry=self.registry,
         )
         self.registry.register(_EngineInFlight(pool))

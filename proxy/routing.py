@@ -25,11 +25,14 @@ the decode engine alone; so does, with ``decode_only_if_cached``, a prompt
 whose prefix the chosen decode engine was sent recently (it is mostly in its
 prefix cache already).
 
-With a shared KV tier (``tier_pools``), a prompt the cluster was sent is stored
-where every engine of those pools loads it: such a prefix counts as held by all of
-them (``Router.tier_index``), for ``decode_only_if_cached`` and ``prefix_aware``.
-The index is what this proxy routed, not a listing of the tier: an entry the tier
-evicted since is computed again by the engine that finds it missing.
+With a shared KV tier (``tier_pools``), what the tier holds of a prompt is asked of
+one of the tier's engines before routing (``TierHeld``, from the engine's
+``wire.TIER_HELD_PATH``: it tokenizes the prompt as vLLM does and looks the
+tier's entries up): every engine of those pools loads that part from the tier.
+``decode_only_if_cached`` then sends a prompt the tier holds to a decode engine
+alone, and ``prefix_aware`` prefers the engine last sent a prefix only where it
+was sent more than the tier holds. Without an answer (no engine, a timeout) the
+request is routed as without a tier.
 """
 
 from __future__ import annotations
@@ -70,9 +73,10 @@ class RoutingSettings:
     decode_only_cached_fraction: float = 0.8
     """With ``decode_only_if_cached``: the share of the prompt's blocks the decode engine must have been sent."""
     tier_pools: tuple[str, ...] = ()
-    """Pools whose engines share a KV tier (the spec's ``kv_tier`` with a shared directory): every prompt they
-    serve is stored there and any of them loads it, so a prompt the cluster was sent is no longer only on the
-    engine it went to (``decode_only_if_cached`` and ``prefix_aware`` count it as held by all of them)."""
+    """Pools whose engines share a KV tier (the spec's ``kv_tier`` with a shared directory): any of them loads
+    what it holds, so ``decode_only_if_cached`` and ``prefix_aware`` ask it (``TierHeld``) before routing."""
+    tier_lookup_timeout_s: float = 0.5
+    """How long routing waits for a tier engine's answer; without one the request is routed as without a tier."""
     prefill_retries: int = 1
     """A failed prefill (connection, timeout, 5xx) is tried again on this many other prefill engines."""
     decode_retries: int = 1
@@ -112,8 +116,9 @@ class RoutingSettings:
         ):  # fmt: skip
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must not be negative, got {getattr(self, name)}")
-        if self.health_timeout_s <= 0:
-            raise ValueError(f"health_timeout_s must be positive, got {self.health_timeout_s}")
+        for name in ("health_timeout_s", "tier_lookup_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if not set(self.tier_pools) <= {"prefill", "decode"}:
             raise ValueError(f"tier_pools: expected prefill and/or decode, got {self.tier_pools}")
         if self.prefix_overload_factor < 1:
@@ -252,8 +257,23 @@ DECODE_FAILED = "decode-failed"
 computes the prompt."""
 """The prefill leg failed on every engine tried (``TwoPhaseFlow``): the decode engine computes the prompt."""
 DEGRADED_REASONS = (NO_PREFILL_ENGINE, NO_DECODE_ENGINE, PREFILL_FAILED, DECODE_FAILED)
-SHARED_TIER = "<shared KV tier>"
-"""The owner ``Router.tier_index`` records: not an engine, all of the tier's pools."""
+
+
+class TierHeld(NamedTuple):
+    """What the shared KV tier holds of a prompt, as a tier engine answered (``wire.TIER_HELD_PATH``)."""
+
+    prompt_tokens: int
+    held_tokens: int
+
+    @property
+    def fraction(self) -> float:
+        return min(self.held_tokens / self.prompt_tokens, 1.0) if self.prompt_tokens > 0 else 0.0
+
+    def depth(self, body: dict[str, Any], kind: str, block_chars: int, prefix_blocks: int) -> int:
+        """The leading blocks of the proxy's ``prefix_hashes`` the tier holds: its share of the prompt, in the
+        proxy's blocks (the engine counts tokens of the rendered prompt; the proxy hashes characters)."""
+        chars = self.fraction * estimate_prompt_tokens(body, kind) * CHARS_PER_TOKEN
+        return min(prefix_blocks, int(chars // block_chars))
 
 
 class Route(NamedTuple):
@@ -280,26 +300,41 @@ class Router:
             self.decode_index = self.decode_policy.index
         elif settings.decode_only_if_cached:
             self.decode_index = PrefixIndex(settings.prefix_cache_size)
-        # What the cluster's shared KV tier holds, as far as this proxy knows: the prompts it routed there.
-        self.tier_index = PrefixIndex(settings.prefix_cache_size) if settings.tier_pools else None
-        self._uses_prefix = (
-            isinstance(self.prefill_policy, PrefixAware) or self.decode_index is not None or self.tier_index is not None
-        )
+        self._uses_prefix = isinstance(self.prefill_policy, PrefixAware) or self.decode_index is not None
         self._decode_only_below = settings.decode_only_below_tokens
         self._cached_fraction = settings.decode_only_cached_fraction
+        tiers = settings.tier_pools
+        # Whether routing reads the shared tier: a decision that a tier's contents change.
+        self._asks_tier = bool(tiers) and (
+            (settings.decode_only_if_cached and "decode" in tiers)
+            or (isinstance(self.prefill_policy, PrefixAware) and "prefill" in tiers)
+            or (isinstance(self.decode_policy, PrefixAware) and "decode" in tiers)
+        )
+        self._tier_turn = itertools.count()
 
-    def route(self, body: dict[str, Any], kind: str) -> Route:
+    def asks_tier(self, body: dict[str, Any], kind: str) -> bool:
+        """Whether ``route`` would use what the shared tier holds of this prompt (``TierHeld``): routing reads
+        the tier, and the prompt is long enough for one prefix block and to be disaggregated."""
+        if not self._asks_tier:
+            return False
+        tokens = estimate_prompt_tokens(body, kind)
+        return tokens * CHARS_PER_TOKEN >= self.settings.prefix_block_chars and tokens >= self._decode_only_below
+
+    def tier_engine(self) -> EngineState | None:
+        """The engine to ask what the shared tier holds: a ready engine of the tier's pools, in turn."""
+        engines = [e for role in self.settings.tier_pools for e in self.pool.ready(role)]
+        return engines[next(self._tier_turn) % len(engines)] if engines else None
+
+    def route(self, body: dict[str, Any], kind: str, held: TierHeld | None = None) -> Route:
         """The request's engines (``Route``). With ``degrade``, a pool without a ready engine is skipped:
-        the other pool's engine serves the request alone; ``NoHealthyEngine`` only when neither can."""
+        the other pool's engine serves the request alone; ``NoHealthyEngine`` only when neither can.
+        ``held``: what the shared tier holds of the prompt (``asks_tier``), if known."""
         prefix = (
             prefix_hashes(body, kind, self.settings.prefix_block_chars, self.settings.prefix_max_blocks)
             if self._uses_prefix
             else ()
         )
-        in_tier = 0
-        if self.tier_index is not None and prefix:
-            in_tier = self.tier_index.blocks_sent(prefix, SHARED_TIER)
-            self.tier_index.record(prefix, SHARED_TIER)
+        in_tier = held.depth(body, kind, self.settings.prefix_block_chars, len(prefix)) if held and prefix else 0
         tiers = self.settings.tier_pools
         engines = self.pool.ready("decode")
         if not engines:
@@ -317,9 +352,11 @@ class Router:
                 else policy.pick(engines, prefix)
             )
             if prefix:
-                sent = max(self.decode_index.blocks_sent(prefix, decode.engine_id), shared)
+                sent = self.decode_index.blocks_sent(prefix, decode.engine_id)
                 self.decode_index.record(prefix, decode.engine_id)
-                if self.settings.decode_only_if_cached and sent >= self._cached_fraction * len(prefix):
+                stored = held.fraction if held is not None and "decode" in tiers else 0.0
+                cached = sent >= self._cached_fraction * len(prefix) or stored >= self._cached_fraction
+                if self.settings.decode_only_if_cached and cached:
                     return Route(None, decode, prefix, CACHED)
         if self._decode_only_below and estimate_prompt_tokens(body, kind) < self._decode_only_below:
             return Route(None, decode, prefix, SHORT_PROMPT)

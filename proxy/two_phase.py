@@ -17,6 +17,7 @@ engine, so no other can use them.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import time
@@ -33,7 +34,15 @@ from proxy.auth import KeyCheck, bearer_token, load_engine_key
 from proxy.config import ProxyConfig
 from proxy.disconnect import cancel_on_disconnect
 from proxy.engine_client import EngineClient, EngineResponse
-from proxy.errors import ClientGone, InvalidApiKey, InvalidRequest, ProxyError, UpstreamFailed, error_response
+from proxy.errors import (
+    ClientGone,
+    EngineConnectionError,
+    InvalidApiKey,
+    InvalidRequest,
+    ProxyError,
+    UpstreamFailed,
+    error_response,
+)
 from proxy.flow import EngineRejected, Upstream, check_context_length, decode_body, parse_request, prefill_body
 from proxy.health import HealthTracker
 from proxy.kv_report import KVReports, kv_report
@@ -41,7 +50,7 @@ from proxy.limits import AdmissionGate, read_body
 from proxy.metrics import DEFAULT_SERVING_PATH, ProxyMetrics
 from proxy.pool import EngineState
 from proxy.release import KVReleaser
-from proxy.routing import DECODE_FAILED, DEGRADED_REASONS, NO_DECODE_ENGINE, PREFILL_FAILED, Router
+from proxy.routing import DECODE_FAILED, DEGRADED_REASONS, NO_DECODE_ENGINE, PREFILL_FAILED, Router, TierHeld
 
 __all__ = ["DECODE_ONLY", "DISAGGREGATED", "PREFILL_ONLY", "TwoPhaseFlow", "serving_path"]
 
@@ -165,7 +174,9 @@ class TwoPhaseFlow:
         """Route, prefill, decode: the response, or a stream to relay (with its decode engine and KV params)."""
         assert self.upstream is not None and self.releaser is not None, "the flow is not open"
         upstream, releaser = self.upstream, self.releaser
-        prefill_engine, decode_engine, prefix, reason = self.router.route(body, kind)
+        headers = self.engine_headers(request, request_id)
+        held = await self._tier_held(body, kind, headers, request_id) if self.router.asks_tier(body, kind) else None
+        prefill_engine, decode_engine, prefix, reason = self.router.route(body, kind, held)
         if prefill_engine is not None:
             path = DISAGGREGATED
         else:
@@ -175,7 +186,6 @@ class TwoPhaseFlow:
         request.state.serving_path = path
         reply_headers["X-PDServe-Path"] = _path_header(path, reason)
         reply_headers["X-PDServe-Decode"] = decode_engine.engine_id
-        headers = self.engine_headers(request, request_id)
         kv_params = None
         prefill_started = time.perf_counter()
         if prefill_engine is not None:
@@ -291,6 +301,31 @@ class TwoPhaseFlow:
                 reply_headers.pop("X-PDServe-Prefill", None)
                 reply_headers["X-PDServe-Path"] = _path_header(DECODE_ONLY, DECODE_FAILED)
             engine = retry
+
+    async def _tier_held(self, body: dict, kind: str, headers: dict, request_id: str) -> TierHeld | None:
+        """What the shared KV tier holds of the prompt, as a tier engine answers (``wire.TIER_HELD_PATH``);
+        None without an answer within ``routing.tier_lookup_timeout_s`` (routed as without a tier)."""
+        assert self.upstream is not None
+        engine = self.router.tier_engine()
+        if engine is None:
+            return None
+        timeout_s = self.config.routing.tier_lookup_timeout_s
+        url = f"{engine.url}{wire.TIER_HELD_PATH}?kind={kind}"
+        try:
+            async with asyncio.timeout(timeout_s):
+                response = await self.upstream.client.post(url, orjson.dumps(body), headers, timeout_s)
+                payload = await response.read(timeout_s)
+            if response.status != 200:
+                raise ValueError(f"HTTP {response.status}: {payload[:200]!r}")
+            answer = orjson.loads(payload)
+            held = TierHeld(int(answer[wire.PROMPT_TOKENS] or 0), int(answer[wire.TIERS].get(wire.SHARED_TIER, 0)))
+        except (EngineConnectionError, TimeoutError, ValueError, TypeError, KeyError, AttributeError) as e:
+            self.metrics.tier_lookups.labels("failed").inc()
+            logger.info("request %s: no answer from %s on the KV tier (%s); routed without it",
+                        request_id, engine.engine_id, e or type(e).__name__)  # fmt: skip
+            return None
+        self.metrics.tier_lookups.labels("ok").inc()
+        return held
 
     def _unreachable(self, engine: EngineState, failure: UpstreamFailed, request_id: str) -> None:
         if self.checks_health and failure.unreachable:

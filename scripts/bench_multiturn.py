@@ -18,7 +18,10 @@ conversations (it is on in every run). Three runs of the same conversations, eac
 Each turn is streamed through the proxy; TTFT is the time to the first content
 token. Reported per run: TTFT p50/p90 of turns >= 2 and its ratio to the pooled no-tier runs,
 and whether every answer is the same as in ``no-tier`` (greedy, so it must be).
-Machine speed drifts: compare the ratios, measured in the same run.
+Machine speed drifts: compare the ratios, measured in the same run. With
+``--decode-only-if-cached`` every run's proxy serves a turn decode-only when the
+decode engine can load most of it (the tier holds it; without the tier, the decode
+engine was sent it), and each row says how the turn was served (``path``).
 
     python scripts/bench_multiturn.py [--conversations 6] [--out docs/multiturn-benchmark.json]
     python scripts/bench_multiturn.py --first-sentences 80 --user-sentences 8 --max-tokens 64   (chat over a document)
@@ -82,8 +85,8 @@ def conversations(count: int, seed: int, sentences: int = 22, first: int | None 
     return talks
 
 
-def stream_chat(proxy_url: str, messages: list[dict], max_tokens: int) -> tuple[float, str, int]:
-    """(TTFT, answer, prompt tokens) of one streamed greedy turn."""
+def stream_chat(proxy_url: str, messages: list[dict], max_tokens: int) -> tuple[float, str, int, str]:
+    """(TTFT, answer, prompt tokens, the proxy's serving path) of one streamed greedy turn."""
     body = {
         "model": MODEL,
         "messages": messages,
@@ -97,6 +100,7 @@ def stream_chat(proxy_url: str, messages: list[dict], max_tokens: int) -> tuple[
     )
     start, ttft, parts, prompt_tokens = time.perf_counter(), None, [], 0
     with urllib.request.urlopen(request, timeout=900) as response:
+        path = response.headers.get("X-PDServe-Path", "")
         for raw in response:
             line = raw.decode().strip()
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -111,13 +115,23 @@ def stream_chat(proxy_url: str, messages: list[dict], max_tokens: int) -> tuple[
                 prompt_tokens = event["usage"]["prompt_tokens"]
     if ttft is None:
         raise RuntimeError("the stream carried no content")
-    return ttft, "".join(parts), prompt_tokens
+    return ttft, "".join(parts), prompt_tokens, path
 
 
-def spec_file(config: str, workdir: Path, run: str, tier_dir: Path | None, kv_blocks: int, block_size: int) -> str:
+def spec_file(
+    config: str,
+    workdir: Path,
+    run: str,
+    tier_dir: Path | None,
+    kv_blocks: int,
+    block_size: int,
+    decode_only_if_cached: bool = False,
+) -> str:
     raw = yaml.safe_load(Path(config).read_text())
     raw.pop("kv_tier", None)
     raw["name"] = f"multiturn-{run}"
+    if decode_only_if_cached:  # in every run: without the tier, what the decode engine was sent counts
+        raw["proxy"] = {**raw.get("proxy", {}), "decode_only_if_cached": True}
     engine = raw.setdefault("engine", {})
     # the same KV cache in tokens whatever the block size
     blocks = kv_blocks * CPU_BLOCK_TOKENS // block_size
@@ -156,11 +170,14 @@ def run(spec: str, talks: list[list[str]], max_tokens: int, restart_after: set[i
                 if turn >= len(talk):
                     continue
                 histories[c].append({"role": "user", "content": talk[turn]})
-                ttft, answer, prompt_tokens = stream_chat(proxy_url, histories[c], max_tokens)
+                ttft, answer, prompt_tokens, path = stream_chat(proxy_url, histories[c], max_tokens)
                 histories[c].append({"role": "assistant", "content": answer})
                 row = {"conversation": c, "turn": turn + 1, "ttft_s": ttft, "prompt_tokens": prompt_tokens}
-                rows.append(row | {"answer": answer})
-                print(f"  conversation {c} turn {turn + 1}: {prompt_tokens} tokens, TTFT {ttft:.2f} s", flush=True)
+                rows.append(row | {"answer": answer, "path": path})
+                print(
+                    f"  conversation {c} turn {turn + 1}: {prompt_tokens} tokens, TTFT {ttft:.2f} s ({path})",
+                    flush=True,
+                )
             if turn + 1 in restart_after:
                 print(f"  restarting the engines after round {turn + 1}", flush=True)
                 down()
@@ -179,6 +196,7 @@ def summary(rows: list[dict], baseline: list[dict] | None) -> dict:
         "ttft_later_p50_s": statistics.median(later),
         "ttft_later_p90_s": later[int(0.9 * (len(later) - 1))],
         "max_prompt_tokens": max(r["prompt_tokens"] for r in rows),
+        "decode_only_turns": sum(r.get("path", "").startswith("decode-only") for r in rows),
     }
     if baseline is not None:
         answers = {(r["conversation"], r["turn"]): r["answer"] for r in baseline}
@@ -203,6 +221,12 @@ def main() -> None:
         default=CPU_BLOCK_TOKENS,
         help="tokens per KV block (vLLM's --block-size) in every run: the tier stores full blocks only",
     )
+    parser.add_argument(
+        "--decode-only-if-cached",
+        action="store_true",
+        help="the proxy's decode_only_if_cached in every run: a turn whose history the tier holds (or, without "
+        "the tier, that the decode engine was sent) goes to the decode engine alone",
+    )
     parser.add_argument("--restart-after", default="1,4", help="rounds after which tier-restart restarts its engines")
     parser.add_argument("--runs", default="no-tier,tier,tier-restart,no-tier-again")
     parser.add_argument("--seed", type=int, default=11)
@@ -217,7 +241,9 @@ def main() -> None:
     rows_by_run: dict[str, list[dict]] = {}
     for name in args.runs.split(","):
         tier_dir = None if name.startswith("no-tier") else workdir / f"tier-{name}"
-        spec = spec_file(args.config, workdir, name, tier_dir, args.kv_blocks, args.block_size)
+        spec = spec_file(
+            args.config, workdir, name, tier_dir, args.kv_blocks, args.block_size, args.decode_only_if_cached
+        )
         print(f"{name}:", flush=True)
         started, began = time.perf_counter(), time.strftime("%H:%M:%S")
         rows_by_run[name] = run(spec, talks, args.max_tokens, restart_after if name == "tier-restart" else set())
@@ -239,6 +265,7 @@ def main() -> None:
         "first_sentences": args.first_sentences or args.user_sentences,
         "kv_blocks_per_engine": args.kv_blocks,
         "block_size": args.block_size,
+        "decode_only_if_cached": args.decode_only_if_cached,
         "restart_after_rounds": sorted(restart_after),
         "seed": args.seed,
         "results": results,

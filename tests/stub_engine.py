@@ -21,7 +21,9 @@ ephemeral port, and answers ``POST /v1/chat/completions`` and
 ``health_status`` (200); ``GET /metrics`` reports ``waiting`` and
 ``kv_cache_usage`` as vLLM's Prometheus gauges, followed by what
 ``extra_metrics()`` returns; ``POST /tokenize`` answers one token id per word
-of the prompt (100, 101, ...).
+of the prompt (100, 101, ...); ``POST /v1/pdserve/tier_held`` answers that the
+shared KV tier holds ``tier_fraction`` of them (after ``tier_delay_s``), and
+counts the lookups in ``tier_lookups``.
 
 It validates a little, like vLLM: a body that is not a JSON object, a missing
 ``messages``/``prompt``, ``max_tokens`` < 1 or ``min_tokens`` > ``max_tokens``
@@ -58,6 +60,8 @@ from typing import Any
 
 import orjson
 from aiohttp import web
+
+from connectors import wire
 
 __all__ = ["Behaviour", "ReceivedRequest", "StubEngine", "answer_text", "error_body"]
 
@@ -160,6 +164,10 @@ class StubEngine:
     """``vllm:num_requests_waiting`` on ``GET /metrics``."""
     kv_cache_usage: float = 0.0
     """``vllm:kv_cache_usage_perc`` (0-1) on ``GET /metrics``."""
+    tier_fraction: float = 0.0
+    """The share of a prompt's tokens ``POST /v1/pdserve/tier_held`` says the shared KV tier holds."""
+    tier_delay_s: float = 0.0
+    """How long ``POST /v1/pdserve/tier_held`` waits before it answers."""
     extra_metrics: Callable[[], str] | None = None
     """More Prometheus text for ``GET /metrics``, e.g. a test's histograms of what the stub served."""
     handler: Handler | None = None
@@ -169,6 +177,8 @@ class StubEngine:
     requests: list[ReceivedRequest] = field(default_factory=list, init=False)
     health_probes: int = field(default=0, init=False)
     """``GET /health`` requests received."""
+    tier_lookups: list[dict[str, Any]] = field(default_factory=list, init=False)
+    """The ``kind`` and body of each ``POST /v1/pdserve/tier_held``."""
     _runner: web.AppRunner | None = field(default=None, init=False, repr=False)
     _released: asyncio.Event | None = field(default=None, init=False, repr=False)
     _ids: itertools.count = field(default_factory=itertools.count, init=False, repr=False)
@@ -194,6 +204,7 @@ class StubEngine:
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_post("/tokenize", self._tokenize)
+        app.router.add_post(wire.TIER_HELD_PATH, self._tier_held)
         runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=0.5, access_log=None)
         await runner.setup()
         await web.SockSite(runner, sock).start()
@@ -267,6 +278,15 @@ class StubEngine:
         body = orjson.loads(await request.read())
         tokens = [100 + i for i, _ in enumerate(str(body.get("prompt", "")).split())]
         return _json({"count": len(tokens), "max_model_len": 4096, "tokens": tokens, "token_strs": None})
+
+    async def _tier_held(self, request: web.Request) -> web.Response:
+        body = orjson.loads(await request.read())
+        self.tier_lookups.append({"kind": request.query.get("kind"), "body": body})
+        await asyncio.sleep(self.tier_delay_s)
+        text = body.get("prompt") if "prompt" in body else " ".join(str(m.get("content")) for m in body["messages"])
+        tokens = len(str(text).split())
+        held = int(tokens * self.tier_fraction)
+        return _json({wire.PROMPT_TOKENS: tokens, wire.TIERS: {wire.SHARED_TIER: held, "node": 0}})
 
     async def _models(self, request: web.Request) -> web.Response:
         if self.behaviour is Behaviour.ERROR_500:

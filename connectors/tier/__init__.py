@@ -10,6 +10,8 @@ beyond its ``fs`` tier, lives here:
   CUDA/XPU only).
 - ``connectors.tier.store``: the shared filesystem tier: checksummed, crash-safe
   entries, bounded by bytes with LRU eviction, with metrics.
+- ``connectors.tier.held``: how many of a request's prompt tokens the filesystem
+  tiers hold, answered by the engine's HTTP server for the proxy's routing.
 """
 
 TIER_HASH_ALGO = "sha256_cbor"
@@ -25,3 +27,9 @@ engine actor sets a name of its own start (``orchestrator.engine_actor``)."""
 def region_file(name: str) -> str:
     """Where vLLM's ``SharedOffloadRegion`` keeps the host region ``name``."""
     return f"/dev/shm/vllm_offload_{name}.mmap"
+
+
+LAYOUT_ENV = "PDSERVE_KV_TIER_LAYOUTS"
+"""A directory where each filesystem tier of the engine writes how its entries are named (``<tier>.json``):
+the engine core knows it, and the engine's HTTP server, a process of its own, reads it to answer what the
+tiers hold (``connectors.tier.held``). Set by the engine actor for each start."""

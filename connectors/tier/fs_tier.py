@@ -44,6 +44,7 @@ from vllm.v1.kv_offload.tiering.base import JobId, TransferJob
 from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager, FsAsyncLookupManager
 from vllm.v1.kv_offload.tiering.fs.thread_pool import DualQueueThreadPool
 
+from connectors.tier.held import write_layout
 from connectors.tier.store import VERSION, EntryStore
 
 if TYPE_CHECKING:
@@ -143,6 +144,8 @@ class PdserveFsTier(FileSystemTierManager):
             parallel_agnostic=True,
         )
         self.entries = EntryStore(root, int(max_bytes), fsync=bool(fsync), rescan_s=float(rescan_s))
+        # for the engine's HTTP server, which answers the proxy what this tier holds (connectors.tier.held)
+        write_layout(self.name, self.file_mapper.base_path, self.file_mapper.rank, offloading_spec)
         self._pool = DualQueueThreadPool(
             int(n_read_threads), int(n_write_threads), thread_name_prefix="pdserve_kv_tier"
         )

@@ -1,6 +1,7 @@
 """The KV tier on real engines: a conversation's next turn loads its history from the node tier, or
 the shared one, after the engines restart, answers exactly as without the tier, and a corrupted entry
-on disk never changes an answer.
+on disk never changes an answer. The proxy routes by what the tier holds: a prompt it never saw, whose
+history the tier holds, is served decode-only.
 
 Two clusters of their own, one after the other, sharing one tier directory: the second is the first
 "restarted" (new engines, empty host memory, empty prefix caches), so what it does not compute it
@@ -20,6 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from connectors import wire
 from connectors.tier.store import HEADER, read_entry
 from orchestrator.shm import SHM_DIR
 from tests.integration.conftest import HERE, engine_headers, http_json, own_cluster
@@ -27,31 +29,55 @@ from tests.integration.conftest import HERE, engine_headers, http_json, own_clus
 pytestmark = [pytest.mark.integration, pytest.mark.after_cluster]
 
 MODEL = "smollm2-135m-instruct"
+LONG_FOLLOW_UP = (
+    "Now tell me everything the keepers might have written on the stormiest night of the year, hour by hour, "
+    "with the ships, the wind and the lamp. " * 6
+)
+"""A new message long enough that the stored history is under 80 % of the prompt: not served decode-only."""
 STORY = (
     "The keepers of the northern lighthouse wrote in their log every evening: the wind, the height of "
     "the sea, the ships that passed and how much oil the lamp had burnt. "
 )
 
 
-def spec(tier_dir: Path, name: str) -> dict:
+def spec(tier_dir: Path, name: str, **proxy: object) -> dict:
     base = yaml.safe_load((HERE / "cluster.yaml").read_text())
     return base | {
         "name": name,
         "connector": "pdserve",
-        "proxy": {"port": 18600},
+        "proxy": {"port": 18600, **proxy},
         "prefill": base["prefill"] | {"port": 18700, "kv_port": 16000},
         "decode": base["decode"] | {"port": 18800, "kv_port": 16100},
         "kv_tier": {"host_gib": 0.25, "node_gib": 0.5, "shared_gib": 1, "shared_path": str(tier_dir)},
     }
 
 
-def chat(proxy_url: str, messages: list[dict], salt: str | None = None) -> str:
+def request(messages: list[dict], salt: str | None = None) -> dict:
     body = {"model": MODEL, "messages": messages, "max_tokens": 24, "temperature": 0}
     if salt is not None:
         body["cache_salt"] = salt
-    status, _, answer = http_json(proxy_url + "/v1/chat/completions", body, timeout=300)
+    return body
+
+
+def ask(proxy_url: str, messages: list[dict], salt: str | None = None) -> tuple[int, dict, dict]:
+    """Status, headers (names in lower case) and answer of a chat request through the proxy."""
+    code, headers, answer = http_json(proxy_url + "/v1/chat/completions", request(messages, salt), timeout=300)
+    return code, {name.lower(): value for name, value in headers.items()}, answer
+
+
+def chat(proxy_url: str, messages: list[dict], salt: str | None = None) -> str:
+    status, _, answer = ask(proxy_url, messages, salt)
     assert status == 200, answer
     return answer["choices"][0]["message"]["content"]
+
+
+def tier_held(engine_url: str, messages: list[dict], headers: dict[str, str], salt: str | None = None) -> dict:
+    """What the engine says its tiers hold of this chat's prompt."""
+    code, _, answer = http_json(
+        engine_url + wire.TIER_HELD_PATH + "?kind=chat", request(messages, salt), headers=headers
+    )
+    assert code == 200, answer
+    return answer
 
 
 def metrics(url: str, headers: dict[str, str]) -> dict[str, float]:
@@ -103,13 +129,14 @@ def check_tiers(tmp_path: Path, name: str, tier: Path, node: Path) -> None:
     first, second = conversation("the wind"), conversation("the oil")
     with own_cluster(tmp_path / "a", spec(tier, name)) as status:
         url = status["proxy_url"]
-        for talk in (first, second):
-            talk += [{"role": "assistant", "content": chat(url, talk)}, {"role": "user", "content": "And then?"}]
+        for talk, follow_up in ((first, "And then?"), (second, LONG_FOLLOW_UP)):
+            talk += [{"role": "assistant", "content": chat(url, talk)}, {"role": "user", "content": follow_up}]
         expected = [chat(url, talk, salt="no-tier") for talk in (first, second)]  # computed whole
     assert sorted(tier.rglob("*.bin")), "the first cluster stored nothing in the shared tier"
     assert sorted(node.rglob("*.bin")), "the first cluster stored nothing in the node tier"
 
-    with own_cluster(tmp_path / "b", spec(tier, name)) as status:
+    # The second cluster's proxy serves decode-only a prompt the tier holds (80 % of its tokens by default).
+    with own_cluster(tmp_path / "b", spec(tier, name, decode_only_if_cached=True)) as status:
         url, headers = status["proxy_url"], engine_headers(status["state_dir"])
         prefill = next(e["url"] for e in status["engines"] if e["role"] == "prefill")
         decode = next(e["url"] for e in status["engines"] if e["role"] == "decode")
@@ -117,41 +144,53 @@ def check_tiers(tmp_path: Path, name: str, tier: Path, node: Path) -> None:
         regions = {path.name for path in set(SHM_DIR.glob("vllm_offload_*")) - regions_before}
         assert len(regions) == 2 and not regions & {"vllm_offload_prefill-0.mmap", "vllm_offload_decode-0.mmap"}
 
-        # 1. The next turn after a restart: its history is loaded from the node tier (looked up before the
-        #    shared one), its answer is the same.
-        assert chat(url, first) == expected[0]
+        # 1. An engine says how much of a prompt the tiers hold: whole 128-token blocks of the stored history,
+        #    not the new turn; nothing for the same prompt with another cache_salt; and only to the cluster.
+        held = tier_held(decode, first, headers)
+        assert held[wire.TIERS][wire.SHARED_TIER] >= 4 * 128 and held[wire.TIERS][wire.SHARED_TIER] % 128 == 0
+        assert held[wire.TIERS][wire.SHARED_TIER] < held[wire.PROMPT_TOKENS] and held[wire.TIERS]["node"] >= 4 * 128
+        assert tier_held(decode, first, headers, salt="other")[wire.TIERS] == {wire.SHARED_TIER: 0, "node": 0}
+        assert http_json(decode + wire.TIER_HELD_PATH + "?kind=chat", {"messages": first})[0] == 401
+
+        # 2. The next turn of a conversation this proxy never saw, whose history the tier holds: the proxy
+        #    asks the tier and serves it on the decode engine alone, which loads the history from the node
+        #    tier (looked up before the shared one). The answer is the same.
+        code, reply_headers, answer = ask(url, first)
+        assert code == 200, answer
+        assert reply_headers["x-pdserve-path"] == "decode-only; reason=cached"
+        assert answer["choices"][0]["message"]["content"] == expected[0]
+        assert answer["usage"]["prompt_tokens"] == held[wire.PROMPT_TOKENS]  # the engine counted it as vLLM does
+        on_decode = metrics(decode, headers)
+        assert total(on_decode, "vllm:prompt_tokens_cached_by_source_total", source="disk") >= 4 * 128
+        assert total(on_decode, "pdserve:kv_tier_hits_total", tier="node") >= 4
+        assert total(metrics(url, {}), "pdserve_proxy_tier_lookups_total", outcome="ok") >= 1
+
+        # 3. The node tier lost (the engines run on another host now), and a turn whose new message is long:
+        #    disaggregated, its prefill engine loads the history from the shared tier and computes the rest.
+        for entry in node.rglob("*.bin"):
+            entry.unlink()
+        code, reply_headers, answer = ask(url, second)
+        assert code == 200, answer
+        assert reply_headers["x-pdserve-path"] == "disaggregated"
+        assert answer["choices"][0]["message"]["content"] == expected[1]
         after = metrics(prefill, headers)
         from_disk = total(after, "vllm:prompt_tokens_cached_by_source_total", source="disk")
         assert from_disk >= 4 * 128, json.dumps({k: v for k, v in after.items() if "by_source" in k}, indent=1)
         # the prefill engine loads KV from nothing but the tier: its external tokens are the tier's
         assert total(after, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer") >= 4 * 128
-        assert total(after, "pdserve:kv_tier_hits_total", tier="node") >= 4
-        assert total(after, "pdserve:kv_tier_load_bytes_total", tier="node") > 0
+        assert total(after, "pdserve:kv_tier_hits_total", tier="shared") >= 4
+        assert total(after, "pdserve:kv_tier_load_bytes_total", tier="shared") > 0
 
-        # 2. The node tier lost (the engine runs on another host now): a decode engine alone takes a whole
-        #    stored history from the shared tier (what decode-only serves).
-        for entry in node.rglob("*.bin"):
-            entry.unlink()
-        code, _, answer = http_json(
-            decode + "/v1/chat/completions",
-            {"model": MODEL, "messages": second, "max_tokens": 24, "temperature": 0},
-            timeout=300,
-            headers=headers,
-        )
-        assert code == 200, answer
-        assert answer["choices"][0]["message"]["content"] == expected[1]
-        on_decode = metrics(decode, headers)
-        assert total(on_decode, "vllm:prompt_tokens_cached_by_source_total", source="disk") >= 4 * 128
-        assert total(on_decode, "pdserve:kv_tier_hits_total", tier="shared") >= 4
-        assert total(on_decode, "pdserve:kv_tier_load_bytes_total", tier="shared") > 0
-
-        # 3. Every entry on disk corrupted (one flipped byte each): the other conversation's next turn
-        #    finds them, drops them, computes its history again and answers exactly as before.
+        # 4. Every entry on disk corrupted (one flipped byte each): the prefill engine, asked directly for
+        #    the turn it never saw (the proxy would send it to the decode engine, which holds it), finds
+        #    them, drops them, computes the history again and answers exactly as before.
         for entry in tier.rglob("*.bin"):
             data = bytearray(entry.read_bytes())
             data[len(data) // 2] ^= 0x5A
             entry.write_bytes(bytes(data))
-        assert chat(url, second) == expected[1]
+        code, _, answer = http_json(prefill + "/v1/chat/completions", request(first), timeout=300, headers=headers)
+        assert code == 200, answer
+        assert answer["choices"][0]["message"]["content"] == expected[0]
         after = metrics(prefill, headers)
         assert total(after, "pdserve:kv_tier_corrupt_entries_total", tier="shared") >= 1
         # ... and stored again: its blocks' entries on disk read back intact.

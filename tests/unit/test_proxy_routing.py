@@ -17,6 +17,7 @@ from proxy.app import ProxyConfig, create_app
 from proxy.routing import RoutingSettings
 from tests.stub_engine import Behaviour, answer_text
 from tests.unit.conftest import PROXY_MODEL, ProxyServer, endpoint, released
+from tests.unit.test_metrics import scrape
 from tests.unit.test_proxy import (
     CHAT,
     CHAT_PATH,
@@ -52,6 +53,11 @@ async def two_decode(pool, make_engine):
 async def post(proxy: ProxyServer, body: dict, path: str = "/v1/completions", **kwargs) -> httpx.Response:
     async with httpx.AsyncClient(base_url=proxy.url, timeout=10) as client:
         return await client.post(path, json=body, **kwargs)
+
+
+async def tier_lookups(proxy: ProxyServer, outcome: str) -> float:
+    async with httpx.AsyncClient(base_url=proxy.url, timeout=10) as client:
+        return (await scrape(client)).get(("pdserve_proxy_tier_lookups_total", (("outcome", outcome),)), 0.0)
 
 
 def in_flight(pool) -> dict[str, int]:
@@ -167,6 +173,37 @@ async def test_a_prompt_the_decode_engine_was_just_sent_goes_decode_only(make_pr
     assert first.headers["x-pdserve-path"] == "disaggregated"
     assert second.headers["x-pdserve-path"] == "decode-only; reason=cached"
     assert len(prefill_engine.requests) == 1 and len(decode_engine.requests) == 2
+
+
+async def test_a_prompt_the_shared_tier_holds_goes_decode_only_though_this_proxy_never_saw_it(
+    make_proxy, prefill_engine, decode_engine
+):
+    proxy = await make_proxy(decode_only_if_cached=True, prefix_block_chars=16, tier_pools=("prefill", "decode"))
+    decode_engine.tier_fraction = prefill_engine.tier_fraction = 0.9  # another proxy's, or a past run's, prompt
+
+    response = await post(proxy, LONG)
+
+    assert response.status_code == 200
+    assert response.headers["x-pdserve-path"] == "decode-only; reason=cached"
+    assert not prefill_engine.requests and len(decode_engine.requests) == 1
+    lookups = prefill_engine.tier_lookups + decode_engine.tier_lookups
+    assert lookups == [{"kind": "completion", "body": LONG}]
+    assert await tier_lookups(proxy, "ok") == 1
+
+
+async def test_without_an_answer_from_the_tier_in_time_a_request_is_routed_as_without_it(
+    make_proxy, prefill_engine, decode_engine
+):
+    proxy = await make_proxy(
+        decode_only_if_cached=True, prefix_block_chars=16, tier_pools=("decode",), tier_lookup_timeout_s=0.2
+    )
+    decode_engine.tier_fraction, decode_engine.tier_delay_s = 1.0, 2.0
+
+    response = await post(proxy, LONG)
+
+    assert response.status_code == 200 and response.headers["x-pdserve-path"] == "disaggregated"
+    assert len(prefill_engine.requests) == 1
+    assert await tier_lookups(proxy, "failed") == 1
 
 
 async def test_the_serving_path_is_on_the_request_state_for_middleware(pool, prefill_engine, decode_engine):

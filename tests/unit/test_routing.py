@@ -13,6 +13,7 @@ from proxy.routing import (
     RoundRobin,
     Router,
     RoutingSettings,
+    TierHeld,
     estimate_prompt_tokens,
     prefix_hashes,
 )
@@ -373,17 +374,25 @@ def test_router_accepts_plain_endpoints_in_its_pool():
 # --- a shared KV tier -------------------------------------------------------------------------
 
 
-def test_with_a_shared_tier_any_decode_engine_serves_a_stored_prompt_decode_only():
+def test_with_a_shared_tier_any_decode_engine_serves_a_prompt_the_tier_holds_decode_only():
     router = make_router(decode=3, decode_policy="least_loaded", decode_only_if_cached=True, tier_pools=("decode",))
+    prompt = completion("t" * (5 * BLOCK))  # never routed by this proxy
+
+    stored = router.route(prompt, "completion", TierHeld(320, 300))
+    partly = router.route(completion("v" * (5 * BLOCK)), "completion", TierHeld(320, 128))
+    unknown = router.route(completion("w" * (5 * BLOCK)), "completion", None)  # the tier engine did not answer
+
+    assert stored.prefill is None and stored.reason == "cached"
+    assert partly.prefill is not None and unknown.prefill is not None  # below decode_only_cached_fraction
+
+
+def test_what_the_tier_holds_counts_only_for_the_tier_pools():
+    decode_not_in_tier = make_router(decode_only_if_cached=True, tier_pools=("prefill",))
+    no_tier = make_router(decode_only_if_cached=True)
     prompt = completion("t" * (5 * BLOCK))
 
-    first = router.route(prompt, "completion")
-    first.decode.in_flight += 5  # busy: the next request goes to another decode engine
-    second = router.route(prompt, "completion")
-
-    assert first.prefill is not None  # nothing stored yet
-    assert second.prefill is None and second.reason == "cached"
-    assert second.decode is not first.decode  # it loads the prompt from the tier, not from its own cache
+    for router in (decode_not_in_tier, no_tier):
+        assert router.route(prompt, "completion", TierHeld(320, 320)).prefill is not None
 
 
 def test_without_a_tier_only_the_engine_sent_the_prefix_counts_it_cached():
@@ -399,28 +408,48 @@ def test_without_a_tier_only_the_engine_sent_the_prefix_counts_it_cached():
 
 def test_prefix_aware_leaves_a_holder_whose_prefix_the_tier_holds_for_the_least_loaded():
     prompt = completion("s" * (6 * BLOCK))
-    with_tier = make_router(prefill=3, prefill_policy="prefix_aware", tier_pools=("prefill", "decode"))
-    without = make_router(prefill=3, prefill_policy="prefix_aware")
-    for router in (with_tier, without):
-        holder = router.route(prompt, "completion").prefill
-        holder.in_flight += 1  # a little busier than the others: not overloaded
-        again = router.route(prompt, "completion").prefill
-        holder.in_flight -= 1
-        if router is without:
-            assert again is holder  # its prefix cache is the only copy
-        else:
-            assert again is not holder  # every prefill engine loads it from the tier
+    router = make_router(prefill=3, prefill_policy="prefix_aware", tier_pools=("prefill", "decode"))
+    holder = router.route(prompt, "completion").prefill
+    holder.in_flight += 1  # a little busier than the others: not overloaded
+
+    assert router.route(prompt, "completion").prefill is holder  # the tier holds none of it: its cache is the copy
+    assert router.route(prompt, "completion", TierHeld(384, 384)).prefill is not holder  # all load it from the tier
 
 
 def test_a_longer_prefix_on_one_engine_still_wins_over_the_tier():
     router = make_router(prefill=3, prefill_policy="prefix_aware", tier_pools=("prefill",))
-    short, longer = completion("u" * (3 * BLOCK)), completion("u" * (8 * BLOCK))
-    router.route(short, "completion")  # the tier holds 3 blocks
-    holder = router.route(longer, "completion").prefill  # and one engine was sent 8
-    router.tier_index = type(router.tier_index)(router.settings.prefix_cache_size)  # the tier forgot the long one
-    router.route(short, "completion")
+    longer = completion("u" * (8 * BLOCK))
+    holder = router.route(longer, "completion").prefill  # one engine was sent 8 blocks
     holder.in_flight += 1
-    assert router.route(longer, "completion").prefill is holder
+
+    assert router.route(longer, "completion", TierHeld(512, 192)).prefill is holder  # the tier holds 3 of them
+
+
+def test_tier_held_depth_is_its_share_of_the_prompt_in_the_proxys_blocks():
+    body = completion("x" * (10 * BLOCK))  # 10 blocks; the engine counts the same prompt in its own tokens
+    assert TierHeld(640, 320).depth(body, "completion", BLOCK, 8) == 5
+    assert TierHeld(640, 640).depth(body, "completion", BLOCK, 8) == 8  # no deeper than the proxy hashed
+    assert TierHeld(640, 0).depth(body, "completion", BLOCK, 8) == 0
+    assert TierHeld(0, 0).fraction == 0.0 and TierHeld(10, 20).fraction == 1.0
+
+
+def test_routing_asks_the_tier_only_where_its_answer_changes_a_choice():
+    long, short = completion("y" * (3 * BLOCK)), completion("hi")
+    asks = make_router(decode_only_if_cached=True, tier_pools=("prefill", "decode"))
+
+    assert asks.asks_tier(long, "completion") and not asks.asks_tier(short, "completion")
+    assert not make_router(tier_pools=("prefill", "decode")).asks_tier(long, "completion")  # round robin: no choice
+    assert not make_router(decode_only_if_cached=True).asks_tier(long, "completion")  # no tier
+    assert make_router(prefill_policy="prefix_aware", tier_pools=("prefill",)).asks_tier(long, "completion")
+    below = make_router(decode_only_if_cached=True, tier_pools=("decode",), decode_only_below_tokens=10_000)
+    assert not below.asks_tier(long, "completion")  # decode-only anyway
+
+
+def test_the_tier_is_asked_of_its_pools_ready_engines_in_turn():
+    router = make_router(prefill=2, decode=1, decode_only_if_cached=True, tier_pools=("prefill", "decode"))
+    asked = [router.tier_engine().engine_id for _ in range(6)]
+    assert asked == ["prefill-0", "prefill-1", "decode-0"] * 2
+    assert make_router(prefill=0, decode=0, tier_pools=("decode",)).tier_engine() is None
 
 
 def test_tier_pools_must_name_pools():
