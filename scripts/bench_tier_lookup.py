@@ -30,7 +30,7 @@ from connectors import wire  # noqa: E402
 from connectors.auth import engine_key  # noqa: E402
 from orchestrator.cluster import load_cluster_secret  # noqa: E402
 from scripts.bench_latency import pdserve  # noqa: E402
-from scripts.bench_multiturn import MODEL, conversations, stream_chat  # noqa: E402
+from scripts.bench_multiturn import MODEL, conversations, down, stream_chat, up  # noqa: E402
 
 
 def post(url: str, body: dict, headers: dict[str, str]) -> tuple[float, dict]:
@@ -59,12 +59,9 @@ def main() -> None:
     raw["kv_tier"] = {**raw["kv_tier"], "shared_path": str(workdir / "tier")}
     spec = workdir / "cluster.yaml"
     spec.write_text(yaml.safe_dump(raw))
-    started = pdserve("up", str(spec), "--detach")
-    if started.returncode != 0:
-        sys.exit(f"pdserve up failed:\n{started.stdout}\n{started.stderr}")
+    proxy = up(str(spec))
     try:
         status = json.loads(pdserve("status", "--json").stdout)
-        proxy = status["proxy_url"]
         engine = next(e["url"] for e in status["engines"] if e["role"] == "decode")
         headers = {"Authorization": f"Bearer {engine_key(load_cluster_secret())}"}
         talk = conversations(1, 5, 8, args.first_sentences)[0]
@@ -83,7 +80,7 @@ def main() -> None:
                     held = answer_body
         ttft, _, next_tokens, path = stream_chat(proxy, history, 8)
     finally:
-        pdserve("down")
+        down()
     result = {
         "config": args.config,
         "runs": args.runs,
