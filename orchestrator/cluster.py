@@ -480,6 +480,9 @@ def down() -> list[str]:
         done.append(f"controller not reachable ({type(e).__name__}); cleaning up")
         if not state.started_ray:  # a joined Ray cluster outlives us: its detached actors must go
             done += _kill_actors(state)
+    # and what engines stopped or killed before this (mid-start, by a scale-down) noted in their records
+    with contextlib.suppress(OSError):
+        shm_files |= shm.recorded_in(Path(state.log_dir))
     if state.started_ray and state.ray_temp_dir:
         stop_ray_head(state.ray_temp_dir, state.ray_address)
         done.append("stopped the local Ray head")

@@ -36,12 +36,21 @@ from connectors.tier import LAYOUT_ENV, REGION_ENV, region_file
 from orchestrator.errors import EngineStartError
 from orchestrator.launch import EngineLaunch
 from orchestrator.logs import redirect_output
-from orchestrator.shm import is_resource_tracker, mapped, remove_unheld, stop_resource_tracker
+from orchestrator.shm import (
+    is_resource_tracker,
+    mapped,
+    read_record,
+    record_of,
+    remove_unheld,
+    stop_resource_tracker,
+)
 from proxy.server import listen_socket as proxy_listen_socket
 
 logger = logging.getLogger(__name__)
 
 WATCHDOG_INTERVAL_S = 1.0
+SHM_NOTE_INTERVAL_S = 2.0
+"""While an engine starts, how often it notes the /dev/shm files its processes hold."""
 SERVER_TICK_S = 1.0
 _QUIET_LINE = re.compile(r"\b(INFO|DEBUG)\b")
 _ERROR_LINE = re.compile(r"(Error|Exception|error:|Traceback|raise |failed)", re.IGNORECASE)
@@ -216,7 +225,7 @@ class EngineActor:
         # What vLLM's processes leave in /dev/shm when they do not exit cleanly, noted while they run;
         # a record left by an earlier run of this engine (Ray restarted the actor after a crash) is
         # cleaned up now.
-        self._shm_record = self.log_path.with_name(self.log_path.name + ".shm")
+        self._shm_record = record_of(self.log_path)
         self._remove_shm_leftovers()
         os.environ[REGION_ENV] = f"{launch.engine_id}-{secrets.token_hex(4)}"
         # where the engine core's tiers say how their entries are named, for the HTTP server's answers
@@ -255,15 +264,18 @@ class EngineActor:
     async def _start(self) -> None:
         started = time.monotonic()
         logger.info("engine %s: starting vLLM (%s)", self.launch.engine_id, " ".join(self.launch.vllm_args))
+        noting = asyncio.create_task(self._note_shm_while_starting())
         try:
             await self._start_vllm()
         except BaseException as e:  # noqa: BLE001 - any failure, reported with vLLM's words
+            noting.cancel()
             await self._close()
             self.state = "failed"
             sys.stderr.flush()
             self.error = error_excerpt(self.log_path.read_text(errors="replace"), e)
             logger.error("engine %s failed to start: %s", self.launch.engine_id, self.error)
             raise EngineStartError(self.launch.engine_id, self.error) from None
+        noting.cancel()
         if self.launch.cpu_bind:
             pinned = pin_process_tree(os.getpid(), parse_cores(self.launch.cpu_bind))
             logger.info("engine %s: %d threads pinned to cores %s", self.launch.engine_id, pinned, self.launch.cpu_bind)
@@ -337,9 +349,15 @@ class EngineActor:
             self._shm_record.write_text("".join(f"{path}\n" for path in sorted(held)))
 
     def _recorded_shm(self) -> list[str]:
-        with contextlib.suppress(OSError):
-            return self._shm_record.read_text().split()
-        return []
+        return read_record(self._shm_record)
+
+    async def _note_shm_while_starting(self) -> None:
+        """Note the start's /dev/shm files as they appear. An engine stopped or killed while it starts (the
+        autoscaler shrinking a pool during a scale-up) never reaches ready, where they used to be noted
+        first: its message queues (``psm_*``, 160-250 MB each) and semaphores were left behind."""
+        while True:
+            await asyncio.sleep(SHM_NOTE_INTERVAL_S)
+            self._note_shm()
 
     def _remove_shm_leftovers(self, this_start_too: bool = True) -> None:
         """Remove the recorded /dev/shm files (and, when this start is over, its tier region) that no process

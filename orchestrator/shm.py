@@ -25,6 +25,24 @@ import psutil
 logger = logging.getLogger(__name__)
 
 SHM_DIR = Path("/dev/shm")
+RECORD_SUFFIX = ".shm"
+"""An engine's record of its files, beside its log: ``prefill-0.log.shm``, one path a line."""
+
+
+def record_of(log_path: Path) -> Path:
+    """Where the engine logging to ``log_path`` records the /dev/shm files its processes held."""
+    return log_path.with_name(log_path.name + RECORD_SUFFIX)
+
+
+def read_record(record: Path) -> list[str]:
+    with contextlib.suppress(OSError):
+        return record.read_text().split()
+    return []
+
+
+def recorded_in(log_dir: Path) -> set[Path]:
+    """Every file the records of a cluster's engines (its log directory) name."""
+    return {Path(path) for record in sorted(log_dir.glob("*" + RECORD_SUFFIX)) for path in read_record(record)}
 
 
 def _held_inodes(pid: int | str) -> set[int]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import secrets
 import subprocess
@@ -11,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from orchestrator import engine_actor
 from orchestrator.engine_actor import EngineActor
-from orchestrator.shm import SHM_DIR, mapped, remove_unheld
+from orchestrator.shm import SHM_DIR, mapped, record_of, recorded_in, remove_unheld
 
 HOLD = """
 import mmap, os, sys, time
@@ -122,6 +124,8 @@ class _Actor:
 
     _recorded_shm = EngineActor._recorded_shm
     _remove_shm_leftovers = EngineActor._remove_shm_leftovers
+    _note_shm = EngineActor._note_shm
+    _note_shm_while_starting = EngineActor._note_shm_while_starting
 
     def __init__(self, record: Path) -> None:
         self._shm_record = record
@@ -141,3 +145,31 @@ def test_a_restarted_engine_removes_its_last_lifes_files_once_their_last_holder_
     actor._remove_shm_leftovers(this_start_too=False)  # the look once it is ready
     assert not shm_name.exists()
     assert not actor._shm_record.exists()
+
+
+async def test_an_engine_notes_its_files_while_it_starts(shm_name, tmp_path, monkeypatch):
+    """Stopped or killed before it is ready (a scale-down during a scale-up), it still left a record."""
+    monkeypatch.setattr(engine_actor, "SHM_NOTE_INTERVAL_S", 0.05)
+    actor = _Actor(record_of(tmp_path / "prefill-1.log"))
+    noting = asyncio.create_task(actor._note_shm_while_starting())
+    child = hold(shm_name, "map")  # vLLM's processes, made during the start
+    try:
+        for _ in range(100):
+            await asyncio.sleep(0.05)
+            if str(shm_name) in actor._recorded_shm():
+                break
+        assert str(shm_name) in actor._recorded_shm()
+    finally:
+        noting.cancel()
+        child.kill()
+        child.wait()
+    assert recorded_in(tmp_path) == {shm_name}  # what pdserve down removes, once no process holds it
+    assert remove_unheld(recorded_in(tmp_path)) == [shm_name]
+
+
+def test_records_of_a_clusters_engines_are_read_together(tmp_path):
+    record_of(tmp_path / "prefill-0.log").write_text("/dev/shm/psm_a\n/dev/shm/sem.mp-b\n")
+    record_of(tmp_path / "decode-0.log").write_text("/dev/shm/psm_c\n")
+    (tmp_path / "decode-0.log").write_text("not a record\n")
+    assert recorded_in(tmp_path) == {Path("/dev/shm/psm_a"), Path("/dev/shm/sem.mp-b"), Path("/dev/shm/psm_c")}
+    assert recorded_in(tmp_path / "absent") == set()
