@@ -23,6 +23,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from connectors import wire
 from connectors.tier import TIER_HASH_ALGO
 from connectors.wire import LISTEN_ALL, ROLES, http_url, side_channel_endpoints
 from orchestrator.models import resolve_dtype, resolve_model
@@ -144,9 +145,9 @@ def with_kv_tier(spec: ClusterSpec, ours: dict[str, Any]) -> dict[str, Any]:
     node, shared = spec.kv_tier_paths()
     secondary = [
         {"type": "PdserveFsTier", "module_path": "connectors.tier.fs_tier", "name": name, "root_dir": str(path),
-         "max_bytes": int(gib * GIB), "fsync": tier.fsync and name == "shared",
-         "async_lookup": tier.async_lookup and name == "shared"}
-        for name, path, gib in (("node", node, tier.node_gib), ("shared", shared, tier.shared_gib))
+         "max_bytes": int(gib * GIB), "fsync": tier.fsync and name == wire.SHARED_TIER,
+         "async_lookup": tier.async_lookup and name == wire.SHARED_TIER}
+        for name, path, gib in (("node", node, tier.node_gib), (wire.SHARED_TIER, shared, tier.shared_gib))
         if path is not None
     ]  # fmt: skip
     child = {key: value for key, value in ours.items() if key != "engine_id"}
