@@ -212,9 +212,11 @@ def add_route(app: Any, layouts_dir: Path | None, hash_algo: str) -> None:
 
             def look_up() -> dict[str, int]:
                 found: dict[str, int] = {}
+                chains: dict[int, list[bytes] | None] = {}  # the node and shared tiers hash blocks alike
                 for layout in layouts:
-                    hashes = block_hashes(tokens, layout.tokens_per_hash, hash_algo, salt)
-                    if hashes is not None:
+                    if layout.tokens_per_hash not in chains:
+                        chains[layout.tokens_per_hash] = block_hashes(tokens, layout.tokens_per_hash, hash_algo, salt)
+                    if (hashes := chains[layout.tokens_per_hash]) is not None:
                         found[layout.name] = held_tokens(layout, hashes)
                 return found
 
