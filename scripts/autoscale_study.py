@@ -42,7 +42,9 @@ from typing import Any
 import yaml
 
 from orchestrator.autoscale import traces
+from orchestrator.autoscale.policy import ClusterObservation, ScalingDecision
 from orchestrator.autoscale.runner import load_spec_and_profile, simulate_spec
+from orchestrator.autoscale.simulator import SloTargets, simulate
 from orchestrator.autoscale.traces import LengthDist, LengthMix, TraceRequest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -60,14 +62,15 @@ CALIBRATION_TARGET = 0.91  # static 32:32 attains 85-97 % at the calibrated rate
 # The long-prompt tenant of the mixed family: documents of 4-8k tokens.
 DOCUMENTS = LengthMix("documents", ((1.0, LengthDist(6000, 0.3, 4000, 8192), LengthDist(250, 1.2, 4, 2048)),))
 
+# The bursty family's bursts: ~5 min long, ~15 min apart, both exponential (so an onset cannot be foreseen).
+BURSTS = {"mean_burst_s": 300.0, "mean_gap_s": 900.0}
+
 # Each family: (mean-ish rate in req/s, length mix, seed) -> an hour of requests.
 FAMILIES: dict[str, Callable[[float, LengthMix, int], list[TraceRequest]]] = {
     # Poisson arrivals at one rate.
     "steady": lambda rps, mix, seed: traces.poisson(rps, HOUR, mix=mix, seed=seed),
     # Markov-modulated: the rate jumps to 3x for ~5 min, every ~15 min (no ramp).
-    "bursty": lambda rps, mix, seed: traces.bursty(
-        rps / 1.5, HOUR, burst_factor=3.0, mean_burst_s=300.0, mean_gap_s=900.0, mix=mix, seed=seed
-    ),
+    "bursty": lambda rps, mix, seed: traces.bursty(rps / 1.5, HOUR, burst_factor=3.0, mix=mix, seed=seed, **BURSTS),
     # A slow swing from 0.4x to 1.6x over 90 minutes (the hour sees trough, peak and the way down).
     "diurnal": lambda rps, mix, seed: traces.diurnal(0.4 * rps, 1.6 * rps, HOUR, period_s=5400.0, mix=mix, seed=seed),
     # A diurnal base of the mix, and a tenant of long documents bursting on top of it (15x for ~4 min).
@@ -172,6 +175,131 @@ def study_one(family: str, mix: str, seed: int, cached: dict[str, Any] | None = 
     }
 
 
+class BurstOracle:
+    """A policy that knows the bursty family's bursts (``traces.burst_windows``): the ``burst`` split from
+    ``lead_s`` before each burst to its end, the ``quiet`` split otherwise. ``lead_s`` 0 is the best a policy
+    that only reacts can do (it sees a burst at the first decision inside it, with no samples to wait
+    for); ``lead_s`` of a startup plus an interval foresees every onset, which exponential gaps make
+    impossible."""
+
+    def __init__(
+        self, windows: list[tuple[float, float]], burst: tuple[int, int], quiet: tuple[int, int], lead_s: float
+    ) -> None:
+        self.windows, self.burst, self.quiet, self.lead_s = windows, burst, quiet, lead_s
+
+    def decide(self, obs: ClusterObservation) -> ScalingDecision:
+        inside = any(start - self.lead_s <= obs.t < end for start, end in self.windows)
+        prefill, decode = self.burst if inside else self.quiet
+        return ScalingDecision(obs.t, prefill, decode, [f"oracle: {'burst' if inside else 'quiet'} {prefill}:{decode}"])
+
+
+def _oracle_run(spec: Any, profile: Any, trace: list[TraceRequest], policy: Any, initial: tuple[int, int]) -> Any:
+    scaling = spec.autoscaling
+    targets = SloTargets(scaling.targets.ttft_p90_s, scaling.targets.itl_p90_s)
+    return simulate(profile, policy, trace, targets, initial, interval_s=scaling.interval_s)
+
+
+def smallest_holding(
+    largest: int, run: Callable[[int], dict[str, Any]], static: dict[str, Any], step: int = 4
+) -> tuple[int, dict[str, Any]] | None:
+    """The smallest size from ``largest`` down, every ``step``th and then half a step below the last that
+    held, whose ``run(size)`` stays within TARGET_SLO_POINTS of ``static``'s SLO attainment; with its
+    summary (None when ``largest`` does not). Stops at the first miss: fewer engines attain less."""
+
+    def holds(size: int) -> dict[str, Any] | None:
+        summary = run(size)
+        return summary if 100 * (summary["slo_attainment"] - static["slo_attainment"]) >= TARGET_SLO_POINTS else None
+
+    held = None
+    for size in range(largest, 1, -step):
+        summary = holds(size)
+        if summary is None:
+            break
+        held = size, summary
+    if held is not None and step > 1 and held[0] - step // 2 > 1 and (summary := holds(held[0] - step // 2)):
+        held = held[0] - step // 2, summary
+    return held
+
+
+def _judged(summary: dict[str, Any], static: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    return {
+        **extra,
+        "summary": summary,
+        "ratio": summary["goodput_per_engine_hour"] / static["goodput_per_engine_hour"],
+        "slo_points": 100 * (summary["slo_attainment"] - static["slo_attainment"]),
+    }
+
+
+def bounds_one(family: str, mix: str, seed: int, cached: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What any policy could reach on one trace, against the best static split of the whole budget:
+
+    - ``right_sized``: the smallest static fleet (every 4th size, split as the best split is) whose SLO
+      attainment stays within 5 points: on a load that does not change, no policy does much better;
+    - bursty family only, ``reactive`` and ``foresight``: ``BurstOracle`` with the best split in bursts and
+      the smallest quiet fleet (every 4th size) that keeps the SLO within 5 points."""
+    row = study_one(family, mix, seed, cached)
+    spec, profile = load_spec_and_profile(CONFIG)
+    trace, budget = make_trace(family, mix, seed), spec.autoscaling.max_engines
+    static, split = row["static"], row["split"]
+
+    def scaled(size: int) -> tuple[int, int]:
+        prefill = min(max(1, round(size * split / budget)), size - 1)
+        return prefill, size - prefill
+
+    def static_run(size: int) -> dict[str, Any]:
+        return _summary(simulate_spec(spec, profile, trace, scaled(size)))
+
+    # None holding below the budget: the budget is the right size (the best split itself).
+    held = smallest_holding(budget - 4, static_run, static) or (budget, static)
+    row["right_sized"] = _judged(held[1], static, engines=held[0])
+    if family != "bursty":
+        return row
+    windows = traces.burst_windows(HOUR, seed=seed, **BURSTS)
+
+    def oracle_run(burst: int, quiet: int, lead: float) -> dict[str, Any]:
+        policy = BurstOracle(windows, scaled(burst), scaled(quiet), lead)
+        return _summary(_oracle_run(spec, profile, trace, policy, scaled(quiet)))
+
+    # Reacting: every burst fleet from the budget down to the right-sized static's (each with its smallest
+    # quiet fleet); foreseeing: the budget in bursts (it is an upper bound, not a policy to tune).
+    best = None
+    for burst in range(budget, held[0] - 1, -4):
+        quiet = smallest_holding(burst - 4, lambda q, b=burst: oracle_run(b, q, 0.0), static)
+        if quiet is not None:
+            judged = _judged(quiet[1], static, burst=burst, quiet=quiet[0])
+            best = judged if best is None or judged["ratio"] > best["ratio"] else best
+    row["reactive"] = best or _judged(held[1], static, burst=held[0], quiet=held[0])
+    lead = profile.engine.startup_s + spec.autoscaling.interval_s
+    quiet = smallest_holding(budget - 4, lambda q: oracle_run(budget, q, lead), static) or (budget, static)
+    row["foresight"] = _judged(quiet[1], static, burst=budget, quiet=quiet[0])
+    return row
+
+
+def bounds_table(rows: list[dict[str, Any]]) -> str:
+    """Per trace: the autoscaler, and the bounds of ``bounds_one`` (ratio of goodput per engine-hour to the
+    best static split's, SLO points against it)."""
+
+    def cell(row: dict[str, Any], name: str) -> str:
+        bound = row.get(name)
+        if bound is None:
+            return "-"
+        fleet = bound["engines"] if "engines" in bound else f"{bound['quiet']} quiet, {bound['burst']} in bursts"
+        return f"{bound['ratio']:.2f}x, {bound['slo_points']:+.1f} ({fleet})"
+
+    lines = [
+        "| family | mix | seed | best static | autoscaler | right-sized static | oracle, reacting | "
+        "oracle, foreseeing |",
+        "|---|---|---:|---|---|---|---|---|",
+    ]
+    for row in rows:
+        lines.append(
+            f"| {row['family']} | {row['mix']} | {row['seed']} | {row['best_static']}, "
+            f"{100 * row['static']['slo_attainment']:.1f} % | {row['ratio']:.2f}x, {row['slo_points']:+.1f} | "
+            f"{cell(row, 'right_sized')} engines | {cell(row, 'reactive')} | {cell(row, 'foresight')} |"
+        )
+    return "\n".join(lines)
+
+
 def calibrate_one(family: str, mix: str) -> float:
     """The rate at which static 32:32 attains CALIBRATION_TARGET on CALIBRATION_SEED (bisection)."""
     spec, profile = load_spec_and_profile(CONFIG)
@@ -231,6 +359,11 @@ def main() -> int:
     parser.add_argument("--mixes", default=",".join(MIX_NAMES), help="comma-separated: " + ", ".join(MIX_NAMES))
     parser.add_argument("--jobs", type=int, default=1, help="simulations in parallel (processes)")
     parser.add_argument("--calibrate", action="store_true", help="find RATES again (on the calibration seed)")
+    parser.add_argument(
+        "--bounds",
+        action="store_true",
+        help="also what a right-sized static fleet and, on the bursty family, an oracle that knows the bursts reach",
+    )
     parser.add_argument("--json", type=Path, help="also write the rows as JSON here")
     parser.add_argument(
         "--static-cache",
@@ -252,13 +385,16 @@ def main() -> int:
         cache = json.loads(args.static_cache.read_text()) if args.static_cache and args.static_cache.exists() else {}
         jobs = [(f, m, s) for f, m in cases for s in args.seeds]
         cached = [cache.get(static_key(*job)) for job in jobs]
-        rows = list(pool.map(study_one, *zip(*jobs, strict=True), cached))
+        rows = list(pool.map(bounds_one if args.bounds else study_one, *zip(*jobs, strict=True), cached))
     if args.static_cache:
         for job, row in zip(jobs, rows, strict=True):
             cache[static_key(*job)] = {"split": row["split"], "static": row["static"]}
         args.static_cache.write_text(json.dumps(cache, indent=1, sort_keys=True) + "\n")
     print(f"seeds {', '.join(map(str, args.seeds))}; {time.time() - started:.0f} s", file=sys.stderr)
     print(table(rows))
+    if args.bounds:
+        print()
+        print(bounds_table(rows))
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2) + "\n")
     return 0

@@ -36,6 +36,7 @@ __all__ = [
     "LengthMix",
     "TraceError",
     "TraceRequest",
+    "burst_windows",
     "bursty",
     "diurnal",
     "merge",
@@ -147,11 +148,7 @@ def bursty(
     likewise) instead of jumping.
     """
     rng = random.Random(seed)
-    edges, t, in_burst = [], 0.0, False
-    while t < duration_s:
-        t += rng.expovariate(1 / (mean_burst_s if in_burst else mean_gap_s))
-        edges.append(t)
-        in_burst = not in_burst
+    edges = _burst_edges(rng, duration_s, mean_burst_s, mean_gap_s)
 
     def rate_at(t: float) -> float:
         # Odd number of edges passed: inside a burst.
@@ -164,6 +161,25 @@ def bursty(
         return base_rps * (1.0 + (burst_factor - 1.0) * level)
 
     return _with_lengths(_arrivals(rate_at, base_rps * max(burst_factor, 1.0), duration_s, rng), mix, rng)
+
+
+def _burst_edges(rng: random.Random, duration_s: float, mean_burst_s: float, mean_gap_s: float) -> list[float]:
+    """Alternating gap and burst lengths, as the times they end: a burst runs from an odd edge to the next."""
+    edges, t, in_burst = [], 0.0, False
+    while t < duration_s:
+        t += rng.expovariate(1 / (mean_burst_s if in_burst else mean_gap_s))
+        edges.append(t)
+        in_burst = not in_burst
+    return edges
+
+
+def burst_windows(
+    duration_s: float, mean_burst_s: float = 180.0, mean_gap_s: float = 600.0, seed: int = 0
+) -> list[tuple[float, float]]:
+    """The (start, end) of every burst of ``bursty`` with the same arguments and seed (not ``ramp_s``:
+    a ramped burst climbs from its start): what an oracle that knows the bursts would know."""
+    edges = _burst_edges(random.Random(seed), duration_s, mean_burst_s, mean_gap_s)
+    return [(start, min(end, duration_s)) for start, end in zip(edges[::2], edges[1::2], strict=False)]
 
 
 def diurnal(

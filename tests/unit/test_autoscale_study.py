@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from orchestrator.autoscale.policy import ClusterObservation, PoolObservation
 from scripts import autoscale_study as study
 
 
@@ -26,3 +27,30 @@ def test_calibration_tuning_and_evaluation_seeds_are_disjoint() -> None:
     roles = [{study.CALIBRATION_SEED}, set(study.TUNING_SEEDS), set(study.EVALUATION_SEEDS)]
     assert all(a.isdisjoint(b) for i, a in enumerate(roles) for b in roles[i + 1 :])
     assert set(study.RATES) == {(f, m) for f in study.FAMILIES for m in study.MIX_NAMES}
+
+
+def test_the_burst_oracle_takes_the_burst_split_from_its_lead_before_a_burst_to_its_end() -> None:
+    def at(t: float) -> ClusterObservation:
+        return ClusterObservation(t, 1.0, 100, 10, PoolObservation(1), PoolObservation(1))
+
+    reacting = study.BurstOracle([(100.0, 400.0)], (40, 24), (10, 6), lead_s=0.0)
+    foreseeing = study.BurstOracle([(100.0, 400.0)], (40, 24), (10, 6), lead_s=75.0)
+    sizes = {t: (reacting.decide(at(t)), foreseeing.decide(at(t))) for t in (0.0, 30.0, 105.0, 399.0, 400.0)}
+    assert [(r.prefill, f.prefill) for r, f in sizes.values()] == [(10, 10), (10, 40), (40, 40), (40, 40), (10, 10)]
+    assert sizes[30.0][1].reasons == ["oracle: burst 40:24"]
+
+
+def test_the_smallest_fleet_that_holds_the_slo_is_the_last_before_it_misses_then_half_a_step() -> None:
+    static = {"slo_attainment": 0.98}
+    attained = {60: 0.97, 56: 0.95, 52: 0.931, 50: 0.94, 48: 0.90, 44: 0.97}
+    seen: list[int] = []
+
+    def run(size: int) -> dict:
+        seen.append(size)
+        return {"slo_attainment": attained[size]}
+
+    assert study.smallest_holding(60, run, static) == (50, {"slo_attainment": 0.94})
+    assert seen == [60, 56, 52, 48, 50]  # stops at the first miss, then tries half a step below the last held
+    attained[50] = 0.92
+    assert study.smallest_holding(60, run, static) == (52, {"slo_attainment": 0.931})
+    assert study.smallest_holding(48, run, static) is None

@@ -8,6 +8,7 @@ settles where Little's law says it must.
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 from pathlib import Path
@@ -331,3 +332,14 @@ def test_fidelity_capacity_is_engines_over_the_mixes_mean_prefill_time():
 
     assert fidelity.prefill_capacity_rps(profile, 1, mix) == pytest.approx(2.0)  # 0.5 s per prompt
     assert fidelity.prefill_capacity_rps(profile, 3, mix) == pytest.approx(6.0)
+
+
+def test_burst_windows_are_where_the_bursty_trace_runs_at_the_burst_rate():
+    trace = traces.bursty(2.0, 3600.0, burst_factor=4.0, mean_burst_s=120, mean_gap_s=300, seed=7)
+    windows = traces.burst_windows(3600.0, mean_burst_s=120, mean_gap_s=300, seed=7)
+    assert len(windows) >= 3 and all(0 < start < end <= 3600.0 for start, end in windows)
+    assert all(a[1] < b[0] for a, b in itertools.pairwise(windows))
+    inside = sum(end - start for start, end in windows)
+    in_bursts = sum(1 for r in trace if any(start <= r.t < end for start, end in windows))
+    assert in_bursts / inside == pytest.approx(8.0, rel=0.15)  # 4 x 2 req/s
+    assert (len(trace) - in_bursts) / (3600.0 - inside) == pytest.approx(2.0, rel=0.15)
