@@ -22,8 +22,12 @@ P, then every 2nd around the best, then its neighbours (goodput rises then falls
 with P). The target (issue 15): on every family, at least 1.3x the best static
 split's goodput per engine-hour with SLO attainment within 5 points of it.
 
+``--bounds`` adds what a right-sized static fleet and, on the bursty family, an oracle that knows
+the bursts reach (``bounds_one``); ``--set KNOB=VALUE`` changes one of the autoscaler's knobs for a run.
+
     python scripts/autoscale_study.py [--seeds evaluation|tuning|3,4] [--families bursty,...]
-        [--mixes chat,...] [--jobs 2] [--json out.json] [--calibrate]
+        [--mixes chat,...] [--jobs 2] [--static-cache FILE] [--set KNOB=VALUE] [--bounds] [--json out.json]
+        [--calibrate]
 """
 
 from __future__ import annotations
@@ -40,12 +44,14 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from pydantic import ValidationError
 
 from orchestrator.autoscale import traces
 from orchestrator.autoscale.policy import ClusterObservation, ScalingDecision
 from orchestrator.autoscale.runner import load_spec_and_profile, simulate_spec
 from orchestrator.autoscale.simulator import SloTargets, simulate
 from orchestrator.autoscale.traces import LengthDist, LengthMix, TraceRequest
+from orchestrator.spec import AutoscalingSpec
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs/autoscaling-sim.yaml"
@@ -135,17 +141,38 @@ def best_static(spec: Any, profile: Any, trace: list[TraceRequest]) -> tuple[int
     return best, runs[best], len(runs)
 
 
+# What a static split's run reads of the spec's autoscaling section; the rest are the autoscaler's knobs.
+STATIC_READS = ("profile", "max_engines", "targets", "interval_s")
+
+
 def static_key(family: str, mix: str, seed: int) -> str:
-    """What a best static split depends on: the trace, the cluster's config and profile, the simulator."""
+    """What a best static split depends on: the trace, the cluster's config (less the autoscaler's knobs:
+    ``--set`` and a change of them in the file keep the cache) and profile, the simulator."""
     digest = hashlib.sha256()
     config = yaml.safe_load(CONFIG.read_text())
-    for path in (CONFIG, CONFIG.parent / config["autoscaling"]["profile"], *SIMULATOR_SOURCES):
+    config["autoscaling"] = {key: config["autoscaling"].get(key) for key in STATIC_READS}
+    digest.update(json.dumps(config, sort_keys=True).encode())
+    for path in (CONFIG.parent / config["autoscaling"]["profile"], *SIMULATOR_SOURCES):
         digest.update(path.read_bytes())
     return f"{family}/{mix}/{seed}/{RATES[(family, mix)]}/{digest.hexdigest()[:16]}"
 
 
-def study_one(family: str, mix: str, seed: int, cached: dict[str, Any] | None = None) -> dict[str, Any]:
+def load(overrides: dict[str, float] | None = None) -> tuple[Any, Any]:
+    """The study's spec and profile, with ``overrides`` of the autoscaler's knobs (``--set``), validated."""
     spec, profile = load_spec_and_profile(CONFIG)
+    if overrides:
+        unknown = set(overrides) - (set(AutoscalingSpec.model_fields) - set(STATIC_READS) - {"prefill", "decode"})
+        if unknown:
+            raise ValueError(f"--set: {', '.join(sorted(unknown))} is not one of the autoscaler's knobs")
+        scaling = AutoscalingSpec.model_validate({**spec.autoscaling.model_dump(), **overrides})
+        spec = spec.model_copy(update={"autoscaling": scaling})
+    return spec, profile
+
+
+def study_one(
+    family: str, mix: str, seed: int, cached: dict[str, Any] | None = None, overrides: dict[str, float] | None = None
+) -> dict[str, Any]:
+    spec, profile = load(overrides)
     trace = make_trace(family, mix, seed)
     if cached is not None:
         split, static, runs = cached["split"], cached["static"], 0
@@ -230,15 +257,17 @@ def _judged(summary: dict[str, Any], static: dict[str, Any], **extra: Any) -> di
     }
 
 
-def bounds_one(family: str, mix: str, seed: int, cached: dict[str, Any] | None = None) -> dict[str, Any]:
+def bounds_one(
+    family: str, mix: str, seed: int, cached: dict[str, Any] | None = None, overrides: dict[str, float] | None = None
+) -> dict[str, Any]:
     """What any policy could reach on one trace, against the best static split of the whole budget:
 
     - ``right_sized``: the smallest static fleet (every 4th size, split as the best split is) whose SLO
       attainment stays within 5 points: on a load that does not change, no policy does much better;
     - bursty family only, ``reactive`` and ``foresight``: ``BurstOracle`` with the best split in bursts and
       the smallest quiet fleet (every 4th size) that keeps the SLO within 5 points."""
-    row = study_one(family, mix, seed, cached)
-    spec, profile = load_spec_and_profile(CONFIG)
+    row = study_one(family, mix, seed, cached, overrides)
+    spec, profile = load(overrides)
     trace, budget = make_trace(family, mix, seed), spec.autoscaling.max_engines
     static, split = row["static"], row["split"]
 
@@ -352,6 +381,14 @@ def _seeds(text: str) -> tuple[int, ...]:
     return named[text] if text in named else tuple(int(s) for s in text.split(","))
 
 
+def _knob(text: str) -> tuple[str, float]:
+    key, sep, value = text.partition("=")
+    try:
+        return key.strip(), float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--set {text!r}: expected KNOB=NUMBER") from None
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=_seeds, default=EVALUATION_SEEDS, help="evaluation (default), tuning, or 3,4")
@@ -359,6 +396,14 @@ def main() -> int:
     parser.add_argument("--mixes", default=",".join(MIX_NAMES), help="comma-separated: " + ", ".join(MIX_NAMES))
     parser.add_argument("--jobs", type=int, default=1, help="simulations in parallel (processes)")
     parser.add_argument("--calibrate", action="store_true", help="find RATES again (on the calibration seed)")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        type=_knob,
+        metavar="KNOB=VALUE",
+        help="an autoscaler knob of the spec's autoscaling section for this run (burst_memory_s=3600); repeatable",
+    )
     parser.add_argument(
         "--bounds",
         action="store_true",
@@ -374,6 +419,10 @@ def main() -> int:
     args = parser.parse_args()
     if set(args.seeds) & {CALIBRATION_SEED, *TUNING_SEEDS} and args.seeds != TUNING_SEEDS:
         print(f"note: seeds {args.seeds} include calibration or tuning seeds", file=sys.stderr)
+    try:
+        load(dict(args.set))  # a wrong knob fails here, not in every worker
+    except (ValueError, ValidationError) as e:
+        parser.error(str(e))
     started = time.time()
     cases = [(f, m) for f in args.families.split(",") for m in args.mixes.split(",")]
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
@@ -385,12 +434,18 @@ def main() -> int:
         cache = json.loads(args.static_cache.read_text()) if args.static_cache and args.static_cache.exists() else {}
         jobs = [(f, m, s) for f, m in cases for s in args.seeds]
         cached = [cache.get(static_key(*job)) for job in jobs]
-        rows = list(pool.map(bounds_one if args.bounds else study_one, *zip(*jobs, strict=True), cached))
+        overrides = dict(args.set)
+        rows = list(
+            pool.map(
+                bounds_one if args.bounds else study_one, *zip(*jobs, strict=True), cached, [overrides] * len(jobs)
+            )
+        )
     if args.static_cache:
         for job, row in zip(jobs, rows, strict=True):
             cache[static_key(*job)] = {"split": row["split"], "static": row["static"]}
         args.static_cache.write_text(json.dumps(cache, indent=1, sort_keys=True) + "\n")
-    print(f"seeds {', '.join(map(str, args.seeds))}; {time.time() - started:.0f} s", file=sys.stderr)
+    knobs = "".join(f"; {key}={value:g}" for key, value in args.set)
+    print(f"seeds {', '.join(map(str, args.seeds))}{knobs}; {time.time() - started:.0f} s", file=sys.stderr)
     print(table(rows))
     if args.bounds:
         print()

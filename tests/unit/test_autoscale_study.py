@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from orchestrator.autoscale.policy import ClusterObservation, PoolObservation
 from scripts import autoscale_study as study
 
@@ -54,3 +56,13 @@ def test_the_smallest_fleet_that_holds_the_slo_is_the_last_before_it_misses_then
     attained[50] = 0.92
     assert study.smallest_holding(60, run, static) == (52, {"slo_attainment": 0.931})
     assert study.smallest_holding(48, run, static) is None
+
+
+def test_set_overrides_only_the_autoscalers_knobs_and_validates_them() -> None:
+    spec, _ = study.load({"burst_memory_s": 3600.0, "burst_guard": 1.0})
+    assert (spec.autoscaling.burst_memory_s, spec.autoscaling.burst_guard) == (3600.0, 1.0)
+    for wrong in ({"max_engines": 32.0}, {"targets": 1.0}, {"nonsense": 1.0}):
+        with pytest.raises(ValueError, match="not one of the autoscaler's knobs"):
+            study.load(wrong)
+    with pytest.raises(ValueError, match="less than or equal to 1"):
+        study.load({"burst_guard": 3.0})
