@@ -33,9 +33,11 @@ Engines that share CPU cores (``cores``: each engine's cores by id, ``prefill-0`
 ..., as ``orchestrator.launch`` pins them; a CPU cluster with
 ``resources.share_cores``) share their speed: a prefill pass or a decode step
 takes the profile's time (measured with the engine's cores to itself) times the
-most engines busy at once on any of its cores, the engine itself included. A
-decode engine's step is re-timed whenever a neighbour starts or ends a pass;
-a pass in flight keeps the time it started with.
+most engines busy at once on any of its cores, the engine itself included. An
+engine counts as busy for ``SPIN_S`` (1 s) after its last pass or step: vLLM's
+worker polls its queue that long before it sleeps, and takes its share of the
+core meanwhile. A decode engine's step is re-timed whenever a neighbour starts
+work or stops polling; a pass in flight keeps the time it started with.
 """
 
 from __future__ import annotations
@@ -60,7 +62,11 @@ __all__ = ["Policy", "RequestRecord", "SimulationResult", "Simulator", "SloTarge
 
 _EPS = 1e-9
 # Event kinds, in the order simultaneous events are handled.
-_READY, _PREFILL_DONE, _TRANSFER_DONE, _DECODE_DONE, _ARRIVAL, _DECIDE = range(6)
+_READY, _PREFILL_DONE, _TRANSFER_DONE, _DECODE_DONE, _ARRIVAL, _DECIDE, _SPIN_END = range(7)
+# vLLM's worker keeps polling its shared-memory queue for this long after its last message before it
+# sleeps on a socket (``SpinCondition``'s ``busy_loop_s``, vllm.distributed.device_communicators.shm_broadcast):
+# an engine that just finished a pass or step keeps its core busy this much longer.
+SPIN_S = 1.0
 
 
 class Policy(Protocol):
@@ -98,6 +104,7 @@ class _Engine:
     started: float
     state: EngineState
     stopped: float = -1.0
+    spins_until: float = -1.0  # when its worker stops polling after its last pass or step (SPIN_S)
 
     def hours(self, end: float) -> float:
         stop = min(self.stopped if self.stopped >= 0 else end, end)
@@ -201,12 +208,14 @@ class Simulator:
         interval_s: float = 30.0,
         startup_s: float | None = None,
         cores: dict[str, frozenset[Any]] | None = None,
+        spin_s: float = SPIN_S,
     ) -> None:
         if interval_s <= 0:
             raise ValueError(f"interval_s must be > 0 (got {interval_s})")
         self.profile, self.policy, self.targets = profile, policy, targets
         self.interval_s = interval_s
         self.cores = cores or {}
+        self.spin_s = spin_s
         self.startup_s = profile.engine.startup_s if startup_s is None else startup_s
         self.now = 0.0
         self._events: list[tuple[float, int, int, Any]] = []
@@ -236,16 +245,34 @@ class Simulator:
         return self.cores.get(f"{role}-{engine.replica}", frozenset())
 
     def _share(self, engine: _Engine) -> int:
-        """How many engines are busy on this engine's most crowded core, itself counted as busy."""
+        """How many engines are busy on this engine's most crowded core, itself counted as busy (an idle
+        engine still polling, too: ``SPIN_S``)."""
         mine = self._cores(engine)
         if not mine:
             return 1
         busy = [
             self._cores(e)
             for e in itertools.chain(self.prefill, self.decode)
-            if e is not engine and e.state is not EngineState.STOPPED and not e.idle
+            if e is not engine
+            and e.state is not EngineState.STOPPED
+            and (not e.idle or e.spins_until > self.now + _EPS)
         ]
         return 1 + max(sum(1 for theirs in busy if core in theirs) for core in mine)
+
+    def _went_idle(self, engine: _Engine) -> None:
+        """``engine`` has no work left: its neighbours speed up once its worker stops polling."""
+        if not self._cores(engine):
+            return
+        if self.spin_s <= 0:
+            self._neighbours_changed(engine)
+            return
+        engine.spins_until = self.now + self.spin_s
+        self._at(engine.spins_until, _SPIN_END, (engine, engine.spins_until))
+
+    def _on_spin_end(self, payload: tuple[_Engine, float]) -> None:
+        engine, until = payload
+        if engine.spins_until == until and engine.idle:  # not busy again since
+            self._neighbours_changed(engine)
 
     def _neighbours_changed(self, engine: _Engine) -> None:
         """Re-time the decode steps of the engines sharing a core with ``engine`` (it started or ended work)."""
@@ -273,6 +300,7 @@ class Simulator:
             _TRANSFER_DONE: self._on_transfer_done,
             _DECODE_DONE: self._on_decode_done,
             _DECIDE: self._on_decide,
+            _SPIN_END: self._on_spin_end,
         }
         while self._events:
             t, kind, _, payload = heapq.heappop(self._events)
@@ -341,7 +369,7 @@ class Simulator:
         if engine.queue:
             self._start_prefill_pass(engine)
         else:
-            self._neighbours_changed(engine)  # idle now
+            self._went_idle(engine)
             if engine.state is EngineState.DRAINING:
                 self._stop(engine)
 
@@ -420,7 +448,7 @@ class Simulator:
         self._admit(engine)
         self._reschedule(engine)
         if not engine.running:
-            self._neighbours_changed(engine)  # idle now
+            self._went_idle(engine)
         if engine.state is EngineState.DRAINING and engine.idle:
             self._stop(engine)
 
@@ -548,8 +576,12 @@ def simulate(
     interval_s: float = 30.0,
     startup_s: float | None = None,
     cores: dict[str, frozenset[Any]] | None = None,
+    spin_s: float = SPIN_S,
 ) -> SimulationResult:
     """Run ``trace`` through a cluster that starts with ``initial`` = (prefill, decode) serving engines
-    (``cores``: engines that share CPU cores, see the module's docstring)."""
-    sim = Simulator(profile, policy, targets, initial, interval_s=interval_s, startup_s=startup_s, cores=cores)
+    (``cores``: engines that share CPU cores, and ``spin_s`` how long one keeps polling after its work;
+    see the module's docstring)."""
+    sim = Simulator(
+        profile, policy, targets, initial, interval_s=interval_s, startup_s=startup_s, cores=cores, spin_s=spin_s
+    )
     return sim.run(trace)

@@ -19,7 +19,7 @@ from orchestrator.autoscale import fidelity, traces
 from orchestrator.autoscale.policy import ClusterObservation, ScalingDecision, StaticPolicy
 from orchestrator.autoscale.profile import EngineLimits, Grid1D, Grid2D, PerformanceProfile
 from orchestrator.autoscale.rules import new_replicas, retirement_order
-from orchestrator.autoscale.simulator import Simulator, SloTargets, simulate
+from orchestrator.autoscale.simulator import SPIN_S, Simulator, SloTargets, simulate
 from orchestrator.autoscale.traces import TraceRequest
 
 TARGETS = SloTargets(ttft_s=1e9, itl_s=1e9)
@@ -263,7 +263,8 @@ def test_engines_sharing_a_core_share_its_speed():
     trace = [TraceRequest(0.0, 10, 100), TraceRequest(0.5, 5000, 1)]
     alone = simulate(profile, StaticPolicy(1, 1), trace, TARGETS, (1, 1)).records
     one_core = {"prefill-0": frozenset({0}), "decode-0": frozenset({0})}
-    shared = simulate(profile, StaticPolicy(1, 1), trace, TARGETS, (1, 1), cores=one_core).records
+    # Without the polling after a pass (spin_s=0): only work shares the core.
+    shared = simulate(profile, StaticPolicy(1, 1), trace, TARGETS, (1, 1), cores=one_core, spin_s=0.0).records
     two_cores = {"prefill-0": frozenset({0}), "decode-0": frozenset({1})}
     apart = simulate(profile, StaticPolicy(1, 1), trace, TARGETS, (1, 1), cores=two_cores).records
 
@@ -276,6 +277,21 @@ def test_engines_sharing_a_core_share_its_speed():
     steps_alone = (0.5 - 0.01) / 0.03
     assert a.done == pytest.approx(0.5 + (100 - steps_alone) * 0.06)
     assert b.ttft_s == pytest.approx(10.0 + 0.03)
+
+
+def test_an_engine_that_just_worked_keeps_its_share_of_the_core_while_it_polls():
+    profile = make_profile(prefill_s_per_token=0.001, decode_step=(0.03, 0.0), max_num_seqs=100)
+    trace = [TraceRequest(0.0, 10, 100)]  # a 0.01-s prefill pass, then 100 steps of 0.03 s alone
+    one_core = {"prefill-0": frozenset({0}), "decode-0": frozenset({0})}
+    (still,) = simulate(profile, StaticPolicy(1, 1), trace, TARGETS, (1, 1), cores=one_core, spin_s=0.0).records
+    assert still.done == pytest.approx(0.01 + 100 * 0.03)
+    # vLLM's worker polls for SPIN_S after the pass: the decode steps take 2x until 1.01 s.
+    (polled,) = simulate(profile, StaticPolicy(1, 1), trace, TARGETS, (1, 1), cores=one_core).records
+    assert SPIN_S == 1.0
+    assert polled.done == pytest.approx(1.01 + (100 - 1.0 / 0.06) * 0.03)
+    two_cores = {"prefill-0": frozenset({0}), "decode-0": frozenset({1})}
+    (apart,) = simulate(profile, StaticPolicy(1, 1), trace, TARGETS, (1, 1), cores=two_cores).records
+    assert apart.done == pytest.approx(still.done)
 
 
 def test_the_spec_gives_the_simulator_its_shared_cores(tmp_path: Path) -> None:
