@@ -74,8 +74,16 @@ def simulate_spec(
     else:
         policy = AutoscalePolicy(PolicyConfig.from_spec(scaling), profile)
         initial = start or (spec.prefill.replicas, spec.decode.replicas)
+    routing = (spec.proxy.routing.prefill, spec.proxy.routing.decode)
     return simulate(
-        profile, policy, trace, targets, initial, interval_s=scaling.interval_s, cores=cores or shared_cores(spec)
+        profile,
+        policy,
+        trace,
+        targets,
+        initial,
+        interval_s=scaling.interval_s,
+        cores=cores or shared_cores(spec),
+        routing=routing,
     )
 
 

@@ -28,6 +28,10 @@ removed ones stop taking requests and stop once their own work is done
 (``orchestrator.autoscale.rules``): the newest retire first, and a draining
 engine is not taken back (a scale-up while it drains starts another).
 Engine-hours count every engine from start to stop, starting and draining included.
+The proxy's routing policy of each pool (``routing``, the spec's ``proxy.routing``):
+``round_robin`` sends requests to the serving engines in turn, ``least_loaded`` and
+``prefix_aware`` to the one with the fewest queued prompt tokens (prefill) or KV
+tokens (decode); prefixes are not modelled.
 
 Engines that share CPU cores (``cores``: each engine's cores by id, ``prefill-0``
 ..., as ``orchestrator.launch`` pins them; a CPU cluster with
@@ -209,9 +213,12 @@ class Simulator:
         startup_s: float | None = None,
         cores: dict[str, frozenset[Any]] | None = None,
         spin_s: float = SPIN_S,
+        routing: tuple[str, str] = ("least_loaded", "least_loaded"),
     ) -> None:
         if interval_s <= 0:
             raise ValueError(f"interval_s must be > 0 (got {interval_s})")
+        # The proxy's policy per pool (proxy.routing): round_robin in turn, the others to the least loaded.
+        self._in_turn = tuple(itertools.count() if policy == "round_robin" else None for policy in routing)
         self.profile, self.policy, self.targets = profile, policy, targets
         self.interval_s = interval_s
         self.cores = cores or {}
@@ -328,11 +335,16 @@ class Simulator:
         self._in_flight += 1
         self._route_prefill(req)
 
+    def _pick(self, pool: list, role: int, load: Any) -> Any:
+        """A serving engine of ``pool`` as the proxy's policy for it picks: in turn, or the least ``load``."""
+        serving = [e for e in pool if e.state is EngineState.SERVING]
+        if not serving:
+            return None
+        turn = self._in_turn[role]
+        return serving[next(turn) % len(serving)] if turn is not None else min(serving, key=load)
+
     def _route_prefill(self, req: _Request) -> None:
-        best: _PrefillEngine | None = None
-        for engine in self.prefill:
-            if engine.state is EngineState.SERVING and (best is None or engine.queued_tokens < best.queued_tokens):
-                best = engine
+        best: _PrefillEngine | None = self._pick(self.prefill, 0, lambda e: e.queued_tokens)
         if best is None:
             self._proxy_queue.append(req)
             return
@@ -376,10 +388,7 @@ class Simulator:
     # --- decode -------------------------------------------------------------------------------
 
     def _route_decode(self, req: _Request) -> None:
-        best: _DecodeEngine | None = None
-        for engine in self.decode:
-            if engine.state is EngineState.SERVING and (best is None or engine.load < best.load):
-                best = engine
+        best: _DecodeEngine | None = self._pick(self.decode, 1, lambda e: e.load)
         if best is None:
             self._decode_pending.append(req)
             return
@@ -577,11 +586,20 @@ def simulate(
     startup_s: float | None = None,
     cores: dict[str, frozenset[Any]] | None = None,
     spin_s: float = SPIN_S,
+    routing: tuple[str, str] = ("least_loaded", "least_loaded"),
 ) -> SimulationResult:
     """Run ``trace`` through a cluster that starts with ``initial`` = (prefill, decode) serving engines
     (``cores``: engines that share CPU cores, and ``spin_s`` how long one keeps polling after its work;
-    see the module's docstring)."""
+    ``routing``: the proxy's (prefill, decode) policies; see the module's docstring)."""
     sim = Simulator(
-        profile, policy, targets, initial, interval_s=interval_s, startup_s=startup_s, cores=cores, spin_s=spin_s
+        profile,
+        policy,
+        targets,
+        initial,
+        interval_s=interval_s,
+        startup_s=startup_s,
+        cores=cores,
+        spin_s=spin_s,
+        routing=routing,
     )
     return sim.run(trace)

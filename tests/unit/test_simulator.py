@@ -359,3 +359,20 @@ def test_burst_windows_are_where_the_bursty_trace_runs_at_the_burst_rate():
     in_bursts = sum(1 for r in trace if any(start <= r.t < end for start, end in windows))
     assert in_bursts / inside == pytest.approx(8.0, rel=0.15)  # 4 x 2 req/s
     assert (len(trace) - in_bursts) / (3600.0 - inside) == pytest.approx(2.0, rel=0.15)
+
+
+def test_prefill_goes_in_turn_or_to_the_least_queued_as_the_proxys_routing_says():
+    profile = make_profile(prefill_s_per_token=0.001, decode_step=(0.01, 0.0), max_num_seqs=100)
+    # A 4-s prompt, then three 0.1-s ones while it computes.
+    trace = [TraceRequest(0.0, 4000, 2), *(TraceRequest(0.1 * i, 100, 2) for i in (1, 2, 3))]
+
+    def ttfts(routing: tuple[str, str]) -> list[float]:
+        result = simulate(profile, StaticPolicy(2, 1), trace, TARGETS, (2, 1), routing=routing)
+        return [r.ttft_s for r in sorted(result.records, key=lambda r: r.arrival)]
+
+    # Least queued: the short prompts all go to the idle engine (each waits for the one before it at most).
+    assert max(ttfts(("least_loaded", "least_loaded"))[1:]) < 0.5
+    # In turn: the third request lands behind the long prompt on engine 0.
+    in_turn = ttfts(("round_robin", "round_robin"))
+    assert in_turn[2] == pytest.approx(4.0 - 0.2 + 0.1 + 0.01, abs=0.02)
+    assert max(in_turn[1], in_turn[3]) < 0.5
