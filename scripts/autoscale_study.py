@@ -49,7 +49,6 @@ from pydantic import ValidationError
 from orchestrator.autoscale import traces
 from orchestrator.autoscale.policy import ClusterObservation, ScalingDecision
 from orchestrator.autoscale.runner import load_spec_and_profile, simulate_spec
-from orchestrator.autoscale.simulator import SloTargets, simulate
 from orchestrator.autoscale.traces import LengthDist, LengthMix, TraceRequest
 from orchestrator.spec import AutoscalingSpec
 
@@ -220,12 +219,6 @@ class BurstOracle:
         return ScalingDecision(obs.t, prefill, decode, [f"oracle: {'burst' if inside else 'quiet'} {prefill}:{decode}"])
 
 
-def _oracle_run(spec: Any, profile: Any, trace: list[TraceRequest], policy: Any, initial: tuple[int, int]) -> Any:
-    scaling = spec.autoscaling
-    targets = SloTargets(scaling.targets.ttft_p90_s, scaling.targets.itl_p90_s)
-    return simulate(profile, policy, trace, targets, initial, interval_s=scaling.interval_s)
-
-
 def smallest_holding(
     largest: int, run: Callable[[int], dict[str, Any]], static: dict[str, Any], step: int = 4
 ) -> tuple[int, dict[str, Any]] | None:
@@ -287,7 +280,7 @@ def bounds_one(
 
     def oracle_run(burst: int, quiet: int, lead: float) -> dict[str, Any]:
         policy = BurstOracle(windows, scaled(burst), scaled(quiet), lead)
-        return _summary(_oracle_run(spec, profile, trace, policy, scaled(quiet)))
+        return _summary(simulate_spec(spec, profile, trace, None, start=scaled(quiet), policy=policy))
 
     # Reacting: every burst fleet from the budget down to the right-sized static's (each with its smallest
     # quiet fleet); foreseeing: the budget in bursts (it is an upper bound, not a policy to tune).
@@ -382,7 +375,7 @@ def _seeds(text: str) -> tuple[int, ...]:
 
 
 def _knob(text: str) -> tuple[str, float]:
-    key, sep, value = text.partition("=")
+    key, _, value = text.partition("=")
     try:
         return key.strip(), float(value)
     except ValueError:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from orchestrator.autoscale.policy import AutoscalePolicy, PolicyConfig, StaticPolicy
 from orchestrator.autoscale.profile import PerformanceProfile, load_profile
-from orchestrator.autoscale.simulator import SimulationResult, SloTargets, simulate
+from orchestrator.autoscale.simulator import Policy, SimulationResult, SloTargets, simulate
 from orchestrator.autoscale.traces import TraceRequest
 from orchestrator.errors import PdserveError
 from orchestrator.spec import ClusterSpec
@@ -57,10 +57,12 @@ def simulate_spec(
     static: tuple[int, int] | None,
     start: tuple[int, int] | None = None,
     cores: dict[str, frozenset[tuple[int, int]]] | None = None,
+    policy: Policy | None = None,
 ) -> SimulationResult:
-    """Run ``trace`` under the autoscaler (``static`` None) or a fixed ``static`` = (prefill, decode) split.
-    The autoscaler starts with ``start`` engines serving (default: the spec's replicas); ``cores``: the
-    engines' shared cores as a cluster ran them (default: the plan the spec makes now, ``shared_cores``)."""
+    """Run ``trace`` under the autoscaler (``static`` None) or a fixed ``static`` = (prefill, decode) split,
+    or under ``policy`` when given (a study's own, with ``static`` None). The autoscaler (or ``policy``)
+    starts with ``start`` engines serving (default: the spec's replicas); ``cores``: the engines' shared
+    cores as a cluster ran them (default: the plan the spec makes now, ``shared_cores``)."""
     scaling = spec.autoscaling
     if scaling is None:
         raise SimulationSetupError("the spec has no 'autoscaling' section")
@@ -72,7 +74,7 @@ def simulate_spec(
             )
         policy, initial = StaticPolicy(*static), static
     else:
-        policy = AutoscalePolicy(PolicyConfig.from_spec(scaling), profile)
+        policy = policy or AutoscalePolicy(PolicyConfig.from_spec(scaling), profile)
         initial = start or (spec.prefill.replicas, spec.decode.replicas)
     routing = (spec.proxy.routing.prefill, spec.proxy.routing.decode)
     return simulate(

@@ -337,11 +337,11 @@ class Simulator:
 
     def _pick(self, pool: list, role: int, load: Any) -> Any:
         """A serving engine of ``pool`` as the proxy's policy for it picks: in turn, or the least ``load``."""
-        serving = [e for e in pool if e.state is EngineState.SERVING]
-        if not serving:
-            return None
         turn = self._in_turn[role]
-        return serving[next(turn) % len(serving)] if turn is not None else min(serving, key=load)
+        if turn is None:  # once per request: no list
+            return min((e for e in pool if e.state is EngineState.SERVING), key=load, default=None)
+        serving = [e for e in pool if e.state is EngineState.SERVING]
+        return serving[next(turn) % len(serving)] if serving else None
 
     def _route_prefill(self, req: _Request) -> None:
         best: _PrefillEngine | None = self._pick(self.prefill, 0, lambda e: e.queued_tokens)
