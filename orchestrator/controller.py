@@ -48,7 +48,7 @@ from connectors.wire import ROLES, http_url
 from orchestrator.autoscale.actuator import Autoscaler
 from orchestrator.autoscale.policy import PolicyConfig
 from orchestrator.autoscale.profile import PerformanceProfile
-from orchestrator.autoscale.rules import new_replicas, retirement_order
+from orchestrator.autoscale.rules import new_replicas, retirement_order, take_back_order
 from orchestrator.control import STATUS_SCHEMA
 from orchestrator.control_server import ControlServer
 from orchestrator.engine_actor import EngineActor, error_excerpt
@@ -82,6 +82,7 @@ class EngineRecord:
     restarts: int = 0
     error: str | None = None
     log_path: str = ""
+    stopping: bool = False  # drained (or never served) and being stopped: no longer taken back
     handle: Any = field(default=None, repr=False)
 
 
@@ -116,6 +117,7 @@ class ClusterController:
         self.proxy: Any = None
         self.proxy_url = http_url(self.spec.proxy.host, self.spec.proxy.port)
         self._tasks: set[asyncio.Task] = set()
+        self._retiring: dict[str, asyncio.Task] = {}  # engine id -> its _retire, while it may be taken back
         self.autoscaler: Autoscaler | None = None
         if self.spec.autoscaling is not None and profile_data is not None:
             self.autoscaler = Autoscaler(
@@ -280,7 +282,7 @@ class ClusterController:
         if info["state"] == "ready":
             _take_info(record, info)
             if record.state == "draining":
-                self._spawn(self._retire(record, drain=True))
+                self._spawn_retire(record, drain=True)
             else:
                 record.state = "ready"
         elif info["state"] == "failed":
@@ -288,7 +290,7 @@ class ClusterController:
         elif record.state != "draining":  # idle (Ray restarted it meanwhile) or still starting: start / wait
             self._start_adopted(record)
         else:
-            self._spawn(self._retire(record, drain=False))
+            self._spawn_retire(record, drain=False)
 
     def _start_adopted(self, record: EngineRecord) -> None:
         """Start (or wait for) an adopted engine; during bring-up ``_finish_bring_up`` starts every engine."""
@@ -443,7 +445,8 @@ class ClusterController:
     async def scale(self, targets: dict[str, int], reason: str = "by hand") -> dict[str, Any]:
         """Grow or shrink pools to ``targets`` (``{role: replicas}``); return at once with the plan.
 
-        Growing starts the lowest free replicas; each joins the proxy's pool when
+        Growing takes back the pool's draining engines first (they serve again at
+        once), then starts the lowest free replicas; each joins the proxy's pool when
         ready. Shrinking retires the newest engines (those still starting first;
         ``orchestrator.autoscale.rules``, which the simulator follows too):
         each leaves the proxy's pool at once, finishes its running requests, and a
@@ -469,17 +472,34 @@ class ClusterController:
         plan: dict[str, dict[str, list[str]]] = {}
         for role, target in targets.items():
             self.targets[role] = target
-            serving = [r for r in self.engines.values() if r.role == role and r.state in _SERVING]
-            started = self._grow(role, target - len(serving)) if target > len(serving) else []
-            retiring = retirement_order(serving, lambda r: r.state == "ready", lambda r: _replica(r.engine_id))
-            retiring = retiring[: max(len(serving) - target, 0)]
-            for record in retiring:
-                self._spawn(self._retire(record))
-            plan[role] = {"start": started, "retire": [r.engine_id for r in retiring]}
-            if started or retiring:
-                self._event(f"scaling {role} {len(serving)} -> {target} ({reason})")
+            plan[role] = await self._resize(role, reason)
         self._save()
         return {"plan": plan, "targets": dict(self.targets)}
+
+    async def _resize(self, role: str, reason: str) -> dict[str, list[str]]:
+        """Bring the pool towards its target: take back draining engines, start, or retire."""
+        target = self.targets[role]
+        serving = [r for r in self.engines.values() if r.role == role and r.state in _SERVING]
+        draining = [r for r in self.engines.values() if r.role == role and r.state == "draining" and not r.stopping]
+        taken = take_back_order(draining, lambda r: _replica(r.engine_id))[: max(target - len(serving), 0)]
+        started = self._grow(role, target - len(serving) - len(taken))
+        retiring = retirement_order(serving, lambda r: r.state == "ready", lambda r: _replica(r.engine_id))
+        retiring = retiring[: max(len(serving) - target, 0)]
+        if started or retiring or taken:
+            self._event(f"scaling {role} {len(serving)} -> {target} ({reason})")
+        for record in taken:
+            if task := self._retiring.pop(record.engine_id, None):
+                task.cancel()
+            record.state = "ready"
+            self._event(f"{record.engine_id} taken back: it was draining; in the proxy's pool again")
+        if taken:
+            await self._publish(role)
+        for record in retiring:
+            self._spawn_retire(record)
+        stopping = [r.engine_id for r in self.engines.values() if r.role == role and r.stopping]
+        if len(serving) + len(taken) + len(started) < target and stopping:
+            self._event(f"{role}: the other engine(s) start once {', '.join(stopping)} stopped (replicas held)")
+        return {"take_back": [r.engine_id for r in taken], "start": started, "retire": [r.engine_id for r in retiring]}
 
     def _unplaceable(self, targets: dict[str, int]) -> list[str]:
         """Why the alive nodes cannot hold pools of ``targets`` engines (none: they can), so that a new
@@ -495,7 +515,11 @@ class ClusterController:
         return assign(self.spec.model_copy(update=pools), nodes)[1]
 
     def _grow(self, role: str, count: int) -> list[str]:
-        started = []
+        """Start up to ``count`` engines on the lowest free replicas (one that is stopping holds its
+        replica until it stopped; ``_retire`` then grows the pool to its target)."""
+        started: list[str] = []
+        if count <= 0:
+            return started
         wanted = set(new_replicas((_replica(r.engine_id) for r in self.engines.values() if r.role == role), count))
         for launch in [launch for launch in self._launches(role) if _replica(launch.engine_id) in wanted]:
             record = self.engines[launch.engine_id] = self._record(launch)
@@ -504,17 +528,29 @@ class ClusterController:
             started.append(launch.engine_id)
         return started
 
-    async def _retire(self, record: EngineRecord, drain: bool | None = None) -> None:
-        """Drain (when it served: ``drain`` None) and stop an engine; ``drain`` says so after a restart."""
+    def _spawn_retire(self, record: EngineRecord, drain: bool | None = None) -> None:
+        """Retire an engine: drain it (when it served: ``drain`` None; ``drain`` says so after a restart)
+        and stop it, in a task of its own, which a scale-up cancels to take the engine back while it drains.
+        Its state changes now, so that a scale that follows at once counts it as retiring."""
+        announce = drain is None
         if drain is None:
             drain = record.state == "ready"
             record.state = "draining"
-            if drain:
-                await self._publish(record.role)
-                self._event(f"{record.engine_id} draining: out of the proxy's pool; finishing its requests")
+        record.stopping = not drain  # one that does not serve is not taken back
+        self._retiring[record.engine_id] = self._spawn(self._retire(record, drain, announce and drain))
+
+    async def _retire(self, record: EngineRecord, drain: bool, announce: bool) -> None:
+        """``_spawn_retire``'s task: out of the proxy's pool (``announce``), drained, stopped."""
+        if announce:
+            await self._publish(record.role)
+            self._event(f"{record.engine_id} draining: out of the proxy's pool; finishing its requests")
         if drain:
             await self._wait_drained(record)
+        record.stopping = True  # from here on it stops: a scale-up starts another engine instead
+        self._retiring.pop(record.engine_id, None)
         await self._stop_engine(record)
+        if self.phase == "ready":  # a scale-up while it stopped waited for its replica
+            await self._resize(record.role, "its replica is free again")
 
     async def _wait_drained(self, record: EngineRecord) -> None:
         """Until the engine has nothing in flight, queued, running or held (KV not yet read), or
@@ -677,10 +713,11 @@ class ClusterController:
         self.phase, self.error = "failed", error
         self._event("cluster failed to start" if self.ready_s is None else f"cluster failed: {error}")
 
-    def _spawn(self, coro: Any) -> None:
+    def _spawn(self, coro: Any) -> asyncio.Task:
         task = asyncio.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
 
 _SERVING = ("pending", "starting", "ready", "restarting")

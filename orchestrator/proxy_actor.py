@@ -79,10 +79,14 @@ class ProxyActor:
         draining: tuple[str, ...] | list[str] = (),
     ) -> None:
         """Make ``endpoints`` the role's engines (``(engine_id, url)``, or with the engine's KV side-channel
-        endpoints third); those in ``draining`` stay (their requests are counted) but get no new ones."""
+        endpoints third); those in ``draining`` stay (their requests are counted) but get no new ones, and
+        one that was draining and is not any more (the controller took it back) gets them again."""
         self.pool.set_endpoints(role, [Endpoint(*endpoint) for endpoint in endpoints])
-        for engine_id in draining:
-            self.pool.drain(engine_id)
+        for endpoint in endpoints:
+            if endpoint[0] in draining:
+                self.pool.drain(endpoint[0])
+            elif self.pool.engine(endpoint[0]).draining:
+                self.pool.add(role, Endpoint(*endpoint))
         serving = [e[0] for e in endpoints if e[0] not in draining]
         logger.info("proxy: %s pool is now %s (draining: %s)", role, serving or "empty", list(draining) or "none")
 

@@ -1,11 +1,12 @@
 """How a pool grows and shrinks: the controller's rules, which the simulator follows too.
 
-- Growing starts new engines on the lowest replica numbers no engine holds (a
-  draining engine still holds its number until it stops).
+- Growing first takes back the pool's draining engines, oldest (lowest replica
+  number) first: one serves again at once, where a new engine would need its
+  startup. Only then does it start new engines, on the lowest replica numbers no
+  engine holds (an engine that is being stopped holds its number until it stopped;
+  the controller starts the missing engine then).
 - Shrinking retires the newest engines first (the highest replica numbers), and
   an engine that is not serving yet before one that serves.
-- A draining engine is not taken back: it finishes its requests and stops; a
-  scale-up while it drains starts another engine (which serves after its startup).
 
 Pure code: ``orchestrator.controller`` applies these to its engine records, the
 simulator to its modelled engines, so that a policy judged in simulation meets the
@@ -17,11 +18,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from typing import TypeVar
 
-__all__ = ["DRAINING_TAKEN_BACK", "new_replicas", "retirement_order"]
+__all__ = ["new_replicas", "retirement_order", "take_back_order"]
 
 T = TypeVar("T")
-
-DRAINING_TAKEN_BACK = False
 
 
 def new_replicas(held: Iterable[int], count: int) -> list[int]:
@@ -37,3 +36,8 @@ def new_replicas(held: Iterable[int], count: int) -> list[int]:
 def retirement_order(engines: Sequence[T], serving: Callable[[T], bool], replica: Callable[[T], int]) -> list[T]:
     """``engines`` (those starting or serving) in the order a shrink retires them."""
     return sorted(engines, key=lambda e: (serving(e), -replica(e)))
+
+
+def take_back_order(draining: Sequence[T], replica: Callable[[T], int]) -> list[T]:
+    """Draining engines in the order a scale-up takes them back: the reverse of retirement."""
+    return sorted(draining, key=replica)

@@ -25,8 +25,8 @@ Every ``interval_s`` the policy gets a ``ClusterObservation`` of the last
 interval and returns target counts. New engines serve after ``startup_s``;
 removed ones stop taking requests and stop once their own work is done
 (drain). Which engines start and which retire follows the controller's rules
-(``orchestrator.autoscale.rules``): the newest retire first, and a draining
-engine is not taken back (a scale-up while it drains starts another).
+(``orchestrator.autoscale.rules``): the newest retire first, and a scale-up
+takes back draining engines (serving again at once) before it starts new ones.
 Engine-hours count every engine from start to stop, starting and draining included.
 The proxy's routing policy of each pool (``routing``, the spec's ``proxy.routing``):
 ``round_robin`` sends requests to the serving engines in turn, ``least_loaded`` and
@@ -57,7 +57,7 @@ from typing import Any, Protocol
 
 from orchestrator.autoscale.policy import ClusterObservation, PoolObservation, ScalingDecision
 from orchestrator.autoscale.profile import PerformanceProfile
-from orchestrator.autoscale.rules import new_replicas, retirement_order
+from orchestrator.autoscale.rules import new_replicas, retirement_order, take_back_order
 from orchestrator.autoscale.traces import TraceRequest
 
 logger = logging.getLogger(__name__)
@@ -540,11 +540,16 @@ class Simulator:
             self._at(self.now + self.interval_s, _DECIDE, None)
 
     def _scale(self, pool: list, target: int, kind: type, role: str) -> None:
-        """The controller's rules (``rules``): new engines on the lowest free replicas, the newest retired
-        first, a draining engine never taken back."""
+        """The controller's rules (``rules``): draining engines taken back first, then new engines on the
+        lowest free replicas; the newest retired first."""
         provisioned = [e for e in pool if e.state in (EngineState.STARTING, EngineState.SERVING)]
         missing = target - len(provisioned)
         if missing > 0:
+            draining = [e for e in pool if e.state is EngineState.DRAINING]
+            for engine in take_back_order(draining, lambda e: e.replica)[:missing]:
+                engine.state = EngineState.SERVING
+                missing -= 1
+                self._serve_pending(engine)
             held = (e.replica for e in pool if e.state is not EngineState.STOPPED)
             for replica in new_replicas(held, missing):
                 engine = kind(replica, self.now, EngineState.STARTING)

@@ -1,5 +1,5 @@
-"""``pdserve scale`` on a real cluster: a pool grows, serves on its new engine, and shrinks again
-while requests run, without failing one of them.
+"""``pdserve scale`` on a real cluster: a pool grows, serves on its new engine, takes a draining
+engine back when it grows again, and shrinks again while requests run, without failing one of them.
 
 Its own cluster (three engines at most on this machine's two cores:
 ``resources.share_cores``), after the shared one is stopped.
@@ -41,8 +41,10 @@ def spec() -> dict:
     }
 
 
-def ask(proxy_url: str, n: int) -> tuple[int, str]:
-    body = {"model": MODEL, "messages": [{"role": "user", "content": f"Say the number {n}."}], "max_tokens": 8}
+def ask(proxy_url: str, n: int, words: int = 0) -> tuple[int, str]:
+    """A chat request (with ``words`` words of padding: a long prompt); its status and who prefilled it."""
+    content = "word " * words + f"Say the number {n}."
+    body = {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 8}
     status, headers, answer = http_json(proxy_url + "/v1/chat/completions", body, timeout=300)
     return status, headers.get("x-pdserve-prefill", "") if status == 200 else str(answer)
 
@@ -59,6 +61,20 @@ def test_scale_prefill_up_then_down_under_load(tmp_path: Path) -> None:
         assert "prefill-1 ready in" in grown.stdout and "prefill 2/2 ready" in grown.stdout
         served_by = {ask(proxy_url, n)[1] for n in range(4)}
         assert served_by == {"prefill-0", "prefill-1"}  # round robin reaches the new engine
+
+        # Shrink while long prompts run, and grow again before prefill-1 finished them: the scale-up
+        # takes prefill-1 back (it serves again at once) instead of waiting for it to stop and start.
+        with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:
+            long = [pool.submit(ask, proxy_url, n, 3000) for n in range(4)]
+            time.sleep(1.0)
+            draining = run_pdserve("scale", "prefill=1", "--no-wait", env=env)
+            back = run_pdserve("scale", "prefill=2", env=env, timeout=900)
+            long_results = [future.result() for future in long]
+        assert draining.returncode == 0 and back.returncode == 0, draining.stderr + back.stderr
+        assert "prefill-1 taken back" in back.stdout and "prefill 2/2 ready" in back.stdout, back.stdout
+        assert "prefill-1 stopped" not in back.stdout and "prefill-1 ready in" not in back.stdout
+        assert [s for s, _ in long_results] == [200] * 4, long_results
+        assert {ask(proxy_url, n)[1] for n in range(4)} == {"prefill-0", "prefill-1"}
 
         # Shrink while requests keep coming: prefill-1 leaves the pool, finishes, then stops.
         with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:

@@ -52,6 +52,27 @@ async def test_serves_the_engines_the_controller_sets(actor, prefill_engine, dec
     assert (await actor.info())["pool"]["decode"] == []
 
 
+async def test_an_engine_taken_back_from_draining_gets_requests_again(actor, prefill_engine, decode_engine):
+    info = await actor.start()
+    await actor.set_endpoints("decode", [("decode-0", decode_engine.url)])
+    both = [("prefill-0", prefill_engine.url), ("prefill-1", prefill_engine.url)]
+    await actor.set_endpoints("prefill", both, draining=["prefill-1"])
+
+    async with httpx.AsyncClient(base_url=info["url"]) as client:
+
+        async def prefilled_by() -> set[str]:
+            answers = [await client.post("/v1/chat/completions", json=CHAT) for _ in range(4)]
+            return {answer.headers["x-pdserve-prefill"] for answer in answers}
+
+        draining = await prefilled_by()
+        await actor.set_endpoints("prefill", both)  # the controller took prefill-1 back
+        back = await prefilled_by()
+
+    assert draining == {"prefill-0"}
+    assert back == {"prefill-0", "prefill-1"}
+    assert not actor.pool.engine("prefill-1").draining
+
+
 async def test_a_taken_port_fails_the_start(actor):
     taken = listen_socket("127.0.0.1", actor.port)
     taken.listen()

@@ -18,7 +18,7 @@ import pytest
 from orchestrator.autoscale import fidelity, traces
 from orchestrator.autoscale.policy import ClusterObservation, ScalingDecision, StaticPolicy
 from orchestrator.autoscale.profile import EngineLimits, Grid1D, Grid2D, PerformanceProfile
-from orchestrator.autoscale.rules import new_replicas, retirement_order
+from orchestrator.autoscale.rules import new_replicas, retirement_order, take_back_order
 from orchestrator.autoscale.simulator import SPIN_S, Simulator, SloTargets, simulate
 from orchestrator.autoscale.traces import TraceRequest
 
@@ -175,19 +175,20 @@ def test_removed_engines_finish_their_requests_before_stopping():
 
 
 def test_scaling_follows_the_controllers_rules():
-    """Newest retired first; a draining engine is not taken back: a scale-up while it drains starts
-    another engine, which serves only after its startup (as ``Controller.scale`` does)."""
+    """Newest retired first; a scale-up while an engine drains takes it back (it serves again at once),
+    and starts a new engine, which serves only after its startup, for the rest (as ``Controller.scale``)."""
     profile = make_profile(prefill_s_per_token=INSTANT, decode_step=(0.1, 0.0), max_num_seqs=1000, startup_s=30.0)
     trace = poisson_trace(2.0, 100, prompt=lambda rng: 10, output=lambda rng: 300)
-    policy = _Script([(1, 1), (1, 2)])  # t=10: decode 2 -> 1 (decode-1 drains); t=20: back to 2
+    # t=10: decode 2 -> 1 (decode-1 drains, busy for 30 s); t=20: 3 (decode-1 back, decode-2 starts)
+    policy = _Script([(1, 1), (1, 3)])
     sim = Simulator(profile, policy, TARGETS, (1, 2), interval_s=10.0)
     sim.run(trace)
 
     by_t = {round(obs.t): obs.decode for obs in policy.seen}
-    assert (by_t[30].replicas, by_t[30].starting) == (1, 1)  # the drained engine did not come back
-    assert (by_t[60].replicas, by_t[60].starting) == (2, 0)  # the new one serves after 30 s
-    # decode-1 (the newest) retired and stopped; the new engine took the lowest free number once it had.
-    assert [(e.replica, e.state.value) for e in sim.decode] == [(0, "serving"), (1, "stopped"), (2, "serving")]
+    assert (by_t[20].replicas, by_t[20].starting) == (1, 0)  # decode-1 draining
+    assert (by_t[30].replicas, by_t[30].starting) == (2, 1)  # taken back at once; decode-2 starting
+    assert (by_t[60].replicas, by_t[60].starting) == (3, 0)  # decode-2 serves after 30 s
+    assert [(e.replica, e.state.value) for e in sim.decode] == [(0, "serving"), (1, "serving"), (2, "serving")]
 
 
 def test_rules_retire_the_newest_and_the_not_yet_serving_first():
@@ -196,6 +197,7 @@ def test_rules_retire_the_newest_and_the_not_yet_serving_first():
     assert [e[0] for e in order] == ["c", "b", "d", "a"]
     assert new_replicas([0, 2, 3], 3) == [1, 4, 5]
     assert new_replicas([], 0) == []
+    assert take_back_order([("b", 3), ("a", 1), ("c", 2)], replica=lambda e: e[1]) == [("a", 1), ("c", 2), ("b", 3)]
 
 
 def test_trace_files_round_trip_and_bad_lines_are_named(tmp_path):
