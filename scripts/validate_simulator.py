@@ -37,6 +37,7 @@ import os
 import statistics
 import sys
 import tempfile
+import time
 
 import yaml
 from bench_latency import pdserve
@@ -46,7 +47,7 @@ from orchestrator.autoscale.fidelity import TOLERANCE, compare, prefill_capacity
 from orchestrator.autoscale.policy import StaticPolicy
 from orchestrator.autoscale.profile import load_profile
 from orchestrator.autoscale.runner import shared_cores, simulate_spec
-from orchestrator.autoscale.simulator import SloTargets, simulate
+from orchestrator.autoscale.simulator import EVEN_SHARE, SharedCore, SloTargets, simulate
 from orchestrator.spec import ClusterSpec
 
 # Arrival rate as a share of what the spec's prefill pool computes (by the profile, one prompt per pass).
@@ -83,12 +84,39 @@ def spec_copy(config: str, **autoscaling: object) -> str:
     return path
 
 
+def per_request(trace: list, replayed: list[dict], simulated: list) -> list[list]:
+    """Per request, in arrival order: t, prompt and output tokens, then TTFT and ITL (s) on the cluster (None
+    where it failed) and in the simulator; what a later look at a gap starts from."""
+    pairs = sorted(zip(trace, replayed, strict=True), key=lambda pair: pair[0].t)
+    return [
+        [round(r.t, 3), r.prompt_tokens, r.output_tokens]
+        + [None if "failed" in m else round(m[k], 4) for k in ("ttft_s", "itl_s")]
+        + [round(s.ttft_s, 4), round(s.itl_s, 4)]
+        for (r, m), s in zip(pairs, sorted(simulated, key=lambda s: s.arrival), strict=True)
+    ]
+
+
 def attainment(pairs: list[tuple[float, float]], ttft_s: float, itl_s: float) -> float:
     """The share of (TTFT, ITL) pairs within both targets."""
     return sum(1 for ttft, itl in pairs if ttft <= ttft_s and itl <= itl_s) / len(pairs)
 
 
-def resimulate(report_path: str, core_plan: str | None, seed: int, duration_s: float) -> None:
+def load_shared_core(path: str | None) -> SharedCore:
+    """The slowdowns beside a busy engine on a core that ``scripts/probe_shared_start.py --out`` measured
+    (its ``shared_core``), or the simulator's default (the core split evenly) without ``path``."""
+    if path is None:
+        return EVEN_SHARE
+    with open(path) as f:
+        measured = json.load(f).get("shared_core")
+    if not isinstance(measured, dict):
+        sys.exit(f"{path}: no 'shared_core' (written by scripts/probe_shared_start.py --out)")
+    try:
+        return SharedCore(**measured)
+    except (TypeError, ValueError) as e:
+        sys.exit(f"{path}: shared_core: {e}")
+
+
+def resimulate(report_path: str, core_plan: str | None, seed: int, duration_s: float, shared: SharedCore) -> None:
     with open(report_path) as f:
         report = json.load(f)
     spec = ClusterSpec.from_file(report["config"])
@@ -107,7 +135,7 @@ def resimulate(report_path: str, core_plan: str | None, seed: int, duration_s: f
         _, trace = load_trace(name, capacity, duration_s, seed)
         if len(trace) != load["requests"]:
             sys.exit(f"{name}: {len(trace)} requests, the report replayed {load['requests']}: --seed / --duration?")
-        records = simulate_spec(spec, profile, trace, None, cores=cores).records
+        records = simulate_spec(spec, profile, trace, None, cores=cores, shared=shared).records
         sim = attainment([(r.ttft_s, r.itl_s) for r in records], targets.ttft_p90_s, targets.itl_p90_s)
         real = load["slo_attainment"]["cluster"]
         rows = {
@@ -160,9 +188,16 @@ def main() -> None:
         help="with --resimulate: the engines' cores as the cluster ran them, e.g. 'prefill-0:0 prefill-1:1 "
         "decode-0:0' (default: the report's core_plan, else the plan the code makes for the spec now)",
     )
+    parser.add_argument(
+        "--shared-core",
+        metavar="PROBE",
+        help="the simulator slows an engine beside a busy one on its core as scripts/probe_shared_start.py "
+        "--out PROBE measured (default: the core split evenly)",
+    )
     args = parser.parse_args()
+    shared = load_shared_core(args.shared_core)
     if args.resimulate:
-        resimulate(args.resimulate, args.core_plan, args.seed, args.duration)
+        resimulate(args.resimulate, args.core_plan, args.seed, args.duration, shared)
         return
 
     spec = ClusterSpec.from_file(args.config)
@@ -197,9 +232,16 @@ def main() -> None:
             if any(r.prompt_tokens + r.output_tokens > limit for r in trace):
                 sys.exit(f"{name}: the trace has requests longer than engine.max_model_len ({limit})")
         status = json.loads(pdserve("status", "--json").stdout)
+        replay_start = time.time()
         for name, (_, trace) in cases.items():  # one after the other: each replay ends when its last answer did
             measured[name] = replay(status["proxy_url"], status["model"], trace)
-        autoscaler = json.loads(pdserve("status", "--json").stdout).get("autoscaler") or {}
+        status = json.loads(pdserve("status", "--json").stdout)
+        autoscaler = status.get("autoscaler") or {}
+        events = [  # what the controller did to the engines while the traces ran, seconds into the replay
+            f"{event['t'] - replay_start:.0f}s {event['message']}"
+            for event in status["events"]
+            if event["t"] >= replay_start and event["message"].startswith(("scaling", "prefill-", "decode-"))
+        ]
     finally:
         pdserve("down")
 
@@ -210,6 +252,7 @@ def main() -> None:
         "tolerance": TOLERANCE,
         "seed": args.seed,
         "duration_s": args.duration,
+        "shared_core": args.shared_core,
         "core_plan": " ".join(
             f"{engine}:{','.join(str(c) for _, c in sorted(cs))}" for engine, cs in (shared_cores(spec) or {}).items()
         ),
@@ -217,11 +260,13 @@ def main() -> None:
     }
     if args.autoscale:  # what the cluster's autoscaler changed, in order
         report["cluster_changes"] = [change["changed"] for change in autoscaler.get("changes", [])]
+        report["cluster_events"] = events
     for name, (rate, trace) in cases.items():
-        failed = [m["failed"] for m in measured[name] if "failed" in m]
-        measured[name] = [m for m in measured[name] if "failed" not in m]
+        replayed = measured[name]  # in the trace's order
+        failed = [m["failed"] for m in replayed if "failed" in m]
+        measured[name] = [m for m in replayed if "failed" not in m]
         if args.autoscale:
-            result = simulate_spec(spec, profile, trace, None)
+            result = simulate_spec(spec, profile, trace, None, shared=shared)
             simulated, scaled = result.records, result.timeline
         else:
             simulated = simulate(profile, StaticPolicy(*split), trace, SloTargets(1e9, 1e9), split).records
@@ -235,6 +280,7 @@ def main() -> None:
             "mean_output_tokens": round(statistics.mean(r.output_tokens for r in trace), 1),
             "quantiles": rows,
             "within_tolerance": within(rows),
+            "per_request": per_request(trace, replayed, simulated),
         }
         if args.autoscale and spec.autoscaling is not None:
             targets = spec.autoscaling.targets
@@ -247,6 +293,11 @@ def main() -> None:
                 "simulator": round(sim, 4),
                 "points": round(100 * (sim - real), 1),
                 "simulator_prefill_sizes": sorted({row["prefill"] for row in scaled}),
+                "simulator_changes": [  # (seconds into the trace, prefill, decode) at each change of a target
+                    (round(row["t"]), row["prefill"], row["decode"])
+                    for before, row in zip([None, *scaled], scaled, strict=False)
+                    if before is None or (before["prefill"], before["decode"]) != (row["prefill"], row["decode"])
+                ],
             }
     if args.out:
         with open(args.out, "w") as f:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from orchestrator.autoscale.policy import AutoscalePolicy, PolicyConfig, StaticPolicy
 from orchestrator.autoscale.profile import PerformanceProfile, load_profile
-from orchestrator.autoscale.simulator import Policy, SimulationResult, SloTargets, simulate
+from orchestrator.autoscale.simulator import EVEN_SHARE, Policy, SharedCore, SimulationResult, SloTargets, simulate
 from orchestrator.autoscale.traces import TraceRequest
 from orchestrator.errors import PdserveError
 from orchestrator.spec import ClusterSpec
@@ -58,11 +58,13 @@ def simulate_spec(
     start: tuple[int, int] | None = None,
     cores: dict[str, frozenset[tuple[int, int]]] | None = None,
     policy: Policy | None = None,
+    shared: SharedCore = EVEN_SHARE,
 ) -> SimulationResult:
     """Run ``trace`` under the autoscaler (``static`` None) or a fixed ``static`` = (prefill, decode) split,
     or under ``policy`` when given (a study's own, with ``static`` None). The autoscaler (or ``policy``)
     starts with ``start`` engines serving (default: the spec's replicas); ``cores``: the engines' shared
-    cores as a cluster ran them (default: the plan the spec makes now, ``shared_cores``)."""
+    cores as a cluster ran them (default: the plan the spec makes now, ``shared_cores``), and ``shared`` how
+    much a busy neighbour on a core slows an engine (``SharedCore``)."""
     scaling = spec.autoscaling
     if scaling is None:
         raise SimulationSetupError("the spec has no 'autoscaling' section")
@@ -86,6 +88,7 @@ def simulate_spec(
         interval_s=scaling.interval_s,
         cores=cores or shared_cores(spec),
         routing=routing,
+        shared=shared,
     )
 
 

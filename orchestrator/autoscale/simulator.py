@@ -36,12 +36,16 @@ tokens (decode); prefixes are not modelled.
 Engines that share CPU cores (``cores``: each engine's cores by id, ``prefill-0``
 ..., as ``orchestrator.launch`` pins them; a CPU cluster with
 ``resources.share_cores``) share their speed: a prefill pass or a decode step
-takes the profile's time (measured with the engine's cores to itself) times the
-most engines busy at once on any of its cores, the engine itself included. An
-engine counts as busy for ``SPIN_S`` (1 s) after its last pass or step: vLLM's
-worker polls its queue that long before it sleeps, and takes its share of the
-core meanwhile. A decode engine's step is re-timed whenever a neighbour starts
-work or stops polling; a pass in flight keeps the time it started with.
+takes the profile's time (measured with the engine's cores to itself) times
+``1 + (s - 1) * n``, ``n`` the other engines busy at once on its most crowded core
+and ``s`` how much slower it works beside one busy engine (``SharedCore``, by
+role; by default 2: the core split evenly, which makes the factor the number of
+busy engines). An engine counts as busy for ``SPIN_S`` (1 s) after its last pass
+or step: vLLM's worker polls its queue that long before it sleeps, and takes its
+share of the core meanwhile. A decode engine's step is re-timed whenever a
+neighbour starts work or stops polling; a pass in flight keeps the time it
+started with. A new engine's start-up is stretched the same way (``SharedCore.startup``,
+by default 1: not at all) by the neighbours busy when it begins.
 """
 
 from __future__ import annotations
@@ -62,7 +66,16 @@ from orchestrator.autoscale.traces import TraceRequest
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Policy", "RequestRecord", "SimulationResult", "Simulator", "SloTargets", "simulate"]
+__all__ = [
+    "EVEN_SHARE",
+    "Policy",
+    "RequestRecord",
+    "SharedCore",
+    "SimulationResult",
+    "Simulator",
+    "SloTargets",
+    "simulate",
+]
 
 _EPS = 1e-9
 # Event kinds, in the order simultaneous events are handled.
@@ -71,6 +84,25 @@ _READY, _PREFILL_DONE, _TRANSFER_DONE, _DECODE_DONE, _ARRIVAL, _DECIDE, _SPIN_EN
 # sleeps on a socket (``SpinCondition``'s ``busy_loop_s``, vllm.distributed.device_communicators.shm_broadcast):
 # an engine that just finished a pass or step keeps its core busy this much longer.
 SPIN_S = 1.0
+
+
+@dataclass(slots=True, frozen=True)
+class SharedCore:
+    """How many times slower than alone an engine works beside one busy engine on its core
+    (``scripts/probe_shared_start.py`` measures it on a CPU cluster). The default splits a core evenly
+    between the engines busy on it and leaves a start-up alone."""
+
+    prefill: float = 2.0  # a prefill pass
+    decode: float = 2.0  # a decode step
+    startup: float = 1.0  # from "start" to "serves"
+
+    def __post_init__(self) -> None:
+        for name in ("prefill", "decode", "startup"):
+            if getattr(self, name) < 1.0:
+                raise ValueError(f"SharedCore.{name} must be 1 or more (got {getattr(self, name)})")
+
+
+EVEN_SHARE = SharedCore()
 
 
 class Policy(Protocol):
@@ -214,6 +246,7 @@ class Simulator:
         cores: dict[str, frozenset[Any]] | None = None,
         spin_s: float = SPIN_S,
         routing: tuple[str, str] = ("least_loaded", "least_loaded"),
+        shared: SharedCore = EVEN_SHARE,
     ) -> None:
         if interval_s <= 0:
             raise ValueError(f"interval_s must be > 0 (got {interval_s})")
@@ -223,6 +256,7 @@ class Simulator:
         self.interval_s = interval_s
         self.cores = cores or {}
         self.spin_s = spin_s
+        self.shared = shared
         self.startup_s = profile.engine.startup_s if startup_s is None else startup_s
         self.now = 0.0
         self._events: list[tuple[float, int, int, Any]] = []
@@ -251,12 +285,12 @@ class Simulator:
         role = "prefill" if isinstance(engine, _PrefillEngine) else "decode"
         return self.cores.get(f"{role}-{engine.replica}", frozenset())
 
-    def _share(self, engine: _Engine) -> int:
-        """How many engines are busy on this engine's most crowded core, itself counted as busy (an idle
-        engine still polling, too: ``SPIN_S``)."""
+    def _share(self, engine: _Engine, slowdown: float) -> float:
+        """How many times slower than alone ``engine`` works now: ``1 + (slowdown - 1) * n``, ``n`` the other
+        engines busy on its most crowded core (one still polling, too: ``SPIN_S``)."""
         mine = self._cores(engine)
         if not mine:
-            return 1
+            return 1.0
         busy = [
             self._cores(e)
             for e in itertools.chain(self.prefill, self.decode)
@@ -264,7 +298,7 @@ class Simulator:
             and e.state is not EngineState.STOPPED
             and (not e.idle or e.spins_until > self.now + _EPS)
         ]
-        return 1 + max(sum(1 for theirs in busy if core in theirs) for core in mine)
+        return 1.0 + (slowdown - 1.0) * max(sum(1 for theirs in busy if core in theirs) for core in mine)
 
     def _went_idle(self, engine: _Engine) -> None:
         """``engine`` has no work left: its neighbours speed up once its worker stops polling."""
@@ -367,7 +401,7 @@ class Simulator:
             return
         tokens = limits.max_num_batched_tokens - room
         engine.busy = True
-        seconds = self.profile.prefill_seconds(tokens, len(chunks)) * self._share(engine)
+        seconds = self.profile.prefill_seconds(tokens, len(chunks)) * self._share(engine, self.shared.prefill)
         self._at(self.now + seconds, _PREFILL_DONE, (engine, chunks))
 
     def _on_prefill_done(self, payload: tuple[_PrefillEngine, list[tuple[_Request, int]]]) -> None:
@@ -423,7 +457,7 @@ class Simulator:
             engine.step_s = 0.0
             return
         context = (engine.sum_prompt + n * engine.steps - engine.sum_start) / n
-        engine.step_s = self.profile.decode_step_seconds(n, context) * self._share(engine)
+        engine.step_s = self.profile.decode_step_seconds(n, context) * self._share(engine, self.shared.decode)
         finish = engine.running[0][0]
         self._at(self.now + max(0.0, finish - engine.steps) * engine.step_s, _DECODE_DONE, (engine, engine.version))
 
@@ -554,7 +588,7 @@ class Simulator:
             for replica in new_replicas(held, missing):
                 engine = kind(replica, self.now, EngineState.STARTING)
                 pool.append(engine)
-                self._at(self.now + self.startup_s, _READY, engine)
+                self._at(self.now + self.startup_s * self._share(engine, self.shared.startup), _READY, engine)
         elif missing < 0:
             order = retirement_order(provisioned, lambda e: e.state is EngineState.SERVING, lambda e: e.replica)
             for engine in order[:-missing]:
@@ -592,10 +626,12 @@ def simulate(
     cores: dict[str, frozenset[Any]] | None = None,
     spin_s: float = SPIN_S,
     routing: tuple[str, str] = ("least_loaded", "least_loaded"),
+    shared: SharedCore = EVEN_SHARE,
 ) -> SimulationResult:
     """Run ``trace`` through a cluster that starts with ``initial`` = (prefill, decode) serving engines
     (``cores``: engines that share CPU cores, and ``spin_s`` how long one keeps polling after its work;
-    ``routing``: the proxy's (prefill, decode) policies; see the module's docstring)."""
+    ``routing``: the proxy's (prefill, decode) policies; ``shared``: how much a busy neighbour on a core
+    slows an engine; see the module's docstring)."""
     sim = Simulator(
         profile,
         policy,
@@ -606,5 +642,6 @@ def simulate(
         cores=cores,
         spin_s=spin_s,
         routing=routing,
+        shared=shared,
     )
     return sim.run(trace)

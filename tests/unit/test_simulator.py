@@ -19,7 +19,7 @@ from orchestrator.autoscale import fidelity, traces
 from orchestrator.autoscale.policy import ClusterObservation, ScalingDecision, StaticPolicy
 from orchestrator.autoscale.profile import EngineLimits, Grid1D, Grid2D, PerformanceProfile
 from orchestrator.autoscale.rules import new_replicas, retirement_order, take_back_order
-from orchestrator.autoscale.simulator import SPIN_S, Simulator, SloTargets, simulate
+from orchestrator.autoscale.simulator import SPIN_S, SharedCore, Simulator, SloTargets, simulate
 from orchestrator.autoscale.traces import TraceRequest
 
 TARGETS = SloTargets(ttft_s=1e9, itl_s=1e9)
@@ -279,6 +279,38 @@ def test_engines_sharing_a_core_share_its_speed():
     steps_alone = (0.5 - 0.01) / 0.03
     assert a.done == pytest.approx(0.5 + (100 - steps_alone) * 0.06)
     assert b.ttft_s == pytest.approx(10.0 + 0.03)
+
+
+def test_measured_slowdowns_beside_a_busy_neighbour_replace_the_even_split():
+    profile = make_profile(prefill_s_per_token=0.001, decode_step=(0.03, 0.0), max_num_seqs=100)
+    trace = [TraceRequest(0.0, 10, 100), TraceRequest(0.5, 5000, 1)]  # as above
+    one_core = {"prefill-0": frozenset({0}), "decode-0": frozenset({0})}
+    measured = SharedCore(prefill=1.5, decode=3.5)
+    a, b = sorted(
+        simulate(
+            profile, StaticPolicy(1, 1), trace, TARGETS, (1, 1), cores=one_core, spin_s=0.0, shared=measured
+        ).records,
+        key=lambda r: r.arrival,
+    )
+    # From 0.5 s A's steps take 3.5x while B's pass runs (1.5x: 7.5 s, ending at 8.0 s); then 1x again.
+    steps_alone = (0.5 - 0.01) / 0.03
+    steps_beside = 7.5 / (0.03 * 3.5)
+    assert b.ttft_s == pytest.approx(7.5 + 0.03)
+    assert a.done == pytest.approx(8.0 + (100 - steps_alone - steps_beside) * 0.03)
+    with pytest.raises(ValueError, match="SharedCore.decode must be 1 or more"):
+        SharedCore(decode=0.5)
+
+
+def test_a_start_beside_a_busy_engine_takes_longer_by_the_measured_slowdown():
+    profile = make_profile(prefill_s_per_token=INSTANT, decode_step=(0.1, 0.0), max_num_seqs=100, startup_s=30.0)
+    trace = [TraceRequest(0.0, 10, 1000)]  # decode-0 steps for 100 s
+    cores = {"prefill-0": frozenset({0}), "decode-0": frozenset({1}), "prefill-1": frozenset({1})}
+    started = {}
+    for name, shared in (("even", SharedCore()), ("measured", SharedCore(startup=1.75))):
+        policy = _Script([(2, 1)])  # t=10: prefill-1 starts beside the busy decode-0
+        Simulator(profile, policy, TARGETS, (1, 1), interval_s=10.0, cores=cores, shared=shared).run(trace)
+        started[name] = min(round(obs.t) for obs in policy.seen if obs.prefill.replicas == 2)
+    assert started == {"even": 40, "measured": 70}  # ready at 40 s, or at 10 + 30 x 1.75 = 62.5 s
 
 
 def test_an_engine_that_just_worked_keeps_its_share_of_the_core_while_it_polls():
