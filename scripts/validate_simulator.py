@@ -43,7 +43,7 @@ import yaml
 from bench_latency import pdserve
 
 from orchestrator.autoscale import traces
-from orchestrator.autoscale.fidelity import TOLERANCE, compare, prefill_capacity_rps, replay, within
+from orchestrator.autoscale.fidelity import TOLERANCE, compare, prefill_capacity_rps, quantile, replay, within
 from orchestrator.autoscale.policy import StaticPolicy
 from orchestrator.autoscale.profile import load_profile
 from orchestrator.autoscale.runner import shared_cores, simulate_spec
@@ -94,6 +94,31 @@ def per_request(trace: list, replayed: list[dict], simulated: list) -> list[list
         + [round(s.ttft_s, 4), round(s.itl_s, 4)]
         for (r, m), s in zip(pairs, sorted(simulated, key=lambda s: s.arrival), strict=True)
     ]
+
+
+def by_minute(report_path: str, window_s: float = 60.0) -> None:
+    """A saved report's ``per_request`` by minute of arrival: TTFT p50 / p90 on both sides, and the prompt
+    tokens whose first token came in that minute (what the prefill engines got through) per second."""
+    with open(report_path) as f:
+        report = json.load(f)
+    for name, load in report["loads"].items():
+        rows = load.get("per_request")
+        if not rows:
+            sys.exit(f"{report_path}: {name}: no per_request (reports from before 2026-11-26 have none)")
+        print(f"{name}: from t | requests | TTFT p50 | TTFT p90 (s) | prompt tok/s prefilled; each cluster / simulator")
+        last = max(t + ttft for t, _, _, ttft, _, _, _ in rows if ttft is not None)
+        for start in range(0, int(last + window_s), int(window_s)):
+            here = [r for r in rows if start <= r[0] < start + window_s]
+            done = [
+                sum(r[1] for r in rows if r[col] is not None and start <= r[0] + r[col] < start + window_s) / window_s
+                for col in (3, 5)
+            ]
+            ttft = [
+                [quantile([r[col] for r in here if r[col] is not None] or [0.0], q) for col in (3, 5)]
+                for q in (0.5, 0.9)
+            ]
+            cells = " | ".join(f"{a:.1f} / {b:.1f}" if here else "-" for a, b in ttft)
+            print(f"{start:5d} | {len(here):4d} | {cells} | {done[0]:.0f} / {done[1]:.0f}")
 
 
 def attainment(pairs: list[tuple[float, float]], ttft_s: float, itl_s: float) -> float:
@@ -194,7 +219,15 @@ def main() -> None:
         help="the simulator slows an engine beside a busy one on its core as scripts/probe_shared_start.py "
         "--out PROBE measured (default: the core split evenly)",
     )
+    parser.add_argument(
+        "--by-minute",
+        metavar="REPORT",
+        help="no cluster: a saved report's requests by minute (TTFT on both sides, prompt tokens prefilled per s)",
+    )
     args = parser.parse_args()
+    if args.by_minute:
+        by_minute(args.by_minute)
+        return
     shared = load_shared_core(args.shared_core)
     if args.resimulate:
         resimulate(args.resimulate, args.core_plan, args.seed, args.duration, shared)
