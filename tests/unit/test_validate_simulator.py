@@ -1,0 +1,54 @@
+"""scripts/validate_simulator.py's own logic: the probe's slowdowns it reads, the per-request rows it saves,
+and the by-minute view of them (the cluster side runs in tests/integration/test_profile.py)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from orchestrator.autoscale.simulator import EVEN_SHARE, RequestRecord, SharedCore
+from orchestrator.autoscale.traces import TraceRequest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))  # as the script runs: beside its imports
+import validate_simulator  # noqa: E402
+
+
+def test_the_probes_slowdowns_are_read_and_a_file_without_them_is_named(tmp_path: Path) -> None:
+    assert validate_simulator.load_shared_core(None) is EVEN_SHARE
+    probe = tmp_path / "probe.json"
+    probe.write_text(json.dumps({"shared_core": {"prefill": 1.9, "decode": 2.1, "startup": 1.8}}))
+    assert validate_simulator.load_shared_core(str(probe)) == SharedCore(1.9, 2.1, 1.8)
+    probe.write_text(json.dumps({"decode_slowdown": {}}))
+    with pytest.raises(SystemExit, match=r"probe.json: no 'shared_core'"):
+        validate_simulator.load_shared_core(str(probe))
+    probe.write_text(json.dumps({"shared_core": {"decode": 0.5}}))
+    with pytest.raises(SystemExit, match=r"probe.json: shared_core: SharedCore.decode must be 1 or more"):
+        validate_simulator.load_shared_core(str(probe))
+
+
+def test_per_request_rows_pair_each_request_with_its_replay_and_its_simulation(tmp_path: Path, capsys) -> None:
+    trace = [TraceRequest(70.0, 300, 5), TraceRequest(10.0, 100, 4), TraceRequest(20.0, 200, 3)]
+    replayed = [{"ttft_s": 3.0, "itl_s": 0.2}, {"failed": "HTTP 500"}, {"ttft_s": 50.0, "itl_s": 0.1}]
+    simulated = [  # in the simulator's order: by completion
+        RequestRecord(20.0, 200, 3, 2.0, 0.1, 22.2),
+        RequestRecord(70.0, 300, 5, 1.0, 0.3, 72.2),
+        RequestRecord(10.0, 100, 4, 0.5, 0.1, 10.8),
+    ]
+    rows = validate_simulator.per_request(trace, replayed, simulated)
+    assert rows == [
+        [10.0, 100, 4, None, None, 0.5, 0.1],
+        [20.0, 200, 3, 50.0, 0.1, 2.0, 0.1],
+        [70.0, 300, 5, 3.0, 0.2, 1.0, 0.3],
+    ]
+
+    report = tmp_path / "report.json"
+    report.write_text(json.dumps({"loads": {"bursty": {"per_request": rows}}}))
+    validate_simulator.by_minute(str(report))
+    lines = capsys.readouterr().out.splitlines()
+    # minute 0: two arrivals (the failed one has no cluster TTFT); the 200-token prompt's first token came
+    # at 70 s in the cluster, at 22 s in the simulator; the 300-token one at 73 / 71 s
+    assert lines[1].split(" | ") == ["    0", "   2", "50.0 / 2.0", "50.0 / 2.0", "0 / 5"]
+    assert lines[2].split(" | ") == ["   60", "   1", "3.0 / 1.0", "3.0 / 1.0", "8 / 5"]
