@@ -32,11 +32,13 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 
 import yaml
@@ -48,6 +50,7 @@ from orchestrator.autoscale.policy import StaticPolicy
 from orchestrator.autoscale.profile import load_profile
 from orchestrator.autoscale.runner import shared_cores, simulate_spec
 from orchestrator.autoscale.simulator import EVEN_SHARE, SharedCore, SloTargets, simulate
+from orchestrator.engine_metrics import scrape
 from orchestrator.spec import ClusterSpec
 
 # Arrival rate as a share of what the spec's prefill pool computes (by the profile, one prompt per pass).
@@ -82,6 +85,76 @@ def spec_copy(config: str, **autoscaling: object) -> str:
     with os.fdopen(fd, "w") as f:
         yaml.safe_dump(raw, f)
     return path
+
+
+ENGINE_SAMPLES = {  # what --sample-engines reads off each engine's /metrics (summed over label sets)
+    "prompt_tokens": "vllm:prompt_tokens_total",
+    "prefill_s_sum": "vllm:request_prefill_time_seconds_sum",
+    "prefill_s_count": "vllm:request_prefill_time_seconds_count",
+    "queue_s_sum": "vllm:request_queue_time_seconds_sum",
+    "waiting": "vllm:num_requests_waiting",
+    "running": "vllm:num_requests_running",
+    "kv_usage": "vllm:kv_cache_usage_perc",
+}
+
+
+class EngineSampler:
+    """Every ``interval_s`` while the traces replay: each serving engine's ``ENGINE_SAMPLES`` (the
+    controller's status says which engines serve, at what URL); ``rows`` of [t, engine, *values]."""
+
+    def __init__(self, interval_s: float) -> None:
+        from orchestrator.cluster import ClusterState
+
+        self.interval_s, self.rows, self._client = interval_s, [], ClusterState.load().client()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        start = time.monotonic()
+        while not self._stop.wait(self.interval_s):
+            try:
+                engines = [e for e in self._client.status()["engines"] if e["state"] in ("ready", "draining")]
+            except Exception:  # noqa: BLE001 - a missed sample, not a failed run
+                continue
+            for engine in engines:
+                try:
+                    values = scrape(engine["url"], list(ENGINE_SAMPLES.values()), timeout_s=5)
+                except OSError:
+                    continue
+                t = round(time.monotonic() - start, 1)
+                self.rows.append([t, engine["engine_id"], *(round(values[n], 4) for n in ENGINE_SAMPLES.values())])
+
+    def __enter__(self) -> EngineSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def engines_by_minute(samples: dict, window_s: float = 60.0) -> None:
+    """``--sample-engines``' readings by minute, per engine: prompt tokens computed per second, mean prefill
+    and queue time of the requests that finished prefill in it, most requests waiting, mean KV-cache use."""
+    columns = samples["columns"]
+    by_engine: dict[str, list[dict]] = collections.defaultdict(list)
+    for row in samples["rows"]:
+        by_engine[row[1]].append(dict(zip(columns, row, strict=True)))
+    print("engine | from t | prompt tok/s | prefill s / request | queue s / request | waiting (max) | KV use")
+    for engine, rows in sorted(by_engine.items()):
+        for start in range(0, int(rows[-1]["t"] + window_s), int(window_s)):
+            here = [r for r in rows if start <= r["t"] < start + window_s]
+            before = [r for r in rows if r["t"] < start][-1:] or here[:1]
+            if not here or not before:
+                continue
+            a, b = before[0], here[-1]
+            span, done = max(b["t"] - a["t"], 1e-9), b["prefill_s_count"] - a["prefill_s_count"]
+            per = {k: (b[k] - a[k]) / done if done > 0 else float("nan") for k in ("prefill_s_sum", "queue_s_sum")}
+            print(
+                f"{engine} | {start:5d} | {(b['prompt_tokens'] - a['prompt_tokens']) / span:6.0f} | "
+                f"{per['prefill_s_sum']:6.2f} | {per['queue_s_sum']:6.2f} | {max(r['waiting'] for r in here):4.0f} | "
+                f"{statistics.mean(r['kv_usage'] for r in here):.1%}"
+            )
 
 
 def per_request(trace: list, replayed: list[dict], simulated: list) -> list[list]:
@@ -119,6 +192,8 @@ def by_minute(report_path: str, window_s: float = 60.0) -> None:
             ]
             cells = " | ".join(f"{a:.1f} / {b:.1f}" if here else "-" for a, b in ttft)
             print(f"{start:5d} | {len(here):4d} | {cells} | {done[0]:.0f} / {done[1]:.0f}")
+    if "engine_samples" in report:
+        engines_by_minute(report["engine_samples"])
 
 
 def attainment(pairs: list[tuple[float, float]], ttft_s: float, itl_s: float) -> float:
@@ -224,6 +299,13 @@ def main() -> None:
         metavar="REPORT",
         help="no cluster: a saved report's requests by minute (TTFT on both sides, prompt tokens prefilled per s)",
     )
+    parser.add_argument(
+        "--sample-engines",
+        type=float,
+        metavar="S",
+        help="every S seconds of the replay, read each serving engine's /metrics (prompt tokens, prefill and "
+        "queue time, waiting, running, KV use) into the report's engine_samples",
+    )
     args = parser.parse_args()
     if args.by_minute:
         by_minute(args.by_minute)
@@ -249,6 +331,7 @@ def main() -> None:
     if up.returncode != 0:
         sys.exit(f"pdserve up failed:\n{up.stdout}\n{up.stderr}")
     measured = {}
+    sampler: EngineSampler | None = None
     try:
         if args.profile is None and not args.autoscale:  # the running cluster's engines, measured now
             profiled = pdserve("profile", config, "--out", profile_path, timeout=1800)
@@ -266,8 +349,10 @@ def main() -> None:
                 sys.exit(f"{name}: the trace has requests longer than engine.max_model_len ({limit})")
         status = json.loads(pdserve("status", "--json").stdout)
         replay_start = time.time()
-        for name, (_, trace) in cases.items():  # one after the other: each replay ends when its last answer did
-            measured[name] = replay(status["proxy_url"], status["model"], trace)
+        sampler = EngineSampler(args.sample_engines) if args.sample_engines else None
+        with sampler or contextlib.nullcontext():
+            for name, (_, trace) in cases.items():  # one after the other: each replay ends when its last answer did
+                measured[name] = replay(status["proxy_url"], status["model"], trace)
         status = json.loads(pdserve("status", "--json").stdout)
         autoscaler = status.get("autoscaler") or {}
         events = [  # what the controller did to the engines while the traces ran, seconds into the replay
@@ -291,6 +376,8 @@ def main() -> None:
         ),
         "loads": {},
     }
+    if sampler is not None:
+        report["engine_samples"] = {"columns": ["t", "engine", *ENGINE_SAMPLES], "rows": sampler.rows}
     if args.autoscale:  # what the cluster's autoscaler changed, in order
         report["cluster_changes"] = [change["changed"] for change in autoscaler.get("changes", [])]
         report["cluster_events"] = events

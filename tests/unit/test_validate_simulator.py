@@ -52,3 +52,20 @@ def test_per_request_rows_pair_each_request_with_its_replay_and_its_simulation(t
     # at 70 s in the cluster, at 22 s in the simulator; the 300-token one at 73 / 71 s
     assert lines[1].split(" | ") == ["    0", "   2", "50.0 / 2.0", "50.0 / 2.0", "0 / 5"]
     assert lines[2].split(" | ") == ["   60", "   1", "3.0 / 1.0", "3.0 / 1.0", "8 / 5"]
+
+
+def test_engine_samples_by_minute_give_each_engines_rate_and_times(capsys) -> None:
+    columns = ["t", "engine", "prompt_tokens", "prefill_s_sum", "prefill_s_count", "queue_s_sum", "waiting", "running"]
+    columns.append("kv_usage")
+    rows = [
+        [5.0, "prefill-0", 0, 0.0, 0, 0.0, 0, 0, 0.0],
+        [55.0, "prefill-0", 6000, 20.0, 20, 40.0, 3, 1, 0.1],
+        [65.0, "prefill-0", 9000, 26.0, 30, 90.0, 7, 1, 0.3],
+        [115.0, "prefill-0", 9000, 26.0, 30, 90.0, 0, 0, 0.0],
+    ]
+    validate_simulator.engines_by_minute({"columns": columns, "rows": rows})
+    lines = capsys.readouterr().out.splitlines()
+    # minute 0: 6000 tokens in 50 s, 20 prefills of 1 s that waited 2 s each; minute 1: from 55 s on,
+    # 3000 tokens in 60 s, 10 prefills of 0.6 s that waited 5 s; most waiting 7, KV use (30 % + 0) / 2
+    assert [cell.strip() for cell in lines[1].split("|")] == ["prefill-0", "0", "120", "1.00", "2.00", "3", "5.0%"]
+    assert [cell.strip() for cell in lines[2].split("|")] == ["prefill-0", "60", "50", "0.60", "5.00", "7", "15.0%"]
