@@ -35,6 +35,7 @@ import collections
 import contextlib
 import json
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -155,6 +156,15 @@ def engines_by_minute(samples: dict, window_s: float = 60.0) -> None:
                 f"{per['prefill_s_sum']:6.2f} | {per['queue_s_sum']:6.2f} | {max(r['waiting'] for r in here):4.0f} | "
                 f"{statistics.mean(r['kv_usage'] for r in here):.1%}"
             )
+
+
+def report_json(report: dict) -> str:
+    """The report as indented JSON, each innermost list on one line (a request's row, an engine's sample)."""
+    return re.sub(
+        r"\[\n\s*([^\[\]{}]*?)\n\s*\]",  # a newline is never inside a JSON string: only lists match
+        lambda m: "[" + re.sub(r",\n\s*", ", ", m.group(1)) + "]",
+        json.dumps(report, indent=2),
+    )
 
 
 def per_request(trace: list, replayed: list[dict], simulated: list) -> list[list]:
@@ -421,9 +431,9 @@ def main() -> None:
             }
     if args.out:
         with open(args.out, "w") as f:
-            f.write(json.dumps(report, indent=2) + "\n")
+            f.write(report_json(report) + "\n")
     if args.json:
-        print(json.dumps(report, indent=2))
+        print(report_json(report))
         return
     print(f"{args.config}, profile {report['profile']}; cluster / simulator (simulator / cluster):")
     print("| load | req/s | requests | " + " | ".join(next(iter(report["loads"].values()))["quantiles"]) + " |")

@@ -69,3 +69,11 @@ def test_engine_samples_by_minute_give_each_engines_rate_and_times(capsys) -> No
     # 3000 tokens in 60 s, 10 prefills of 0.6 s that waited 5 s; most waiting 7, KV use (30 % + 0) / 2
     assert [cell.strip() for cell in lines[1].split("|")] == ["prefill-0", "0", "120", "1.00", "2.00", "3", "5.0%"]
     assert [cell.strip() for cell in lines[2].split("|")] == ["prefill-0", "60", "50", "0.60", "5.00", "7", "15.0%"]
+
+
+def test_the_report_keeps_each_row_on_one_line_and_reads_back_the_same() -> None:
+    report = {"loads": {"bursty": {"per_request": [[1.0, 10, 2, None, None, 0.5, 0.1]]}}, "note": ["a [ b ]", "c, d"]}
+    text = validate_simulator.report_json(report)
+    assert json.loads(text) == report
+    assert "[1.0, 10, 2, null, null, 0.5, 0.1]" in text.splitlines()[4]
+    assert '"c, d"' in text  # a string's brackets and commas are left as they are
