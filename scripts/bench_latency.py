@@ -50,22 +50,15 @@ def make_prompt(tag: int, approx_tokens: int) -> str:
     return f"Story {tag}: " + " ".join(words) + "\nSummarise the story in one sentence:"
 
 
-def stream_completion(url: str, model: str, prompt: str, max_tokens: int) -> dict:
-    body = {
-        "model": model,
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
+def stream_tokens(url: str, body: dict, headers: dict[str, str]) -> tuple[float, list[float], dict | None]:
+    """POST ``body`` to ``url``/v1/completions streamed: when it was sent, when each token came
+    (``time.monotonic``), and the usage the last chunk reported (None without one)."""
     request = urllib.request.Request(
         url + "/v1/completions",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json", **ENGINE_HEADERS.get(url, {})},
+        data=json.dumps(body | {"stream": True}).encode(),
+        headers={"Content-Type": "application/json", **headers},
     )
-    start = time.perf_counter()
+    start = time.monotonic()
     token_times: list[float] = []
     usage = None
     with urllib.request.urlopen(request, timeout=600) as response:
@@ -77,7 +70,20 @@ def stream_completion(url: str, model: str, prompt: str, max_tokens: int) -> dic
             if event.get("usage"):
                 usage = event["usage"]
             if event.get("choices") and event["choices"][0].get("text"):
-                token_times.append(time.perf_counter())
+                token_times.append(time.monotonic())
+    return start, token_times, usage
+
+
+def stream_completion(url: str, model: str, prompt: str, max_tokens: int) -> dict:
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+    }
+    start, token_times, usage = stream_tokens(url, body, ENGINE_HEADERS.get(url, {}))
     gaps = [b - a for a, b in zip(token_times, token_times[1:], strict=False)]
     return {
         "ttft_s": token_times[0] - start,

@@ -32,7 +32,6 @@ import statistics
 import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import psutil
@@ -41,7 +40,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_latency import make_prompt, pdserve  # noqa: E402
+from bench_latency import make_prompt, pdserve, stream_tokens  # noqa: E402
 from validate_simulator import spec_copy  # noqa: E402
 
 from connectors.auth import engine_key  # noqa: E402
@@ -54,18 +53,8 @@ PHASE_S = 30.0  # each steady phase lasts this long
 def completion(url: str, model: str, prompt: str, max_tokens: int, headers: dict[str, str]) -> list[float]:
     """One streamed completion; when it was sent, then the time of each token."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
-    request = urllib.request.Request(
-        url + "/v1/completions",
-        data=json.dumps(body | {"stream": True}).encode(),
-        headers={"Content-Type": "application/json", **headers},
-    )
-    times = [time.monotonic()]
-    with urllib.request.urlopen(request, timeout=600) as response:
-        for raw in response:
-            line = raw.decode().strip()
-            if line.startswith("data: {") and json.loads(line[6:])["choices"][0].get("text"):
-                times.append(time.monotonic())
-    return times
+    sent, times, _ = stream_tokens(url, body, headers)
+    return [sent, *times]
 
 
 class Load:
