@@ -12,14 +12,17 @@ batch of that many), timing every token:
 4. prefill-1 computing 1024-token prompts back to back (sent to it directly), while the CPU
    time of every process on the shared core is read from ``/proc`` (who got the core);
 5. the streams stopped: prefill-1 computing the same prompts beside an idle decode-0;
-6. ``prefill=1`` and ``prefill=2`` again: prefill-1's start beside an idle decode-0, the
+6. for each further count in ``--streams`` (e.g. ``8,32``): decode-0 streaming that many
+   answers, first beside an idle prefill-1, then beside a computing one (does a bigger
+   decode batch slow its neighbour's prefill more?);
+7. ``prefill=1`` and ``prefill=2`` again: prefill-1's start beside an idle decode-0, the
    reference for 2.
 
-    python scripts/probe_shared_start.py [--config configs/local-cpu-autoscale.yaml] [--streams 8] [--json] [--out F]
+    python scripts/probe_shared_start.py [--config F] [--streams 8[,32]] [--json] [--out F]
 
 Its ``shared_core`` (the slowdowns of a prefill pass, a decode step and a start-up beside
-one busy engine) is what the simulator's ``SharedCore`` takes:
-``validate_simulator.py --shared-core F``.
+one busy engine; with several ``--streams``, the prefill pass's slowdown by decode-0's batch)
+is what the simulator's ``SharedCore`` takes: ``validate_simulator.py --shared-core F``.
 """
 
 from __future__ import annotations
@@ -116,10 +119,51 @@ def cpu_seconds(engines: dict[str, int]) -> dict[str, float]:
     return out
 
 
+def stream_counts(text: str) -> tuple[int, ...]:
+    try:
+        counts = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of stream counts: {text!r}") from None
+    if any(count < 1 for count in counts):
+        raise argparse.ArgumentTypeError(f"stream counts must be 1 or more: {text!r}")
+    return counts
+
+
+def beside_batch(count: int, stream, long_prompt, measured: tuple | None = None) -> dict:  # noqa: ANN001
+    """decode-0 streaming ``count`` answers beside prefill-1 computing 1024-token prompts: its ITL p50 beside an
+    idle and a computing prefill-1, and prefill-1's pass. ``measured``: the (streams, prefill) ``Load``s and the
+    (idle, computing) windows of a phase already run; else it runs one, sending with ``stream`` and ``long_prompt``."""
+    if measured is None:
+        with Load(count, stream) as load:
+            time.sleep(5)
+            idle = (time.monotonic(), time.monotonic() + PHASE_S)
+            time.sleep(PHASE_S)
+            with Load(1, long_prompt) as prefill:
+                time.sleep(5)
+                computing = (time.monotonic(), time.monotonic() + PHASE_S)
+                time.sleep(PHASE_S)
+        measured = (load, prefill, idle, computing)
+    load, prefill, idle, computing = measured
+    return {
+        "streams": count,
+        "decode_itl_p50_ms": {
+            "neighbour_idle": load.median_ms(*idle),
+            "neighbour_computing": load.median_ms(*computing),
+        },
+        "prefill_1024_ms": prefill.median_ms(*computing, of="ttfts"),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="configs/local-cpu-autoscale.yaml")
-    parser.add_argument("--streams", type=int, default=8, help="answers streamed at once (decode-0's batch)")
+    parser.add_argument(
+        "--streams",
+        type=stream_counts,
+        default=(8,),
+        help="answers streamed at once (decode-0's batch); several, comma-separated, repeat the computing phase "
+        "with each (default: 8)",
+    )
     parser.add_argument("--max-tokens", type=int, default=200, help="tokens per streamed answer")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--out", metavar="FILE", help="also write the result here (JSON)")
@@ -140,7 +184,7 @@ def main() -> None:
         def stream(tag: int) -> list[float]:
             return completion(proxy, model, make_prompt(tag, 64), args.max_tokens, {})
 
-        with Load(args.streams, stream) as load:
+        with Load(args.streams[0], stream) as load:
             time.sleep(PHASE_S + 5)
             began, ended, busy_start = scale(2)
             time.sleep(PHASE_S + 5)
@@ -158,14 +202,19 @@ def main() -> None:
                 cpu_after, computed = cpu_seconds(pids), time.monotonic()
         with Load(1, long_prompt) as prefill_alone:
             time.sleep(PHASE_S)
+        idle_window = (ended + 5, ended + 5 + PHASE_S)
+        batches = [
+            beside_batch(args.streams[0], stream, long_prompt, (load, prefill, idle_window, (computing, computed)))
+        ]
+        batches += [beside_batch(count, stream, long_prompt) for count in args.streams[1:]]
         passes = {  # a 1024-token prompt's prefill on prefill-1 (its TTFT, sent to the engine itself)
             "decode_idle": prefill_alone.median_ms(0, time.monotonic(), of="ttfts"),
-            "decode_busy": prefill.median_ms(0, time.monotonic(), of="ttfts"),
+            "decode_busy": batches[0]["prefill_1024_ms"],
         }
         itl = {
             "alone": load.median_ms(began - PHASE_S, began),
             "neighbour_starting": load.median_ms(began + 2, ended - 2),
-            "neighbour_idle": load.median_ms(ended + 5, ended + 5 + PHASE_S),
+            "neighbour_idle": load.median_ms(*idle_window),
             "neighbour_computing": load.median_ms(computing, computed),
         }
         scale(1)
@@ -177,12 +226,17 @@ def main() -> None:
     window = computed - computing
     result = {
         "config": args.config,
-        "streams": args.streams,
+        "streams": args.streams[0],
         "prefill_1_startup_s": {"beside_idle_decode": idle_start, "beside_busy_decode": busy_start},
         "decode_itl_p50_ms": itl,
         "decode_slowdown": {k: round(v / itl["alone"], 2) for k, v in itl.items() if v and itl["alone"]},
         "prefill_1024_ms": passes,
         "prefill_slowdown_beside_busy_decode": round(passes["decode_busy"] / passes["decode_idle"], 2),
+        "by_decode_batch": [  # prefill-1's pass beside decode-0 streaming ``streams`` answers
+            batch | {"prefill_slowdown": round(batch["prefill_1024_ms"] / passes["decode_idle"], 2)}
+            for batch in batches
+            if batch["prefill_1024_ms"] and passes["decode_idle"]
+        ],
         "cpu_share_while_computing": {  # of one core, per process, the engines on the shared core
             key: round((cpu_after[key] - cpu_before.get(key, 0.0)) / window, 3)
             for key in sorted(cpu_after)
@@ -197,18 +251,29 @@ def main() -> None:
             "decode": max(slow["neighbour_computing"], 1.0),
             "startup": max(round(busy_start / idle_start, 2), 1.0),
         }
+        if len(result["by_decode_batch"]) > 1:
+            result["shared_core"]["prefill_by_decode_batch"] = [
+                [batch["streams"], max(batch["prefill_slowdown"], 1.0)] for batch in result["by_decode_batch"]
+            ]
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     if args.json:
         print(json.dumps(result, indent=2))
         return
-    print(f"{args.config}: decode-0 with {args.streams} streams; prefill-1 on its core")
+    print(f"{args.config}: decode-0 with {args.streams[0]} streams; prefill-1 on its core")
     print(f"  prefill-1 start-up beside an idle decode-0 {idle_start} s, beside a busy one {busy_start} s")
     for phase, value in itl.items():
         print(f"  decode-0 ITL p50, {phase}: {value} ms ({result['decode_slowdown'].get(phase)}x)")
     print(f"  prefill-1's 1024-token prompt, decode-0 idle / busy: {' / '.join(map(str, passes.values()))} ms")
     for key, share in result["cpu_share_while_computing"].items():
         print(f"  {key}: {share:.1%} of a core while prefill-1 computed")
+    for batch in result["by_decode_batch"]:
+        itl = batch["decode_itl_p50_ms"]
+        print(
+            f"  decode-0 with {batch['streams']} streams: prefill-1's 1024-token prompt {batch['prefill_1024_ms']} ms "
+            f"({batch['prefill_slowdown']}x); its ITL p50 {itl['neighbour_idle']} ms beside an idle prefill-1, "
+            f"{itl['neighbour_computing']} ms beside a computing one"
+        )
 
 
 if __name__ == "__main__":

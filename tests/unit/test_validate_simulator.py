@@ -27,6 +27,12 @@ def test_the_probes_slowdowns_are_read_and_a_file_without_them_is_named(tmp_path
     probe.write_text(json.dumps({"shared_core": {"decode": 0.5}}))
     with pytest.raises(SystemExit, match=r"probe.json: shared_core: SharedCore.decode must be 1 or more"):
         validate_simulator.load_shared_core(str(probe))
+    by_batch = {"prefill": 1.9, "decode": 2.1, "prefill_by_decode_batch": [[8, 1.9], [32, 2.9]]}
+    probe.write_text(json.dumps({"shared_core": by_batch}))
+    assert validate_simulator.load_shared_core(str(probe)).prefill_beside_decode(20) == pytest.approx(2.4)
+    probe.write_text(json.dumps({"shared_core": by_batch | {"prefill_by_decode_batch": [[8]]}}))
+    with pytest.raises(SystemExit, match=r"shared_core: SharedCore.prefill_by_decode_batch: \[streams, slowdown\]"):
+        validate_simulator.load_shared_core(str(probe))
 
 
 def test_per_request_rows_pair_each_request_with_its_replay_and_its_simulation(tmp_path: Path, capsys) -> None:
