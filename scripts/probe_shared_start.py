@@ -21,8 +21,10 @@ batch of that many), timing every token:
     python scripts/probe_shared_start.py [--config F] [--streams 8[,32]] [--json] [--out F]
 
 Its ``shared_core`` (the slowdowns of a prefill pass, a decode step and a start-up beside
-one busy engine; with several ``--streams``, the prefill pass's slowdown by decode-0's batch)
-is what the simulator's ``SharedCore`` takes: ``validate_simulator.py --shared-core F``.
+one busy engine, with the first ``--streams``) is what the simulator's ``SharedCore`` takes:
+``validate_simulator.py --shared-core F [F ...]`` (the mean of several probes). The further
+counts only report: on 2026-11-26 the prefill pass was 2.84x slower beside 8 streams and
+2.22x beside 32, so the simulator keeps one number per role.
 """
 
 from __future__ import annotations
@@ -251,10 +253,6 @@ def main() -> None:
             "decode": max(slow["neighbour_computing"], 1.0),
             "startup": max(round(busy_start / idle_start, 2), 1.0),
         }
-        if len(result["by_decode_batch"]) > 1:
-            result["shared_core"]["prefill_by_decode_batch"] = [
-                [batch["streams"], max(batch["prefill_slowdown"], 1.0)] for batch in result["by_decode_batch"]
-            ]
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     if args.json:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -211,19 +212,24 @@ def attainment(pairs: list[tuple[float, float]], ttft_s: float, itl_s: float) ->
     return sum(1 for ttft, itl in pairs if ttft <= ttft_s and itl <= itl_s) / len(pairs)
 
 
-def load_shared_core(path: str | None) -> SharedCore:
+def load_shared_core(paths: list[str] | None) -> SharedCore:
     """The slowdowns beside a busy engine on a core that ``scripts/probe_shared_start.py --out`` measured
-    (its ``shared_core``), or the simulator's default (the core split evenly) without ``path``."""
-    if path is None:
+    (its ``shared_core``; of several probes, the mean of each), or the simulator's default (the core split
+    evenly) without ``paths``."""
+    if not paths:
         return EVEN_SHARE
-    with open(path) as f:
-        measured = json.load(f).get("shared_core")
-    if not isinstance(measured, dict):
-        sys.exit(f"{path}: no 'shared_core' (written by scripts/probe_shared_start.py --out)")
-    try:
-        return SharedCore(**measured)
-    except (TypeError, ValueError) as e:
-        sys.exit(f"{path}: shared_core: {e}")
+    probes = []
+    for path in paths:
+        with open(path) as f:
+            measured = json.load(f).get("shared_core")
+        if not isinstance(measured, dict):
+            sys.exit(f"{path}: no 'shared_core' (written by scripts/probe_shared_start.py --out)")
+        try:
+            probes.append(SharedCore(**measured))
+        except (TypeError, ValueError) as e:
+            sys.exit(f"{path}: shared_core: {e}")
+    fields = ("prefill", "decode", "startup")
+    return SharedCore(**{name: round(statistics.mean(getattr(p, name) for p in probes), 3) for name in fields})
 
 
 def resimulate(report_path: str, core_plan: str | None, seed: int, duration_s: float, shared: SharedCore) -> None:
@@ -301,8 +307,9 @@ def main() -> None:
     parser.add_argument(
         "--shared-core",
         metavar="PROBE",
+        nargs="+",
         help="the simulator slows an engine beside a busy one on its core as scripts/probe_shared_start.py "
-        "--out PROBE measured (default: the core split evenly)",
+        "--out PROBE measured; of several, the mean (default: the core split evenly)",
     )
     parser.add_argument(
         "--by-minute",
@@ -380,7 +387,7 @@ def main() -> None:
         "tolerance": TOLERANCE,
         "seed": args.seed,
         "duration_s": args.duration,
-        "shared_core": args.shared_core,
+        "shared_core": {"probes": args.shared_core or [], **dataclasses.asdict(shared)},  # the probes, their mean
         "core_plan": " ".join(
             f"{engine}:{','.join(str(c) for _, c in sorted(cs))}" for engine, cs in (shared_cores(spec) or {}).items()
         ),

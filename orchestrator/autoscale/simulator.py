@@ -45,9 +45,7 @@ or step: vLLM's worker polls its queue that long before it sleeps, and takes its
 share of the core meanwhile. A decode engine's step is re-timed whenever a
 neighbour starts work or stops polling; a pass in flight keeps the time it
 started with. A new engine's start-up is stretched the same way (``SharedCore.startup``,
-by default 1: not at all) by the neighbours busy when it begins. A prefill pass beside a
-decode engine can be slowed by that engine's batch (``SharedCore.prefill_by_decode_batch``,
-measured at a few batches and interpolated; by default not).
+by default 1: not at all) by the neighbours busy when it begins.
 """
 
 from __future__ import annotations
@@ -97,39 +95,11 @@ class SharedCore:
     prefill: float = 2.0  # a prefill pass
     decode: float = 2.0  # a decode step
     startup: float = 1.0  # from "start" to "serves"
-    # A prefill pass beside a decode engine by that engine's batch: (streams, slowdown) points, the
-    # slowdown interpolated between them and held beyond; none: ``prefill`` whatever the batch.
-    prefill_by_decode_batch: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("prefill", "decode", "startup"):
             if getattr(self, name) < 1.0:
                 raise ValueError(f"SharedCore.{name} must be 1 or more (got {getattr(self, name)})")
-        try:
-            points = tuple(sorted((int(n), float(s)) for n, s in self.prefill_by_decode_batch))
-        except (TypeError, ValueError):
-            raise ValueError(
-                f"SharedCore.prefill_by_decode_batch: [streams, slowdown] pairs (got {self.prefill_by_decode_batch!r})"
-            ) from None
-        if any(streams < 0 or slowdown < 1.0 for streams, slowdown in points):
-            raise ValueError(
-                f"SharedCore.prefill_by_decode_batch: streams 0 or more, slowdowns 1 or more (got {points})"
-            )
-        if len({streams for streams, _ in points}) < len(points):
-            raise ValueError(f"SharedCore.prefill_by_decode_batch: one slowdown per batch (got {points})")
-        object.__setattr__(self, "prefill_by_decode_batch", points)
-
-    def prefill_beside_decode(self, streams: int) -> float:
-        """How many times slower a prefill pass runs beside a busy decode engine stepping ``streams`` at once."""
-        points = self.prefill_by_decode_batch
-        if not points:
-            return self.prefill
-        if streams <= points[0][0]:
-            return points[0][1]
-        for (n0, s0), (n1, s1) in itertools.pairwise(points):
-            if streams <= n1:
-                return s0 + (s1 - s0) * (streams - n0) / (n1 - n0)
-        return points[-1][1]
 
 
 EVEN_SHARE = SharedCore()
@@ -316,26 +286,19 @@ class Simulator:
         return self.cores.get(f"{role}-{engine.replica}", frozenset())
 
     def _share(self, engine: _Engine, slowdown: float) -> float:
-        """How many times slower than alone ``engine`` works now: 1 plus ``slowdown - 1`` for each other engine
-        busy on its most crowded core (one still polling, too: ``SPIN_S``); a prefill pass beside a decode
-        engine by that engine's batch when ``shared.prefill_by_decode_batch`` says."""
+        """How many times slower than alone ``engine`` works now: ``1 + (slowdown - 1) * n``, ``n`` the other
+        engines busy on its most crowded core (one still polling, too: ``SPIN_S``)."""
         mine = self._cores(engine)
         if not mine:
             return 1.0
-        by_batch = isinstance(engine, _PrefillEngine) and self.shared.prefill_by_decode_batch
         busy = [
-            (
-                self._cores(e),
-                self.shared.prefill_beside_decode(len(e.running))
-                if by_batch and isinstance(e, _DecodeEngine)
-                else slowdown,
-            )
+            self._cores(e)
             for e in itertools.chain(self.prefill, self.decode)
             if e is not engine
             and e.state is not EngineState.STOPPED
             and (not e.idle or e.spins_until > self.now + _EPS)
         ]
-        return 1.0 + max(sum(s - 1.0 for theirs, s in busy if core in theirs) for core in mine)
+        return 1.0 + (slowdown - 1.0) * max(sum(1 for theirs in busy if core in theirs) for core in mine)
 
     def _went_idle(self, engine: _Engine) -> None:
         """``engine`` has no work left: its neighbours speed up once its worker stops polling."""

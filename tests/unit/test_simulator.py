@@ -301,29 +301,6 @@ def test_measured_slowdowns_beside_a_busy_neighbour_replace_the_even_split():
         SharedCore(decode=0.5)
 
 
-def test_a_prefill_pass_beside_a_decode_engine_slows_with_its_batch():
-    by_batch = SharedCore(prefill=1.8, prefill_by_decode_batch=[[6, 2.5], [2, 1.5]])  # as a probe's JSON gives it
-    assert by_batch.prefill_by_decode_batch == ((2, 1.5), (6, 2.5))
-    assert [by_batch.prefill_beside_decode(n) for n in (0, 2, 4, 6, 40)] == [1.5, 1.5, 2.0, 2.5, 2.5]
-    assert SharedCore(prefill=1.8).prefill_beside_decode(40) == 1.8  # not measured by batch: one number
-
-    profile = make_profile(prefill_s_per_token=0.001, decode_step=(0.03, 0.0), max_num_seqs=100)
-    one_core = {"prefill-0": frozenset({0}), "decode-0": frozenset({0})}
-    passes = {}
-    for streams in (1, 4, 9):
-        # ``streams`` answers decoding from ~0.01 s; a 5000-token prompt (5 s alone) arrives at 1 s.
-        trace = [TraceRequest(0.0, 10, 1000) for _ in range(streams)] + [TraceRequest(1.0, 5000, 1)]
-        records = simulate(
-            profile, StaticPolicy(1, 1), trace, TARGETS, (1, 1), cores=one_core, spin_s=0.0, shared=by_batch
-        ).records
-        passes[streams] = round(max(records, key=lambda r: r.arrival).ttft_s - 0.03, 6)  # less its first step
-    assert passes == {1: 7.5, 4: 10.0, 9: 12.5}
-
-    for points in ([[2, 0.5]], [[2, 1.5], [2, 2.0]], [[-1, 1.5]]):
-        with pytest.raises(ValueError, match="SharedCore.prefill_by_decode_batch"):
-            SharedCore(prefill_by_decode_batch=points)
-
-
 def test_a_start_beside_a_busy_engine_takes_longer_by_the_measured_slowdown():
     profile = make_profile(prefill_s_per_token=INSTANT, decode_step=(0.1, 0.0), max_num_seqs=100, startup_s=30.0)
     trace = [TraceRequest(0.0, 10, 1000)]  # decode-0 steps for 100 s

@@ -18,21 +18,17 @@ import validate_simulator  # noqa: E402
 
 def test_the_probes_slowdowns_are_read_and_a_file_without_them_is_named(tmp_path: Path) -> None:
     assert validate_simulator.load_shared_core(None) is EVEN_SHARE
-    probe = tmp_path / "probe.json"
+    probe, other = tmp_path / "probe.json", tmp_path / "other.json"
     probe.write_text(json.dumps({"shared_core": {"prefill": 1.9, "decode": 2.1, "startup": 1.8}}))
-    assert validate_simulator.load_shared_core(str(probe)) == SharedCore(1.9, 2.1, 1.8)
+    assert validate_simulator.load_shared_core([str(probe)]) == SharedCore(1.9, 2.1, 1.8)
+    other.write_text(json.dumps({"shared_core": {"prefill": 2.8, "decode": 3.0, "startup": 1.9}}))
+    assert validate_simulator.load_shared_core([str(probe), str(other)]) == SharedCore(2.35, 2.55, 1.85)  # the mean
     probe.write_text(json.dumps({"decode_slowdown": {}}))
     with pytest.raises(SystemExit, match=r"probe.json: no 'shared_core'"):
-        validate_simulator.load_shared_core(str(probe))
+        validate_simulator.load_shared_core([str(other), str(probe)])
     probe.write_text(json.dumps({"shared_core": {"decode": 0.5}}))
     with pytest.raises(SystemExit, match=r"probe.json: shared_core: SharedCore.decode must be 1 or more"):
-        validate_simulator.load_shared_core(str(probe))
-    by_batch = {"prefill": 1.9, "decode": 2.1, "prefill_by_decode_batch": [[8, 1.9], [32, 2.9]]}
-    probe.write_text(json.dumps({"shared_core": by_batch}))
-    assert validate_simulator.load_shared_core(str(probe)).prefill_beside_decode(20) == pytest.approx(2.4)
-    probe.write_text(json.dumps({"shared_core": by_batch | {"prefill_by_decode_batch": [[8]]}}))
-    with pytest.raises(SystemExit, match=r"shared_core: SharedCore.prefill_by_decode_batch: \[streams, slowdown\]"):
-        validate_simulator.load_shared_core(str(probe))
+        validate_simulator.load_shared_core([str(probe)])
 
 
 def test_per_request_rows_pair_each_request_with_its_replay_and_its_simulation(tmp_path: Path, capsys) -> None:
