@@ -236,6 +236,10 @@ def resimulate(report_path: str, core_plan: str | None, seed: int, duration_s: f
     with open(report_path) as f:
         report = json.load(f)
     spec = ClusterSpec.from_file(report["config"])
+    # The proxy's routing as the run had it (reports before it was saved: the demo's round robin then).
+    prefill, decode = report.get("routing", ("round_robin", "round_robin"))
+    routing = spec.proxy.routing.model_copy(update={"prefill": prefill, "decode": decode})
+    spec = spec.model_copy(update={"proxy": spec.proxy.model_copy(update={"routing": routing})})
     profile = load_profile(report["profile"].split(" (")[0])
     seed, duration_s = report.get("seed", seed), report.get("duration_s", duration_s)  # the run's own
     if spec.autoscaling is None:
@@ -388,6 +392,7 @@ def main() -> None:
         "seed": args.seed,
         "duration_s": args.duration,
         "shared_core": {"probes": args.shared_core or [], **dataclasses.asdict(shared)},  # the probes, their mean
+        "routing": [spec.proxy.routing.prefill, spec.proxy.routing.decode],
         "core_plan": " ".join(
             f"{engine}:{','.join(str(c) for _, c in sorted(cs))}" for engine, cs in (shared_cores(spec) or {}).items()
         ),

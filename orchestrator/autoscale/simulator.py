@@ -11,7 +11,9 @@ A request's life, as modelled (times from the performance profile):
    the least KV cache promised. The decode engine admits it when a batch slot
    and KV room for prompt + output tokens are free (waiting until then), then
    its KV cache moves over and the hand-off's fixed cost passes (``handoff_seconds``:
-   the transfer plus the profile's ``handoff_s``).
+   the transfer plus the profile's ``handoff_s``). As in vLLM, a busy decode engine
+   starts the load only when its step in progress ends, and takes the loaded request
+   into its batch only at the end of the step in which the load finished.
 4. It joins the decode batch (continuous batching); each step emits one token
    for every sequence in the batch and lasts ``decode_step_seconds(batch, mean
    context)``. TTFT is arrival to the end of its first step; ITL is the mean gap
@@ -54,6 +56,7 @@ import enum
 import heapq
 import itertools
 import logging
+import math
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -443,7 +446,16 @@ class Simulator:
             engine.waiting_kv -= need
             engine.kv_used += need
             engine.transferring += 1
-            self._at(self.now + self.profile.handoff_seconds(req.prompt), _TRANSFER_DONE, (engine, req))
+            # The KV load starts when the step in progress ends (vLLM's worker starts loads as a step begins).
+            delay = self._to_step_end(engine) + self.profile.handoff_seconds(req.prompt)
+            self._at(self.now + delay, _TRANSFER_DONE, (engine, req))
+
+    def _to_step_end(self, engine: _DecodeEngine) -> float:
+        """Seconds until ``engine``'s step in progress ends; 0 when it steps nothing."""
+        if not engine.running or engine.step_s <= 0:
+            return 0.0
+        self._advance(engine)
+        return max(0.0, math.ceil(engine.steps - 1e-6) - engine.steps) * engine.step_s
 
     def _advance(self, engine: _DecodeEngine) -> None:
         if engine.running and engine.step_s > 0:
@@ -463,6 +475,10 @@ class Simulator:
 
     def _on_transfer_done(self, payload: tuple[_DecodeEngine, _Request]) -> None:
         engine, req = payload
+        wait = self._to_step_end(engine)
+        if wait > _EPS:  # the scheduler hears of a finished load, and takes the request in, between steps
+            self._at(self.now + wait, _TRANSFER_DONE, payload)
+            return
         self._advance(engine)
         engine.transferring -= 1
         req.start_step = engine.steps
