@@ -24,7 +24,9 @@ of a batch (a join or a finish) every step lasts the same, so the engine keeps a
 fractional step counter and the next finish is computed, not stepped to.
 
 Every ``interval_s`` the policy gets a ``ClusterObservation`` of the last
-interval and returns target counts. New engines serve after ``startup_s``;
+interval and returns target counts. Its prefill queue is what the controller reads
+off a cluster, vLLM's waiting gauge: the requests an engine's last pass left
+unscheduled (one that arrived during the pass is scheduled when it ends, unseen). New engines serve after ``startup_s``;
 removed ones stop taking requests and stop once their own work is done
 (drain). Which engines start and which retire follows the controller's rules
 (``orchestrator.autoscale.rules``): the newest retire first, and a scale-up
@@ -155,6 +157,9 @@ class _PrefillEngine(_Engine):
     queue: deque[_Request] = field(default_factory=deque)
     queued_tokens: int = 0
     busy: bool = False
+    # What vLLM's waiting gauge shows (requests, prompt tokens): those its last pass left unscheduled. One
+    # that arrives during a pass reaches the scheduler only when the pass ends, and is scheduled then.
+    waiting: tuple[int, int] = (0, 0)
 
     @property
     def idle(self) -> bool:
@@ -402,6 +407,8 @@ class Simulator:
             room -= chunk
         if not chunks:
             return
+        left = list(itertools.islice(engine.queue, len(chunks), None))
+        engine.waiting = (len(left), sum(req.prefill_left for req in left))
         tokens = limits.max_num_batched_tokens - room
         engine.busy = True
         seconds = self.profile.prefill_seconds(tokens, len(chunks)) * self._share(engine, self.shared.prefill)
@@ -418,6 +425,7 @@ class Simulator:
         if engine.queue:
             self._start_prefill_pass(engine)
         else:
+            engine.waiting = (0, 0)
             self._went_idle(engine)
             if engine.state is EngineState.DRAINING:
                 self._stop(engine)
@@ -533,12 +541,13 @@ class Simulator:
             self._last_cv2 = max(w["prompt_sq"] / w["arrivals"] / mean_prompt**2 - 1, 0.0)
         prefill_serving = [e for e in self.prefill if e.state is EngineState.SERVING]
         decode_serving = [e for e in self.decode if e.state is EngineState.SERVING]
-        prefill_queued = [r for e in prefill_serving for r in e.queue if r.prefill_left == r.prompt]
+        # The queue as the controller reads it on a cluster: the engines' waiting gauges, and the proxy's.
+        waiting = [e.waiting for e in prefill_serving]
         prefill = PoolObservation(
             replicas=len(prefill_serving),
             starting=sum(1 for e in self.prefill if e.state is EngineState.STARTING),
-            queue_depth=len(prefill_queued) + len(self._proxy_queue),
-            queued_tokens=sum(r.prompt for r in prefill_queued) + sum(r.prompt for r in self._proxy_queue),
+            queue_depth=sum(n for n, _ in waiting) + len(self._proxy_queue),
+            queued_tokens=sum(tokens for _, tokens in waiting) + sum(r.prompt for r in self._proxy_queue),
             running=sum(1 for e in prefill_serving if e.busy),
         )
         capacity = self.profile.engine.kv_capacity_tokens

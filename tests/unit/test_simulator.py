@@ -162,6 +162,22 @@ class _Script:
         return ScalingDecision(obs.t, prefill, decode)
 
 
+def test_the_policy_sees_the_prefill_queue_as_vllms_waiting_gauge_shows_it():
+    # Three 1000-token prompts (10 s each alone) arrive at once.
+    trace = [TraceRequest(0.0, 1000, 1) for _ in range(3)]
+    seen = {}
+    for seqs in (1, 100):
+        policy = _Script([(1, 1)])
+        profile = make_profile(prefill_s_per_token=0.01, max_num_seqs=seqs)
+        Simulator(profile, policy, TARGETS, (1, 1), interval_s=5.0).run(trace)
+        seen[seqs] = [(round(o.t), o.prefill.queue_depth, o.prefill.queued_tokens) for o in policy.seen[:4]]
+    # The first's pass began before the others arrived: vLLM's scheduler hears of them only when it ends.
+    # Then, one sequence per pass: the second's pass leaves the third waiting.
+    assert seen[1] == [(5, 0, 0), (10, 1, 1000), (15, 1, 1000), (20, 0, 0)]
+    # Both fit the second pass: none waits.
+    assert seen[100] == [(5, 0, 0), (10, 0, 0), (15, 0, 0), (20, 0, 0)]
+
+
 def test_new_engines_serve_only_after_their_startup_time():
     policy = _Script([(3, 1)])
     trace = poisson_trace(0.5, 200, prompt=lambda rng: 1000)
