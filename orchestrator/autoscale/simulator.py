@@ -26,9 +26,9 @@ fractional step counter and the next finish is computed, not stepped to.
 Every ``interval_s`` the policy gets a ``ClusterObservation`` of the last
 interval and returns target counts. Its prefill queue is what the controller reads
 off a cluster, vLLM's waiting gauge: the requests an engine's last pass left
-unscheduled (one that arrived during the pass is scheduled when it ends, unseen). New engines serve after ``startup_s``;
-removed ones stop taking requests and stop once their own work is done
-(drain). Which engines start and which retire follows the controller's rules
+unscheduled (one that arrived during the pass is scheduled when it ends, unseen).
+New engines serve after ``startup_s``; removed ones stop taking requests and stop
+once their own work is done (drain). Which engines start and which retire follows the controller's rules
 (``orchestrator.autoscale.rules``): the newest retire first, and a scale-up
 takes back draining engines (serving again at once) before it starts new ones.
 Engine-hours count every engine from start to stop, starting and draining included.
