@@ -228,8 +228,8 @@ def load_shared_core(paths: list[str] | None) -> SharedCore:
             probes.append(SharedCore(**measured))
         except (TypeError, ValueError) as e:
             sys.exit(f"{path}: shared_core: {e}")
-    fields = ("prefill", "decode", "startup")
-    return SharedCore(**{name: round(statistics.mean(getattr(p, name) for p in probes), 3) for name in fields})
+    names = [field.name for field in dataclasses.fields(SharedCore)]
+    return SharedCore(**{name: round(statistics.mean(getattr(p, name) for p in probes), 3) for name in names})
 
 
 def resimulate(report_path: str, core_plan: str | None, seed: int, duration_s: float, shared: SharedCore) -> None:
