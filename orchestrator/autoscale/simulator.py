@@ -159,7 +159,7 @@ class _PrefillEngine(_Engine):
     busy: bool = False
     # What vLLM's waiting gauge shows (requests, prompt tokens): those its last pass left unscheduled. One
     # that arrives during a pass reaches the scheduler only when the pass ends, and is scheduled then.
-    waiting: tuple[int, int] = (0, 0)
+    gauge_waiting: tuple[int, int] = (0, 0)
 
     @property
     def idle(self) -> bool:
@@ -408,7 +408,7 @@ class Simulator:
         if not chunks:
             return
         left = list(itertools.islice(engine.queue, len(chunks), None))
-        engine.waiting = (len(left), sum(req.prefill_left for req in left))
+        engine.gauge_waiting = (len(left), sum(req.prefill_left for req in left))
         tokens = limits.max_num_batched_tokens - room
         engine.busy = True
         seconds = self.profile.prefill_seconds(tokens, len(chunks)) * self._share(engine, self.shared.prefill)
@@ -425,7 +425,7 @@ class Simulator:
         if engine.queue:
             self._start_prefill_pass(engine)
         else:
-            engine.waiting = (0, 0)
+            engine.gauge_waiting = (0, 0)
             self._went_idle(engine)
             if engine.state is EngineState.DRAINING:
                 self._stop(engine)
@@ -542,7 +542,7 @@ class Simulator:
         prefill_serving = [e for e in self.prefill if e.state is EngineState.SERVING]
         decode_serving = [e for e in self.decode if e.state is EngineState.SERVING]
         # The queue as the controller reads it on a cluster: the engines' waiting gauges, and the proxy's.
-        waiting = [e.waiting for e in prefill_serving]
+        waiting = [e.gauge_waiting for e in prefill_serving]
         prefill = PoolObservation(
             replicas=len(prefill_serving),
             starting=sum(1 for e in self.prefill if e.state is EngineState.STARTING),
