@@ -16,11 +16,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.integration.conftest import HERE, http_json, own_cluster, run_pdserve
+from connectors import wire
+from tests.integration.conftest import HERE, engine_headers, http_json, own_cluster, run_pdserve
 
 pytestmark = [pytest.mark.integration, pytest.mark.after_cluster]
 
 MODEL = "smollm2-135m-instruct"
+LEASE_TTL_S = 45  # how long prefill-1 holds KV nobody reads: what keeps it draining below
 
 
 def spec() -> dict:
@@ -31,6 +33,7 @@ def spec() -> dict:
         "prefill": base["prefill"] | {"port": 18400, "kv_port": 15800},
         "decode": base["decode"] | {"port": 18500, "kv_port": 15900},
         "resources": {"share_cores": True},
+        "connector_options": {"lease_ttl_s": LEASE_TTL_S},
         "autoscaling": {
             "prefill": {"min": 1, "max": 2},
             "decode": {"min": 1, "max": 1},
@@ -49,6 +52,21 @@ def ask(proxy_url: str, n: int, words: int = 0) -> tuple[int, str]:
     return status, headers.get("x-pdserve-prefill", "") if status == 200 else str(answer)
 
 
+def hold_kv(env: dict[str, str], engine_id: str) -> None:
+    """The proxy's first phase sent straight to ``engine_id``, with no second: the engine holds that prompt's
+    KV for a decode engine until the lease ends (``lease_ttl_s``), and a drain waits for it."""
+    status = json.loads(run_pdserve("status", "--json", env=env).stdout)
+    url = next(e["url"] for e in status["engines"] if e["engine_id"] == engine_id)
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Hold this."}],
+        "max_tokens": 1,
+        wire.KV_TRANSFER_PARAMS: {wire.DO_REMOTE_DECODE: True},
+    }
+    code, _, answer = http_json(url + "/v1/chat/completions", body, headers=engine_headers(env["PDSERVE_STATE_DIR"]))
+    assert code == 200 and answer[wire.KV_TRANSFER_PARAMS][wire.REMOTE_BLOCK_IDS], answer
+
+
 def test_scale_prefill_up_then_down_under_load(tmp_path: Path) -> None:
     with own_cluster(tmp_path, spec()) as status:
         env = dict(os.environ, PDSERVE_STATE_DIR=str(tmp_path / "state"))  # own_cluster's
@@ -62,8 +80,11 @@ def test_scale_prefill_up_then_down_under_load(tmp_path: Path) -> None:
         served_by = {ask(proxy_url, n)[1] for n in range(4)}
         assert served_by == {"prefill-0", "prefill-1"}  # round robin reaches the new engine
 
-        # Shrink while long prompts run, and grow again before prefill-1 finished them: the scale-up
-        # takes prefill-1 back (it serves again at once) instead of waiting for it to stop and start.
+        # Shrink while long prompts run, and grow again while prefill-1 still drains: the scale-up takes
+        # prefill-1 back (it serves again at once) instead of waiting for it to stop and start. What keeps it
+        # draining is KV it holds for nobody (until LEASE_TTL_S), not the long prompts, which a fast machine
+        # may prefill before the scale-up comes (CI once did).
+        hold_kv(env, "prefill-1")
         with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:
             long = [pool.submit(ask, proxy_url, n, 3000) for n in range(4)]
             time.sleep(1.0)
