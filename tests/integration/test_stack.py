@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 from pathlib import Path
 
 import psutil
@@ -132,11 +133,12 @@ def test_bad_requests_get_openai_errors(cluster: Cluster) -> None:
 
 @pytest.mark.teardown_check
 def test_down_leaves_no_process_behind(cluster: Cluster) -> None:
-    status = cluster.refresh()
+    status = serving(cluster)
     recorded = json.loads((Path(cluster.env["PDSERVE_STATE_DIR"]) / "cluster.json").read_text())
     ours = [psutil.Process(e["pid"]) for e in status["engines"]]
     ours += [child for proc in list(ours) for child in proc.children(recursive=True)]
-    assert any("EngineCore" in p.name() + " ".join(p.cmdline()) for p in ours), "engine cores not found"
+    names = [(p.pid, p.name(), " ".join(p.cmdline())[:80]) for p in ours]
+    assert any("EngineCore" in name + cmdline for _, name, cmdline in names), f"engine cores not found in {names}"
     in_shm = shm.mapped(p.pid for p in ours)
     assert in_shm, "the engines hold nothing in /dev/shm: the check below would check nothing"
     result = cluster.down()
@@ -152,6 +154,22 @@ def test_down_leaves_no_process_behind(cluster: Cluster) -> None:
         with socket.socket() as s:
             assert s.connect_ex(("127.0.0.1", port)) != 0, f"port {port} still answers"
     assert run_pdserve("status", env=cluster.env).returncode == 3  # nothing is recorded as running
+
+
+def serving(cluster: Cluster, timeout_s: float = 180) -> dict:
+    """The status once every engine is ready and its process known. A controller that Ray restarted knows an
+    engine's pid only once it adopted the engine (its API answers before): without this wait the check above
+    would look for the engine cores among the children of pytest (``psutil.Process(None)``)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status = cluster.refresh()
+        engines = [(e["engine_id"], e["state"], e["pid"], e["restarts"]) for e in status["engines"]]
+        if engines and all(state == "ready" and pid for _, state, pid, _ in engines):
+            return status
+        if time.monotonic() > deadline:
+            events = [e["message"] for e in status["events"][-8:]]
+            raise AssertionError(f"engines not serving after {timeout_s:g}s: {engines}; last events: {events}")
+        time.sleep(1)
 
 
 def _alive(process: psutil.Process) -> bool:
