@@ -21,10 +21,11 @@ batch of that many), timing every token:
     python scripts/probe_shared_start.py [--config F] [--streams 8[,32]] [--json] [--out F]
 
 Its ``shared_core`` (the slowdowns of a prefill pass, a decode step and a start-up beside
-one busy engine, with the first ``--streams``) is what the simulator's ``SharedCore`` takes:
-``validate_simulator.py --shared-core F [F ...]`` (the mean of several probes). The further
-counts only report: on 2026-11-26 the prefill pass was 2.84x slower beside 8 streams and
-2.22x beside 32, so the simulator keeps one number per role.
+one busy engine, and of a decode step beside a start-up, with the first ``--streams``) is
+what the simulator's ``SharedCore`` takes: ``validate_simulator.py --shared-core F [F ...]``
+(the mean of several probes). The further counts only report: on 2026-11-26 the prefill pass
+was 2.84x slower beside 8 streams and 2.22x beside 32, so the simulator keeps one number per
+role.
 """
 
 from __future__ import annotations
@@ -252,6 +253,7 @@ def main() -> None:
             "prefill": max(result["prefill_slowdown_beside_busy_decode"], 1.0),
             "decode": max(slow["neighbour_computing"], 1.0),
             "startup": max(round(busy_start / idle_start, 2), 1.0),
+            "decode_beside_start": max(slow.get("neighbour_starting", 1.0), 1.0),
         }
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

@@ -49,11 +49,13 @@ or step: vLLM's worker polls its queue that long before it sleeps, and takes its
 share of the core meanwhile. A decode engine's step is re-timed whenever a
 neighbour starts work or stops polling; a pass in flight keeps the time it
 started with. A new engine's start-up is stretched the same way (``SharedCore.startup``,
-by default 1: not at all) by the neighbours busy when it begins.
+by default 1: not at all) by the neighbours busy when it begins, and a start-up slows the
+decode steps beside it while it lasts (``SharedCore.decode_beside_start``, by default 1).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import heapq
 import itertools
@@ -94,17 +96,19 @@ SPIN_S = 1.0
 @dataclass(slots=True, frozen=True)
 class SharedCore:
     """How many times slower than alone an engine works beside one busy engine on its core
-    (``scripts/probe_shared_start.py`` measures it on a CPU cluster). The default splits a core evenly
-    between the engines busy on it and leaves a start-up alone."""
+    (``scripts/probe_shared_start.py`` measures it on a CPU cluster), and a decode step beside one that
+    is starting. The default splits a core evenly between the engines busy on it and leaves a start-up,
+    and a decode step beside one, alone."""
 
     prefill: float = 2.0  # a prefill pass
     decode: float = 2.0  # a decode step
     startup: float = 1.0  # from "start" to "serves"
+    decode_beside_start: float = 1.0  # a decode step while a neighbour loads its model
 
     def __post_init__(self) -> None:
-        for name in ("prefill", "decode", "startup"):
-            if getattr(self, name) < 1.0:
-                raise ValueError(f"SharedCore.{name} must be 1 or more (got {getattr(self, name)})")
+        for f in dataclasses.fields(self):
+            if getattr(self, f.name) < 1.0:
+                raise ValueError(f"SharedCore.{f.name} must be 1 or more (got {getattr(self, f.name)})")
 
 
 EVEN_SHARE = SharedCore()
@@ -293,20 +297,27 @@ class Simulator:
         role = "prefill" if isinstance(engine, _PrefillEngine) else "decode"
         return self.cores.get(f"{role}-{engine.replica}", frozenset())
 
-    def _share(self, engine: _Engine, slowdown: float) -> float:
-        """How many times slower than alone ``engine`` works now: ``1 + (slowdown - 1) * n``, ``n`` the other
-        engines busy on its most crowded core (one still polling, too: ``SPIN_S``)."""
+    def _share(self, engine: _Engine, slowdown: float, beside_start: float = 1.0) -> float:
+        """How many times slower than alone ``engine`` works now: ``1 + (slowdown - 1) * n + (beside_start - 1)
+        * m`` on its most crowded core, ``n`` the other engines busy on it (one still polling, too:
+        ``SPIN_S``) and ``m`` those starting on it."""
         mine = self._cores(engine)
         if not mine:
             return 1.0
+        others = [e for e in itertools.chain(self.prefill, self.decode) if e is not engine]
         busy = [
             self._cores(e)
-            for e in itertools.chain(self.prefill, self.decode)
-            if e is not engine
-            and e.state is not EngineState.STOPPED
+            for e in others
+            if e.state not in (EngineState.STOPPED, EngineState.STARTING)
             and (not e.idle or e.spins_until > self.now + _EPS)
         ]
-        return 1.0 + (slowdown - 1.0) * max(sum(1 for theirs in busy if core in theirs) for core in mine)
+        starting = [self._cores(e) for e in others if e.state is EngineState.STARTING]
+        return max(
+            1.0
+            + (slowdown - 1.0) * sum(1 for theirs in busy if core in theirs)
+            + (beside_start - 1.0) * sum(1 for theirs in starting if core in theirs)
+            for core in mine
+        )
 
     def _went_idle(self, engine: _Engine) -> None:
         """``engine`` has no work left: its neighbours speed up once its worker stops polling."""
@@ -477,7 +488,8 @@ class Simulator:
             engine.step_s = 0.0
             return
         context = (engine.sum_prompt + n * engine.steps - engine.sum_start) / n
-        engine.step_s = self.profile.decode_step_seconds(n, context) * self._share(engine, self.shared.decode)
+        share = self._share(engine, self.shared.decode, self.shared.decode_beside_start)
+        engine.step_s = self.profile.decode_step_seconds(n, context) * share
         finish = engine.running[0][0]
         self._at(self.now + max(0.0, finish - engine.steps) * engine.step_s, _DECODE_DONE, (engine, engine.version))
 
@@ -554,7 +566,8 @@ class Simulator:
         decode = PoolObservation(
             replicas=len(decode_serving),
             starting=sum(1 for e in self.decode if e.state is EngineState.STARTING),
-            queue_depth=sum(len(e.waiting) for e in decode_serving) + len(self._decode_pending),
+            # vLLM's waiting gauge counts the requests whose KV is still loading, too
+            queue_depth=sum(len(e.waiting) + e.transferring for e in decode_serving) + len(self._decode_pending),
             queued_tokens=sum(e.waiting_kv for e in decode_serving),
             running=sum(len(e.running) for e in decode_serving),
             kv_cache_usage=sum(e.kv_used for e in decode_serving) / (capacity * len(decode_serving))
@@ -614,6 +627,7 @@ class Simulator:
                 engine = kind(replica, self.now, EngineState.STARTING)
                 pool.append(engine)
                 self._at(self.now + self.startup_s * self._share(engine, self.shared.startup), _READY, engine)
+                self._neighbours_changed(engine)  # decode steps beside a start-up slow down
         elif missing < 0:
             order = retirement_order(provisioned, lambda e: e.state is EngineState.SERVING, lambda e: e.replica)
             for engine in order[:-missing]:
@@ -625,6 +639,7 @@ class Simulator:
     def _on_ready(self, engine: _Engine) -> None:
         if engine.state is EngineState.STARTING:
             engine.state = EngineState.SERVING
+            self._neighbours_changed(engine)  # its start-up no longer slows them
             self._serve_pending(engine)
 
     def _serve_pending(self, engine: _Engine) -> None:
@@ -636,8 +651,11 @@ class Simulator:
                 self._route_decode(self._decode_pending.popleft())
 
     def _stop(self, engine: _Engine) -> None:
+        was_starting = engine.state is EngineState.STARTING
         engine.state = EngineState.STOPPED
         engine.stopped = self.now
+        if was_starting:
+            self._neighbours_changed(engine)
 
 
 def simulate(

@@ -178,6 +178,16 @@ def test_the_policy_sees_the_prefill_queue_as_vllms_waiting_gauge_shows_it():
     assert seen[100] == [(5, 0, 0), (10, 0, 0), (15, 0, 0), (20, 0, 0)]
 
 
+def test_the_policy_sees_a_request_whose_kv_loads_as_waiting_for_decode_as_vllms_gauge_does():
+    base = make_profile(prefill_s_per_token=INSTANT, decode_step=(0.1, 0.0), max_num_seqs=100)
+    profile = dataclasses.replace(base, engine=dataclasses.replace(base.engine, handoff_s=12.0))
+    policy = _Script([(1, 1)])
+    Simulator(profile, policy, TARGETS, (1, 1), interval_s=5.0).run([TraceRequest(1.0, 10, 100)])
+    # vLLM's scheduler keeps a request in its waiting queue until its KV is in (at 13 s); it runs until 23 s.
+    seen = [(round(o.t), o.decode.queue_depth, o.decode.running) for o in policy.seen[:4]]
+    assert seen == [(5, 1, 0), (10, 1, 0), (15, 0, 1), (20, 0, 1)]
+
+
 def test_new_engines_serve_only_after_their_startup_time():
     policy = _Script([(3, 1)])
     trace = poisson_trace(0.5, 200, prompt=lambda rng: 1000)
@@ -342,6 +352,23 @@ def test_a_start_beside_a_busy_engine_takes_longer_by_the_measured_slowdown():
         Simulator(profile, policy, TARGETS, (1, 1), interval_s=10.0, cores=cores, shared=shared).run(trace)
         started[name] = min(round(obs.t) for obs in policy.seen if obs.prefill.replicas == 2)
     assert started == {"even": 40, "measured": 70}  # ready at 40 s, or at 10 + 30 x 1.75 = 62.5 s
+
+
+def test_a_start_up_slows_the_decode_steps_beside_it_while_it_lasts():
+    profile = make_profile(prefill_s_per_token=INSTANT, decode_step=(0.1, 0.0), max_num_seqs=100, startup_s=30.0)
+    trace = [TraceRequest(0.0, 10, 1000)]  # decode-0 steps for 100 s
+    cores = {"prefill-0": frozenset({0}), "decode-0": frozenset({1}), "prefill-1": frozenset({1})}
+    done = {}
+    for name, shared in (("even", SharedCore()), ("measured", SharedCore(decode_beside_start=1.5))):
+        policy = _Script([(2, 1)])  # t=10: prefill-1 starts on decode-0's core; from 40 s it serves, idle
+        sim = Simulator(profile, policy, TARGETS, (1, 1), interval_s=10.0, cores=cores, shared=shared)
+        (request,) = sim.run(trace).records
+        done[name] = request.done
+    # From 10 s to 40 s decode-0's steps take 0.15 s: 200 steps where 300 ran alone, so it ends 10 s later.
+    assert done["measured"] == pytest.approx(done["even"] + 10.0)
+    assert done["even"] == pytest.approx(1000 * 0.1, abs=0.01)
+    with pytest.raises(ValueError, match="SharedCore.decode_beside_start must be 1 or more"):
+        SharedCore(decode_beside_start=0.9)
 
 
 def test_an_engine_that_just_worked_keeps_its_share_of_the_core_while_it_polls():
