@@ -24,6 +24,11 @@ copy of the spec whose ``autoscaling.profile`` is that file. The ``bursty`` load
     python scripts/validate_simulator.py --config configs/local-cpu-autoscale.yaml --autoscale --loads bursty \\
         --duration 900 --out docs/autoscale-fidelity.json
 
+The machine's speed moves (one command on the same code: the cluster attained 22 % and 70 %, 40
+minutes apart). With ``--profile-after`` the engines are profiled again after the replay, the simulator's
+engines run at the mean of the two profiles while its autoscaler reads the first (the one the cluster's
+read), and the report gives the drift between them.
+
     python scripts/validate_simulator.py [--config configs/local-cpu.yaml] [--profile FILE | --profile-out FILE] \\
         [--loads light,...] [--duration 180 | --trace FILE] [--out docs/simulator-fidelity.json] [--json]
 """
@@ -48,8 +53,8 @@ from bench_latency import pdserve
 
 from orchestrator.autoscale import traces
 from orchestrator.autoscale.fidelity import TOLERANCE, compare, prefill_capacity_rps, quantile, replay, within
-from orchestrator.autoscale.policy import StaticPolicy
-from orchestrator.autoscale.profile import load_profile
+from orchestrator.autoscale.policy import AutoscalePolicy, PolicyConfig, StaticPolicy
+from orchestrator.autoscale.profile import PerformanceProfile, load_profile, mean_profile
 from orchestrator.autoscale.runner import shared_cores, simulate_spec
 from orchestrator.autoscale.simulator import EVEN_SHARE, SharedCore, SloTargets, simulate
 from orchestrator.engine_metrics import scrape
@@ -159,6 +164,31 @@ def engines_by_minute(samples: dict, window_s: float = 60.0) -> None:
             )
 
 
+def before_only(spec: ClusterSpec, profile: PerformanceProfile, trace: list, shared: SharedCore) -> float:
+    """The SLO attainment the simulator predicts with the profile taken before the replay alone."""
+    targets = spec.autoscaling.targets
+    records = simulate_spec(spec, profile, trace, None, shared=shared).records
+    return round(attainment([(r.ttft_s, r.itl_s) for r in records], targets.ttft_p90_s, targets.itl_p90_s), 4)
+
+
+def drift(before: PerformanceProfile, after: PerformanceProfile) -> dict:
+    """How much the engines' speed moved between two profiles: after / before, per decode batch (at the
+    grid's middle context) and per prefill pass of one sequence, and both start-up times."""
+    context = before.decode.cols[len(before.decode.cols) // 2]
+    return {
+        "decode_step_at_context": context,
+        "decode_step": {
+            str(round(b)): round(after.decode_step_seconds(b, context) / before.decode_step_seconds(b, context), 3)
+            for b in before.decode.rows
+        },
+        "prefill_pass": {
+            str(round(t)): round(after.prefill_seconds(t, 1) / before.prefill_seconds(t, 1), 3)
+            for t in before.prefill.rows
+        },
+        "startup_s": [round(before.engine.startup_s, 1), round(after.engine.startup_s, 1)],
+    }
+
+
 def report_json(report: dict) -> str:
     """The report as indented JSON, each innermost list on one line (a request's row, an engine's sample)."""
     return re.sub(
@@ -241,6 +271,9 @@ def resimulate(report_path: str, core_plan: str | None, seed: int, duration_s: f
     routing = spec.proxy.routing.model_copy(update={"prefill": prefill, "decode": decode})
     spec = spec.model_copy(update={"proxy": spec.proxy.model_copy(update={"routing": routing})})
     profile = load_profile(report["profile"].split(" (")[0])
+    physics = profile  # the engines' speed: around the replay where the run profiled them after it, too
+    if after := report.get("profile_after"):
+        physics = mean_profile(profile, load_profile(after), "around-the-replay", f"mean of the profiles and {after}")
     seed, duration_s = report.get("seed", seed), report.get("duration_s", duration_s)  # the run's own
     if spec.autoscaling is None:
         sys.exit(f"{report['config']}: no autoscaling section")
@@ -255,7 +288,8 @@ def resimulate(report_path: str, core_plan: str | None, seed: int, duration_s: f
         _, trace = load_trace(name, capacity, duration_s, seed)
         if len(trace) != load["requests"]:
             sys.exit(f"{name}: {len(trace)} requests, the report replayed {load['requests']}: --seed / --duration?")
-        records = simulate_spec(spec, profile, trace, None, cores=cores, shared=shared).records
+        policy = AutoscalePolicy(PolicyConfig.from_spec(spec.autoscaling), profile)
+        records = simulate_spec(spec, physics, trace, None, cores=cores, policy=policy, shared=shared).records
         sim = attainment([(r.ttft_s, r.itl_s) for r in records], targets.ttft_p90_s, targets.itl_p90_s)
         real = load["slo_attainment"]["cluster"]
         rows = {
@@ -297,6 +331,13 @@ def main() -> None:
     )
     parser.add_argument("--out", help="also write the report (JSON) here")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument(
+        "--profile-after",
+        action="store_true",
+        help="with --autoscale: profile the engines again after the replay. The simulator's engines then run at "
+        "the mean of the two profiles (the machine's speed around the replay) while its autoscaler reads the "
+        "profile before, as the cluster's did; the report adds the drift and the prediction from the profile before",
+    )
     parser.add_argument(
         "--resimulate",
         metavar="REPORT",
@@ -383,6 +424,17 @@ def main() -> None:
         ]
     finally:
         pdserve("down")
+    physics, after_path = profile, None  # how fast the simulator's engines run
+    if args.profile_after and args.autoscale:
+        after_path = profile_path.removesuffix(".yaml") + "-after.yaml"
+        profiled = pdserve("profile", spec_copy(args.config, autoscaling=None), "--out", after_path, timeout=1800)
+        if profiled.returncode != 0:  # the replay is not lost: the report says so and uses the profile before
+            print(f"pdserve profile after the replay failed:\n{profiled.stdout}\n{profiled.stderr}", file=sys.stderr)
+            after_path = None
+        else:
+            physics = mean_profile(
+                profile, load_profile(after_path), "around-the-replay", f"mean of {profile_path} and {after_path}"
+            )
 
     report = {
         "config": args.config,
@@ -398,6 +450,9 @@ def main() -> None:
         ),
         "loads": {},
     }
+    if after_path is not None:
+        report["profile_after"] = after_path
+        report["drift"] = drift(profile, load_profile(after_path))
     if sampler is not None:
         report["engine_samples"] = {"columns": ["t", "engine", *ENGINE_SAMPLES], "rows": sampler.rows}
     if args.autoscale:  # what the cluster's autoscaler changed, in order
@@ -407,8 +462,9 @@ def main() -> None:
         replayed = measured[name]  # in the trace's order
         failed = [m["failed"] for m in replayed if "failed" in m]
         measured[name] = [m for m in replayed if "failed" not in m]
-        if args.autoscale:
-            result = simulate_spec(spec, profile, trace, None, shared=shared)
+        if args.autoscale and spec.autoscaling is not None:
+            policy = AutoscalePolicy(PolicyConfig.from_spec(spec.autoscaling), profile)  # as the cluster's read it
+            result = simulate_spec(spec, physics, trace, None, policy=policy, shared=shared)
             simulated, scaled = result.records, result.timeline
         else:
             simulated = simulate(profile, StaticPolicy(*split), trace, SloTargets(1e9, 1e9), split).records
@@ -434,6 +490,11 @@ def main() -> None:
                 "cluster": round(real, 4),
                 "simulator": round(sim, 4),
                 "points": round(100 * (sim - real), 1),
+                **(
+                    {}
+                    if physics is profile
+                    else {"simulator_profile_before": before_only(spec, profile, trace, shared)}
+                ),
                 "simulator_prefill_sizes": sorted({row["prefill"] for row in scaled}),
                 "simulator_changes": [  # (seconds into the trace, prefill, decode) at each change of a target
                     (round(row["t"]), row["prefill"], row["decode"])

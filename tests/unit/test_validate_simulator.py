@@ -9,8 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from orchestrator.autoscale.profile import mean_profile
 from orchestrator.autoscale.simulator import EVEN_SHARE, RequestRecord, SharedCore
 from orchestrator.autoscale.traces import TraceRequest
+from tests.unit.test_simulator import make_profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))  # as the script runs: beside its imports
 import validate_simulator  # noqa: E402
@@ -79,3 +81,15 @@ def test_the_report_keeps_each_row_on_one_line_and_reads_back_the_same() -> None
     assert json.loads(text) == report
     assert "[1.0, 10, 2, null, null, 0.5, 0.1]" in text.splitlines()[4]
     assert '"c, d"' in text  # a string's brackets and commas are left as they are
+
+
+def test_the_engines_run_at_the_mean_of_the_profiles_around_the_replay_and_the_drift_is_reported() -> None:
+    before = make_profile(prefill_s_per_token=0.001, decode_step=(0.1, 0.01), startup_s=40.0)
+    after = make_profile(prefill_s_per_token=0.002, decode_step=(0.2, 0.02), startup_s=60.0)
+    mean = mean_profile(before, after, "around", "test")
+    assert mean.decode_step_seconds(8, 100) == pytest.approx(1.5 * before.decode_step_seconds(8, 100))
+    assert mean.prefill_seconds(1000) == pytest.approx(1.5)
+    assert (mean.engine.startup_s, mean.engine.max_num_seqs) == (50.0, before.engine.max_num_seqs)
+    drift = validate_simulator.drift(before, after)
+    assert set(drift["decode_step"].values()) == {2.0} and set(drift["prefill_pass"].values()) == {2.0}
+    assert drift["startup_s"] == [40.0, 60.0]
