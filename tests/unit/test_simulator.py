@@ -20,7 +20,7 @@ from orchestrator.autoscale import fidelity, traces
 from orchestrator.autoscale.policy import ClusterObservation, ScalingDecision, StaticPolicy
 from orchestrator.autoscale.profile import EngineLimits, Grid1D, Grid2D, PerformanceProfile
 from orchestrator.autoscale.rules import new_replicas, retirement_order, take_back_order
-from orchestrator.autoscale.simulator import SPIN_S, SharedCore, Simulator, SloTargets, simulate
+from orchestrator.autoscale.simulator import SPIN_S, SharedCore, SimulationResult, Simulator, SloTargets, simulate
 from orchestrator.autoscale.traces import TraceRequest
 
 TARGETS = SloTargets(ttft_s=1e9, itl_s=1e9)
@@ -342,27 +342,29 @@ def test_measured_slowdowns_beside_a_busy_neighbour_replace_the_even_split():
         SharedCore(decode=0.5)
 
 
-def test_a_start_beside_a_busy_engine_takes_longer_by_the_measured_slowdown():
+def start_beside_busy_decode(shared: SharedCore) -> tuple[_Script, SimulationResult]:
+    """decode-0 steps one request for 100 s (1000 tokens of 0.1 s); at t=10 prefill-1 (a 30-s start-up)
+    starts on decode-0's core. The policy (what it saw) and the result."""
     profile = make_profile(prefill_s_per_token=INSTANT, decode_step=(0.1, 0.0), max_num_seqs=100, startup_s=30.0)
-    trace = [TraceRequest(0.0, 10, 1000)]  # decode-0 steps for 100 s
     cores = {"prefill-0": frozenset({0}), "decode-0": frozenset({1}), "prefill-1": frozenset({1})}
+    policy = _Script([(2, 1)])
+    sim = Simulator(profile, policy, TARGETS, (1, 1), interval_s=10.0, cores=cores, shared=shared)
+    return policy, sim.run([TraceRequest(0.0, 10, 1000)])
+
+
+def test_a_start_beside_a_busy_engine_takes_longer_by_the_measured_slowdown():
     started = {}
     for name, shared in (("even", SharedCore()), ("measured", SharedCore(startup=1.75))):
-        policy = _Script([(2, 1)])  # t=10: prefill-1 starts beside the busy decode-0
-        Simulator(profile, policy, TARGETS, (1, 1), interval_s=10.0, cores=cores, shared=shared).run(trace)
+        policy, _ = start_beside_busy_decode(shared)
         started[name] = min(round(obs.t) for obs in policy.seen if obs.prefill.replicas == 2)
     assert started == {"even": 40, "measured": 70}  # ready at 40 s, or at 10 + 30 x 1.75 = 62.5 s
 
 
 def test_a_start_up_slows_the_decode_steps_beside_it_while_it_lasts():
-    profile = make_profile(prefill_s_per_token=INSTANT, decode_step=(0.1, 0.0), max_num_seqs=100, startup_s=30.0)
-    trace = [TraceRequest(0.0, 10, 1000)]  # decode-0 steps for 100 s
-    cores = {"prefill-0": frozenset({0}), "decode-0": frozenset({1}), "prefill-1": frozenset({1})}
     done = {}
     for name, shared in (("even", SharedCore()), ("measured", SharedCore(decode_beside_start=1.5))):
-        policy = _Script([(2, 1)])  # t=10: prefill-1 starts on decode-0's core; from 40 s it serves, idle
-        sim = Simulator(profile, policy, TARGETS, (1, 1), interval_s=10.0, cores=cores, shared=shared)
-        (request,) = sim.run(trace).records
+        _, result = start_beside_busy_decode(shared)  # prefill-1 serves from 40 s, idle
+        (request,) = result.records
         done[name] = request.done
     # From 10 s to 40 s decode-0's steps take 0.15 s: 200 steps where 300 ran alone, so it ends 10 s later.
     assert done["measured"] == pytest.approx(done["even"] + 10.0)
