@@ -56,7 +56,7 @@ from orchestrator.autoscale.fidelity import TOLERANCE, compare, prefill_capacity
 from orchestrator.autoscale.policy import AutoscalePolicy, PolicyConfig, StaticPolicy
 from orchestrator.autoscale.profile import PerformanceProfile, load_profile, mean_profile
 from orchestrator.autoscale.runner import shared_cores, simulate_spec
-from orchestrator.autoscale.simulator import EVEN_SHARE, SharedCore, SloTargets, simulate
+from orchestrator.autoscale.simulator import EVEN_SHARE, SharedCore, SimulationResult, SloTargets, simulate
 from orchestrator.engine_metrics import scrape
 from orchestrator.spec import ClusterSpec
 
@@ -164,11 +164,46 @@ def engines_by_minute(samples: dict, window_s: float = 60.0) -> None:
             )
 
 
-def before_only(spec: ClusterSpec, profile: PerformanceProfile, trace: list, shared: SharedCore) -> float:
-    """The SLO attainment the simulator predicts with the profile taken before the replay alone."""
+def predict(
+    spec: ClusterSpec,
+    profile: PerformanceProfile,
+    trace: list,
+    shared: SharedCore,
+    physics: PerformanceProfile | None = None,
+    first_decision_s: float | None = None,
+    cores: dict | None = None,
+) -> SimulationResult:
+    """The autoscaled cluster in the simulator: its autoscaler reads ``profile`` (as the cluster's did), its
+    engines run at ``physics`` (default: the same profile), and it first decides at ``first_decision_s``."""
+    policy = AutoscalePolicy(PolicyConfig.from_spec(spec.autoscaling), profile)
+    return simulate_spec(
+        spec,
+        physics or profile,
+        trace,
+        None,
+        cores=cores,
+        policy=policy,
+        shared=shared,
+        first_decision_s=first_decision_s,
+    )
+
+
+def slo_attainment(spec: ClusterSpec, result: SimulationResult) -> float:
     targets = spec.autoscaling.targets
-    records = simulate_spec(spec, profile, trace, None, shared=shared).records
-    return round(attainment([(r.ttft_s, r.itl_s) for r in records], targets.ttft_p90_s, targets.itl_p90_s), 4)
+    return round(attainment([(r.ttft_s, r.itl_s) for r in result.records], targets.ttft_p90_s, targets.itl_p90_s), 4)
+
+
+def phases(interval_s: float, n: int = 5) -> list[float]:
+    return [round(interval_s * k / n, 3) for k in range(1, n + 1)]
+
+
+def decision_phase(decisions: list[dict], start: float, interval_s: float) -> float | None:
+    """Where the controller's clock ticked into the replay: seconds from its start to the first decision. The
+    autoscaler ticks at a fixed rate, so any decision's time since ``start``, modulo the interval, gives it."""
+    offsets = [(d["t"] - start) % interval_s for d in decisions if d["t"] >= start]
+    if not offsets:
+        return None
+    return round(offsets[-1], 3) or interval_s
 
 
 def drift(before: PerformanceProfile, after: PerformanceProfile) -> dict:
@@ -288,8 +323,8 @@ def resimulate(report_path: str, core_plan: str | None, seed: int, duration_s: f
         _, trace = load_trace(name, capacity, duration_s, seed)
         if len(trace) != load["requests"]:
             sys.exit(f"{name}: {len(trace)} requests, the report replayed {load['requests']}: --seed / --duration?")
-        policy = AutoscalePolicy(PolicyConfig.from_spec(spec.autoscaling), profile)
-        records = simulate_spec(spec, physics, trace, None, cores=cores, policy=policy, shared=shared).records
+        phase = report.get("decision_phase_s")
+        records = predict(spec, profile, trace, shared, physics, phase, cores).records
         sim = attainment([(r.ttft_s, r.itl_s) for r in records], targets.ttft_p90_s, targets.itl_p90_s)
         real = load["slo_attainment"]["cluster"]
         rows = {
@@ -303,6 +338,11 @@ def resimulate(report_path: str, core_plan: str | None, seed: int, duration_s: f
             + ", ".join(f"{k} {1000 * measured[k]:.0f} / {1000 * v:.0f} ms" for k, v in rows.items())
             + f"; cores {sorted((e, sorted(c for _, c in cs)) for e, cs in (cores or {}).items())}"
         )
+        by_phase = {
+            t: slo_attainment(spec, predict(spec, profile, trace, shared, physics, t, cores))
+            for t in phases(spec.autoscaling.interval_s)
+        }
+        print("  first decision at " + ", ".join(f"{t:g} s: {100 * a:.1f} %" for t, a in by_phase.items()))
 
 
 def main() -> None:
@@ -394,6 +434,7 @@ def main() -> None:
         sys.exit(f"pdserve up failed:\n{up.stdout}\n{up.stderr}")
     measured = {}
     sampler: EngineSampler | None = None
+    phase = None  # where the autoscaler's clock ticked into the replay
     try:
         if args.profile is None and not args.autoscale:  # the running cluster's engines, measured now
             profiled = pdserve("profile", config, "--out", profile_path, timeout=1800)
@@ -417,6 +458,8 @@ def main() -> None:
                 measured[name] = replay(status["proxy_url"], status["model"], trace)
         status = json.loads(pdserve("status", "--json").stdout)
         autoscaler = status.get("autoscaler") or {}
+        if autoscaler and spec.autoscaling is not None:
+            phase = decision_phase(autoscaler["decisions"], replay_start, spec.autoscaling.interval_s)
         events = [  # what the controller did to the engines while the traces ran, seconds into the replay
             f"{event['t'] - replay_start:.0f}s {event['message']}"
             for event in status["events"]
@@ -445,6 +488,7 @@ def main() -> None:
         "duration_s": args.duration,
         "shared_core": {"probes": args.shared_core or [], **dataclasses.asdict(shared)},  # the probes, their mean
         "routing": [spec.proxy.routing.prefill, spec.proxy.routing.decode],
+        "decision_phase_s": phase,
         "core_plan": " ".join(
             f"{engine}:{','.join(str(c) for _, c in sorted(cs))}" for engine, cs in (shared_cores(spec) or {}).items()
         ),
@@ -463,8 +507,7 @@ def main() -> None:
         failed = [m["failed"] for m in replayed if "failed" in m]
         measured[name] = [m for m in replayed if "failed" not in m]
         if args.autoscale and spec.autoscaling is not None:
-            policy = AutoscalePolicy(PolicyConfig.from_spec(spec.autoscaling), profile)  # as the cluster's read it
-            result = simulate_spec(spec, physics, trace, None, policy=policy, shared=shared)
+            result = predict(spec, profile, trace, shared, physics, phase)
             simulated, scaled = result.records, result.timeline
         else:
             simulated = simulate(profile, StaticPolicy(*split), trace, SloTargets(1e9, 1e9), split).records
@@ -493,8 +536,17 @@ def main() -> None:
                 **(
                     {}
                     if physics is profile
-                    else {"simulator_profile_before": before_only(spec, profile, trace, shared)}
+                    else {
+                        "simulator_profile_before": slo_attainment(
+                            spec, predict(spec, profile, trace, shared, None, phase)
+                        )
+                    }
                 ),
+                # how much the prediction moves with where the controller's clock ticks into the trace
+                "simulator_by_first_decision_s": {
+                    str(t): slo_attainment(spec, predict(spec, profile, trace, shared, physics, t))
+                    for t in phases(spec.autoscaling.interval_s)
+                },
                 "simulator_prefill_sizes": sorted({row["prefill"] for row in scaled}),
                 "simulator_changes": [  # (seconds into the trace, prefill, decode) at each change of a target
                     (round(row["t"]), row["prefill"], row["decode"])

@@ -285,8 +285,10 @@ class Autoscaler:
     async def run(self) -> None:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=SCRAPE_TIMEOUT_S)) as session:
             await self._read(session)  # the baseline
+            tick = time.monotonic()
             while True:
-                await asyncio.sleep(self.config.interval_s)
+                tick = next_tick(tick, time.monotonic(), self.config.interval_s)
+                await asyncio.sleep(max(0.0, tick - time.monotonic()))
                 try:
                     await self.step(session)
                 except Exception:  # a bad step must not end autoscaling for good
@@ -323,6 +325,13 @@ class Autoscaler:
                 record["error"] = result["error"]
                 logger.warning("autoscaler could not scale: %s", result["error"])
         return decision
+
+
+def next_tick(last: float, now: float, interval_s: float) -> float:
+    """When the next decision is due: one interval after the last was due, at a fixed rate (not an interval
+    after the last step ended: a step takes its scrapes' time, 0.1-0.3 s on a loaded machine, which would
+    stretch every interval and move the decisions against the load); at once after a step that overran."""
+    return max(last + interval_s, now)
 
 
 def _why(decision: ScalingDecision) -> str:

@@ -59,12 +59,14 @@ def simulate_spec(
     cores: dict[str, frozenset[tuple[int, int]]] | None = None,
     policy: Policy | None = None,
     shared: SharedCore = EVEN_SHARE,
+    first_decision_s: float | None = None,
 ) -> SimulationResult:
     """Run ``trace`` under the autoscaler (``static`` None) or a fixed ``static`` = (prefill, decode) split,
     or under ``policy`` when given (a study's own, with ``static`` None). The autoscaler (or ``policy``)
     starts with ``start`` engines serving (default: the spec's replicas); ``cores``: the engines' shared
     cores as a cluster ran them (default: the plan the spec makes now, ``shared_cores``), and ``shared`` how
-    much a busy neighbour on a core slows an engine (``SharedCore``)."""
+    much a busy neighbour on a core slows an engine (``SharedCore``); ``first_decision_s``: when the
+    policy first decides (default: one interval in)."""
     scaling = spec.autoscaling
     if scaling is None:
         raise SimulationSetupError("the spec has no 'autoscaling' section")
@@ -89,6 +91,7 @@ def simulate_spec(
         cores=cores or shared_cores(spec),
         routing=routing,
         shared=shared,
+        first_decision_s=first_decision_s,
     )
 
 

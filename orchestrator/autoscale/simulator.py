@@ -24,9 +24,11 @@ of a batch (a join or a finish) every step lasts the same, so the engine keeps a
 fractional step counter and the next finish is computed, not stepped to.
 
 Every ``interval_s`` the policy gets a ``ClusterObservation`` of the last
-interval and returns target counts. Its prefill queue is what the controller reads
-off a cluster, vLLM's waiting gauge: the requests an engine's last pass left
-unscheduled (one that arrived during the pass is scheduled when it ends, unseen).
+interval and returns target counts; the first time at ``first_decision_s`` (by default one
+interval in; on a cluster, where the controller's clock ticks into the trace). Its prefill
+queue is what the controller reads off a cluster, vLLM's waiting gauge: the requests an
+engine's last pass left unscheduled (one that arrived during the pass is scheduled when it
+ends, unseen).
 New engines serve after ``startup_s``; removed ones stop taking requests and stop
 once their own work is done (drain). Which engines start and which retire follows the controller's rules
 (``orchestrator.autoscale.rules``): the newest retire first, and a scale-up
@@ -259,9 +261,13 @@ class Simulator:
         spin_s: float = SPIN_S,
         routing: tuple[str, str] = ("least_loaded", "least_loaded"),
         shared: SharedCore = EVEN_SHARE,
+        first_decision_s: float | None = None,
     ) -> None:
         if interval_s <= 0:
             raise ValueError(f"interval_s must be > 0 (got {interval_s})")
+        if first_decision_s is not None and not 0 < first_decision_s <= interval_s:
+            raise ValueError(f"first_decision_s must be in (0, interval_s] (got {first_decision_s})")
+        self.first_decision_s = interval_s if first_decision_s is None else first_decision_s
         # The proxy's policy per pool (proxy.routing): round_robin in turn, the others to the least loaded.
         self._in_turn = tuple(itertools.count() if policy == "round_robin" else None for policy in routing)
         self.profile, self.policy, self.targets = profile, policy, targets
@@ -352,7 +358,7 @@ class Simulator:
         t0 = first.t
         self._next_arrival(first)
         self._arrivals = arrivals
-        self._at(self.interval_s, _DECIDE, None)
+        self._at(self.first_decision_s, _DECIDE, None)
         handlers = {
             _ARRIVAL: self._on_arrival,
             _READY: self._on_ready,
@@ -670,11 +676,12 @@ def simulate(
     spin_s: float = SPIN_S,
     routing: tuple[str, str] = ("least_loaded", "least_loaded"),
     shared: SharedCore = EVEN_SHARE,
+    first_decision_s: float | None = None,
 ) -> SimulationResult:
     """Run ``trace`` through a cluster that starts with ``initial`` = (prefill, decode) serving engines
     (``cores``: engines that share CPU cores, and ``spin_s`` how long one keeps polling after its work;
     ``routing``: the proxy's (prefill, decode) policies; ``shared``: how much a busy neighbour on a core
-    slows an engine; see the module's docstring)."""
+    slows an engine; ``first_decision_s``: when the policy first decides; see the module's docstring)."""
     sim = Simulator(
         profile,
         policy,
@@ -686,5 +693,6 @@ def simulate(
         spin_s=spin_s,
         routing=routing,
         shared=shared,
+        first_decision_s=first_decision_s,
     )
     return sim.run(trace)

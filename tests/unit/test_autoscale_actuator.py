@@ -10,7 +10,14 @@ import pytest
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from orchestrator.autoscale.actuator import Autoscaler, EngineReading, Observer, histogram_cv2, histogram_quantile
+from orchestrator.autoscale.actuator import (
+    Autoscaler,
+    EngineReading,
+    Observer,
+    histogram_cv2,
+    histogram_quantile,
+    next_tick,
+)
 from orchestrator.autoscale.policy import PolicyConfig, PoolLimits
 from orchestrator.autoscale.profile import load_profile
 from orchestrator.engine_metrics import parse_metrics
@@ -208,3 +215,9 @@ def test_autoscaler_step_scales_up_under_load_and_records_why() -> None:
 def test_proxy_ttft_buckets_cover_the_targets_the_policy_reads() -> None:
     # the p90 TTFT the autoscaler measures can only be as fine as the proxy's buckets
     assert {0.5, 1.0, 2.5, 5.0} <= set(TTFT_BUCKETS)
+
+
+def test_the_autoscaler_decides_at_a_fixed_rate_and_at_once_after_a_step_that_overran() -> None:
+    # Steps that take 0.3 s of a 5-s interval do not move the decisions: 10, 15, 20 s, not 10, 15.3, 20.6 s.
+    assert [next_tick(t, t + 0.3, 5.0) for t in (5.0, 10.0, 15.0)] == [10.0, 15.0, 20.0]
+    assert next_tick(10.0, 17.5, 5.0) == 17.5  # a step that took 7.5 s: the next decision at once

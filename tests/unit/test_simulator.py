@@ -188,6 +188,17 @@ def test_the_policy_sees_a_request_whose_kv_loads_as_waiting_for_decode_as_vllms
     assert seen == [(5, 1, 0), (10, 1, 0), (15, 0, 1), (20, 0, 1)]
 
 
+def test_the_first_decision_comes_where_the_controllers_clock_ticks_into_the_trace():
+    trace = poisson_trace(1.0, 30, prompt=lambda rng: 10)
+    for first, times in ((None, [5, 10, 15]), (2.0, [2, 7, 12])):
+        policy = _Script([(1, 1)])
+        Simulator(make_profile(), policy, TARGETS, (1, 1), interval_s=5.0, first_decision_s=first).run(trace)
+        assert [round(obs.t, 6) for obs in policy.seen[:3]] == times
+    for bad in (0.0, 5.5):
+        with pytest.raises(ValueError, match="first_decision_s must be in"):
+            Simulator(make_profile(), _Script([(1, 1)]), TARGETS, (1, 1), interval_s=5.0, first_decision_s=bad)
+
+
 def test_new_engines_serve_only_after_their_startup_time():
     policy = _Script([(3, 1)])
     trace = poisson_trace(0.5, 200, prompt=lambda rng: 1000)

@@ -93,3 +93,11 @@ def test_the_engines_run_at_the_mean_of_the_profiles_around_the_replay_and_the_d
     drift = validate_simulator.drift(before, after)
     assert set(drift["decode_step"].values()) == {2.0} and set(drift["prefill_pass"].values()) == {2.0}
     assert drift["startup_s"] == [40.0, 60.0]
+
+
+def test_the_autoscalers_phase_in_the_replay_comes_from_its_decisions_times() -> None:
+    decisions = [{"t": 98.0}, {"t": 102.3}, {"t": 107.3}]  # every 5 s, at a fixed rate
+    assert validate_simulator.decision_phase(decisions, 100.0, 5.0) == pytest.approx(2.3)
+    assert validate_simulator.decision_phase([{"t": 105.0}], 100.0, 5.0) == 5.0  # on the start: one interval in
+    assert validate_simulator.decision_phase([{"t": 98.0}], 100.0, 5.0) is None  # none during the replay
+    assert validate_simulator.phases(5.0) == [1.0, 2.0, 3.0, 4.0, 5.0]
