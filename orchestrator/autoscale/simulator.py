@@ -384,11 +384,7 @@ class Simulator:
 
     def _on_arrival(self, item: TraceRequest) -> None:
         self._next_arrival(next(self._arrivals, None))
-        w = self._window
-        w["arrivals"] += 1
-        w["prompt"] += item.prompt_tokens
-        w["prompt_sq"] += item.prompt_tokens**2
-        w["output"] += item.output_tokens
+        self._window["arrivals"] += 1
         prompt = max(1, item.prompt_tokens)
         req = _Request(len(self._records) + self._in_flight, item.t, prompt, max(1, item.output_tokens), prompt)
         self._in_flight += 1
@@ -437,8 +433,15 @@ class Simulator:
         for req, chunk in chunks:
             req.prefill_left -= chunk
             engine.queued_tokens -= chunk
+        w = self._window
         while engine.queue and engine.queue[0].prefill_left == 0:
-            self._route_decode(engine.queue.popleft())
+            req = engine.queue.popleft()
+            w["prefilled"], w["prompt"], w["prompt_sq"] = (
+                w["prefilled"] + 1,
+                w["prompt"] + req.prompt,
+                w["prompt_sq"] + req.prompt**2,
+            )
+            self._route_decode(req)
         if engine.queue:
             self._start_prefill_pass(engine)
         else:
@@ -543,20 +546,36 @@ class Simulator:
         self._records.append(
             RequestRecord(req.arrival, req.prompt, req.output, req.first_token - req.arrival, max(itl, 0.0), req.done)
         )
-        self._window["itl"].append(itl)
+        w = self._window
+        w["itl"].append(itl)
+        w["finished"], w["output"] = w["finished"] + 1, w["output"] + req.output
         self._in_flight -= 1
 
     # --- scaling ------------------------------------------------------------------------------
 
     def _new_window(self) -> dict[str, Any]:
-        return {"arrivals": 0, "prompt": 0, "prompt_sq": 0, "output": 0, "ttft": [], "itl": []}
+        return {
+            "arrivals": 0,
+            "prefilled": 0,
+            "prompt": 0,
+            "prompt_sq": 0,
+            "finished": 0,
+            "output": 0,
+            "ttft": [],
+            "itl": [],
+        }
 
     def _observe(self) -> ClusterObservation:
+        # The means as a cluster's counters give them: prompt tokens of the requests whose prefill finished in
+        # the window, output tokens of those that finished; the last known means hold through a window without.
         w = self._window
-        if w["arrivals"]:
-            mean_prompt = w["prompt"] / w["arrivals"]
-            self._last_means = (mean_prompt, w["output"] / w["arrivals"])
-            self._last_cv2 = max(w["prompt_sq"] / w["arrivals"] / mean_prompt**2 - 1, 0.0)
+        mean_prompt, mean_output = self._last_means
+        if w["prefilled"]:
+            mean_prompt = w["prompt"] / w["prefilled"]
+            self._last_cv2 = max(w["prompt_sq"] / w["prefilled"] / mean_prompt**2 - 1, 0.0)
+        if w["finished"]:
+            mean_output = w["output"] / w["finished"]
+        self._last_means = (mean_prompt, mean_output)
         prefill_serving = [e for e in self.prefill if e.state is EngineState.SERVING]
         decode_serving = [e for e in self.decode if e.state is EngineState.SERVING]
         # The queue as the controller reads it on a cluster: the engines' waiting gauges, and the proxy's.

@@ -199,6 +199,16 @@ def test_the_first_decision_comes_where_the_controllers_clock_ticks_into_the_tra
             Simulator(make_profile(), _Script([(1, 1)]), TARGETS, (1, 1), interval_s=5.0, first_decision_s=bad)
 
 
+def test_the_policy_sees_the_mean_lengths_as_a_clusters_counters_give_them():
+    # A 1000-token prompt arrives at 1 s; its pass takes 10 s. vLLM counts its prompt tokens (and the
+    # autoscaler its mean) when the prefill finishes, and its output tokens when the request finishes.
+    policy = _Script([(1, 1)])
+    profile = make_profile(prefill_s_per_token=0.01)
+    Simulator(profile, policy, TARGETS, (1, 1), interval_s=5.0).run([TraceRequest(1.0, 1000, 3)])
+    seen = [(round(o.t), o.arrival_rate_rps, o.mean_prompt_tokens, o.mean_output_tokens) for o in policy.seen[:3]]
+    assert seen == [(5, 0.2, 1.0, 1.0), (10, 0.0, 1.0, 1.0), (15, 0.0, 1000.0, 3.0)]
+
+
 def test_new_engines_serve_only_after_their_startup_time():
     policy = _Script([(3, 1)])
     trace = poisson_trace(0.5, 200, prompt=lambda rng: 1000)
