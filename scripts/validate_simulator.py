@@ -47,6 +47,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterable
 
 import yaml
 from bench_latency import pdserve
@@ -107,12 +108,14 @@ ENGINE_SAMPLES = {  # what --sample-engines reads off each engine's /metrics (su
 
 class EngineSampler:
     """Every ``interval_s`` while the traces replay: each serving engine's ``ENGINE_SAMPLES`` (the
-    controller's status says which engines serve, at what URL); ``rows`` of [t, engine, *values]."""
+    controller's status says which engines serve, at what URL); ``rows`` of [t, engine, *values]. From
+    the same status, the autoscaler's ``decisions`` by time (the controller keeps only its last 20)."""
 
     def __init__(self, interval_s: float) -> None:
         from orchestrator.cluster import ClusterState
 
         self.interval_s, self.rows, self._client = interval_s, [], ClusterState.load().client()
+        self.decisions: dict[float, dict] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -120,9 +123,11 @@ class EngineSampler:
         start = time.monotonic()
         while not self._stop.wait(self.interval_s):
             try:
-                engines = [e for e in self._client.status()["engines"] if e["state"] in ("ready", "draining")]
+                status = self._client.status()
             except Exception:  # noqa: BLE001 - a missed sample, not a failed run
                 continue
+            self.decisions.update((d["t"], d) for d in (status.get("autoscaler") or {}).get("decisions", []))
+            engines = [e for e in status["engines"] if e["state"] in ("ready", "draining")]
             for engine in engines:
                 try:
                     values = scrape(engine["url"], list(ENGINE_SAMPLES.values()), timeout_s=5)
@@ -162,6 +167,22 @@ def engines_by_minute(samples: dict, window_s: float = 60.0) -> None:
                 f"{per['prefill_s_sum']:6.2f} | {per['queue_s_sum']:6.2f} | {max(r['waiting'] for r in here):4.0f} | "
                 f"{statistics.mean(r['kv_usage'] for r in here):.1%}"
             )
+
+
+DECISION_COLUMNS = ["t", "prefill", "decode", "arrival_rps", "ttft_p90_s", "prefill_waiting", "decode_waiting"]
+
+
+def decision_rows(decisions: Iterable[dict]) -> dict:
+    """Decisions of an autoscaler, the cluster's or the simulator's, as rows of ``DECISION_COLUMNS`` and the
+    reasons that concern prefill or feedback (the others hold every interval)."""
+    rows = [
+        [round(d["t"], 2)]
+        + [round(v, 3) if isinstance(v := d.get(key), float) else v for key in DECISION_COLUMNS[1:]]
+        + [[r for r in d["reasons"] if r.startswith(("prefill:", "feedback:", "trend:"))]]
+        for d in decisions
+        if d["t"] >= 0
+    ]
+    return {"columns": [*DECISION_COLUMNS, "reasons"], "rows": rows}
 
 
 def predict(
@@ -499,6 +520,10 @@ def main() -> None:
         report["drift"] = drift(profile, load_profile(after_path))
     if sampler is not None:
         report["engine_samples"] = {"columns": ["t", "engine", *ENGINE_SAMPLES], "rows": sampler.rows}
+        if sampler.decisions:  # every decision of the cluster's autoscaler in the replay, beside the simulator's
+            report["cluster_decisions"] = decision_rows(
+                {**d["observed"], **d, "t": t - replay_start} for t, d in sorted(sampler.decisions.items())
+            )
     if args.autoscale:  # what the cluster's autoscaler changed, in order
         report["cluster_changes"] = [change["changed"] for change in autoscaler.get("changes", [])]
         report["cluster_events"] = events
@@ -548,6 +573,10 @@ def main() -> None:
                     for t in phases(spec.autoscaling.interval_s)
                 },
                 "simulator_prefill_sizes": sorted({row["prefill"] for row in scaled}),
+                "simulator_decisions": decision_rows(
+                    {**row, "prefill_waiting": row["prefill_queue"], "decode_waiting": row["decode_queue"]}
+                    for row in scaled
+                ),
                 "simulator_changes": [  # (seconds into the trace, prefill, decode) at each change of a target
                     (round(row["t"]), row["prefill"], row["decode"])
                     for before, row in zip([None, *scaled], scaled, strict=False)

@@ -101,3 +101,24 @@ def test_the_autoscalers_phase_in_the_replay_comes_from_its_decisions_times() ->
     assert validate_simulator.decision_phase([{"t": 105.0}], 100.0, 5.0) == 5.0  # on the start: one interval in
     assert validate_simulator.decision_phase([{"t": 98.0}], 100.0, 5.0) is None  # none during the replay
     assert validate_simulator.phases(5.0) == [1.0, 2.0, 3.0, 4.0, 5.0]
+
+
+def test_decisions_are_saved_as_rows_with_the_reasons_that_move_prefill() -> None:
+    decisions = [
+        {"t": -3.0, "prefill": 1, "decode": 1, "reasons": []},  # before the replay
+        {
+            "t": 2.5,
+            "prefill": 2,
+            "decode": 1,
+            "arrival_rps": 1.6,
+            "ttft_p90_s": 4.6,
+            "prefill_waiting": 0,
+            "decode_waiting": 1,
+            "reasons": ["prefill: ... needs 2", "decode: ... needs 1", "feedback: measured p90 TTFT 4.6s > 4s"],
+        },
+    ]
+    saved = validate_simulator.decision_rows(decisions)
+    assert saved["columns"][-1] == "reasons"
+    assert saved["rows"] == [
+        [2.5, 2, 1, 1.6, 4.6, 0, 1, ["prefill: ... needs 2", "feedback: measured p90 TTFT 4.6s > 4s"]]
+    ]
