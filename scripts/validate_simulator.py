@@ -211,7 +211,7 @@ def predict(
 
 def slo_attainment(spec: ClusterSpec, result: SimulationResult) -> float:
     targets = spec.autoscaling.targets
-    return round(attainment([(r.ttft_s, r.itl_s) for r in result.records], targets.ttft_p90_s, targets.itl_p90_s), 4)
+    return attainment([(r.ttft_s, r.itl_s) for r in result.records], targets.ttft_p90_s, targets.itl_p90_s)
 
 
 def phases(interval_s: float, n: int = 5) -> list[float]:
@@ -339,14 +339,12 @@ def resimulate(report_path: str, core_plan: str | None, seed: int, duration_s: f
         plan = dict(item.split(":") for item in core_plan.split())
         cores = {engine: frozenset((0, int(c)) for c in plan_cores.split(",")) for engine, plan_cores in plan.items()}
     capacity = prefill_capacity_rps(profile, spec.prefill.replicas, MIX, seed)
-    targets = spec.autoscaling.targets
     for name, load in report["loads"].items():
         _, trace = load_trace(name, capacity, duration_s, seed)
         if len(trace) != load["requests"]:
             sys.exit(f"{name}: {len(trace)} requests, the report replayed {load['requests']}: --seed / --duration?")
-        phase = report.get("decision_phase_s")
-        records = predict(spec, profile, trace, shared, physics, phase, cores).records
-        sim = attainment([(r.ttft_s, r.itl_s) for r in records], targets.ttft_p90_s, targets.itl_p90_s)
+        result = predict(spec, profile, trace, shared, physics, report.get("decision_phase_s"), cores)
+        records, sim = result.records, slo_attainment(spec, result)
         real = load["slo_attainment"]["cluster"]
         rows = {
             "TTFT p50": statistics.median(r.ttft_s for r in records),
@@ -553,7 +551,7 @@ def main() -> None:
             real = attainment(
                 [(m["ttft_s"], m["itl_s"]) for m in measured[name]], targets.ttft_p90_s, targets.itl_p90_s
             )
-            sim = attainment([(r.ttft_s, r.itl_s) for r in simulated], targets.ttft_p90_s, targets.itl_p90_s)
+            sim = slo_attainment(spec, result)
             report["loads"][name]["slo_attainment"] = {
                 "cluster": round(real, 4),
                 "simulator": round(sim, 4),
@@ -562,14 +560,14 @@ def main() -> None:
                     {}
                     if physics is profile
                     else {
-                        "simulator_profile_before": slo_attainment(
-                            spec, predict(spec, profile, trace, shared, None, phase)
+                        "simulator_profile_before": round(
+                            slo_attainment(spec, predict(spec, profile, trace, shared, None, phase)), 4
                         )
                     }
                 ),
                 # how much the prediction moves with where the controller's clock ticks into the trace
                 "simulator_by_first_decision_s": {
-                    str(t): slo_attainment(spec, predict(spec, profile, trace, shared, physics, t))
+                    str(t): round(slo_attainment(spec, predict(spec, profile, trace, shared, physics, t)), 4)
                     for t in phases(spec.autoscaling.interval_s)
                 },
                 "simulator_prefill_sizes": sorted({row["prefill"] for row in scaled}),
