@@ -436,11 +436,9 @@ class Simulator:
         w = self._window
         while engine.queue and engine.queue[0].prefill_left == 0:
             req = engine.queue.popleft()
-            w["prefilled"], w["prompt"], w["prompt_sq"] = (
-                w["prefilled"] + 1,
-                w["prompt"] + req.prompt,
-                w["prompt_sq"] + req.prompt**2,
-            )
+            w["prefilled"] += 1
+            w["prompt"] += req.prompt
+            w["prompt_sq"] += req.prompt**2
             self._route_decode(req)
         if engine.queue:
             self._start_prefill_pass(engine)
@@ -548,7 +546,8 @@ class Simulator:
         )
         w = self._window
         w["itl"].append(itl)
-        w["finished"], w["output"] = w["finished"] + 1, w["output"] + req.output
+        w["finished"] += 1
+        w["output"] += req.output
         self._in_flight -= 1
 
     # --- scaling ------------------------------------------------------------------------------
