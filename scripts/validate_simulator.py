@@ -486,17 +486,15 @@ def main() -> None:
         ]
     finally:
         pdserve("down")
-    physics, after_path = profile, None  # how fast the simulator's engines run
+    physics, after = profile, None  # how fast the simulator's engines run; the profile after the replay
     if args.profile_after and args.autoscale:
         after_path = profile_path.removesuffix(".yaml") + "-after.yaml"
         profiled = pdserve("profile", spec_copy(args.config, autoscaling=None), "--out", after_path, timeout=1800)
         if profiled.returncode != 0:  # the replay is not lost: the report says so and uses the profile before
             print(f"pdserve profile after the replay failed:\n{profiled.stdout}\n{profiled.stderr}", file=sys.stderr)
-            after_path = None
         else:
-            physics = mean_profile(
-                profile, load_profile(after_path), "around-the-replay", f"mean of {profile_path} and {after_path}"
-            )
+            after = load_profile(after_path)
+            physics = mean_profile(profile, after, "around-the-replay", f"mean of {profile_path} and {after_path}")
 
     report = {
         "config": args.config,
@@ -513,9 +511,9 @@ def main() -> None:
         ),
         "loads": {},
     }
-    if after_path is not None:
+    if after is not None:
         report["profile_after"] = after_path
-        report["drift"] = drift(profile, load_profile(after_path))
+        report["drift"] = drift(profile, after)
     if sampler is not None:
         report["engine_samples"] = {"columns": ["t", "engine", *ENGINE_SAMPLES], "rows": sampler.rows}
         if sampler.decisions:  # every decision of the cluster's autoscaler in the replay, beside the simulator's
