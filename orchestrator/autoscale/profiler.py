@@ -26,17 +26,25 @@ so the prefix cache never helps; prefill checks it on ``vllm:prefix_cache_hits``
    The median of ``repeats`` good attempts is kept.
 2. Decode step time by batch and context. ``batch`` concurrent streaming requests of
    ``context`` prompt tokens and ``decode_tokens`` output tokens (``ignore_eos``) go
-   straight to a decode engine, which computes the prompts itself (no KV transfer).
-   The step time is the time the client saw tokens take while ALL ``batch`` sequences
-   decode (after the last first token, before the first last token): each stream's
-   span in that window over the tokens it got in it, pooled over streams and runs.
+   straight to a decode engine, which computes the prompts itself (no KV transfer),
+   sent (for a batch of several) behind a blocker's pass, as for prefill.
+   When the engine computed the whole batch's prompts in one pass, every sequence
+   decodes in the same steps, and the step is read on the engine's own clock: its
+   ``vllm:request_decode_time_seconds`` (first to last token, stamped by the engine
+   core) over the tokens after the first. ``vllm:iteration_tokens_total`` counts the
+   engine's steps, which tells one pass (``decode_tokens`` steps, plus the blocker's)
+   from several. A batch whose prompts took several passes (more tokens than one pass
+   takes, or a batch that missed the blocker) is read on the client's clock instead:
+   each stream's span while ALL sequences decode (after the last first token, before
+   the first last token) over the tokens it got in it, pooled over streams and runs.
    vLLM's inter-token histogram would also count the gaps of sequences that decode
    while others still prefill in the same step (chunked prefill), which are prefill
    passes. With ``continuous_usage_stats`` each chunk says how many tokens it carries.
-   Not the median gap: when the client (or the engine's front end) is descheduled,
-   tokens that came a step apart are read together, and the median of such gaps read
-   ~0.1 ms on a loaded CI machine whose engine decoded at 115 ms a token; a span only
-   moves by the delay at its two ends.
+   The client's clock is the fallback because it is the one a stall distorts: when the
+   client or the engine's front end is descheduled, tokens that came a step apart are
+   read together. The median gap read ~0.1 ms on a loaded CI machine whose engine
+   decoded at 115 ms a token, and a span of 8 tokens read together gave a step of
+   ~0 (CI, 2026-11-26: the simulator's ITL in the light-load case was 0).
 3. Transfer time by bytes. Disaggregated requests of each of ``transfer_tokens``
    prompt lengths go through the proxy one at a time; the decode engine's transfer
    histogram and bytes counter for the cluster's connector (``TRANSFER_METRICS``)
@@ -104,6 +112,11 @@ QUEUE_TIME = "vllm:request_queue_time_seconds"
 PREFIX_HITS = "vllm:prefix_cache_hits_total"
 CACHE_INFO = "vllm:cache_config_info"
 PREFILL_SAMPLES = (PREFILL_TIME + "_sum", PREFILL_TIME + "_count", QUEUE_TIME + "_sum", PREFIX_HITS)
+DECODE_TIME = "vllm:request_decode_time_seconds"
+GENERATED = "vllm:request_generation_tokens"
+STEPS = "vllm:iteration_tokens_total_count"
+"""Engine steps that produced tokens (one observation per step's outputs)."""
+DECODE_SAMPLES = (DECODE_TIME + "_sum", DECODE_TIME + "_count", GENERATED + "_sum", STEPS)
 MAX_EXTRA_SHARE = 0.5
 """A batch whose request took longer than queue + prefill time + this share of the prefill time took more than one
 pass (a second pass of the same sequences would add a whole prefill time)."""
@@ -481,12 +494,33 @@ async def _prefill_point(
 async def _decode_point(
     http: _Http, url: str, model: str, prompts: RandomPrompts, batch: int, context: int, grid: ProfileGrid
 ) -> float:
-    """Decode step of ``batch`` sequences of ``context`` prompt tokens: seconds per token over ``repeats`` runs."""
+    """Decode step of ``batch`` sequences of ``context`` prompt tokens: seconds per token over ``repeats`` runs,
+    on the engine's clock when the batch prefilled in one pass, else on the client's (module docstring)."""
     seconds, tokens = 0.0, 0
+    count = DECODE_TIME + "_count"
+    body = {"model": model, "max_tokens": grid.decode_tokens, "ignore_eos": True, "temperature": 0}
     for _ in range(grid.repeats):
-        body = {"model": model, "max_tokens": grid.decode_tokens, "ignore_eos": True, "temperature": 0}
+        before = await http.samples(url, DECODE_SAMPLES)
+        blocker = None
+        if batch > 1:  # the blocker first; the batch while its pass runs
+            blocker = asyncio.create_task(http.stream(url, body | {"prompt": prompts(context), "max_tokens": 1}))
+            await asyncio.sleep(BLOCKER_LEAD_S)
         streams = await asyncio.gather(*(http.stream(url, body | {"prompt": prompts(context)}) for _ in range(batch)))
-        span_s, span_tokens = decoding_span(list(streams))
+        requests = batch
+        if blocker is not None:
+            await blocker
+            requests += 1
+        delta = _delta(await http.wait_for(url, DECODE_SAMPLES, count, before[count] + requests), before)
+        one_pass = delta[STEPS] in (grid.decode_tokens, grid.decode_tokens + requests - batch)
+        engine_tokens = delta[GENERATED + "_sum"] - requests  # the blocker's one token adds no decode time
+        if one_pass and engine_tokens > 0 and delta[DECODE_TIME + "_sum"] > 0:
+            span_s, span_tokens = delta[DECODE_TIME + "_sum"], engine_tokens
+        else:
+            logger.info(
+                "decode at %s: %d x %d tokens took %g steps for %d tokens each: on the client's clock",
+                url, batch, context, delta[STEPS], grid.decode_tokens,
+            )  # fmt: skip
+            span_s, span_tokens = decoding_span(list(streams))
         seconds, tokens = seconds + span_s, tokens + span_tokens
     if tokens <= 0 or seconds <= 0:
         raise ProfilingError(
@@ -612,8 +646,10 @@ async def measure(
         f"{_machine()}; cluster {endpoints.name!r}: {_engines_text(spec)}, model {model!r}, connector "
         f"{endpoints.connector}, max_model_len {spec.engine.max_model_len}. prefill: the engine's {PREFILL_TIME} of "
         f"sequences sharing one pass (a batch sent behind a blocker's pass), median of {grid.repeats}; "
-        "decode: client-side seconds per token while all sequences decode, pooled "
-        f"({grid.decode_tokens} output tokens, {grid.repeats} run(s)); transfer: the decode engine's "
+        f"decode: the engine's {DECODE_TIME} per token after the first, of a batch whose prompts shared one "
+        f"pass ({STEPS} counts the steps; a batch sent behind a blocker's pass), else client-side seconds per "
+        f"token while all sequences decode, pooled ({grid.decode_tokens} output tokens, {grid.repeats} run(s)); "
+        "transfer: the decode engine's "
         f"{seconds_name} and {bytes_name} per request through the proxy, median of {grid.repeats}; "
         "handoff_s: those requests' streamed TTFT beyond "
         "the prefill engine's queue + prefill time, the transfer and one decode step, median; "

@@ -63,7 +63,8 @@ def test_profile_of_the_running_cluster_loads_and_leaves_it_running(
     assert f"connector {cluster.connector}" in profile.provenance
     assert profile.prefill.rows == [64.0, 512.0] and profile.prefill.cols == [1.0, 2.0]
     assert profile.prefill.seconds[1][0] > profile.prefill.seconds[0][0] > 0
-    assert all(0 < s < 1.0 for row in profile.decode.seconds for s in row)
+    # SmolLM2-135M on one core steps in 50-150 ms; a stalled client once read ~0 (tokens read together).
+    assert all(0.01 < s < 1.0 for row in profile.decode.seconds for s in row), profile.decode.seconds
     assert profile.transfer.x[0] > 0 and len(profile.transfer.x) == 2
     assert profile.transfer.x[1] > 3 * profile.transfer.x[0]  # 1024 tokens move about 4x the KV of 256
     low, high = KV_BYTES_PER_TOKEN

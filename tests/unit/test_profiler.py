@@ -14,6 +14,7 @@ import asyncio
 import json
 from pathlib import Path
 
+import aiohttp
 import pytest
 from aiohttp import web
 
@@ -49,6 +50,10 @@ class FakeVllm:
         self.transfer_sum = self.transfer_count = self.transfer_bytes = 0.0
         self.split_next = 0  # measured prefill requests still to be answered two passes late (not one pass)
         self.active = 0
+        # The decode engine's clock: what vLLM's engine core stamps, whatever the client reads.
+        self.decode_sum = self.decode_count = self.generated = self.steps = 0.0
+        self.stalled = False  # the front end descheduled: every chunk of a stream reaches the client at its end
+        self.extra_steps = 0  # steps beyond one pass a batch took (its prompts spread over several passes)
         prefill.handler, prefill.extra_metrics = self.prefill, self.prefill_metrics
         decode.handler, decode.extra_metrics = self.decode, self.decode_metrics
 
@@ -88,14 +93,26 @@ class FakeVllm:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         self.active += 1
+        chunks, decoding_s = [], 0.0
         try:
             for generated in range(1, body["max_tokens"] + 1):
                 if generated > 1:
-                    await asyncio.sleep(decode_step_s(self.active, context))
+                    step = decode_step_s(self.active, context)
+                    await asyncio.sleep(step)
+                    decoding_s += step
                 chunk = {"choices": [{"index": 0, "text": "x"}], "usage": {"completion_tokens": generated}}
-                await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+                chunks.append(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+                if not self.stalled:
+                    await response.write(chunks.pop())
         finally:
             self.active -= 1
+        for chunk in chunks:  # a stalled front end's: all at once
+            await response.write(chunk)
+        self.decode_sum += decoding_s
+        self.decode_count += 1
+        self.generated += body["max_tokens"]
+        if not self.active:  # the last of a batch: the steps of its pass, as one engine counts them
+            self.steps += body["max_tokens"] + (self.extra_steps if body["max_tokens"] > 1 else 0)
         await response.write(b"data: [DONE]\n\n")
         return response
 
@@ -105,6 +122,10 @@ class FakeVllm:
             f"vllm:nixl_xfer_time_seconds_sum {self.transfer_sum}\n"
             f"vllm:nixl_xfer_time_seconds_count {self.transfer_count}\n"
             f"vllm:nixl_bytes_transferred_sum {self.transfer_bytes}\n"
+            f"vllm:request_decode_time_seconds_sum {self.decode_sum}\n"
+            f"vllm:request_decode_time_seconds_count {self.decode_count}\n"
+            f"vllm:request_generation_tokens_sum {self.generated}\n"
+            f"vllm:iteration_tokens_total_count {self.steps}\n"
         )
 
 
@@ -180,6 +201,41 @@ async def test_prefill_that_never_shares_a_pass_fails_naming_the_engine(
     with pytest.raises(ProfilingError, match=rf"{prefill_engine.url}: 1 sequences of 64 tokens never shared one"):
         await profiler.measure(spec, endpoints, SMALL_GRID)
     assert len([r for r in prefill_engine.requests if not r.is_prefill]) == 1 + 3 * SMALL_GRID.repeats
+
+
+@pytest.mark.parametrize("stalled", [False, True])
+async def test_the_decode_step_is_read_on_the_engines_clock_when_the_batch_prefilled_in_one_pass(
+    fake: FakeVllm, decode_engine, stalled: bool
+):
+    """A front end (or client) descheduled for a whole decode hands the client every token at once: on the
+    client's clock the step was ~0 (CI: the simulator's ITL of 0). The engine's clock is not fooled."""
+    fake.stalled = stalled
+    http = profiler._Http(aiohttp.ClientSession())
+    try:
+        prompts = profiler.RandomPrompts(list(range(100, 400)), seed=1)
+        for batch in (1, 4):
+            step = await profiler._decode_point(http, decode_engine.url, "m", prompts, batch, 128, SMALL_GRID)
+            assert step == pytest.approx(decode_step_s(batch, 128), rel=0.3)
+        blocker, *batch_of_4 = [r.body for r in decode_engine.requests][-5:]  # the last repeat
+        assert blocker["max_tokens"] == 1 and [b["max_tokens"] for b in batch_of_4] == [SMALL_GRID.decode_tokens] * 4
+    finally:
+        await http.session.close()
+
+
+async def test_a_batch_that_took_several_passes_is_read_on_the_clients_clock(
+    fake: FakeVllm, decode_engine, caplog: pytest.LogCaptureFixture
+):
+    """Its first sequences decoded beside the others' prefill: the engine's decode time holds prefill passes."""
+    fake.extra_steps = 1
+    http = profiler._Http(aiohttp.ClientSession())
+    try:
+        prompts = profiler.RandomPrompts(list(range(100, 400)), seed=1)
+        with caplog.at_level("INFO", logger=profiler.logger.name):
+            step = await profiler._decode_point(http, decode_engine.url, "m", prompts, 4, 128, SMALL_GRID)
+        assert step == pytest.approx(decode_step_s(4, 128), rel=0.3)
+        assert "took 10 steps for 8 tokens each: on the client's clock" in caplog.text
+    finally:
+        await http.session.close()
 
 
 def test_decoding_span_only_while_every_stream_decodes():
