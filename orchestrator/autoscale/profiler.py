@@ -491,37 +491,58 @@ async def _prefill_point(
     )
 
 
+@dataclass(slots=True, frozen=True)
+class DecodeRun:
+    """One run of a decode point, on both clocks: (seconds, tokens) each; the engine's is None unless the
+    batch's prompts shared one pass."""
+
+    steps: float
+    engine: tuple[float, float] | None
+    client: tuple[float, int]
+
+    @property
+    def reading(self) -> tuple[float, float]:
+        return self.engine or self.client
+
+
+async def decode_run(
+    http: _Http, url: str, model: str, prompts: RandomPrompts, batch: int, context: int, decode_tokens: int
+) -> DecodeRun:
+    """``batch`` streams of ``context`` prompt tokens and ``decode_tokens`` output tokens, behind a blocker's pass
+    when there are several (module docstring, 2.)."""
+    count = DECODE_TIME + "_count"
+    body = {"model": model, "max_tokens": decode_tokens, "ignore_eos": True, "temperature": 0}
+    before = await http.samples(url, DECODE_SAMPLES)
+    blocker = None
+    if batch > 1:  # the blocker first; the batch while its pass runs
+        blocker = asyncio.create_task(http.stream(url, body | {"prompt": prompts(context), "max_tokens": 1}))
+        await asyncio.sleep(BLOCKER_LEAD_S)
+    streams = await asyncio.gather(*(http.stream(url, body | {"prompt": prompts(context)}) for _ in range(batch)))
+    requests = batch
+    if blocker is not None:
+        await blocker
+        requests += 1
+    delta = _delta(await http.wait_for(url, DECODE_SAMPLES, count, before[count] + requests), before)
+    one_pass = delta[STEPS] in (decode_tokens, decode_tokens + requests - batch)
+    engine_tokens = delta[GENERATED + "_sum"] - requests  # the blocker's one token adds no decode time
+    engine = (delta[DECODE_TIME + "_sum"], engine_tokens) if one_pass and engine_tokens > 0 else None
+    return DecodeRun(delta[STEPS], engine, decoding_span(list(streams)))
+
+
 async def _decode_point(
     http: _Http, url: str, model: str, prompts: RandomPrompts, batch: int, context: int, grid: ProfileGrid
 ) -> float:
     """Decode step of ``batch`` sequences of ``context`` prompt tokens: seconds per token over ``repeats`` runs,
     on the engine's clock when the batch prefilled in one pass, else on the client's (module docstring)."""
-    seconds, tokens = 0.0, 0
-    count = DECODE_TIME + "_count"
-    body = {"model": model, "max_tokens": grid.decode_tokens, "ignore_eos": True, "temperature": 0}
+    seconds, tokens = 0.0, 0.0
     for _ in range(grid.repeats):
-        before = await http.samples(url, DECODE_SAMPLES)
-        blocker = None
-        if batch > 1:  # the blocker first; the batch while its pass runs
-            blocker = asyncio.create_task(http.stream(url, body | {"prompt": prompts(context), "max_tokens": 1}))
-            await asyncio.sleep(BLOCKER_LEAD_S)
-        streams = await asyncio.gather(*(http.stream(url, body | {"prompt": prompts(context)}) for _ in range(batch)))
-        requests = batch
-        if blocker is not None:
-            await blocker
-            requests += 1
-        delta = _delta(await http.wait_for(url, DECODE_SAMPLES, count, before[count] + requests), before)
-        one_pass = delta[STEPS] in (grid.decode_tokens, grid.decode_tokens + requests - batch)
-        engine_tokens = delta[GENERATED + "_sum"] - requests  # the blocker's one token adds no decode time
-        if one_pass and engine_tokens > 0 and delta[DECODE_TIME + "_sum"] > 0:
-            span_s, span_tokens = delta[DECODE_TIME + "_sum"], engine_tokens
-        else:
+        run = await decode_run(http, url, model, prompts, batch, context, grid.decode_tokens)
+        if run.engine is None:
             logger.info(
                 "decode at %s: %d x %d tokens took %g steps for %d tokens each: on the client's clock",
-                url, batch, context, delta[STEPS], grid.decode_tokens,
+                url, batch, context, run.steps, grid.decode_tokens,
             )  # fmt: skip
-            span_s, span_tokens = decoding_span(list(streams))
-        seconds, tokens = seconds + span_s, tokens + span_tokens
+        seconds, tokens = seconds + run.reading[0], tokens + run.reading[1]
     if tokens <= 0 or seconds <= 0:
         raise ProfilingError(
             f"{url}: the {batch} sequences of {context} tokens were never all decoding at once; raise --decode-tokens"
