@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -83,6 +84,8 @@ class EngineRecord:
     error: str | None = None
     log_path: str = ""
     stopping: bool = False  # drained (or never served) and being stopped: no longer taken back
+    warm_since: float | None = None  # drained and kept warm (autoscaling.keep_warm_s) since then, monotonic
+    warm_cut: asyncio.Event | None = field(default=None, repr=False)  # set: stop it now, its room is needed
     handle: Any = field(default=None, repr=False)
 
 
@@ -125,7 +128,7 @@ class ClusterController:
                 PerformanceProfile.from_dict(profile_data),
                 self.proxy_url,
                 lambda: [(r.engine_id, r.role, r.state, r.url) for r in self.engines.values()],
-                self.scale,
+                functools.partial(self.scale, keep_warm_s=self.spec.autoscaling.keep_warm_s),
             )
         self.restarts = 0  # Ray restarts of this controller
         # The API listens where the CLI reaches it: loopback on a local cluster, else this node's address.
@@ -442,7 +445,7 @@ class ClusterController:
 
     # --- scaling ----------------------------------------------------------------------------
 
-    async def scale(self, targets: dict[str, int], reason: str = "by hand") -> dict[str, Any]:
+    async def scale(self, targets: dict[str, int], reason: str = "by hand", keep_warm_s: float = 0.0) -> dict[str, Any]:
         """Grow or shrink pools to ``targets`` (``{role: replicas}``); return at once with the plan.
 
         Growing takes back the pool's draining engines first (they serve again at
@@ -451,7 +454,9 @@ class ClusterController:
         ``orchestrator.autoscale.rules``, which the simulator follows too):
         each leaves the proxy's pool at once, finishes its running requests, and a
         prefill engine keeps its KV until the decode engines have read it; then it
-        is stopped (``_retire``). ``{"error": ...}`` when a target is out of bounds.
+        is stopped (``_retire``), or first kept warm, idle, for ``keep_warm_s`` (the autoscaler's
+        ``autoscaling.keep_warm_s``), where a scale-up takes it back as it would a draining one.
+        ``{"error": ...}`` when a target is out of bounds.
         """
         if self.phase != "ready":
             return {"error": f"the cluster is {self.phase}, not ready"}
@@ -472,11 +477,15 @@ class ClusterController:
         plan: dict[str, dict[str, list[str]]] = {}
         for role, target in targets.items():
             self.targets[role] = target
-            plan[role] = await self._resize(role, reason)
+            plan[role] = await self._resize(role, reason, keep_warm_s)
+        for record in self._warm() if not keep_warm_s else []:  # by hand: retired means stopped now
+            if record.role in targets:
+                record.warm_cut.set()  # type: ignore[union-attr]
+        self._fit_warm()
         self._save()
         return {"plan": plan, "targets": dict(self.targets)}
 
-    async def _resize(self, role: str, reason: str) -> dict[str, list[str]]:
+    async def _resize(self, role: str, reason: str, keep_warm_s: float = 0.0) -> dict[str, list[str]]:
         """Bring the pool towards its target: take back draining engines, start, or retire."""
         target = self.targets[role]
         serving = [r for r in self.engines.values() if r.role == role and r.state in _SERVING]
@@ -491,11 +500,13 @@ class ClusterController:
             if task := self._retiring.pop(record.engine_id, None):
                 task.cancel()
             record.state = "ready"
-            self._event(f"{record.engine_id} taken back: it was draining; in the proxy's pool again")
+            was = "kept warm" if record.warm_since is not None else "draining"
+            record.warm_since = record.warm_cut = None
+            self._event(f"{record.engine_id} taken back: it was {was}; in the proxy's pool again")
         if taken:
             await self._publish(role)
         for record in retiring:
-            self._spawn_retire(record)
+            self._spawn_retire(record, keep_warm_s=keep_warm_s)
         stopping = [r.engine_id for r in self.engines.values() if r.role == role and r.stopping]
         if len(serving) + len(taken) + len(started) < target and stopping:
             self._event(f"{role}: the other engine(s) start once {', '.join(stopping)} stopped (replicas held)")
@@ -528,7 +539,7 @@ class ClusterController:
             started.append(launch.engine_id)
         return started
 
-    def _spawn_retire(self, record: EngineRecord, drain: bool | None = None) -> None:
+    def _spawn_retire(self, record: EngineRecord, drain: bool | None = None, keep_warm_s: float = 0.0) -> None:
         """Retire an engine: drain it (when it served: ``drain`` None; ``drain`` says so after a restart)
         and stop it, in a task of its own, which a scale-up cancels to take the engine back while it drains.
         Its state changes now, so that a scale that follows at once counts it as retiring."""
@@ -537,20 +548,52 @@ class ClusterController:
             drain = record.state == "ready"
             record.state = "draining"
         record.stopping = not drain  # one that does not serve is not taken back
-        self._retiring[record.engine_id] = self._spawn(self._retire(record, drain, announce and drain))
+        self._retiring[record.engine_id] = self._spawn(
+            self._retire(record, drain, announce and drain, keep_warm_s if drain else 0.0)
+        )
 
-    async def _retire(self, record: EngineRecord, drain: bool, announce: bool) -> None:
-        """``_spawn_retire``'s task: out of the proxy's pool (``announce``), drained, stopped."""
+    async def _retire(self, record: EngineRecord, drain: bool, announce: bool, keep_warm_s: float = 0.0) -> None:
+        """``_spawn_retire``'s task: out of the proxy's pool (``announce``), drained, kept warm, stopped."""
         if announce:
             await self._publish(record.role)
             self._event(f"{record.engine_id} draining: out of the proxy's pool; finishing its requests")
         if drain:
             await self._wait_drained(record)
+        if keep_warm_s > 0 and self._warm_room() > 0:
+            await self._keep_warm(record, keep_warm_s)
         record.stopping = True  # from here on it stops: a scale-up starts another engine instead
         self._retiring.pop(record.engine_id, None)
         await self._stop_engine(record)
         if self.phase == "ready":  # a scale-up while it stopped waited for its replica
             await self._resize(record.role, "its replica is free again")
+
+    async def _keep_warm(self, record: EngineRecord, keep_warm_s: float) -> None:
+        """Idle and up for ``keep_warm_s``, unless ``_fit_warm`` needs its room first; a take-back cancels it."""
+        record.warm_since, record.warm_cut = time.monotonic(), asyncio.Event()
+        self._event(
+            f"{record.engine_id} drained; kept warm for {keep_warm_s:g}s (autoscaling.keep_warm_s): a scale-up "
+            "meanwhile takes it back at once"
+        )
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(record.warm_cut.wait(), keep_warm_s)
+            self._event(f"{record.engine_id} no longer kept warm: autoscaling.max_engines needs its room")
+        record.warm_since = record.warm_cut = None
+
+    def _warm(self) -> list[EngineRecord]:
+        """Engines kept warm now, the longest-warm first."""
+        warm = [r for r in self.engines.values() if r.warm_cut is not None and not r.warm_cut.is_set()]
+        return sorted(warm, key=lambda r: r.warm_since or 0.0)
+
+    def _warm_room(self) -> int:
+        """How many more engines may be kept warm: the budget beyond the pools' targets and those kept warm."""
+        if self.spec.autoscaling is None:
+            return 0
+        return self.spec.autoscaling.max_engines - sum(self.targets.values()) - len(self._warm())
+
+    def _fit_warm(self) -> None:
+        """Stop engines kept warm (the longest-warm first) while the targets and they exceed the budget."""
+        for record in self._warm()[: max(0, -self._warm_room())]:
+            record.warm_cut.set()  # type: ignore[union-attr]
 
     async def _wait_drained(self, record: EngineRecord) -> None:
         """Until the engine has nothing in flight, queued, running or held (KV not yet read), or

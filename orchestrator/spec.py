@@ -420,6 +420,13 @@ class AutoscalingSpec(_Strict):
     target_utilization: float = Field(
         default=0.8, gt=0, le=1, description="Fraction of the largest ITL-safe decode batch each engine is given."
     )
+    keep_warm_s: float = Field(
+        default=0.0,
+        ge=0,
+        description="An engine the autoscaler retired stays up this long once drained, idle and out of the "
+        "proxy's pool: a scale-up meanwhile takes it back at once instead of starting one (0: stopped once "
+        "drained). It counts against max_engines: a scale-up that needs its room stops it.",
+    )
 
     @model_validator(mode="after")
     def _check_ranges(self) -> AutoscalingSpec:

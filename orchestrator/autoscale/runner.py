@@ -92,6 +92,8 @@ def simulate_spec(
         routing=routing,
         shared=shared,
         first_decision_s=first_decision_s,
+        keep_warm_s=scaling.keep_warm_s if static is None else 0.0,
+        max_engines=scaling.max_engines,
     )
 
 

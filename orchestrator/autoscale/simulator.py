@@ -33,7 +33,10 @@ New engines serve after ``startup_s``; removed ones stop taking requests and sto
 once their own work is done (drain). Which engines start and which retire follows the controller's rules
 (``orchestrator.autoscale.rules``): the newest retire first, and a scale-up
 takes back draining engines (serving again at once) before it starts new ones.
-Engine-hours count every engine from start to stop, starting and draining included.
+With ``keep_warm_s`` (``autoscaling.keep_warm_s``) a drained engine stays up that long,
+idle and takeable, while the targets and the engines kept warm fit ``max_engines``
+(as the controller's ``_retire``). Engine-hours count every engine from start to stop,
+starting, draining and kept warm included.
 The proxy's routing policy of each pool (``routing``, the spec's ``proxy.routing``):
 ``round_robin`` sends requests to the serving engines in turn, ``least_loaded`` and
 ``prefix_aware`` to the one with the fewest queued prompt tokens (prefill) or KV
@@ -88,7 +91,7 @@ __all__ = [
 
 _EPS = 1e-9
 # Event kinds, in the order simultaneous events are handled.
-_READY, _PREFILL_DONE, _TRANSFER_DONE, _DECODE_DONE, _ARRIVAL, _DECIDE, _SPIN_END = range(7)
+_READY, _PREFILL_DONE, _TRANSFER_DONE, _DECODE_DONE, _ARRIVAL, _DECIDE, _SPIN_END, _WARM_END = range(8)
 # vLLM's worker keeps polling its shared-memory queue for this long after its last message before it
 # sleeps on a socket (``SpinCondition``'s ``busy_loop_s``, vllm.distributed.device_communicators.shm_broadcast):
 # an engine that just finished a pass or step keeps its core busy this much longer.
@@ -152,6 +155,7 @@ class _Engine:
     state: EngineState
     stopped: float = -1.0
     spins_until: float = -1.0  # when its worker stops polling after its last pass or step (SPIN_S)
+    warm_until: float = -1.0  # drained and kept warm until then (keep_warm_s); -1: not kept warm
 
     def hours(self, end: float) -> float:
         stop = min(self.stopped if self.stopped >= 0 else end, end)
@@ -262,6 +266,8 @@ class Simulator:
         routing: tuple[str, str] = ("least_loaded", "least_loaded"),
         shared: SharedCore = EVEN_SHARE,
         first_decision_s: float | None = None,
+        keep_warm_s: float = 0.0,
+        max_engines: int | None = None,
     ) -> None:
         if interval_s <= 0:
             raise ValueError(f"interval_s must be > 0 (got {interval_s})")
@@ -275,6 +281,7 @@ class Simulator:
         self.cores = cores or {}
         self.spin_s = spin_s
         self.shared = shared
+        self.keep_warm_s, self.max_engines = keep_warm_s, max_engines
         self.startup_s = profile.engine.startup_s if startup_s is None else startup_s
         self.now = 0.0
         self._events: list[tuple[float, int, int, Any]] = []
@@ -291,6 +298,7 @@ class Simulator:
         self.timeline: list[dict[str, Any]] = []
         self.prefill.extend(_PrefillEngine(n, 0.0, EngineState.SERVING) for n in range(initial[0]))
         self.decode.extend(_DecodeEngine(n, 0.0, EngineState.SERVING) for n in range(initial[1]))
+        self.policy_targets = sum(initial)  # the pools' targets together, as the last decision set them
 
     # --- event plumbing -----------------------------------------------------------------------
 
@@ -367,6 +375,7 @@ class Simulator:
             _DECODE_DONE: self._on_decode_done,
             _DECIDE: self._on_decide,
             _SPIN_END: self._on_spin_end,
+            _WARM_END: self._on_warm_end,
         }
         while self._events:
             t, kind, _, payload = heapq.heappop(self._events)
@@ -446,7 +455,7 @@ class Simulator:
             engine.gauge_waiting = (0, 0)
             self._went_idle(engine)
             if engine.state is EngineState.DRAINING:
-                self._stop(engine)
+                self._drained(engine)
 
     # --- decode -------------------------------------------------------------------------------
 
@@ -536,7 +545,7 @@ class Simulator:
         if not engine.running:
             self._went_idle(engine)
         if engine.state is EngineState.DRAINING and engine.idle:
-            self._stop(engine)
+            self._drained(engine)
 
     def _finish(self, req: _Request) -> None:
         req.done = self.now
@@ -614,8 +623,10 @@ class Simulator:
         obs = self._observe()
         decision = self.policy.decide(obs)
         self._window = self._new_window()
+        self.policy_targets = decision.prefill + decision.decode
         self._scale(self.prefill, decision.prefill, _PrefillEngine, "prefill")
         self._scale(self.decode, decision.decode, _DecodeEngine, "decode")
+        self._fit_warm()
         self.timeline.append(
             {
                 "t": round(self.now, 3),
@@ -644,6 +655,7 @@ class Simulator:
             draining = [e for e in pool if e.state is EngineState.DRAINING]
             for engine in take_back_order(draining, lambda e: e.replica)[:missing]:
                 engine.state = EngineState.SERVING
+                engine.warm_until = -1.0
                 missing -= 1
                 self._serve_pending(engine)
             held = (e.replica for e in pool if e.state is not EngineState.STOPPED)
@@ -655,10 +667,12 @@ class Simulator:
         elif missing < 0:
             order = retirement_order(provisioned, lambda e: e.state is EngineState.SERVING, lambda e: e.replica)
             for engine in order[:-missing]:
-                if engine.state is EngineState.STARTING or engine.idle:
+                if engine.state is EngineState.STARTING:
                     self._stop(engine)
                 else:
                     engine.state = EngineState.DRAINING
+                    if engine.idle:
+                        self._drained(engine)
 
     def _on_ready(self, engine: _Engine) -> None:
         if engine.state is EngineState.STARTING:
@@ -674,10 +688,40 @@ class Simulator:
             while self._decode_pending:
                 self._route_decode(self._decode_pending.popleft())
 
+    def _warm(self) -> list[_Engine]:
+        """Engines kept warm now, the longest-warm first (the controller's ``_warm``)."""
+        warm = [e for e in self.prefill + self.decode if e.state is EngineState.DRAINING and e.warm_until >= 0]
+        return sorted(warm, key=lambda e: e.warm_until)
+
+    def _warm_room(self) -> int:
+        if self.max_engines is None:
+            return 0
+        return self.max_engines - self.policy_targets - len(self._warm())
+
+    def _drained(self, engine: _Engine) -> None:
+        """A retired engine has finished its work: kept warm while the budget has room (``keep_warm_s``), as
+        the controller's ``_retire`` does, else stopped."""
+        if self.keep_warm_s > 0 and self._warm_room() > 0:
+            engine.warm_until = self.now + self.keep_warm_s
+            self._at(engine.warm_until, _WARM_END, (engine, engine.warm_until))
+        else:
+            self._stop(engine)
+
+    def _on_warm_end(self, payload: tuple[_Engine, float]) -> None:
+        engine, until = payload
+        if engine.state is EngineState.DRAINING and engine.warm_until == until:  # not taken back (or cut) since
+            self._stop(engine)
+
+    def _fit_warm(self) -> None:
+        """Stop engines kept warm, the longest-warm first, while the targets and they exceed the budget."""
+        for engine in self._warm()[: max(0, -self._warm_room())]:
+            self._stop(engine)
+
     def _stop(self, engine: _Engine) -> None:
         was_starting = engine.state is EngineState.STARTING
         engine.state = EngineState.STOPPED
         engine.stopped = self.now
+        engine.warm_until = -1.0
         if was_starting:
             self._neighbours_changed(engine)
 
@@ -695,11 +739,15 @@ def simulate(
     routing: tuple[str, str] = ("least_loaded", "least_loaded"),
     shared: SharedCore = EVEN_SHARE,
     first_decision_s: float | None = None,
+    keep_warm_s: float = 0.0,
+    max_engines: int | None = None,
 ) -> SimulationResult:
     """Run ``trace`` through a cluster that starts with ``initial`` = (prefill, decode) serving engines
     (``cores``: engines that share CPU cores, and ``spin_s`` how long one keeps polling after its work;
     ``routing``: the proxy's (prefill, decode) policies; ``shared``: how much a busy neighbour on a core
-    slows an engine; ``first_decision_s``: when the policy first decides; see the module's docstring)."""
+    slows an engine; ``first_decision_s``: when the policy first decides; ``keep_warm_s``: how long a drained
+    engine stays up while the targets and the engines kept warm fit ``max_engines``; see the module's
+    docstring)."""
     sim = Simulator(
         profile,
         policy,
@@ -712,5 +760,7 @@ def simulate(
         routing=routing,
         shared=shared,
         first_decision_s=first_decision_s,
+        keep_warm_s=keep_warm_s,
+        max_engines=max_engines,
     )
     return sim.run(trace)

@@ -1,5 +1,6 @@
 """The autoscaler on a real cluster: rising load grows the prefill pool, falling load shrinks it
-again (draining first), and no request fails while it happens.
+again (draining first, then kept warm for ``keep_warm_s``, where a scale-up takes it back without a
+start-up), and no request fails while it happens.
 
 Its own cluster, ``configs/local-cpu-autoscale.yaml`` (its measured CPU profile) on other ports,
 after the shared one is stopped.
@@ -24,6 +25,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.after_cluster]
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "local-cpu-autoscale.yaml"
 MODEL = "smollm2-135m-instruct"
+KEEP_WARM_S = 20
+WARM = f"prefill-1 drained; kept warm for {KEEP_WARM_S}s"
 WORDS = "the river carried old boats past the mill while children counted stones on the bank".split()
 
 
@@ -32,7 +35,7 @@ def spec() -> dict:
     base["autoscaling"]["profile"] = str(CONFIG.parent / base["autoscaling"]["profile"])
     # The demo keeps a rise in mind for 2 min and waits 30 s before a scale-down; the test needs only to see
     # the shrink, not to wait for it (the suite's longest test: 284-412 s with the demo's values).
-    base["autoscaling"] |= {"burst_memory_s": 45, "scale_down_cooldown_s": 15}
+    base["autoscaling"] |= {"burst_memory_s": 45, "scale_down_cooldown_s": 15, "keep_warm_s": KEEP_WARM_S}
     return base | {
         "name": "pdserve-autoscale",
         "proxy": {"port": 18600},
@@ -112,20 +115,39 @@ def test_rising_load_grows_prefill_and_falling_load_shrinks_it(tmp_path: Path) -
         assert any(line.startswith("prefill:") for line in up["reasons"])
         assert any("autoscaler: prefill 1 -> 2" in e["message"] for e in grown["events"])
 
-        # Falling: a trickle; once the scale-down cooldown has passed, prefill-1 drains and stops.
+        # Falling: a trickle; once the scale-down cooldown has passed, prefill-1 drains and is kept warm.
         trickle = Load(proxy_url, rate=0.1)
         try:
+            warm = wait_for(
+                env,
+                lambda s: any(e["message"].startswith(WARM) for e in s["events"]),
+                "the autoscaler did not retire the second prefill engine",
+                600,
+            )
+            messages = [e["message"] for e in warm["events"]]
+            assert any("autoscaler: prefill 2 -> 1" in m for m in messages), messages[-15:]
+            # A scale-up while it is warm takes it back at once: no start-up.
+            back = run_pdserve("scale", "prefill=2", env=env, timeout=120)
+            assert back.returncode == 0, back.stdout + back.stderr
+            status = json.loads(run_pdserve("status", "--json", env=env).stdout)
+            after = [e["message"] for e in status["events"]][len(messages) :]
+            assert "prefill-1 taken back: it was kept warm; in the proxy's pool again" in after, after
+            assert not any(m.startswith("prefill-1 loading") for m in after), after
+            assert status["pools"]["prefill"]["ready"] == 2
+
+            # The autoscaler shrinks it again (the trickle needs one engine); kept warm, then stopped.
             shrunk = wait_for(
                 env,
                 lambda s: s["pools"]["prefill"]["ready"] == 1 and not s["pools"]["prefill"]["draining"],
-                "the autoscaler did not retire the second prefill engine",
+                "the autoscaler did not retire the second prefill engine again",
                 600,
             )
         finally:
             falling = trickle.stop()
-        messages = [e["message"] for e in shrunk["events"]]
-        assert any("autoscaler: prefill 2 -> 1" in m for m in messages), messages[-15:]
-        assert "prefill-1 stopped" in messages
+        events = shrunk["events"]
+        warm_at = max(e["t"] for e in events if e["message"].startswith(WARM))
+        stopped_at = max(e["t"] for e in events if e["message"] == "prefill-1 stopped")
+        assert KEEP_WARM_S <= stopped_at - warm_at < KEEP_WARM_S + 15, (warm_at, stopped_at)
         assert {e["engine_id"] for e in shrunk["engines"]} == {"prefill-0", "decode-0"}
 
         failed = [r for r in rising + falling if not r[0]]

@@ -253,6 +253,51 @@ def test_scaling_follows_the_controllers_rules():
     assert [(e.replica, e.state.value) for e in sim.decode] == [(0, "serving"), (1, "serving"), (2, "serving")]
 
 
+def _kept_warm(sizes: list[tuple[int, int]], keep_warm_s: float, max_engines: int) -> tuple[Simulator, _Script, float]:
+    """Short decodes (10 tokens x 0.1 s) at 2 req/s for 100 s, decisions every 10 s, a 30-s start-up."""
+    profile = make_profile(prefill_s_per_token=INSTANT, decode_step=(0.1, 0.0), max_num_seqs=1000, startup_s=30.0)
+    trace = poisson_trace(2.0, 100, prompt=lambda rng: 10, output=lambda rng: 10)
+    policy = _Script(sizes)
+    sim = Simulator(profile, policy, TARGETS, (1, 2), interval_s=10.0, keep_warm_s=keep_warm_s, max_engines=max_engines)
+    result = sim.run(trace)
+    return sim, policy, result.engine_hours
+
+
+def test_a_drained_engine_kept_warm_is_taken_back_without_a_start():
+    """t=10: decode 2 -> 1; decode-1 drains in a second and is kept warm. t=40 (within keep_warm_s): 2 again,
+    and decode-1 serves at once, where without keep_warm_s a new decode-1 serves only after its start-up."""
+    sizes = [(1, 1), (1, 1), (1, 1), (1, 2)]
+    sim, policy, _ = _kept_warm(sizes, keep_warm_s=60.0, max_engines=3)
+    by_t = {round(obs.t): obs.decode for obs in policy.seen}
+    assert (by_t[20].replicas, by_t[20].starting) == (1, 0)
+    assert (by_t[50].replicas, by_t[50].starting) == (2, 0)  # taken back at t=40: serving at once
+    assert [(e.replica, e.state.value) for e in sim.decode] == [(0, "serving"), (1, "serving")]
+
+    sim, policy, _ = _kept_warm(sizes, keep_warm_s=0.0, max_engines=3)
+    by_t = {round(obs.t): obs.decode for obs in policy.seen}
+    assert (by_t[50].replicas, by_t[50].starting) == (1, 1)  # stopped once drained: started anew at t=40
+    assert [(e.replica, e.state.value) for e in sim.decode] == [(0, "serving"), (1, "stopped"), (1, "serving")]
+
+
+def test_an_engine_kept_warm_stops_after_keep_warm_s_and_its_hours_count():
+    sim, _, hours = _kept_warm([(1, 1)], keep_warm_s=30.0, max_engines=3)
+    _, _, hours_cold = _kept_warm([(1, 1)], keep_warm_s=0.0, max_engines=3)
+    assert [e.state.value for e in sim.decode] == ["serving", "stopped"]
+    warm = sim.decode[1]
+    assert 40 < warm.stopped < 42  # drained within a second or two of t=10, then 30 s warm
+    assert hours - hours_cold == pytest.approx(30 / 3600, abs=2 / 3600)
+
+
+def test_an_engine_kept_warm_gives_its_room_to_a_scale_up_of_the_other_pool():
+    """Budget 3: decode 2 -> 1 keeps decode-1 warm (1 + 1 targets, 1 warm); prefill 1 -> 2 at t=20 needs its
+    room, so decode-1 stops then, not at t=70."""
+    sim, _, _ = _kept_warm([(1, 1), (2, 1)], keep_warm_s=60.0, max_engines=3)
+    assert sim.decode[1].stopped == pytest.approx(20.0)
+    assert [e.state.value for e in sim.prefill] == ["serving", "serving"]
+    sim, _, _ = _kept_warm([(1, 1)], keep_warm_s=60.0, max_engines=2)  # no room beyond the targets: not kept
+    assert sim.decode[1].stopped < 12
+
+
 def test_rules_retire_the_newest_and_the_not_yet_serving_first():
     engines = [("a", 0, True), ("b", 3, True), ("c", 1, False), ("d", 2, True)]
     order = retirement_order(engines, serving=lambda e: e[2], replica=lambda e: e[1])
