@@ -67,7 +67,7 @@ import itertools
 import logging
 import math
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -194,10 +194,6 @@ class _DecodeEngine(_Engine):
     def idle(self) -> bool:
         return not self.waiting and not self.transferring and not self.running
 
-    @property
-    def load(self) -> int:
-        return self.kv_used + self.waiting_kv
-
 
 @dataclass(slots=True, frozen=True)
 class RequestRecord:
@@ -275,7 +271,8 @@ class Simulator:
             raise ValueError(f"first_decision_s must be in (0, interval_s] (got {first_decision_s})")
         self.first_decision_s = interval_s if first_decision_s is None else first_decision_s
         # The proxy's policy per pool (proxy.routing): round_robin in turn, the others to the least loaded.
-        self._in_turn = tuple(itertools.count() if policy == "round_robin" else None for policy in routing)
+        self._in_turn = tuple(policy == "round_robin" for policy in routing)
+        self._turns = (itertools.count(), itertools.count())  # the proxy's pick counter per pool
         self.profile, self.policy, self.targets = profile, policy, targets
         self.interval_s = interval_s
         self.cores = cores or {}
@@ -399,16 +396,19 @@ class Simulator:
         self._in_flight += 1
         self._route_prefill(req)
 
-    def _pick(self, pool: list, role: int, load: Any) -> Any:
-        """A serving engine of ``pool`` as the proxy's policy for it picks: in turn, or the least ``load``."""
-        turn = self._in_turn[role]
-        if turn is None:  # once per request: no list
-            return min((e for e in pool if e.state is EngineState.SERVING), key=load, default=None)
+    def _pick(self, pool: list, role: int, load: Callable[[Any], float]) -> Any:
+        """A serving engine of ``pool`` as the proxy's policy for it picks (``proxy.routing``): in turn, or the
+        lowest ``load`` with ties going to the first from the turn's position on (so they rotate)."""
         serving = [e for e in pool if e.state is EngineState.SERVING]
-        return serving[next(turn) % len(serving)] if serving else None
+        if not serving:
+            return None
+        n, turn = len(serving), next(self._turns[role])
+        if self._in_turn[role]:
+            return serving[turn % n]
+        return min((serving[(turn + i) % n] for i in range(n)), key=load)  # min keeps the first of equals
 
     def _route_prefill(self, req: _Request) -> None:
-        best: _PrefillEngine | None = self._pick(self.prefill, 0, lambda e: e.queued_tokens)
+        best: _PrefillEngine | None = self._pick(self.prefill, 0, _prefill_load)
         if best is None:
             self._proxy_queue.append(req)
             return
@@ -459,8 +459,14 @@ class Simulator:
 
     # --- decode -------------------------------------------------------------------------------
 
+    def _decode_load(self, engine: _DecodeEngine) -> float:
+        """The proxy's least-loaded score (``proxy.pool.EngineState.load``): its decode legs there, vLLM's
+        waiting gauge (requests waiting, their KV loading included), and the KV cache in use (0-1)."""
+        waiting = len(engine.waiting) + engine.transferring
+        return waiting + len(engine.running) + waiting + engine.kv_used / self.profile.engine.kv_capacity_tokens
+
     def _route_decode(self, req: _Request) -> None:
-        best: _DecodeEngine | None = self._pick(self.decode, 1, lambda e: e.load)
+        best: _DecodeEngine | None = self._pick(self.decode, 1, self._decode_load)
         if best is None:
             self._decode_pending.append(req)
             return
@@ -724,6 +730,13 @@ class Simulator:
         engine.warm_until = -1.0
         if was_starting:
             self._neighbours_changed(engine)
+
+
+def _prefill_load(engine: _PrefillEngine) -> float:
+    """The proxy's least-loaded score of a prefill engine: its prefill legs there (the requests in its queue,
+    the pass in flight included) and vLLM's waiting gauge. Its KV use, the score's tie-breaker, is left out:
+    a prefill engine holds KV only until the decode engine has read it."""
+    return len(engine.queue) + engine.gauge_waiting[0]
 
 
 def simulate(

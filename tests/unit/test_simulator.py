@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.autoscale import fidelity, traces
+from orchestrator.autoscale import simulator as simulator_module
 from orchestrator.autoscale.policy import ClusterObservation, ScalingDecision, StaticPolicy
 from orchestrator.autoscale.profile import EngineLimits, Grid1D, Grid2D, PerformanceProfile
 from orchestrator.autoscale.rules import new_replicas, retirement_order, take_back_order
@@ -296,6 +297,22 @@ def test_an_engine_kept_warm_gives_its_room_to_a_scale_up_of_the_other_pool():
     assert [e.state.value for e in sim.prefill] == ["serving", "serving"]
     sim, _, _ = _kept_warm([(1, 1)], keep_warm_s=60.0, max_engines=2)  # no room beyond the targets: not kept
     assert sim.decode[1].stopped < 12
+
+
+def test_least_loaded_routes_as_the_proxy_scores_engines_and_rotates_ties():
+    """The proxy's least_loaded (``proxy.routing.least_loaded``): the fewest of its legs on an engine plus the
+    engine's waiting gauge (and, for decode, its KV use), ties going round. Two idle prefill engines share
+    the calm minutes' requests; the simulator used to give every tie to the first (the cluster's calm
+    minutes split ~55/45 while it sent ~75 % to prefill-0)."""
+    sim = Simulator(make_profile(), _Script([(2, 2)]), TARGETS, (2, 2), routing=("least_loaded", "least_loaded"))
+    prefill_load, decode_load = simulator_module._prefill_load, sim._decode_load
+    assert [sim._pick(sim.prefill, 0, prefill_load).replica for _ in range(4)] == [0, 1, 0, 1]
+    busy = sim.prefill[0]
+    busy.queue.extend([object(), object()])  # a pass in flight and one behind it
+    busy.gauge_waiting = (1, 100)
+    assert prefill_load(busy) == 3 and [sim._pick(sim.prefill, 0, prefill_load).replica for _ in range(3)] == [1] * 3
+    sim.decode[0].transferring = 1  # a request whose KV loads: a leg, and in vLLM's waiting gauge
+    assert decode_load(sim.decode[0]) == 2 and sim._pick(sim.decode, 1, decode_load).replica == 1
 
 
 def test_rules_retire_the_newest_and_the_not_yet_serving_first():
