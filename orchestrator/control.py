@@ -78,6 +78,7 @@ ENGINE_FIELDS: dict[str, tuple[type, ...]] = {
     "restarts": (int,),
     "error": (str, type(None)),
     "log_path": (str,),
+    "kept_warm": (bool,),  # drained, waiting for autoscaling.keep_warm_s (state draining)
 }
 HOST_FIELDS: dict[str, tuple[type, ...]] = {
     "ip": (str,),

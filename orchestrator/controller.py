@@ -35,7 +35,7 @@ import logging
 import os
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +87,16 @@ class EngineRecord:
     warm_since: float | None = None  # drained and kept warm (autoscaling.keep_warm_s) since then, monotonic
     warm_cut: asyncio.Event | None = field(default=None, repr=False)  # set: stop it now, its room is needed
     handle: Any = field(default=None, repr=False)
+
+
+_PRIVATE_FIELDS = ("handle", "warm_since", "warm_cut")
+
+
+def _engine_status(record: EngineRecord) -> dict[str, Any]:
+    """An engine as ``pdserve status`` lists it: its record, less what only the controller uses, and whether
+    it is kept warm."""
+    entry = {f.name: getattr(record, f.name) for f in fields(record) if f.name not in _PRIVATE_FIELDS}
+    return entry | {"kept_warm": record.warm_cut is not None}
 
 
 class ClusterController:
@@ -164,7 +174,7 @@ class ClusterController:
             "ready_s": self.ready_s,
             "log_dir": str(self.log_dir),
             "controller": {"pid": os.getpid(), "restarts": self.restarts, "api_url": self.api.url},
-            "engines": [{k: v for k, v in asdict(r).items() if k != "handle"} for r in self.engines.values()],
+            "engines": [_engine_status(r) for r in self.engines.values()],
             "hosts": self._hosts(),
             "pools": {
                 role: {
@@ -654,7 +664,7 @@ class ClusterController:
         while True:
             await asyncio.sleep(MONITOR_INTERVAL_S)
             await self._check_proxy()
-            for record in self.engines.values():
+            for record in list(self.engines.values()):  # a scale may add or remove one while a check awaits
                 if record.state in ("ready", "restarting"):
                     await self._check_engine(record)
 

@@ -39,6 +39,7 @@ def status_document() -> dict[str, Any]:
         "restarts": 0,
         "error": None,
         "log_path": "/tmp/logs/prefill-0.log",
+        "kept_warm": False,
     }
     return {
         "schema": STATUS_SCHEMA,

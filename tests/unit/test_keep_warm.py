@@ -7,10 +7,12 @@ scale-down kept warm and taken back on a running cluster, is ``tests/integration
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from pathlib import Path
 
-from orchestrator.controller import ClusterController, EngineRecord
+from orchestrator.control import ENGINE_FIELDS
+from orchestrator.controller import ClusterController, EngineRecord, _engine_status
 from orchestrator.spec import ClusterSpec
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "local-cpu-autoscale.yaml"  # max_engines 3
@@ -63,3 +65,13 @@ async def test_a_warm_engine_waits_keep_warm_s_unless_its_room_is_needed():
     c._fit_warm()
     await asyncio.wait_for(task, 5)
     assert c.events[-1] == "prefill-1 no longer kept warm: autoscaling.max_engines needs its room"
+
+
+def test_status_says_an_engine_is_kept_warm_and_leaves_out_what_only_the_controller_uses():
+    c = controller()
+    record = warm(c, "prefill-1", since=1.0)
+    entry = _engine_status(record)
+    assert entry["kept_warm"] is True and entry["state"] == "draining"
+    assert not set(entry) & {"handle", "warm_since", "warm_cut"}
+    assert set(entry) >= set(ENGINE_FIELDS)
+    json.dumps(entry)  # the status travels as JSON (it once held the asyncio.Event, which broke it)
