@@ -39,8 +39,9 @@ idle and takeable, while the targets and the engines kept warm fit ``max_engines
 starting, draining and kept warm included.
 The proxy's routing policy of each pool (``routing``, the spec's ``proxy.routing``):
 ``round_robin`` sends requests to the serving engines in turn, ``least_loaded`` and
-``prefix_aware`` to the one with the fewest queued prompt tokens (prefill) or KV
-tokens (decode); prefixes are not modelled.
+``prefix_aware`` to the lowest of the proxy's score (its legs on the engine plus vLLM's
+waiting gauge, plus KV use on decode), ties going round as the proxy's do; prefixes
+are not modelled.
 
 Engines that share CPU cores (``cores``: each engine's cores by id, ``prefill-0``
 ..., as ``orchestrator.launch`` pins them; a CPU cluster with
