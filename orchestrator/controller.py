@@ -488,9 +488,10 @@ class ClusterController:
         for role, target in targets.items():
             self.targets[role] = target
             plan[role] = await self._resize(role, reason, keep_warm_s)
-        for record in self._warm() if not keep_warm_s else []:  # by hand: retired means stopped now
-            if record.role in targets:
-                record.warm_cut.set()  # type: ignore[union-attr]
+        if not keep_warm_s:  # by hand: an engine of the pools it names is stopped now, kept warm or not
+            for record in self._warm():
+                if record.role in targets:
+                    self._cut_warm(record, f"scaled by hand ({reason})")
         self._fit_warm()
         self._save()
         return {"plan": plan, "targets": dict(self.targets)}
@@ -585,8 +586,7 @@ class ClusterController:
             "meanwhile takes it back at once"
         )
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(record.warm_cut.wait(), keep_warm_s)
-            self._event(f"{record.engine_id} no longer kept warm: autoscaling.max_engines needs its room")
+            await asyncio.wait_for(record.warm_cut.wait(), keep_warm_s)  # _cut_warm: stopped before its time
         record.warm_since = record.warm_cut = None
 
     def _warm(self) -> list[EngineRecord]:
@@ -603,7 +603,11 @@ class ClusterController:
     def _fit_warm(self) -> None:
         """Stop engines kept warm (the longest-warm first) while the targets and they exceed the budget."""
         for record in self._warm()[: max(0, -self._warm_room())]:
-            record.warm_cut.set()  # type: ignore[union-attr]
+            self._cut_warm(record, "autoscaling.max_engines needs its room")
+
+    def _cut_warm(self, record: EngineRecord, why: str) -> None:
+        record.warm_cut.set()  # type: ignore[union-attr]
+        self._event(f"{record.engine_id} no longer kept warm: {why}")
 
     async def _wait_drained(self, record: EngineRecord) -> None:
         """Until the engine has nothing in flight, queued, running or held (KV not yet read), or
