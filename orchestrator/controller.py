@@ -49,7 +49,7 @@ from connectors.wire import ROLES, http_url
 from orchestrator.autoscale.actuator import Autoscaler
 from orchestrator.autoscale.policy import PolicyConfig
 from orchestrator.autoscale.profile import PerformanceProfile
-from orchestrator.autoscale.rules import new_replicas, retirement_order, take_back_order
+from orchestrator.autoscale.rules import new_replicas, retirement_order, take_back_order, warm_room, warm_to_stop
 from orchestrator.control import STATUS_SCHEMA
 from orchestrator.control_server import ControlServer
 from orchestrator.engine_actor import EngineActor, error_excerpt
@@ -90,6 +90,10 @@ class EngineRecord:
 
 
 _PRIVATE_FIELDS = ("handle", "warm_since", "warm_cut")
+
+
+def _warm_since(record: EngineRecord) -> float:
+    return record.warm_since or 0.0
 
 
 def _engine_status(record: EngineRecord) -> dict[str, Any]:
@@ -592,18 +596,19 @@ class ClusterController:
     def _warm(self) -> list[EngineRecord]:
         """Engines kept warm now, the longest-warm first."""
         warm = [r for r in self.engines.values() if r.warm_cut is not None and not r.warm_cut.is_set()]
-        return sorted(warm, key=lambda r: r.warm_since or 0.0)
+        return sorted(warm, key=_warm_since)
 
     def _warm_room(self) -> int:
-        """How many more engines may be kept warm: the budget beyond the pools' targets and those kept warm."""
-        if self.spec.autoscaling is None:
-            return 0
-        return self.spec.autoscaling.max_engines - sum(self.targets.values()) - len(self._warm())
+        """How many more engines may be kept warm (``rules.warm_room``)."""
+        return warm_room(self._max_engines(), sum(self.targets.values()), len(self._warm()))
 
     def _fit_warm(self) -> None:
-        """Stop engines kept warm (the longest-warm first) while the targets and they exceed the budget."""
-        for record in self._warm()[: max(0, -self._warm_room())]:
+        """Stop engines kept warm while the targets and they exceed the budget (``rules.warm_to_stop``)."""
+        for record in warm_to_stop(self._warm(), _warm_since, self._max_engines(), sum(self.targets.values())):
             self._cut_warm(record, "autoscaling.max_engines needs its room")
+
+    def _max_engines(self) -> int | None:
+        return self.spec.autoscaling.max_engines if self.spec.autoscaling is not None else None
 
     def _cut_warm(self, record: EngineRecord, why: str) -> None:
         record.warm_cut.set()  # type: ignore[union-attr]

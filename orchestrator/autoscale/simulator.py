@@ -74,7 +74,7 @@ from typing import Any, Protocol
 
 from orchestrator.autoscale.policy import ClusterObservation, PoolObservation, ScalingDecision
 from orchestrator.autoscale.profile import PerformanceProfile
-from orchestrator.autoscale.rules import new_replicas, retirement_order, take_back_order
+from orchestrator.autoscale.rules import new_replicas, retirement_order, take_back_order, warm_room, warm_to_stop
 from orchestrator.autoscale.traces import TraceRequest
 
 logger = logging.getLogger(__name__)
@@ -696,19 +696,13 @@ class Simulator:
                 self._route_decode(self._decode_pending.popleft())
 
     def _warm(self) -> list[_Engine]:
-        """Engines kept warm now, the longest-warm first (the controller's ``_warm``)."""
-        warm = [e for e in self.prefill + self.decode if e.state is EngineState.DRAINING and e.warm_until >= 0]
-        return sorted(warm, key=lambda e: e.warm_until)
-
-    def _warm_room(self) -> int:
-        if self.max_engines is None:
-            return 0
-        return self.max_engines - self.policy_targets - len(self._warm())
+        """Engines kept warm now."""
+        return [e for e in self.prefill + self.decode if e.state is EngineState.DRAINING and e.warm_until >= 0]
 
     def _drained(self, engine: _Engine) -> None:
         """A retired engine has finished its work: kept warm while the budget has room (``keep_warm_s``), as
         the controller's ``_retire`` does, else stopped."""
-        if self.keep_warm_s > 0 and self._warm_room() > 0:
+        if self.keep_warm_s > 0 and warm_room(self.max_engines, self.policy_targets, len(self._warm())) > 0:
             engine.warm_until = self.now + self.keep_warm_s
             self._at(engine.warm_until, _WARM_END, (engine, engine.warm_until))
         else:
@@ -720,8 +714,9 @@ class Simulator:
             self._stop(engine)
 
     def _fit_warm(self) -> None:
-        """Stop engines kept warm, the longest-warm first, while the targets and they exceed the budget."""
-        for engine in self._warm()[: max(0, -self._warm_room())]:
+        """Stop engines kept warm while the targets and they exceed the budget (``rules.warm_to_stop``; all
+        are kept equally long, so the one warm until soonest is the longest-warm)."""
+        for engine in warm_to_stop(self._warm(), lambda e: e.warm_until, self.max_engines, self.policy_targets):
             self._stop(engine)
 
     def _stop(self, engine: _Engine) -> None:

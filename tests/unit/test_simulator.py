@@ -20,7 +20,7 @@ from orchestrator.autoscale import fidelity, traces
 from orchestrator.autoscale import simulator as simulator_module
 from orchestrator.autoscale.policy import ClusterObservation, ScalingDecision, StaticPolicy
 from orchestrator.autoscale.profile import EngineLimits, Grid1D, Grid2D, PerformanceProfile
-from orchestrator.autoscale.rules import new_replicas, retirement_order, take_back_order
+from orchestrator.autoscale.rules import new_replicas, retirement_order, take_back_order, warm_room, warm_to_stop
 from orchestrator.autoscale.simulator import SPIN_S, SharedCore, SimulationResult, Simulator, SloTargets, simulate
 from orchestrator.autoscale.traces import TraceRequest
 
@@ -322,6 +322,11 @@ def test_rules_retire_the_newest_and_the_not_yet_serving_first():
     assert new_replicas([0, 2, 3], 3) == [1, 4, 5]
     assert new_replicas([], 0) == []
     assert take_back_order([("b", 3), ("a", 1), ("c", 2)], replica=lambda e: e[1]) == [("a", 1), ("c", 2), ("b", 3)]
+    assert warm_room(3, targets=2, warm=0) == 1 and warm_room(3, targets=3, warm=1) == -1
+    assert warm_room(None, targets=2, warm=0) == 0  # no budget: nothing kept warm
+    warm = [("late", 9.0), ("early", 2.0), ("middle", 5.0)]
+    assert warm_to_stop(warm, since=lambda e: e[1], max_engines=4, targets=2) == [("early", 2.0)]
+    assert warm_to_stop(warm, since=lambda e: e[1], max_engines=5, targets=2) == []
 
 
 def test_trace_files_round_trip_and_bad_lines_are_named(tmp_path):
