@@ -589,8 +589,10 @@ class ClusterController:
             f"{record.engine_id} drained; kept warm for {keep_warm_s:g}s (autoscaling.keep_warm_s): a scale-up "
             "meanwhile takes it back at once"
         )
-        with contextlib.suppress(TimeoutError):
+        try:
             await asyncio.wait_for(record.warm_cut.wait(), keep_warm_s)  # _cut_warm: stopped before its time
+        except TimeoutError:
+            self._event(f"{record.engine_id} not taken back in {keep_warm_s:g}s: stopping it")
         record.warm_since = record.warm_cut = None
 
     def _warm(self) -> list[EngineRecord]:
