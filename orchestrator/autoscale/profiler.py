@@ -222,6 +222,10 @@ class ClusterEndpoints:
     decode_url: str
     startup_s: float
     engine_key: str = field(default="", repr=False)
+    # Every ready engine of each pool (``prefill_url`` and ``decode_url`` first): a request through the
+    # proxy may land on any of them.
+    prefill_pool: tuple[str, ...] = ()
+    decode_pool: tuple[str, ...] = ()
     """The cluster's engine key: the profiler calls the engines' ``/v1`` routes itself (never printed)."""
 
     @classmethod
@@ -233,17 +237,19 @@ class ClusterEndpoints:
             if not engines:
                 states = ", ".join(f"{e['engine_id']} {e['state']}" for e in status["engines"])
                 raise ProfilingError(f"cluster {status['name']!r} has no ready {role} engine ({states})")
-            urls[role] = engines[0]["url"]
+            urls[role] = tuple(e["url"] for e in engines)
         loads = [e["load_s"] for e in ready if e.get("load_s")]
         return cls(
             name=status["name"],
             model=status["model"],
             connector=status["connector"],
             proxy_url=status["proxy_url"],
-            prefill_url=urls["prefill"],
-            decode_url=urls["decode"],
+            prefill_url=urls["prefill"][0],
+            decode_url=urls["decode"][0],
             startup_s=round(statistics.mean(loads), 1) if loads else 0.0,
             engine_key=engine_key,
+            prefill_pool=urls["prefill"],
+            decode_pool=urls["decode"],
         )
 
 
@@ -429,6 +435,27 @@ class _Http:
                 )
             await asyncio.sleep(0.1)
 
+    async def pool_samples(self, urls: tuple[str, ...], names: tuple[str, ...]) -> dict[str, dict[str, float]]:
+        return {url: await self.samples(url, names) for url in urls}
+
+    async def wait_for_one(
+        self, before: dict[str, dict[str, float]], names: tuple[str, ...], count_name: str
+    ) -> dict[str, float]:
+        """The rise of ``names`` on whichever engine of a pool (``before``: its samples by URL) has recorded
+        one more ``count_name`` since: the one the proxy sent a request to."""
+        deadline = time.monotonic() + METRICS_WAIT_S
+        while True:
+            for url, was in before.items():
+                samples = await self.samples(url, names)
+                if samples[count_name] >= was[count_name] + 1:
+                    return _delta(samples, was)
+            if time.monotonic() > deadline:
+                raise ProfilingError(
+                    f"{', '.join(before)}: no engine's {count_name} rose {METRICS_WAIT_S:g}s after the request was "
+                    "answered"
+                )
+            await asyncio.sleep(0.1)
+
 
 def _delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
     return {name: after[name] - before[name] for name in after}
@@ -559,22 +586,20 @@ async def _transfer_samples(
     names = (seconds_name + "_sum", seconds_name + "_count", bytes_name)
     count, prefill_count = seconds_name + "_count", PREFILL_TIME + "_count"
     samples = []
+    # through the proxy: with several engines in a pool, any of them may serve a request
+    prefill_pool = endpoints.prefill_pool or (endpoints.prefill_url,)
+    decode_pool = endpoints.decode_pool or (endpoints.decode_url,)
     for length in grid.transfer_tokens:
         for _ in range(grid.repeats):
-            before = await http.samples(endpoints.decode_url, names)
-            prefill_before = await http.samples(endpoints.prefill_url, PREFILL_SAMPLES)
+            before = await http.pool_samples(decode_pool, names)
+            prefill_before = await http.pool_samples(prefill_pool, PREFILL_SAMPLES)
             body = {"model": endpoints.model, "prompt": prompts(length), "max_tokens": 2, "temperature": 0}
             sent = time.perf_counter()
             chunks = await http.stream(endpoints.proxy_url, body)
             if not chunks:
                 raise ProfilingError(f"{endpoints.proxy_url}/v1/completions: the stream carried no token")
-            delta = _delta(await http.wait_for(endpoints.decode_url, names, count, before[count] + 1), before)
-            prefill = _delta(
-                await http.wait_for(
-                    endpoints.prefill_url, PREFILL_SAMPLES, prefill_count, prefill_before[prefill_count] + 1
-                ),
-                prefill_before,
-            )
+            delta = await http.wait_for_one(before, names, count)
+            prefill = await http.wait_for_one(prefill_before, PREFILL_SAMPLES, prefill_count)
             # One request may be moved in several transfers: its KV move is their total.
             samples.append(
                 TransferSample(

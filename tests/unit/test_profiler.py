@@ -350,3 +350,30 @@ def test_cli_refuses_a_running_cluster_of_another_spec(local_cpu_spec, monkeypat
     assert main(["profile", str(local_cpu_spec)]) == 1
     err = capsys.readouterr().err
     assert "the running cluster 'other' (model 'smollm2-135m-instruct', connector pdserve) is not the one" in err
+
+
+async def test_a_request_through_the_proxy_is_read_on_whichever_engine_of_the_pool_served_it(make_engine) -> None:
+    """With two prefill engines the proxy may pick either: the profiler reads the one whose count rose
+    (it waited on the first engine's before, and failed: 'expected 147' on a two-prefill cluster)."""
+    counts = {"prefill-0": 3, "prefill-1": 5}
+    engines = [
+        await make_engine(
+            name, extra_metrics=lambda name=name: f"vllm:request_prefill_time_seconds_count {counts[name]}\n"
+        )
+        for name in counts
+    ]
+    status = {
+        "name": "c", "model": "m", "connector": "pdserve", "proxy_url": "http://127.0.0.1:1",
+        "engines": [{"engine_id": e.name, "role": "prefill", "state": "ready", "url": e.url} for e in engines]
+        + [{"engine_id": "decode-0", "role": "decode", "state": "ready", "url": "http://127.0.0.1:2"}],
+    }  # fmt: skip
+    endpoints = ClusterEndpoints.from_status(status)
+    assert endpoints.prefill_pool == tuple(e.url for e in engines) and endpoints.prefill_url == engines[0].url
+    names = ("vllm:request_prefill_time_seconds_count",)
+    http = profiler._Http(aiohttp.ClientSession())
+    try:
+        before = await http.pool_samples(endpoints.prefill_pool, names)
+        counts["prefill-1"] += 1  # the proxy sent it to prefill-1
+        assert await http.wait_for_one(before, names, names[0]) == {names[0]: 1.0}
+    finally:
+        await http.session.close()
