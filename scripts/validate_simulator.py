@@ -100,6 +100,8 @@ ENGINE_SAMPLES = {  # what --sample-engines reads off each engine's /metrics (su
     "prefill_s_sum": "vllm:request_prefill_time_seconds_sum",
     "prefill_s_count": "vllm:request_prefill_time_seconds_count",
     "queue_s_sum": "vllm:request_queue_time_seconds_sum",
+    "steps": "vllm:iteration_tokens_total_count",  # engine steps (a prefill pass, a decode step)
+    "step_tokens": "vllm:iteration_tokens_total_sum",  # the tokens they computed
     "waiting": "vllm:num_requests_waiting",
     "running": "vllm:num_requests_running",
     "kv_usage": "vllm:kv_cache_usage_perc",
@@ -145,6 +147,12 @@ class EngineSampler:
         self._thread.join()
 
 
+def _per(b: dict, a: dict, num: str, den: str) -> float:
+    """``num``'s rise from sample ``a`` to ``b`` over ``den``'s (NaN where ``den`` did not rise)."""
+    d = b[den] - a[den]
+    return (b[num] - a[num]) / d if d > 0 else float("nan")
+
+
 def engines_by_minute(samples: dict, window_s: float = 60.0) -> None:
     """``--sample-engines``' readings by minute, per engine: prompt tokens computed per second, mean prefill
     and queue time of the requests that finished prefill in it, most requests waiting, mean KV-cache use."""
@@ -152,7 +160,11 @@ def engines_by_minute(samples: dict, window_s: float = 60.0) -> None:
     by_engine: dict[str, list[dict]] = collections.defaultdict(list)
     for row in samples["rows"]:
         by_engine[row[1]].append(dict(zip(columns, row, strict=True)))
-    print("engine | from t | prompt tok/s | prefill s / request | queue s / request | waiting (max) | KV use")
+    steps = "steps" in columns  # reports from before 2026-11-27 have no step counts
+    print(
+        "engine | from t | prompt tok/s | prefill s / request | queue s / request | waiting (max) | KV use"
+        + (" | steps / s | tokens / step" if steps else "")
+    )
     for engine, rows in sorted(by_engine.items()):
         for start in range(0, int(rows[-1]["t"] + window_s), int(window_s)):
             here = [r for r in rows if start <= r["t"] < start + window_s]
@@ -160,12 +172,17 @@ def engines_by_minute(samples: dict, window_s: float = 60.0) -> None:
             if not here or not before:
                 continue
             a, b = before[0], here[-1]
-            span, done = max(b["t"] - a["t"], 1e-9), b["prefill_s_count"] - a["prefill_s_count"]
-            per = {k: (b[k] - a[k]) / done if done > 0 else float("nan") for k in ("prefill_s_sum", "queue_s_sum")}
+            span = max(b["t"] - a["t"], 1e-9)
+            per = {k: _per(b, a, k, "prefill_s_count") for k in ("prefill_s_sum", "queue_s_sum")}
             print(
                 f"{engine} | {start:5d} | {(b['prompt_tokens'] - a['prompt_tokens']) / span:6.0f} | "
                 f"{per['prefill_s_sum']:6.2f} | {per['queue_s_sum']:6.2f} | {max(r['waiting'] for r in here):4.0f} | "
                 f"{statistics.mean(r['kv_usage'] for r in here):.1%}"
+                + (
+                    f" | {(b['steps'] - a['steps']) / span:5.2f} | {_per(b, a, 'step_tokens', 'steps'):6.0f}"
+                    if steps
+                    else ""
+                )
             )
 
 
@@ -266,7 +283,7 @@ def per_request(trace: list, replayed: list[dict], simulated: list) -> list[list
     ]
 
 
-def by_minute(report_path: str, window_s: float = 60.0) -> None:
+def by_minute(report_path: str, window_s: float = 60.0) -> None:  # noqa: C901 - one table after another
     """A saved report's ``per_request`` by minute of arrival: TTFT p50 / p90 on both sides, and the prompt
     tokens whose first token came in that minute (what the prefill engines got through) per second."""
     with open(report_path) as f:
@@ -289,8 +306,36 @@ def by_minute(report_path: str, window_s: float = 60.0) -> None:
             ]
             cells = " | ".join(f"{a:.1f} / {b:.1f}" if here else "-" for a, b in ttft)
             print(f"{start:5d} | {len(here):4d} | {cells} | {done[0]:.0f} / {done[1]:.0f}")
+        if "simulator_prefill_passes" in load:
+            passes_by_minute(load["simulator_prefill_passes"], window_s)
     if "engine_samples" in report:
-        engines_by_minute(report["engine_samples"])
+        engines_by_minute(report["engine_samples"], window_s)
+
+
+def pass_rows(result: SimulationResult) -> dict:
+    """``result.prefill_passes`` as a report's table, by time."""
+    return {
+        "columns": ["t", "engine", "passes", "tokens", "sequences", "seconds", "seconds_x_sequences"],
+        "rows": [
+            [t, f"prefill-{replica}", *(round(v, 3) for v in tally)]
+            for (replica, t), tally in sorted(result.prefill_passes.items(), key=lambda kv: kv[0][::-1])
+        ],
+    }
+
+
+def passes_by_minute(passes: dict, window_s: float) -> None:
+    """The simulator's prefill passes by minute of their start, per engine: passes per second, tokens and
+    sequences per pass, seconds per pass, and per request (what vllm:request_prefill_time_seconds reads)."""
+    print("simulator: engine | from t | passes / s | tokens / pass | sequences / pass | s / pass | s / request")
+    sums: dict[tuple[str, int], list[float]] = {}
+    for t, engine, *tally in passes["rows"]:
+        key = (engine, int(t // window_s * window_s))
+        sums[key] = [a + b for a, b in zip(sums.get(key, [0.0] * len(tally)), tally, strict=True)]
+    for (engine, start), (n, tokens, seqs, seconds, weighted) in sorted(sums.items()):
+        print(
+            f"{engine} | {start:5d} | {n / window_s:5.2f} | {tokens / n:6.0f} | {seqs / n:4.2f} | "
+            f"{seconds / n:5.2f} | {weighted / seqs:5.2f}"
+        )
 
 
 def attainment(pairs: list[tuple[float, float]], ttft_s: float, itl_s: float) -> float:
@@ -304,18 +349,23 @@ def load_shared_core(paths: list[str] | None) -> SharedCore:
     evenly) without ``paths``."""
     if not paths:
         return EVEN_SHARE
-    probes = []
+    probes, over_up = [], []
     for path in paths:
         with open(path) as f:
-            measured = json.load(f).get("shared_core")
+            probe = json.load(f)
+        measured = probe.get("shared_core")
         if not isinstance(measured, dict):
             sys.exit(f"{path}: no 'shared_core' (written by scripts/probe_shared_start.py --out)")
         try:
             probes.append(SharedCore(**measured))
         except (TypeError, ValueError) as e:
             sys.exit(f"{path}: shared_core: {e}")
+        over_up.append("at_up" in probe.get("prefill_1_startup_s", {}))
     names = [field.name for field in dataclasses.fields(SharedCore)]
-    return SharedCore(**{name: round(statistics.mean(getattr(p, name) for p in probes), 3) for name in names})
+    mean = {name: round(statistics.mean(getattr(p, name) for p in probes), 3) for name in names}
+    if any(over_up):  # older probes divided the start-up by a scale-up's beside an idle engine: not the profile's
+        mean["startup"] = round(statistics.mean(p.startup for p, new in zip(probes, over_up, strict=True) if new), 3)
+    return SharedCore(**mean)
 
 
 def resimulate(report_path: str, core_plan: str | None, seed: int, duration_s: float, shared: SharedCore) -> None:
@@ -362,6 +412,7 @@ def resimulate(report_path: str, core_plan: str | None, seed: int, duration_s: f
             for t in phases(spec.autoscaling.interval_s)
         }
         print("  first decision at " + ", ".join(f"{t:g} s: {100 * a:.1f} %" for t, a in by_phase.items()))
+        passes_by_minute(pass_rows(result), 60.0)
 
 
 def main() -> None:
@@ -545,6 +596,7 @@ def main() -> None:
             "per_request": per_request(trace, replayed, simulated),
         }
         if args.autoscale and spec.autoscaling is not None:
+            report["loads"][name]["simulator_prefill_passes"] = pass_rows(result)
             targets = spec.autoscaling.targets
             real = attainment(
                 [(m["ttft_s"], m["itl_s"]) for m in measured[name]], targets.ttft_p90_s, targets.itl_p90_s

@@ -97,6 +97,7 @@ _READY, _PREFILL_DONE, _TRANSFER_DONE, _DECODE_DONE, _ARRIVAL, _DECIDE, _SPIN_EN
 # sleeps on a socket (``SpinCondition``'s ``busy_loop_s``, vllm.distributed.device_communicators.shm_broadcast):
 # an engine that just finished a pass or step keeps its core busy this much longer.
 SPIN_S = 1.0
+PASS_BIN_S = 10  # SimulationResult.prefill_passes' bins
 
 
 @dataclass(slots=True, frozen=True)
@@ -108,7 +109,7 @@ class SharedCore:
 
     prefill: float = 2.0  # a prefill pass
     decode: float = 2.0  # a decode step
-    startup: float = 1.0  # from "start" to "serves"
+    startup: float = 1.0  # from "start" to "serves", over the profile's startup_s (a start with the cluster)
     decode_beside_start: float = 1.0  # a decode step while a neighbour loads its model
 
     def __post_init__(self) -> None:
@@ -213,6 +214,10 @@ class SimulationResult:
     duration_s: float  # arrival of the first request to completion of the last
     engine_hours: float
     timeline: list[dict[str, Any]]
+    # The prefill passes by engine and PASS_BIN_S of their start: {(replica, bin start): [passes, tokens,
+    # sequences, seconds, seconds x sequences]}, to set beside the cluster's engine steps
+    # (vllm:iteration_tokens_total) and prefill time per request (vllm:request_prefill_time_seconds).
+    prefill_passes: dict[tuple[int, int], list[float]] = field(default_factory=dict)
 
     @property
     def good(self) -> int:
@@ -294,6 +299,7 @@ class Simulator:
         self._last_means = (1.0, 1.0)
         self._last_cv2 = 1.0
         self.timeline: list[dict[str, Any]] = []
+        self._passes: dict[tuple[int, int], list[float]] = {}
         self.prefill.extend(_PrefillEngine(n, 0.0, EngineState.SERVING) for n in range(initial[0]))
         self.decode.extend(_DecodeEngine(n, 0.0, EngineState.SERVING) for n in range(initial[1]))
         self.policy_targets = sum(initial)  # the pools' targets together, as the last decision set them
@@ -381,7 +387,7 @@ class Simulator:
             handlers[kind](payload)
         end = max(r.done for r in self._records)
         hours = sum(e.hours(end) for e in self.prefill + self.decode)
-        return SimulationResult(self._records, self.targets, end - t0, hours, self.timeline)
+        return SimulationResult(self._records, self.targets, end - t0, hours, self.timeline, self._passes)
 
     def _next_arrival(self, item: TraceRequest | None) -> None:
         if item is not None:
@@ -435,6 +441,10 @@ class Simulator:
         tokens = limits.max_num_batched_tokens - room
         engine.busy = True
         seconds = self.profile.prefill_seconds(tokens, len(chunks)) * self._share(engine, self.shared.prefill)
+        key = (engine.replica, int(self.now // PASS_BIN_S) * PASS_BIN_S)
+        tally = self._passes.setdefault(key, [0, 0, 0, 0.0, 0.0])
+        for i, v in enumerate((1, tokens, len(chunks), seconds, seconds * len(chunks))):
+            tally[i] += v
         self._at(self.now + seconds, _PREFILL_DONE, (engine, chunks))
 
     def _on_prefill_done(self, payload: tuple[_PrefillEngine, list[tuple[_Request, int]]]) -> None:

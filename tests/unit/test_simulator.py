@@ -89,6 +89,20 @@ def test_two_engines_share_the_load_least_loaded_first():
     assert mean(r.ttft_s for r in two.records) - 1.0 < 0.1 < mean(r.ttft_s for r in one.records) - 1.0
 
 
+def test_prefill_passes_are_tallied_by_engine_and_bin_as_the_clusters_step_counters_read():
+    # 1000-token prompts on one engine, 1 ms a token, 2 sequences a pass: one alone (1 s), two that came
+    # during it together (2000 tokens in 2 s, each request's prefill 2 s), and one at 25 s, in another bin.
+    profile = dataclasses.replace(make_profile(), engine=EngineLimits(2, 10**9, 10**9, 1, 0.0))
+    trace = [TraceRequest(t, 1000, 1) for t in (0.0, 0.5, 0.5, 25.0)]
+    result = simulate(profile, StaticPolicy(1, 1), trace, TARGETS, (1, 1))
+
+    assert simulator_module.PASS_BIN_S == 10
+    assert result.prefill_passes == {
+        (0, 0): [2, 3000, 3, pytest.approx(3.0), pytest.approx(1.0 + 2 * 2.0)],
+        (0, 20): [1, 1000, 1, pytest.approx(1.0), pytest.approx(1.0)],
+    }
+
+
 def test_decode_batch_settles_where_littles_law_says():
     # Step = 20 ms + 0.5 ms per extra sequence; lambda = 2/s, 100 tokens each.
     # Little: N = lambda x 100 x step(N)  =>  N = 2*100*0.0195 / (1 - 2*100*0.0005) = 39, step = 0.039 s.

@@ -25,6 +25,13 @@ def test_the_probes_slowdowns_are_read_and_a_file_without_them_is_named(tmp_path
     assert validate_simulator.load_shared_core([str(probe)]) == SharedCore(1.9, 2.1, 1.8)
     other.write_text(json.dumps({"shared_core": {"prefill": 2.8, "decode": 3.0, "startup": 1.9}}))
     assert validate_simulator.load_shared_core([str(probe), str(other)]) == SharedCore(2.35, 2.55, 1.85)  # the mean
+    newer = tmp_path / "newer.json"  # its start-up is over the start with the cluster: the older ones' is left out
+    newer.write_text(
+        json.dumps(
+            {"prefill_1_startup_s": {"at_up": 30.0}, "shared_core": {"prefill": 2.2, "decode": 2.4, "startup": 2.5}}
+        )
+    )
+    assert validate_simulator.load_shared_core([str(probe), str(other), str(newer)]) == SharedCore(2.3, 2.5, 2.5)
     probe.write_text(json.dumps({"decode_slowdown": {}}))
     with pytest.raises(SystemExit, match=r"probe.json: no 'shared_core'"):
         validate_simulator.load_shared_core([str(other), str(probe)])
@@ -73,6 +80,29 @@ def test_engine_samples_by_minute_give_each_engines_rate_and_times(capsys) -> No
     # 3000 tokens in 60 s, 10 prefills of 0.6 s that waited 5 s; most waiting 7, KV use (30 % + 0) / 2
     assert [cell.strip() for cell in lines[1].split("|")] == ["prefill-0", "0", "120", "1.00", "2.00", "3", "5.0%"]
     assert [cell.strip() for cell in lines[2].split("|")] == ["prefill-0", "60", "50", "0.60", "5.00", "7", "15.0%"]
+
+
+def test_engine_samples_with_step_counters_add_steps_per_second_and_tokens_per_step(capsys) -> None:
+    columns = ["t", "engine", "prompt_tokens", "prefill_s_sum", "prefill_s_count", "queue_s_sum", "steps"]
+    columns += ["step_tokens", "waiting", "running", "kv_usage"]
+    rows = [
+        [0.0, "prefill-0", 0, 0.0, 0, 0.0, 0, 0, 0, 0, 0.0],
+        [50.0, "prefill-0", 6000, 20.0, 20, 40.0, 10, 6000, 0, 0, 0.0],
+    ]
+    validate_simulator.engines_by_minute({"columns": columns, "rows": rows})
+    lines = capsys.readouterr().out.splitlines()
+    # 10 steps in 50 s, 600 tokens each
+    assert lines[0].endswith("| steps / s | tokens / step")
+    assert [cell.strip() for cell in lines[1].split("|")][-2:] == ["0.20", "600"]
+
+
+def test_the_simulators_passes_by_minute_give_their_rate_size_and_time_per_request(capsys) -> None:
+    columns = ["t", "engine", "passes", "tokens", "sequences", "seconds", "seconds_x_sequences"]
+    rows = [[0, "prefill-0", 2, 3000, 3, 3.0, 5.0], [50, "prefill-0", 4, 1000, 5, 3.0, 3.0]]
+    validate_simulator.passes_by_minute({"columns": columns, "rows": rows}, 60.0)
+    lines = capsys.readouterr().out.splitlines()
+    # 6 passes in the minute: 4000 tokens, 8 sequences, 6 s; requests weigh their pass: 8 s over 8
+    assert [cell.strip() for cell in lines[1].split("|")] == ["prefill-0", "0", "0.10", "667", "1.33", "1.00", "1.00"]
 
 
 def test_the_report_keeps_each_row_on_one_line_and_reads_back_the_same() -> None:
