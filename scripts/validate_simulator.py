@@ -344,28 +344,30 @@ def attainment(pairs: list[tuple[float, float]], ttft_s: float, itl_s: float) ->
 
 
 def load_shared_core(paths: list[str] | None) -> SharedCore:
-    """The slowdowns beside a busy engine on a core that ``scripts/probe_shared_start.py --out`` measured
-    (its ``shared_core``; of several probes, the mean of each), or the simulator's default (the core split
-    evenly) without ``paths``."""
+    """The slowdowns beside a busy engine that probes measured (their ``shared_core``:
+    ``scripts/probe_shared_start.py --out`` on a core, ``scripts/probe_host_load.py --other-core --out`` on the
+    host), each field the mean over the probes that measured it, or the simulator's default (the core split
+    evenly, the host no slower) where none did."""
     if not paths:
         return EVEN_SHARE
-    probes, over_up = [], []
+    values: dict[str, list[float]] = collections.defaultdict(list)
+    over_up: dict[str, list[float]] = collections.defaultdict(list)
     for path in paths:
         with open(path) as f:
             probe = json.load(f)
         measured = probe.get("shared_core")
         if not isinstance(measured, dict):
-            sys.exit(f"{path}: no 'shared_core' (written by scripts/probe_shared_start.py --out)")
+            sys.exit(f"{path}: no 'shared_core' (written by scripts/probe_shared_start.py or probe_host_load.py --out)")
         try:
-            probes.append(SharedCore(**measured))
+            SharedCore(**measured)
         except (TypeError, ValueError) as e:
             sys.exit(f"{path}: shared_core: {e}")
-        over_up.append("at_up" in probe.get("prefill_1_startup_s", {}))
-    names = [field.name for field in dataclasses.fields(SharedCore)]
-    mean = {name: round(statistics.mean(getattr(p, name) for p in probes), 3) for name in names}
-    if any(over_up):  # older probes divided the start-up by a scale-up's beside an idle engine: not the profile's
-        mean["startup"] = round(statistics.mean(p.startup for p, new in zip(probes, over_up, strict=True) if new), 3)
-    return SharedCore(**mean)
+        # older probes divided the start-up by a scale-up's beside an idle engine, not by the profile's
+        newer = "at_up" in probe.get("prefill_1_startup_s", {})
+        for name, value in measured.items():
+            (over_up if name == "startup" and newer else values)[name].append(value)
+    values.update(over_up)  # a newer probe's start-up, where there is one
+    return SharedCore(**{name: round(statistics.mean(v), 3) for name, v in values.items()})
 
 
 def resimulate(report_path: str, core_plan: str | None, seed: int, duration_s: float, shared: SharedCore) -> None:

@@ -111,6 +111,10 @@ class SharedCore:
     decode: float = 2.0  # a decode step
     startup: float = 1.0  # from "start" to "serves", over the profile's startup_s (a start with the cluster)
     decode_beside_start: float = 1.0  # a decode step while a neighbour loads its model
+    # A prefill pass / decode step while an engine on another core computes (the cores share the host:
+    # its memory, its caches, and the processes no core is pinned for); scripts/probe_host_load.py --other-core.
+    host_prefill: float = 1.0
+    host_decode: float = 1.0
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -315,10 +319,11 @@ class Simulator:
         role = "prefill" if isinstance(engine, _PrefillEngine) else "decode"
         return self.cores.get(f"{role}-{engine.replica}", frozenset())
 
-    def _share(self, engine: _Engine, slowdown: float, beside_start: float = 1.0) -> float:
+    def _share(self, engine: _Engine, slowdown: float, beside_start: float = 1.0, host: float = 1.0) -> float:
         """How many times slower than alone ``engine`` works now: ``1 + (slowdown - 1) * n + (beside_start - 1)
         * m`` on its most crowded core, ``n`` the other engines busy on it (one still polling, too:
-        ``SPIN_S``) and ``m`` those starting on it."""
+        ``SPIN_S``) and ``m`` those starting on it; times ``host`` while an engine on none of its cores
+        computes."""
         mine = self._cores(engine)
         if not mine:
             return 1.0
@@ -330,7 +335,8 @@ class Simulator:
             and (not e.idle or e.spins_until > self.now + _EPS)
         ]
         starting = [self._cores(e) for e in others if e.state is EngineState.STARTING]
-        return max(
+        elsewhere = host != 1.0 and any(not e.idle and not self._cores(e) & mine for e in others)
+        return (host if elsewhere else 1.0) * max(
             1.0
             + (slowdown - 1.0) * sum(1 for theirs in busy if core in theirs)
             + (beside_start - 1.0) * sum(1 for theirs in starting if core in theirs)
@@ -353,12 +359,14 @@ class Simulator:
             self._neighbours_changed(engine)
 
     def _neighbours_changed(self, engine: _Engine) -> None:
-        """Re-time the decode steps of the engines sharing a core with ``engine`` (it started or ended work)."""
+        """Re-time the decode steps of the engines sharing a core with ``engine`` (it started or ended work),
+        and of every other engine on the host where an engine elsewhere slows them (``SharedCore.host_decode``)."""
         mine = self._cores(engine)
         if not mine:
             return
+        everywhere = self.shared.host_decode != 1.0
         for other in self.decode:
-            if other is not engine and other.running and mine & self._cores(other):
+            if other is not engine and other.running and (everywhere or mine & self._cores(other)):
                 self._advance(other)
                 self._reschedule(other)
 
@@ -440,7 +448,8 @@ class Simulator:
         engine.gauge_waiting = (len(left), sum(req.prefill_left for req in left))
         tokens = limits.max_num_batched_tokens - room
         engine.busy = True
-        seconds = self.profile.prefill_seconds(tokens, len(chunks)) * self._share(engine, self.shared.prefill)
+        share = self._share(engine, self.shared.prefill, host=self.shared.host_prefill)
+        seconds = self.profile.prefill_seconds(tokens, len(chunks)) * share
         key = (engine.replica, int(self.now // PASS_BIN_S) * PASS_BIN_S)
         tally = self._passes.setdefault(key, [0, 0, 0, 0.0, 0.0])
         for i, v in enumerate((1, tokens, len(chunks), seconds, seconds * len(chunks))):
@@ -521,7 +530,7 @@ class Simulator:
             engine.step_s = 0.0
             return
         context = (engine.sum_prompt + n * engine.steps - engine.sum_start) / n
-        share = self._share(engine, self.shared.decode, self.shared.decode_beside_start)
+        share = self._share(engine, self.shared.decode, self.shared.decode_beside_start, self.shared.host_decode)
         engine.step_s = self.profile.decode_step_seconds(n, context) * share
         finish = engine.running[0][0]
         self._at(self.now + max(0.0, finish - engine.steps) * engine.step_s, _DECODE_DONE, (engine, engine.version))

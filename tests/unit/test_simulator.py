@@ -444,6 +444,22 @@ def test_measured_slowdowns_beside_a_busy_neighbour_replace_the_even_split():
         SharedCore(decode=0.5)
 
 
+def test_an_engine_on_its_own_core_slows_by_the_host_factor_while_one_elsewhere_computes():
+    profile = make_profile(prefill_s_per_token=0.001, decode_step=(0.03, 0.0), max_num_seqs=100)
+    trace = [TraceRequest(0.0, 10, 100), TraceRequest(0.5, 5000, 1)]  # as above: A decodes while B prefills
+    two_cores = {"prefill-0": frozenset({0}), "decode-0": frozenset({1})}
+    host = SharedCore(host_prefill=1.2, host_decode=1.5)
+    a, b = sorted(
+        simulate(profile, StaticPolicy(1, 1), trace, TARGETS, (1, 1), cores=two_cores, spin_s=0.0, shared=host).records,
+        key=lambda r: r.arrival,
+    )
+    # B's pass begins beside A decoding on the other core: 1.2 x 5 s, to 6.5 s. A's steps take 1.5x from 0.5 s,
+    # while B's pass runs, to its end; B's one step then runs beside nothing computing elsewhere.
+    steps_alone = (0.5 - 0.01) / 0.03
+    assert a.done == pytest.approx(0.5 + (100 - steps_alone) * 0.03 * 1.5)
+    assert b.ttft_s == pytest.approx(6.0 + 0.03)
+
+
 def start_beside_busy_decode(shared: SharedCore) -> tuple[_Script, SimulationResult]:
     """decode-0 steps one request for 100 s (1000 tokens of 0.1 s); at t=10 prefill-1 (a 30-s start-up)
     starts on decode-0's core. The policy (what it saw) and the result."""

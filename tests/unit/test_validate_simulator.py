@@ -32,6 +32,11 @@ def test_the_probes_slowdowns_are_read_and_a_file_without_them_is_named(tmp_path
         )
     )
     assert validate_simulator.load_shared_core([str(probe), str(other), str(newer)]) == SharedCore(2.3, 2.5, 2.5)
+    host = tmp_path / "host.json"  # the host probe measures its own fields only: the others keep the core probes'
+    host.write_text(json.dumps({"shared_core": {"host_prefill": 1.08, "host_decode": 1.04}}))
+    assert validate_simulator.load_shared_core([str(probe), str(other), str(host)]) == SharedCore(
+        2.35, 2.55, 1.85, host_prefill=1.08, host_decode=1.04
+    )
     probe.write_text(json.dumps({"decode_slowdown": {}}))
     with pytest.raises(SystemExit, match=r"probe.json: no 'shared_core'"):
         validate_simulator.load_shared_core([str(other), str(probe)])
