@@ -46,7 +46,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from connectors.auth import ClusterSecret, new_secret
 from connectors.wire import ROLES, http_url
-from orchestrator.autoscale.actuator import Autoscaler
+from orchestrator.autoscale.actuator import AUTOSCALER_REASON, Autoscaler
 from orchestrator.autoscale.policy import PolicyConfig
 from orchestrator.autoscale.profile import PerformanceProfile
 from orchestrator.autoscale.rules import new_replicas, retirement_order, take_back_order, warm_room, warm_to_stop
@@ -489,6 +489,8 @@ class ClusterController:
         if problems := self._unplaceable({**self.targets, **targets}):
             return {"error": "the Ray cluster cannot hold that: " + "; ".join(problems)}
         plan: dict[str, dict[str, list[str]]] = {}
+        if self.autoscaler is not None and not reason.startswith(AUTOSCALER_REASON):
+            self.autoscaler.policy.scaled_by_hand(targets)  # not undone before its scale-down cooldown
         for role, target in targets.items():
             self.targets[role] = target
             plan[role] = await self._resize(role, reason, keep_warm_s)

@@ -61,6 +61,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["Autoscaler", "EngineReading", "Observer", "histogram_cv2", "histogram_quantile"]
 
 ROLES = ("prefill", "decode")
+AUTOSCALER_REASON = "autoscaler"  # how the autoscaler's scale calls begin their reason (the others are by hand)
 RECEIVED = "pdserve_proxy_requests_received_total"
 PROXY_TTFT = "pdserve_proxy_time_to_first_token_seconds"
 PROXY_ITL = "pdserve_proxy_inter_token_latency_seconds"
@@ -319,7 +320,7 @@ class Autoscaler:
             self.changes.append(record)
             summary = ", ".join(f"{role} {a} -> {b}" for role, (a, b) in record["changed"].items())
             result = await self.scale(
-                {role: decision.target(role) for role in ROLES}, f"autoscaler: {summary}; {_why(decision)}"
+                {role: decision.target(role) for role in ROLES}, f"{AUTOSCALER_REASON}: {summary}; {_why(decision)}"
             )
             if "error" in result:
                 record["error"] = result["error"]

@@ -41,6 +41,8 @@ How one decision is made (both pools at once):
    rise of its demand in the last ``burst_memory_s``, so that a burst like the
    last one finds part of its engines still serving while the rest start
    (bursts come at random; holding all of it would cost what scaling saves).
+   A pool scaled by hand (``pdserve scale``; ``scaled_by_hand``) counts as changed at the
+   next decision: it is not shrunk again before ``scale_down_cooldown_s``.
 """
 
 from __future__ import annotations
@@ -55,6 +57,8 @@ from typing import TYPE_CHECKING
 from orchestrator.autoscale.profile import PerformanceProfile
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from orchestrator.spec import AutoscalingSpec
 
 logger = logging.getLogger(__name__)
@@ -197,10 +201,16 @@ class AutoscalePolicy:
         self.profile = profile
         self._wishes: deque[tuple[float, int, int]] = deque()  # (t, prefill, decode) before stability rules
         self._last_change: dict[str, float] = {}
+        self._by_hand: set[str] = set()  # pools scaled by hand since the last decision
         self._watching_since = math.inf  # when the first observed window began
         self._history: deque[tuple[float, int, int]] = deque()  # wishes of the last burst_memory_s
         self._previous_rate: float | None = None
         self._held: tuple[float, float] | None = None  # (made at t, forecast rate) of a rise under way
+
+    def scaled_by_hand(self, roles: Iterable[str]) -> None:
+        """Pools someone else resized (``pdserve scale``): the next decision counts them as changed then,
+        so the policy does not undo a hand's scale-up before ``scale_down_cooldown_s``."""
+        self._by_hand.update(roles)
 
     # --- demand -------------------------------------------------------------------------------
 
@@ -418,6 +428,9 @@ class AutoscalePolicy:
         target: dict[str, int] = {}
         for role in ROLES:
             current = obs.pool(role).provisioned
+            if role in self._by_hand:
+                reasons.append(f"{role}: scaled by hand to {current}; the cooldowns count from now")
+                self._last_change[role] = obs.t
             target[role] = self._stabilize(role, obs.t, current, wish[role], floor[role], reasons)
             if target[role] != current:
                 self._last_change[role] = obs.t
@@ -427,6 +440,7 @@ class AutoscalePolicy:
             other = "decode" if grow == "prefill" else "prefill"
             target[grow] = max(cfg.limits(grow).min, cfg.max_engines - target[other])
             reasons.append(f"budget: {grow} limited to {target[grow]} while the other pool holds")
+        self._by_hand.clear()
         decision = ScalingDecision(obs.t, target["prefill"], target["decode"], reasons)
         for line in reasons:
             logger.info("autoscale t=%.1f %s", obs.t, line)

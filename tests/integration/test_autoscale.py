@@ -145,6 +145,10 @@ def test_rising_load_grows_prefill_and_falling_load_shrinks_it(tmp_path: Path) -
         finally:
             falling = trickle.stop()
         events = shrunk["events"]
+        # The hand's scale-up holds for the scale-down cooldown (15 s here) before the autoscaler undoes it.
+        by_hand = max(e["t"] for e in events if e["message"].startswith("prefill-1 taken back"))
+        undone = min(e["t"] for e in events if e["t"] > by_hand and "autoscaler: prefill 2 -> 1" in e["message"])
+        assert undone - by_hand >= 15, (by_hand, undone)
         warm_at = max(e["t"] for e in events if e["message"].startswith(WARM))
         # When the warm time ran out: stopping an engine then takes its own time (once 60 s, Ray's stop call's limit).
         cold = f"prefill-1 not taken back in {KEEP_WARM_S}s: stopping it"

@@ -283,3 +283,20 @@ def test_after_a_burst_the_guard_keeps_part_of_its_rise_until_the_memory_ends(po
     assert decisions[-1].prefill == quiet < peak
     without = run(policy(burst_guard=0.0), [5.0] * 12 + [40.0] * 4 + [5.0] * 40)
     assert [d.prefill for d in without][33] == quiet  # the guard off: back to the quiet demand at t=990
+
+
+def test_a_pool_scaled_by_hand_is_not_shrunk_again_before_the_scale_down_cooldown(policy):
+    steady = [10.0] * 12  # 330 s of one load: the pools settle and the first window is long past
+    p, q = policy(), policy()
+    settled = run(p, steady)[-1]
+    run(q, steady)
+    t = len(steady) * 30.0
+    grown = observe(t, 10.0, settled.prefill + 3, settled.decode)
+
+    p.scaled_by_hand(["prefill"])  # `pdserve scale prefill=N`: the controller tells the policy
+    held = p.decide(grown)
+    assert held.prefill == settled.prefill + 3
+    assert any(f"prefill: scaled by hand to {settled.prefill + 3}" in line for line in held.reasons)
+    assert q.decide(grown).prefill == settled.prefill  # unmarked, the same pool shrinks at once
+    assert p.decide(observe(t + 270.0, 10.0, settled.prefill + 3, settled.decode)).prefill == settled.prefill + 3
+    assert p.decide(observe(t + 300.0, 10.0, settled.prefill + 3, settled.decode)).prefill == settled.prefill
