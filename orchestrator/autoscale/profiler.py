@@ -222,11 +222,11 @@ class ClusterEndpoints:
     decode_url: str
     startup_s: float
     engine_key: str = field(default="", repr=False)
-    # Every ready engine of each pool (``prefill_url`` and ``decode_url`` first): a request through the
-    # proxy may land on any of them.
-    prefill_pool: tuple[str, ...] = ()
-    decode_pool: tuple[str, ...] = ()
     """The cluster's engine key: the profiler calls the engines' ``/v1`` routes itself (never printed)."""
+    prefill_pool: tuple[str, ...] = ()
+    """Every ready prefill engine (``prefill_url`` first): a request through the proxy may land on any."""
+    decode_pool: tuple[str, ...] = ()
+    """Every ready decode engine (``decode_url`` first)."""
 
     @classmethod
     def from_status(cls, status: dict[str, Any], engine_key: str = "") -> ClusterEndpoints:

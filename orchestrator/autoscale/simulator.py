@@ -57,6 +57,9 @@ neighbour starts work or stops polling; a pass in flight keeps the time it
 started with. A new engine's start-up is stretched the same way (``SharedCore.startup``,
 by default 1: not at all) by the neighbours busy when it begins, and a start-up slows the
 decode steps beside it while it lasts (``SharedCore.decode_beside_start``, by default 1).
+An engine also works ``SharedCore.host_prefill`` / ``host_decode`` times slower while an
+engine on none of its cores computes (the host's memory and caches, and the processes no
+core is pinned for, are shared; by default 1).
 """
 
 from __future__ import annotations
