@@ -283,7 +283,7 @@ def per_request(trace: list, replayed: list[dict], simulated: list) -> list[list
     ]
 
 
-def by_minute(report_path: str, window_s: float = 60.0) -> None:  # noqa: C901 - one table after another
+def by_minute(report_path: str, window_s: float = 60.0) -> None:
     """A saved report's ``per_request`` by minute of arrival: TTFT p50 / p90 on both sides, and the prompt
     tokens whose first token came in that minute (what the prefill engines got through) per second."""
     with open(report_path) as f:
