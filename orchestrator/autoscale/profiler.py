@@ -423,17 +423,8 @@ class _Http:
 
     async def wait_for(self, url: str, names: tuple[str, ...], count_name: str, at_least: float) -> dict[str, float]:
         """Scrape until ``count_name`` reaches ``at_least``: vLLM records a request after answering it."""
-        deadline = time.monotonic() + METRICS_WAIT_S
-        while True:
-            samples = await self.samples(url, names)
-            if samples[count_name] >= at_least:
-                return samples
-            if time.monotonic() > deadline:
-                raise ProfilingError(
-                    f"{url}/metrics: {count_name} is {samples[count_name]:g}, expected {at_least:g} "
-                    f"{METRICS_WAIT_S:g}s after the requests were answered"
-                )
-            await asyncio.sleep(0.1)
+        _, samples = await self._first_to_reach({url: at_least}, names, count_name)
+        return samples
 
     async def pool_samples(self, urls: tuple[str, ...], names: tuple[str, ...]) -> dict[str, dict[str, float]]:
         return {url: await self.samples(url, names) for url in urls}
@@ -443,16 +434,28 @@ class _Http:
     ) -> dict[str, float]:
         """The rise of ``names`` on whichever engine of a pool (``before``: its samples by URL) has recorded
         one more ``count_name`` since: the one the proxy sent a request to."""
+        floors = {url: was[count_name] + 1 for url, was in before.items()}
+        url, samples = await self._first_to_reach(floors, names, count_name)
+        return _delta(samples, before[url])
+
+    async def _first_to_reach(
+        self, at_least: dict[str, float], names: tuple[str, ...], count_name: str
+    ) -> tuple[str, dict[str, float]]:
+        """Scrape the engines at ``at_least``'s URLs in turn until one's ``count_name`` reaches its value there."""
         deadline = time.monotonic() + METRICS_WAIT_S
         while True:
-            for url, was in before.items():
-                samples = await self.samples(url, names)
-                if samples[count_name] >= was[count_name] + 1:
-                    return _delta(samples, was)
+            seen = {}
+            for url, floor in at_least.items():
+                seen[url] = samples = await self.samples(url, names)
+                if samples[count_name] >= floor:
+                    return url, samples
             if time.monotonic() > deadline:
                 raise ProfilingError(
-                    f"{', '.join(before)}: no engine's {count_name} rose {METRICS_WAIT_S:g}s after the request was "
-                    "answered"
+                    "; ".join(
+                        f"{url}/metrics: {count_name} is {seen[url][count_name]:g}, expected {floor:g}"
+                        for url, floor in at_least.items()
+                    )
+                    + f" {METRICS_WAIT_S:g}s after the requests were answered"
                 )
             await asyncio.sleep(0.1)
 
