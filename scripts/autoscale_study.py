@@ -113,14 +113,15 @@ def _summary(result: Any) -> dict[str, Any]:
     return {k: result.summary()[k] for k in keys}
 
 
-def search_split(budget: int, score: Callable[[int], float]) -> int:
+def search_split(budget: int, score: Callable[[int], float], near: int | None = None) -> int:
     """The P in [1, budget) with the highest ``score`` (ties: nearer the middle), for a score that rises then
-    falls with P: every 8th P, then every 2nd within 6 of the best, then its neighbours."""
+    falls with P: every 8th P (or ``near``, when given), then every 2nd within 6 of the best, then its
+    neighbours."""
 
     def key(p: int) -> tuple[float, float]:
         return score(p), -abs(p - budget / 2)
 
-    best = max(range(min(4, budget - 1), budget, 8), key=key)
+    best = near if near is not None else max(range(min(4, budget - 1), budget, 8), key=key)
     for step in (2, 1):
         best = max((p for p in range(best - 3 * step, best + 3 * step + 1, step) if 1 <= p < budget), key=key)
     return best
@@ -257,6 +258,9 @@ def bounds_one(
 
     - ``right_sized``: the smallest static fleet (every 4th size, split as the best split is) whose SLO
       attainment stays within 5 points: on a load that does not change, no policy does much better;
+    - steady family only, ``target_sized``: the best split (searched near the best split's proportion) of
+      the largest fleet whose engine-hours leave room for the target ratio (``budget / TARGET_RATIO``): when
+      even it misses the SLO by more than 5 points, no fleet small enough for the target holds that load;
     - bursty family only, ``reactive`` and ``foresight``: ``BurstOracle`` with the best split in bursts and
       the smallest quiet fleet (every 4th size) that keeps the SLO within 5 points."""
     row = study_one(family, mix, seed, cached, overrides)
@@ -274,6 +278,16 @@ def bounds_one(
     # None holding below the budget: the budget is the right size (the best split itself).
     held = smallest_holding(budget - 4, static_run, static) or (budget, static)
     row["right_sized"] = _judged(held[1], static, engines=held[0])
+    if family == "steady":
+        size, runs = int(budget / TARGET_RATIO), {}
+
+        def goodput(p: int) -> float:
+            if p not in runs:
+                runs[p] = _summary(simulate_spec(spec, profile, trace, (p, size - p)))
+            return runs[p]["goodput_rps"]
+
+        p = search_split(size, goodput, near=scaled(size)[0])
+        row["target_sized"] = _judged(runs[p], static, engines=size, split=f"{p}:{size - p}")
     if family != "bursty":
         return row
     windows = traces.burst_windows(HOUR, seed=seed, **BURSTS)
@@ -305,19 +319,25 @@ def bounds_table(rows: list[dict[str, Any]]) -> str:
         bound = row.get(name)
         if bound is None:
             return "-"
-        fleet = bound["engines"] if "engines" in bound else f"{bound['quiet']} quiet, {bound['burst']} in bursts"
+        if "split" in bound:
+            fleet = bound["split"]
+        elif "engines" in bound:
+            fleet = f"{bound['engines']} engines"
+        else:
+            fleet = f"{bound['quiet']} quiet, {bound['burst']} in bursts"
         return f"{bound['ratio']:.2f}x, {bound['slo_points']:+.1f} ({fleet})"
 
     lines = [
-        "| family | mix | seed | best static | autoscaler | right-sized static | oracle, reacting | "
-        "oracle, foreseeing |",
-        "|---|---|---:|---|---|---|---|---|",
+        "| family | mix | seed | best static | autoscaler | right-sized static | target-sized static | "
+        "oracle, reacting | oracle, foreseeing |",
+        "|---|---|---:|---|---|---|---|---|---|",
     ]
     for row in rows:
         lines.append(
             f"| {row['family']} | {row['mix']} | {row['seed']} | {row['best_static']}, "
             f"{100 * row['static']['slo_attainment']:.1f} % | {row['ratio']:.2f}x, {row['slo_points']:+.1f} | "
-            f"{cell(row, 'right_sized')} engines | {cell(row, 'reactive')} | {cell(row, 'foresight')} |"
+            + " | ".join(cell(row, name) for name in ("right_sized", "target_sized", "reactive", "foresight"))
+            + " |"
         )
     return "\n".join(lines)
 
@@ -400,7 +420,8 @@ def main() -> int:
     parser.add_argument(
         "--bounds",
         action="store_true",
-        help="also what a right-sized static fleet and, on the bursty family, an oracle that knows the bursts reach",
+        help="also what a right-sized static fleet, on the steady family the best split of a fleet small enough "
+        "for the target, and on the bursty family an oracle that knows the bursts reach",
     )
     parser.add_argument("--json", type=Path, help="also write the rows as JSON here")
     parser.add_argument(

@@ -25,6 +25,30 @@ def test_a_flat_top_picks_the_split_nearest_the_middle() -> None:
     assert study.search_split(64, lambda p: 1.0) == 32
 
 
+def test_a_search_near_a_split_refines_around_it_only() -> None:
+    runs: list[int] = []
+
+    def score(p: int) -> float:
+        runs.append(p)
+        return -abs(p - 33)
+
+    assert study.search_split(49, score, near=31) == 33
+    assert min(runs) >= 31 - 6 and max(runs) <= 31 + 6 + 3  # no scan of every 8th split
+    assert len(set(runs)) <= 7 + 6
+
+
+def test_the_bounds_table_shows_each_bound_a_trace_has() -> None:
+    static = {"slo_attainment": 0.977}
+    row = {"family": "steady", "mix": "long-output", "seed": 11, "best_static": "35:29", "static": static}
+    row |= {"ratio": 1.0, "slo_points": 0.0, "right_sized": {"ratio": 1.0, "slo_points": 0.0, "engines": 64}}
+    row["target_sized"] = {"ratio": 0.4, "slo_points": -60.2, "engines": 49, "split": "27:22"}
+    line = study.bounds_table([row]).splitlines()[-1]
+    assert line == (
+        "| steady | long-output | 11 | 35:29, 97.7 % | 1.00x, +0.0 | 1.00x, +0.0 (64 engines) "
+        "| 0.40x, -60.2 (27:22) | - | - |"
+    )
+
+
 def test_calibration_tuning_and_evaluation_seeds_are_disjoint() -> None:
     roles = [{study.CALIBRATION_SEED}, set(study.TUNING_SEEDS), set(study.EVALUATION_SEEDS)]
     assert all(a.isdisjoint(b) for i, a in enumerate(roles) for b in roles[i + 1 :])
