@@ -451,11 +451,15 @@ def scale(
         seen = len(status["events"])
         pools = status["pools"]
         done = all(pools[r]["ready"] == n and not pools[r]["draining"] for r, n in targets.items())
-        failed = [e["engine_id"] for e in status["engines"] if e["state"] == "failed"]
+        failed = [e["engine_id"] for e in status["engines"] if e["state"] == "failed" and e["role"] in targets]
         if not wait or done:
             return status
         if failed:
-            raise PdserveError(f"engine(s) {', '.join(failed)} failed to start; `pdserve status` shows why")
+            raise PdserveError(
+                f"engine(s) {', '.join(failed)} failed to start; `pdserve status` shows why (the controller "
+                "starts a failed engine again after a back-off, from 10 s to 5 min, while its pool is below "
+                "its target)"
+            )
         if time.monotonic() > deadline:
             raise PdserveError(f"pools did not reach {targets} within {timeout_s:g}s")
         time.sleep(0.5)

@@ -76,6 +76,7 @@ ENGINE_FIELDS: dict[str, tuple[type, ...]] = {
     "cpu_bind": (str, type(None)),
     "load_s": (float, int, type(None)),
     "restarts": (int,),
+    "failures": (int,),  # starts that failed in a row (a failed engine starts again after a back-off)
     "error": (str, type(None)),
     "log_path": (str,),
     "kept_warm": (bool,),  # drained, waiting for autoscaling.keep_warm_s (state draining)

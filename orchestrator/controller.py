@@ -66,6 +66,9 @@ logger = logging.getLogger(__name__)
 MONITOR_INTERVAL_S = 1.0
 PROBE_TIMEOUT_S = 5.0
 ENGINE_MAX_RESTARTS = 5
+# A failed engine of a pool below its target starts again after 10 s, then 20, 40 ... at most 5 min apart
+# (Kubernetes' back-off for a container that keeps failing); a scale by hand tries it at once.
+RETRY_FIRST_S, RETRY_MAX_S = 10.0, 300.0
 SNAPSHOT_NAME = "controller.json"
 
 
@@ -81,15 +84,29 @@ class EngineRecord:
     cpu_bind: str | None = None
     load_s: float | None = None
     restarts: int = 0
+    failures: int = 0  # starts that failed in a row; reset once it serves
     error: str | None = None
     log_path: str = ""
     stopping: bool = False  # drained (or never served) and being stopped: no longer taken back
     warm_since: float | None = None  # drained and kept warm (autoscaling.keep_warm_s) since then, monotonic
     warm_cut: asyncio.Event | None = field(default=None, repr=False)  # set: stop it now, its room is needed
+    retry_at: float = 0.0  # failed: not started again before this (monotonic)
     handle: Any = field(default=None, repr=False)
 
+    def failed(self, error: str) -> float:
+        """It failed with ``error``: the seconds until it may be started again."""
+        self.state, self.error, self.failures = "failed", error, self.failures + 1
+        delay = retry_delay(self.failures)
+        self.retry_at = time.monotonic() + delay
+        return delay
 
-_PRIVATE_FIELDS = ("handle", "warm_since", "warm_cut")
+
+_PRIVATE_FIELDS = ("handle", "warm_since", "warm_cut", "retry_at")
+
+
+def retry_delay(failures: int) -> float:
+    """Seconds before a failed engine starts again, after ``failures`` failures in a row."""
+    return min(RETRY_FIRST_S * 2 ** (failures - 1), RETRY_MAX_S)
 
 
 def _warm_since(record: EngineRecord) -> float:
@@ -303,7 +320,7 @@ class ClusterController:
             else:
                 record.state = "ready"
         elif info["state"] == "failed":
-            record.state, record.error = "failed", info["error"]
+            record.failed(info["error"])
         elif record.state != "draining":  # idle (Ray restarted it meanwhile) or still starting: start / wait
             self._start_adopted(record)
         else:
@@ -419,12 +436,13 @@ class ClusterController:
         except Exception as e:  # noqa: BLE001 - every failure becomes the engine's error
             if record.state != "starting":  # scaled away while it started
                 return engine_id
-            record.state, record.error = "failed", self._start_failure(record, e)
-            self._event(f"{engine_id} failed to start")
+            delay = record.failed(self._start_failure(record, e))
+            again = f"; tried again in {delay:g}s while its pool is below its target" if self.phase == "ready" else ""
+            self._event(f"{engine_id} failed to start ({_first_line(record.error)}){again}")
             return engine_id
         if record.state != "starting":
             return engine_id
-        record.state = "ready"
+        record.state, record.failures = "ready", 0
         _take_info(record, info)
         self._event(f"{engine_id} ready in {record.load_s:.1f}s at {record.url}")
         await self._publish(record.role)
@@ -489,11 +507,12 @@ class ClusterController:
         if problems := self._unplaceable({**self.targets, **targets}):
             return {"error": "the Ray cluster cannot hold that: " + "; ".join(problems)}
         plan: dict[str, dict[str, list[str]]] = {}
-        if self.autoscaler is not None and not reason.startswith(AUTOSCALER_REASON):
+        by_hand = not reason.startswith(AUTOSCALER_REASON)
+        if self.autoscaler is not None and by_hand:
             self.autoscaler.policy.scaled_by_hand(targets)  # not undone before its scale-down cooldown
         for role, target in targets.items():
             self.targets[role] = target
-            plan[role] = await self._resize(role, reason, keep_warm_s)
+            plan[role] = await self._resize(role, reason, keep_warm_s, retry_now=by_hand)
         if not keep_warm_s:  # by hand: an engine of the pools it names is stopped now, kept warm or not
             for record in self._warm():
                 if record.role in targets:
@@ -502,16 +521,23 @@ class ClusterController:
         self._save()
         return {"plan": plan, "targets": dict(self.targets)}
 
-    async def _resize(self, role: str, reason: str, keep_warm_s: float = 0.0) -> dict[str, list[str]]:
-        """Bring the pool towards its target: take back draining engines, start, or retire."""
+    async def _resize(
+        self, role: str, reason: str, keep_warm_s: float = 0.0, retry_now: bool = False
+    ) -> dict[str, list[str]]:
+        """Bring the pool towards its target: take back draining engines, start failed ones again (once their
+        back-off ended, or ``retry_now``), start new ones, or retire; failed engines it does not need stop."""
         target = self.targets[role]
         serving = [r for r in self.engines.values() if r.role == role and r.state in _SERVING]
         draining = [r for r in self.engines.values() if r.role == role and r.state == "draining" and not r.stopping]
         taken = take_back_order(draining, lambda r: _replica(r.engine_id))[: max(target - len(serving), 0)]
-        started = self._grow(role, target - len(serving) - len(taken))
+        failed = [r for r in self.engines.values() if r.role == role and r.state == "failed" and not r.stopping]
+        failed.sort(key=lambda r: _replica(r.engine_id))
+        wanted = failed[: max(target - len(serving) - len(taken), 0)]
+        again = [r for r in wanted if retry_now or time.monotonic() >= r.retry_at]
+        started = self._grow(role, target - len(serving) - len(taken) - len(wanted))
         retiring = retirement_order(serving, lambda r: r.state == "ready", lambda r: _replica(r.engine_id))
         retiring = retiring[: max(len(serving) - target, 0)]
-        if started or retiring or taken:
+        if started or retiring or taken or again:
             self._event(f"scaling {role} {len(serving)} -> {target} ({reason})")
         for record in taken:
             if task := self._retiring.pop(record.engine_id, None):
@@ -524,10 +550,33 @@ class ClusterController:
             await self._publish(role)
         for record in retiring:
             self._spawn_retire(record, keep_warm_s=keep_warm_s)
+        for record in again:
+            record.state = "pending"  # counted as serving at once: a scale that follows does not start it twice
+            self._event(
+                f"{record.engine_id} starting again (start {record.failures + 1}; it failed: "
+                f"{_first_line(record.error)})"
+            )
+            self._spawn(self._start_again(record))
+        for record in failed[len(wanted) :]:
+            self._event(f"{record.engine_id} failed and its pool is at its target without it: stopping it")
+            self._spawn_retire(record, drain=False)
         stopping = [r.engine_id for r in self.engines.values() if r.role == role and r.stopping]
-        if len(serving) + len(taken) + len(started) < target and stopping:
+        if len(serving) + len(taken) + len(started) + len(again) < target and stopping:
             self._event(f"{role}: the other engine(s) start once {', '.join(stopping)} stopped (replicas held)")
-        return {"take_back": [r.engine_id for r in taken], "start": started, "retire": [r.engine_id for r in retiring]}
+        return {
+            "take_back": [r.engine_id for r in taken],
+            "start": started + [r.engine_id for r in again],
+            "retire": [r.engine_id for r in retiring],
+        }
+
+    async def _start_again(self, record: EngineRecord) -> None:
+        """Start a failed engine afresh on its replica: its old actor and placement group go first."""
+        await self._release(record)
+        if record.state != "pending" or record.stopping:  # retired meanwhile
+            return
+        record.error, record.url, record.pid = None, "", None
+        record.handle = self._create_engine_actor(self.launches[record.engine_id])
+        await self._start_engine(record.engine_id)
 
     def _unplaceable(self, targets: dict[str, int]) -> list[str]:
         """Why the alive nodes cannot hold pools of ``targets`` engines (none: they can), so that a new
@@ -651,7 +700,8 @@ class ClusterController:
             reasons.append(f"{used:.1%} of its KV cache still held for decode engines")
         return "; ".join(reasons)
 
-    async def _stop_engine(self, record: EngineRecord) -> None:
+    async def _release(self, record: EngineRecord) -> None:
+        """Stop the engine's vLLM and its actor, and free its placement group."""
         name = self._actor_name(record.engine_id)
         with contextlib.suppress(Exception):
             await asyncio.wait_for(record.handle.stop.remote(), timeout=60)
@@ -665,6 +715,9 @@ class ClusterController:
                 break
             await asyncio.sleep(0.1)
         self._remove_placement_group(record.engine_id)
+
+    async def _stop_engine(self, record: EngineRecord) -> None:
+        await self._release(record)
         # Gone from the status and said so in one step: `pdserve scale` returns once the pool
         # has no draining engine, and prints the events it saw by then.
         self.engines.pop(record.engine_id, None)
@@ -680,6 +733,11 @@ class ClusterController:
             for record in list(self.engines.values()):  # a scale may add or remove one while a check awaits
                 if record.state in ("ready", "restarting"):
                     await self._check_engine(record)
+            # Failed engines whose back-off ended: their pools grow back to the targets.
+            now = time.monotonic()
+            for role in ROLES if self.phase == "ready" else ():
+                if any(r.role == role and r.state == "failed" and now >= r.retry_at for r in self.engines.values()):
+                    await self._resize(role, "a failed engine's back-off ended")
 
     async def _check_engine(self, record: EngineRecord) -> None:
         try:
@@ -690,8 +748,8 @@ class ClusterController:
                 self._event(f"{record.engine_id} stopped answering ({type(e).__name__}); out of the pool")
                 await self._publish(record.role)
             if isinstance(e, ActorDiedError):  # restarts exhausted: dead for good
-                record.state, record.error = "failed", f"actor died for good: {e}"
-                self._event(f"{record.engine_id} is gone: Ray will not restart it again")
+                delay = record.failed(f"actor died for good: {e}")
+                self._event(f"{record.engine_id} is gone: Ray will not restart it again; a new one in {delay:g}s")
             return
         if info["state"] == "ready" and record.state == "restarting":  # it was only slow to answer
             record.state = "ready"
@@ -793,6 +851,11 @@ def _take_info(record: EngineRecord, info: dict[str, Any]) -> None:
     """What a ready engine reports about itself: where it serves (it resolved the address on its node)."""
     record.url, record.host, record.kv_endpoints = info["url"], info["host"], tuple(info["kv_endpoints"])
     record.pid, record.cpu_bind, record.load_s = info["pid"], info["cpu_bind"], info["load_s"]
+
+
+def _first_line(text: str | None) -> str:
+    lines = (text or "").strip().splitlines()
+    return lines[0][:200] if lines else "no error given"
 
 
 def _replica(engine_id: str) -> int:

@@ -1,5 +1,7 @@
 """``pdserve scale`` on a real cluster: a pool grows, serves on its new engine, takes a draining
-engine back when it grows again, and shrinks again while requests run, without failing one of them.
+engine back when it grows again, and shrinks again while requests run, without failing one of them;
+an engine that cannot start (its port is taken) fails the scale with its reason, and the controller
+starts it again after its back-off until it serves.
 
 Its own cluster (three engines at most on this machine's two cores:
 ``resources.share_cores``), after the shared one is stopped.
@@ -10,6 +12,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
+import socket
 import time
 from pathlib import Path
 
@@ -114,3 +117,27 @@ def test_scale_prefill_up_then_down_under_load(tmp_path: Path) -> None:
 
         refused = run_pdserve("scale", "prefill=3", env=env)
         assert refused.returncode == 1 and "outside 1..2" in refused.stderr
+
+        # prefill-1 cannot start while something else holds its port: the scale fails with the reason, and
+        # prefill-1 holds its replica. The controller starts it again after each back-off (10 s, 20 s, ...);
+        # once the port is free, the pool reaches its target with no one asking again.
+        port = spec()["prefill"]["port"] + 1
+        with socket.create_server(("127.0.0.1", port)):
+            failed = run_pdserve("scale", "prefill=2", env=env, timeout=900)
+            assert failed.returncode == 1 and "prefill-1 failed to start" in failed.stderr, failed.stderr
+            record = engine_record(env, "prefill-1")
+            assert record["state"] == "failed" and record["failures"] >= 1, record
+            assert "address already in use" in record["error"].lower(), record["error"]
+            assert "a back-off" in failed.stderr
+        deadline = time.monotonic() + 600
+        while (record := engine_record(env, "prefill-1"))["state"] != "ready" and time.monotonic() < deadline:
+            time.sleep(2)
+        assert record["state"] == "ready" and record["failures"] == 0, record
+        events = [e["message"] for e in json.loads(run_pdserve("status", "--json", env=env).stdout)["events"]]
+        assert any(m.startswith("prefill-1 starting again") for m in events), events[-10:]
+        assert {ask(proxy_url, n)[1] for n in range(4)} == {"prefill-0", "prefill-1"}
+
+
+def engine_record(env: dict[str, str], engine_id: str) -> dict:
+    engines = json.loads(run_pdserve("status", "--json", env=env).stdout)["engines"]
+    return next(e for e in engines if e["engine_id"] == engine_id)

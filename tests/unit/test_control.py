@@ -37,6 +37,7 @@ def status_document() -> dict[str, Any]:
         "cpu_bind": "0",
         "load_s": 31.5,
         "restarts": 0,
+        "failures": 0,
         "error": None,
         "log_path": "/tmp/logs/prefill-0.log",
         "kept_warm": False,
