@@ -8,7 +8,9 @@
 3. watches every engine once a second: an engine that stops answering is
    taken out of the pool at once; Ray restarts its actor (``max_restarts``),
    the controller sees it come back ``idle``, starts vLLM in it again and
-   puts it back in the pool;
+   puts it back in the pool; an engine that failed (a start, or Ray's restarts
+   exhausted) starts again with a fresh actor after a back-off while its pool
+   is below its target (``engine_record.retry_delay``);
 4. on ``shutdown()`` stops the engines (vLLM shuts its engine core down),
    the proxy, and kills every actor it created.
 
@@ -35,7 +37,6 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +55,14 @@ from orchestrator.control import STATUS_SCHEMA
 from orchestrator.control_server import ControlServer
 from orchestrator.engine_actor import EngineActor, error_excerpt
 from orchestrator.engine_metrics import fetch_metrics
+from orchestrator.engine_record import (
+    EngineRecord,
+    engine_status,
+    first_line,
+    replica,
+    take_info,
+    warm_since,
+)
 from orchestrator.errors import EngineStartError
 from orchestrator.launch import EngineLaunch, plan_engines
 from orchestrator.logs import redirect_output
@@ -66,58 +75,7 @@ logger = logging.getLogger(__name__)
 MONITOR_INTERVAL_S = 1.0
 PROBE_TIMEOUT_S = 5.0
 ENGINE_MAX_RESTARTS = 5
-# A failed engine of a pool below its target starts again after 10 s, then 20, 40 ... at most 5 min apart
-# (Kubernetes' back-off for a container that keeps failing); a scale by hand tries it at once.
-RETRY_FIRST_S, RETRY_MAX_S = 10.0, 300.0
 SNAPSHOT_NAME = "controller.json"
-
-
-@dataclass(slots=True)
-class EngineRecord:
-    engine_id: str
-    role: str
-    state: str = "pending"  # pending | starting | ready | restarting | failed | stopped
-    url: str = ""
-    host: str = ""  # the address other hosts reach it at (its node's, resolved by the engine)
-    kv_endpoints: tuple[str, ...] = ()  # its connector's side channel, one per TP rank
-    pid: int | None = None
-    cpu_bind: str | None = None
-    load_s: float | None = None
-    restarts: int = 0
-    failures: int = 0  # starts that failed in a row; reset once it serves
-    error: str | None = None
-    log_path: str = ""
-    stopping: bool = False  # drained (or never served) and being stopped: no longer taken back
-    warm_since: float | None = None  # drained and kept warm (autoscaling.keep_warm_s) since then, monotonic
-    warm_cut: asyncio.Event | None = field(default=None, repr=False)  # set: stop it now, its room is needed
-    retry_at: float = 0.0  # failed: not started again before this (monotonic)
-    handle: Any = field(default=None, repr=False)
-
-    def failed(self, error: str) -> float:
-        """It failed with ``error``: the seconds until it may be started again."""
-        self.state, self.error, self.failures = "failed", error, self.failures + 1
-        delay = retry_delay(self.failures)
-        self.retry_at = time.monotonic() + delay
-        return delay
-
-
-_PRIVATE_FIELDS = ("handle", "warm_since", "warm_cut", "retry_at")
-
-
-def retry_delay(failures: int) -> float:
-    """Seconds before a failed engine starts again, after ``failures`` failures in a row."""
-    return min(RETRY_FIRST_S * 2 ** (failures - 1), RETRY_MAX_S)
-
-
-def _warm_since(record: EngineRecord) -> float:
-    return record.warm_since or 0.0
-
-
-def _engine_status(record: EngineRecord) -> dict[str, Any]:
-    """An engine as ``pdserve status`` lists it: its record, less what only the controller uses, and whether
-    it is kept warm."""
-    entry = {f.name: getattr(record, f.name) for f in fields(record) if f.name not in _PRIVATE_FIELDS}
-    return entry | {"kept_warm": record.warm_cut is not None}
 
 
 class ClusterController:
@@ -195,7 +153,7 @@ class ClusterController:
             "ready_s": self.ready_s,
             "log_dir": str(self.log_dir),
             "controller": {"pid": os.getpid(), "restarts": self.restarts, "api_url": self.api.url},
-            "engines": [_engine_status(r) for r in self.engines.values()],
+            "engines": [engine_status(r) for r in self.engines.values()],
             "hosts": self._hosts(),
             "pools": {
                 role: {
@@ -314,7 +272,7 @@ class ClusterController:
                 logger.warning("adopting %s: %s", record.engine_id, e)
             return
         if info["state"] == "ready":
-            _take_info(record, info)
+            take_info(record, info)
             if record.state == "draining":
                 self._spawn_retire(record, drain=True)
             else:
@@ -438,12 +396,12 @@ class ClusterController:
                 return engine_id
             delay = record.failed(self._start_failure(record, e))
             again = f"; tried again in {delay:g}s while its pool is below its target" if self.phase == "ready" else ""
-            self._event(f"{engine_id} failed to start ({_first_line(record.error)}){again}")
+            self._event(f"{engine_id} failed to start ({first_line(record.error)}){again}")
             return engine_id
         if record.state != "starting":
             return engine_id
         record.state, record.failures = "ready", 0
-        _take_info(record, info)
+        take_info(record, info)
         self._event(f"{engine_id} ready in {record.load_s:.1f}s at {record.url}")
         await self._publish(record.role)
         return engine_id
@@ -529,13 +487,13 @@ class ClusterController:
         target = self.targets[role]
         serving = [r for r in self.engines.values() if r.role == role and r.state in _SERVING]
         draining = [r for r in self.engines.values() if r.role == role and r.state == "draining" and not r.stopping]
-        taken = take_back_order(draining, lambda r: _replica(r.engine_id))[: max(target - len(serving), 0)]
+        taken = take_back_order(draining, lambda r: replica(r.engine_id))[: max(target - len(serving), 0)]
         failed = [r for r in self.engines.values() if r.role == role and r.state == "failed" and not r.stopping]
-        failed.sort(key=lambda r: _replica(r.engine_id))
+        failed.sort(key=lambda r: replica(r.engine_id))
         wanted = failed[: max(target - len(serving) - len(taken), 0)]
         again = [r for r in wanted if retry_now or time.monotonic() >= r.retry_at]
         started = self._grow(role, target - len(serving) - len(taken) - len(wanted))
-        retiring = retirement_order(serving, lambda r: r.state == "ready", lambda r: _replica(r.engine_id))
+        retiring = retirement_order(serving, lambda r: r.state == "ready", lambda r: replica(r.engine_id))
         retiring = retiring[: max(len(serving) - target, 0)]
         if started or retiring or taken or again:
             self._event(f"scaling {role} {len(serving)} -> {target} ({reason})")
@@ -554,7 +512,7 @@ class ClusterController:
             record.state = "pending"  # counted as serving at once: a scale that follows does not start it twice
             self._event(
                 f"{record.engine_id} starting again (start {record.failures + 1}; it failed: "
-                f"{_first_line(record.error)})"
+                f"{first_line(record.error)})"
             )
             self._spawn(self._start_again(record))
         for record in failed[len(wanted) :]:
@@ -597,8 +555,8 @@ class ClusterController:
         started: list[str] = []
         if count <= 0:
             return started
-        wanted = set(new_replicas((_replica(r.engine_id) for r in self.engines.values() if r.role == role), count))
-        for launch in [launch for launch in self._launches(role) if _replica(launch.engine_id) in wanted]:
+        wanted = set(new_replicas((replica(r.engine_id) for r in self.engines.values() if r.role == role), count))
+        for launch in [launch for launch in self._launches(role) if replica(launch.engine_id) in wanted]:
             record = self.engines[launch.engine_id] = self._record(launch)
             record.handle = self._create_engine_actor(launch)
             self._spawn(self._start_engine(launch.engine_id))
@@ -649,7 +607,7 @@ class ClusterController:
     def _warm(self) -> list[EngineRecord]:
         """Engines kept warm now, the longest-warm first."""
         warm = [r for r in self.engines.values() if r.warm_cut is not None and not r.warm_cut.is_set()]
-        return sorted(warm, key=_warm_since)
+        return sorted(warm, key=warm_since)
 
     def _warm_room(self) -> int:
         """How many more engines may be kept warm (``rules.warm_room``)."""
@@ -657,7 +615,7 @@ class ClusterController:
 
     def _fit_warm(self) -> None:
         """Stop engines kept warm while the targets and they exceed the budget (``rules.warm_to_stop``)."""
-        for record in warm_to_stop(self._warm(), _warm_since, self._max_engines(), sum(self.targets.values())):
+        for record in warm_to_stop(self._warm(), warm_since, self._max_engines(), sum(self.targets.values())):
             self._cut_warm(record, "autoscaling.max_engines needs its room")
 
     def _max_engines(self) -> int | None:
@@ -753,7 +711,7 @@ class ClusterController:
             return
         if info["state"] == "ready" and record.state == "restarting":  # it was only slow to answer
             record.state = "ready"
-            _take_info(record, info)
+            take_info(record, info)
             self._event(f"{record.engine_id} answers again; back in the pool")
             await self._publish(record.role)
             return
@@ -845,21 +803,6 @@ class ClusterController:
 
 
 _SERVING = ("pending", "starting", "ready", "restarting")
-
-
-def _take_info(record: EngineRecord, info: dict[str, Any]) -> None:
-    """What a ready engine reports about itself: where it serves (it resolved the address on its node)."""
-    record.url, record.host, record.kv_endpoints = info["url"], info["host"], tuple(info["kv_endpoints"])
-    record.pid, record.cpu_bind, record.load_s = info["pid"], info["cpu_bind"], info["load_s"]
-
-
-def _first_line(text: str | None) -> str:
-    lines = (text or "").strip().splitlines()
-    return lines[0][:200] if lines else "no error given"
-
-
-def _replica(engine_id: str) -> int:
-    return int(engine_id.rsplit("-", 1)[1])
 
 
 async def engine_gauges(url: str, timeout_s: float = PROBE_TIMEOUT_S) -> dict[str, float] | None:

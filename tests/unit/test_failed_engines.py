@@ -10,14 +10,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from orchestrator.controller import (
-    RETRY_FIRST_S,
-    RETRY_MAX_S,
-    ClusterController,
-    EngineRecord,
-    _engine_status,
-    retry_delay,
-)
+from orchestrator.controller import ClusterController
+from orchestrator.engine_record import RETRY_FIRST_S, RETRY_MAX_S, EngineRecord, engine_status, retry_delay
 from orchestrator.spec import ClusterSpec
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "local-cpu-autoscale.yaml"  # prefill 1..2, decode 1..2
@@ -51,7 +45,7 @@ def test_the_back_off_doubles_from_10_s_to_5_min() -> None:
     assert record.failed("again") == 20.0
     assert (record.state, record.failures, record.error) == ("failed", 2, "again")
     assert record.retry_at >= before + 20.0
-    entry = _engine_status(record)
+    entry = engine_status(record)
     assert entry["failures"] == 2 and "retry_at" not in entry
 
 

@@ -12,7 +12,8 @@ import time
 from pathlib import Path
 
 from orchestrator.control import ENGINE_FIELDS
-from orchestrator.controller import ClusterController, EngineRecord, _engine_status
+from orchestrator.controller import ClusterController
+from orchestrator.engine_record import EngineRecord, engine_status
 from orchestrator.spec import ClusterSpec
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "local-cpu-autoscale.yaml"  # max_engines 3
@@ -70,7 +71,7 @@ async def test_a_warm_engine_waits_keep_warm_s_unless_its_room_is_needed():
 def test_status_says_an_engine_is_kept_warm_and_leaves_out_what_only_the_controller_uses():
     c = controller()
     record = warm(c, "prefill-1", since=1.0)
-    entry = _engine_status(record)
+    entry = engine_status(record)
     assert entry["kept_warm"] is True and entry["state"] == "draining"
     assert not set(entry) & {"handle", "warm_since", "warm_cut"}
     assert set(entry) >= set(ENGINE_FIELDS)
