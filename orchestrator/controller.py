@@ -53,7 +53,7 @@ from orchestrator.autoscale.profile import PerformanceProfile
 from orchestrator.autoscale.rules import new_replicas, retirement_order, take_back_order, warm_room, warm_to_stop
 from orchestrator.control import STATUS_SCHEMA
 from orchestrator.control_server import ControlServer
-from orchestrator.engine_actor import EngineActor, error_excerpt
+from orchestrator.engine_actor import ENGINE_ACTOR_GROUPS, EngineActor, error_excerpt
 from orchestrator.engine_metrics import fetch_metrics
 from orchestrator.engine_record import (
     EngineRecord,
@@ -297,8 +297,12 @@ class ClusterController:
         except Exception as e:  # noqa: BLE001 - reported to the user as the cluster's error
             self._fail(f"proxy failed to start: {_cause(e)}")
             return
-        for engine_id, record in self.engines.items():
-            record.handle = self._create_engine_actor(self.launches[engine_id])
+        try:
+            for engine_id, record in self.engines.items():
+                record.handle = self._create_engine_actor(self.launches[engine_id])
+        except Exception as e:  # noqa: BLE001 - reported to the user, not a bring-up that never ends
+            self._fail(f"cannot create the engine actors: {_cause(e)}")
+            return
         await self._finish_bring_up(list(self.engines))
 
     async def _finish_bring_up(self, engine_ids: list[str]) -> None:
@@ -366,7 +370,7 @@ class ClusterController:
         else:
             options.update(launch.placement.actor_options())
         return (
-            ray.remote(EngineActor)
+            ray.remote(concurrency_groups=ENGINE_ACTOR_GROUPS)(EngineActor)  # stop() has a loop of its own
             .options(**options)
             .remote(launch, self.engines[launch.engine_id].log_path, self.spec.network.interface, self._secret)
         )
@@ -533,7 +537,12 @@ class ClusterController:
         if record.state != "pending" or record.stopping:  # retired meanwhile
             return
         record.error, record.url, record.pid = None, "", None
-        record.handle = self._create_engine_actor(self.launches[record.engine_id])
+        try:
+            record.handle = self._create_engine_actor(self.launches[record.engine_id])
+        except Exception as e:  # noqa: BLE001 - the engine's error, and tried again after its back-off
+            delay = record.failed(f"cannot create its actor: {_cause(e)}")
+            self._event(f"{record.engine_id} failed to start ({first_line(record.error)}); tried again in {delay:g}s")
+            return
         await self._start_engine(record.engine_id)
 
     def _unplaceable(self, targets: dict[str, int]) -> list[str]:

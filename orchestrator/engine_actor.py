@@ -31,6 +31,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import ray
+
 from connectors.auth import ENGINE_KEY_ENV, SECRET_ENV, ClusterSecret, engine_key
 from connectors.tier import LAYOUT_ENV, REGION_ENV, region_file
 from orchestrator.errors import EngineStartError
@@ -52,6 +54,12 @@ WATCHDOG_INTERVAL_S = 1.0
 SHM_NOTE_INTERVAL_S = 2.0
 """While an engine starts, how often it notes the /dev/shm files its processes hold."""
 SERVER_TICK_S = 1.0
+# The Ray concurrency group ``stop`` runs in: an event loop of its own (``ENGINE_ACTOR_GROUPS``, given when the
+# actor is created). vLLM's start-up blocks the actor's main loop while it waits for its engine core to load
+# the model (``wait_for_engine_startup`` polls a socket), so a stop on that loop waited for the whole start.
+CONTROL_GROUP = "control"
+ENGINE_ACTOR_GROUPS = {CONTROL_GROUP: 1}
+STOP_KILL_AFTER_S = 10.0  # a start's processes that outlive SIGTERM this long are killed
 _QUIET_LINE = re.compile(r"\b(INFO|DEBUG)\b")
 _ERROR_LINE = re.compile(r"(Error|Exception|error:|Traceback|raise |failed)", re.IGNORECASE)
 
@@ -63,6 +71,18 @@ def parse_cores(cpu_bind: str) -> set[int]:
         first, _, last = part.partition("-")
         cores.update(range(int(first), int(last or first) + 1))
     return cores
+
+
+def _end_children(kill: bool) -> None:
+    """Terminate (``kill``: kill) this process's descendants, all but Python's resource tracker (it removes
+    what they registered once they are gone)."""
+    import psutil
+
+    with contextlib.suppress(psutil.Error):
+        for child in psutil.Process(os.getpid()).children(recursive=True):
+            if not is_resource_tracker(child):
+                with contextlib.suppress(psutil.Error):
+                    child.kill() if kill else child.terminate()
 
 
 def pin_process_tree(pid: int, cores: set[int]) -> int:
@@ -220,6 +240,7 @@ class EngineActor:
         self._server: Any = None
         self._tasks: list[asyncio.Task] = []
         self._starting: asyncio.Future | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # the actor's main loop, where vLLM runs
         self.url = launch.url
         os.environ.update(launch.env)
         # What vLLM's processes leave in /dev/shm when they do not exit cleanly, noted while they run;
@@ -255,6 +276,7 @@ class EngineActor:
         """Start vLLM (or wait for the start under way: a restarted controller asks again); its ``info()``."""
         if self.state == "ready":
             return await self.info()
+        self._loop = asyncio.get_running_loop()
         if self.state != "starting" or self._starting is None:
             self.state, self.error = "starting", None
             self._starting = asyncio.ensure_future(self._start())
@@ -334,9 +356,23 @@ class EngineActor:
                 sys.stderr.flush()
                 os._exit(1)
 
+    @ray.method(concurrency_group=CONTROL_GROUP)
     async def stop(self) -> None:
-        """Stop serving and shut the engine (and its engine-core process) down."""
-        await self._close()
+        """Stop serving and shut the engine (and its engine-core process) down; a start under way ends: its
+        processes are terminated (the engine core that loads the model, its workers), which fails vLLM's wait
+        for them at once: a scale-down during a start stops the engine in seconds, not once it has loaded.
+        Runs on the ``CONTROL_GROUP`` loop; what vLLM owns is closed on the main loop."""
+        loop = self._loop
+        if loop is None:  # never started
+            self.state = "idle"
+            return
+        # Until the start is over: its processes end (those it spawns later too), so whatever it waits for
+        # fails, and it cleans up after itself on the main loop as after any failed start.
+        started = time.monotonic()
+        while self.state == "starting" and time.monotonic() - started < 6 * STOP_KILL_AFTER_S:
+            await asyncio.to_thread(_end_children, time.monotonic() - started > STOP_KILL_AFTER_S)
+            await asyncio.sleep(0.2)
+        await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._close(), loop))
         self.state = "idle"
 
     def _note_shm(self) -> None:

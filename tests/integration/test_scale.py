@@ -1,7 +1,7 @@
 """``pdserve scale`` on a real cluster: a pool grows, serves on its new engine, takes a draining
 engine back when it grows again, and shrinks again while requests run, without failing one of them;
 an engine that cannot start (its port is taken) fails the scale with its reason, and the controller
-starts it again after its back-off until it serves.
+starts it again after its back-off until it serves; a scale-down during a start ends the start at once.
 
 Its own cluster (three engines at most on this machine's two cores:
 ``resources.share_cores``), after the shared one is stopped.
@@ -10,12 +10,14 @@ Its own cluster (three engines at most on this machine's two cores:
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import os
 import socket
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import yaml
 
@@ -136,6 +138,35 @@ def test_scale_prefill_up_then_down_under_load(tmp_path: Path) -> None:
         events = [e["message"] for e in json.loads(run_pdserve("status", "--json", env=env).stdout)["events"]]
         assert any(m.startswith("prefill-1 starting again") for m in events), events[-10:]
         assert {ask(proxy_url, n)[1] for n in range(4)} == {"prefill-0", "prefill-1"}
+
+        # A scale-down while prefill-1 starts ends its start: vLLM's wait for its engine core blocks the engine
+        # actor's main loop, so the stop (on a loop of its own) terminates the start's processes. It took the
+        # rest of the start (43-59 s here) when the stop waited on that loop.
+        assert run_pdserve("scale", "prefill=1", env=env, timeout=900).returncode == 0
+        load_s = engine_record(env, "prefill-0")["load_s"]
+        assert run_pdserve("scale", "prefill=2", "--no-wait", env=env).returncode == 0
+        time.sleep(min(15.0, load_s / 3))  # well into its start
+        assert engine_record(env, "prefill-1")["state"] == "starting"
+        started = time.monotonic()
+        stopped = run_pdserve("scale", "prefill=1", env=env, timeout=900)
+        took = time.monotonic() - started
+        assert stopped.returncode == 0 and "prefill-1 stopped" in stopped.stdout, stopped.stdout + stopped.stderr
+        assert took < load_s / 2, f"the stop took {took:.1f}s; a whole start takes {load_s:.1f}s"
+        deadline = time.monotonic() + 30
+        while (strays := vllm_processes_outside(env)) and time.monotonic() < deadline:
+            time.sleep(1)
+        assert strays == [], strays
+
+
+def vllm_processes_outside(env: dict[str, str]) -> list[str]:
+    """vLLM's processes (engine cores, workers) that belong to none of the cluster's engines."""
+    engines = {e["pid"] for e in json.loads(run_pdserve("status", "--json", env=env).stdout)["engines"]}
+    strays = []
+    for proc in psutil.process_iter(["name"]):
+        with contextlib.suppress(psutil.Error):
+            if (proc.info["name"] or "").startswith("VLLM::") and not engines & {p.pid for p in proc.parents()}:
+                strays.append(f"{proc.pid} {proc.info['name']}")
+    return strays
 
 
 def engine_record(env: dict[str, str], engine_id: str) -> dict:
