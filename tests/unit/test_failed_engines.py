@@ -8,22 +8,16 @@ engine that cannot start during a scale-up and starts once its port is free, is 
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 from orchestrator.controller import ClusterController
 from orchestrator.engine_record import RETRY_FIRST_S, RETRY_MAX_S, EngineRecord, engine_status, retry_delay
-from orchestrator.spec import ClusterSpec
-
-CONFIG = Path(__file__).resolve().parents[2] / "configs" / "local-cpu-autoscale.yaml"  # prefill 1..2, decode 1..2
+from tests.unit.test_keep_warm import controller as bare_controller
 
 
 def controller() -> tuple[ClusterController, list[str]]:
-    c = ClusterController.__new__(ClusterController)
-    c.spec = ClusterSpec.from_file(CONFIG)
+    """A controller without Ray (``test_keep_warm``'s), and what it would start or stop, in order."""
+    c = bare_controller()
     c.targets = {"prefill": 2, "decode": 1}
-    c.engines = {}
-    c.events = []
-    c._event = lambda message: c.events.append(message)  # type: ignore[method-assign]
     actions: list[str] = []
     c._spawn = lambda coro: (coro.close(), actions.append(coro.__qualname__))  # type: ignore[method-assign]
     c._grow = lambda role, count: [f"{role}-new"] * max(count, 0)  # type: ignore[method-assign]
