@@ -398,9 +398,7 @@ class ClusterController:
         except Exception as e:  # noqa: BLE001 - every failure becomes the engine's error
             if record.state != "starting":  # scaled away while it started
                 return engine_id
-            delay = record.failed(self._start_failure(record, e))
-            again = f"; tried again in {delay:g}s while its pool is below its target" if self.phase == "ready" else ""
-            self._event(f"{engine_id} failed to start ({first_line(record.error)}){again}")
+            self._start_failed(record, self._start_failure(record, e))
             return engine_id
         if record.state != "starting":
             return engine_id
@@ -409,6 +407,11 @@ class ClusterController:
         self._event(f"{engine_id} ready in {record.load_s:.1f}s at {record.url}")
         await self._publish(record.role)
         return engine_id
+
+    def _start_failed(self, record: EngineRecord, error: str) -> None:
+        delay = record.failed(error)
+        again = f"; tried again in {delay:g}s while its pool is below its target" if self.phase == "ready" else ""
+        self._event(f"{record.engine_id} failed to start ({first_line(error)}){again}")
 
     def _start_failure(self, record: EngineRecord, error: BaseException) -> str:
         cause = error.cause if isinstance(error, RayTaskError) else error
@@ -540,8 +543,7 @@ class ClusterController:
         try:
             record.handle = self._create_engine_actor(self.launches[record.engine_id])
         except Exception as e:  # noqa: BLE001 - the engine's error, and tried again after its back-off
-            delay = record.failed(f"cannot create its actor: {_cause(e)}")
-            self._event(f"{record.engine_id} failed to start ({first_line(record.error)}); tried again in {delay:g}s")
+            self._start_failed(record, f"cannot create its actor: {_cause(e)}")
             return
         await self._start_engine(record.engine_id)
 
