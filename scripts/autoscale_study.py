@@ -127,9 +127,12 @@ def search_split(budget: int, score: Callable[[int], float], near: int | None = 
     return best
 
 
-def best_static(spec: Any, profile: Any, trace: list[TraceRequest]) -> tuple[int, dict[str, Any], int]:
-    """The split with the most goodput, its summary, and how many splits were simulated."""
-    budget = spec.autoscaling.max_engines
+def best_static(
+    spec: Any, profile: Any, trace: list[TraceRequest], size: int | None = None, near: int | None = None
+) -> tuple[int, dict[str, Any], int]:
+    """The split of ``size`` engines (default: the budget) with the most goodput, its summary, and how many
+    splits were simulated; ``near``: search around that P only (``search_split``)."""
+    budget = size or spec.autoscaling.max_engines
     runs: dict[int, dict[str, Any]] = {}
 
     def goodput(p: int) -> float:
@@ -137,7 +140,7 @@ def best_static(spec: Any, profile: Any, trace: list[TraceRequest]) -> tuple[int
             runs[p] = _summary(simulate_spec(spec, profile, trace, (p, budget - p)))
         return runs[p]["goodput_rps"]
 
-    best = search_split(budget, goodput)
+    best = search_split(budget, goodput, near)
     return best, runs[best], len(runs)
 
 
@@ -279,15 +282,9 @@ def bounds_one(
     held = smallest_holding(budget - 4, static_run, static) or (budget, static)
     row["right_sized"] = _judged(held[1], static, engines=held[0])
     if family == "steady":
-        size, runs = int(budget / TARGET_RATIO), {}
-
-        def goodput(p: int) -> float:
-            if p not in runs:
-                runs[p] = _summary(simulate_spec(spec, profile, trace, (p, size - p)))
-            return runs[p]["goodput_rps"]
-
-        p = search_split(size, goodput, near=scaled(size)[0])
-        row["target_sized"] = _judged(runs[p], static, engines=size, split=f"{p}:{size - p}")
+        size = int(budget / TARGET_RATIO)
+        p, summary, _ = best_static(spec, profile, trace, size, near=scaled(size)[0])
+        row["target_sized"] = _judged(summary, static, engines=size, split=f"{p}:{size - p}")
     if family != "bursty":
         return row
     windows = traces.burst_windows(HOUR, seed=seed, **BURSTS)
