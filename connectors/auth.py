@@ -11,7 +11,7 @@ does not give the other:
   HTTP server (vLLM's ``VLLM_API_KEY``); the proxy sends it, so only the proxy
   can call an engine's ``/v1`` routes.
 - the **KV key** (``KVAuth``): engines only. It seals every side-channel
-  message (handshake, its answer, release, report query) and MACs the
+  message (handshake, its answer, release, report query, ping) and MACs the
   ``kv_transfer_params`` a prefill engine issues.
 
 A sealed message is ASCII framing around its body (so a sealed release or
@@ -73,7 +73,7 @@ ENGINE_KEY_ENV = "VLLM_API_KEY"
 """Where vLLM's server takes its ``--api-key`` from (so the key is on no command line)."""
 
 SEALED_MAGIC = b"PDS1"
-KINDS = (b"handshake", b"handshake-reply", b"release", b"report")
+KINDS = (b"handshake", b"handshake-reply", b"release", b"report", b"ping")
 LIVE_TTL_S = 60.0
 """How long a message made for sending now is valid (clocks of the cluster's hosts may differ by this much)."""
 MAX_MESSAGE_TTL_S = 24 * 3600.0

@@ -16,8 +16,9 @@
   ``side_channel.report_key``: the worker keeps them for the proxy's report
   queries, as it keeps the reports of its own READs.
 
-``KVTransferParams`` parses and checks the ``kv_transfer_params`` a decode
-request carries (the ones our prefill side returned, passed on by the proxy).
+``KVTransferParams`` (``connectors.wire``, re-exported here) is the checked
+``kv_transfer_params`` a decode request carries (the ones our prefill side
+returned, passed on by the proxy).
 """
 
 from __future__ import annotations
@@ -28,55 +29,9 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-from connectors import wire
+from connectors.wire import KVTransferParams
 
 __all__ = ["ConnectorSettings", "KVTransferParams", "PdserveConnectorMetadata", "ReceiveSpec"]
-
-
-@dataclass(frozen=True, slots=True)
-class KVTransferParams:
-    """Where a request's prompt KV lies on a prefill engine, as our prefill side reported it."""
-
-    remote_engine_id: str
-    remote_request_id: str
-    remote_host: str
-    remote_port: int
-    remote_block_ids: tuple[int, ...]
-    remote_num_tokens: int
-    tp_size: int = 1
-    block_size: int | None = None  # the prefill's (logical) block size; None from a prefill that did not say
-
-    @classmethod
-    def for_remote_prefill(cls, params: Mapping[str, Any] | None) -> KVTransferParams | None:
-        """The parsed params of a request that asks to load remote KV, or None if it does not ask.
-
-        Raises ``ValueError`` when it asks (``do_remote_prefill``) but a field is missing or mistyped.
-        """
-        if not params or not params.get(wire.DO_REMOTE_PREFILL):
-            return None
-        missing = [name for name in wire.REMOTE_PREFILL_REQUIRED if params.get(name) in (None, "")]
-        if missing:
-            raise ValueError(f"kv_transfer_params with do_remote_prefill lack {', '.join(missing)}")
-        block_ids = params[wire.REMOTE_BLOCK_IDS]
-        # vLLM's own connector sends one list per KV cache group; accept that shape for one group.
-        if block_ids and isinstance(block_ids[0], list | tuple):
-            if len(block_ids) != 1:
-                raise ValueError(f"remote_block_ids has {len(block_ids)} KV cache groups; only 1 is supported")
-            block_ids = block_ids[0]
-        return cls(
-            remote_engine_id=str(params[wire.REMOTE_ENGINE_ID]),
-            remote_request_id=str(params[wire.REMOTE_REQUEST_ID]),
-            remote_host=str(params[wire.REMOTE_HOST]),
-            remote_port=int(params[wire.REMOTE_PORT]),
-            remote_block_ids=tuple(int(b) for b in block_ids),
-            remote_num_tokens=int(params.get(wire.REMOTE_NUM_TOKENS) or 0),
-            tp_size=int(params.get(wire.TP_SIZE) or 1),
-            block_size=int(params[wire.BLOCK_SIZE]) if params.get(wire.BLOCK_SIZE) else None,
-        )
-
-    def side_channel(self, rank: int) -> str:
-        """The side channel of the prefill engine's TP rank ``rank`` (handshake, release)."""
-        return wire.side_channel_endpoint(self.remote_host, self.remote_port, rank)
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +42,8 @@ class ReceiveSpec:
     local_block_ids: tuple[int, ...]
     remote: KVTransferParams
     remote_block_ids: tuple[int, ...]
+    failure: str = ""
+    """Set when the scheduler side could not plan the read: the worker fails the load (vLLM recomputes)."""
 
 
 @dataclass(slots=True)
@@ -111,6 +68,7 @@ class ConnectorSettings:
     lease_ttl_s: float = 120.0
     handshake_timeout_s: float = 5.0
     transfer_timeout_s: float = 30.0
+    read_margin_s: float = 2.0
     read_failure_rate: float = 0.0
     handshake_delay_s: float = 0.0
     fault_seed: int | None = None
@@ -127,6 +85,7 @@ class ConnectorSettings:
                 lease_ttl_s=float(extra.get("lease_ttl_s", defaults["lease_ttl_s"])),
                 handshake_timeout_s=float(extra.get("handshake_timeout_s", defaults["handshake_timeout_s"])),
                 transfer_timeout_s=float(extra.get("transfer_timeout_s", defaults["transfer_timeout_s"])),
+                read_margin_s=float(extra.get("read_margin_s", defaults["read_margin_s"])),
                 read_failure_rate=float(faults.get("read_failure_rate", 0.0)),
                 handshake_delay_s=float(faults.get("handshake_delay_s", 0.0)),
                 fault_seed=None if faults.get("seed") is None else int(faults["seed"]),

@@ -18,6 +18,16 @@ For each request the scheduler side asks to receive (``receive``):
    0 also releases the prefill ranks nobody reads (replicas), so they free
    their blocks at once.
 
+A READ must end while the prefill's lease on its blocks holds: after that the
+prefill engine may have given them to another request, and a READ of them
+would serve someone else's KV. The parameters say when the lease ends
+(``pdserve_expires``, MAC'd); a READ is posted only before ``expires -
+read_margin_s`` (the margin covers the two hosts' clocks), one still pending
+then is aborted, and one seen done only after it is not trusted: all three
+fail as ``expired`` and the prompt is recomputed. (The lease itself starts when
+the prefill's worker takes it, after the parameters were signed, so it ends
+no earlier than ``pdserve_expires``.)
+
 ``poll`` polls the reads: a request whose READs are all DONE is finished; if
 one FAILED the others are aborted, the request is finished too, its local
 block ids go to ``take_load_errors`` so vLLM recomputes those tokens, and every
@@ -30,6 +40,7 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -116,6 +127,7 @@ class KVReader:
         self._failed_now: list[_Failure] = []
         self._load_error_block_ids: set[int] = set()
         self._faults = random.Random(settings.fault_seed)
+        self._clock = time.time  # wall clock: the prefill host's lease end is a unix time
 
     def attach(self, transport: KVTransport, topology: KVTopology, kernel_blocks_per_block: int) -> None:
         """This rank's transport and topology, once its caches are registered."""
@@ -127,13 +139,18 @@ class KVReader:
         self._require_transport()
         topology = self._require_topology()
         remote = spec.remote
+        if spec.failure:
+            self.fail(spec, "internal", f"the scheduler side could not plan the read: {spec.failure}")
+            return
+        if self._past_read_window(spec):
+            return
         if self.settings.read_failure_rate and self._faults.random() < self.settings.read_failure_rate:
-            self._fail(spec, "injected", f"fault injection (read_failure_rate={self.settings.read_failure_rate})")
+            self.fail(spec, "injected", f"fault injection (read_failure_rate={self.settings.read_failure_rate})")
             return
         try:
             ranks = source_ranks(topology, remote.tp_size)
         except TopologyError as e:
-            self._fail(spec, "incompatible", f"cannot read from prefill TP {remote.tp_size}: {e}")
+            self.fail(spec, "incompatible", f"cannot read from prefill TP {remote.tp_size}: {e}")
             return
         timeout_s = self.settings.handshake_timeout_s
         for rank in ranks:
@@ -163,10 +180,12 @@ class KVReader:
             if any(name in self._handshaking for name in names):
                 continue
             del self._waiting_for_peer[request_id]
+            if self._past_read_window(spec):
+                continue
             missing = [name for name in names if name not in self._peers]
             if missing:
                 failure = self._peer_failures.get(missing[0], ("unreachable", f"no handshake with {missing[0]}"))
-                self._fail(spec, *failure)
+                self.fail(spec, *failure)
                 continue
             self._post_read(spec, names)
 
@@ -225,7 +244,7 @@ class KVReader:
         except ConnectorError as e:
             for read in reads:
                 read.abort("another READ of the request could not be posted")
-            self._fail(spec, "transport", str(e))
+            self.fail(spec, "transport", str(e))
             return
         logger.debug(
             "request %s on engine %s: READs of %d blocks from %s posted",
@@ -265,8 +284,27 @@ class KVReader:
         ratio = local.block_size // remote.block_size
         return local_ids[: -(-len(remote_ids) // ratio)], remote_ids
 
-    def _fail(self, spec: ReceiveSpec, kind: str, reason: str) -> None:
+    def fail(self, spec: ReceiveSpec, kind: str, reason: str) -> None:
+        """Fail ``spec``'s load (reported by the next ``poll``; vLLM recomputes its prompt)."""
         self._failed_now.append(_Failure(spec, kind, reason))
+
+    def _read_deadline(self, spec: ReceiveSpec) -> float:
+        """The wall-clock time by which ``spec``'s READs must be over (its lease's end less the margin)."""
+        expires = spec.remote.pdserve_expires
+        return float("inf") if expires is None else expires - self.settings.read_margin_s
+
+    def _past_read_window(self, spec: ReceiveSpec, what: str = "posted") -> bool:
+        """Fail ``spec`` as expired (True) if its READs can no longer end inside the prefill's lease."""
+        late_s = self._clock() - self._read_deadline(spec)
+        if late_s < 0:
+            return False
+        self.fail(
+            spec,
+            "expired",
+            f"the READ would be {what} {late_s:.1f} s past the end of the prefill's lease less "
+            f"{self.settings.read_margin_s:g} s: its blocks may be another request's by then",
+        )
+        return True
 
     def poll(self) -> tuple[set[str], set[str]]:
         """``(finished_recving, failed_recving)`` since the last call; a failed load is in both."""
@@ -277,14 +315,20 @@ class KVReader:
         for request_id, group in list(self._reads.items()):
             states = [read.poll() for read in group.reads]
             failed_read = next((read for read in group.reads if read.state is TransferState.FAILED), None)
+            spec = group.spec
             if failed_read is None and TransferState.PENDING in states:
+                if self._past_read_window(spec, "pending"):
+                    del self._reads[request_id]
+                    for read in group.reads:
+                        read.abort("the prefill's lease on its blocks is ending")
                 continue
             del self._reads[request_id]
-            spec = group.spec
+            if failed_read is None and self._past_read_window(spec, "seen done"):
+                continue  # done, but maybe after the blocks were freed: not trusted
             if failed_read is not None:
                 for read in group.reads:
                     read.abort(f"the READ from {failed_read.peer} failed")
-                self._fail(spec, "transport", f"KV read failed: {failed_read.failure_reason}")
+                self.fail(spec, "transport", f"KV read failed: {failed_read.failure_reason}")
                 self._forget_peer(failed_read.peer)
                 continue
             finished.add(request_id)

@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 from connectors import wire
 from connectors.auth import ConsumedParams, KVAuth, Unauthenticated
+from connectors.log_limit import LogLimiter
 from connectors.metadata import ConnectorSettings, KVTransferParams, PdserveConnectorMetadata, ReceiveSpec
 from connectors.side_channel import ReleaseSender, release_message, report_key, report_message
 from connectors.stats import PdserveKVStats, PdserveWorkerMeta, merge_reports
@@ -80,6 +81,7 @@ class PdserveScheduler:
         self._reports: dict[str, dict[str, Any]] = {}
         self._stats = PdserveKVStats()
         self._releases = ReleaseSender(engine_id, self._auth)
+        self._refusals = LogLimiter(logger)
 
     # ------------------------------------------------------------ decode side
 
@@ -96,6 +98,22 @@ class PdserveScheduler:
             return
         # One transfer per request: vLLM may call this again once the load is done.
         request.kv_transfer_params[wire.DO_REMOTE_PREFILL] = False
+        try:
+            self._plan_read(request, params, blocks, num_external_tokens)
+        except Exception as e:  # noqa: BLE001 - vLLM's engine core dies of anything raised here
+            # The request waits for a load we promised: the worker fails it, and vLLM recomputes the prompt.
+            logger.exception("request %s on engine %s: cannot plan its KV read", request.request_id, self.engine_id)
+            self._to_receive[request.request_id] = ReceiveSpec(
+                request_id=request.request_id,
+                local_block_ids=(),
+                remote=params,
+                remote_block_ids=(),
+                failure=f"{type(e).__name__}: {e}",
+            )
+
+    def _plan_read(
+        self, request: Request, params: KVTransferParams, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
         ratio = self._block_ratio(params)
         if ratio is None:
             logger.warning(
@@ -163,41 +181,43 @@ class PdserveScheduler:
         self._to_report[report_key(params.remote_engine_id, params.remote_request_id)] = report
 
     def _remote_prefill_params(self, request: Request) -> KVTransferParams | None:
-        """The request's remote-prefill parameters if they ask to load and hold up; checked once per request."""
+        """The request's remote-prefill parameters if they ask to load, are well-formed and hold up; checked
+        once per request (the worker checks their lease again when it reads)."""
         raw = request.kv_transfer_params
-        if not raw or not raw.get(wire.DO_REMOTE_PREFILL):
+        if not wire.asks_remote_prefill(raw):
             return None
         if request.request_id in self._checked:
             return self._checked[request.request_id]
+        params: KVTransferParams | None = None
         try:
-            params = KVTransferParams.for_remote_prefill(raw)
-        except ValueError as e:
-            logger.warning(
-                "request %s on engine %s: ignoring invalid kv_transfer_params, computing the prompt here: %s",
-                request.request_id,
-                self.engine_id,
-                e,
-            )
+            params = wire.parse_remote_prefill(raw)
+            self._auth.check_params(raw, self.engine_id)
+            if not self._consumed.claim(raw):
+                raise Unauthenticated("params", "already used (a replay)")
+        except wire.InvalidTransferParams as e:
+            self._refuse(request, "malformed_params", str(e))
             params = None
-        if params is not None:
-            try:
-                self._auth.check_params(raw, self.engine_id)
-                if not self._consumed.claim(raw):
-                    raise Unauthenticated("params", "already used (a replay)")
-            except Unauthenticated as e:
-                logger.warning(
-                    "request %s on engine %s: refused kv_transfer_params naming engine %s, computing the prompt "
-                    "here: %s",
-                    request.request_id,
-                    self.engine_id,
-                    params.remote_engine_id,
-                    e.reason,
-                )
-                self._stats.record_refused("params")
-                self._reports[request.request_id] = {"source": "recomputed", "reason": "unauthenticated"}
-                params = None
+        except Unauthenticated as e:
+            self._refuse(request, "params", e.reason, params)
+            params = None
         self._checked[request.request_id] = params
         return params
+
+    def _refuse(self, request: Request, kind: str, reason: str, params: KVTransferParams | None = None) -> None:
+        """Refuse a request's parameters: it is computed here, nothing is released anywhere, it is counted."""
+        self._stats.record_refused(kind)
+        self._refusals.warning(
+            kind,
+            "request %s on engine %s: refused kv_transfer_params%s, computing the prompt here: %s",
+            request.request_id,
+            self.engine_id,
+            f" naming engine {params.remote_engine_id}" if params is not None else "",
+            reason,
+        )
+        self._reports[request.request_id] = {
+            "source": "recomputed",
+            "reason": "unauthenticated" if kind == "params" else "malformed",
+        }
 
     def _block_ratio(self, params: KVTransferParams) -> int | None:
         """Remote blocks per local block; None when the prefill's block size does not divide ours."""
@@ -247,7 +267,7 @@ class PdserveScheduler:
         from vllm.v1.request import RequestStatus
 
         params = request.kv_transfer_params
-        if not params or not params.get(wire.DO_REMOTE_DECODE):
+        if not wire.asks_remote_decode(params):
             return False, self._decode_finished(request)
         if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
             logger.info(
@@ -259,13 +279,6 @@ class PdserveScheduler:
             return False, None
         if not block_ids:
             return False, None
-        self._to_hold[request.request_id] = tuple(block_ids)
-        logger.debug(
-            "request %s on engine %s: keeping %d blocks for a decode engine",
-            request.request_id,
-            self.engine_id,
-            len(block_ids),
-        )
         issued = {
             wire.DO_REMOTE_PREFILL: True,
             wire.DO_REMOTE_DECODE: False,
@@ -290,9 +303,18 @@ class PdserveScheduler:
                 "message": report_message(self._auth, self.engine_id, request.request_id, self.lease_ttl_s).decode()
             },
         }
-        if isinstance(reader := params.get(wire.PDSERVE_READER), str):
+        if (reader := wire.reader_named(params)) is not None:
             issued[wire.PDSERVE_READER] = reader  # only that decode engine may act on these
-        return True, self._auth.sign_params(issued, self.lease_ttl_s)
+        signed = self._auth.sign_params(issued, self.lease_ttl_s)
+        # Last: once the worker is told to hold them, vLLM must not free these blocks (True below).
+        self._to_hold[request.request_id] = tuple(block_ids)
+        logger.debug(
+            "request %s on engine %s: keeping %d blocks for a decode engine",
+            request.request_id,
+            self.engine_id,
+            len(block_ids),
+        )
+        return True, signed
 
     def _decode_finished(self, request: Request) -> dict[str, Any] | None:
         """The ``kv_transfer_params`` a finished decode request returns: how its prompt KV got here."""

@@ -20,13 +20,15 @@ Metrics (label ``kind`` / ``outcome`` as listed):
 - ``pdserve:kv_transfer_seconds`` — histogram of one request's read time
 - ``pdserve:kv_transfer_gbps`` — histogram of one read's achieved GB/s (1e9 bytes/s)
 - ``pdserve:kv_transfer_failures_total{kind}`` — injected, unreachable, incompatible,
-  version, malformed, transport
+  version, malformed, transport, unauthenticated, expired (the READ could not end before the
+  prefill's lease: the blocks may be another request's by then), internal (our connector raised;
+  the request is recomputed, the engine lives on)
 - ``pdserve:kv_leases_total{outcome}`` — prefill leases that ended read, released or expired
 - ``pdserve:kv_recomputed_tokens_total`` — prompt tokens a decode engine recomputed after a failed load
 - ``pdserve:kv_refused_total{kind}`` — what failed the cluster's authentication: side-channel messages
   (handshake, handshake-reply, release, report, message: not framed as ours) and transfer parameters
-  (params: forged, altered, expired, replayed or for another decode engine); counted at the engine's
-  next step
+  (params: forged, altered, expired, replayed or for another decode engine; malformed_params: a
+  field of the wrong type or out of range); counted at the engine's next step
 """
 
 from __future__ import annotations
@@ -51,8 +53,18 @@ __all__ = [
     "merge_reports",
 ]
 
-FAILURE_KINDS = ("injected", "unreachable", "incompatible", "version", "malformed", "transport", "unauthenticated")
-REFUSED_KINDS = ("handshake", "handshake-reply", "release", "report", "message", "params")
+FAILURE_KINDS = (
+    "injected",
+    "unreachable",
+    "incompatible",
+    "version",
+    "malformed",
+    "transport",
+    "unauthenticated",
+    "expired",
+    "internal",
+)
+REFUSED_KINDS = ("handshake", "handshake-reply", "release", "report", "ping", "message", "params", "malformed_params")
 LEASE_OUTCOMES = ("read", "released", "expired")
 
 # Buckets: a few KiB over shared memory takes well under a millisecond; a 4k-token

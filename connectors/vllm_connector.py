@@ -33,12 +33,22 @@ What vLLM 0.32 does around a connector (learnt while building this one):
   2 * head_dim]``: K and V share one plane per block (block size 128 here).
 - vLLM configures only the ``vllm`` logger in its subprocesses: our loggers get
   its handlers attached here, or nothing they log reaches the engine log.
+- vLLM's engine core treats an exception from a scheduler-side method as fatal
+  (the engine dies). Every method vLLM calls once the engine runs is
+  ``@contained``: whatever our code raises is logged (rate-limited), counted
+  (``kv_transfer_failures_total{kind="internal"}``) and answered with the
+  harmless default (no load, nothing held, no results); the sides refuse a
+  single request where they can (``scheduler.update_state_after_alloc``,
+  ``worker.start_load_kv``). Bad input (``kv_transfer_params``) is refused
+  before it is used (``connectors.wire.parse_remote_prefill``).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -49,6 +59,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from connectors.log_limit import LogLimiter
 from connectors.metadata import PdserveConnectorMetadata
 from connectors.scheduler import PdserveScheduler
 from connectors.stats import PdserveKVStats, PdservePromMetrics
@@ -67,7 +78,40 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-__all__ = ["PdserveConnector", "PdserveConnectorMetadata"]
+__all__ = ["PdserveConnector", "PdserveConnectorMetadata", "contained"]
+
+logger = logging.getLogger(__name__)
+_limited = LogLimiter(logger)
+_Method = TypeVar("_Method", bound=Callable[..., Any])
+
+
+def contained(default: Callable[[], Any]) -> Callable[[_Method], _Method]:
+    """A connector method vLLM calls while the engine runs: an exception from it is logged, counted, and
+    answered with ``default()`` instead of reaching vLLM (whose engine core dies of it)."""
+
+    def wrap(method: _Method) -> _Method:
+        @functools.wraps(method)
+        def guarded(self: PdserveConnector, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return method(self, *args, **kwargs)
+            except Exception:  # noqa: BLE001 - the engine must outlive any bug or input of ours
+                self._internal_errors.record_failure("internal")
+                _limited.error(
+                    method.__name__,
+                    "engine %s: the connector's %s raised; contained, the engine goes on",
+                    self.engine_id,
+                    method.__name__,
+                    exc_info=True,
+                )
+                return default()
+
+        return guarded  # type: ignore[return-value]
+
+    return wrap
+
+
+def _none() -> None:
+    return None
 
 
 class PdserveConnector(KVConnectorBase_V1, SupportsHMA):
@@ -82,6 +126,7 @@ class PdserveConnector(KVConnectorBase_V1, SupportsHMA):
         if not engine_id:
             raise ValueError("kv_transfer_config.engine_id is not set")
         self.engine_id: str = engine_id
+        self._internal_errors = PdserveKVStats()  # what @contained caught, for the next stats
         self._scheduler: PdserveScheduler | None = None
         self._worker: PdserveWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -103,15 +148,19 @@ class PdserveConnector(KVConnectorBase_V1, SupportsHMA):
 
     # ------------------------------------------------------------ scheduler side
 
+    @contained(lambda: (0, False))
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         return self._sched().get_num_new_matched_tokens(request, num_computed_tokens)
 
+    @contained(_none)
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         self._sched().update_state_after_alloc(request, blocks, num_external_tokens)
 
+    @contained(PdserveConnectorMetadata)
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         return self._sched().build_connector_meta()
 
+    @contained(_none)
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         self._sched().update_connector_output(connector_output)
 
@@ -119,9 +168,11 @@ class PdserveConnector(KVConnectorBase_V1, SupportsHMA):
         # We transfer the request's own blocks, so every transfer group is restored.
         return self._kv_cache_config.transfer_group_ids
 
+    @contained(lambda: (False, None))
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._sched().request_finished(request, block_ids)
 
+    @contained(lambda: (False, None))
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
@@ -135,6 +186,7 @@ class PdserveConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._work().register_kv_caches(kv_caches)
 
+    @contained(_none)
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         metadata = self._get_connector_metadata()
         if not isinstance(metadata, PdserveConnectorMetadata):
@@ -152,25 +204,36 @@ class PdserveConnector(KVConnectorBase_V1, SupportsHMA):
     def wait_for_save(self) -> None:
         return None
 
+    @contained(lambda: (None, None))
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         sending, recving, _ = self._work().transfer_results()
         return sending or None, recving or None
 
+    @contained(KVConnectorTransferResults)
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         sending, recving, failed = self._work().transfer_results()
         return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving, failed_recving=failed)
 
+    @contained(set)
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._work().get_block_ids_with_load_errors()
 
+    @contained(_none)
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         return self._work().take_reports()
 
     # ------------------------------------------------------------ both sides
 
+    @contained(_none)
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         side = self._worker or self._scheduler
-        return side.take_stats() if side is not None else None
+        stats = side.take_stats() if side is not None else None
+        if self._internal_errors.is_empty():
+            return stats
+        caught, self._internal_errors = self._internal_errors, PdserveKVStats()
+        if stats is not None:
+            caught.aggregate(stats)
+        return caught
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:

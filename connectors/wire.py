@@ -1,8 +1,10 @@
 """The one definition of what crosses process boundaries: addresses, endpoints, wire keys.
 
-Plain Python (no vLLM, Ray or zmq), so ``connectors``, ``orchestrator`` and
-``proxy`` all import it. Every place that builds or reads an engine's URL, a
-side-channel endpoint or a ``kv_transfer_params`` key goes through here.
+Plain Python and pydantic (no vLLM, Ray or zmq), so ``connectors``, ``orchestrator``
+and ``proxy`` all import it. Every place that builds or reads an engine's URL, a
+side-channel endpoint or a ``kv_transfer_params`` key goes through here, and
+``KVTransferParams`` is the one model of the parameters a decode engine acts on:
+every field type- and range-checked before anything reads it (``parse_remote_prefill``).
 
 Side channel: the ``pdserve`` connector of an engine at ``host`` with
 ``kv_port`` listens once per TP rank, rank ``r`` on ``kv_port + r``
@@ -14,6 +16,19 @@ from __future__ import annotations
 
 import ipaddress
 import re
+from collections.abc import Mapping
+from typing import Annotated, Any, cast
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 ROLES = ("prefill", "decode")
 
@@ -90,6 +105,113 @@ PDSERVE_MAC = "pdserve_mac"
 
 REMOTE_PREFILL_REQUIRED = (REMOTE_ENGINE_ID, REMOTE_REQUEST_ID, REMOTE_HOST, REMOTE_PORT, REMOTE_BLOCK_IDS)
 """What a decode request's params must carry to load remote KV."""
+
+CLIENT_FORBIDDEN_FIELDS = (KV_TRANSFER_PARAMS, "ec_transfer_params")
+"""Request fields vLLM (0.32) hands its connectors: set by pdserve between its engines, never by a client.
+``vllm_xargs`` entries of these names land in the same place (vLLM copies ``vllm_xargs`` into the request's
+``extra_args``, where ``Request.kv_transfer_params`` is read from), so they are refused there too."""
+VLLM_XARGS = "vllm_xargs"
+
+MAX_BLOCK_IDS = 1 << 20
+"""The most remote blocks one request's parameters may name (a 1M-token prompt in blocks of one)."""
+MAX_BLOCK_ID = (1 << 31) - 1
+MAX_TP_SIZE = 1024
+MAX_BLOCK_SIZE = 1 << 16
+_NAME = r"^[!-~]{1,256}$"
+"""Engine and request ids: printable ASCII without spaces (``report_key`` joins two with a space)."""
+_HOST = r"^[A-Za-z0-9._:\-\[\]%]{1,255}$"
+_MAC = r"^[0-9a-f]{64}$"
+
+
+class KVTransferParams(BaseModel):
+    """Where a request's prompt KV lies on a prefill engine, as our prefill side issued it: the decode side's
+    parse of ``kv_transfer_params``, every field checked for type and range. Extra keys (the proxy's
+    ``pdserve_release``, ``pdserve_report``) are ignored here; the MAC (``connectors.auth.check_params``)
+    covers the raw fields a decode engine acts on."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    remote_engine_id: Annotated[StrictStr, Field(pattern=_NAME)]
+    remote_request_id: Annotated[StrictStr, Field(pattern=_NAME)]
+    remote_host: Annotated[StrictStr, Field(pattern=_HOST)]
+    remote_port: Annotated[StrictInt, Field(ge=1, le=65535)]
+    remote_block_ids: Annotated[
+        tuple[Annotated[StrictInt, Field(ge=0, le=MAX_BLOCK_ID)], ...], Field(min_length=1, max_length=MAX_BLOCK_IDS)
+    ]
+    remote_num_tokens: Annotated[StrictInt, Field(ge=0)] = 0
+    tp_size: Annotated[StrictInt, Field(ge=1, le=MAX_TP_SIZE)] = 1
+    block_size: Annotated[StrictInt, Field(ge=1, le=MAX_BLOCK_SIZE)] | None = None
+    """The prefill's (logical) block size; None from a prefill that did not say."""
+    pdserve_expires: Annotated[float, Field(allow_inf_nan=False, strict=True)] | None = None
+    """When the lease on these blocks ends at the earliest (unix s, the prefill host's clock)."""
+    pdserve_reader: Annotated[StrictStr, Field(pattern=_NAME)] | None = None
+    pdserve_mac: Annotated[StrictStr, Field(pattern=_MAC)] | None = None
+
+    @field_validator("remote_block_ids", mode="before")
+    @classmethod
+    def _one_group(cls, value: Any) -> Any:
+        # vLLM's own connector sends one list per KV cache group; accept that shape for one group.
+        if isinstance(value, list | tuple) and value and isinstance(value[0], list | tuple):
+            if len(value) != 1:
+                raise ValueError(f"{len(value)} KV cache groups; only 1 is supported")
+            return value[0]
+        return value
+
+    @model_validator(mode="after")
+    def _ports_exist(self) -> KVTransferParams:
+        if self.remote_port + self.tp_size - 1 > 65535:
+            raise ValueError(f"remote_port {self.remote_port} + tp_size {self.tp_size} passes port 65535")
+        return self
+
+    def side_channel(self, rank: int) -> str:
+        """The side channel of the prefill engine's TP rank ``rank`` (handshake, release)."""
+        return side_channel_endpoint(self.remote_host, self.remote_port, rank)
+
+
+class InvalidTransferParams(ValueError):
+    """``kv_transfer_params`` that ask for a transfer but are not well-formed; the message names the fields."""
+
+
+def asks_remote_prefill(raw: object) -> bool:
+    """Whether a request's ``kv_transfer_params`` (anything a client could have put there) ask to load KV."""
+    return isinstance(raw, Mapping) and raw.get(DO_REMOTE_PREFILL) is True
+
+
+def asks_remote_decode(raw: object) -> bool:
+    """Whether a prefill request's ``kv_transfer_params`` ask to keep its KV for a decode engine."""
+    return isinstance(raw, Mapping) and raw.get(DO_REMOTE_DECODE) is True
+
+
+def parse_remote_prefill(raw: object) -> KVTransferParams | None:
+    """The checked parameters of a request that asks to load remote KV; None if it does not ask.
+
+    Never raises anything but ``InvalidTransferParams`` (a ``ValueError``), whatever ``raw`` is: a wrong
+    type, a missing field, a value out of range, a giant list.
+    """
+    if not asks_remote_prefill(raw):
+        return None
+    raw = cast(Mapping[str, Any], raw)
+    missing = [name for name in REMOTE_PREFILL_REQUIRED if raw.get(name) in (None, "")]
+    if missing:
+        raise InvalidTransferParams(f"kv_transfer_params with do_remote_prefill lack {', '.join(missing)}")
+    try:
+        return KVTransferParams.model_validate(dict(raw))
+    except ValidationError as e:
+        problems = "; ".join(
+            f"{'.'.join(str(part) for part in error['loc']) or 'params'}: {error['msg']}" for error in e.errors()[:3]
+        )
+        raise InvalidTransferParams(f"invalid kv_transfer_params: {problems}") from None
+    except (TypeError, ValueError) as e:
+        raise InvalidTransferParams(f"invalid kv_transfer_params: {e}") from None
+
+
+def reader_named(raw: object) -> str | None:
+    """The decode engine a prefill request's parameters name as their reader (``pdserve_reader``), if valid."""
+    if not isinstance(raw, Mapping):
+        return None
+    reader = raw.get(PDSERVE_READER)
+    return reader if isinstance(reader, str) and re.fullmatch(_NAME, reader) else None
+
 
 PREFILL_REQUEST_PARAMS = {
     DO_REMOTE_DECODE: True,

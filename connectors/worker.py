@@ -185,15 +185,17 @@ class PdserveWorker:
 
     # ------------------------------------------------------------ each step
 
-    # ------------------------------------------------------------ each step
-
     def start_load_kv(self, metadata: PdserveConnectorMetadata) -> None:
         for key, report in metadata.reports.items():
             self._answered.add(key, report)
         for request_id, block_ids in metadata.reqs_to_hold.items():
             self._holder.hold(request_id, block_ids)
         for spec in metadata.reqs_to_receive:
-            self._reader.receive(spec)
+            try:
+                self._reader.receive(spec)
+            except Exception as e:  # noqa: BLE001 - one request's bad luck must not stop the engine
+                logger.exception("request %s on engine %s: cannot start its KV read", spec.request_id, self.engine_id)
+                self._reader.fail(spec, "internal", f"{type(e).__name__}: {e}")
 
     def transfer_results(self) -> tuple[set[str], set[str], set[str]]:
         """``(finished_sending, finished_recving, failed_recving)`` since the last call.

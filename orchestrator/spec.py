@@ -354,6 +354,13 @@ class ConnectorOptionsSpec(_Strict):
         default=5.0, gt=0, description="A decode engine gives up on an unreachable prefill engine after this."
     )
     transfer_timeout_s: float = Field(default=30.0, gt=0, description="A KV read that takes longer fails.")
+    read_margin_s: float = Field(
+        default=2.0,
+        ge=0,
+        description="A KV read must end this long before the prefill's lease on the blocks does (the most the "
+        "clocks of two hosts may differ); one that cannot is recomputed, never served from blocks that may be "
+        "another request's.",
+    )
     fault_injection: FaultInjectionSpec = Field(default_factory=FaultInjectionSpec)
 
 

@@ -14,6 +14,7 @@ pytest.importorskip("vllm")
 from vllm.v1.outputs import KVConnectorOutput  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
+from connectors import wire  # noqa: E402
 from connectors.auth import KVAuth  # noqa: E402
 from connectors.metadata import KVTransferParams  # noqa: E402
 from connectors.scheduler import PdserveScheduler  # noqa: E402
@@ -100,7 +101,7 @@ def test_prefill_keeps_the_blocks_and_says_where_they_are(scheduler):
     delay_free, params = scheduler.request_finished(request, [7, 8, 9])
 
     assert delay_free is True
-    assert KVTransferParams.for_remote_prefill(params) == KVTransferParams(
+    assert wire.parse_remote_prefill(params) == KVTransferParams(
         remote_engine_id="engine-a",
         remote_request_id="req-1",
         remote_host="10.0.0.5",
@@ -108,6 +109,8 @@ def test_prefill_keeps_the_blocks_and_says_where_they_are(scheduler):
         remote_block_ids=(7, 8, 9),
         remote_num_tokens=300,
         block_size=BLOCK_SIZE,
+        pdserve_expires=params["pdserve_expires"],
+        pdserve_mac=params["pdserve_mac"],
     )
     assert scheduler.build_connector_meta().reqs_to_hold == {"req-1": (7, 8, 9)}
     # MAC'd, for as long as the lease, for any decode engine (the proxy named none)
@@ -246,7 +249,102 @@ def test_an_aborted_prefill_frees_its_blocks_at_once(scheduler):
 
 
 def test_incomplete_params_are_refused_with_the_missing_fields():
-    with pytest.raises(ValueError, match="remote_host, remote_port"):
-        KVTransferParams.for_remote_prefill(
+    with pytest.raises(wire.InvalidTransferParams, match="remote_host, remote_port"):
+        wire.parse_remote_prefill(
             {"do_remote_prefill": True, "remote_engine_id": "x", "remote_request_id": "r", "remote_block_ids": [1]}
         )
+
+
+# --- bad input is refused, never raised into vLLM's engine core (issue 29) ----------------------------------
+
+ENGINE_KILLERS = [
+    {"remote_block_ids": 5},
+    {"remote_block_ids": "1,2,3"},
+    {"remote_block_ids": [None]},
+    {"remote_block_ids": [[1], [2]]},
+    {"remote_block_ids": [2**40]},
+    {"remote_port": "17600"},
+    {"remote_port": 70000},
+    {"remote_port": True},
+    {"tp_size": 0},
+    {"tp_size": "2"},
+    {"block_size": -128},
+    {"remote_num_tokens": [1]},
+    {"remote_engine_id": {"a": 1}},
+    {"remote_host": ["h"]},
+    {"remote_request_id": "has space"},
+    {"pdserve_expires": "soon"},
+    {"pdserve_mac": 7},
+]
+
+
+@pytest.mark.parametrize("bad", ENGINE_KILLERS, ids=lambda bad: "-".join(f"{k}={v!r}" for k, v in bad.items()))
+def test_a_field_of_the_wrong_type_or_range_is_refused_and_the_prompt_computed_here(scheduler, bad):
+    request = FakeRequest(kv_transfer_params=dict(signed(), **bad))
+
+    assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
+    scheduler.update_state_after_alloc(request, fake_blocks((4, False)), 0)
+    assert scheduler.build_connector_meta().reqs_to_receive == []
+    assert scheduler.take_stats().data["refused"] == {"malformed_params": 1}
+    assert scheduler.request_finished(request, [4]) == (
+        False,
+        {"pdserve_kv": {"source": "recomputed", "reason": "malformed"}},
+    )
+
+
+@pytest.mark.parametrize("raw", ["do_remote_prefill", 5, ["do_remote_prefill"], {"do_remote_prefill": "yes"}])
+def test_params_that_are_not_a_mapping_or_do_not_ask_plainly_are_no_pd(scheduler, raw):
+    request = FakeRequest(kv_transfer_params=raw)
+
+    assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
+    assert scheduler.request_finished(request, [4]) == (False, None)
+
+
+@pytest.mark.parametrize(
+    "raw", ["do_remote_decode", {"do_remote_decode": 1}, {"do_remote_decode": True, "pdserve_reader": 5}]
+)
+def test_a_prefill_request_with_odd_params_never_raises(scheduler, raw):
+    delay_free, issued = scheduler.request_finished(FakeRequest(kv_transfer_params=raw), [1, 2])
+
+    if delay_free:  # a plain ask with a reader of the wrong type: offered to any reader
+        assert "pdserve_reader" not in issued
+    else:
+        assert issued is None
+
+
+def test_a_failure_while_planning_the_read_fails_the_load_instead_of_the_engine(scheduler):
+    request = FakeRequest(kv_transfer_params=signed())
+    broken_blocks = SimpleNamespace(blocks=None)  # vLLM handed something we did not expect
+
+    scheduler.update_state_after_alloc(request, broken_blocks, 172)
+
+    [spec] = scheduler.build_connector_meta().reqs_to_receive
+    assert spec.request_id == "req-1" and spec.failure.startswith("TypeError")
+
+
+def test_whatever_our_code_raises_stays_inside_the_connector():
+    from connectors.stats import PdserveKVStats
+    from connectors.vllm_connector import PdserveConnector
+
+    class Broken:
+        def __getattr__(self, name):
+            def raises(*args, **kwargs):
+                raise RuntimeError(f"a bug in {name}")
+
+            return raises
+
+    connector = PdserveConnector.__new__(PdserveConnector)  # without vLLM's config: only the boundary
+    connector.engine_id, connector._internal_errors = "engine-a", PdserveKVStats()
+    connector._scheduler, connector._worker = Broken(), None
+    request = FakeRequest(kv_transfer_params=signed())
+
+    assert connector.get_num_new_matched_tokens(request, 0) == (0, False)
+    assert connector.update_state_after_alloc(request, fake_blocks((4, False)), 300) is None
+    assert connector.request_finished(request, [4]) == (False, None)
+    assert connector.update_connector_output(SimpleNamespace()) is None
+    assert connector.build_connector_meta(SimpleNamespace()).reqs_to_receive == []
+    connector._scheduler, connector._worker = None, Broken()
+    assert connector.get_block_ids_with_load_errors() == set()
+    assert not connector.get_transfer_results(set()).finished_recving
+    connector._worker = SimpleNamespace(take_stats=lambda: None)
+    assert connector.get_kv_connector_stats().data["failures"] == {"internal": 7}

@@ -193,10 +193,28 @@ def make_worker(fakes: Fakes) -> Iterator[Callable[..., PdserveWorker]]:
         worker.shutdown()
 
 
-def spec(request_id: str, tp_size: int, local_ids: tuple[int, ...], remote_ids: tuple[int, ...]) -> ReceiveSpec:
-    """A request of 100 tokens on a prefill engine with ``tp_size`` ranks and blocks of 16."""
-    params = KVTransferParams("prefill", f"p-{request_id}", "127.0.0.1", PREFILL_PORT, remote_ids, 100, tp_size, 16)
-    return ReceiveSpec(request_id, local_ids, params, remote_ids)
+def spec(
+    request_id: str,
+    tp_size: int,
+    local_ids: tuple[int, ...],
+    remote_ids: tuple[int, ...],
+    expires: float | None = None,
+    failure: str = "",
+) -> ReceiveSpec:
+    """A request of 100 tokens on a prefill engine with ``tp_size`` ranks and blocks of 16, whose lease ends at
+    ``expires`` (unix s; None: never)."""
+    params = KVTransferParams(
+        remote_engine_id="prefill",
+        remote_request_id=f"p-{request_id}",
+        remote_host="127.0.0.1",
+        remote_port=PREFILL_PORT,
+        remote_block_ids=remote_ids,
+        remote_num_tokens=100,
+        tp_size=tp_size,
+        block_size=16,
+        pdserve_expires=expires,
+    )
+    return ReceiveSpec(request_id, local_ids, params, remote_ids, failure=failure)
 
 
 def receive(worker: PdserveWorker, transport: FakeTransport, *specs: ReceiveSpec, reads: int) -> None:
@@ -333,3 +351,112 @@ def test_describe_kv_cache(shape: tuple[int, ...], permute: tuple[int, ...] | No
 def test_describe_kv_cache_refuses_other_shapes() -> None:
     with pytest.raises(ConnectorError, match=r"unsupported KV cache shape \(10, 3, 16, 16\)"):
         describe_kv_cache(torch.zeros(10, 3, 16, 16), 2, HEAD_DIM)
+
+
+# --- a READ never uses blocks that may have been freed (issue 29) --------------------------------------------
+
+
+def test_params_whose_lease_ends_within_the_margin_are_recomputed_without_a_read(
+    fakes: Fakes, make_worker: WorkerFactory
+) -> None:
+    fakes.prefill.tp_size = 1
+    worker = make_worker(tp_size=1, tp_rank=0)
+    [transport] = fakes.transports
+    # the default margin is 2 s: a lease that ends in 1 s is too short to read in safely
+    worker.start_load_kv(PdserveConnectorMetadata(reqs_to_receive=[spec("r1", 1, (5,), (1,), time.time() + 1)]))
+
+    _, finished, failed = worker.transfer_results()
+
+    assert finished == failed == {"r1"}
+    assert transport.reads == [] and fakes.prefill.asked == []  # no connection made at all
+    assert worker.get_block_ids_with_load_errors() == {5}
+    assert worker.take_reports().reports["r1"]["reason"] == "expired"
+    assert worker.take_stats().data["failures"] == {"expired": 1}
+
+
+def test_a_read_still_pending_when_the_lease_ends_is_aborted_and_recomputed(
+    fakes: Fakes, make_worker: WorkerFactory
+) -> None:
+    fakes.prefill.tp_size = 1
+    worker = make_worker(tp_size=1, tp_rank=0)
+    [transport] = fakes.transports
+    now = [time.time()]
+    worker._reader._clock = lambda: now[0]
+    receive(worker, transport, spec("r1", 1, (5,), (1,), now[0] + 10), reads=1)
+    [(*_, read)] = transport.reads
+
+    now[0] += 8.5  # 1.5 s left: inside the 2-s margin, the READ is still under way
+    _, finished, failed = worker.transfer_results()
+
+    assert finished == failed == {"r1"}
+    assert read.state is TransferState.FAILED  # aborted: nothing may land in blocks vLLM recomputes
+    assert "pending" in worker.take_reports().reports["r1"]["detail"]
+
+
+def test_a_read_seen_done_only_after_the_window_is_not_trusted(fakes: Fakes, make_worker: WorkerFactory) -> None:
+    fakes.prefill.tp_size = 1
+    worker = make_worker(tp_size=1, tp_rank=0)
+    [transport] = fakes.transports
+    now = [time.time()]
+    worker._reader._clock = lambda: now[0]
+    receive(worker, transport, spec("r1", 1, (5,), (1,), now[0] + 10), reads=1)
+    [(*_, read)] = transport.reads
+    read.state = TransferState.DONE
+
+    now[0] += 9  # done, but first seen when the blocks may already be another request's
+    _, finished, failed = worker.transfer_results()
+
+    assert finished == failed == {"r1"}
+    assert worker.get_block_ids_with_load_errors() == {5}
+    assert worker.take_reports().reports["r1"]["source"] == "recomputed"
+
+
+def test_a_read_done_inside_the_window_is_served(fakes: Fakes, make_worker: WorkerFactory) -> None:
+    fakes.prefill.tp_size = 1
+    worker = make_worker(tp_size=1, tp_rank=0)
+    [transport] = fakes.transports
+    receive(worker, transport, spec("r1", 1, (5,), (1,), time.time() + 60), reads=1)
+    transport.reads[0][-1].state = TransferState.DONE
+
+    _, finished, failed = worker.transfer_results()
+
+    assert (finished, failed) == ({"r1"}, set())
+    assert worker.take_reports().reports["r1"]["source"] == "transfer"
+
+
+def test_a_read_the_scheduler_side_could_not_plan_fails_without_touching_the_engine(
+    fakes: Fakes, make_worker: WorkerFactory
+) -> None:
+    fakes.prefill.tp_size = 1
+    worker = make_worker(tp_size=1, tp_rank=0)
+    failing = spec("r1", 1, (5,), (1,), failure="ValueError: boom")
+    worker.start_load_kv(PdserveConnectorMetadata(reqs_to_receive=[failing]))
+
+    _, finished, failed = worker.transfer_results()
+
+    assert finished == failed == {"r1"}
+    assert worker.take_reports().reports["r1"]["reason"] == "internal"
+
+
+def test_an_exception_while_starting_one_read_fails_only_that_request(
+    fakes: Fakes, make_worker: WorkerFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fakes.prefill.tp_size = 1
+    worker = make_worker(tp_size=1, tp_rank=0)
+    [transport] = fakes.transports
+    real_receive = worker._reader.receive
+
+    def receive_or_raise(one: ReceiveSpec) -> None:
+        if one.request_id == "bad":
+            raise KeyError("a bug of ours")
+        real_receive(one)
+
+    monkeypatch.setattr(worker._reader, "receive", receive_or_raise)
+    worker.start_load_kv(PdserveConnectorMetadata(reqs_to_receive=[spec("bad", 1, (4,), (1,))]))
+    _, finished, failed = worker.transfer_results()
+    assert finished == failed == {"bad"}
+    assert worker.take_reports().reports["bad"]["reason"] == "internal"
+
+    receive(worker, transport, spec("good", 1, (5,), (2,)), reads=1)  # the next request reads as ever
+    transport.reads[0][-1].state = TransferState.DONE
+    assert worker.transfer_results()[1:] == ({"good"}, set())
