@@ -3,16 +3,19 @@
 One secret per cluster (``pdserve up`` makes it: 32 random bytes, URL-safe
 text). It reaches a process only through the environment
 (``PDSERVE_CLUSTER_SECRET``) or a file named by ``PDSERVE_CLUSTER_SECRET_FILE``;
-it is never printed, logged or written into a config or a command line. Two
+it is never printed, logged or written into a config or a command line. Three
 keys are derived from it (HMAC-SHA256 with a fixed label each), so holding one
-does not give the other:
+does not give another:
 
-- the **engine key** (``engine_key``): the ``--api-key`` of every engine's
-  HTTP server (vLLM's ``VLLM_API_KEY``); the proxy sends it, so only the proxy
-  can call an engine's ``/v1`` routes.
+- the **engine key** (``engine_key``): the key of every engine's HTTP server
+  (vLLM's ``VLLM_API_KEY``; ``orchestrator.engine_guard`` asks it on every
+  route but ``/health`` and ``/metrics``). The proxy holds this key and no
+  other (``PDSERVE_ENGINE_KEY``), so only the proxy can call an engine.
 - the **KV key** (``KVAuth``): engines only. It seals every side-channel
   message (handshake, its answer, release, report query, ping) and MACs the
   ``kv_transfer_params`` a prefill engine issues.
+- the **tier key** (``tier_key``): engines only. It MACs every KV tier entry,
+  so an entry another cluster (or a local user) wrote is refused as corrupt.
 
 A sealed message is ASCII framing around its body (so a sealed release or
 report query travels in JSON as a string; the proxy sends it unchanged)::
@@ -54,21 +57,31 @@ __all__ = [
     "LIVE_TTL_S",
     "MACED_FIELDS",
     "MAX_MESSAGE_TTL_S",
+    "PROXY_ENGINE_KEY_ENV",
+    "PROXY_ENGINE_KEY_FILE_ENV",
     "SECRET_ENV",
     "SECRET_FILE_ENV",
     "ClusterSecret",
     "ConsumedParams",
+    "EngineKey",
     "KVAuth",
     "MissingSecret",
     "Unauthenticated",
     "engine_key",
+    "load_engine_key",
     "load_secret",
     "new_secret",
+    "tier_key",
     "write_secret",
 ]
 
 SECRET_ENV = "PDSERVE_CLUSTER_SECRET"
 SECRET_FILE_ENV = "PDSERVE_CLUSTER_SECRET_FILE"
+PROXY_ENGINE_KEY_ENV = "PDSERVE_ENGINE_KEY"
+"""The engine key itself, for a process that calls engines and nothing else (the proxy): it holds no secret
+from which the KV key, or any other, could be derived. The cluster's proxy actor gets only this."""
+PROXY_ENGINE_KEY_FILE_ENV = "PDSERVE_ENGINE_KEY_FILE"
+"""A file holding the engine key (``pdserve secret PATH --engine-key-file OUT`` writes one)."""
 ENGINE_KEY_ENV = "VLLM_API_KEY"
 """Where vLLM's server takes its ``--api-key`` from (so the key is on no command line)."""
 
@@ -80,6 +93,7 @@ MAX_MESSAGE_TTL_S = 24 * 3600.0
 _MIN_SECRET_BYTES = 16
 _ENGINE_KEY_LABEL = b"pdserve engine api key v1"
 _KV_KEY_LABEL = b"pdserve kv plane v1"
+_TIER_KEY_LABEL = b"pdserve kv tier v1"
 _MAC_HEX = 64
 
 
@@ -103,29 +117,30 @@ class ClusterSecret:
     """The secret, in a wrapper that never shows it (``repr``, ``str``, logs, tracebacks, Ray's dashboard)."""
 
     __slots__ = ("_value",)
+    _WHAT = "the cluster secret"
 
     def __init__(self, value: str) -> None:
         value = value.strip()
         if len(value.encode()) < _MIN_SECRET_BYTES:
-            raise MissingSecret(f"the cluster secret is too short ({len(value)} characters; at least 16)")
+            raise MissingSecret(f"{self._WHAT} is too short ({len(value)} characters; at least 16)")
         self._value = value
 
     def reveal(self) -> str:
         return self._value
 
     def __repr__(self) -> str:
-        return "ClusterSecret(****)"
+        return f"{type(self).__name__}(****)"
 
     __str__ = __repr__
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, ClusterSecret) and hmac.compare_digest(self._value, other._value)
+        return type(other) is type(self) and hmac.compare_digest(self._value, other._value)  # type: ignore[attr-defined]
 
     def __hash__(self) -> int:
         return hash(hashlib.sha256(self._value.encode()).digest())
 
     def __reduce__(self):  # crosses to Ray actors as an argument: never through the environment of a runtime_env
-        return (ClusterSecret, (self._value,))
+        return (type(self), (self._value,))
 
 
 def new_secret() -> ClusterSecret:
@@ -285,3 +300,42 @@ class ConsumedParams:
                 return False
             self._seen[mac] = expires
             return True
+
+
+class EngineKey(ClusterSecret):
+    """The engine key in the same wrapper; what the controller hands the proxy actor instead of the cluster
+    secret (``EngineKey.of(secret)``): from it no other key can be derived."""
+
+    __slots__ = ()
+    _WHAT = "the engine key"
+
+    @classmethod
+    def of(cls, secret: ClusterSecret) -> EngineKey:
+        return cls(engine_key(secret))
+
+
+def load_engine_key(environ: Mapping[str, str] | None = None) -> str:
+    """The engine key of a process that calls engines: ``PDSERVE_ENGINE_KEY``, else the file
+    ``PDSERVE_ENGINE_KEY_FILE`` names, else derived from the cluster secret (``load_secret``: a proxy started
+    by hand with the secret file). ``MissingSecret`` names every place it is looked for."""
+    environ = os.environ if environ is None else environ
+    if value := environ.get(PROXY_ENGINE_KEY_ENV, "").strip():
+        return EngineKey(value).reveal()
+    if path := environ.get(PROXY_ENGINE_KEY_FILE_ENV, "").strip():
+        try:
+            return EngineKey(Path(path).read_text()).reveal()
+        except OSError as e:
+            raise MissingSecret(f"cannot read the engine key file {path}: {e.strerror or e}") from e
+    if environ.get(SECRET_ENV, "").strip() or environ.get(SECRET_FILE_ENV, "").strip():
+        return engine_key(load_secret(environ))
+    raise MissingSecret(
+        f"no engine key: set {PROXY_ENGINE_KEY_ENV}, or {PROXY_ENGINE_KEY_FILE_ENV} to a file holding it "
+        f"(`pdserve secret FILE --engine-key-file OUT` writes one), or give the cluster secret ({SECRET_ENV}, "
+        f"or {SECRET_FILE_ENV} to a file holding it) to derive it from"
+    )
+
+
+def tier_key(secret: ClusterSecret) -> bytes:
+    """The KV tier's MAC key (``connectors.tier.store``): engines that share a tier directory share it, so only
+    engines holding the same cluster secret accept each other's entries."""
+    return _derive(secret, _TIER_KEY_LABEL)

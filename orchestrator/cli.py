@@ -206,6 +206,7 @@ def cmd_down(args: argparse.Namespace) -> int:
 def cmd_proxy(args: argparse.Namespace) -> int:
     import logging
 
+    from proxy.admin import parse_networks
     from proxy.auth import load_engine_key, load_keys
     from proxy.config import ProxyConfig
     from proxy.errors import ProxyConfigError
@@ -221,11 +222,17 @@ def cmd_proxy(args: argparse.Namespace) -> int:
     )
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from connectors.auth import SECRET_ENV, SECRET_FILE_ENV
+    from connectors.auth import PROXY_ENGINE_KEY_ENV, PROXY_ENGINE_KEY_FILE_ENV, SECRET_ENV, SECRET_FILE_ENV
 
-    if args.cluster_secret_file:  # the workers inherit it; only the file's name travels
+    # The workers inherit these; only the files' names travel. The engine key alone is enough (least
+    # privilege: `pdserve secret PATH --engine-key-file OUT`); a secret file is read only to derive it.
+    if args.engine_key_file:
+        os.environ[PROXY_ENGINE_KEY_FILE_ENV] = args.engine_key_file
+    if args.cluster_secret_file:
         os.environ[SECRET_FILE_ENV] = args.cluster_secret_file
-    engine_auth = bool(os.environ.get(SECRET_ENV) or os.environ.get(SECRET_FILE_ENV))
+    engine_auth = any(
+        os.environ.get(name) for name in (PROXY_ENGINE_KEY_ENV, PROXY_ENGINE_KEY_FILE_ENV, SECRET_ENV, SECRET_FILE_ENV)
+    )
     try:
         routing = RoutingSettings(
             prefill_policy=args.prefill_policy,
@@ -273,6 +280,7 @@ def cmd_proxy(args: argparse.Namespace) -> int:
         api_key_file=args.api_key_file,
         admin_key_env=tuple(args.admin_key_env),
         admin_key_file=args.admin_key_file,
+        admin_engine_networks=tuple(args.admin_engine_network),
         forward_authorization=args.forward_authorization,
         connect_timeout_s=args.connect_timeout_s,
         routing=routing,
@@ -280,6 +288,7 @@ def cmd_proxy(args: argparse.Namespace) -> int:
     try:  # here, not only in each worker: a key that cannot be read stops the command with its reason
         load_keys(config.api_key_env, config.api_key_file)
         load_keys(config.admin_key_env, config.admin_key_file)
+        parse_networks(config.admin_engine_networks)
         if engine_auth:
             load_engine_key()
     except ProxyConfigError as e:
@@ -303,6 +312,7 @@ def cmd_proxy(args: argparse.Namespace) -> int:
 def cmd_secret(args: argparse.Namespace) -> int:
     """Make a cluster secret file (mode 0600), or keep the one there; never prints the secret."""
     from connectors.auth import ENGINE_KEY_ENV, MissingSecret, engine_key, new_secret, read_secret_file, write_secret
+    from connectors.private_files import write_private
 
     path = Path(args.path)
     if path.exists():
@@ -318,10 +328,11 @@ def cmd_secret(args: argparse.Namespace) -> int:
         _print(f"pdserve secret: wrote a new cluster secret to {path} (mode 0600)")
     if args.engine_key_file:
         key_path = Path(args.engine_key_file)
-        fd = os.open(key_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(engine_key(secret) + "\n")
-        _print(f"pdserve secret: wrote its engine key to {key_path} (engines: {ENGINE_KEY_ENV}=$(cat {key_path}))")
+        write_private(key_path, engine_key(secret) + "\n")  # 0600, even over an older file of another mode
+        _print(
+            f"pdserve secret: wrote its engine key to {key_path} (engines: {ENGINE_KEY_ENV}=$(cat {key_path}); "
+            f"a proxy: pdserve proxy --engine-key-file {key_path})"
+        )
     return 0
 
 
@@ -572,7 +583,13 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         help="also place the plan on this running Ray cluster's nodes (labels, resources, GPUs) and show it per host",
     )
     validate.set_defaults(func=cmd_validate)
-    up = commands.add_parser("up", help="start the cluster a spec describes")
+    up = commands.add_parser(
+        "up",
+        help="start the cluster a spec describes",
+        description="Start the cluster a spec describes. Its cluster secret is new, unless PDSERVE_CLUSTER_SECRET "
+        "or PDSERVE_CLUSTER_SECRET_FILE gives one (`pdserve secret PATH` makes one): the KV tier's entries are "
+        "MAC'd under a key derived from it, so give the same secret to keep a shared tier across `down` and `up`.",
+    )
     up.add_argument("config")
     up.add_argument("--detach", "-d", action="store_true", help="return once ready; `pdserve down` stops it")
     up.set_defaults(func=cmd_up)
@@ -687,14 +704,24 @@ def _add_proxy_args(proxy: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     security.add_argument("--admin-key-file", metavar="PATH", help="file of admin keys, one per line")
     security.add_argument(
+        "--admin-engine-network", action="append", default=[], metavar="CIDR",
+        help="a network where the admin routes may add engines, besides the hosts of --prefill and --decode "
+        "(repeatable; an added engine is sent users' requests and the engine key)",
+    )  # fmt: skip
+    security.add_argument(
         "--forward-authorization", action="store_true",
         help="send the client's Authorization header on to the engines (engines started with --api-key)",
+    )  # fmt: skip
+    security.add_argument(
+        "--engine-key-file", metavar="PATH",
+        help="the engines' key, which the proxy sends them (`pdserve secret SECRET --engine-key-file PATH` "
+        "writes it; or PDSERVE_ENGINE_KEY): all the proxy needs, rather than the cluster secret",
     )  # fmt: skip
     security.add_argument(
         "--cluster-secret-file", metavar="PATH",
         help="the cluster secret (`pdserve secret PATH` makes one; or PDSERVE_CLUSTER_SECRET): the proxy sends "
         "the engine key derived from it (hand-started engines: VLLM_API_KEY from "
-        "`pdserve secret PATH --engine-key-file OUT`)",
+        "`pdserve secret PATH --engine-key-file OUT`); --engine-key-file, when given, is used instead",
     )  # fmt: skip
     proxy.add_argument(
         "--no-fast-path", action="store_true",

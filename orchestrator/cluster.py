@@ -28,14 +28,23 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import psutil
 
-from connectors.auth import ClusterSecret, new_secret, read_secret_file, write_secret
+from connectors.auth import (
+    SECRET_ENV,
+    SECRET_FILE_ENV,
+    ClusterSecret,
+    load_secret,
+    new_secret,
+    read_secret_file,
+    write_secret,
+)
+from connectors.private_files import make_private_dirs, open_private
 from connectors.wire import http_url
 from orchestrator import shm
 from orchestrator.control import ControlClient, ControlError, new_token, token_digest
@@ -83,7 +92,7 @@ class ClusterState:
         return state_dir() / "cluster.json"
 
     def save(self) -> None:
-        self.path().parent.mkdir(parents=True, exist_ok=True)
+        make_private_dirs(self.path().parent)
         tmp = self.path().with_suffix(".tmp")
         tmp.unlink(missing_ok=True)
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # it holds the cluster's token
@@ -108,6 +117,21 @@ def secret_path() -> Path:
     """The running cluster's secret (mode 0600): for ``pdserve proxy --cluster-secret-file`` and tools
     that call its engines (``load_cluster_secret``)."""
     return state_dir() / "cluster-secret"
+
+
+def secret_for_up(environ: Mapping[str, str] | None = None) -> ClusterSecret:
+    """The secret of the cluster ``up`` starts: the one the caller's environment gives
+    (``PDSERVE_CLUSTER_SECRET``, or the file ``PDSERVE_CLUSTER_SECRET_FILE`` names), else a new one.
+
+    The KV tier's MAC key is derived from it (``connectors.auth.tier_key``): clusters started with
+    the same secret accept each other's tier entries, and a cluster started with a new one refuses
+    (recomputes) every entry an earlier one stored. Give one (``pdserve secret PATH``) to keep a
+    shared tier across ``pdserve down`` and ``up``.
+    """
+    environ = os.environ if environ is None else environ
+    if environ.get(SECRET_ENV, "").strip() or environ.get(SECRET_FILE_ENV, "").strip():
+        return load_secret(environ)
+    return new_secret()
 
 
 def load_cluster_secret() -> ClusterSecret:
@@ -141,7 +165,7 @@ def ray_token_path() -> Path:
     """
     path = state_dir() / "ray_auth_token"
     if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
+        make_private_dirs(path.parent)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(secrets.token_hex(32))
@@ -306,8 +330,8 @@ def _starting_lock() -> Iterator[None]:
     would find nothing running yet, take the first one's records for leftovers and remove them."""
     import fcntl
 
-    state_dir().mkdir(parents=True, exist_ok=True)
-    with open(state_dir() / "up.lock", "a+") as lock:
+    make_private_dirs(state_dir())
+    with os.fdopen(open_private(state_dir() / "up.lock", os.O_RDWR | os.O_APPEND), "a+") as lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -341,7 +365,7 @@ def _start(
         on_event({"t": time.time(), "message": "starting a local Ray head"})
         address, temp_dir = start_ray_head(spec)
         started_ray = True
-    (state_dir() / "logs").mkdir(parents=True, exist_ok=True)
+    make_private_dirs(state_dir() / "logs")  # and each cluster's a private mkdtemp in it
     log_dir = Path(tempfile.mkdtemp(prefix=f"{spec.name}-", dir=state_dir() / "logs"))
     state = ClusterState(
         name=spec.name,
@@ -385,7 +409,7 @@ def _bring_up(
     # A local cluster serves on loopback; on a joined one each engine resolves its node's address.
     host = "127.0.0.1" if state.started_ray else None
     token = new_token()
-    secret = new_secret()
+    secret = secret_for_up()
     write_secret(secret_path(), secret)
     with ray_connection(state) as ray:
         _, problems = assign(spec, [Node.from_ray(node) for node in ray.nodes()])

@@ -45,7 +45,8 @@ import ray
 from ray.exceptions import ActorDiedError, RayActorError, RayTaskError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from connectors.auth import ClusterSecret, new_secret
+from connectors.auth import ClusterSecret, EngineKey, new_secret
+from connectors.private_files import write_private
 from connectors.wire import ROLES, http_url
 from orchestrator.autoscale.actuator import AUTOSCALER_REASON, Autoscaler
 from orchestrator.autoscale.policy import PolicyConfig
@@ -93,7 +94,7 @@ class ClusterController:
         redirect_output(self.log_dir / "controller.log")
         self.spec = ClusterSpec.model_validate(spec_data)
         self.host = host
-        self._secret = secret or new_secret()  # engines and proxy get it; never logged
+        self._secret = secret or new_secret()  # engines get it, the proxy only its engine key; never logged
         # Every engine the pools may grow to; the first `replicas` of each start with the cluster.
         self.launches: dict[str, EngineLaunch] = {e.engine_id: e for e in plan_engines(self.spec, host)}
         self.targets = {role: self.spec.pool(role).replicas for role in ROLES}
@@ -343,7 +344,13 @@ class ClusterController:
                 lifetime="detached",
                 **control_placement(self.spec).actor_options(),
             )
-            .remote(config, self.spec.proxy.host, self.spec.proxy.port, str(self.log_dir / "proxy.log"), self._secret)
+            .remote(
+                config,
+                self.spec.proxy.host,
+                self.spec.proxy.port,
+                str(self.log_dir / "proxy.log"),
+                EngineKey.of(self._secret),  # the engine key alone: the proxy never holds the cluster secret
+            )
         )
         self._event(f"proxy starting on {self.proxy_url}")
         self.proxy_url = (await self.proxy.start.remote())["url"]
@@ -779,10 +786,7 @@ class ClusterController:
             "engines": {r.engine_id: {"state": r.state, "restarts": r.restarts} for r in self.engines.values()},
             "events": self.events,
         }
-        path = self.log_dir / SNAPSHOT_NAME
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(snapshot))
-        tmp.replace(path)
+        write_private(self.log_dir / SNAPSHOT_NAME, json.dumps(snapshot))  # 0600, whole or not at all
 
     def _read_snapshot(self) -> dict[str, Any] | None:
         try:

@@ -12,6 +12,14 @@ Failure handling:
   child process and writes its traceback there, not into the exception).
 - When vLLM's engine core dies later, a watchdog exits this process so that
   Ray restarts the actor; the controller sees ``idle`` and starts it again.
+- The same when our connector's side channel stops answering (its ranks are
+  pinged, sealed, every ``SIDE_CHANNEL_PROBE_S``): ``/health`` says 503 from
+  the second missed probe, and the process exits at the
+  ``SIDE_CHANNEL_DEAD_AFTER``-th (without it, every request to this engine
+  would be recomputed while everything says "ok").
+
+Its HTTP server answers only the cluster (``orchestrator.engine_guard``): the
+engine key on every route but ``/health`` and ``/metrics``.
 
 vLLM is imported only here, inside the methods that need it.
 """
@@ -35,6 +43,7 @@ import ray
 
 from connectors.auth import ENGINE_KEY_ENV, SECRET_ENV, ClusterSecret, engine_key
 from connectors.tier import LAYOUT_ENV, REGION_ENV, region_file
+from orchestrator.engine_guard import guard
 from orchestrator.errors import EngineStartError
 from orchestrator.launch import EngineLaunch
 from orchestrator.logs import redirect_output
@@ -54,6 +63,11 @@ WATCHDOG_INTERVAL_S = 1.0
 SHM_NOTE_INTERVAL_S = 2.0
 """While an engine starts, how often it notes the /dev/shm files its processes hold."""
 SERVER_TICK_S = 1.0
+SIDE_CHANNEL_PROBE_S = 5.0
+SIDE_CHANNEL_PING_TIMEOUT_S = 5.0
+SIDE_CHANNEL_UNHEALTHY_AFTER = 2
+SIDE_CHANNEL_DEAD_AFTER = 4
+"""Missed side-channel probes in a row after which /health says 503, and after which the engine restarts."""
 # The Ray concurrency group ``stop`` runs in: an event loop of its own (``ENGINE_ACTOR_GROUPS``, given when the
 # actor is created). vLLM's start-up blocks the actor's main loop while it waits for its engine core to load
 # the model (``wait_for_engine_startup`` polls a socket), so a stop on that loop waited for the whole start.
@@ -107,30 +121,6 @@ def pin_process_tree(pid: int, cores: set[int]) -> int:
                 os.sched_setaffinity(thread.id, cores)
                 pinned += 1
     return pinned
-
-
-def _health_first(app: Any, engine_client: Any) -> Any:
-    """vLLM's ``app`` with ``GET /health`` answered before its middleware, as vLLM's own route answers it.
-
-    The proxy probes every engine every 2 s. Through vLLM's middleware stack (metrics instrumentation that
-    walks every route, CORS, authentication — none of which applies to ``/health``) one probe of an idle
-    engine took about 24 ms of CPU here, a cold path each time; answered here, about 6 ms (README, "Idle
-    engines").
-    """
-    from vllm.v1.engine.exceptions import EngineDeadError
-
-    async def serve(scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or scope["path"] != "/health" or scope["method"] != "GET":
-            return await app(scope, receive, send)
-        try:
-            await engine_client.check_health()
-            status = 200
-        except EngineDeadError:
-            status = 503
-        await send({"type": "http.response.start", "status": status, "headers": [(b"content-length", b"0")]})
-        await send({"type": "http.response.body", "body": b""})
-
-    return serve
 
 
 def _once_a_second(server: type) -> type:
@@ -252,9 +242,12 @@ class EngineActor:
         # where the engine core's tiers say how their entries are named, for the HTTP server's answers
         self._tier_layouts = self.log_path.with_name(self.log_path.name + ".tiers")
         os.environ[LAYOUT_ENV] = str(self._tier_layouts)
-        if secret is not None:  # for the connector (side channel, transfer parameters) and vLLM's --api-key
-            os.environ[SECRET_ENV] = secret.reveal()
-            os.environ[ENGINE_KEY_ENV] = engine_key(secret)
+        self._side_channel_missed = 0
+        if secret is None:  # an engine answers its cluster only: there is no cluster without a secret
+            raise EngineStartError(launch.engine_id, "no cluster secret: the engine would answer anyone")
+        # for the connector (side channel, transfer parameters) and vLLM's --api-key
+        os.environ[SECRET_ENV] = secret.reveal()
+        os.environ[ENGINE_KEY_ENV] = engine_key(secret)
         redirect_output(self.log_path)
 
     async def info(self) -> dict[str, Any]:
@@ -332,7 +325,10 @@ class EngineActor:
         await init_app_state(engine_client, app.state, args, supported_tasks)
         add_tier_route(app, self._tier_layouts, engine_client.vllm_config.cache_config.prefix_caching_hash_algo)
         config = uvicorn.Config(
-            _health_first(app, engine_client), log_level="warning", access_log=False, timeout_keep_alive=30
+            guard(app, os.environ[ENGINE_KEY_ENV], lambda: self._healthy(engine_client)),
+            log_level="warning",
+            access_log=False,
+            timeout_keep_alive=30,
         )
         self._server = _once_a_second(NoSignalServer)(config)
         app.state.server = self._server
@@ -343,6 +339,42 @@ class EngineActor:
                 raise RuntimeError("HTTP server exited during start-up")
             await asyncio.sleep(0.05)
         self._tasks = [serve, asyncio.create_task(self._watchdog(engine_client))]
+        if self.launch.serves_our_side_channel:
+            self._tasks.append(asyncio.create_task(self._watch_side_channel()))
+
+    async def _healthy(self, engine_client: Any) -> bool:
+        """``GET /health``: vLLM's engine core alive, and our side channel answering."""
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        try:
+            await engine_client.check_health()
+        except EngineDeadError:
+            return False
+        return self._side_channel_missed < SIDE_CHANNEL_UNHEALTHY_AFTER
+
+    async def _watch_side_channel(self) -> None:
+        """Ping every TP rank's side channel; restart the engine (exit: Ray restarts the actor) when it has
+        not answered ``SIDE_CHANNEL_DEAD_AFTER`` times in a row."""
+        from connectors.auth import KVAuth
+        from connectors.side_channel import ping
+
+        auth = KVAuth.from_env()
+        endpoints = self.launch.kv_endpoints
+        while True:
+            await asyncio.sleep(SIDE_CHANNEL_PROBE_S)
+            silent = [e for e in endpoints if not await asyncio.to_thread(ping, e, auth, SIDE_CHANNEL_PING_TIMEOUT_S)]
+            self._side_channel_missed = self._side_channel_missed + 1 if silent else 0
+            if silent:
+                logger.error(
+                    "engine %s: side channel %s did not answer (%d time(s) in a row)",
+                    self.launch.engine_id,
+                    ", ".join(silent),
+                    self._side_channel_missed,
+                )
+            if self._side_channel_missed >= SIDE_CHANNEL_DEAD_AFTER:
+                logger.error("engine %s: its side channel is gone; exiting so Ray restarts it", self.launch.engine_id)
+                sys.stderr.flush()
+                os._exit(1)
 
     async def _watchdog(self, engine_client: Any) -> None:
         while True:

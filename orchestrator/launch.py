@@ -65,6 +65,18 @@ class EngineLaunch:
             raise ValueError(f"engine {self.engine_id} has not resolved its address yet")
         return side_channel_endpoints(self.host, self.kv_port, self.tp_size)
 
+    @property
+    def serves_our_side_channel(self) -> bool:
+        """Whether its connector is ours (it answers on ``kv_endpoints``), alone or inside the tier's."""
+        if "--kv-transfer-config" not in self.vllm_args:
+            return False
+        config = json.loads(self.vllm_args[self.vllm_args.index("--kv-transfer-config") + 1])
+        extra = config.get("kv_connector_extra_config", {})
+        return any(
+            "side_channel_host" in child.get("kv_connector_extra_config", {})
+            for child in [config, *extra.get("connectors", ())]
+        )
+
     def on_host(self, host: str, bind: str | None = None) -> EngineLaunch:
         """This launch at ``host`` (advertised to peers; vLLM listens at ``bind``, default ``host``)."""
         args = list(self.vllm_args)

@@ -7,6 +7,8 @@ import os
 import sys
 from pathlib import Path
 
+from connectors.private_files import make_private_dirs, open_private
+
 
 def redirect_output(log_path: str | os.PathLike[str]) -> None:
     """Point this process's fds 1 and 2 (and its children's) at ``log_path``.
@@ -15,8 +17,10 @@ def redirect_output(log_path: str | os.PathLike[str]) -> None:
     tracebacks land in the engine's own file, where ``pdserve`` reads them.
     """
     path = Path(log_path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    # Private (0600, directories 0700): a log names requests, engines and hosts. On a node other than
+    # the driver's the log directory does not exist yet; its parents made here are private too.
+    make_private_dirs(path.parent)
+    fd = open_private(path, os.O_WRONLY | os.O_APPEND)
     sys.stdout.flush()
     sys.stderr.flush()
     os.dup2(fd, 1)

@@ -6,6 +6,14 @@ comes back; the app reads the same ``EnginePool`` object for every request.
 That is why it serves one worker, in the actor's own process: worker processes
 would each hold their own pool, which ``set_endpoints`` here could not reach
 (see ``proxy.server``).
+
+Least privilege: the actor is handed the engine key alone (``EngineKey``, derived
+by the controller), which it puts in its process's environment as
+``PDSERVE_ENGINE_KEY`` for ``proxy.auth``. It never holds the cluster secret: the
+proxy forwards the sealed release and report messages of ``proxy.release`` and
+``proxy.kv_report`` unopened, so it needs no KV key, and a process that holds the
+secret could derive every key (and the KV tier's). A secret this worker process
+inherited from Ray's environment is removed.
 """
 
 from __future__ import annotations
@@ -18,7 +26,7 @@ from collections.abc import Generator
 
 import uvicorn
 
-from connectors.auth import SECRET_ENV, ClusterSecret
+from connectors.auth import PROXY_ENGINE_KEY_ENV, SECRET_ENV, SECRET_FILE_ENV, EngineKey
 from connectors.wire import LISTEN_ALL, http_url
 from orchestrator.logs import redirect_output
 from proxy.app import ProxyConfig, create_app
@@ -38,10 +46,12 @@ class _ThreadServer(uvicorn.Server):
 
 class ProxyActor:
     def __init__(
-        self, config: ProxyConfig, host: str, port: int, log_path: str, secret: ClusterSecret | None = None
+        self, config: ProxyConfig, host: str, port: int, log_path: str, engine_key: EngineKey | None = None
     ) -> None:
-        if secret is not None:  # the engines' key is derived from it (``ProxyConfig.engine_auth``)
-            os.environ[SECRET_ENV] = secret.reveal()
+        for name in (SECRET_ENV, SECRET_FILE_ENV):
+            os.environ.pop(name, None)
+        if engine_key is not None:  # what the proxy sends engines (``ProxyConfig.engine_auth``)
+            os.environ[PROXY_ENGINE_KEY_ENV] = engine_key.reveal()
         redirect_output(log_path)
         self.config, self.host, self.port = config, host, port
         self.pool = EnginePool()

@@ -13,10 +13,31 @@ mount them otherwise: 404) and each call must present one, as
 The client API keys do not open them. Under the orchestrator, the controller
 sets each role's engines whenever one becomes ready or dies, which replaces
 what was changed here.
+
+**Where an added engine may be.** An engine in the pool is sent users'
+prompts and answers, the engine key (``engine_auth``: with it, any engine's
+``/v1`` routes answer) and, with ``kv_endpoints``, the sealed release and
+report messages of the requests it serves. So an admin may add an engine only
+on a host of the cluster: one of the hosts of the engines the orchestrator or
+the command line gave the pool (``EnginePool.cluster_hosts``), or an address
+in ``ProxyConfig.admin_engine_networks`` (CIDRs: ``pdserve proxy
+--admin-engine-network 10.0.0.0/16``). That holds for its URL and for every
+side-channel endpoint. A host name matches only a cluster host of the same
+name; networks match only IP addresses as written (a name could later resolve
+anywhere). Anything else is refused (400, ``param`` ``url`` or
+``kv_endpoints.N``) and the pool is unchanged.
+
+What an admin key can do, then: list the pool; drain and remove any engine
+(so stop the service: a denial of service); add engines on the cluster's hosts
+and allowed networks, which then get the traffic, the engine key and those
+messages. Whoever runs a process on such a host can receive them, so an admin
+key is worth about as much as a login there.
 """
 
 from __future__ import annotations
 
+import ipaddress
+from collections.abc import Iterable
 from typing import Annotated, Literal
 
 import orjson
@@ -25,10 +46,44 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from proxy.auth import KeyCheck, bearer_token
-from proxy.errors import InvalidApiKey, InvalidRequest
-from proxy.pool import KV_ENDPOINT_PATTERN, Endpoint, EnginePool
+from proxy.errors import InvalidApiKey, InvalidRequest, ProxyConfigError
+from proxy.pool import KV_ENDPOINT_PATTERN, Endpoint, EnginePool, url_host
 
-__all__ = ["admin_router"]
+__all__ = ["PUBLIC_ENGINE_FIELDS", "Network", "admin_key_of", "admin_router", "parse_networks", "refused_host"]
+
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+def parse_networks(networks: Iterable[str]) -> tuple[Network, ...]:
+    """``ProxyConfig.admin_engine_networks`` as networks; ``ProxyConfigError`` naming a bad one."""
+    parsed = []
+    for network in networks:
+        try:
+            parsed.append(ipaddress.ip_network(network, strict=False))
+        except ValueError as e:
+            raise ProxyConfigError(f"admin_engine_networks: {network!r} is not a network (CIDR): {e}") from e
+    return tuple(parsed)
+
+
+def refused_host(url: str, cluster_hosts: set[str], networks: tuple[Network, ...]) -> str | None:
+    """Why an engine at ``url`` may not be added (see the module's docstring), or None if it may."""
+    host = url_host(url)
+    if host is None:
+        return f"{url} names no host"
+    if host in cluster_hosts:
+        return None
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        address = None
+    if address is not None and any(address in network for network in networks):
+        return None
+    allowed = ", ".join(sorted(cluster_hosts)) or "none yet"
+    nets = ", ".join(str(n) for n in networks) or "none"
+    return (
+        f"{host} is not a host of this cluster's engines ({allowed}) nor in admin_engine_networks ({nets}): "
+        "an engine is sent users' requests and the engine key"
+    )
 
 
 class NewEngine(BaseModel):
@@ -44,12 +99,20 @@ class NewEngine(BaseModel):
     )
 
 
-def admin_router(pool: EnginePool, admin_keys: KeyCheck) -> APIRouter:
+PUBLIC_ENGINE_FIELDS = frozenset({"engine_id", "in_flight", "healthy", "draining"})
+"""What the proxy's ``/health`` shows of each engine to a caller without an admin key (no URL, no side channel)."""
+
+
+def admin_key_of(request: Request) -> str | None:
+    """The admin key a request presents (``X-Admin-Key`` or ``Authorization: Bearer``), or None."""
+    return request.headers.get("x-admin-key") or bearer_token(request.headers.get("authorization"))
+
+
+def admin_router(pool: EnginePool, admin_keys: KeyCheck, networks: tuple[Network, ...] = ()) -> APIRouter:
     router = APIRouter(prefix="/admin")
 
     def authorize(request: Request) -> None:
-        presented = request.headers.get("x-admin-key") or bearer_token(request.headers.get("authorization"))
-        if not admin_keys.allows(presented):
+        if not admin_keys.allows(admin_key_of(request)):
             raise InvalidApiKey("missing or wrong admin key (X-Admin-Key or Authorization: Bearer)")
 
     def answer(payload: object, status: int = 200) -> Response:
@@ -71,6 +134,9 @@ def admin_router(pool: EnginePool, admin_keys: KeyCheck) -> APIRouter:
             first = e.errors()[0]
             param = ".".join(str(part) for part in first["loc"]) or None
             raise InvalidRequest(f"{param}: {first['msg']}", param=param) from e
+        for param, url in [("url", engine.url), *((f"kv_endpoints.{i}", u) for i, u in enumerate(engine.kv_endpoints))]:
+            if (why := refused_host(url, pool.cluster_hosts, networks)) is not None:
+                raise InvalidRequest(f"{param}: {why}", param=param)
         try:
             known = next((e for e in pool.engines() if e.engine_id == engine.engine_id), None)
             if known is not None and not known.draining:

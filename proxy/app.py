@@ -67,7 +67,7 @@ from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from connectors.wire import ROLES
-from proxy.admin import admin_router
+from proxy.admin import PUBLIC_ENGINE_FIELDS, admin_key_of, admin_router, parse_networks
 from proxy.auth import KeyCheck, load_keys
 from proxy.config import ProxyConfig
 from proxy.engine_client import EngineClient
@@ -95,6 +95,7 @@ def create_app(config: ProxyConfig, pool: EnginePool | None = None) -> FastAPI:
 
     api_keys = KeyCheck(load_keys(config.api_key_env, config.api_key_file))
     admin_keys = KeyCheck(load_keys(config.admin_key_env, config.admin_key_file))
+    admin_networks = parse_networks(config.admin_engine_networks)
     metrics = ProxyMetrics(pool)
     flow = TwoPhaseFlow(config, router, tracker, metrics, api_keys, checks_health)
 
@@ -159,10 +160,14 @@ def create_app(config: ProxyConfig, pool: EnginePool | None = None) -> FastAPI:
         return Response(orjson.dumps(listing), media_type="application/json")
 
     @app.get("/health")
-    async def health() -> Response:
+    async def health(request: Request) -> Response:
         # ok: both pools can take requests; degraded: one can, and serves them alone (proxy.degrade);
-        # unavailable (503): requests would fail.
+        # unavailable (503): requests would fail. Where the engines listen (URLs, side channels) only for an
+        # admin key: an anonymous caller learns how many engines are healthy, not where to send them packets.
         engines = pool.snapshot()
+        if not (admin_keys.enabled and admin_keys.allows(admin_key_of(request))):
+            engines = {role: [{k: v for k, v in e.items() if k in PUBLIC_ENGINE_FIELDS} for e in listed]
+                       for role, listed in engines.items()}  # fmt: skip
         ready = [role for role in ROLES if pool.ready(role)]
         if len(ready) == len(ROLES):
             status = "ok"
@@ -177,7 +182,7 @@ def create_app(config: ProxyConfig, pool: EnginePool | None = None) -> FastAPI:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     if admin_keys.enabled:
-        app.include_router(admin_router(pool, admin_keys))
+        app.include_router(admin_router(pool, admin_keys, admin_networks))
 
     return app
 

@@ -38,14 +38,18 @@ class ProxyConfig:
     admin_key_env: tuple[str, ...] = ()
     """Environment variables holding the admin keys (none, and no file: no admin routes)."""
     admin_key_file: str | None = None
+    admin_engine_networks: tuple[str, ...] = ()
+    """Networks (CIDRs) where the admin routes may add engines, besides the hosts of the engines the proxy
+    was given (``proxy.admin``: an added engine is sent users' requests and the engine key)."""
     forward_authorization: bool = False
     """Send the client's ``Authorization`` header on to the engines (for engines started with --api-key)."""
     fast_path: bool = True
     """Serve with the routes and uvicorn protocol that rely on FastAPI/uvicorn internals (``proxy.app``);
     false: stock FastAPI routing and uvicorn's protocol."""
     engine_auth: bool = False
-    """Send the engines the cluster's engine key (derived from the cluster secret, ``connectors.auth``:
-    ``PDSERVE_CLUSTER_SECRET`` or ``PDSERVE_CLUSTER_SECRET_FILE``), instead of any client's."""
+    """Send the engines the cluster's engine key, instead of any client's: ``PDSERVE_ENGINE_KEY`` (what the
+    cluster's proxy is given), a file of it (``PDSERVE_ENGINE_KEY_FILE``), or derived from the cluster secret
+    (``PDSERVE_CLUSTER_SECRET`` or ``PDSERVE_CLUSTER_SECRET_FILE``); ``connectors.auth.load_engine_key``."""
     bind_reader: bool = False
     """Tell the prefill engine which decode engine will read (``pdserve_reader``): the engines' connector ids
     are the pool's engine ids (a pdserve cluster's ``pdserve`` connector)."""

@@ -74,18 +74,34 @@ def parse_request(raw: bytes, kind: str, model_name: str) -> dict[str, Any]:
         raise InvalidRequest("request body must be a JSON object")
     if not _plainly_valid(body, kind):
         _validate(body, kind)
-    if wire.KV_TRANSFER_PARAMS in body:
-        # Only what a prefill engine of the cluster issued may reach a decode engine: a client's own
-        # would make a decode engine connect where the client says and read what it names.
-        raise InvalidRequest(
-            f"{wire.KV_TRANSFER_PARAMS} is set by pdserve between its engines, never by a client; remove it",
-            param=wire.KV_TRANSFER_PARAMS,
-        )
+    _refuse_transfer_fields(body)
     if body["model"] != model_name:
         raise ModelNotFound(
             f"The model `{body['model']}` does not exist; this server serves `{model_name}`", param="model"
         )
     return body
+
+
+def _refuse_transfer_fields(body: dict[str, Any]) -> None:
+    """Only what a prefill engine of the cluster issued may reach a decode engine: a client's own parameters
+    would make a decode engine connect where the client says and read what it names. vLLM reads them from
+    the top-level fields and from ``vllm_xargs`` (copied into the request's ``extra_args``), on every path."""
+    for name in wire.CLIENT_FORBIDDEN_FIELDS:
+        if name in body:
+            raise InvalidRequest(
+                f"{name} is set by pdserve between its engines, never by a client; remove it", param=name
+            )
+    xargs = body.get(wire.VLLM_XARGS)
+    if xargs is None:
+        return
+    if not isinstance(xargs, dict):
+        raise InvalidRequest(f"{wire.VLLM_XARGS} must be an object", param=wire.VLLM_XARGS)
+    for name in wire.CLIENT_FORBIDDEN_FIELDS:
+        if name in xargs:
+            raise InvalidRequest(
+                f"{wire.VLLM_XARGS}.{name} is set by pdserve between its engines, never by a client; remove it",
+                param=f"{wire.VLLM_XARGS}.{name}",
+            )
 
 
 def _validate(body: dict[str, Any], kind: str) -> None:

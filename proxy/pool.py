@@ -2,9 +2,13 @@
 
 The orchestrator (or, standalone, the command line) sets the endpoints of
 each role (``set_endpoints``); an admin may ``add``, ``drain`` or ``remove``
-one engine. Each engine has an ``EngineState``: the proxy's own in-flight
-legs on it (``with engine:`` is one leg), its health (``proxy.health`` ejects
-and readmits it), whether it is draining, and the load it last reported on
+one engine. The hosts of the engines set by the orchestrator or the command
+line are the cluster's (``cluster_hosts``, never shrinking): ``proxy.admin``
+adds engines only there, or in networks the proxy's settings name.
+
+Each engine has an ``EngineState``: the proxy's own in-flight legs on it
+(``with engine:`` is one leg), its health (``proxy.health`` ejects and
+readmits it), whether it is draining, and the load it last reported on
 ``/metrics`` (``proxy.load``).
 
 ``ready(role)`` is what routing chooses from: the engines that are healthy
@@ -17,14 +21,29 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 from connectors.wire import ROLES, TCP_ENDPOINT_PATTERN
 from proxy.errors import NoHealthyEngine, UnknownEngine
 
-__all__ = ["KV_ENDPOINT_PATTERN", "ROLES", "Endpoint", "EnginePool", "EngineState"]
+__all__ = ["KV_ENDPOINT_PATTERN", "ROLES", "Endpoint", "EnginePool", "EngineState", "endpoint_hosts", "url_host"]
 
 KV_ENDPOINT_PATTERN = TCP_ENDPOINT_PATTERN
 """One TP rank's side channel of the ``pdserve`` connector (``connectors.wire.side_channel_endpoint``)."""
+
+
+def url_host(url: str) -> str | None:
+    """The host of ``http://host:port`` or ``tcp://host:port``, lower case, an IPv6 address without brackets."""
+    try:
+        return urlsplit(url).hostname
+    except ValueError:
+        return None
+
+
+def endpoint_hosts(endpoint: Endpoint) -> set[str]:
+    """The hosts an engine's endpoint names: its URL's and its side channel's."""
+    hosts = {url_host(url) for url in (endpoint.url, *endpoint.kv_endpoints)}
+    return {host for host in hosts if host}
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,11 +109,19 @@ class EnginePool:
         self._roles: dict[str, tuple[EngineState, ...]] = {role: () for role in ROLES}
         self._ready: dict[str, tuple[EngineState, ...]] = {role: () for role in ROLES}
         self._counters = {role: itertools.count() for role in ROLES}
+        self.cluster_hosts: set[str] = set()
+        """Hosts (URL and side-channel) of every engine ``set_endpoints`` was given: the cluster's machines."""
 
     # --- membership (orchestrator, admin) --------------------------------------------------
 
     def set_endpoints(self, role: str, endpoints: list[Endpoint]) -> None:
-        """Make ``endpoints`` the role's engines. One already known keeps its state (in-flight, health, draining)."""
+        """Make ``endpoints`` the role's engines. One already known keeps its state (in-flight, health, draining).
+        Their hosts join ``cluster_hosts``."""
+        for endpoint in endpoints:
+            self.cluster_hosts.update(endpoint_hosts(endpoint))
+        self._replace(role, endpoints)
+
+    def _replace(self, role: str, endpoints: list[Endpoint]) -> None:
         _check_role(role)
         engines = []
         for endpoint in endpoints:
@@ -123,7 +150,7 @@ class EnginePool:
             self._refresh(role)
             return known
         engines = [e for e in self._roles[role] if e.engine_id != endpoint.engine_id]
-        self.set_endpoints(role, [e.endpoint for e in engines] + [endpoint])
+        self._replace(role, [e.endpoint for e in engines] + [endpoint])  # not the cluster's hosts by being added
         return self._engines[endpoint.engine_id]
 
     def drain(self, engine_id: str) -> EngineState:

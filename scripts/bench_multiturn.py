@@ -13,7 +13,9 @@ conversations (it is on in every run). Three runs of the same conversations, eac
   the reference is both, pooled, so that it brackets the tier runs in time;
 - ``tier``: with ``kv_tier`` (a fresh shared directory);
 - ``tier-restart``: with the tier, and the cluster stopped and started again (new
-  engines: empty host memory and prefix caches) after each round in ``--restart-after``.
+  engines: empty host memory and prefix caches) after each round in ``--restart-after``;
+  every cluster of the run is given one cluster secret (the tier's entries are MAC'd
+  under a key derived from it), so a restarted one loads what the one before stored.
 
 Each turn is streamed through the proxy; TTFT is the time to the first content
 token. Reported per run: TTFT p50/p90 of turns >= 2 and its ratio to the pooled no-tier runs,
@@ -237,6 +239,13 @@ def main() -> None:
     restart_after = {int(r) for r in args.restart_after.split(",") if r}
     workdir = Path(tempfile.mkdtemp(prefix="pdserve-multiturn-"))
     os.environ.setdefault("PDSERVE_STATE_DIR", str(workdir / "state"))  # a cluster of this script's own
+    # One cluster secret for every `pdserve up` of the run: the tier's MAC key is derived from it, so a
+    # cluster started again (tier-restart) accepts what the one before it stored.
+    from connectors.auth import SECRET_ENV, SECRET_FILE_ENV, new_secret, write_secret
+
+    if not (os.environ.get(SECRET_ENV) or os.environ.get(SECRET_FILE_ENV)):
+        write_secret(workdir / "cluster-secret", new_secret())
+        os.environ[SECRET_FILE_ENV] = str(workdir / "cluster-secret")
     results: dict[str, dict] = {}
     rows_by_run: dict[str, list[dict]] = {}
     for name in args.runs.split(","):

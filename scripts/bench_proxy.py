@@ -29,6 +29,9 @@ was running).
 
     python scripts/bench_proxy.py [--duration 10] [--rounds 3] [--connections 32] [--workers 1] [--json]
 
+``--baseline DIR`` adds the same proxy from another checkout (``git worktree add /tmp/base <commit>``),
+measured in turn with ours: what a change to the proxy costs, as a ratio from one run.
+
 Every process runs on the same machine: compare ratios from one run, not
 absolute numbers across runs or machines.
 """
@@ -90,10 +93,10 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def started(name: str, command: list[str], log_dir: Path) -> Iterator[subprocess.Popen]:
+def started(name: str, command: list[str], log_dir: Path, repo: Path = REPO) -> Iterator[subprocess.Popen]:
     log = open(log_dir / f"{name}.log", "wb")
-    env = os.environ | {"PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env)
+    env = os.environ | {"PYTHONPATH": str(repo) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=repo, env=env)
     try:
         yield process
     finally:
@@ -255,6 +258,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-router", action="store_true", help="measure our proxy only")
     parser.add_argument("--no-auth", action="store_true", help="leave out our proxy with authentication on")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    parser.add_argument(
+        "--baseline", type=Path, help="a checkout of another commit: its proxy is measured beside ours (ours@base)"
+    )
     args = parser.parse_args(argv)
 
     pressure_before = cpu_pressure()
@@ -263,7 +269,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.no_router:
         router_bin = None
     python = sys.executable
-    ports = {name: free_port() for name in ("prefill", "decode", "ours", "ours+auth", "router", "router_metrics")}
+    ports = {
+        name: free_port()
+        for name in ("prefill", "decode", "ours", "ours@base", "ours+auth", "router", "router_metrics")
+    }
     url = {name: f"http://127.0.0.1:{port}" for name, port in ports.items()}
     chat = "/v1/chat/completions"
 
@@ -282,6 +291,12 @@ def main(argv: list[str] | None = None) -> int:
         ours += ["--port", str(ports["ours"]), "--model", MODEL, "--workers", str(args.workers)]
         processes["ours"] = stack.enter_context(started("ours", ours, log_dir))
         targets = ["ours"]
+        if args.baseline:
+            base = [*ours[:-6], "--port", str(ports["ours@base"]), "--model", MODEL, "--workers", str(args.workers)]
+            processes["ours@base"] = stack.enter_context(
+                started("ours@base", base, log_dir, repo=args.baseline.resolve())
+            )
+            targets.append("ours@base")
         if not args.no_auth:
             from connectors.auth import new_secret, write_secret
 
@@ -356,6 +371,13 @@ def _report(args: argparse.Namespace, tool: str, at_load: dict, single: dict) ->
         report["rate_ratio_ours_to_router"] = rates["ours"] / rates["router"]
         if "ours+auth" in rates:
             report["rate_ratio_ours_auth_to_router"] = rates["ours+auth"] / rates["router"]
+    if "ours@base" in at_load:
+        report["rate_ratio_ours_to_baseline"] = (
+            report["at_load"]["ours"]["rate_rps"] / report["at_load"]["ours@base"]["rate_rps"]
+        )
+        report["cpu_ratio_ours_to_baseline"] = (
+            report["at_load"]["ours"]["cpu_us_per_request"] / report["at_load"]["ours@base"]["cpu_us_per_request"]
+        )
     if "ours+auth" in at_load:
         report["rate_ratio_auth_to_no_auth"] = (
             report["at_load"]["ours+auth"]["rate_rps"] / report["at_load"]["ours"]["rate_rps"]
@@ -368,13 +390,18 @@ def _print_report(report: dict) -> None:
     print(f"\n{load}; CPU pressure before: {report['cpu_pressure_before_pct']}%")
     for name, summary in report["at_load"].items():
         print(
-            f"  {name:<6} {summary['rate_rps']:8.0f} req/s (median)  p50 {summary['p50_ms']:6.2f} ms  "
+            f"  {name:<9} {summary['rate_rps']:8.0f} req/s (median)  p50 {summary['p50_ms']:6.2f} ms  "
             f"{summary['cpu_us_per_request']:5.0f} µs CPU/req"
         )
     if "rate_ratio_ours_to_router" in report:
         print(f"  ours / router: {report['rate_ratio_ours_to_router']:.2f}")
     if "rate_ratio_ours_auth_to_router" in report:
         print(f"  ours+auth / router: {report['rate_ratio_ours_auth_to_router']:.2f}")
+    if "rate_ratio_ours_to_baseline" in report:
+        print(
+            f"  ours / ours@base: {report['rate_ratio_ours_to_baseline']:.3f} req/s, "
+            f"{report['cpu_ratio_ours_to_baseline']:.3f} CPU/req"
+        )
     if "rate_ratio_auth_to_no_auth" in report:
         print(f"  ours+auth / ours: {report['rate_ratio_auth_to_no_auth']:.3f}")
     p50 = report["concurrency_1_p50_ms"]

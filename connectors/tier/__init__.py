@@ -8,7 +8,7 @@ beyond its ``fs`` tier, lives here:
 - ``connectors.tier.spec``: ``PdserveTierSpec`` and a worker that copies blocks
   between the engine's KV cache and the host tier on CPU (vLLM's own worker is
   CUDA/XPU only).
-- ``connectors.tier.store``: the shared filesystem tier: checksummed, crash-safe
+- ``connectors.tier.store``: the shared filesystem tier: MAC'd, private, crash-safe
   entries, bounded by bytes with LRU eviction, with metrics.
 - ``connectors.tier.held``: how many of a request's prompt tokens the filesystem
   tiers hold, answered by the engine's HTTP server for the proxy's routing.

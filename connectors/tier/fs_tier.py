@@ -3,10 +3,24 @@
 vLLM 0.32's ``FileSystemTierManager`` does the scheduling (an I/O thread pool,
 batched existence lookups, partial-failure bookkeeping, the model/layout
 namespace of ``FileMapper``); this subclass keeps all of that and changes what
-an entry is (``connectors.tier.store``): checksummed, fsynced before it is
-renamed into place, bounded by ``max_bytes`` with LRU eviction. What vLLM's tier
-lacks and this one adds: detection of torn or corrupt entries (deleted and
-recomputed), eviction, and the metrics below.
+an entry is (``connectors.tier.store``): MAC'd, fsynced before it is renamed
+into place, private (0600 in 0700 directories), bounded by ``max_bytes`` with LRU
+eviction. What vLLM's tier lacks and this one adds: refusal of torn, corrupt or
+foreign entries (deleted and recomputed), eviction, and the metrics below.
+
+The MAC key is derived from the cluster secret in the engine's environment
+(``connectors.auth.tier_key``, ``load_secret``): engines of one cluster share
+entries; a cluster started with another secret recomputes what an earlier one
+stored (``pdserve up`` takes a secret the caller gives, to keep the tier).
+
+**A directory the tier cannot trust fails the engine's start.** ``root_dir`` (and
+the namespace directory in it) must be this user's own and writable by no one
+else; one that is not raises ``UnsafeDirectory`` naming the path and the reason,
+and vLLM's engine start fails with it (the engine's log says why). Not a tier
+quietly left off: the user asked for it, a cluster without it only looks slow
+(every prompt computed), and a directory others can write is a setting to fix,
+not to serve around. A directory the tier creates is 0700; one that exists and is
+ours but readable by others is narrowed to 0700.
 
 Configured as a secondary tier of ``PdserveTierSpec``::
 
@@ -14,7 +28,7 @@ Configured as a secondary tier of ``PdserveTierSpec``::
      "root_dir": "/shared/kv", "max_bytes": 8589934592}
 
 ``root_dir`` gets one directory per entry format and engine layout
-(``pdserve-v1-cpu-<bytes per chunk>``), inside which ``FileMapper`` adds the
+(``pdserve-v2-cpu-<bytes per chunk>``), inside which ``FileMapper`` adds the
 model, dtype, block size and layer names: a key is the chained hash of the
 prompt's token blocks under that namespace, so the same tokens of another
 model, dtype or layout never meet.
@@ -44,6 +58,8 @@ from vllm.v1.kv_offload.tiering.base import JobId, TransferJob
 from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager, FsAsyncLookupManager
 from vllm.v1.kv_offload.tiering.fs.thread_pool import DualQueueThreadPool
 
+from connectors.auth import load_secret, tier_key
+from connectors.private_files import private_dir
 from connectors.tier.held import write_layout
 from connectors.tier.store import VERSION, EntryStore
 
@@ -73,7 +89,7 @@ class TIER_METRICS:  # noqa: N801 - a namespace of metric names, like vLLM's *Me
 
 
 def namespace(block_bytes: int) -> str:
-    """The directory of one entry format and engine layout: ``pdserve-v1-cpu-<bytes per chunk>``."""
+    """The directory of one entry format and engine layout: ``pdserve-v2-cpu-<bytes per chunk>``."""
     return f"pdserve-v{VERSION}-{current_platform.device_type or 'unknown'}-{block_bytes}"
 
 
@@ -136,14 +152,16 @@ class PdserveFsTier(FileSystemTierManager):
         self._load_progress: dict[JobId, int] = {}
         self._block_size = self.block_size_bytes
         self._use_o_direct = False
-        root = Path(root_dir) / namespace(self._block_size)
+        # Before any file is opened or named: a directory it cannot trust, or no secret, fails the start (docstring).
+        root = private_dir(Path(root_dir), f"KV tier {self.name!r} directory") / namespace(self._block_size)
+        key = tier_key(load_secret())
         self.file_mapper = FileMapper.from_offloading_spec(
             root_dir=str(root),
             offloading_spec=offloading_spec,
             blocks_per_file=offloading_spec.blocks_per_chunk,
             parallel_agnostic=True,
         )
-        self.entries = EntryStore(root, int(max_bytes), fsync=bool(fsync), rescan_s=float(rescan_s))
+        self.entries = EntryStore(root, int(max_bytes), key=key, fsync=bool(fsync), rescan_s=float(rescan_s))
         # for the engine's HTTP server, which answers the proxy what this tier holds (connectors.tier.held)
         write_layout(self.name, self.file_mapper.base_path, self.file_mapper.rank, offloading_spec)
         self._pool = DualQueueThreadPool(
@@ -220,7 +238,7 @@ class PdserveFsTier(FileSystemTierManager):
             ),
             m.EVICTIONS: counter("Entries evicted (least recently used) to keep the tier within max_bytes."),
             m.EVICTED_BYTES: counter("Bytes of the entries evicted from the pdserve KV tier."),
-            m.CORRUPT: counter("Torn or corrupt entries (wrong length, header or checksum): deleted, recomputed."),
+            m.CORRUPT: counter("Torn, corrupt or foreign entries (wrong length, header or MAC): deleted, recomputed."),
             m.USED_BYTES: gauge("Bytes of the entries this engine knows in the pdserve KV tier."),
             m.ENTRIES: gauge("Entries this engine knows in the pdserve KV tier."),
         }

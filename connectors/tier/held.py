@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from connectors import wire
+from connectors.private_files import make_private_dirs, write_private
 from connectors.tier import LAYOUT_ENV
 
 __all__ = ["TierLayout", "add_route", "block_hashes", "held_tokens", "read_layouts", "write_layout"]
@@ -89,10 +90,8 @@ def write_layout(name: str, base_path: str, rank: int, spec: Any) -> Path | None
     )
     layout = TierLayout(name, base_path, rank, spec.tokens_per_hash, groups)
     path = Path(directory) / f"{name}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(layout.to_json())
-    os.replace(tmp, path)
+    make_private_dirs(path.parent)
+    write_private(path, layout.to_json())  # 0600: it names the tier's directory and the model
     return path
 
 

@@ -1,19 +1,33 @@
-"""Entries of the shared KV tier on a filesystem: one checksummed file per chunk, bounded by bytes.
+"""Entries of the shared KV tier on a filesystem: one MAC'd file per chunk, bounded by bytes.
 
-An entry is a 32-byte header and the chunk's bytes::
+An entry is a 48-byte header and the chunk's bytes::
 
-    magic "PDKV" | version u16 | reserved u16 | payload length u64 | crc32 u32 | 12 bytes zero
+    magic "PDKV" | version u16 (2) | reserved u16 | payload length u64 | HMAC-SHA256 (32 bytes)
 
+- **Only entries this cluster wrote are loaded.** The MAC is HMAC-SHA256, under
+  the tier key (``connectors.auth.tier_key``: derived from the cluster secret,
+  a label of its own), of the header's first 16 bytes, the entry's name (its
+  path under the store's root, with the root's own name: a valid entry moved to
+  another key's name is refused) and the payload. An entry written under
+  another secret (another cluster, a cluster started again with a new secret),
+  altered, torn, or of an older format (version 1 carried an unkeyed CRC-32,
+  which anyone who can write the directory could forge) is refused like a
+  corrupt one. HMAC-SHA256 rather than keyed BLAKE2b: with SHA extensions it
+  is twice as fast here (1.5 GiB/s against 0.77 GiB/s on 1-16 MiB; CRC-32:
+  3.5 GiB/s), and OpenSSL releases the GIL while it hashes, as zlib does.
 - **A reader never sees a half-written entry.** A writer writes a temporary file
   beside the entry (``O_EXCL``, a name of its own), ``fsync``s it, renames it
   over the entry's name and ``fsync``s the directory. A second writer of the
   same key finds the entry there (or loses the rename race to an identical
   entry: both wrote the same bytes for the same key).
-- **A torn or corrupt entry is detected, dropped and counted.** A reader checks
-  the file's length, the header and the CRC-32 of the payload before it trusts
-  the bytes; a bad entry is deleted and the read fails (``CorruptEntry``), so the
-  caller recomputes the blocks. Temporary files left by a crashed writer are
-  removed when the store opens.
+- **A torn, corrupt or foreign entry is detected, dropped and counted.** A reader
+  checks the file's length, the header and the MAC before it trusts the bytes;
+  a bad entry is deleted and the read fails (``CorruptEntry``), so the caller
+  recomputes the blocks (and stores them again). Temporary files left by a
+  crashed writer are removed when the store opens.
+- **Private.** Entries are created 0600 and directories 0700: a chunk's KV is its
+  prompt. The store's root must be this user's own and writable by no one else
+  (``connectors.private_files.private_dir``: ``UnsafeDirectory`` otherwise).
 - **Bounded by bytes, least recently used first.** ``LruIndex`` knows the
   entries' sizes and last use; the store evicts the oldest when an entry pushes
   it over its budget, and rebuilds the index from the directory (by last access
@@ -25,16 +39,19 @@ An entry is a 32-byte header and the chunk's bytes::
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import hmac
 import os
 import struct
 import threading
 import time
 import uuid
-import zlib
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from connectors.private_files import FILE_MODE, make_private_dirs, private_dir
 
 __all__ = [
     "ENTRY_SUFFIX",
@@ -42,19 +59,34 @@ __all__ = [
     "CorruptEntry",
     "EntryStore",
     "LruIndex",
+    "entry_mac",
     "read_entry",
     "write_entry",
 ]
 
 MAGIC = b"PDKV"
-VERSION = 1
-HEADER = struct.Struct("<4sHHQI12x")  # 32 bytes
+VERSION = 2
+"""The entry format: 2 is MAC'd (1 was CRC-32'd); it also names the tier's namespace directory."""
+HEADER = struct.Struct("<4sHHQ32s")  # 48 bytes
+_SIGNED = struct.Struct("<4sHHQ")  # the header's fields the MAC covers (all but the MAC)
+_MIN_KEY_BYTES = 16
 ENTRY_SUFFIX = ".bin"  # the name vLLM's FileMapper gives a chunk
 TMP_SUFFIX = ".tmp"
 
 
 class CorruptEntry(OSError):
-    """An entry whose length, header or checksum is wrong (it has been deleted)."""
+    """An entry whose length, header or MAC is wrong (it has been deleted)."""
+
+
+def entry_mac(key: bytes, name: str, length: int, payload: memoryview) -> bytes:
+    """The MAC of an entry: HMAC-SHA256 under ``key`` of its header's fields, its ``name`` and ``payload``."""
+    if len(key) < _MIN_KEY_BYTES:
+        raise ValueError(f"the KV tier key is too short ({len(key)} bytes; at least {_MIN_KEY_BYTES})")
+    encoded = name.encode()
+    mac = hmac.new(key, _SIGNED.pack(MAGIC, VERSION, 0, length), hashlib.sha256)
+    mac.update(struct.pack("<I", len(encoded)) + encoded)
+    mac.update(payload)
+    return mac.digest()
 
 
 def _fsync_dir(path: Path) -> None:
@@ -65,15 +97,16 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_entry(path: Path, payload: memoryview, *, fsync: bool = True) -> int:
-    """Write ``payload`` as the entry at ``path``; the bytes written, or 0 if the entry already exists."""
+def write_entry(path: Path, payload: memoryview, *, key: bytes, name: str, fsync: bool = True) -> int:
+    """Write ``payload`` as the entry ``name`` at ``path``, MAC'd under ``key``; the bytes written, or 0 if
+    the entry already exists."""
     if path.exists():
         return 0
-    path.parent.mkdir(parents=True, exist_ok=True)
+    make_private_dirs(path.parent)
     payload = payload.cast("B")
-    header = HEADER.pack(MAGIC, VERSION, 0, len(payload), zlib.crc32(payload))
+    header = HEADER.pack(MAGIC, VERSION, 0, len(payload), entry_mac(key, name, len(payload), payload))
     tmp = path.with_name(f"{path.name}.{uuid.uuid4().hex}{TMP_SUFFIX}")
-    fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, FILE_MODE)
     try:
         try:
             written = os.writev(fd, [header, payload])
@@ -93,11 +126,11 @@ def write_entry(path: Path, payload: memoryview, *, fsync: bool = True) -> int:
     return len(header) + len(payload)
 
 
-def read_entry(path: Path, out: memoryview) -> int:
-    """Read the entry at ``path`` into ``out`` (exactly its payload's size); the bytes read.
+def read_entry(path: Path, out: memoryview, *, key: bytes, name: str) -> int:
+    """Read the entry ``name`` at ``path`` into ``out`` (exactly its payload's size); the bytes read.
 
     Raises ``FileNotFoundError`` if there is none, and ``CorruptEntry`` (after
-    deleting it) if its length, header or checksum is wrong.
+    deleting it) if its length, header or MAC (under ``key``) is wrong.
     """
     out = out.cast("B")
     fd = os.open(path, os.O_RDONLY)
@@ -111,11 +144,11 @@ def read_entry(path: Path, out: memoryview) -> int:
     if got != HEADER.size + len(out):
         reason = f"{size} bytes, expected {HEADER.size + len(out)}"
     else:
-        magic, version, _, length, crc = HEADER.unpack(header)
+        magic, version, _, length, mac = HEADER.unpack(header)
         if magic != MAGIC or version != VERSION or length != len(out):
             reason = f"bad header (magic {magic!r}, version {version}, length {length})"
-        elif zlib.crc32(out) != crc:
-            reason = "checksum mismatch"
+        elif not hmac.compare_digest(mac, entry_mac(key, name, length, out)):
+            reason = "wrong MAC: altered, or written under another cluster secret"
     if reason is not None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
@@ -174,9 +207,11 @@ class StoreCounters:
 class EntryStore:
     """The directory of one tier namespace: writes, checked reads, the LRU budget; safe across threads."""
 
-    def __init__(self, root: Path, max_bytes: int, *, fsync: bool = True, rescan_s: float = 30.0) -> None:
-        self.root = Path(root)
-        self.root.mkdir(parents=True, exist_ok=True)
+    def __init__(self, root: Path, max_bytes: int, *, key: bytes, fsync: bool = True, rescan_s: float = 30.0) -> None:
+        if len(key) < _MIN_KEY_BYTES:
+            raise ValueError(f"the KV tier key is too short ({len(key)} bytes; at least {_MIN_KEY_BYTES})")
+        self.root = private_dir(root, "KV tier directory")
+        self._key = key
         self.fsync = fsync
         self.rescan_s = rescan_s
         self._lock = threading.Lock()
@@ -217,9 +252,14 @@ class EntryStore:
             self._counters.evictions += len(keys)
             self._counters.evicted_bytes += removed
 
+    def name_of(self, path: Path) -> str:
+        """What an entry's MAC binds it to: its path under the root, after the root's own name (the tier's
+        namespace: entry format, device, chunk size); the same on every host, wherever the directory is mounted."""
+        return f"{self.root.name}/{Path(path).relative_to(self.root).as_posix()}"
+
     def write(self, path: Path, payload: memoryview) -> int:
         """Store an entry (if new), then evict what the budget no longer holds; the bytes written."""
-        written = write_entry(path, payload, fsync=self.fsync)
+        written = write_entry(path, payload, key=self._key, name=self.name_of(path), fsync=self.fsync)
         key = str(path)
         with self._lock:
             self._counters.stored_bytes += written
@@ -232,10 +272,10 @@ class EntryStore:
         return written
 
     def read(self, path: Path, out: memoryview) -> int:
-        """Read a checked entry into ``out`` and mark it used; a corrupt one is dropped and counted."""
+        """Read a checked entry into ``out`` and mark it used; a corrupt or foreign one is dropped and counted."""
         key = str(path)
         try:
-            got = read_entry(path, out)
+            got = read_entry(path, out, key=self._key, name=self.name_of(path))
         except CorruptEntry:
             with self._lock:
                 self._index.discard(key)

@@ -3,9 +3,10 @@ the shared one, after the engines restart, answers exactly as without the tier, 
 on disk never changes an answer. The proxy routes by what the tier holds: a prompt it never saw, whose
 history the tier holds, is served decode-only.
 
-Two clusters of their own, one after the other, sharing one tier directory: the second is the first
-"restarted" (new engines, empty host memory, empty prefix caches), so what it does not compute it
-can only have loaded from the directory. The answer "without the tier" is the same request with a
+Two clusters of their own, one after the other, sharing one tier directory and one cluster secret
+(the tier's MAC key is derived from it; ``pdserve up`` takes the secret file it is given): the second
+is the first "restarted" (new engines, empty host memory, empty prefix caches), so what it does not
+compute it can only have loaded from the directory. The answer "without the tier" is the same request with a
 ``cache_salt``: its block hashes differ, so nothing stored matches and the engines compute it all.
 """
 
@@ -22,6 +23,7 @@ import pytest
 import yaml
 
 from connectors import wire
+from connectors.auth import SECRET_FILE_ENV, ClusterSecret, new_secret, tier_key, write_secret
 from connectors.tier.store import HEADER, read_entry
 from orchestrator.shm import SHM_DIR
 from tests.integration.conftest import HERE, engine_headers, http_json, own_cluster
@@ -99,9 +101,12 @@ def total(values: dict[str, float], name: str, **labels: str) -> float:
     return sum(v for key, v in values.items() if key.startswith(name + "{") and all(w in key for w in want))
 
 
-def intact(entry: Path) -> bool:
+def intact(entry: Path, tier: Path, secret: ClusterSecret) -> bool:
+    """Whether the entry reads back whole and MAC'd under the cluster's tier key (its name: its path in the
+    tier directory, namespace first, as ``EntryStore.name_of`` says)."""
+    out = memoryview(bytearray(entry.stat().st_size - HEADER.size))
     try:
-        read_entry(entry, memoryview(bytearray(entry.stat().st_size - HEADER.size)))
+        read_entry(entry, out, key=tier_key(secret), name=entry.relative_to(tier).as_posix())
     except OSError:
         return False
     return True
@@ -111,18 +116,23 @@ def conversation(topic: str) -> list[dict]:
     return [{"role": "user", "content": f"A question about {topic}. " + STORY * 18 + f"Tell me about {topic}."}]
 
 
-def test_history_comes_from_the_tiers_after_a_restart_and_answers_do_not_change(tmp_path: Path) -> None:
+def test_history_comes_from_the_tiers_after_a_restart_and_answers_do_not_change(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     name = f"pdserve-kv-tier-{secrets.token_hex(3)}"
     tier, node = tmp_path / "tier", Path("/dev/shm/pdserve-kv") / name
+    secret = new_secret()  # both clusters': the second accepts the entries the first stored
+    write_secret(tmp_path / "cluster-secret", secret)
+    monkeypatch.setenv(SECRET_FILE_ENV, str(tmp_path / "cluster-secret"))
     try:
-        check_tiers(tmp_path, name, tier, node)
+        check_tiers(tmp_path, name, tier, node, secret)
     finally:
         shutil.rmtree(node, ignore_errors=True)  # the node tier outlives the cluster by design
         with contextlib.suppress(OSError):
             node.parent.rmdir()  # when no other cluster's node tier is in it
 
 
-def check_tiers(tmp_path: Path, name: str, tier: Path, node: Path) -> None:
+def check_tiers(tmp_path: Path, name: str, tier: Path, node: Path, secret: ClusterSecret) -> None:
     regions_before = set(SHM_DIR.glob("vllm_offload_*"))
     for run in ("a", "b"):
         (tmp_path / run).mkdir()
@@ -194,6 +204,6 @@ def check_tiers(tmp_path: Path, name: str, tier: Path, node: Path) -> None:
         after = metrics(prefill, headers)
         assert total(after, "pdserve:kv_tier_corrupt_entries_total", tier="shared") >= 1
         # ... and stored again: its blocks' entries on disk read back intact.
-        assert sum(intact(entry) for entry in tier.rglob("*.bin")) >= 4
+        assert sum(intact(entry, tier, secret) for entry in tier.rglob("*.bin")) >= 4
     # the engines took their host regions (host_gib each in /dev/shm) with them
     assert set(SHM_DIR.glob("vllm_offload_*")) - regions_before == set()

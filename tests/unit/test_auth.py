@@ -192,3 +192,38 @@ async def test_admin_unknown_engine_is_404(admin):
     response = await admin.delete("/admin/engines/nobody", headers={"X-Admin-Key": ADMIN_KEY})
 
     assert_openai_error(response, 404, error_type="invalid_request_error", code="engine_not_found", param="engine_id")
+
+
+# --- where an admin may add engines ---------------------------------------------------------------
+
+
+async def test_admin_may_add_an_engine_only_on_the_clusters_hosts(admin, pool):
+    key = {"X-Admin-Key": ADMIN_KEY}
+    foreign = {"role": "decode", "engine_id": "decode-9", "url": "http://203.0.113.7:8100"}
+    refused = await admin.post("/admin/engines", headers=key, json=foreign)
+    error = assert_openai_error(refused, 400, error_type="invalid_request_error", param="url")
+    assert "203.0.113.7 is not a host of this cluster's engines (127.0.0.1)" in error["message"]
+
+    side_channel_elsewhere = {**foreign, "url": "http://127.0.0.1:8109", "kv_endpoints": ["tcp://203.0.113.7:5709"]}
+    refused = await admin.post("/admin/engines", headers=key, json=side_channel_elsewhere)
+    assert_openai_error(refused, 400, error_type="invalid_request_error", param="kv_endpoints.0")
+
+    assert [e.engine_id for e in pool.engines()] == ["prefill-0", "decode-0"]  # nothing was added
+    assert pool.cluster_hosts == {"127.0.0.1"}  # what the pool was given, never what an admin adds
+
+
+async def test_admin_engine_networks_allow_addresses_not_names(make_client, pool):
+    admin = await make_client(admin_key_env=("PD_ADMIN_KEY",), admin_engine_networks=("203.0.113.0/24",))
+    key = {"X-Admin-Key": ADMIN_KEY}
+    in_network = {"role": "decode", "engine_id": "decode-9", "url": "http://203.0.113.7:8100"}
+    added = await admin.post("/admin/engines", headers=key, json=in_network)
+    assert added.status_code == 201, added.text
+    by_name = {"role": "decode", "engine_id": "decode-10", "url": "http://engines.example:8100"}
+    refused = await admin.post("/admin/engines", headers=key, json=by_name)
+    assert_openai_error(refused, 400, error_type="invalid_request_error", param="url")
+    assert "203.0.113.7" not in pool.cluster_hosts
+
+
+def test_a_bad_admin_engine_network_names_itself() -> None:
+    with pytest.raises(ProxyConfigError, match="admin_engine_networks: '10.0.0.0/33' is not a network"):
+        create_app(ProxyConfig("m", admin_engine_networks=("10.0.0.0/33",)))

@@ -161,3 +161,18 @@ def test_a_second_up_while_one_is_starting_is_refused_and_touches_nothing(
     err = capsys.readouterr().err
     assert f"another `pdserve up` (pid 4242) is starting a cluster from {tmp_path}" in err
     assert (tmp_path / "cluster.json").read_text() == "{}"
+
+
+def test_up_takes_the_secret_it_is_given_so_a_shared_kv_tier_outlives_the_cluster(tmp_path: Path):
+    """The KV tier's MAC key is derived from the cluster secret: a cluster given the same secret again accepts
+    what the one before it stored; one with a new secret would recompute it all."""
+    from connectors.auth import SECRET_ENV, SECRET_FILE_ENV, ClusterSecret, new_secret, tier_key, write_secret
+    from orchestrator.cluster import secret_for_up
+
+    given = new_secret()
+    write_secret(tmp_path / "cluster-secret", given)
+    assert secret_for_up({SECRET_FILE_ENV: str(tmp_path / "cluster-secret")}) == given
+    assert secret_for_up({SECRET_ENV: given.reveal()}) == given
+    fresh = [secret_for_up({}) for _ in range(2)]
+    assert fresh[0] != fresh[1] and isinstance(fresh[0], ClusterSecret)
+    assert tier_key(secret_for_up({SECRET_ENV: given.reveal()})) == tier_key(given) != tier_key(fresh[0])

@@ -354,7 +354,9 @@ def test_the_proxy_port_is_exposed_on_the_head_and_by_the_service(raycluster, mu
     assert port in {p["containerPort"] for p in container(head)["ports"]}
     assert {6379, 8265} <= {p["containerPort"] for p in container(head)["ports"]}  # GCS, dashboard (job submission)
     service = load_one("service.yaml")
-    assert any(p["port"] == port and p.get("targetPort", p["port"]) == port for p in service["spec"]["ports"])
+    # the proxy's port and nothing else: never the dashboard, GCS or client port (they run code on the cluster)
+    assert [(p["port"], p.get("targetPort", p["port"])) for p in service["spec"]["ports"]] == [(port, port)]
+    assert service["spec"].get("type", "ClusterIP") == "ClusterIP"
     assert service["spec"]["selector"] == {
         "ray.io/cluster": raycluster["metadata"]["name"],
         "ray.io/node-type": "head",
@@ -382,3 +384,28 @@ def test_the_raycluster_runs_the_ray_pdserve_pins(raycluster):
     images = {container(raycluster["spec"]["headGroupSpec"])["image"]}
     images |= {container(group)["image"] for group in worker_groups(raycluster).values()}
     assert len(images) == 1  # one image for every pod (the RayJob's submitter takes the head's)
+
+
+def ray_version(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in text.split(".")[:3])
+
+
+def test_ray_token_authentication_is_on(raycluster):
+    """KubeRay >= 1.5.1 (``authOptions``): a random token in a Secret, RAY_AUTH_MODE/RAY_AUTH_TOKEN on every
+    Ray container and on the RayJob's submitter; Ray >= 2.52 (KubeRay refuses token mode below it)."""
+    assert raycluster["spec"]["authOptions"] == {"mode": "token"}
+    assert ray_version(raycluster["spec"]["rayVersion"]) >= (2, 52, 0)
+    # nothing turns it off or pins a token in a manifest (the operator's Secret holds it)
+    groups = [raycluster["spec"]["headGroupSpec"], *worker_groups(raycluster).values()]
+    env_names = {e["name"] for group in groups for e in container(group).get("env", [])}
+    assert not env_names & {"RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"}
+    job = load_one("rayjob.yaml")
+    assert "RAY_AUTH" not in job["spec"].get("runtimeEnvYAML", "") and "RAY_AUTH" not in job["spec"]["entrypoint"]
+
+
+def test_no_manifest_exposes_the_dashboard_on_a_service():
+    for path in sorted(KUBERAY.glob("*.yaml")):
+        for doc in load_all(path.name):
+            if doc["kind"] == "Service":
+                ports = {p["port"] for p in doc["spec"]["ports"]} | {p.get("targetPort") for p in doc["spec"]["ports"]}
+                assert not ports & {8265, "dashboard", 6379, 10001}, path.name

@@ -15,13 +15,13 @@ import pytest
 import uvicorn
 
 from orchestrator.engine_actor import (
-    _health_first,
     _once_a_second,
     error_excerpt,
     listen_socket,
     parse_cores,
     pin_process_tree,
 )
+from orchestrator.engine_guard import OPEN_PATHS, guard
 
 
 @pytest.mark.parametrize(
@@ -81,31 +81,84 @@ def test_error_excerpt_of_an_empty_log_says_so() -> None:
     assert "no error line" in error_excerpt("")
 
 
-class _Engine:
-    def __init__(self, dead: bool = False) -> None:
-        self.dead = dead
-
-    async def check_health(self) -> None:
-        from vllm.v1.engine.exceptions import EngineDeadError
-
-        if self.dead:
-            raise EngineDeadError()
+KEY = "k" * 64
 
 
 async def _vllm_app(scope: dict, receive: Any, send: Any) -> None:
+    if scope["type"] == "websocket":
+        await send({"type": "websocket.accept"})
+        await send({"type": "websocket.close", "code": 1000})
+        return
     await send({"type": "http.response.start", "status": 418, "headers": []})
     await send({"type": "http.response.body", "body": b"vllm"})
 
 
-@pytest.mark.parametrize(("dead", "status"), [(False, 200), (True, 503)])
-def test_health_is_answered_before_vllms_app_as_vllm_answers_it(dead: bool, status: int) -> None:
-    async def ask() -> list[int]:
-        transport = httpx.ASGITransport(app=_health_first(_vllm_app, _Engine(dead)))
-        async with httpx.AsyncClient(transport=transport, base_url="http://engine") as client:
-            return [(await client.request(method, path)).status_code for method, path in
-                    [("GET", "/health"), ("GET", "/v1/models"), ("POST", "/health")]]  # fmt: skip
+def _ask_guarded(healthy: bool, requests: list[tuple[str, str, dict[str, str]]]) -> list[httpx.Response]:
+    async def health() -> bool:
+        return healthy
 
-    assert asyncio.run(ask()) == [status, 418, 418]
+    async def ask() -> list[httpx.Response]:
+        transport = httpx.ASGITransport(app=guard(_vllm_app, KEY, health))
+        async with httpx.AsyncClient(transport=transport, base_url="http://engine") as client:
+            return [await client.request(method, path, headers=headers) for method, path, headers in requests]
+
+    return asyncio.run(ask())
+
+
+@pytest.mark.parametrize(("healthy", "status"), [(True, 200), (False, 503)])
+def test_health_is_answered_before_vllms_app_without_the_key(healthy: bool, status: int) -> None:
+    [health, other_method] = _ask_guarded(healthy, [("GET", "/health", {}), ("POST", "/health", {})])
+    assert (health.status_code, other_method.status_code) == (status, 418)  # open path: vLLM answers the rest
+
+
+@pytest.mark.parametrize(
+    "path",
+    ["/v1/completions", "/invocations", "/tokenize", "/detokenize", "/scale_elastic_ep", "/a-route-of-vllm-2027",
+     "/metrics/extra", "//health", "/health/", "/"],
+)  # fmt: skip
+@pytest.mark.parametrize("method", ["GET", "POST", "OPTIONS", "DELETE"])
+def test_every_other_route_needs_the_engine_key(path: str, method: str) -> None:
+    wrong = {"Authorization": "Bearer " + "x" * 64}
+    basic = {"Authorization": "Basic " + KEY}
+    good = {"Authorization": "Bearer " + KEY}
+    refused, wrong_key, not_bearer, allowed = _ask_guarded(
+        True, [(method, path, {}), (method, path, wrong), (method, path, basic), (method, path, good)]
+    )
+    for response in (refused, wrong_key, not_bearer):
+        assert response.status_code == 401
+        assert response.json()["error"]["code"] == "invalid_api_key"  # OpenAI's error format
+    assert allowed.status_code == 418
+
+
+def test_only_the_probes_are_open() -> None:
+    assert OPEN_PATHS == {"/health", "/metrics"}
+    [metrics] = _ask_guarded(True, [("GET", "/metrics", {})])
+    assert metrics.status_code == 418
+
+
+def test_a_websocket_without_the_key_is_closed_before_vllm_sees_it() -> None:
+
+    async def run(headers: list[tuple[bytes, bytes]]) -> list[dict]:
+        sent: list[dict] = []
+        messages = [{"type": "websocket.connect"}]
+
+        async def receive() -> dict:
+            return messages.pop(0) if messages else {"type": "websocket.disconnect"}
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+
+        async def health() -> bool:
+            return True
+
+        scope = {"type": "websocket", "path": "/v1/realtime", "headers": headers}
+        await guard(_vllm_app, KEY, health)(scope, receive, send)
+        return sent
+
+    events = asyncio.run(run([]))
+    assert events == [{"type": "websocket.close", "code": 1008}]
+    events = asyncio.run(run([(b"authorization", f"Bearer {KEY}".encode())]))
+    assert events[0] == {"type": "websocket.accept"}
 
 
 def test_the_engines_http_server_ticks_once_a_second_and_exits_at_once() -> None:

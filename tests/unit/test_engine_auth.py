@@ -9,8 +9,9 @@ import asyncio
 import pytest
 from aiohttp import web
 
-from connectors.auth import SECRET_ENV, SECRET_FILE_ENV, engine_key
+from connectors.auth import PROXY_ENGINE_KEY_ENV, PROXY_ENGINE_KEY_FILE_ENV, SECRET_ENV, engine_key
 from proxy.app import ProxyConfig, create_app
+from proxy.auth import load_engine_key
 from proxy.errors import ProxyConfigError
 from proxy.pool import EnginePool
 from tests.stub_engine import Behaviour
@@ -32,9 +33,41 @@ async def test_engines_get_the_clusters_key_and_never_the_clients(make_client, p
 
 
 def test_engine_auth_without_a_secret_names_where_it_is_looked_for(monkeypatch) -> None:
-    monkeypatch.delenv(SECRET_ENV)
-    with pytest.raises(ProxyConfigError, match=f"{SECRET_ENV}.*{SECRET_FILE_ENV}"):
+    for name in (SECRET_ENV, PROXY_ENGINE_KEY_ENV, PROXY_ENGINE_KEY_FILE_ENV):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(ProxyConfigError, match=f"{PROXY_ENGINE_KEY_ENV}.*{PROXY_ENGINE_KEY_FILE_ENV}.*{SECRET_ENV}"):
         create_app(ProxyConfig(PROXY_MODEL, engine_auth=True), EnginePool())
+
+
+def test_the_engine_key_comes_first_then_its_file_then_the_secret(monkeypatch, tmp_path) -> None:
+    """The cluster's proxy is given the key (``PDSERVE_ENGINE_KEY``); one started by hand a file of it, or the
+    secret file to derive it from."""
+    for name in (PROXY_ENGINE_KEY_ENV, PROXY_ENGINE_KEY_FILE_ENV):
+        monkeypatch.delenv(name, raising=False)
+    given, in_file = "k" * 64, "f" * 64
+    (tmp_path / "engine.key").write_text(in_file + "\n")
+    assert load_engine_key() == engine_key(TEST_SECRET)  # the conftest's secret: derived
+    monkeypatch.setenv(PROXY_ENGINE_KEY_FILE_ENV, str(tmp_path / "engine.key"))
+    assert load_engine_key() == in_file
+    monkeypatch.setenv(PROXY_ENGINE_KEY_ENV, given)
+    assert load_engine_key() == given
+    monkeypatch.delenv(SECRET_ENV)
+    assert load_engine_key() == given  # no secret needed
+    monkeypatch.delenv(PROXY_ENGINE_KEY_ENV)
+    monkeypatch.setenv(PROXY_ENGINE_KEY_FILE_ENV, str(tmp_path / "missing"))
+    with pytest.raises(ProxyConfigError, match="cannot read the engine key file"):
+        load_engine_key()
+
+
+async def test_a_proxy_given_only_the_engine_key_sends_it(make_client, monkeypatch, prefill_engine, decode_engine):
+    monkeypatch.delenv(SECRET_ENV)
+    monkeypatch.setenv(PROXY_ENGINE_KEY_ENV, engine_key(TEST_SECRET))
+    client = await make_client(engine_auth=True)
+    response = await client.post(CHAT_PATH, json=CHAT)
+
+    assert response.status_code == 200
+    for engine in (prefill_engine, decode_engine):
+        assert engine.requests[0].headers["authorization"] == ENGINE_KEY
 
 
 @pytest.mark.parametrize("refusing", ["prefill", "decode"])

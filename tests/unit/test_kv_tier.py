@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import re
+import stat
+import struct
 import threading
 import time
 import zlib
@@ -25,11 +28,18 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.file_mapper import FileMapper
 
-from connectors.tier.fs_tier import _CountingLookup, namespace
+from connectors.auth import SECRET_ENV, ClusterSecret, MissingSecret, engine_key, new_secret, tier_key
+from connectors.errors import UnsafeDirectory
+from connectors.tier.fs_tier import PdserveFsTier, _CountingLookup, namespace
 from connectors.tier.spec import CpuTierWorker
-from connectors.tier.store import HEADER, CorruptEntry, EntryStore, LruIndex, read_entry, write_entry
+from connectors.tier.store import HEADER, CorruptEntry, EntryStore, LruIndex, entry_mac, read_entry, write_entry
+from tests.unit.conftest import TEST_SECRET
 
 BLOCK = 4096
+
+
+KEY = tier_key(TEST_SECRET)
+NAME = "ns/e.bin"
 
 
 def payload(seed: int, size: int = BLOCK) -> memoryview:
@@ -40,15 +50,27 @@ def buffer(size: int = BLOCK) -> memoryview:
     return memoryview(bytearray(size))
 
 
+def write(path: Path, data: memoryview, key: bytes = KEY, name: str = NAME, **kwargs) -> int:
+    return write_entry(path, data, key=key, name=name, **kwargs)
+
+
+def read(path: Path, out: memoryview, key: bytes = KEY, name: str = NAME) -> int:
+    return read_entry(path, out, key=key, name=name)
+
+
+def open_store(root: Path, max_bytes: int, **kwargs) -> EntryStore:
+    return EntryStore(root, max_bytes, key=KEY, **kwargs)
+
+
 # --- entries ------------------------------------------------------------------------------------
 
 
 def test_entry_round_trip_and_existing_entry_is_kept(tmp_path: Path) -> None:
     path = tmp_path / "a" / "b.bin"
-    assert write_entry(path, payload(1)) == HEADER.size + BLOCK
-    assert write_entry(path, payload(2)) == 0  # the same key again: the first entry stays
+    assert write(path, payload(1)) == HEADER.size + BLOCK
+    assert write(path, payload(2)) == 0  # the same key again: the first entry stays
     out = buffer()
-    assert read_entry(path, out) == HEADER.size + BLOCK
+    assert read(path, out) == HEADER.size + BLOCK
     assert bytes(out) == bytes(payload(1))
 
 
@@ -57,23 +79,61 @@ def test_entry_round_trip_and_existing_entry_is_kept(tmp_path: Path) -> None:
     [
         (lambda b: b[: len(b) // 2], "bytes, expected"),  # torn: the writer died half way
         (lambda b: b[:-1], "bytes, expected"),
-        (lambda b: b[: HEADER.size + 10] + bytes([b[HEADER.size + 10] ^ 1]) + b[HEADER.size + 11 :], "checksum"),
+        (lambda b: b[: HEADER.size + 10] + bytes([b[HEADER.size + 10] ^ 1]) + b[HEADER.size + 11 :], "wrong MAC"),
+        (lambda b: b[:20] + bytes([b[20] ^ 1]) + b[21:], "wrong MAC"),  # a flipped bit of the MAC itself
         (lambda b: b"XXXX" + b[4:], "bad header"),
         (lambda b: b + b"\0", "bytes, expected"),
     ],
 )
 def test_a_damaged_entry_is_detected_and_deleted(tmp_path: Path, damage, reason: str) -> None:
     path = tmp_path / "e.bin"
-    write_entry(path, payload(3))
+    write(path, payload(3))
     path.write_bytes(damage(path.read_bytes()))
     with pytest.raises(CorruptEntry, match=reason):
-        read_entry(path, buffer())
+        read(path, buffer())
     assert not path.exists()  # dropped, so the recomputed block is stored again
+
+
+def test_an_entry_written_under_another_clusters_secret_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "e.bin"
+    write(path, payload(3), key=tier_key(new_secret()))
+    with pytest.raises(CorruptEntry, match="another cluster secret"):
+        read(path, buffer())
+    assert not path.exists()
+
+
+def test_the_tier_key_is_its_own_derivation_of_the_secret() -> None:
+    assert tier_key(TEST_SECRET) == tier_key(ClusterSecret(TEST_SECRET.reveal()))
+    assert tier_key(TEST_SECRET) != tier_key(new_secret())
+    assert tier_key(TEST_SECRET).hex() != engine_key(TEST_SECRET)  # holding the engine key gives nothing here
+
+
+def test_a_valid_entry_moved_to_another_keys_name_is_refused(tmp_path: Path) -> None:
+    """An entry is bound to its name: one engine's valid KV cannot be planted under another prompt's key."""
+    mine, other = tmp_path / "mine.bin", tmp_path / "other.bin"
+    write(mine, payload(3), name="ns/mine.bin")
+    os.replace(mine, other)
+    with pytest.raises(CorruptEntry, match="wrong MAC"):
+        read(other, buffer(), name="ns/other.bin")
+
+
+def test_an_entry_of_the_old_crc_format_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "old.bin"
+    data = payload(9)
+    version_1 = struct.pack("<4sHHQI12x", b"PDKV", 1, 0, BLOCK, zlib.crc32(data))  # what version 1 wrote
+    path.write_bytes(version_1 + bytes(data))
+    with pytest.raises(CorruptEntry, match="expected"):
+        read(path, buffer())
+    assert not path.exists()
+    # the same header padded to the new size: refused by its version before any MAC is computed
+    path.write_bytes(version_1 + bytes(HEADER.size - len(version_1)) + bytes(data))
+    with pytest.raises(CorruptEntry, match="version 1"):
+        read(path, buffer())
 
 
 def test_a_missing_entry_is_a_plain_miss(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError):
-        read_entry(tmp_path / "none.bin", buffer())
+        read(tmp_path / "none.bin", buffer())
 
 
 def test_a_crashed_writer_leaves_no_entry_and_its_temp_file_is_removed_on_open(tmp_path: Path) -> None:
@@ -82,8 +142,8 @@ def test_a_crashed_writer_leaves_no_entry_and_its_temp_file_is_removed_on_open(t
     tmp = path.with_name(path.name + ".deadbeef.tmp")
     tmp.write_bytes(b"half an entry")  # what a writer killed before its rename leaves
     with pytest.raises(FileNotFoundError):
-        read_entry(path, buffer())
-    EntryStore(tmp_path, 10 * BLOCK)
+        read(path, buffer())
+    open_store(tmp_path, 10 * BLOCK)
     assert not tmp.exists()
 
 
@@ -95,7 +155,7 @@ def test_a_failed_write_leaves_nothing_behind(tmp_path: Path, monkeypatch: pytes
 
     monkeypatch.setattr(os, "fsync", broken_fsync)
     with pytest.raises(OSError, match="No space"):
-        write_entry(path, payload(4))
+        write(path, payload(4))
     assert list(path.parent.iterdir()) == []
 
 
@@ -104,32 +164,98 @@ def test_concurrent_writers_of_one_key_leave_one_valid_entry(tmp_path: Path) -> 
     data = payload(5, 256 * 1024)
     errors: list[BaseException] = []
 
-    def write() -> None:
+    def write_often() -> None:
         try:
             for _ in range(20):
-                write_entry(path, data)
+                write(path, data)
                 path.unlink(missing_ok=True)  # another engine evicting it between writes
-            write_entry(path, data)
+            write(path, data)
         except BaseException as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
 
-    threads = [threading.Thread(target=write) for _ in range(8)]
+    threads = [threading.Thread(target=write_often) for _ in range(8)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     assert errors == []
     out = buffer(len(data))
-    read_entry(path, out)
+    read(path, out)
     assert bytes(out) == bytes(data)
     assert [p.name for p in path.parent.iterdir()] == ["same.bin"]  # no temp files left
 
 
-def test_header_carries_the_crc_of_the_payload(tmp_path: Path) -> None:
+def test_header_carries_the_mac_of_the_name_and_payload(tmp_path: Path) -> None:
     path = tmp_path / "h.bin"
-    write_entry(path, payload(6))
-    magic, version, _, length, crc = HEADER.unpack(path.read_bytes()[: HEADER.size])
-    assert (magic, version, length, crc) == (b"PDKV", 1, BLOCK, zlib.crc32(payload(6)))
+    write(path, payload(6))
+    magic, version, _, length, mac = HEADER.unpack(path.read_bytes()[: HEADER.size])
+    assert (magic, version, length, mac) == (b"PDKV", 2, BLOCK, entry_mac(KEY, NAME, BLOCK, payload(6)))
+    assert entry_mac(KEY, "ns/other.bin", BLOCK, payload(6)) != mac
+
+
+# --- private files and the directory the tier trusts --------------------------------------------
+
+
+def test_entries_and_the_directories_made_for_them_are_private(tmp_path: Path) -> None:
+    old_umask = os.umask(0)  # the modes come from creation, not from a umask that happens to be strict
+    try:
+        entries = open_store(tmp_path / "made" / "ns", 10 * BLOCK, fsync=False)
+        path = entries.root / "model" / "layers" / "k.bin"
+        entries.write(path, payload(1))
+    finally:
+        os.umask(old_umask)
+    modes = {p: stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "made", entries.root, path.parent, path)}
+    assert modes == {tmp_path / "made": 0o700, entries.root: 0o700, path.parent: 0o700, path: 0o600}
+    out = buffer()
+    entries.read(path, out)
+    assert bytes(out) == bytes(payload(1))
+
+
+@pytest.mark.parametrize("mode", [0o770, 0o707, 0o777])
+def test_a_directory_others_can_write_is_refused_naming_it(tmp_path: Path, mode: int) -> None:
+    root = tmp_path / "kv"
+    root.mkdir()
+    root.chmod(mode)
+    why = rf"{re.escape(str(root))}: writable by its group or by everyone \(mode {mode:o}\)"
+    with pytest.raises(UnsafeDirectory, match=why):
+        open_store(root, 10 * BLOCK)
+
+
+def test_a_directory_of_another_user_is_refused_naming_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    root = tmp_path / "kv"
+    root.mkdir(mode=0o700)
+    monkeypatch.setattr(os, "geteuid", lambda: os.stat(root).st_uid + 1)  # as if another user owned it
+    with pytest.raises(UnsafeDirectory, match=rf"{re.escape(str(root))}: owned by uid \d+, not this user"):
+        open_store(root, 10 * BLOCK)
+
+
+def test_a_directory_of_ours_that_others_may_read_is_narrowed(tmp_path: Path) -> None:
+    root = tmp_path / "kv"
+    root.mkdir()
+    root.chmod(0o755)  # what an earlier pdserve left
+    open_store(root, 10 * BLOCK)
+    assert stat.S_IMODE(root.stat().st_mode) == 0o700
+
+
+def tier_at(root: Path) -> PdserveFsTier:
+    """The tier as vLLM's offloading connector builds it in the engine core; the checks come before the spec
+    is read, so a bare spec is enough to see what the engine's start does."""
+    primary = memoryview(bytearray(2 * BLOCK)).cast("B", [2, BLOCK])
+    return PdserveFsTier(SimpleNamespace(), primary, "fs", root_dir=str(root), max_bytes=10 * BLOCK, name="shared")
+
+
+def test_a_tier_directory_others_can_write_fails_the_engines_start(tmp_path: Path) -> None:
+    root = tmp_path / "kv"
+    root.mkdir()
+    root.chmod(0o775)
+    with pytest.raises(UnsafeDirectory, match=rf"KV tier 'shared' directory {re.escape(str(root))}: writable by"):
+        tier_at(root)
+
+
+def test_a_tier_without_the_cluster_secret_fails_the_engines_start(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.delenv(SECRET_ENV)
+    with pytest.raises(MissingSecret, match=SECRET_ENV):
+        tier_at(tmp_path / "kv")
 
 
 # --- the byte budget ------------------------------------------------------------------------------
@@ -155,7 +281,7 @@ def test_lru_index_never_evicts_the_protected_entry() -> None:
 
 def test_store_stays_within_its_budget_and_counts_evictions(tmp_path: Path) -> None:
     entry = HEADER.size + BLOCK
-    store = EntryStore(tmp_path, max_bytes=3 * entry, fsync=False)
+    store = open_store(tmp_path, max_bytes=3 * entry, fsync=False)
     paths = [tmp_path / f"{i}.bin" for i in range(5)]
     for i, path in enumerate(paths[:3]):
         store.write(path, payload(i))
@@ -171,7 +297,7 @@ def test_store_stays_within_its_budget_and_counts_evictions(tmp_path: Path) -> N
 
 
 def test_store_counts_corrupt_entries_and_forgets_them(tmp_path: Path) -> None:
-    store = EntryStore(tmp_path, max_bytes=10 * BLOCK, fsync=False)
+    store = open_store(tmp_path, max_bytes=10 * BLOCK, fsync=False)
     path = tmp_path / "c.bin"
     store.write(path, payload(7))
     path.write_bytes(path.read_bytes()[:100])
@@ -185,17 +311,17 @@ def test_reopened_store_rebuilds_its_index_in_last_use_order(tmp_path: Path) -> 
     entry = HEADER.size + BLOCK
     paths = [tmp_path / "x" / f"{i}.bin" for i in range(4)]
     for i, path in enumerate(paths):
-        write_entry(path, payload(i), fsync=False)
+        write(path, payload(i), fsync=False)
         os.utime(path, (1000 + 10 * i, 1000 + 10 * i))
     os.utime(paths[0], (2000, 2000))  # read last before the restart
-    store = EntryStore(tmp_path, max_bytes=3 * entry)  # a smaller budget than what is on disk
+    store = open_store(tmp_path, max_bytes=3 * entry)  # a smaller budget than what is on disk
     assert [p.exists() for p in paths] == [True, False, True, True]
     assert store.usage() == (3, 3 * entry)
 
 
 def test_entries_written_by_another_engine_are_counted_when_read(tmp_path: Path) -> None:
-    mine = EntryStore(tmp_path, max_bytes=10 * BLOCK, fsync=False)
-    other = EntryStore(tmp_path, max_bytes=10 * BLOCK, fsync=False)
+    mine = open_store(tmp_path, max_bytes=10 * BLOCK, fsync=False)
+    other = open_store(tmp_path, max_bytes=10 * BLOCK, fsync=False)
     path = tmp_path / "shared.bin"
     other.write(path, payload(8))
     mine.read(path, buffer())

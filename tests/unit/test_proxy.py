@@ -434,16 +434,44 @@ async def test_invalid_request_is_400_naming_the_parameter(client, path, sent, p
     assert prefill_engine.requests == []
 
 
-@pytest.mark.parametrize("path", [CHAT_PATH, COMPLETION_PATH])
-async def test_a_client_cannot_send_kv_transfer_params_to_an_engine(client, path, prefill_engine, decode_engine):
-    body = (CHAT if path == CHAT_PATH else COMPLETION) | {
-        "kv_transfer_params": {"do_remote_prefill": True, "remote_host": "10.0.0.9", "remote_block_ids": [1]}
-    }
-    response = await client.post(path, json=body)
+FORGED = {"do_remote_prefill": True, "remote_host": "10.0.0.9", "remote_block_ids": [1]}
+SMUGGLED = [
+    ({"kv_transfer_params": FORGED}, "kv_transfer_params"),
+    ({"kv_transfer_params": None}, "kv_transfer_params"),
+    ({"ec_transfer_params": {"do_remote_encode": True}}, "ec_transfer_params"),
+    ({"vllm_xargs": {"kv_transfer_params": FORGED}}, "vllm_xargs.kv_transfer_params"),
+    ({"vllm_xargs": {"kv_transfer_params": "do_remote_prefill"}}, "vllm_xargs.kv_transfer_params"),
+    ({"vllm_xargs": {"ec_transfer_params": 1}}, "vllm_xargs.ec_transfer_params"),
+    ({"vllm_xargs": ["kv_transfer_params"]}, "vllm_xargs"),
+]
 
-    error = assert_openai_error(response, 400, error_type="invalid_request_error", param="kv_transfer_params")
-    assert "never by a client" in error["message"]
+
+@pytest.mark.parametrize(("smuggled", "param"), SMUGGLED, ids=[param for _, param in SMUGGLED])
+@pytest.mark.parametrize("path", [CHAT_PATH, COMPLETION_PATH])
+@pytest.mark.parametrize("serving", ["pd", "decode-only", "prefill-only"])
+async def test_a_client_cannot_send_transfer_params_to_an_engine_by_any_field_on_any_path(
+    make_client, pool, path, smuggled, param, serving, prefill_engine, decode_engine
+):
+    """Every path into the connector is closed, on every serving path: the proxy attaches no parameters of its
+    own on decode-only (no prefill engine) and prefill-only (no decode engine), where a client's would reach
+    the engine as sent."""
+    if serving == "decode-only":
+        pool.set_endpoints("prefill", [])
+    elif serving == "prefill-only":
+        pool.set_endpoints("decode", [])
+    client = await make_client()
+    response = await client.post(path, json=(CHAT if path == CHAT_PATH else COMPLETION) | smuggled)
+
+    error = assert_openai_error(response, 400, error_type="invalid_request_error", param=param)
+    assert "never by a client" in error["message"] or "must be an object" in error["message"]
     assert prefill_engine.requests == [] and decode_engine.requests == []
+
+
+async def test_other_vllm_xargs_still_reach_the_engines(client, decode_engine):
+    response = await client.post(CHAT_PATH, json=CHAT | {"vllm_xargs": {"session_id": "s-1"}})
+
+    assert response.status_code == 200
+    assert decode_engine.requests[0].body["vllm_xargs"] == {"session_id": "s-1"}
 
 
 async def test_unknown_model_is_404_model_not_found(client, prefill_engine):
@@ -655,11 +683,24 @@ async def test_health_is_200_with_both_pools(client, prefill_engine, decode_engi
     assert response.status_code == 200
     body = response.json()
     assert body["status"] == "ok"
-    state = {"in_flight": 0, "healthy": True, "draining": False, "kv_endpoints": []}
+    state = {"in_flight": 0, "healthy": True, "draining": False}
+    # an anonymous caller learns which engines are healthy, not where they listen (URL, side channels)
     assert body["engines"] == {
-        "prefill": [{"engine_id": "prefill-0", "url": prefill_engine.url} | state],
-        "decode": [{"engine_id": "decode-0", "url": decode_engine.url} | state],
+        "prefill": [{"engine_id": "prefill-0"} | state],
+        "decode": [{"engine_id": "decode-0"} | state],
     }
+
+
+async def test_health_tells_an_admin_where_the_engines_listen(make_client, monkeypatch, prefill_engine):
+    monkeypatch.setenv("PD_ADMIN_KEY", "admin-secret")
+    client = await make_client(admin_key_env=("PD_ADMIN_KEY",))
+
+    anonymous = (await client.get("/health")).json()["engines"]["prefill"][0]
+    wrong = (await client.get("/health", headers={"X-Admin-Key": "guess"})).json()["engines"]["prefill"][0]
+    admin = (await client.get("/health", headers={"X-Admin-Key": "admin-secret"})).json()["engines"]["prefill"][0]
+
+    assert "url" not in anonymous and "kv_endpoints" not in anonymous and wrong == anonymous
+    assert admin["url"] == prefill_engine.url and admin["kv_endpoints"] == []
 
 
 @both_roles

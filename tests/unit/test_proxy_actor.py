@@ -6,28 +6,48 @@ is what the controller calls as engines come and go.
 
 from __future__ import annotations
 
+import os
+from types import SimpleNamespace
+from typing import Any
+
 import httpx
 import pytest
 
+from connectors.auth import PROXY_ENGINE_KEY_ENV, SECRET_ENV, SECRET_FILE_ENV, ClusterSecret, EngineKey, engine_key
+from orchestrator import controller as controller_module
 from orchestrator import proxy_actor
+from orchestrator.controller import ClusterController
 from orchestrator.proxy_actor import ProxyActor
+from orchestrator.spec import ClusterSpec
 from proxy.app import ProxyConfig
 from proxy.server import listen_socket
 from tests.stub_engine import answer_text
+from tests.unit.conftest import TEST_SECRET, spec_dict
 
 pytestmark = pytest.mark.timeout(20)
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "Say hello."}]}
 
 
-@pytest.fixture
-async def actor(monkeypatch, tmp_path):
-    monkeypatch.setattr(proxy_actor, "redirect_output", lambda path: None)  # keep pytest's stdout
-    monkeypatch.setattr(proxy_actor, "tune_gc", lambda: None)  # pytest's process keeps its collector as it is
+def free_port() -> int:
     sock = listen_socket("127.0.0.1", 0)
     port = sock.getsockname()[1]
     sock.close()
-    actor = ProxyActor(ProxyConfig("m", 5.0), "127.0.0.1", port, str(tmp_path / "proxy.log"))
+    return port
+
+
+@pytest.fixture
+def actor_process(monkeypatch):
+    """The actor's process as the test's own, its environment restored afterwards (the actor writes it)."""
+    monkeypatch.setattr(proxy_actor, "redirect_output", lambda path: None)  # keep pytest's stdout
+    monkeypatch.setattr(proxy_actor, "tune_gc", lambda: None)  # pytest's process keeps its collector as it is
+    monkeypatch.setenv(PROXY_ENGINE_KEY_ENV, "")  # monkeypatch puts back what was there (nothing)
+    monkeypatch.setenv(SECRET_FILE_ENV, "/as/if/ray/had/passed/it/on")  # the conftest set PDSERVE_CLUSTER_SECRET
+
+
+@pytest.fixture
+async def actor(actor_process, tmp_path):
+    actor = ProxyActor(ProxyConfig("m", 5.0), "127.0.0.1", free_port(), str(tmp_path / "proxy.log"))
     yield actor
     await actor.stop()
 
@@ -82,3 +102,67 @@ async def test_a_taken_port_fails_the_start(actor):
     finally:
         taken.close()
     assert actor.state == "failed"
+
+
+# --- least privilege: the engine key, never the cluster secret ------------------------------------------
+
+
+async def test_the_actor_holds_the_engine_key_and_never_the_cluster_secret(
+    actor_process, tmp_path, prefill_engine, decode_engine
+):
+    assert os.environ[SECRET_ENV] == TEST_SECRET.reveal()  # the process had it (Ray's environment, say)
+    actor = ProxyActor(
+        ProxyConfig("m", 5.0, engine_auth=True), "127.0.0.1", free_port(), str(tmp_path / "proxy.log"),
+        EngineKey.of(TEST_SECRET),
+    )  # fmt: skip
+    try:
+        info = await actor.start()
+        await actor.set_endpoints("prefill", [("prefill-0", prefill_engine.url)])
+        await actor.set_endpoints("decode", [("decode-0", decode_engine.url)])
+        async with httpx.AsyncClient(base_url=info["url"]) as client:
+            served = await client.post("/v1/chat/completions", json=CHAT)
+    finally:
+        await actor.stop()
+
+    assert SECRET_ENV not in os.environ and SECRET_FILE_ENV not in os.environ
+    assert os.environ[PROXY_ENGINE_KEY_ENV] == engine_key(TEST_SECRET)
+    assert served.status_code == 200
+    for engine in (prefill_engine, decode_engine):  # the engines still get their key
+        assert engine.requests[0].headers["authorization"] == f"Bearer {engine_key(TEST_SECRET)}"
+
+
+def test_the_engine_key_never_shows_itself():
+    key = EngineKey.of(TEST_SECRET)
+    assert repr(key) == str(key) == f"{[key]}"[1:-1] == "EngineKey(****)"
+    assert key.reveal() not in repr(SimpleNamespace(key=key))
+    assert key == EngineKey(engine_key(TEST_SECRET)) and key != EngineKey.of(ClusterSecret("another-secret-0123456789"))
+
+
+async def test_the_controller_hands_the_proxy_actor_the_engine_key_alone(monkeypatch, tmp_path):
+    """What ``ray.remote(ProxyActor)...remote(*args)`` is given crosses to the proxy's process: no secret."""
+    given: list[tuple[Any, ...]] = []
+
+    class ProxyClass:
+        def options(self, **options: Any) -> ProxyClass:
+            return self
+
+        def remote(self, *args: Any) -> Any:
+            given.append(args)
+
+            async def started() -> dict[str, str]:
+                return {"url": "http://127.0.0.1:8000"}
+
+            return SimpleNamespace(start=SimpleNamespace(remote=started))
+
+    monkeypatch.setattr(controller_module.ray, "remote", lambda cls: ProxyClass())
+    c = ClusterController.__new__(ClusterController)
+    c.spec = ClusterSpec.model_validate(spec_dict())
+    c.log_dir, c._secret, c.events, c.proxy_url = tmp_path, TEST_SECRET, [], "http://0.0.0.0:8000"
+    c._event = lambda message: c.events.append(message)  # type: ignore[method-assign]
+    await c._start_proxy()
+
+    [args] = given
+    assert not any(type(arg) is ClusterSecret for arg in args)  # an EngineKey, from which no other key derives
+    assert TEST_SECRET.reveal() not in repr(args)
+    assert args[-1] == EngineKey.of(TEST_SECRET)
+    assert c.proxy_url == "http://127.0.0.1:8000"

@@ -21,6 +21,7 @@ import openai
 import psutil
 import pytest
 
+from connectors.auth import SECRET_ENV, engine_key
 from proxy.config import ProxyConfig
 from proxy.server import listen_socket
 from proxy.standalone import (
@@ -31,7 +32,7 @@ from proxy.standalone import (
     parse_kv_endpoints,
 )
 from tests.stub_engine import StubEngine, answer_text
-from tests.unit.conftest import REPO_ROOT, SideChannel
+from tests.unit.conftest import REPO_ROOT, TEST_SECRET, SideChannel
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -241,6 +242,19 @@ async def test_an_api_key_from_the_environment_guards_the_proxy(unused_url, monk
     assert too_large.status_code == 413
 
 
+async def test_the_engine_key_file_alone_lets_it_call_engines(prefill_engine, decode_engine, monkeypatch, tmp_path):
+    """Least privilege by hand: `pdserve secret S --engine-key-file K`, then the proxy holds K, not S."""
+    monkeypatch.delenv(SECRET_ENV)
+    (tmp_path / "engine.key").write_text(engine_key(TEST_SECRET) + "\n")
+    args = ("--prefill", prefill_engine.url, "--decode", decode_engine.url)
+    async with cli_proxy(*args, "--engine-key-file", str(tmp_path / "engine.key")) as proxy:
+        async with proxy.openai() as client:
+            await client.chat.completions.create(model="stub-model", messages=MESSAGES, max_tokens=5)
+
+    for engine in (prefill_engine, decode_engine):  # /v1/models (the model's name) and the request's leg
+        assert {r.headers["authorization"] for r in engine.requests} == {f"Bearer {engine_key(TEST_SECRET)}"}
+
+
 async def test_an_api_key_variable_that_is_not_set_is_an_error(unused_url):
     args = ("--prefill", unused_url, "--decode", unused_url, "--model", "m", "--api-key-env", "PDSERVE_UNSET_KEY")
     process = await run_cli(*args, "--port", "0")
@@ -248,6 +262,15 @@ async def test_an_api_key_variable_that_is_not_set_is_an_error(unused_url):
 
     assert process.returncode == 1
     assert "PDSERVE_UNSET_KEY" in err.decode() and "not set" in err.decode()
+
+
+async def test_an_admin_engine_network_that_is_not_one_is_an_error(unused_url):
+    args = ("--prefill", unused_url, "--decode", unused_url, "--model", "m", "--admin-engine-network", "10.0.0.0/8")
+    process = await run_cli(*args, "--admin-engine-network", "ten-dot-something", "--port", "0")
+    out, err = await asyncio.wait_for(process.communicate(), START_TIMEOUT_S)
+
+    assert process.returncode == 1
+    assert "admin_engine_networks: 'ten-dot-something' is not a network" in err.decode()
 
 
 async def test_engines_serving_different_models_is_an_error(make_engine):

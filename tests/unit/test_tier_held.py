@@ -3,6 +3,7 @@ and file names, chunks counted in order up to the first missing one, layouts wri
 
 from __future__ import annotations
 
+import stat
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -100,6 +101,9 @@ def test_a_layout_is_written_whole_and_read_back(tmp_path: Path, monkeypatch: py
     ]
     assert sorted(p.name for p in (tmp_path / "layouts").iterdir()) == ["node.json", "shared.json"]  # no temp file
     assert read_layouts(tmp_path / "none") == []
+    # private: they name the tier's directories and the model
+    assert stat.S_IMODE((tmp_path / "layouts").stat().st_mode) == 0o700
+    assert {stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "layouts").iterdir()} == {0o600}
 
 
 def test_only_prompts_the_engine_hashes_from_their_tokens_are_looked_up() -> None:
