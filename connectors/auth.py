@@ -59,6 +59,7 @@ __all__ = [
     "MAX_MESSAGE_TTL_S",
     "PROXY_ENGINE_KEY_ENV",
     "PROXY_ENGINE_KEY_FILE_ENV",
+    "EXPIRED_REASON",
     "SECRET_ENV",
     "SECRET_FILE_ENV",
     "ClusterSecret",
@@ -95,6 +96,8 @@ _ENGINE_KEY_LABEL = b"pdserve engine api key v1"
 _KV_KEY_LABEL = b"pdserve kv plane v1"
 _TIER_KEY_LABEL = b"pdserve kv tier v1"
 _MAC_HEX = 64
+EXPIRED_REASON = "expired"
+"""How ``check_params`` starts its reason for genuine parameters whose lease is over."""
 
 
 class MissingSecret(ConnectorError):
@@ -275,7 +278,7 @@ class KVAuth:
         if not isinstance(expires, int | float) or isinstance(expires, bool):
             raise Unauthenticated("params", "no expiry")
         if (time.time() if now is None else now) > expires:
-            raise Unauthenticated("params", "expired (the prefill's lease is over)")
+            raise Unauthenticated("params", EXPIRED_REASON + " (the prefill's lease is over)")
         named = params.get(wire.PDSERVE_READER)
         if named is not None and named != reader:
             raise Unauthenticated("params", f"issued for decode engine {named}, not {reader}")

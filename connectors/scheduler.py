@@ -43,7 +43,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from connectors import wire
-from connectors.auth import ConsumedParams, KVAuth, Unauthenticated
+from connectors.auth import EXPIRED_REASON, ConsumedParams, KVAuth, Unauthenticated
 from connectors.log_limit import LogLimiter
 from connectors.metadata import ConnectorSettings, KVTransferParams, PdserveConnectorMetadata, ReceiveSpec
 from connectors.side_channel import ReleaseSender, release_message, report_key, report_message
@@ -203,7 +203,7 @@ class PdserveScheduler:
         self._checked[request.request_id] = params
         return params
 
-    def _refuse(self, request: Request, kind: str, reason: str, params: KVTransferParams | None = None) -> None:
+    def _refuse(self, request: Request, kind: str, reason_text: str, params: KVTransferParams | None = None) -> None:
         """Refuse a request's parameters: it is computed here, nothing is released anywhere, it is counted."""
         self._stats.record_refused(kind)
         self._refusals.warning(
@@ -212,12 +212,12 @@ class PdserveScheduler:
             request.request_id,
             self.engine_id,
             f" naming engine {params.remote_engine_id}" if params is not None else "",
-            reason,
+            reason_text,
         )
-        self._reports[request.request_id] = {
-            "source": "recomputed",
-            "reason": "unauthenticated" if kind == "params" else "malformed",
-        }
+        reason = "malformed" if kind == "malformed_params" else "unauthenticated"
+        if kind == "params" and reason_text.startswith(EXPIRED_REASON):
+            reason = "expired"  # genuine, but the prefill's lease on their blocks is over
+        self._reports[request.request_id] = {"source": "recomputed", "reason": reason}
 
     def _block_ratio(self, params: KVTransferParams) -> int | None:
         """Remote blocks per local block; None when the prefill's block size does not divide ours."""

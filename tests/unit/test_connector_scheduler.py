@@ -348,3 +348,14 @@ def test_whatever_our_code_raises_stays_inside_the_connector():
     assert not connector.get_transfer_results(set()).finished_recving
     connector._worker = SimpleNamespace(take_stats=lambda: None)
     assert connector.get_kv_connector_stats().data["failures"] == {"internal": 7}
+
+
+def test_genuine_parameters_whose_lease_is_over_are_recomputed_as_expired(scheduler):
+    request = FakeRequest(kv_transfer_params=KVAuth(TEST_SECRET).sign_params(dict(REMOTE), ttl_s=-1))
+
+    assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
+    assert refused_params(scheduler) == 1
+    assert scheduler.request_finished(request, [4]) == (
+        False,
+        {"pdserve_kv": {"source": "recomputed", "reason": "expired"}},
+    )
