@@ -18,6 +18,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests.integration.conftest import engine_headers, http_json, kv_report, metric_values, own_cluster
+from tests.integration.test_pdserve_connector import PROMPTS
 
 pytestmark = [pytest.mark.integration, pytest.mark.after_cluster]
 
@@ -39,14 +40,7 @@ SPEC = {
 }  # fmt: skip
 FILLER = "Here is some context about the town, its river, its bridges, its market and its people. " * 6
 QUESTIONS = [
-    "What is the capital of France?",
-    "Name three primary colors.",
-    "What is 12 plus 30?",
-    "What do bees make?",
-    "Which planet is known as the red planet?",
-    "How many legs does a spider have?",
-    "What is the boiling point of water in Celsius?",
-    "Who wrote Romeo and Juliet?",
+    *PROMPTS,
     "What is the largest ocean?",
     "What gas do plants breathe in?",
     "How many days are in a week?",

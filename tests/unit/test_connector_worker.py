@@ -374,9 +374,8 @@ def test_params_whose_lease_ends_within_the_margin_are_recomputed_without_a_read
     assert worker.take_stats().data["failures"] == {"expired": 1}
 
 
-def test_a_read_still_pending_when_the_lease_ends_is_aborted_and_recomputed(
-    fakes: Fakes, make_worker: WorkerFactory
-) -> None:
+def reading_under_a_clock(fakes: Fakes, make_worker: WorkerFactory) -> tuple[PdserveWorker, Any, list[float]]:
+    """A worker whose reader's wall clock is ``now[0]``, with one READ posted for a lease that ends in 10 s."""
     fakes.prefill.tp_size = 1
     worker = make_worker(tp_size=1, tp_rank=0)
     [transport] = fakes.transports
@@ -384,6 +383,13 @@ def test_a_read_still_pending_when_the_lease_ends_is_aborted_and_recomputed(
     worker._reader._clock = lambda: now[0]
     receive(worker, transport, spec("r1", 1, (5,), (1,), now[0] + 10), reads=1)
     [(*_, read)] = transport.reads
+    return worker, read, now
+
+
+def test_a_read_still_pending_when_the_lease_ends_is_aborted_and_recomputed(
+    fakes: Fakes, make_worker: WorkerFactory
+) -> None:
+    worker, read, now = reading_under_a_clock(fakes, make_worker)
 
     now[0] += 8.5  # 1.5 s left: inside the 2-s margin, the READ is still under way
     _, finished, failed = worker.transfer_results()
@@ -394,13 +400,7 @@ def test_a_read_still_pending_when_the_lease_ends_is_aborted_and_recomputed(
 
 
 def test_a_read_seen_done_only_after_the_window_is_not_trusted(fakes: Fakes, make_worker: WorkerFactory) -> None:
-    fakes.prefill.tp_size = 1
-    worker = make_worker(tp_size=1, tp_rank=0)
-    [transport] = fakes.transports
-    now = [time.time()]
-    worker._reader._clock = lambda: now[0]
-    receive(worker, transport, spec("r1", 1, (5,), (1,), now[0] + 10), reads=1)
-    [(*_, read)] = transport.reads
+    worker, read, now = reading_under_a_clock(fakes, make_worker)
     read.state = TransferState.DONE
 
     now[0] += 9  # done, but first seen when the blocks may already be another request's

@@ -65,15 +65,10 @@ def server() -> Iterator[tuple[SideChannelServer, RecentReports, list[str]]]:
 
 def ask(endpoint: str, message: bytes, timeout_ms: int = 10_000) -> bytes:
     """One raw ZMQ request, as any client on the network could send it."""
-    sock = zmq.Context.instance().socket(zmq.REQ)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.RCVTIMEO, timeout_ms)
-    try:
-        sock.connect(endpoint)
-        sock.send(message)
-        return sock.recv()
-    finally:
-        sock.close()
+    answer = send_frames(endpoint, [message], timeout_ms)
+    if answer is None:
+        raise TimeoutError(f"no answer from {endpoint} within {timeout_ms} ms")
+    return answer
 
 
 def test_a_report_query_gets_the_ranks_report_as_json(server) -> None:
