@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -189,3 +190,56 @@ def test_the_engines_http_server_ticks_once_a_second_and_exits_at_once() -> None
     assert ticks <= 3  # uvicorn's own loop: 15 in that time
     assert exit_s < 0.5
     assert response.status_code == 418 and "date" in response.headers
+
+
+class _Engine:
+    def __init__(self, dead: bool = False) -> None:
+        self.dead = dead
+
+    async def check_health(self) -> None:
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        if self.dead:
+            raise EngineDeadError()
+
+
+def test_an_engine_whose_side_channel_stops_answering_says_so_then_restarts(monkeypatch) -> None:
+    """The actor pings its side channels: /health turns 503 at the second missed probe, and the process exits
+    (Ray restarts the actor, the controller starts vLLM again) at the fourth; an answer resets the count."""
+    from connectors import side_channel
+    from orchestrator import engine_actor as module
+    from tests.unit.conftest import TEST_SECRET
+
+    answers = iter([False, True, False, False, False, False])
+    seen: list[tuple[int, bool]] = []
+    actor = module.EngineActor.__new__(module.EngineActor)
+    actor.launch = SimpleNamespace(engine_id="prefill-0", kv_endpoints=("tcp://127.0.0.1:1",))
+    actor._side_channel_missed = 0
+    monkeypatch.setenv("PDSERVE_CLUSTER_SECRET", TEST_SECRET.reveal())
+    monkeypatch.setattr(module, "SIDE_CHANNEL_PROBE_S", 0.0)
+    monkeypatch.setattr(side_channel, "ping", lambda endpoint, auth, timeout_s: next(answers))
+
+    class Exited(BaseException):
+        pass
+
+    def exit_(code: int) -> None:
+        raise Exited(code)
+
+    monkeypatch.setattr(module.os, "_exit", exit_)
+
+    async def watch() -> None:
+        engine = _Engine()
+        original = module.asyncio.sleep
+
+        async def sleep_and_look(seconds: float) -> None:
+            seen.append((actor._side_channel_missed, await actor._healthy(engine)))
+            await original(0)
+
+        monkeypatch.setattr(module.asyncio, "sleep", sleep_and_look)
+        await actor._watch_side_channel()
+
+    with pytest.raises(Exited):
+        asyncio.run(watch())
+    # (missed so far, /health) before each probe: a miss, an answer, then four misses in a row
+    assert seen == [(0, True), (1, True), (0, True), (1, True), (2, False), (3, False)]
+    assert asyncio.run(actor._healthy(_Engine(dead=True))) is False
