@@ -96,9 +96,9 @@ class PdserveScheduler:
         params = self._remote_prefill_params(request)
         if params is None:
             return
-        # One transfer per request: vLLM may call this again once the load is done.
-        request.kv_transfer_params[wire.DO_REMOTE_PREFILL] = False
         try:
+            # One transfer per request: vLLM may call this again once the load is done.
+            request.kv_transfer_params[wire.DO_REMOTE_PREFILL] = False
             self._plan_read(request, params, blocks, num_external_tokens)
         except Exception as e:  # noqa: BLE001 - vLLM's engine core dies of anything raised here
             # The request waits for a load we promised: the worker fails it, and vLLM recomputes the prompt.
