@@ -52,6 +52,7 @@ from typing import Any
 
 from connectors import wire
 from connectors.errors import ConnectorError
+from connectors.private_files import make_private_dirs, write_private
 
 __all__ = [
     "LIVE_TTL_S",
@@ -151,13 +152,9 @@ def new_secret() -> ClusterSecret:
 
 
 def write_secret(path: Path, secret: ClusterSecret) -> None:
-    """Write ``secret`` to ``path`` (mode 0600, created anew)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(secret.reveal() + "\n")
-    os.replace(tmp, path)
+    """Write ``secret`` to ``path`` (mode 0600, created anew; missing parents 0700)."""
+    make_private_dirs(path.parent)
+    write_private(path, secret.reveal() + "\n")
 
 
 def read_secret_file(path: str | Path) -> ClusterSecret:

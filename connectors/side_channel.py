@@ -383,11 +383,7 @@ def request_handshake(
 
 def ping(endpoint: str, auth: KVAuth, timeout_s: float = 2.0) -> bool:
     """Whether the side channel at ``endpoint`` answers a sealed ping within ``timeout_s`` (it serves, with our key)."""
-    try:
-        return _ask(endpoint, auth.seal(b"ping", b""), timeout_s, "no ping answer") == b"OK"
-    except TransportError as e:
-        logger.debug("ping at %s: %s", endpoint, e)
-        return False
+    return _answered_ok(endpoint, auth.seal(b"ping", b""), timeout_s, "ping", logging.DEBUG)
 
 
 def _ask(endpoint: str, message: bytes, timeout_s: float, failure: str) -> bytes:
@@ -408,10 +404,15 @@ def _ask(endpoint: str, message: bytes, timeout_s: float, failure: str) -> bytes
 
 def send_release(endpoint: str, message: bytes, timeout_s: float = 2.0) -> bool:
     """Send a sealed release (``release_message``) to the worker at ``endpoint``; False if it did not take it."""
+    return _answered_ok(endpoint, message, timeout_s, "release", logging.WARNING)
+
+
+def _answered_ok(endpoint: str, message: bytes, timeout_s: float, what: str, log_level: int) -> bool:
+    """Whether ``endpoint`` answers ``message`` with ``OK``; a failure to get an answer is logged at ``log_level``."""
     try:
-        return _ask(endpoint, message, timeout_s, "release not delivered") == b"OK"
+        return _ask(endpoint, message, timeout_s, f"{what} not answered") == b"OK"
     except TransportError as e:
-        logger.warning("release at %s: %s", endpoint, e)
+        logger.log(log_level, "%s at %s: %s", what, endpoint, e)
         return False
 
 

@@ -44,7 +44,7 @@ from connectors.auth import (
     read_secret_file,
     write_secret,
 )
-from connectors.private_files import make_private_dirs, open_private
+from connectors.private_files import make_private_dirs, open_private, write_private
 from connectors.wire import http_url
 from orchestrator import shm
 from orchestrator.control import ControlClient, ControlError, new_token, token_digest
@@ -93,12 +93,7 @@ class ClusterState:
 
     def save(self) -> None:
         make_private_dirs(self.path().parent)
-        tmp = self.path().with_suffix(".tmp")
-        tmp.unlink(missing_ok=True)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # it holds the cluster's token
-        with os.fdopen(fd, "w") as f:
-            f.write(json.dumps(asdict(self), indent=2))
-        tmp.replace(self.path())
+        write_private(self.path(), json.dumps(asdict(self), indent=2))  # 0600: it holds the cluster's token
 
     @classmethod
     def load(cls) -> ClusterState:

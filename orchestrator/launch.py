@@ -70,12 +70,7 @@ class EngineLaunch:
         """Whether its connector is ours (it answers on ``kv_endpoints``), alone or inside the tier's."""
         if "--kv-transfer-config" not in self.vllm_args:
             return False
-        config = json.loads(self.vllm_args[self.vllm_args.index("--kv-transfer-config") + 1])
-        extra = config.get("kv_connector_extra_config", {})
-        return any(
-            "side_channel_host" in child.get("kv_connector_extra_config", {})
-            for child in [config, *extra.get("connectors", ())]
-        )
+        return any(_our_connector_configs(json.loads(self.vllm_args[self.vllm_args.index("--kv-transfer-config") + 1])))
 
     def on_host(self, host: str, bind: str | None = None) -> EngineLaunch:
         """This launch at ``host`` (advertised to peers; vLLM listens at ``bind``, default ``host``)."""
@@ -83,13 +78,23 @@ class EngineLaunch:
         args[args.index("--host") + 1] = bind or host
         config_at = args.index("--kv-transfer-config") + 1
         config = json.loads(args[config_at])
-        extra = config.get("kv_connector_extra_config", {})
-        for child in [config, *extra.get("connectors", ())]:  # ours may sit inside the tier's MultiConnector
-            if "side_channel_host" in child.get("kv_connector_extra_config", {}):
-                child["kv_connector_extra_config"]["side_channel_host"] = host
+        for ours in _our_connector_configs(config):
+            ours["side_channel_host"] = host
         args[config_at] = json.dumps(config)
         env = {**self.env, "VLLM_NIXL_SIDE_CHANNEL_HOST": host}
         return dataclasses.replace(self, host=host, bind=bind, vllm_args=args, env=env)
+
+
+def _our_connector_configs(kv_transfer_config: dict[str, Any]) -> list[dict[str, Any]]:
+    """The ``kv_connector_extra_config`` of each of our connectors in a ``--kv-transfer-config``: the config's
+    own, or one inside the tier's MultiConnector (ours is the one with a side channel)."""
+    extra = kv_transfer_config.get("kv_connector_extra_config", {})
+    children = [kv_transfer_config, *extra.get("connectors", ())]
+    return [
+        c["kv_connector_extra_config"]
+        for c in children
+        if "side_channel_host" in c.get("kv_connector_extra_config", {})
+    ]
 
 
 def kv_transfer_config(
