@@ -40,8 +40,12 @@ test-unit: setup
 test-integration: setup
 	$(BIN)/python -m pytest tests/integration
 
-test-gpu: setup
-	$(BIN)/python -m pytest tests/gpu
+# On a GPU machine, with that machine's Python (PyTorch with CUDA, Triton; NIXL for its part; no vLLM, no
+# setup: such machines often reach no registry): the CUDA IPC and NIXL-over-VRAM checks, then their benchmark.
+GPU_PYTHON ?= python3
+test-gpu:
+	$(GPU_PYTHON) -m pytest tests/gpu -p no:cacheprovider
+	$(GPU_PYTHON) scripts/bench_cuda_ipc.py $(GPU_BENCH_ARGS)
 
 lint: setup
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .

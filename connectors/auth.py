@@ -88,7 +88,7 @@ ENGINE_KEY_ENV = "VLLM_API_KEY"
 """Where vLLM's server takes its ``--api-key`` from (so the key is on no command line)."""
 
 SEALED_MAGIC = b"PDS1"
-KINDS = (b"handshake", b"handshake-reply", b"release", b"report", b"ping")
+KINDS = (b"handshake", b"handshake-reply", b"release", b"report", b"ping", b"read")
 LIVE_TTL_S = 60.0
 """How long a message made for sending now is valid (clocks of the cluster's hosts may differ by this much)."""
 MAX_MESSAGE_TTL_S = 24 * 3600.0

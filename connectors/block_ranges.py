@@ -3,12 +3,19 @@
 A local rank reads, from each remote rank its ``ReadPlan`` names, one head
 slice of every layer of a request's blocks straight into its own KV cache: no
 staging buffer, no copy after the read. Inside one layer's block both caches
-hold *rows*, one per (K or V, head, token), each ``head_dim`` elements long.
-Where a row lies is the layout's business (``_row_positions``)::
+hold *rows*, one per (K or V, head, token), each ``head_dim`` elements long
+(MLA: one per token, its latent; kv and h are 0). Where a row lies is the
+layout's business (``_row_positions``), with ``B`` tokens per block and ``H``
+heads on the rank::
 
     NHD   planes K, V   row (kv, h, t) in plane kv at (t * H + h) * row_bytes
     HND   planes K, V   row (kv, h, t) in plane kv at (h * B + t) * row_bytes
     H2ND  one plane     row (kv, h, t) at ((h * 2 + kv) * B + t) * row_bytes   (vLLM's CPU cache)
+    2NHD  one plane     row (kv, h, t) at ((kv * B + t) * H + h) * row_bytes   (FlashInfer, older vLLM)
+    2HND  one plane     row (kv, h, t) at ((kv * H + h) * B + t) * row_bytes   (FlashInfer, HND strides)
+    HN2D  one plane     row (kv, h, t) at ((h * B + t) * 2 + kv) * row_bytes   (vLLM 0.32 on GPU, LBHNC)
+    NH2D  one plane     row (kv, h, t) at ((t * H + h) * 2 + kv) * row_bytes   (vLLM 0.32 on GPU, LBNHC)
+    MLA   one plane     row (0, 0, t) at t * row_bytes
 
 With a remote block size ``Br`` smaller than the local ``Bl`` (``ratio = Bl / Br``),
 the remote blocks of a group fill a local block in token order: the j-th fills
@@ -19,11 +26,18 @@ that follow each other on both sides into *runs*: ``PlaneRanges``. The runs are
 the same for every sub-block, only their local offsets move. What that gives
 per remote block and layer, for a slice of n of the remote rank's heads:
 
-- H2ND or HND on both sides, ratio 1: one run per K/V plane pair (H2ND) or
-  plane (HND) -- a head slice is contiguous;
-- ratio > 1: one run per head (and K/V), ``Br`` tokens long;
-- NHD with a partial head slice: one run per token (the heads interleave);
-- NHD on one side and HND on the other: one run per (token, head).
+- the same layout on both sides, all the remote rank's heads, ratio 1: one run
+  per plane -- whole blocks;
+- H2ND, HN2D, HND or 2HND on both sides, ratio 1: one run per K/V plane pair
+  (H2ND, HN2D) or K/V (HND, 2HND) -- a head slice is contiguous;
+- ratio > 1, head-major layouts (HND, H2ND, 2HND, HN2D): one run per head
+  (and K/V unless HN2D), ``Br`` tokens long;
+- token-major layouts (NHD, 2NHD, NH2D): whole planes (per K/V) at any ratio
+  with all the heads, one run per token (and K/V unless NH2D) with a partial
+  head slice: the heads interleave;
+- MLA: one run, its rows are tokens;
+- layouts that order rows differently: down to one run per row (HND from
+  HN2D: K and V alternate remotely and lie in two planes locally).
 
 Descriptors follow from runs and a side's ``KVRegions``. The remote list has
 one row per (layer, remote block, run), the local list one per (layer, local
@@ -44,6 +58,7 @@ from connectors.topology import HeadSlice, KVLayout, KVTopology, block_size_rati
 
 __all__ = [
     "KVRegions",
+    "checked_block_ids",
     "PlaneRanges",
     "local_descriptors",
     "plan_peer_ranges",
@@ -128,11 +143,24 @@ def _row_positions(
     """Plane (within the layer) and byte offset (within the block plane) of rows (kv, head, token)."""
     row_bytes = topology.head_dim * topology.element_size
     blocks, heads = topology.block_size, topology.num_heads
-    if topology.layout is KVLayout.NHD:
-        return kv, (token * heads + head) * row_bytes
-    if topology.layout is KVLayout.HND:
-        return kv, (head * blocks + token) * row_bytes
-    return np.zeros_like(kv), ((head * 2 + kv) * blocks + token) * row_bytes
+    one_plane = np.zeros_like(kv)
+    match topology.layout:
+        case KVLayout.NHD:
+            return kv, (token * heads + head) * row_bytes
+        case KVLayout.HND:
+            return kv, (head * blocks + token) * row_bytes
+        case KVLayout.H2ND:
+            return one_plane, ((head * 2 + kv) * blocks + token) * row_bytes
+        case KVLayout.KV_NHD:
+            return one_plane, ((kv * blocks + token) * heads + head) * row_bytes
+        case KVLayout.KV_HND:
+            return one_plane, ((kv * heads + head) * blocks + token) * row_bytes
+        case KVLayout.HN2D:
+            return one_plane, ((head * blocks + token) * 2 + kv) * row_bytes
+        case KVLayout.NH2D:
+            return one_plane, ((token * heads + head) * 2 + kv) * row_bytes
+        case KVLayout.MLA:
+            return one_plane, token * row_bytes
 
 
 def plan_plane_ranges(local: KVTopology, remote: KVTopology, head_slice: HeadSlice) -> PlaneRanges:
@@ -144,7 +172,10 @@ def plan_plane_ranges(local: KVTopology, remote: KVTopology, head_slice: HeadSli
     kv, head, token = (
         axis.ravel()
         for axis in np.meshgrid(
-            np.arange(2), np.arange(head_slice.num_heads), np.arange(remote.block_size), indexing="ij"
+            np.arange(remote.kv_components),
+            np.arange(head_slice.num_heads),
+            np.arange(remote.block_size),
+            indexing="ij",
         )
     )
     remote_plane, remote_offset = _row_positions(remote, kv, head_slice.remote_head_start + head, token)
@@ -253,8 +284,8 @@ def read_indices(
 
     Raises ``BlockMappingError`` when the id lists do not pair at the ratio or an id is out of range.
     """
-    local_ids = _checked_ids(local_block_ids, local_num_blocks, "local")
-    remote_ids = _checked_ids(remote_block_ids, remote_num_blocks, "remote")
+    local_ids = checked_block_ids(local_block_ids, local_num_blocks, "local")
+    remote_ids = checked_block_ids(remote_block_ids, remote_num_blocks, "remote")
     ratio = ranges.ratio
     needed = -(-len(remote_ids) // ratio)
     if len(local_ids) != needed:
@@ -270,7 +301,7 @@ def read_indices(
     return _as_index(local.ravel()), _as_index(remote.ravel())
 
 
-def _checked_ids(block_ids: Sequence[int], num_blocks: int, side: str) -> np.ndarray:
+def checked_block_ids(block_ids: Sequence[int], num_blocks: int, side: str) -> np.ndarray:
     ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
     if ids.size and (ids.min() < 0 or ids.max() >= num_blocks):
         raise BlockMappingError(f"{side} block ids must lie in [0, {num_blocks}), got {ids.min()}..{ids.max()}")

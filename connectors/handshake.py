@@ -32,12 +32,13 @@ import json
 import re
 import struct
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from connectors.errors import HandshakeRejected, TopologyError, TopologyMismatch
 from connectors.topology import KVTopology, check_compatible, compatibility_hash, incompatibilities
+from connectors.transport import NIXL, TRANSPORTS
 
 try:  # msgspec comes with vLLM; without it the handshake falls back to JSON
     import msgspec
@@ -126,6 +127,8 @@ class HandshakeResponse:
     num_blocks: int
     transports: tuple[str, ...] = ("nixl",)
     """The transports this rank can serve reads over (``connectors.transport``)."""
+    payloads: Mapping[str, bytes] = dataclasses.field(default_factory=dict)
+    """What a reader needs per transport other than NIXL (whose payload is ``agent_metadata``)."""
     node: str = ""
     """This rank's node (``connectors.transport.node_identity``): a reader on the same node may take a
     node-local transport."""
@@ -136,6 +139,11 @@ class HandshakeResponse:
         object.__setattr__(self, "compatibility_hash", _checked_hash(self.compatibility_hash, self.topology))
         object.__setattr__(self, "kv_caches_base_addr", tuple(self.kv_caches_base_addr))
         object.__setattr__(self, "transports", tuple(self.transports))
+        object.__setattr__(self, "payloads", dict(self.payloads))
+
+    def payload_for(self, transport: str) -> bytes:
+        """The source's handshake payload for ``transport`` (empty if it sent none)."""
+        return self.agent_metadata if transport == NIXL else self.payloads.get(transport, b"")
 
 
 # ---------------------------------------------------------------- encoding
@@ -160,6 +168,10 @@ def encode_response(response: HandshakeResponse, codec: PayloadCodec | None = No
         "block_len": response.block_len,
         "num_blocks": response.num_blocks,
         "transports": list(response.transports),
+        "payloads": {
+            name: data if codec is PayloadCodec.MSGPACK else base64.b64encode(data).decode()
+            for name, data in response.payloads.items()
+        },
         "node": response.node,
     }
     return _encode(response.protocol_version, response.compatibility_hash, payload, codec)
@@ -232,6 +244,7 @@ def decode_response(data: bytes | bytearray | memoryview, local_topology: KVTopo
         block_len=_int_field(payload, "block_len", minimum=1),
         num_blocks=_int_field(payload, "num_blocks", minimum=1),
         transports=_transports_field(payload),
+        payloads=_payloads_field(payload, codec),
         node=str(payload.get("node") or ""),
         compatibility_hash=hash_hex,
     )
@@ -334,6 +347,14 @@ def _transports_field(payload: dict[str, Any]) -> tuple[str, ...]:
     if not isinstance(offered, list) or not offered or not all(isinstance(name, str) for name in offered):
         raise _malformed("transports must be a non-empty list of names")
     return tuple(offered)
+
+
+def _payloads_field(payload: dict[str, Any], codec: PayloadCodec) -> dict[str, bytes]:
+    """Per-transport payloads: a map from known transport names to bytes (none from older peers)."""
+    value = payload.get("payloads", {})
+    if not isinstance(value, dict) or not all(name in TRANSPORTS for name in value):
+        raise _malformed(f"payloads must be a map from transport names ({', '.join(TRANSPORTS)}) to bytes")
+    return {name: _bytes_field(value, name, codec) for name in value}
 
 
 def _str_field(payload: dict[str, Any], name: str) -> str:

@@ -2,8 +2,9 @@
 
 ``hold`` puts a request's blocks under a ``LeaseTable`` lease (the scheduler
 side asks, one step after the request finished). ``poll`` turns the
-transport's READ notifications (each says how many decode ranks will read this
-rank) and the side channel's releases into lease ends, expires leases, and
+transports' READ notifications (each says how many decode ranks will read this
+rank; CUDA IPC readers send theirs over the side channel: ``notifications_in``)
+and the side channel's releases into lease ends, expires leases, and
 returns the ended ones: vLLM frees their blocks ("finished sending"). A READ
 notification or a release can arrive before the hold (the hold comes with the
 next scheduler step): it waits, up to a lease's life, for its lease.
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 
 from connectors.leases import LeaseState, LeaseTable, parse_read_notification
 from connectors.stats import PdserveKVStats
-from connectors.transport.base import KVTransport
+from connectors.transport.group import WorkerTransports
 
 __all__ = ["LeaseHolder"]
 
@@ -35,7 +36,8 @@ class _LeaseEvent:
 
 
 class LeaseHolder:
-    """The prefill side of one TP rank; ``releases_in`` is fed by the side-channel thread."""
+    """The prefill side of one TP rank; ``releases_in`` and ``notifications_in`` are fed by the side-channel
+    thread."""
 
     def __init__(self, engine_id: str, lease_ttl_s: float) -> None:
         self.lease_ttl_s = lease_ttl_s
@@ -44,6 +46,7 @@ class LeaseHolder:
         self._early: dict[str, list[_LeaseEvent]] = {}
         self._stats = PdserveKVStats()
         self.releases_in: queue.SimpleQueue[str] = queue.SimpleQueue()
+        self.notifications_in: queue.SimpleQueue[tuple[str, bytes]] = queue.SimpleQueue()
 
     def hold(self, request_id: str, block_ids: tuple[int, ...]) -> None:
         self._leases.hold(request_id, block_ids)
@@ -51,17 +54,17 @@ class LeaseHolder:
         for event in self._early.pop(request_id, ()):
             self._apply_lease_event(request_id, event)
 
-    def poll(self, transport: KVTransport) -> set[str]:
+    def add_notification(self, reader: str, message: bytes) -> None:
+        """A READ notification that came over the side channel (from the side-channel thread)."""
+        self.notifications_in.put((reader, message))
+
+    def poll(self, transports: WorkerTransports) -> set[str]:
         """The requests whose lease ended since the last call (read, released or expired)."""
         now = time.monotonic()
-        for reader, message in transport.poll_notifications():
+        for reader, message in transports.poll_notifications() + _drain(self.notifications_in):
             request_id, expected_reads = parse_read_notification(message)
             self._lease_event(request_id, _LeaseEvent("read", reader, expected_reads, now))
-        while True:
-            try:
-                request_id = self.releases_in.get_nowait()
-            except queue.Empty:
-                break
+        for request_id in _drain(self.releases_in):
             self._lease_event(request_id, _LeaseEvent("release", "", None, now))
         for request_id, events in list(self._early.items()):
             if now - events[0].seen_at > self.lease_ttl_s:
@@ -88,3 +91,12 @@ class LeaseHolder:
     def take_stats(self) -> PdserveKVStats:
         stats, self._stats = self._stats, PdserveKVStats()
         return stats
+
+
+def _drain(items: queue.SimpleQueue) -> list:
+    out = []
+    while True:
+        try:
+            out.append(items.get_nowait())
+        except queue.Empty:
+            return out

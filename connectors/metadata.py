@@ -29,6 +29,7 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
+from connectors.transport import DEFAULT_TRANSPORTS, FACTORIES
 from connectors.wire import KVTransferParams
 
 __all__ = ["ConnectorSettings", "KVTransferParams", "PdserveConnectorMetadata", "ReceiveSpec"]
@@ -72,6 +73,8 @@ class ConnectorSettings:
     read_failure_rate: float = 0.0
     handshake_delay_s: float = 0.0
     fault_seed: int | None = None
+    transports: tuple[str, ...] = DEFAULT_TRANSPORTS
+    """The KV transports to serve and read over, best first (``connectors.transport``)."""
 
     @classmethod
     def from_extra_config(cls, extra_config: Mapping[str, Any] | None, engine_id: str) -> ConnectorSettings:
@@ -89,11 +92,18 @@ class ConnectorSettings:
                 read_failure_rate=float(faults.get("read_failure_rate", 0.0)),
                 handshake_delay_s=float(faults.get("handshake_delay_s", 0.0)),
                 fault_seed=None if faults.get("seed") is None else int(faults["seed"]),
+                transports=tuple(str(name) for name in extra.get("transports", DEFAULT_TRANSPORTS)),
             )
         except KeyError as e:
             raise ValueError(f"kv_connector_extra_config lacks {e.args[0]!r} (engine {engine_id})") from e
         except (TypeError, ValueError) as e:
             raise ValueError(f"kv_connector_extra_config of engine {engine_id}: {e}") from e
+        unknown = [name for name in settings.transports if name not in FACTORIES]
+        if unknown or not settings.transports:
+            raise ValueError(
+                f"kv_connector_extra_config of engine {engine_id}: transports must name one or more of "
+                f"{', '.join(FACTORIES)}, got {list(settings.transports)}"
+            )
         if not 0.0 <= settings.read_failure_rate <= 1.0:
             raise ValueError(f"fault_injection.read_failure_rate must be in [0, 1], got {settings.read_failure_rate}")
         return settings

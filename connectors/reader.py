@@ -8,13 +8,16 @@ For each request the scheduler side asks to receive (``receive``):
 2. Each of those ranks must be a known peer: a handshake with
    ``remote_port + rank`` runs on a background thread, once per remote rank
    (``HandshakeCache``); the answer says which transports the rank offers and
-   on which node it is, and ``connectors.transport.choose_transport`` picks one;
-   ``add_peer`` then prepares the runs this rank reads from it
+   on which node it is, and the first of ``connectors.transport.common_transports``
+   that can reach it takes it (CUDA IPC when this process sees the source's GPU,
+   NIXL otherwise); its ``add_peer`` prepares the runs this rank reads from it
    (``block_ranges.plan_peer_ranges``: its head slice, several remote blocks per
    local block when the remote block size is smaller). The request waits for
    its ranks without holding up the engine's step.
 3. One READ per remote rank, straight into the local cache, each notifying
-   ``read_notification(prefill request id, readers of that rank)``. Decode rank
+   ``read_notification(prefill request id, readers of that rank)`` -- through
+   the transport (NIXL), or over the side channel once the read is done (a
+   transport that cannot, CUDA IPC). Decode rank
    0 also releases the prefill ranks nobody reads (replicas), so they free
    their blocks at once.
 
@@ -47,16 +50,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from connectors.auth import KVAuth, Unauthenticated
-from connectors.block_ranges import KVRegions, plan_peer_ranges
-from connectors.errors import ConnectorError, HandshakeRejected, TopologyError
+from connectors.block_ranges import KVRegions, PlaneRanges, plan_peer_ranges
+from connectors.errors import ConnectorError, HandshakeRejected, TopologyError, TransportError
 from connectors.handshake import HandshakeCache, HandshakeResponse
 from connectors.leases import read_notification
 from connectors.metadata import ConnectorSettings, ReceiveSpec
 from connectors.side_channel import RecentReports, ReleaseSender, report_key, request_handshake
 from connectors.stats import PdserveKVStats, PdserveWorkerMeta
 from connectors.topology import KVTopology, reader_ranks, source_ranks
-from connectors.transport import choose_transport, node_identity, where
-from connectors.transport.base import KVTransport, Transfer, TransferState
+from connectors.transport import common_transports, node_identity, where
+from connectors.transport.base import Transfer, TransferState
+from connectors.transport.group import WorkerTransports
 
 __all__ = ["KVReader", "peer_name"]
 
@@ -91,10 +95,11 @@ class _SourceRank:
 
 @dataclass(slots=True)
 class _RequestReads:
-    """One request's READs, one per remote rank it reads."""
+    """One request's READs, one per remote rank it reads, and the notification each owes its source."""
 
     spec: ReceiveSpec
     reads: list[Transfer]
+    notifications: list[bytes]
 
 
 def peer_name(engine_id: str, tp_rank: int) -> str:
@@ -110,7 +115,7 @@ class KVReader:
         self.settings = settings
         self._auth = auth
         self._answered = answered  # read by the side-channel thread (the proxy's report queries)
-        self._transport: KVTransport | None = None
+        self._transport: WorkerTransports | None = None
         self._topology: KVTopology | None = None
         self._kernel_blocks_per_block = 1
         self._stats = PdserveKVStats()
@@ -129,8 +134,8 @@ class KVReader:
         self._faults = random.Random(settings.fault_seed)
         self._clock = time.time  # wall clock: the prefill host's lease end is a unix time
 
-    def attach(self, transport: KVTransport, topology: KVTopology, kernel_blocks_per_block: int) -> None:
-        """This rank's transport and topology, once its caches are registered."""
+    def attach(self, transport: WorkerTransports, topology: KVTopology, kernel_blocks_per_block: int) -> None:
+        """This rank's transports and topology, once its caches are registered."""
         self._transport, self._topology = transport, topology
         self._kernel_blocks_per_block = kernel_blocks_per_block
 
@@ -194,8 +199,6 @@ class KVReader:
         try:
             response = future.result()
             remote = response.topology
-            transport = self._require_transport()
-            chosen = choose_transport((transport.name,), response.transports, where(node_identity(), response.node))
             if remote.tp_size != handshake.tp_size:
                 raise HandshakeRejected(
                     "incompatible",
@@ -203,16 +206,7 @@ class KVReader:
                 )
             local_topology = self._require_topology()
             ranges = plan_peer_ranges(local_topology, remote)
-            local = self._require_transport().kv_regions()
-            regions = KVRegions(
-                layer_names=local.layer_names,  # the handshake checked both sides have the same layers
-                region_addrs=response.kv_caches_base_addr,
-                num_blocks=response.num_blocks,
-                block_len_bytes=response.block_len,
-                mem_type=local.mem_type,
-                device_id=local.device_id,
-            )
-            self._require_transport().add_peer(name, response.agent_metadata, regions, ranges)
+            chosen = self._add_peer(name, response, ranges)
         except HandshakeRejected as e:
             self._peer_failed(name, handshake, e.kind, f"handshake refused: {e}")
             return
@@ -225,6 +219,36 @@ class KVReader:
         readers = len(reader_ranks(remote.tp_rank, local_topology, remote))
         self._peers[name] = _SourceRank(remote, readers, chosen)
 
+    def _add_peer(self, name: str, response: HandshakeResponse, ranges: PlaneRanges) -> str:
+        """Add the peer to the best transport both sides have that can reach it; returns that transport's name."""
+        transports = self._require_transport()
+        local = transports.kv_regions()
+        regions = KVRegions(
+            layer_names=local.layer_names,  # the handshake checked both sides have the same layers
+            region_addrs=response.kv_caches_base_addr,
+            num_blocks=response.num_blocks,
+            block_len_bytes=response.block_len,
+            mem_type=local.mem_type,
+            device_id=local.device_id,
+        )
+        place = where(node_identity(), response.node)
+        reasons = []
+        for chosen in common_transports(transports.names, response.transports, place):
+            transport, payload = transports.get(chosen), response.payload_for(chosen)
+            reason = transport.cannot_read(payload)
+            if reason is None:
+                try:
+                    transport.add_peer(name, payload, regions, ranges)
+                    return chosen
+                except TransportError as e:
+                    reason = str(e)
+            reasons.append(f"{chosen}: {reason}")
+            logger.info("engine %s: %s not over %s: %s", self.engine_id, name, chosen, reason)
+        raise TransportError(
+            f"no KV transport reaches {name} ({place}): we have {', '.join(transports.names)}, it offers "
+            f"{', '.join(response.transports)}" + (f" ({'; '.join(reasons)})" if reasons else "")
+        )
+
     def _peer_failed(self, name: str, handshake: _Handshake, kind: str, reason: str) -> None:
         self._handshakes.invalidate(handshake.engine_id, handshake.tp_rank)
         self._peer_failures[name] = (kind, reason)
@@ -233,14 +257,17 @@ class KVReader:
 
     def _post_read(self, spec: ReceiveSpec, names: list[str]) -> None:
         remote = spec.remote
-        transport = self._require_transport()
+        transports = self._require_transport()
         reads: list[Transfer] = []
+        notifications: list[bytes] = []
         try:
             for name in names:
                 source = self._peers[name]
+                transport = transports.get(source.transport)
                 local_ids, remote_ids = self._kernel_block_ids(spec, source.topology)
                 notify = read_notification(remote.remote_request_id, source.expected_reads)
                 reads.append(transport.read_blocks(name, local_ids, remote_ids, notify=notify))
+                notifications.append(b"" if transport.notifies_source else notify)
         except ConnectorError as e:
             for read in reads:
                 read.abort("another READ of the request could not be posted")
@@ -253,7 +280,7 @@ class KVReader:
             len(spec.local_block_ids),
             ", ".join(names),
         )
-        self._reads[spec.request_id] = _RequestReads(spec, reads)
+        self._reads[spec.request_id] = _RequestReads(spec, reads, notifications)
         if self._require_topology().tp_rank == 0:
             self._release_unread_ranks(spec, self._peers[names[0]].topology)
 
@@ -332,6 +359,7 @@ class KVReader:
                 self._forget_peer(failed_read.peer)
                 continue
             finished.add(request_id)
+            self._notify_sources(group)
             num_bytes = sum(read.num_bytes for read in group.reads)
             elapsed_s = max((read.elapsed_s for read in group.reads), default=0.0)
             transport = next((self._peers[read.peer].transport for read in group.reads if read.peer in self._peers), "")
@@ -379,6 +407,14 @@ class KVReader:
         self._failed_now.clear()
         return finished | failed, failed
 
+    def _notify_sources(self, group: _RequestReads) -> None:
+        """Send the READ notifications the transports could not (over each source's side channel)."""
+        reader = peer_name(self.engine_id, self._require_topology().tp_rank)
+        for read, notification in zip(group.reads, group.notifications, strict=True):
+            if notification:
+                rank = int(read.peer.rpartition("/rank")[2])
+                self._releases_out.read_done(group.spec.remote.side_channel(rank), reader, notification)
+
     def _forget_peer(self, name: str) -> None:
         """A read from ``name`` failed: that rank may have restarted, so handshake again next time."""
         still_reading = any(
@@ -391,7 +427,7 @@ class KVReader:
             del self._peers[name]
             engine_id = name.rpartition("/rank")[0]
             self._handshakes.invalidate(engine_id, source.topology.tp_rank)
-            self._require_transport().remove_peer(name)
+            self._require_transport().get(source.transport).remove_peer(name)
 
     def take_load_errors(self) -> set[int]:
         block_ids, self._load_error_block_ids = self._load_error_block_ids, set()
@@ -421,7 +457,7 @@ class KVReader:
         self._handshake_pool.shutdown(wait=False, cancel_futures=True)
         self._releases_out.close()
 
-    def _require_transport(self) -> KVTransport:
+    def _require_transport(self) -> WorkerTransports:
         if self._transport is None:
             raise ConnectorError(f"engine {self.engine_id}: register_kv_caches has not run")
         return self._transport

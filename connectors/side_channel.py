@@ -1,6 +1,6 @@
 """The side channel: a ZMQ REP socket on every worker, REQ calls from decode workers and the proxy.
 
-Four kinds of message arrive:
+Five kinds of message arrive:
 
 - A handshake (a nonce and a ``handshake`` message): the server thread answers
   every well-formed ``HandshakeRequest`` with one pre-encoded
@@ -21,6 +21,11 @@ Four kinds of message arrive:
   ``NONE`` if it did not load it (not yet, or too long ago: ``RecentReports``
   keeps the last ``RECENT_REPORTS``). A stream has no ``kv_transfer_params``
   in vLLM 0.32; this is how its client still gets ``X-PDServe-KV``.
+- A READ notification (``read_message``: the reader's name, then what
+  ``leases.read_notification`` says), from a decode rank whose transport does
+  not tell the source itself (CUDA IPC): that rank has read the request's
+  blocks; the server hands ``(reader, notification)`` to ``on_read`` -- the
+  lease counts it as NIXL's notifications -- and answers ``OK``.
 - A ping (``ping()``): answered ``OK``; it says the rank's channel is serving
   and shares our key.
 
@@ -88,6 +93,7 @@ __all__ = [
     "ReleaseSender",
     "SideChannelServer",
     "ping",
+    "read_message",
     "release_message",
     "report_key",
     "report_message",
@@ -115,6 +121,11 @@ REBIND_PAUSE_S = 0.1
 def release_message(auth: KVAuth, request_id: str, ttl_s: float = LIVE_TTL_S) -> bytes:
     """A sealed release of ``request_id``'s blocks, valid for ``ttl_s``."""
     return auth.seal(b"release", request_id.encode(), ttl_s)
+
+
+def read_message(auth: KVAuth, reader: str, notification: bytes, ttl_s: float = LIVE_TTL_S) -> bytes:
+    """A sealed READ notification: ``reader`` (no spaces) has read what ``notification`` names."""
+    return auth.seal(b"read", reader.encode() + b" " + notification, ttl_s)
 
 
 def report_key(remote_engine_id: str, remote_request_id: str) -> str:
@@ -181,6 +192,7 @@ class SideChannelServer:
         auth: KVAuth,
         on_release: Callable[[str], None] | None = None,
         answer_delay_s: float = 0.0,
+        on_read: Callable[[str, bytes], None] | None = None,
         on_report: Callable[[str], bytes | None] | None = None,
         refusal_log_interval_s: float = DEFAULT_INTERVAL_S,
     ):
@@ -192,6 +204,7 @@ class SideChannelServer:
         self._topology = topology
         self._response = response
         self._on_release = on_release
+        self._on_read = on_read
         self._on_report = on_report
         self._answer_delay_s = answer_delay_s  # fault injection: a slow peer
         self._closing = threading.Event()
@@ -325,6 +338,12 @@ class SideChannelServer:
                 return _ERROR_PREFIX + b"malformed release"
             self._on_release(body.decode(errors="replace"))
             return b"OK"
+        if kind == b"read":
+            reader, _, notification = body.partition(b" ")
+            if self._on_read is None or not reader or not notification:
+                return _ERROR_PREFIX + b"malformed read"
+            self._on_read(reader.decode(errors="replace"), notification)
+            return b"OK"
         if kind == b"report":
             report = self._on_report(body.decode(errors="replace")) if self._on_report is not None else None
             return report or NO_REPORT
@@ -403,7 +422,8 @@ def _ask(endpoint: str, message: bytes, timeout_s: float, failure: str) -> bytes
 
 
 def send_release(endpoint: str, message: bytes, timeout_s: float = 2.0) -> bool:
-    """Send a sealed release (``release_message``) to the worker at ``endpoint``; False if it did not take it."""
+    """Send a sealed release (``release_message``, or ``read_message``) to the worker at ``endpoint``; False if it
+    did not take it."""
     return _answered_ok(endpoint, message, timeout_s, "release", logging.WARNING)
 
 
@@ -417,28 +437,36 @@ def _answered_ok(endpoint: str, message: bytes, timeout_s: float, what: str, log
 
 
 class ReleaseSender:
-    """Sends releases from a daemon thread, so the engine's step never waits on a peer that may be gone."""
+    """Sends releases and READ notifications from a daemon thread, so the engine's step never waits on a peer
+    that may be gone."""
 
     def __init__(self, engine_id: str, auth: KVAuth, timeout_s: float = 2.0):
         self.engine_id = engine_id
         self._auth = auth
         self._timeout_s = timeout_s
-        self._queue: queue.SimpleQueue[tuple[str, str] | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[str, bytes, str] | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
     def release(self, endpoint: str, request_id: str) -> None:
+        self._send(endpoint, release_message(self._auth, request_id), f"released request {request_id}")
+
+    def read_done(self, endpoint: str, reader: str, notification: bytes) -> None:
+        """Tell the source at ``endpoint`` that ``reader`` has read what ``notification`` names."""
+        self._send(endpoint, read_message(self._auth, reader, notification), f"read {notification!r}")
+
+    def _send(self, endpoint: str, message: bytes, what: str) -> None:
         with self._lock:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="pdserve-release", daemon=True)
                 self._thread.start()
-        self._queue.put((endpoint, request_id))
+        self._queue.put((endpoint, message, what))
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
-            endpoint, request_id = item
-            if send_release(endpoint, release_message(self._auth, request_id), self._timeout_s):
-                logger.debug("engine %s: released request %s at %s", self.engine_id, request_id, endpoint)
+            endpoint, message, what = item
+            if send_release(endpoint, message, self._timeout_s):
+                logger.debug("engine %s: %s at %s", self.engine_id, what, endpoint)
 
     def close(self) -> None:
         if self._thread is not None:

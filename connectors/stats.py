@@ -64,7 +64,17 @@ FAILURE_KINDS = (
     "expired",
     "internal",
 )
-REFUSED_KINDS = ("handshake", "handshake-reply", "release", "report", "ping", "message", "params", "malformed_params")
+REFUSED_KINDS = (
+    "handshake",
+    "handshake-reply",
+    "release",
+    "report",
+    "ping",
+    "read",
+    "message",
+    "params",
+    "malformed_params",
+)
 LEASE_OUTCOMES = ("read", "released", "expired")
 
 # Buckets: a few KiB over shared memory takes well under a millisecond; a 4k-token

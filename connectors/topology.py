@@ -1,12 +1,13 @@
 """KV-cache topology of one engine rank, and the arithmetic that pairs a reader with a source.
 
 Every TP rank of an engine keeps, per layer, a paged KV cache holding the KV
-heads of its shard, ``block_size`` tokens per block: ``[2, num_blocks, *block]``
-with K and V apart, each block laid out NHD (``[tokens, heads, head_dim]``) or
-HND (``[heads, tokens, head_dim]``); or, as vLLM's CPU backend does, one plane
-per block holding K and V per head, H2ND (``[heads, 2, tokens, head_dim]``, the
-cache being ``[num_blocks, heads, block_size, 2 * head_dim]``). ``KVTopology``
-describes that for one rank.
+heads of its shard, ``block_size`` tokens per block. Per block, vLLM keeps K
+and V in two planes apart (``[2, num_blocks, ...]``, FlashAttention in older
+vLLM) or in one plane, whose dims ``KVLayout`` names outermost first:
+FlashInfer's in older vLLM, vLLM 0.32's on every GPU backend (K and V halves of
+a ``2 * head_dim`` last dim), vLLM's CPU cache (K then V per head), or MLA's
+one latent per token (no K/V split, the same on every TP rank: one KV head,
+replicated). ``KVTopology`` describes that for one rank.
 The reading side is called *local* (decode, in pull mode) and the side whose
 blocks are read *remote* (prefill). Before a local rank reads a request's KV:
 
@@ -57,7 +58,8 @@ __all__ = [
 # Bump when the rules of what can exchange KV change: peers on different
 # schemas then fail the hash check instead of misreading each other's blocks.
 # 2: H2ND (vLLM's CPU cache) and reads across TP and block sizes in the data path.
-COMPATIBILITY_SCHEMA = 3
+# 4: FlashInfer's one-plane layouts (2NHD, 2HND), vLLM 0.32's GPU caches (HN2D, NH2D) and MLA.
+COMPATIBILITY_SCHEMA = 4
 
 # Bytes per element of the KV cache dtypes we know; names as torch spells them
 # (``str(tensor.dtype)`` without the ``torch.`` prefix) or as vLLM's cache_dtype.
@@ -79,11 +81,31 @@ ELEMENT_SIZES: dict[str, int] = {
 
 
 class KVLayout(enum.StrEnum):
-    """Order of the dims inside one block plane (one block of one layer's K, V, or both)."""
+    """Order of the dims inside one block plane (one block of one layer's K, V, or both), outermost first.
+
+    ``N`` counts the block's tokens, ``H`` the rank's KV heads, ``D`` a head's
+    elements, ``2`` K then V. Python names cannot start with a digit: the member
+    of ``"2NHD"`` is ``KV_NHD``. Where each row lies: ``connectors.block_ranges``.
+    """
 
     NHD = "NHD"  # K and V planes apart, each [block_size, num_heads, head_dim]: token-major
     HND = "HND"  # K and V planes apart, each [num_heads, block_size, head_dim]: a head slice is contiguous
-    H2ND = "H2ND"  # one plane [num_heads, 2 (K, V), block_size, head_dim]: vLLM's CPU cache
+    H2ND = "H2ND"  # one plane [num_heads, 2, block_size, head_dim]: vLLM's CPU cache
+    KV_NHD = "2NHD"  # one plane [2, block_size, num_heads, head_dim]: FlashInfer in older vLLM
+    KV_HND = "2HND"  # one plane [2, num_heads, block_size, head_dim]: FlashInfer with HND strides in older vLLM
+    HN2D = "HN2D"  # one plane [num_heads, block_size, 2 * head_dim]: vLLM 0.32 on GPU, KVCacheLayout.LBHNC
+    NH2D = "NH2D"  # one plane [block_size, num_heads, 2 * head_dim]: vLLM 0.32 on GPU, KVCacheLayout.LBNHC
+    MLA = "MLA"  # one plane [block_size, latent_dim]: one latent per token, no K/V (DeepSeek-style MLA)
+
+    @property
+    def kv_components(self) -> int:
+        """Rows per (head, token): 2 (K and V), or 1 for MLA's latent."""
+        return 1 if self is KVLayout.MLA else 2
+
+    @property
+    def planes_per_layer(self) -> int:
+        """Block planes per block and layer: 2 when K and V are apart (NHD, HND), 1 when a block is one plane."""
+        return 2 if self in (KVLayout.NHD, KVLayout.HND) else 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +114,8 @@ class KVTopology:
 
     ``layout`` and ``dtype`` accept plain strings (``"HND"``, ``"torch.bfloat16"``)
     and are normalised; an inconsistent topology raises ``InvalidTopology``.
+    An MLA cache counts as one KV head (``total_num_kv_heads`` 1), which every
+    rank holds: vLLM replicates it, whatever the model's ``num_key_value_heads``.
     """
 
     tp_size: int
@@ -126,6 +150,8 @@ class KVTopology:
             object.__setattr__(self, "layout", KVLayout(self.layout))
         except ValueError:
             raise InvalidTopology(f"unknown layout {self.layout!r}; expected one of {', '.join(KVLayout)}") from None
+        if self.layout is KVLayout.MLA and heads != 1:
+            raise InvalidTopology(f"an MLA cache holds one latent per token: total_num_kv_heads must be 1, got {heads}")
         dtype = str(self.dtype).removeprefix("torch.")
         if dtype not in ELEMENT_SIZES:
             raise InvalidTopology(f"unknown KV cache dtype {self.dtype!r}; known: {', '.join(ELEMENT_SIZES)}")
@@ -146,14 +172,18 @@ class KVTopology:
         return ELEMENT_SIZES[self.dtype]
 
     @property
+    def kv_components(self) -> int:
+        return self.layout.kv_components
+
+    @property
     def planes_per_layer(self) -> int:
-        """Block planes per block and layer: 2 (K, V) when apart, 1 for H2ND."""
-        return 1 if self.layout is KVLayout.H2ND else 2
+        return self.layout.planes_per_layer
 
     @property
     def block_plane_bytes(self) -> int:
-        """Bytes of one block plane for one layer on this rank (K or V; both for H2ND)."""
-        return (2 // self.planes_per_layer) * self.block_size * self.num_heads * self.head_dim * self.element_size
+        """Bytes of one block plane for one layer on this rank (K or V when apart; all its rows otherwise)."""
+        rows_per_token = self.kv_components // self.planes_per_layer * self.num_heads
+        return rows_per_token * self.block_size * self.head_dim * self.element_size
 
     def head_start(self, rank: int | None = None) -> int:
         """First global KV head held by ``rank`` (default: this rank)."""
@@ -224,13 +254,19 @@ def _block_size_problem(local_block_size: int, remote_block_size: int) -> str | 
 def incompatibilities(local: KVTopology, remote: KVTopology) -> list[str]:
     """Every reason ``local`` cannot read KV from ``remote``; empty when it can.
 
-    Layouts never appear: a read maps rows between any two (``connectors.block_ranges``).
+    A read maps rows between any two layouts (``connectors.block_ranges``) but
+    MLA's: its rows are latents, not K and V, so MLA pairs only with MLA.
     """
     reasons = [
         f"{name} differs: local {getattr(local, name)}, remote {getattr(remote, name)}"
         for name in ("dtype", "head_dim", "num_layers", "total_num_kv_heads")
         if getattr(local, name) != getattr(remote, name)
     ]
+    if (local.layout is KVLayout.MLA) != (remote.layout is KVLayout.MLA):
+        reasons.append(
+            f"MLA KV (one latent per token) pairs only with MLA KV: local layout {local.layout}, "
+            f"remote layout {remote.layout}"
+        )
     if local.model_identity != remote.model_identity:
         reasons.append(
             f"model identity differs (another checkpoint, or another configuration): local "
@@ -255,14 +291,16 @@ def check_compatible(local: KVTopology, remote: KVTopology) -> None:
 def compatibility_factors(topology: KVTopology) -> dict[str, object]:
     """The fields two peers must agree on exactly, as hashed by ``compatibility_hash``.
 
-    TP size and block size are left out: they may differ within the rules
-    ``incompatibilities`` checks pairwise. ``layouts`` names the layouts this
-    code converts between, so a peer that cannot convert hashes differently.
+    TP size, block size and layout are left out: they may differ within the
+    rules ``incompatibilities`` checks pairwise. ``layouts`` names the layouts
+    this code converts between, so a peer that cannot convert hashes
+    differently; ``kv_components`` tells MLA (1) from K and V (2), which never pair.
     """
     return {
         "schema": COMPATIBILITY_SCHEMA,
         "dtype": topology.dtype,
         "head_dim": topology.head_dim,
+        "kv_components": topology.kv_components,
         "num_layers": topology.num_layers,
         "total_num_kv_heads": topology.total_num_kv_heads,
         "model_identity": topology.model_identity,

@@ -2,10 +2,11 @@
 
 ``register_kv_caches`` describes this rank's caches (``KVTopology``: layout
 from the cache tensor, H2ND for vLLM's CPU cache), registers them with the
-transport (``connectors.transport``: NIXL), and opens a ``SideChannelServer``
-on ``side_channel_port + tp_rank`` that answers handshakes with the
-transport's payload, regions, transports offered and node, takes releases and
-answers the proxy's report queries. Then each step the worker hands the
+transports its settings name (``connectors.transport``: CUDA IPC where the
+caches are on a GPU, NIXL), and opens a ``SideChannelServer`` on
+``side_channel_port + tp_rank`` that answers handshakes with the transports'
+payloads, regions, transports offered and node, takes releases and READ
+notifications, and answers the proxy's report queries. Then each step the worker hands the
 scheduler side's metadata to its two halves:
 
 - the decode side (``connectors.reader.KVReader``): handshakes with the prefill
@@ -33,8 +34,8 @@ from connectors.reader import KVReader, peer_name
 from connectors.side_channel import RecentReports, SideChannelServer
 from connectors.stats import PdserveKVStats, PdserveWorkerMeta
 from connectors.topology import KVLayout, KVTopology
-from connectors.transport import node_identity
-from connectors.transport.nixl import NixlKVTransport
+from connectors.transport import NIXL, make_transport, node_identity
+from connectors.transport.group import TransportFactory, WorkerTransports
 
 if TYPE_CHECKING:
     import torch
@@ -69,34 +70,101 @@ def engine_model_identity(model_config: Any) -> str:
     return model_identity(model_config.model, json.dumps(config, sort_keys=True, default=str), model_config.revision)
 
 
-def describe_kv_cache(cache: torch.Tensor, num_heads: int, head_dim: int) -> tuple[KVLayout, int, int]:
+def describe_kv_cache(
+    cache: torch.Tensor, num_heads: int, head_dim: int, *, use_mla: bool = False, device_type: str | None = None
+) -> tuple[KVLayout, int, int]:
     """``(layout, block_size, planes_per_layer)`` of one layer's vLLM KV cache tensor on this rank.
 
-    vLLM's CPU cache is ``[num_blocks, heads, block_size, 2 * head_dim]`` (K then
-    V per head: H2ND, one plane); GPU backends hand ``[2, num_blocks,
-    block_size, heads, head_dim]`` whose strides say whether memory is NHD or
-    HND (K and V planes apart).
+    ``num_heads`` counts the rank's KV heads and ``head_dim`` is vLLM's head
+    size (MLA's latent: kv_lora_rank + qk_rope_head_dim). What vLLM hands us:
+
+    - vLLM 0.32, every backend: ``[num_blocks, heads, block_size, 2 * head_dim]``,
+      whose strides say its KVCacheLayout. The shape does not say where K and V
+      are: GPU kernels take the two halves of the last dim (HN2D for LBHNC, NH2D
+      for LBNHC), the CPU backend the two halves of each head's ``2 * block_size``
+      rows (H2ND). So the device decides: ``device_type``, by default the cache's.
+    - older vLLM: FlashAttention's ``[2, num_blocks, block_size, heads, head_dim]``
+      (K and V planes apart, NHD or HND by strides) and FlashInfer's
+      ``[num_blocks, 2, block_size, heads, head_dim]`` (2NHD or 2HND by strides;
+      with 2 blocks it would read as FlashAttention's, but no engine has so few).
+    - MLA (``use_mla``): ``[num_blocks, 1, block_size, head_dim]`` in vLLM 0.32,
+      ``[num_blocks, block_size, head_dim]`` before.
+
+    Transports cut regions and blocks by address, so each block plane must be
+    dense and blocks outermost: ``ConnectorError`` names the layout otherwise
+    (vLLM's LHBNC, the cross-layer BLHNC, BLNHC, BHLNC), as for an unknown shape.
     """
-    shape = tuple(cache.shape)
-    if len(shape) == 4 and shape[1] == num_heads and shape[3] == 2 * head_dim:
-        return KVLayout.H2ND, shape[2], 1
-    if len(shape) == 5 and shape[0] == 2 and shape[4] == head_dim:
-        if shape[3] == num_heads:
-            layout = KVLayout.HND if cache.stride(3) > cache.stride(2) else KVLayout.NHD
-            return layout, shape[2], 2
-        if shape[2] == num_heads:
-            layout = KVLayout.NHD if cache.stride(2) < cache.stride(3) else KVLayout.HND
-            return layout, shape[3], 2
+    shape, device = tuple(cache.shape), device_type or cache.device.type
+    if device not in ("cpu", "cuda"):
+        raise ConnectorError(f"KV cache on device {device!r}: the pdserve connector reads caches on cpu or cuda")
+    # Each candidate: (layout, the cache's dims outermost first in memory); token_dim counts a block's tokens.
+    candidates: tuple[tuple[KVLayout, tuple[int, ...]], ...] = ()
+    if use_mla:
+        if len(shape) == 4 and shape[1] == 1 and shape[3] == head_dim:
+            candidates, token_dim = ((KVLayout.MLA, (0, 1, 2, 3)),), 2
+        elif len(shape) == 3 and shape[2] == head_dim:
+            candidates, token_dim = ((KVLayout.MLA, (0, 1, 2)),), 1
+        held = f"an MLA latent of size {head_dim}"
+        expected = f"[num_blocks, 1, block_size, {head_dim}] or [num_blocks, block_size, {head_dim}]"
+    else:
+        if len(shape) == 4 and shape[1] == num_heads and shape[3] == 2 * head_dim:
+            if device == "cpu":
+                candidates = ((KVLayout.H2ND, (0, 1, 2, 3)),)
+            else:
+                candidates = ((KVLayout.HN2D, (0, 1, 2, 3)), (KVLayout.NH2D, (0, 2, 1, 3)))
+            token_dim = 2
+        elif len(shape) == 5 and shape[0] == 2 and shape[3] == num_heads and shape[4] == head_dim:
+            candidates, token_dim = ((KVLayout.NHD, (0, 1, 2, 3, 4)), (KVLayout.HND, (0, 1, 3, 2, 4))), 2
+        elif len(shape) == 5 and shape[0] == 2 and shape[2] == num_heads and shape[4] == head_dim:
+            candidates, token_dim = ((KVLayout.HND, (0, 1, 2, 3, 4)), (KVLayout.NHD, (0, 1, 3, 2, 4))), 3
+        elif len(shape) == 5 and shape[1] == 2 and shape[3] == num_heads and shape[4] == head_dim:
+            candidates, token_dim = ((KVLayout.KV_NHD, (0, 1, 2, 3, 4)), (KVLayout.KV_HND, (0, 1, 3, 2, 4))), 2
+        held = f"{num_heads} KV heads of size {head_dim} on this rank"
+        expected = (
+            "[num_blocks, heads, block_size, 2*head_dim] (vLLM 0.32), [2, num_blocks, block_size, heads, head_dim] "
+            "(FlashAttention) or [num_blocks, 2, block_size, heads, head_dim] (FlashInfer)"
+        )
+    if not candidates:
+        raise ConnectorError(f"unsupported KV cache shape {shape} for {held}; expected {expected}")
+    for layout, memory_order in candidates:
+        if _dense_in_order(cache, memory_order):
+            return layout, shape[token_dim], layout.planes_per_layer
     raise ConnectorError(
-        f"unsupported KV cache shape {shape} for {num_heads} KV heads of size {head_dim} on this rank; expected "
-        "[num_blocks, heads, block_size, 2*head_dim] (CPU) or [2, num_blocks, block_size, heads, head_dim]"
+        f"unsupported KV cache layout: a cache {shape} with strides {cache.stride()} keeps {_misplaced(cache)}; "
+        "the pdserve connector reads caches whose blocks are outermost and dense: vLLM's KV cache layouts LBHNC "
+        "and LBNHC (VLLM_KV_CACHE_LAYOUT; LBHNC on CPU), older vLLM's FlashAttention and FlashInfer caches"
     )
+
+
+def _dense_in_order(cache: torch.Tensor, memory_order: tuple[int, ...]) -> bool:
+    """Whether ``cache`` is one dense span whose dims, outermost first, are ``memory_order`` (size-1 dims anywhere)."""
+    stride = 1
+    for dim in reversed(memory_order):
+        if cache.shape[dim] > 1 and cache.stride(dim) != stride:
+            return False
+        stride *= cache.shape[dim]
+    return True
+
+
+def _misplaced(cache: torch.Tensor) -> str:
+    """What a cache whose blocks are not outermost and dense does instead, in vLLM's names where we know them."""
+    if cache.dim() == 4 and cache.shape[1] > 1 and cache.stride(1) > cache.stride(0):
+        return "heads outside blocks (vLLM's LHBNC)"
+    if cache.stride(0) > cache[0].numel():
+        return "the blocks of several layers in one tensor (vLLM's cross-layer BLHNC, BLNHC or BHLNC)"
+    return "its rows in an order this connector does not know"
 
 
 class PdserveWorker:
     """The worker-side half of ``PdserveConnector``; one per TP rank, driven by the model runner's thread."""
 
-    def __init__(self, vllm_config: VllmConfig, engine_id: str, kv_cache_config: KVCacheConfig):
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        engine_id: str,
+        kv_cache_config: KVCacheConfig,
+        transport_factory: TransportFactory = make_transport,
+    ):
         check_servable(kv_cache_config, engine_id)
         self.settings = ConnectorSettings.from_extra_config(
             vllm_config.kv_transfer_config.kv_connector_extra_config, engine_id
@@ -106,7 +174,8 @@ class PdserveWorker:
         self._auth = KVAuth.from_env()
         self._vllm_config = vllm_config
         self._kv_cache_config = kv_cache_config
-        self._transport: NixlKVTransport | None = None
+        self._transport_factory = transport_factory
+        self._transport: WorkerTransports | None = None
         self._server: SideChannelServer | None = None
         self._topology: KVTopology | None = None
         self._kernel_blocks_per_block = 1
@@ -126,9 +195,11 @@ class PdserveWorker:
         first = next(iter(kv_caches.values()))
         model_config = self._vllm_config.model_config
         tp_size = self._vllm_config.parallel_config.tensor_parallel_size
-        total_heads = model_config.get_total_num_kv_heads()
+        # MLA keeps one latent per token, the same on every rank: one "head", as vLLM's NIXL connector counts it.
+        use_mla = bool(getattr(model_config, "use_mla", False))
+        total_heads = 1 if use_mla else model_config.get_total_num_kv_heads()
         head_dim = model_config.get_head_size()
-        layout, block_size, planes = describe_kv_cache(first, max(1, total_heads // tp_size), head_dim)
+        layout, block_size, planes = describe_kv_cache(first, max(1, total_heads // tp_size), head_dim, use_mla=use_mla)
         tensor_blocks = first.shape[1] if planes == 2 else first.shape[0]
         # vLLM's block ids are logical; a kernel may cut each into several physical blocks.
         logical_blocks = self._kv_cache_config.num_blocks
@@ -145,18 +216,22 @@ class PdserveWorker:
             num_layers=len(kv_caches),
             model_identity=engine_model_identity(model_config),
         )
-        self._transport = NixlKVTransport(self.engine_id, transfer_timeout_s=self.settings.transfer_timeout_s)
+        self._transport = WorkerTransports(
+            self.engine_id, self.settings.transports, self.settings.transfer_timeout_s, self._transport_factory
+        )
         regions = self._transport.register_kv_caches(
             kv_caches, self._topology.block_plane_bytes, planes_per_layer=planes
         )
+        payloads = self._transport.payloads()
         response = HandshakeResponse(
             engine_id=self.engine_id,
             topology=self._topology,
-            agent_metadata=self._transport.handshake_payload(),
+            agent_metadata=payloads.pop(NIXL, b""),
             kv_caches_base_addr=regions.region_addrs,
             block_len=regions.block_len_bytes,
             num_blocks=regions.num_blocks,
-            transports=(self._transport.name,),
+            transports=self._transport.names,
+            payloads=payloads,
             node=node_identity(),
         )
         self._reader.attach(self._transport, self._topology, self._kernel_blocks_per_block)
@@ -168,11 +243,13 @@ class PdserveWorker:
             encode_response(response),
             self._auth,
             on_release=self._holder.releases_in.put,
+            on_read=self._holder.add_notification,
             on_report=self._answered.encoded,
             answer_delay_s=self.settings.handshake_delay_s,
         )
         logger.info(
-            "engine %s rank %d/%d: KV caches %s (%s) x %d layers, %d kernel block(s) per block, side channel %s",
+            "engine %s rank %d/%d: KV caches %s (%s) x %d layers, %d kernel block(s) per block, transports %s, "
+            "side channel %s",
             self.engine_id,
             tp_rank,
             tp_size,
@@ -180,6 +257,7 @@ class PdserveWorker:
             layout,
             len(kv_caches),
             self._kernel_blocks_per_block,
+            ", ".join(self._transport.names),
             self._server.endpoint,
         )
 

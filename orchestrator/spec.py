@@ -361,6 +361,12 @@ class ConnectorOptionsSpec(_Strict):
         "clocks of two hosts may differ); one that cannot is recomputed, never served from blocks that may be "
         "another request's.",
     )
+    transports: list[Literal["cuda-ipc", "nixl"]] = Field(
+        default=["cuda-ipc", "nixl"],
+        min_length=1,
+        description="KV transports engines serve and read over, best first: cuda-ipc moves KV device to device "
+        "between engines whose GPU one of them sees (it stands aside on CPU caches); nixl everywhere else.",
+    )
     fault_injection: FaultInjectionSpec = Field(default_factory=FaultInjectionSpec)
 
 

@@ -1,14 +1,26 @@
 """A torch reference of where a sequence's KV lives in paged caches, written out apart from ``connectors``.
 
 Tests build one sequence's whole KV (``[2, tokens, heads, head_dim]``, all
-heads), store each TP rank's heads the way vLLM does in the layout under
-test, move it with the code under test, and compare with what these helpers
-say the reading rank's cache must hold. Layouts (one layer's cache):
+heads; ``[1, tokens, 1, latent]`` for MLA), store each TP rank's heads the way
+vLLM does in the layout under test, move it with the code under test, and
+compare with what these helpers say the reading rank's cache must hold.
 
-- ``NHD``:  ``[2, num_blocks, block_size, heads, head_dim]``
-- ``HND``:  ``[2, num_blocks, heads, block_size, head_dim]``
+A cache is allocated in memory order (``cache_shape``); ``vllm_view`` is the
+tensor vLLM hands the connector for it, and the tokens are read from that as
+vLLM's attention backends read them (``_token_view``). Layouts, one layer's
+cache in memory order, and what vLLM hands:
+
+- ``NHD``:  ``[2, num_blocks, block_size, heads, head_dim]``: FlashAttention, older vLLM
+- ``HND``:  ``[2, num_blocks, heads, block_size, head_dim]``, handed as ``[2, num_blocks, block_size, heads, head_dim]``
 - ``H2ND``: ``[num_blocks, heads, block_size, 2 * head_dim]``, vLLM's CPU cache: per
   block and head, the K rows of every token, then the V rows.
+- ``2NHD``: ``[num_blocks, 2, block_size, heads, head_dim]``: FlashInfer, older vLLM
+- ``2HND``: ``[num_blocks, 2, heads, block_size, head_dim]``, handed as ``[num_blocks, 2, block_size, heads, head_dim]``
+- ``HN2D``: ``[num_blocks, heads, block_size, 2 * head_dim]``: vLLM 0.32 on GPU (LBHNC), K and V the
+  halves of the last dim
+- ``NH2D``: ``[num_blocks, block_size, heads, 2 * head_dim]`` (LBNHC), handed as ``[num_blocks, heads, block_size,
+  2 * head_dim]``
+- ``MLA``:  ``[num_blocks, block_size, latent]``, handed by vLLM 0.32 as ``[num_blocks, 1, block_size, latent]``
 """
 
 from __future__ import annotations
@@ -27,26 +39,50 @@ def rank_heads(tp_size: int, rank: int, total_heads: int) -> list[int]:
 
 
 def cache_shape(layout: str, num_blocks: int, block_size: int, heads: int, head_dim: int) -> tuple[int, ...]:
-    if layout == "NHD":
-        return (2, num_blocks, block_size, heads, head_dim)
-    if layout == "HND":
-        return (2, num_blocks, heads, block_size, head_dim)
-    return (num_blocks, heads, block_size, 2 * head_dim)
+    """One layer's cache in memory order."""
+    shapes = {
+        "NHD": (2, num_blocks, block_size, heads, head_dim),
+        "HND": (2, num_blocks, heads, block_size, head_dim),
+        "H2ND": (num_blocks, heads, block_size, 2 * head_dim),
+        "2NHD": (num_blocks, 2, block_size, heads, head_dim),
+        "2HND": (num_blocks, 2, heads, block_size, head_dim),
+        "HN2D": (num_blocks, heads, block_size, 2 * head_dim),
+        "NH2D": (num_blocks, block_size, heads, 2 * head_dim),
+        "MLA": (num_blocks, block_size, head_dim),
+    }
+    return shapes[layout]
+
+
+def vllm_view(cache: torch.Tensor, layout: str) -> torch.Tensor:
+    """The tensor vLLM hands the connector for ``cache`` (allocated as ``cache_shape`` says): a view."""
+    if layout in ("HND", "2HND"):
+        return cache.transpose(2, 3)  # [..., block_size, heads, head_dim] with HND strides
+    if layout == "NH2D":
+        return cache.transpose(1, 2)  # [num_blocks, heads, block_size, 2 * head_dim] with LBNHC strides
+    if layout == "MLA":
+        return cache.unsqueeze(1)  # one head slot
+    return cache
 
 
 def _token_view(cache: torch.Tensor, layout: str, head_dim: int) -> torch.Tensor:
-    """``cache`` as ``[2, num_blocks, block_size, heads, head_dim]``; a view: writes reach ``cache``."""
-    if layout == "NHD":
-        return cache
-    if layout == "HND":
-        return cache.transpose(2, 3)
-    num_blocks, heads, block_size, _ = cache.shape
-    # per (block, head): [2 * block_size, head_dim] rows, K's first
-    return cache.view(num_blocks, heads, 2, block_size, head_dim).permute(2, 0, 3, 1, 4)
+    """``cache`` as ``[kv, num_blocks, block_size, heads, head_dim]``; a view: writes reach ``cache``."""
+    handed = vllm_view(cache, layout)
+    if layout in ("NHD", "HND"):
+        return handed
+    if layout in ("2NHD", "2HND"):
+        return handed.transpose(0, 1)
+    if layout == "H2ND":
+        # vLLM's CPU backend: per (block, head), [2 * block_size, head_dim] rows, chunked in two: K's first
+        num_blocks, heads, block_size, _ = handed.shape
+        return handed.view(num_blocks, heads, 2, block_size, head_dim).permute(2, 0, 3, 1, 4)
+    if layout == "MLA":
+        return handed.transpose(1, 2).unsqueeze(0)  # one latent per token, "head" 0
+    # vLLM 0.32's GPU backends: kv_cache.transpose(1, 2).split(head_size, dim=-1)
+    return handed.transpose(1, 2).unflatten(-1, (2, head_dim)).permute(3, 0, 1, 2, 4)
 
 
 def write_tokens(cache: torch.Tensor, layout: str, block_ids: Sequence[int], tokens: torch.Tensor) -> None:
-    """Store ``tokens`` (``[2, n, heads, head_dim]``) in ``block_ids``, in token order; later slots are left."""
+    """Store ``tokens`` (``[kv, n, heads, head_dim]``) in ``block_ids``, in token order; later slots are left."""
     view = _token_view(cache, layout, tokens.shape[-1])
     block_size = view.shape[2]
     for i, block_id in enumerate(block_ids):
@@ -57,7 +93,7 @@ def write_tokens(cache: torch.Tensor, layout: str, block_ids: Sequence[int], tok
 
 
 def read_tokens(cache: torch.Tensor, layout: str, block_ids: Sequence[int], head_dim: int) -> torch.Tensor:
-    """The tokens held in ``block_ids``, in order: ``[2, len(block_ids) * block_size, heads, head_dim]``."""
+    """The tokens held in ``block_ids``, in order: ``[kv, len(block_ids) * block_size, heads, head_dim]``."""
     view = _token_view(cache, layout, head_dim)
     return view[:, list(block_ids)].flatten(1, 2).clone()
 
@@ -68,8 +104,8 @@ def noise_cache(shape: Sequence[int], dtype: torch.dtype, generator: torch.Gener
 
 
 def padded(tokens: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """``tokens`` (``[2, n, heads, head_dim]``) zero-padded (or cut) to ``num_tokens``."""
-    out = tokens.new_zeros((2, num_tokens, *tokens.shape[2:]))
+    """``tokens`` (``[kv, n, heads, head_dim]``) zero-padded (or cut) to ``num_tokens``."""
+    out = tokens.new_zeros((tokens.shape[0], num_tokens, *tokens.shape[2:]))
     count = min(num_tokens, tokens.shape[1])
     out[:, :count] = tokens[:, :count]
     return out

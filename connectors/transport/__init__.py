@@ -3,9 +3,12 @@
 ``base.KVTransport`` is what every transport implements (register caches, an
 opaque handshake payload, read block runs, notifications, abort, close);
 ``nixl.NixlKVTransport`` moves blocks over NIXL/UCX (RDMA between hosts,
-shared memory or TCP on one host; CPU or GPU memory), ``fake.InMemoryTransport``
+shared memory or TCP on one host; CPU or GPU memory), ``cuda_ipc.CudaIpcTransport``
+gathers them device to device from the caches of another process whose GPU
+this one sees (engines on the GPUs of one node), ``fake.InMemoryTransport``
 copies them between tensors of one process (unit tests of the code above the
-seam). CUDA IPC and NCCL are GPU-only and not here yet (issue 14).
+seam). ``make_transport`` builds one by name (``FACTORIES``); a worker holds
+its transports in a ``group.WorkerTransports``. NCCL is not here yet.
 
 ``choose_transport`` picks, for one pair of peers, the first transport both
 offer in the order that suits where they are (``Where``): the same process
@@ -13,21 +16,45 @@ group, the same node, or different nodes. Each side offers what it can run
 (``OFFERED``: what is importable and fits its memory); the prefill side's
 offer travels in its handshake answer, and the decode side says which it
 chose in every request's report (``transport=...`` in ``X-PDServe-KV``).
+When the first common transport cannot reach the peer after all (its GPU is
+not visible here, a mapping fails), the reader tries the next one
+(``common_transports``).
 """
 
 from __future__ import annotations
 
 import enum
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import cache
+from typing import TYPE_CHECKING
 
 from connectors.errors import TransportError
 
-__all__ = ["NIXL", "PREFERENCE", "TRANSPORTS", "Where", "choose_transport", "node_identity", "where"]
+if TYPE_CHECKING:
+    from connectors.transport.base import KVTransport
 
-NIXL, CUDA_IPC, NCCL = "nixl", "cuda-ipc", "nccl"
-TRANSPORTS = (NIXL, CUDA_IPC, NCCL)
+__all__ = [
+    "CUDA_IPC",
+    "DEFAULT_TRANSPORTS",
+    "FACTORIES",
+    "IN_MEMORY",
+    "NIXL",
+    "PREFERENCE",
+    "TRANSPORTS",
+    "Where",
+    "choose_transport",
+    "common_transports",
+    "make_transport",
+    "node_identity",
+    "where",
+]
+
+NIXL, CUDA_IPC, NCCL, IN_MEMORY = "nixl", "cuda-ipc", "nccl", "in-memory"
+TRANSPORTS = (NIXL, CUDA_IPC, NCCL, IN_MEMORY)
+# What a worker builds unless its settings say otherwise: CUDA IPC where its caches are on a GPU (it
+# stands aside on CPU caches), NIXL everywhere.
+DEFAULT_TRANSPORTS = (CUDA_IPC, NIXL)
 
 
 class Where(enum.StrEnum):
@@ -40,8 +67,8 @@ class Where(enum.StrEnum):
 
 PREFERENCE: dict[Where, tuple[str, ...]] = {
     # GPUs of one node: a device-to-device copy beats any network path.
-    Where.SAME_PROCESS_GROUP: (CUDA_IPC, NCCL, NIXL),
-    Where.SAME_NODE: (CUDA_IPC, NIXL),
+    Where.SAME_PROCESS_GROUP: (CUDA_IPC, NCCL, NIXL, IN_MEMORY),
+    Where.SAME_NODE: (CUDA_IPC, NIXL, IN_MEMORY),
     # Across nodes: NIXL (RDMA where UCX finds it), NCCL where there is no RDMA.
     Where.OTHER_NODE: (NIXL, NCCL),
 }
@@ -54,11 +81,16 @@ def where(local_node: str, remote_node: str, same_process_group: bool = False) -
     return Where.SAME_NODE if local_node and local_node == remote_node else Where.OTHER_NODE
 
 
+def common_transports(ours: Sequence[str], theirs: Sequence[str], place: Where) -> tuple[str, ...]:
+    """The transports of ``PREFERENCE[place]`` both sides offer, best first."""
+    return tuple(name for name in PREFERENCE[place] if name in ours and name in theirs)
+
+
 def choose_transport(ours: Sequence[str], theirs: Sequence[str], place: Where) -> str:
     """The first transport of ``PREFERENCE[place]`` both sides offer; ``TransportError`` if none."""
-    for name in PREFERENCE[place]:
-        if name in ours and name in theirs:
-            return name
+    common = common_transports(ours, theirs, place)
+    if common:
+        return common[0]
     raise TransportError(
         f"no common KV transport for a peer ({place}): we offer {', '.join(ours) or 'none'}, "
         f"it offers {', '.join(theirs) or 'none'}"
@@ -75,3 +107,37 @@ def node_identity() -> str:
         return f"{boot}/{os.stat('/proc/self/ns/net').st_ino}"
     except OSError:
         return ""
+
+
+def _nixl(engine_id: str, transfer_timeout_s: float) -> KVTransport:
+    from connectors.transport.nixl import NixlKVTransport
+
+    return NixlKVTransport(engine_id, transfer_timeout_s=transfer_timeout_s)
+
+
+def _cuda_ipc(engine_id: str, transfer_timeout_s: float) -> KVTransport:
+    from connectors.transport.cuda_ipc import CudaIpcTransport
+
+    return CudaIpcTransport(engine_id, transfer_timeout_s=transfer_timeout_s)
+
+
+def _in_memory(engine_id: str, transfer_timeout_s: float) -> KVTransport:
+    from connectors.transport.fake import InMemoryTransport
+
+    return InMemoryTransport(engine_id)
+
+
+# name -> factory(engine_id, transfer_timeout_s); each imports its backend only when called.
+FACTORIES: dict[str, Callable[[str, float], KVTransport]] = {
+    NIXL: _nixl,
+    CUDA_IPC: _cuda_ipc,
+    IN_MEMORY: _in_memory,
+}
+
+
+def make_transport(name: str, engine_id: str, transfer_timeout_s: float = 30.0) -> KVTransport:
+    """A new transport ``name`` for ``engine_id``; ``TransportError`` for a name with no backend here."""
+    factory = FACTORIES.get(name)
+    if factory is None:
+        raise TransportError(f"no KV transport named {name!r}; known: {', '.join(FACTORIES)}")
+    return factory(engine_id, transfer_timeout_s)

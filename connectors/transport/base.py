@@ -59,6 +59,9 @@ class KVTransport(Protocol):
     """Moves KV blocks between the caches of two workers."""
 
     name: str
+    notifies_source: bool
+    """Whether a finished read tells the source itself (``poll_notifications`` there); when not, the reader
+    sends the READ notification over the side channel."""
 
     def register_kv_caches(
         self, caches: Mapping[str, torch.Tensor], block_len_bytes: int, *, planes_per_layer: int
@@ -68,6 +71,10 @@ class KVTransport(Protocol):
 
     def handshake_payload(self) -> bytes:
         """What a reader needs to reach this transport (opaque to everything above the seam)."""
+        ...
+
+    def cannot_read(self, payload: bytes) -> str | None:
+        """Why this transport cannot read from the source whose ``handshake_payload()`` this is (None: it can)."""
         ...
 
     def add_peer(self, peer: str, payload: bytes, regions: KVRegions, ranges: PlaneRanges | None = None) -> str: ...

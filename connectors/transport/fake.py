@@ -69,6 +69,7 @@ class _Peer:
 class InMemoryTransport:
     engine_id: str
     name: str = "in-memory"
+    notifies_source = True
     fail_next: str | None = None
     """A reason: the next read fails with it (then this goes back to None)."""
     _agent: str = field(default="", init=False)
@@ -99,6 +100,10 @@ class InMemoryTransport:
 
     def handshake_payload(self) -> bytes:
         return self._agent.encode()
+
+    def cannot_read(self, payload: bytes) -> str | None:
+        source = payload.decode(errors="replace")
+        return None if source in _LIVE else f"no in-memory transport {source!r} in this process"
 
     def add_peer(self, peer: str, payload: bytes, regions: KVRegions, ranges: PlaneRanges | None = None) -> str:
         local = self.kv_regions()

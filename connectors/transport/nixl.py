@@ -246,6 +246,7 @@ class NixlKVTransport:
     """
 
     name = "nixl"
+    notifies_source = True
 
     def __init__(
         self,
@@ -326,6 +327,10 @@ class NixlKVTransport:
         return self._agent.get_agent_metadata()
 
     # ------------------------------------------------------------ peers
+
+    def cannot_read(self, payload: bytes) -> str | None:
+        """NIXL reaches any peer whose agent metadata it gets (UCX picks the path when the READ is posted)."""
+        return None if payload else "no NIXL agent metadata"
 
     def add_peer(self, peer: str, payload: bytes, regions: KVRegions, ranges: PlaneRanges | None = None) -> str:
         """Learn a source rank's agent, prepare the descriptors of reading ``ranges`` from it; returns its agent name.

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 pytest.importorskip("torch")
+pytest.importorskip("nixl", reason="needs NIXL (`pip install -e '.[gpu]'`: nixl and nixl-cu13)")
 
 from tests.integration.test_nixl_transport import (  # noqa: E402, F401 - fixtures and tests run here again
     reader,

@@ -117,6 +117,17 @@ def nixl_read(
 TP_PAIRS = [(1, 1), (1, 2), (2, 1), (2, 4), (4, 2), (1, 4), (4, 1)]
 LAYOUTS = ["H2ND", "HND", "NHD"]
 BLOCK_SIZES = [(16, 16), (8, 16), (4, 16)]  # (prefill, decode): equal, 2 and 4 prefill blocks per decode block
+ONE_PLANE_LAYOUTS = ["2NHD", "2HND", "HN2D", "NH2D"]  # FlashInfer's in older vLLM, vLLM 0.32's on GPU
+# Pairs with a one-plane layout on either side, in fewer cases than the exhaustive product above.
+ONE_PLANE_PAIRS = [
+    (prefill, decode)
+    for prefill in LAYOUTS + ONE_PLANE_LAYOUTS
+    for decode in LAYOUTS + ONE_PLANE_LAYOUTS
+    if prefill in ONE_PLANE_LAYOUTS or decode in ONE_PLANE_LAYOUTS
+]
+# (prefill TP, decode TP, KV heads): equal, split, joined, both, prefill replicas, decode replicas
+PAIR_CASES = [(1, 1, 4), (1, 2, 4), (2, 1, 4), (2, 4, 4), (4, 1, 2), (2, 4, 2)]
+RATIOS = [(16, 16), (8, 16)]
 
 
 def prefill_engine(
@@ -142,49 +153,31 @@ def prefill_engine(
     return engine
 
 
-@pytest.mark.parametrize("decode_layout", LAYOUTS)
-@pytest.mark.parametrize("prefill_layout", LAYOUTS)
-@pytest.mark.parametrize(("prefill_block", "decode_block"), BLOCK_SIZES, ids=lambda b: str(b))
-@pytest.mark.parametrize("num_heads", [2, 4])
-@pytest.mark.parametrize(("prefill_tp", "decode_tp"), TP_PAIRS, ids=[f"P{p}-D{d}" for p, d in TP_PAIRS])
-def test_direct_reads_put_each_decode_ranks_heads_in_its_blocks_and_nothing_else(
-    make_topology: TopologyFactory,
-    generator: torch.Generator,
-    prefill_tp: int,
-    decode_tp: int,
-    num_heads: int,
-    prefill_block: int,
-    decode_block: int,
-    prefill_layout: str,
-    decode_layout: str,
-) -> None:
-    prefill = make_topology(
-        tp_size=prefill_tp, total_num_kv_heads=num_heads, block_size=prefill_block, layout=prefill_layout
-    )
-    decode = make_topology(
-        tp_size=decode_tp, total_num_kv_heads=num_heads, block_size=decode_block, layout=decode_layout
-    )
-    whole = [torch.randn(2, NUM_TOKENS, num_heads, HEAD_DIM, generator=generator).to(DTYPE) for _ in range(NUM_LAYERS)]
-    num_prefill_blocks = -(-NUM_TOKENS // prefill_block)
+def assert_direct_reads_move_the_reference(prefill: KVTopology, decode: KVTopology, generator: torch.Generator) -> None:
+    """Every decode rank READs a sequence from the prefill ranks its plan names and then holds, by the torch
+    reference, its heads of the sequence in its blocks and nothing else new, having moved each byte once."""
+    num_heads, kv = prefill.total_num_kv_heads, prefill.kv_components
+    whole = [torch.randn(kv, NUM_TOKENS, num_heads, HEAD_DIM, generator=generator).to(DTYPE) for _ in range(NUM_LAYERS)]
+    num_prefill_blocks = -(-NUM_TOKENS // prefill.block_size)
     prefill_ids = torch.randperm(num_prefill_blocks + SPARE_BLOCKS, generator=generator)[:num_prefill_blocks].tolist()
     prefill_caches = prefill_engine(prefill, whole, prefill_ids, generator)
-    num_decode_blocks = -(-NUM_TOKENS // decode_block)
+    num_decode_blocks = -(-NUM_TOKENS // decode.block_size)
 
-    for rank in range(decode_tp):
+    for rank in range(decode.tp_size):
         local = decode.with_rank(rank)
-        heads = rank_heads(decode_tp, rank, num_heads)
+        heads = rank_heads(decode.tp_size, rank, num_heads)
         decode_ids = torch.randperm(num_decode_blocks + SPARE_BLOCKS, generator=generator)[:num_decode_blocks].tolist()
-        shape = cache_shape(decode_layout, num_decode_blocks + SPARE_BLOCKS, decode_block, len(heads), HEAD_DIM)
+        shape = cache_shape(decode.layout, num_decode_blocks + SPARE_BLOCKS, decode.block_size, len(heads), HEAD_DIM)
         caches = [noise_cache(shape, DTYPE, generator) for _ in range(NUM_LAYERS)]
         expected = [cache.clone() for cache in caches]
         for layer in range(NUM_LAYERS):
             # Remote blocks move whole: the zero padding of the last prefill block comes along.
-            tokens = padded(whole[layer][:, :, heads], num_prefill_blocks * prefill_block)
-            write_tokens(expected[layer], decode_layout, decode_ids, tokens)
+            tokens = padded(whole[layer][:, :, heads], num_prefill_blocks * prefill.block_size)
+            write_tokens(expected[layer], decode.layout, decode_ids, tokens)
 
         local_regions = regions_of(caches, local)
         moved = 0
-        sources = source_ranks(local, prefill_tp)
+        sources = source_ranks(local, prefill.tp_size)
         assert sources == plan_reads(local, prefill).remote_ranks
         for remote_rank in sources:
             remote = prefill.with_rank(remote_rank)
@@ -209,10 +202,81 @@ def test_direct_reads_put_each_decode_ranks_heads_in_its_blocks_and_nothing_else
 
         for layer in range(NUM_LAYERS):
             assert torch.equal(caches[layer], expected[layer]), f"decode rank {rank}, layer {layer}"
-            seen = read_tokens(caches[layer], decode_layout, decode_ids, HEAD_DIM)[:, :NUM_TOKENS]
+            seen = read_tokens(caches[layer], decode.layout, decode_ids, HEAD_DIM)[:, :NUM_TOKENS]
             assert torch.equal(seen, whole[layer][:, :, heads])
         # Replicas are read once: exactly this rank's heads of every remote block, every layer.
-        assert moved == NUM_LAYERS * num_prefill_blocks * 2 * prefill_block * len(heads) * HEAD_DIM * 2
+        assert moved == NUM_LAYERS * num_prefill_blocks * kv * prefill.block_size * len(heads) * HEAD_DIM * 2
+
+
+@pytest.mark.parametrize("decode_layout", LAYOUTS)
+@pytest.mark.parametrize("prefill_layout", LAYOUTS)
+@pytest.mark.parametrize(("prefill_block", "decode_block"), BLOCK_SIZES, ids=lambda b: str(b))
+@pytest.mark.parametrize("num_heads", [2, 4])
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), TP_PAIRS, ids=[f"P{p}-D{d}" for p, d in TP_PAIRS])
+def test_direct_reads_put_each_decode_ranks_heads_in_its_blocks_and_nothing_else(
+    make_topology: TopologyFactory,
+    generator: torch.Generator,
+    prefill_tp: int,
+    decode_tp: int,
+    num_heads: int,
+    prefill_block: int,
+    decode_block: int,
+    prefill_layout: str,
+    decode_layout: str,
+) -> None:
+    prefill = make_topology(
+        tp_size=prefill_tp, total_num_kv_heads=num_heads, block_size=prefill_block, layout=prefill_layout
+    )
+    decode = make_topology(
+        tp_size=decode_tp, total_num_kv_heads=num_heads, block_size=decode_block, layout=decode_layout
+    )
+    assert_direct_reads_move_the_reference(prefill, decode, generator)
+
+
+@pytest.mark.parametrize(("prefill_layout", "decode_layout"), ONE_PLANE_PAIRS, ids="{0[0]}-to-{0[1]}".format)
+@pytest.mark.parametrize(("prefill_block", "decode_block"), RATIOS, ids=lambda b: str(b))
+@pytest.mark.parametrize(
+    ("prefill_tp", "decode_tp", "num_heads"), PAIR_CASES, ids=[f"P{p}-D{d}-h{h}" for p, d, h in PAIR_CASES]
+)
+def test_direct_reads_between_one_plane_layouts_and_any_other(
+    make_topology: TopologyFactory,
+    generator: torch.Generator,
+    prefill_tp: int,
+    decode_tp: int,
+    num_heads: int,
+    prefill_block: int,
+    decode_block: int,
+    prefill_layout: str,
+    decode_layout: str,
+) -> None:
+    prefill = make_topology(
+        tp_size=prefill_tp, total_num_kv_heads=num_heads, block_size=prefill_block, layout=prefill_layout
+    )
+    decode = make_topology(
+        tp_size=decode_tp, total_num_kv_heads=num_heads, block_size=decode_block, layout=decode_layout
+    )
+    assert_direct_reads_move_the_reference(prefill, decode, generator)
+
+
+MLA_TP_PAIRS = [(1, 1), (1, 2), (2, 1), (2, 4), (4, 1)]
+
+
+@pytest.mark.parametrize(("prefill_block", "decode_block"), RATIOS, ids=lambda b: str(b))
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), MLA_TP_PAIRS, ids=[f"P{p}-D{d}" for p, d in MLA_TP_PAIRS])
+def test_mla_reads_take_one_replica_of_the_latents(
+    make_topology: TopologyFactory,
+    generator: torch.Generator,
+    prefill_tp: int,
+    decode_tp: int,
+    prefill_block: int,
+    decode_block: int,
+) -> None:
+    # Every rank holds the whole latent cache: each decode rank reads it from one prefill rank.
+    mla = {"layout": "MLA", "total_num_kv_heads": 1}
+    prefill = make_topology(tp_size=prefill_tp, block_size=prefill_block, **mla)
+    decode = make_topology(tp_size=decode_tp, block_size=decode_block, **mla)
+    assert all(len(source_ranks(decode.with_rank(rank), prefill_tp)) == 1 for rank in range(decode_tp))
+    assert_direct_reads_move_the_reference(prefill, decode, generator)
 
 
 # ---------------------------------------------------------------- runs per layout
@@ -231,6 +295,25 @@ def test_direct_reads_put_each_decode_ranks_heads_in_its_blocks_and_nothing_else
         ({"layout": "NHD", "tp_size": 2}, {"layout": "NHD"}, 2 * 16),  # per token
         ({"layout": "HND", "tp_size": 2}, {"layout": "NHD"}, 2 * 16 * 2),  # per token and head
         ({"layout": "HND"}, {"layout": "H2ND"}, 2 * 4),  # per head and K/V: H2ND keeps them together
+        # vLLM 0.32 on GPU, LBHNC: a head slice is one run, K and V with it; per head across sub-blocks
+        ({"layout": "HN2D"}, {"layout": "HN2D"}, 1),
+        ({"layout": "HN2D", "tp_size": 2}, {"layout": "HN2D"}, 1),
+        ({"layout": "HN2D", "block_size": 32}, {"layout": "HN2D"}, 4),
+        # ... LBNHC: per token with a partial head slice, K and V of its heads together
+        ({"layout": "NH2D"}, {"layout": "NH2D"}, 1),
+        ({"layout": "NH2D", "tp_size": 2}, {"layout": "NH2D"}, 16),
+        # FlashInfer: K then V in one plane
+        ({"layout": "2HND"}, {"layout": "2HND"}, 1),
+        ({"layout": "2HND", "tp_size": 2}, {"layout": "2HND"}, 2),
+        ({"layout": "2HND"}, {"layout": "HND"}, 2),  # each of K and V whole, into its half
+        ({"layout": "2NHD"}, {"layout": "NHD"}, 2),
+        ({"layout": "2NHD", "tp_size": 2}, {"layout": "2NHD"}, 2 * 16),
+        # K and V alternate row by row in HN2D and lie apart here: one run per row
+        ({"layout": "HND"}, {"layout": "HN2D"}, 2 * 4 * 16),
+        # MLA: the latents of a block are one run, whatever the TP or the block size ratio
+        ({"layout": "MLA", "total_num_kv_heads": 1, "tp_size": 2}, {"layout": "MLA", "total_num_kv_heads": 1}, 1),
+        ({"layout": "MLA", "total_num_kv_heads": 1}, {"layout": "MLA", "total_num_kv_heads": 1, "tp_size": 4}, 1),
+        ({"layout": "MLA", "total_num_kv_heads": 1, "block_size": 32}, {"layout": "MLA", "total_num_kv_heads": 1}, 1),
     ],
 )
 def test_runs_merge_whatever_is_contiguous_on_both_sides(
@@ -242,7 +325,8 @@ def test_runs_merge_whatever_is_contiguous_on_both_sides(
     [head_slice] = [
         s for s in plan_reads(local_topology, remote_topology).slices if s.remote_rank == remote_topology.tp_rank
     ]
-    assert ranges.bytes_per_block == head_slice.num_heads * 2 * remote_topology.block_size * HEAD_DIM * 2
+    rows = head_slice.num_heads * remote_topology.kv_components * remote_topology.block_size
+    assert ranges.bytes_per_block == rows * HEAD_DIM * 2
 
 
 def test_h2nd_runs_of_a_sub_block_sit_in_each_heads_k_and_v_rows(make_topology: TopologyFactory) -> None:

@@ -30,10 +30,12 @@ from connectors.leases import read_notification  # noqa: E402
 from connectors.metadata import KVTransferParams, PdserveConnectorMetadata, ReceiveSpec  # noqa: E402
 from connectors.side_channel import RefusedMessages, report_key  # noqa: E402
 from connectors.topology import KVLayout, KVTopology  # noqa: E402
-from connectors.transport.base import TransferState  # noqa: E402
+from connectors.transport import CUDA_IPC, NIXL, make_transport, node_identity  # noqa: E402
+from connectors.transport.base import KVTransport, TransferState, cache_regions  # noqa: E402
 from connectors.transport.fake import InMemoryTransfer  # noqa: E402
 from connectors.wire import parse_tcp_endpoint  # noqa: E402
 from connectors.worker import PdserveWorker, describe_kv_cache, engine_model_identity  # noqa: E402
+from tests.kv_reference import cache_shape, vllm_view  # noqa: E402
 
 HEAD_DIM = 8
 NUM_LAYERS = 2
@@ -48,6 +50,8 @@ class FakeTransport:
     """Stands in for ``NixlKVTransport``: reads are scripted by the test (states set by hand)."""
 
     name: str = "nixl"
+    notifies_source = True
+    refuses: str = ""
     regions: KVRegions | None = None
     peers: dict[str, Any] = field(default_factory=dict)
     reads: list[tuple[str, list[int], list[int], bytes, InMemoryTransfer]] = field(default_factory=list)
@@ -64,6 +68,9 @@ class FakeTransport:
 
     def handshake_payload(self) -> bytes:
         return b"agent"
+
+    def cannot_read(self, payload: bytes) -> str | None:
+        return self.refuses or None
 
     def add_peer(self, peer: str, metadata: bytes, regions: KVRegions, ranges: Any) -> str:
         self.peers[peer] = ranges
@@ -96,9 +103,13 @@ IDENTITY = engine_model_identity(SimpleNamespace(**FAKE_MODEL))
 class FakeReleases:
     def __init__(self, engine_id: str):
         self.sent: list[tuple[int, str]] = []
+        self.reads: list[tuple[int, str, bytes]] = []
 
     def release(self, endpoint: str, request_id: str) -> None:
         self.sent.append((parse_tcp_endpoint(endpoint)[1], request_id))
+
+    def read_done(self, endpoint: str, reader: str, notification: bytes) -> None:
+        self.reads.append((parse_tcp_endpoint(endpoint)[1], reader, notification))
 
     def close(self) -> None:
         pass
@@ -120,6 +131,8 @@ class FakePrefill:
 
     tp_size: int = 2
     asked: list[int] = field(default_factory=list)
+    transports: tuple[str, ...] = (NIXL,)
+    node: str = ""
 
     def request_handshake(
         self, engine_id: str, local: KVTopology, endpoint: str, auth: KVAuth, timeout_s: float
@@ -137,6 +150,9 @@ class FakePrefill:
             kv_caches_base_addr=(0,) * NUM_LAYERS,
             block_len=remote.block_plane_bytes,
             num_blocks=NUM_BLOCKS,
+            transports=self.transports,
+            payloads={name: name.encode() for name in self.transports if name != NIXL},
+            node=self.node,
         )
 
 
@@ -146,20 +162,30 @@ class Fakes:
     transports: list[FakeTransport]
     releases: list[FakeReleases]
 
+    gpu_peers: str | None = None
+    """None: CUDA IPC is the real one (it stands aside on these CPU caches); else a fake one that serves, and
+    refuses every peer for this reason ("" refuses none)."""
+
+    def transport_factory(self, name: str, engine_id: str, transfer_timeout_s: float) -> KVTransport:
+        """NIXL is faked; CUDA IPC too when ``gpu_peers`` says so."""
+        if name == CUDA_IPC and self.gpu_peers is not None:
+            self.transports.append(FakeTransport(name=CUDA_IPC, refuses=self.gpu_peers))
+            self.transports[-1].notifies_source = False
+            return self.transports[-1]
+        if name != NIXL:
+            return make_transport(name, engine_id, transfer_timeout_s)
+        self.transports.append(FakeTransport())
+        return self.transports[-1]
+
 
 @pytest.fixture
 def fakes(monkeypatch: pytest.MonkeyPatch) -> Fakes:
     made = Fakes(FakePrefill(), [], [])
 
-    def transport(*args: Any, **kwargs: Any) -> FakeTransport:
-        made.transports.append(FakeTransport())
-        return made.transports[-1]
-
     def releases(engine_id: str, auth: KVAuth) -> FakeReleases:
         made.releases.append(FakeReleases(engine_id))
         return made.releases[-1]
 
-    monkeypatch.setattr(worker_module, "NixlKVTransport", transport)
     monkeypatch.setattr(worker_module, "SideChannelServer", FakeServer)
     monkeypatch.setattr(reader_module, "ReleaseSender", releases)
     monkeypatch.setattr(reader_module, "request_handshake", made.prefill.request_handshake)
@@ -181,7 +207,7 @@ def make_worker(fakes: Fakes) -> Iterator[Callable[..., PdserveWorker]]:
             parallel_config=SimpleNamespace(tensor_parallel_size=tp_size),
             cache_config=SimpleNamespace(block_size=block_size),
         )
-        worker = PdserveWorker(config, "decode", SimpleNamespace(num_blocks=NUM_BLOCKS))
+        worker = PdserveWorker(config, "decode", SimpleNamespace(num_blocks=NUM_BLOCKS), fakes.transport_factory)
         workers.append(worker)
         shape = (NUM_BLOCKS, max(1, heads // tp_size), block_size, 2 * HEAD_DIM)
         caches = {f"layer.{i}": torch.zeros(shape, dtype=torch.bfloat16) for i in range(NUM_LAYERS)}
@@ -305,6 +331,59 @@ def test_two_decode_ranks_tell_the_one_prefill_rank_to_expect_two_reads(
     assert [transport.reads[0][3] for transport in fakes.transports] == [read_notification("p-r1", 2)] * 2
 
 
+def test_a_peer_on_this_node_is_read_by_cuda_ipc_which_tells_the_source_over_the_side_channel(
+    fakes: Fakes, make_worker: WorkerFactory
+) -> None:
+    fakes.gpu_peers, fakes.prefill.tp_size = "", 1
+    fakes.prefill.transports, fakes.prefill.node = (CUDA_IPC, NIXL), node_identity()
+    worker = make_worker(tp_size=1, tp_rank=0)
+    ipc, nixl = fakes.transports
+    receive(worker, ipc, spec("r1", 1, (5,), (1, 2)), reads=1)
+    ipc.reads[0][-1].state = TransferState.DONE
+
+    assert worker.transfer_results()[1] == {"r1"}
+    assert (set(ipc.peers), set(nixl.peers)) == ({"prefill/rank0"}, set())
+    assert worker.take_reports().reports["r1"]["transport"] == CUDA_IPC
+    # CUDA IPC has no message back: the reader sends the READ notification itself, as this rank
+    assert fakes.releases[0].reads == [(PREFILL_PORT, "decode/rank0", read_notification("p-r1", 1))]
+
+
+def test_a_peer_whose_gpu_this_process_cannot_see_is_read_over_nixl(fakes: Fakes, make_worker: WorkerFactory) -> None:
+    fakes.gpu_peers, fakes.prefill.tp_size = "its GPU is not visible to this process", 1
+    fakes.prefill.transports, fakes.prefill.node = (CUDA_IPC, NIXL), node_identity()
+    worker = make_worker(tp_size=1, tp_rank=0)
+    ipc, nixl = fakes.transports
+    receive(worker, nixl, spec("r1", 1, (5,), (1, 2)), reads=1)
+    nixl.reads[0][-1].state = TransferState.DONE
+
+    assert worker.transfer_results()[1] == {"r1"}
+    assert (set(ipc.peers), set(nixl.peers)) == (set(), {"prefill/rank0"})
+    assert worker.take_reports().reports["r1"]["transport"] == NIXL
+    assert fakes.releases[0].reads == []  # NIXL notifies the source itself
+
+
+def test_a_peer_on_another_node_is_read_over_nixl_even_when_both_have_cuda_ipc(
+    fakes: Fakes, make_worker: WorkerFactory
+) -> None:
+    fakes.gpu_peers, fakes.prefill.tp_size = "", 1
+    fakes.prefill.transports, fakes.prefill.node = (CUDA_IPC, NIXL), "another-node"
+    worker = make_worker(tp_size=1, tp_rank=0)
+    ipc, nixl = fakes.transports
+    receive(worker, nixl, spec("r1", 1, (5,), (1, 2)), reads=1)
+    assert (set(ipc.peers), set(nixl.peers)) == (set(), {"prefill/rank0"})
+
+
+def test_read_notifications_from_the_side_channel_end_leases_as_nixl_ones_do(
+    fakes: Fakes, make_worker: WorkerFactory
+) -> None:
+    worker = make_worker(tp_size=1, tp_rank=0)
+    worker.start_load_kv(PdserveConnectorMetadata(reqs_to_hold={"p-r1": (3, 4)}))
+    worker._holder.add_notification("decode/rank0", read_notification("p-r1", 2))
+    assert worker.transfer_results()[0] == set()  # one of two readers
+    worker._holder.add_notification("decode/rank1", read_notification("p-r1", 2))
+    assert worker.transfer_results()[0] == {"p-r1"}
+
+
 def test_a_prefill_rank_counts_reads_that_arrive_before_its_lease(fakes: Fakes, make_worker: WorkerFactory) -> None:
     worker = make_worker(tp_size=1, tp_rank=0)
     [transport] = fakes.transports
@@ -351,6 +430,56 @@ def test_describe_kv_cache(shape: tuple[int, ...], permute: tuple[int, ...] | No
 def test_describe_kv_cache_refuses_other_shapes() -> None:
     with pytest.raises(ConnectorError, match=r"unsupported KV cache shape \(10, 3, 16, 16\)"):
         describe_kv_cache(torch.zeros(10, 3, 16, 16), 2, HEAD_DIM)
+    with pytest.raises(ConnectorError, match=r"shape \(10, 1, 16, 16\) for an MLA latent of size 8; "):
+        describe_kv_cache(torch.zeros(10, 1, 16, 2 * HEAD_DIM), 1, HEAD_DIM, use_mla=True)
+
+
+@pytest.mark.parametrize("layout", list(KVLayout))
+def test_describe_kv_cache_reads_each_layout_as_vllm_hands_it(layout: KVLayout) -> None:
+    # On GPU, vLLM 0.32 hands [num_blocks, heads, block_size, 2 * head_dim] views and FlashInfer (older vLLM)
+    # [num_blocks, 2, block_size, heads, head_dim]; HND memory order shows only in the strides.
+    heads = 1 if layout is KVLayout.MLA else 2
+    cache = torch.zeros(cache_shape(layout, 10, 16, heads, HEAD_DIM), dtype=torch.float16)
+    handed = vllm_view(cache, layout)
+    device = "cpu" if layout is KVLayout.H2ND else "cuda"
+    described = describe_kv_cache(handed, heads, HEAD_DIM, use_mla=layout is KVLayout.MLA, device_type=device)
+    topology = KVTopology(1, 0, heads, 16, layout, HEAD_DIM, "float16", 1)
+    assert described == (layout, 16, topology.planes_per_layer)
+    # ... and the transports cut that tensor into the topology's block planes.
+    regions = cache_regions({"layer.0": handed}, topology.block_plane_bytes, topology.planes_per_layer, "engine")
+    assert regions.num_blocks == 10
+
+
+def test_describe_kv_cache_reads_older_mla_caches() -> None:
+    assert describe_kv_cache(torch.zeros(10, 16, HEAD_DIM), 1, HEAD_DIM, use_mla=True) == (KVLayout.MLA, 16, 1)
+
+
+def test_the_device_decides_where_k_and_v_are_in_vllm_032_caches() -> None:
+    # One shape, two splits: the CPU backend's halves of each head's rows, GPU kernels' halves of the last dim.
+    cache = torch.zeros(10, 2, 16, 2 * HEAD_DIM)
+    assert describe_kv_cache(cache, 2, HEAD_DIM) == (KVLayout.H2ND, 16, 1)
+    assert describe_kv_cache(cache, 2, HEAD_DIM, device_type="cuda") == (KVLayout.HN2D, 16, 1)
+    with pytest.raises(ConnectorError, match="KV cache on device 'xpu': the pdserve connector reads caches on cpu"):
+        describe_kv_cache(cache, 2, HEAD_DIM, device_type="xpu")
+
+
+@pytest.mark.parametrize(
+    ("memory", "layer_view", "use_mla", "what"),
+    [
+        ((2, 10, 16, 2 * HEAD_DIM), lambda m: m.transpose(0, 1), False, r"heads outside blocks \(vLLM's LHBNC\)"),
+        ((10, 3, 2, 16, 2 * HEAD_DIM), lambda m: m[:, 0], False, "cross-layer BLHNC, BLNHC or BHLNC"),  # BLHNC
+        ((10, 3, 16, 2, 2 * HEAD_DIM), lambda m: m[:, 0].transpose(1, 2), False, "cross-layer"),  # BLNHC
+        ((10, 2, 3, 16, 2 * HEAD_DIM), lambda m: m[:, :, 0], False, "cross-layer"),  # BHLNC
+        ((10, 3, 1, 16, HEAD_DIM), lambda m: m[:, 0], True, "cross-layer"),  # MLA, BLHNC
+    ],
+)
+def test_describe_kv_cache_refuses_layouts_whose_blocks_are_not_outermost(
+    memory: tuple[int, ...], layer_view: Callable[[torch.Tensor], torch.Tensor], use_mla: bool, what: str
+) -> None:
+    cache = layer_view(torch.zeros(memory))
+    heads = 1 if use_mla else 2
+    with pytest.raises(ConnectorError, match=f"^unsupported KV cache layout: .*{what}.* LBHNC and LBNHC"):
+        describe_kv_cache(cache, heads, HEAD_DIM, use_mla=use_mla, device_type="cuda")
 
 
 # --- a READ never uses blocks that may have been freed (issue 29) --------------------------------------------

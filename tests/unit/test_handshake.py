@@ -83,6 +83,14 @@ def test_response_round_trip(codec: PayloadCodec) -> None:
     assert received.kv_caches_base_addr == sent.kv_caches_base_addr
 
 
+def test_each_transport_payload_travels_with_the_response(codec: PayloadCodec) -> None:
+    sent = response(transports=("cuda-ipc", "nixl"), payloads={"cuda-ipc": b'{"version": 1}'})
+    received = decode_response(encode_response(sent, codec), topology(tp_size=4, tp_rank=1, block_size=32))
+    assert received.payload_for("cuda-ipc") == b'{"version": 1}'
+    assert received.payload_for("nixl") == sent.agent_metadata
+    assert received.payload_for("in-memory") == b""
+
+
 def test_header_layout_is_checkable_without_the_payload(codec: PayloadCodec) -> None:
     sent = request()
     data = encode_request(sent, codec)
@@ -255,6 +263,9 @@ MALFORMED: dict[str, Callable[[], Any]] = {
     "bool num_blocks": lambda: _json_response_payload(num_blocks=True),
     "address over 64 bits": lambda: _json_response_payload(kv_caches_base_addr=[2**64]),
     "metadata not base64": lambda: _json_response_payload(agent_metadata="%%%"),
+    "payloads not a map": lambda: _json_response_payload(payloads=["cuda-ipc"]),
+    "payload of an unknown transport": lambda: _json_response_payload(payloads={"rdma-magic": ""}),
+    "payload not base64": lambda: _json_response_payload(payloads={"cuda-ipc": "%%%"}),
     "topology missing field": lambda: _json_response_payload(topology={"tp_size": 2}),
     "topology invalid": lambda: _json_response_payload(
         topology=dict(_TOPOLOGY_WIRE, tp_rank=5),
@@ -265,7 +276,15 @@ _TOPOLOGY_WIRE = {f.name: getattr(topology(), f.name) for f in dataclasses.field
 
 
 # fields only a response carries: a request decoder ignores them
-RESPONSE_ONLY = {"negative block_len", "bool num_blocks", "address over 64 bits", "metadata not base64"}
+RESPONSE_ONLY = {
+    "negative block_len",
+    "bool num_blocks",
+    "address over 64 bits",
+    "metadata not base64",
+    "payloads not a map",
+    "payload of an unknown transport",
+    "payload not base64",
+}
 
 
 @pytest.mark.parametrize("name", MALFORMED)

@@ -24,11 +24,13 @@ import connectors.side_channel as side_channel
 from connectors.auth import KINDS, ClusterSecret, KVAuth, Unauthenticated
 from connectors.errors import TransportError
 from connectors.handshake import HandshakeRequest, encode_request, encode_response
+from connectors.leases import read_notification
 from connectors.side_channel import (
     MAX_REQUEST_BYTES,
     RecentReports,
     SideChannelServer,
     ping,
+    read_message,
     release_message,
     report_key,
     report_message,
@@ -94,6 +96,26 @@ def test_releases_reach_the_engine(server) -> None:
 
     assert send_release(channel.endpoint, release_message(AUTH, "req-9"))
     assert released == ["req-9"]
+
+
+def test_read_notifications_reach_the_engine_and_only_from_the_cluster() -> None:
+    """What a CUDA IPC reader sends once its copy is done: ``on_read`` gets the reader and the notification."""
+    notified: list[tuple[str, bytes]] = []
+    channel = SideChannelServer(
+        "prefill-0", "127.0.0.1", free_port(), topology(), encode_response(response()), AUTH,
+        on_read=lambda reader, notification: notified.append((reader, notification)),
+    )  # fmt: skip
+    try:
+        assert send_release(channel.endpoint, read_message(AUTH, "decode/rank1", read_notification("req-3", 2)))
+        assert notified == [("decode/rank1", read_notification("req-3", 2))]
+        assert ask(channel.endpoint, AUTH.seal(b"read", b"no-notification")) == b"ERR malformed read"
+        assert ask(channel.endpoint, STRANGER.seal(b"read", b"decode/rank1 PDRD 1 req-3")).startswith(
+            b"ERR unauthenticated"
+        )
+        assert len(notified) == 1
+        assert channel.refused.take() == {"read": 1}
+    finally:
+        channel.close()
 
 
 def test_a_handshake_answer_is_sealed_for_the_asker(server) -> None:

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import hashlib
+import math
 import pickle
 from collections.abc import Callable
 from typing import Any
@@ -16,6 +17,7 @@ import pytest
 from connectors.errors import InvalidTopology, TopologyError, TopologyMismatch
 from connectors.topology import (
     HeadSlice,
+    KVLayout,
     KVTopology,
     block_size_ratio,
     check_compatible,
@@ -24,6 +26,7 @@ from connectors.topology import (
     plan_reads,
     reader_ranks,
 )
+from tests.kv_reference import cache_shape
 from tests.unit.kv_factories import topology_factory
 
 HEAD_DIM = 4
@@ -90,7 +93,18 @@ def test_topology_derived_sizes(make_topology: TopologyFactory) -> None:
     assert topology.block_plane_bytes == 16 * 1 * HEAD_DIM * 4
 
 
-# ---------------------------------------------------------------- byte ranges and shapes
+@pytest.mark.parametrize("layout", list(KVLayout))
+@pytest.mark.parametrize(("tp_size", "num_heads"), [(1, 4), (2, 4), (4, 2), (2, 1)])
+def test_block_planes_cut_the_reference_cache_into_blocks(
+    make_topology: TopologyFactory, layout: KVLayout, tp_size: int, num_heads: int
+) -> None:
+    if layout is KVLayout.MLA:
+        num_heads = 1  # one latent per token, on every rank
+    topology = make_topology(layout=layout, tp_size=tp_size, total_num_kv_heads=num_heads, dtype="float16")
+    shape = cache_shape(layout, 10, topology.block_size, topology.num_heads, HEAD_DIM)
+    assert topology.planes_per_layer * 10 * topology.block_plane_bytes == math.prod(shape) * 2
+    assert topology.planes_per_layer == (2 if layout in ("NHD", "HND") else 1)
+    assert topology.kv_components == (1 if layout is KVLayout.MLA else 2)
 
 
 # ---------------------------------------------------------------- invalid and mismatched topologies
@@ -107,7 +121,11 @@ def test_topology_derived_sizes(make_topology: TopologyFactory) -> None:
             "tp_size 6 is not a multiple of total_num_kv_heads 4, so heads cannot be replicated evenly",
         ),
         ({"block_size": 0, "head_dim": -1}, "block_size must be >= 1, got 0; head_dim must be >= 1, got -1"),
-        ({"layout": "HDN"}, "unknown layout 'HDN'; expected one of NHD, HND, H2ND"),
+        ({"layout": "HDN"}, "unknown layout 'HDN'; expected one of NHD, HND, H2ND, 2NHD, 2HND, HN2D, NH2D, MLA"),
+        (
+            {"layout": "MLA", "total_num_kv_heads": 128},
+            "an MLA cache holds one latent per token: total_num_kv_heads must be 1, got 128",
+        ),
     ],
 )
 def test_invalid_topology(make_topology: TopologyFactory, overrides: dict[str, Any], message: str) -> None:
@@ -178,6 +196,21 @@ def test_block_size_ratio() -> None:
 def test_layouts_and_sizes_that_differ_are_compatible(make_topology: TopologyFactory) -> None:
     local = make_topology(tp_size=4, tp_rank=3, block_size=64, layout="HND")
     assert incompatibilities(local, make_topology(tp_size=2, block_size=16)) == []
+    for layout in ("2NHD", "2HND", "HN2D", "NH2D", "H2ND"):
+        assert incompatibilities(local, make_topology(tp_size=2, block_size=16, layout=layout)) == []
+
+
+def test_mla_pairs_only_with_mla(make_topology: TopologyFactory) -> None:
+    mla = make_topology(layout="MLA", total_num_kv_heads=1, tp_size=4, tp_rank=3)
+    one_head = make_topology(layout="NHD", total_num_kv_heads=1)
+    reason = "MLA KV (one latent per token) pairs only with MLA KV: local layout MLA, remote layout NHD"
+    assert incompatibilities(mla, one_head) == [reason]
+    assert compatibility_hash(mla) != compatibility_hash(one_head)
+    # vLLM replicates the latents on every rank: one source per reader, whatever the TP sizes.
+    prefill = make_topology(layout="MLA", total_num_kv_heads=1, tp_size=2, block_size=8)
+    assert compatibility_hash(mla) == compatibility_hash(prefill)
+    assert plan_reads(mla, prefill).slices == (HeadSlice(1, 0, 0, 1),)
+    assert mla.block_plane_bytes == 16 * HEAD_DIM * 2
 
 
 # ---------------------------------------------------------------- compatibility hash
@@ -194,12 +227,14 @@ def test_compatibility_hash_ignores_what_may_differ(make_topology: TopologyFacto
     base = compatibility_hash(make_topology())
     # Stable across processes and Python versions: a digest of canonical JSON, not hash().
     encoded = (
-        b'{"dtype":"bfloat16","head_dim":4,"layouts":["H2ND","HND","NHD"],"model_identity":"","num_layers":2,'
-        b'"schema":3,"total_num_kv_heads":4}'
+        b'{"dtype":"bfloat16","head_dim":4,"kv_components":2,'
+        b'"layouts":["2HND","2NHD","H2ND","HN2D","HND","MLA","NH2D","NHD"],"model_identity":"","num_layers":2,'
+        b'"schema":4,"total_num_kv_heads":4}'
     )
     assert base == hashlib.sha256(encoded).hexdigest()
     same = [
         make_topology(tp_size=4, tp_rank=2, block_size=64, layout="HND"),
+        make_topology(layout="NH2D"),
         make_topology(dtype="torch.bfloat16"),
     ]
     assert {compatibility_hash(topology) for topology in same} == {base}

@@ -1,0 +1,713 @@
+"""Block transport over CUDA IPC: a reader on the same node maps the source's KV caches and gathers blocks on the GPU.
+
+Between two processes whose GPUs one of them can see (two engines on one GPU,
+or on two GPUs of a node that one process sees both of), moving KV needs no
+network: the reader maps the source's cache memory into its own address space
+once and copies blocks device to device.
+
+1. The source ``register_kv_caches``: the storages behind its caches are
+   exported as IPC handles (PyTorch's own CUDA IPC, ``_share_cuda_``: the
+   handle of the allocation, the storage's offset in it and PyTorch's
+   cross-process reference count). ``handshake_payload()`` is that export as
+   JSON, sent over the authenticated side channel with the handshake.
+2. The reader ``add_peer``: the payload is checked field by field (it is
+   bytes from the network: no pickle), each storage is opened once
+   (``UntypedStorage._new_shared_cuda``, cached for the transport's life), and
+   every remote region must lie inside what was exported -- a region that
+   does not is refused, so no READ can touch memory the source did not share.
+   The runs this rank reads are those of ``connectors.block_ranges``, the same
+   as NIXL's.
+3. ``read_blocks`` turns a request's block ids into moves (source region and
+   offset, destination region and offset, length: one per layer, block and
+   run) and launches ONE batched gather for all of them: a Triton kernel that
+   copies each run (``copy="triton"``, the default where Triton runs), or,
+   as the stock fallback, one ``index_copy_`` per pair of regions
+   (``copy="torch"``). The copy runs on the transport's own stream after the
+   current stream's work; a CUDA event says when it is done.
+
+CUDA IPC has no message back to the source: the reader tells it over the side
+channel (``notifies_source`` is False; ``connectors.reader`` sends the READ
+notification itself), so leases end as they do with NIXL. A read cannot be
+cancelled once launched: ``abort`` waits for the copy (microseconds to
+milliseconds) before it reports FAILED, so a failed read never writes into
+blocks vLLM has since reused.
+
+Nothing here imports torch or Triton at module level: the payload's checks
+and the move arithmetic run on any machine (``tests/unit/test_cuda_ipc.py``).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import logging
+import math
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from connectors.block_ranges import KVRegions, PlaneRanges, checked_block_ids
+from connectors.errors import BlockMappingError, TransportError
+from connectors.transport import CUDA_IPC
+from connectors.transport.base import TransferState, cache_regions, checked_ranges
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "COPY_MODES",
+    "CudaIpcTransport",
+    "IpcExport",
+    "IpcRead",
+    "Moves",
+    "RunTable",
+    "copy_moves_torch",
+    "decode_export",
+    "plan_moves",
+    "region_views",
+    "run_table",
+    "visible_gpus",
+]
+
+logger = logging.getLogger(__name__)
+
+PAYLOAD_VERSION = 1
+# "triton": one kernel launch copies every run; "torch": one index_copy_ per pair of regions (the stock
+# fallback); "auto": Triton where it imports, else torch.
+COPY_MODES = ("auto", "triton", "torch")
+_MAX_STORAGES = 4096  # one per layer in vLLM; a payload claiming more is refused
+_MAX_BYTES = 1 << 50
+_IPC_HANDLE_BYTES = 1024  # PyTorch's handles are 64 (legacy IPC) to a few hundred bytes
+
+
+# ---------------------------------------------------------------- the export
+
+
+@dataclass(frozen=True, slots=True)
+class IpcStorage:
+    """One exported storage: what ``UntypedStorage._new_shared_cuda`` needs, and where it is in the source."""
+
+    device: int
+    handle: bytes
+    size: int
+    offset: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+    data_ptr: int
+    """The storage's address in the source process: regions are located by it."""
+
+
+@dataclass(frozen=True, slots=True)
+class IpcExport:
+    """What a source offers a reader: its GPU and the storages behind its caches."""
+
+    gpu_uuid: str
+    gpu_name: str
+    storages: tuple[IpcStorage, ...]
+
+    def encode(self) -> bytes:
+        def b64(data: bytes) -> str:
+            return base64.b64encode(data).decode()
+
+        return json.dumps({
+            "version": PAYLOAD_VERSION,
+            "gpu_uuid": self.gpu_uuid,
+            "gpu_name": self.gpu_name,
+            "storages": [
+                {
+                    "device": s.device, "handle": b64(s.handle), "size": s.size, "offset": s.offset,
+                    "ref_counter_handle": b64(s.ref_counter_handle), "ref_counter_offset": s.ref_counter_offset,
+                    "event_handle": b64(s.event_handle), "event_sync_required": s.event_sync_required,
+                    "data_ptr": s.data_ptr,
+                }
+                for s in self.storages
+            ],
+        }, separators=(",", ":")).encode()  # fmt: skip
+
+    def storage_of(self, address: int, length: int) -> int:
+        """Index of the storage holding ``[address, address + length)``; ``TransportError`` if none does."""
+        for index, storage in enumerate(self.storages):
+            if storage.data_ptr <= address and address + length <= storage.data_ptr + storage.size:
+                return index
+        raise TransportError(f"{length} bytes at {address:#x} lie outside every storage the peer exported")
+
+
+def decode_export(payload: bytes) -> IpcExport:
+    """Check and decode a peer's ``handshake_payload()``; ``TransportError`` naming the field for anything else."""
+    try:
+        data = json.loads(payload)
+    except (ValueError, TypeError, RecursionError) as e:
+        raise TransportError(f"CUDA IPC payload does not decode as JSON: {e}") from None
+    if not isinstance(data, dict) or data.get("version") != PAYLOAD_VERSION:
+        raise TransportError(f"CUDA IPC payload is not version {PAYLOAD_VERSION} of our export")
+    storages = data.get("storages")
+    if not isinstance(storages, list) or not 1 <= len(storages) <= _MAX_STORAGES:
+        raise TransportError(f"CUDA IPC payload: storages must be a list of 1 to {_MAX_STORAGES}")
+    return IpcExport(
+        gpu_uuid=_text(data, "gpu_uuid"),
+        gpu_name=_text(data, "gpu_name"),
+        storages=tuple(_storage(entry, i) for i, entry in enumerate(storages)),
+    )
+
+
+def _text(data: dict[str, Any], name: str) -> str:
+    value = data.get(name)
+    if not isinstance(value, str) or not 0 < len(value) <= 256:
+        raise TransportError(f"CUDA IPC payload: {name} must be a non-empty string")
+    return value
+
+
+def _storage(entry: object, index: int) -> IpcStorage:
+    if not isinstance(entry, dict):
+        raise TransportError(f"CUDA IPC payload: storage {index} is not a map")
+
+    def integer(name: str, low: int, high: int) -> int:
+        value = entry.get(name)
+        if type(value) is not int or not low <= value <= high:
+            raise TransportError(f"CUDA IPC payload: storage {index}: {name} must be an int in [{low}, {high}]")
+        return value
+
+    def raw(name: str, allow_empty: bool = False) -> bytes:
+        value = entry.get(name)
+        try:
+            data = base64.b64decode(value, validate=True) if isinstance(value, str) else None
+        except (binascii.Error, ValueError):
+            data = None
+        if data is None or len(data) > _IPC_HANDLE_BYTES or (not data and not allow_empty):
+            raise TransportError(f"CUDA IPC payload: storage {index}: {name} must be base64 of a handle")
+        return data
+
+    sync = entry.get("event_sync_required")
+    if not isinstance(sync, bool):
+        raise TransportError(f"CUDA IPC payload: storage {index}: event_sync_required must be a bool")
+    return IpcStorage(
+        device=integer("device", 0, 1023),
+        handle=raw("handle"),
+        size=integer("size", 1, _MAX_BYTES),
+        offset=integer("offset", 0, _MAX_BYTES),
+        ref_counter_handle=raw("ref_counter_handle"),
+        ref_counter_offset=integer("ref_counter_offset", 0, _MAX_BYTES),
+        event_handle=raw("event_handle", allow_empty=True),
+        event_sync_required=sync,
+        data_ptr=integer("data_ptr", 1, 2**64 - 1),
+    )
+
+
+def visible_gpus() -> dict[str, int]:
+    """The GPUs this process sees, ``{uuid: device index}`` (empty without CUDA)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {}
+    return {str(torch.cuda.get_device_properties(i).uuid): i for i in range(torch.cuda.device_count())}
+
+
+# ---------------------------------------------------------------- moves
+
+
+@dataclass(frozen=True, slots=True)
+class Moves:
+    """A read as copies: run i copies ``lengths[i]`` bytes from ``src_offsets[i]`` of source region
+    ``src_regions[i]`` to ``dst_offsets[i]`` of local region ``dst_regions[i]``. ``row_bytes`` divides every
+    offset and length (the rows a gather may index), ``granule`` (its largest power-of-two divisor up to 16)
+    is the widest element a copy may move them in."""
+
+    src_regions: np.ndarray
+    src_offsets: np.ndarray
+    dst_regions: np.ndarray
+    dst_offsets: np.ndarray
+    lengths: np.ndarray
+    row_bytes: int
+
+    @property
+    def granule(self) -> int:
+        return math.gcd(self.row_bytes, 16)
+
+    @property
+    def num_bytes(self) -> int:
+        return int(self.lengths.sum())
+
+
+def plan_moves(
+    ranges: PlaneRanges,
+    local: KVRegions,
+    remote: KVRegions,
+    local_block_ids: Sequence[int],
+    remote_block_ids: Sequence[int],
+) -> Moves:
+    """The copies of one READ: every run of every layer of the blocks, ordered (layer, remote block, run).
+
+    Remote block ``remote_block_ids[q]`` fills sub-block ``q % ratio`` of local
+    block ``local_block_ids[q // ratio]``, as in ``read_indices``; regions are
+    ``layer * planes + plane`` on each side, offsets are within a region. Block
+    ids are checked (``BlockMappingError``) as for NIXL.
+    """
+    remote_ids = checked_block_ids(remote_block_ids, remote.num_blocks, "remote")
+    local_ids = checked_block_ids(local_block_ids, local.num_blocks, "local")
+    ratio = ranges.ratio
+    if len(local_ids) != -(-len(remote_ids) // ratio):
+        raise BlockMappingError(
+            f"{len(local_ids)} local block ids for {len(remote_ids)} remote block ids (ratio {ratio})"
+        )
+    layers = np.arange(local.num_layers, dtype=np.int64)[:, None, None]
+    position = np.arange(len(remote_ids))
+    remote_planes = np.asarray(ranges.remote_planes, dtype=np.int64)
+    local_planes = np.asarray(ranges.local_planes, dtype=np.int64)
+    src_offsets = remote_ids[:, None] * remote.block_len_bytes + np.asarray(ranges.remote_offsets, dtype=np.int64)
+    dst_offsets = (local_ids[position // ratio] * local.block_len_bytes)[:, None] + np.asarray(
+        ranges.local_offsets, dtype=np.int64
+    )[position % ratio]
+    shape = (local.num_layers, len(remote_ids), ranges.num_runs)
+    lengths = np.asarray(ranges.lengths, dtype=np.int64)
+    values = np.concatenate((ranges.remote_offsets, np.ravel(ranges.local_offsets), lengths)).astype(np.int64)
+    common = int(np.gcd.reduce(np.append(values, [remote.block_len_bytes, local.block_len_bytes])))
+    return Moves(
+        src_regions=np.broadcast_to(layers * remote.planes_per_layer + remote_planes, shape).ravel(),
+        src_offsets=np.broadcast_to(src_offsets[None], shape).ravel(),
+        dst_regions=np.broadcast_to(layers * local.planes_per_layer + local_planes, shape).ravel(),
+        dst_offsets=np.broadcast_to(dst_offsets[None], shape).ravel(),
+        lengths=np.broadcast_to(lengths, shape).ravel(),
+        row_bytes=common,
+    )
+
+
+def copy_moves_torch(moves: Moves, src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor]) -> None:
+    """The stock gather: per pair of regions, one ``index_copy_`` of rows (on the current stream).
+
+    ``src`` and ``dst`` are flat uint8 tensors, one per region; rows are ``moves.row_bytes`` long (a whole
+    block plane when whole planes move).
+    """
+    import torch
+
+    granule = moves.row_bytes
+    # Index whole rows of the widest integer: a gather of bytes would move one per thread.
+    element = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[math.gcd(granule, 8)]
+    per_row = granule // element.itemsize
+    pairs = moves.src_regions * len(dst) + moves.dst_regions
+    for pair in np.unique(pairs).tolist():
+        chosen = pairs == pair
+        s, d = divmod(pair, len(dst))
+        starts_src = moves.src_offsets[chosen] // granule
+        starts_dst = moves.dst_offsets[chosen] // granule
+        counts = moves.lengths[chosen] // granule
+        within = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
+        src_rows = torch.from_numpy(np.repeat(starts_src, counts) + within)
+        dst_rows = torch.from_numpy(np.repeat(starts_dst, counts) + within)
+        device = dst[d].device
+        rows = src[s].view(element).view(-1, per_row)[src_rows.to(device)]
+        dst[d].view(element).view(-1, per_row).index_copy_(0, dst_rows.to(device), rows)
+
+
+@dataclass(frozen=True, slots=True)
+class RunTable:
+    """Where every run of every layer starts in block 0 of either side, in this process's address space.
+
+    A run of remote block ``q`` starts at ``src[layer, run] + q * remote_block_bytes``
+    and lands at ``dst[layer, sub, run] + b * local_block_bytes`` of local block ``b``
+    (sub-block ``sub``): a read then needs only its block ids, and the gather
+    computes each run's addresses itself. Built once per peer (``run_table``).
+    """
+
+    src: np.ndarray  # [layers, runs]
+    dst: np.ndarray  # [layers, ratio, runs]
+    words: np.ndarray  # [runs]: lengths in 8-byte words
+    remote_block_bytes: int
+    local_block_bytes: int
+    aligned: bool
+    """Every address and length is a multiple of 16 bytes: the gather may move 16 bytes at a time."""
+
+
+def run_table(ranges: PlaneRanges, local: KVRegions, remote: KVRegions, dst_bases: np.ndarray,
+              src_bases: np.ndarray) -> RunTable:  # fmt: skip
+    """The ``RunTable`` of a peer: ``src_bases``/``dst_bases`` are the regions' addresses here."""
+    layers = np.arange(local.num_layers, dtype=np.int64)[:, None]
+    src = src_bases[layers * remote.planes_per_layer + np.asarray(ranges.remote_planes)] + np.asarray(
+        ranges.remote_offsets, dtype=np.int64
+    )
+    dst = (
+        dst_bases[layers * local.planes_per_layer + np.asarray(ranges.local_planes)][:, None, :]
+        + np.asarray(ranges.local_offsets, dtype=np.int64)[None]
+    )
+    lengths = np.asarray(ranges.lengths, dtype=np.int64)
+    values = np.concatenate((src.ravel(), dst.ravel(), lengths, [remote.block_len_bytes, local.block_len_bytes]))
+    return RunTable(
+        src=src,
+        dst=dst,
+        words=lengths // _TritonGather.WORD,
+        remote_block_bytes=remote.block_len_bytes,
+        local_block_bytes=local.block_len_bytes,
+        aligned=bool((values % 16 == 0).all()),
+    )
+
+
+class _TritonGather:
+    """One launch for a whole read: program (layer and run, block, chunk) copies one chunk of one run.
+
+    It moves 8-byte words, and tells the compiler it may move two at once when
+    the peer's runs are 16-byte aligned (``RunTable.aligned``). KV runs are
+    whole rows (``head_dim`` elements: 64 bytes and more), so lengths and
+    offsets are multiples of 8; a peer whose are not goes to the stock gather.
+    The per-peer tables live on the GPU; a read uploads only its block offsets.
+    """
+
+    WORD = 8
+    MAX_GRID_Y = 65535  # CUDA's limit on a grid's second and third dims
+
+    def __init__(self, chunk: int = 2048, num_warps: int = 4) -> None:
+        import triton
+        import triton.language as tl
+
+        self.chunk, self.num_warps = chunk, num_warps  # words per program, and its warps
+        self.hints = True  # off once a Triton could not compile the aligned variant
+
+        @triton.jit
+        def gather_blocks(src_runs, dst_runs, words, offsets, num_remote, runs, ratio, CHUNK: tl.constexpr,
+                          ALIGNED: tl.constexpr):  # noqa: N803 - Triton's constexpr style  # fmt: skip
+            layer_run = tl.program_id(0)
+            block = tl.program_id(1)
+            start = tl.program_id(2) * CHUNK
+            layer = layer_run // runs
+            run = layer_run % runs
+            length = tl.load(words + run)
+            if ALIGNED:
+                length = tl.multiple_of(length, 2)
+            if start < length:
+                src = tl.load(src_runs + layer_run) + tl.load(offsets + block)
+                sub = (layer * ratio + block % ratio) * runs + run
+                dst = tl.load(dst_runs + sub) + tl.load(offsets + num_remote + block // ratio)
+                if ALIGNED:
+                    src = tl.multiple_of(src, 16)
+                    dst = tl.multiple_of(dst, 16)
+                src_ptr = src.to(tl.pointer_type(tl.int64))
+                dst_ptr = dst.to(tl.pointer_type(tl.int64))
+                index = start + tl.arange(0, CHUNK)
+                mask = index < length
+                tl.store(dst_ptr + index, tl.load(src_ptr + index, mask=mask), mask=mask)
+
+        self._kernel = gather_blocks
+
+    def upload(self, table: RunTable, device: torch.device) -> tuple[Any, ...]:
+        """The table's arrays on ``device`` (once per peer)."""
+        import torch
+
+        return tuple(torch.from_numpy(np.ascontiguousarray(a)).to(device) for a in (table.src, table.dst, table.words))
+
+    def __call__(
+        self, table: RunTable, on_device: tuple[Any, ...], remote_ids: np.ndarray, local_ids: np.ndarray, device
+    ) -> None:
+        import torch
+
+        offsets = np.concatenate((remote_ids * table.remote_block_bytes, local_ids * table.local_block_bytes))
+        offsets_on_device = torch.from_numpy(offsets).pin_memory().to(device, non_blocking=True)
+        layers, runs = table.src.shape
+        chunks = -(-int(table.words.max()) // self.chunk)
+        ratio = table.dst.shape[1]
+        step = self.MAX_GRID_Y // ratio * ratio  # whole local blocks per launch
+        for first in range(0, len(remote_ids), step):
+            count = min(step, len(remote_ids) - first)
+            # A slice of blocks: remote offsets from ``first``, local offsets of the same sub-blocks.
+            part = offsets_on_device if count == len(remote_ids) else torch.cat((
+                offsets_on_device[first : first + count],
+                offsets_on_device[len(remote_ids) + first // ratio :],
+            ))  # fmt: skip
+            self._launch((layers * runs, count, chunks), *on_device, part, count, runs, ratio, table.aligned)
+
+    def _launch(self, grid: tuple[int, int, int], *args: Any) -> None:
+        *kernel_args, aligned = args
+        if aligned and self.hints:
+            try:
+                self._kernel[grid](*kernel_args, CHUNK=self.chunk, ALIGNED=True, num_warps=self.num_warps)
+                return
+            except Exception as e:  # noqa: BLE001 - a Triton that cannot compile the hints: the plain variant
+                logger.warning("the aligned CUDA IPC gather does not compile here (%s); using 8-byte words", e)
+                self.hints = False
+        self._kernel[grid](*kernel_args, CHUNK=self.chunk, ALIGNED=False, num_warps=self.num_warps)
+
+
+# ---------------------------------------------------------------- reads
+
+
+class IpcRead:
+    """One launched gather: DONE when its event has fired, FAILED past its deadline or when aborted."""
+
+    def __init__(self, peer: str, num_bytes: int, started: Any, event: Any, deadline: float, started_at: float) -> None:
+        self.peer = peer
+        self.num_bytes = num_bytes
+        self.deadline = deadline
+        self.started_at = started_at
+        self.launched_s = time.monotonic() - started_at
+        """Host time to plan and launch the gather."""
+        self.finished_at: float | None = None
+        self._started = started
+        self._event = event
+        self._state = TransferState.PENDING
+        self._reason: str | None = None
+
+    @property
+    def state(self) -> TransferState:
+        return self._state
+
+    @property
+    def failure_reason(self) -> str | None:
+        return self._reason
+
+    @property
+    def elapsed_s(self) -> float:
+        return (self.finished_at or time.monotonic()) - self.started_at
+
+    @property
+    def gpu_s(self) -> float | None:
+        """Seconds the gather took on the GPU (None until DONE)."""
+        if self._state is not TransferState.DONE:
+            return None
+        return self._started.elapsed_time(self._event) / 1e3
+
+    def poll(self) -> TransferState:
+        if self._state is TransferState.PENDING:
+            if self._event.query():
+                self._finish(TransferState.DONE, None)
+            elif time.monotonic() >= self.deadline:
+                self.abort(f"the copy from {self.peer} did not finish within {self.deadline - self.started_at:.1f} s")
+        return self._state
+
+    def wait(self) -> TransferState:
+        if self._state is TransferState.PENDING:
+            self._event.synchronize()
+        return self.poll()
+
+    def abort(self, reason: str = "aborted") -> None:
+        """FAILED, once the launched copy is over: it cannot be cancelled, and must not land after vLLM
+        reuses the blocks."""
+        if self._state is TransferState.PENDING:
+            self._event.synchronize()
+            self._finish(TransferState.FAILED, reason)
+            logger.warning("KV read from peer %s failed: %s", self.peer, reason)
+
+    def _finish(self, state: TransferState, reason: str | None) -> None:
+        self._state, self._reason = state, reason
+        self.finished_at = time.monotonic()
+
+
+# ---------------------------------------------------------------- the transport
+
+
+@dataclass(slots=True)
+class _Peer:
+    regions: KVRegions
+    ranges: PlaneRanges
+    src: list[Any]  # flat uint8 views of the peer's regions, in our address space
+    table: RunTable
+    on_device: tuple[Any, ...] = ()  # the table on the GPU, for the Triton gather
+
+
+@dataclass
+class CudaIpcTransport:
+    """KV reads from the CUDA caches of processes on this node (see the module docstring)."""
+
+    engine_id: str
+    transfer_timeout_s: float = 30.0
+    copy: str = "auto"
+    name: str = CUDA_IPC
+    notifies_source = False
+    """Reads do not tell the source: the reader sends the READ notification over the side channel."""
+    _regions: KVRegions | None = field(default=None, init=False)
+    _caches: list[Any] = field(default_factory=list, init=False)
+    _export: IpcExport | None = field(default=None, init=False)
+    _dst: list[Any] = field(default_factory=list, init=False)
+    _dst_bases: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64), init=False)
+    _opened: dict[bytes, Any] = field(default_factory=dict, init=False)
+    _peers: dict[str, _Peer] = field(default_factory=dict, init=False)
+    _stream: Any = field(default=None, init=False)
+    _gather: Any = field(default=None, init=False)
+    triton_chunk: int = 2048
+    """Words (8 bytes) each Triton program copies."""
+    triton_warps: int = 4
+
+    def __post_init__(self) -> None:
+        if self.copy not in COPY_MODES:
+            raise TransportError(f"copy must be one of {', '.join(COPY_MODES)}, got {self.copy!r}")
+
+    def register_kv_caches(
+        self, caches: Mapping[str, torch.Tensor], block_len_bytes: int, *, planes_per_layer: int | None = None
+    ) -> KVRegions:
+        import torch
+
+        if self._regions is not None:
+            raise TransportError(f"engine {self.engine_id}: KV caches are already registered")
+        first = next(iter(caches.values()), None)
+        if first is None or first.device.type != "cuda":
+            raise TransportError("CUDA IPC moves CUDA caches only")
+        regions = cache_regions(caches, block_len_bytes, planes_per_layer, self.engine_id)
+        device = first.device
+        storages: dict[int, torch.UntypedStorage] = {}
+        for cache in caches.values():
+            storages.setdefault(cache.untyped_storage().data_ptr(), cache.untyped_storage())
+        try:
+            exported = tuple(_export_storage(storage) for storage in storages.values())
+        except RuntimeError as e:  # e.g. memory from a virtual-memory allocator, which has no legacy IPC handle
+            raise TransportError(f"engine {self.engine_id}: cannot export the KV caches by CUDA IPC: {e}") from e
+        properties = torch.cuda.get_device_properties(device)
+        self._export = IpcExport(str(properties.uuid), properties.name, exported)
+        self._regions, self._caches = regions, list(caches.values())
+        self._dst = region_views(regions, self._export, [_flat(s, device) for s in storages.values()])
+        self._dst_bases = np.asarray([view.data_ptr() for view in self._dst], dtype=np.int64)
+        self._stream = torch.cuda.Stream(device)
+        return regions
+
+    def kv_regions(self) -> KVRegions:
+        if self._regions is None:
+            raise TransportError(f"engine {self.engine_id}: no KV caches registered yet")
+        return self._regions
+
+    def handshake_payload(self) -> bytes:
+        if self._export is None:
+            raise TransportError(f"engine {self.engine_id}: no KV caches registered yet")
+        return self._export.encode()
+
+    def cannot_read(self, payload: bytes) -> str | None:
+        """Why this transport cannot read from the source that sent ``payload`` (None: it can)."""
+        try:
+            export = decode_export(payload)
+        except TransportError as e:
+            return str(e)
+        if export.gpu_uuid not in visible_gpus():
+            return f"its GPU {export.gpu_uuid} ({export.gpu_name}) is not visible to this process"
+        return None
+
+    def add_peer(self, peer: str, payload: bytes, regions: KVRegions, ranges: PlaneRanges | None = None) -> str:
+        import torch
+
+        local = self.kv_regions()
+        if peer in self._peers:
+            raise TransportError(f"peer {peer} is already added")
+        export = decode_export(payload)
+        devices = visible_gpus()
+        if export.gpu_uuid not in devices:
+            raise TransportError(f"peer {peer}: its GPU {export.gpu_uuid} is not visible to this process")
+        ranges = checked_ranges(peer, local, regions, ranges)
+        device = torch.device("cuda", devices[export.gpu_uuid])
+        try:
+            opened = [self._open(storage, device) for storage in export.storages]
+        except RuntimeError as e:
+            raise TransportError(f"peer {peer}: cannot map its KV caches by CUDA IPC: {e}") from e
+        src = region_views(regions, export, opened)
+        src_bases = np.asarray([view.data_ptr() for view in src], dtype=np.int64)
+        self._peers[peer] = _Peer(regions, ranges, src, run_table(ranges, local, regions, self._dst_bases, src_bases))
+        return export.gpu_uuid
+
+    def _open(self, storage: IpcStorage, device: torch.device) -> torch.Tensor:
+        """The storage mapped here (once per handle and offset for this transport's life), as flat uint8."""
+        import torch
+
+        key = storage.handle + storage.offset.to_bytes(8, "little")
+        if key not in self._opened:
+            with torch.cuda.device(device):
+                shared = torch.UntypedStorage._new_shared_cuda(
+                    device.index,
+                    storage.handle,
+                    storage.size,
+                    storage.offset,
+                    storage.ref_counter_handle,
+                    storage.ref_counter_offset,
+                    storage.event_handle,
+                    storage.event_sync_required,
+                )
+            self._opened[key] = _flat(shared, device)
+        return self._opened[key]
+
+    def remove_peer(self, peer: str) -> None:
+        self._peers.pop(peer, None)
+
+    def read_blocks(
+        self, peer: str, local_block_ids: Sequence[int], remote_block_ids: Sequence[int], notify: bytes = b""
+    ) -> IpcRead:
+        """Launch the gather of those blocks; ``notify`` is the reader's to send (``notifies_source``)."""
+        import torch
+
+        started_at = time.monotonic()
+        local = self.kv_regions()
+        entry = self._peers.get(peer)
+        if entry is None:
+            raise TransportError(f"engine {self.engine_id}: unknown peer {peer}; call add_peer first")
+        remote_ids = checked_block_ids(remote_block_ids, entry.regions.num_blocks, "remote")
+        local_ids = checked_block_ids(local_block_ids, local.num_blocks, "local")
+        ratio = entry.ranges.ratio
+        if len(local_ids) != -(-len(remote_ids) // ratio):
+            raise BlockMappingError(
+                f"{len(local_ids)} local block ids for {len(remote_ids)} remote block ids (block size ratio {ratio})"
+            )
+        num_bytes = len(remote_ids) * local.num_layers * entry.ranges.bytes_per_block
+        stream = self._stream
+        stream.wait_stream(torch.cuda.current_stream(stream.device))  # the blocks' last users go first
+        started, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(stream):
+            started.record(stream)
+            if num_bytes:
+                self._copy(entry, local_ids, remote_ids)
+            done.record(stream)
+        return IpcRead(peer, num_bytes, started, done, started_at + self.transfer_timeout_s, started_at)
+
+    def _copy(self, entry: _Peer, local_ids: np.ndarray, remote_ids: np.ndarray) -> None:
+        if self.copy != "torch" and self._gather is None:
+            try:
+                self._gather = _TritonGather(self.triton_chunk, self.triton_warps)
+            except ImportError as e:
+                if self.copy == "triton":
+                    raise TransportError(f"copy='triton' needs Triton: {e}") from e
+                logger.info("engine %s: Triton is not available (%s); CUDA IPC copies with torch", self.engine_id, e)
+                self.copy = "torch"
+        if self.copy == "torch" or (entry.table.words * _TritonGather.WORD != entry.ranges.lengths).any():
+            moves = plan_moves(entry.ranges, self.kv_regions(), entry.regions, local_ids, remote_ids)
+            copy_moves_torch(moves, entry.src, self._dst)
+            return
+        if not entry.on_device:
+            entry.on_device = self._gather.upload(entry.table, self._stream.device)
+        self._gather(entry.table, entry.on_device, remote_ids, local_ids, self._stream.device)
+
+    def poll_notifications(self) -> list[tuple[str, bytes]]:
+        return []
+
+    def close(self) -> None:
+        if self._stream is not None:
+            self._stream.synchronize()
+        self._peers.clear()
+        self._opened.clear()
+
+
+def _export_storage(storage: torch.UntypedStorage) -> IpcStorage:
+    device, handle, size, offset, ref_handle, ref_offset, event_handle, event_sync = storage._share_cuda_()
+    return IpcStorage(
+        device=int(device),
+        handle=bytes(handle),
+        size=int(size),
+        offset=int(offset),
+        ref_counter_handle=bytes(ref_handle),
+        ref_counter_offset=int(ref_offset),
+        event_handle=bytes(event_handle or b""),
+        event_sync_required=bool(event_sync),
+        data_ptr=storage.data_ptr(),
+    )
+
+
+def _flat(storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
+    import torch
+
+    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
+
+
+def region_views(regions: KVRegions, export: IpcExport, storages: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """One flat uint8 view per region of ``regions`` (addresses in the exporting process), cut from the
+    ``storages`` of ``export`` as mapped here; ``TransportError`` for a region outside every storage."""
+    region_bytes = regions.num_blocks * regions.block_len_bytes
+    views = []
+    for address in regions.region_addrs:
+        index = export.storage_of(address, region_bytes)
+        start = address - export.storages[index].data_ptr
+        views.append(storages[index][start : start + region_bytes])
+    return views

@@ -1,0 +1,353 @@
+"""KV reads by CUDA IPC between two processes on one GPU, against a same-process device copy and NIXL over VRAM.
+
+A spawned *source* process fills FlashAttention-layout caches (``--layers`` x
+``[2, --blocks, --block-size, --heads, --head-dim]`` bf16 on ``cuda:0``) from a
+seed and registers them with ``CudaIpcTransport`` (and ``NixlKVTransport``
+when NIXL imports). This process registers caches of its own and, for each
+size in ``--sizes-mib``, reads that many bytes of randomly chosen source
+blocks into other random local blocks:
+
+* ``cuda-ipc (triton)``: ``read_blocks`` + ``wait``, the one-launch gather;
+* ``cuda-ipc (torch)``: the same with the stock gather (one ``index_copy_`` per pair of regions);
+* ``device copy``: ``Tensor.copy_`` of one contiguous buffer of the same bytes, in this process: the reference;
+* ``nixl``: ``NixlKVTransport.read_blocks`` + ``wait`` of the same blocks (UCX picks the path).
+
+Every way's first read is checked byte for byte against the source's content
+(regenerated here from the seed). Each is timed two ways after a warm-up, in
+GB/s (bytes moved, counted once) and as a ratio to the device copy timed the
+same way in the same run: *one at a time* (the median of ``--iters`` reads,
+each waited for: host work and launch included, a lone request's cost) and
+*pipelined* (``--iters`` reads posted back to back, then waited for: the
+throughput of a busy engine). Exit status 1 if any check fails.
+
+Run from the repository root on a GPU machine: ``python scripts/bench_cuda_ipc.py [--json FILE]``
+(``make test-gpu`` runs it after the GPU tests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import multiprocessing as mp
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+# A script, not a package module: make ``connectors`` importable when run by path (here and in the spawned source).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from connectors.block_ranges import KVRegions  # noqa: E402
+from connectors.transport import CUDA_IPC, NIXL, make_transport  # noqa: E402
+from connectors.transport.base import TransferState  # noqa: E402
+from connectors.transport.cuda_ipc import CudaIpcTransport  # noqa: E402
+
+GB = 1e9
+MODES = ("one at a time", "pipelined")
+WAYS = ("cuda-ipc (triton)", "cuda-ipc (torch)", "nixl")
+SWEEP = ((1024, 4, False), (1024, 4, True), (2048, 4, False), (2048, 4, True), (2048, 8, True), (4096, 8, True))
+SOURCE_SEED = 20261127
+START_TIMEOUT_S = 120
+
+
+@dataclass(frozen=True)
+class Geometry:
+    layers: int = 32
+    blocks: int = 1024
+    block_size: int = 16
+    heads: int = 8
+    head_dim: int = 128
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (2, self.blocks, self.block_size, self.heads, self.head_dim)
+
+    @property
+    def plane_bytes(self) -> int:
+        return self.block_size * self.heads * self.head_dim * 2  # bf16
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block, every layer, K and V: what a read moves per block."""
+        return 2 * self.layers * self.plane_bytes
+
+
+def layer_cache(geometry: Geometry, layer: int, seed: int | None) -> torch.Tensor:
+    """Layer ``layer``'s cache, reproducible from ``seed`` on this GPU (zeros when None)."""
+    if seed is None:
+        return torch.zeros(geometry.shape, dtype=torch.bfloat16, device="cuda")
+    generator = torch.Generator(device="cuda").manual_seed(seed + layer)
+    return torch.randn(geometry.shape, generator=generator, device="cuda", dtype=torch.bfloat16)
+
+
+def caches(geometry: Geometry, seed: int | None) -> dict[str, torch.Tensor]:
+    return {f"model.layers.{i}.self_attn": layer_cache(geometry, i, seed) for i in range(geometry.layers)}
+
+
+def run_source(conn, geometry: Geometry, names: tuple[str, ...]) -> None:
+    """Child process: export caches over each transport, make NIXL progress until told to stop."""
+    source = caches(geometry, SOURCE_SEED)
+    torch.cuda.synchronize()
+    served = {}
+    for name in names:
+        transport = make_transport(name, f"prefill-{name}", 60.0)
+        transport.register_kv_caches(source, geometry.plane_bytes, planes_per_layer=2)
+        served[name] = transport
+    conn.send({name: (t.handshake_payload(), t.kv_regions()) for name, t in served.items()})
+    while not (conn.poll(0.01) and conn.recv() == "stop"):
+        for transport in served.values():
+            transport.poll_notifications()
+    for transport in served.values():
+        transport.close()
+
+
+@dataclass
+class Source:
+    process: mp.Process
+    conn: object
+    offers: dict[str, tuple[bytes, KVRegions]]
+
+    def stop(self) -> None:
+        if self.process.is_alive():
+            self.conn.send("stop")
+            self.process.join(20)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(5)
+
+
+def start_source(geometry: Geometry, names: tuple[str, ...]) -> Source:
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    process = ctx.Process(target=run_source, args=(child, geometry, names), daemon=True)
+    process.start()
+    if not parent.poll(START_TIMEOUT_S):
+        process.kill()
+        raise TimeoutError("the source process did not send its payloads")
+    return Source(process, parent, parent.recv())
+
+
+def pick_blocks(geometry: Geometry, size_mib: int, seed: int) -> tuple[list[int], list[int]]:
+    """Scattered ``(local, remote)`` block ids whose K and V of every layer make ``size_mib`` MiB."""
+    count = size_mib * (1 << 20) // geometry.block_bytes
+    if not 1 <= count <= geometry.blocks:
+        raise ValueError(
+            f"{size_mib} MiB is {count} blocks of {geometry.block_bytes} bytes; the caches hold {geometry.blocks}"
+        )
+    rng = np.random.default_rng(seed)
+    return (
+        rng.choice(geometry.blocks, count, replace=False).tolist(),
+        rng.choice(geometry.blocks, count, replace=False).tolist(),
+    )
+
+
+def check_blocks(
+    geometry: Geometry, local: dict[str, torch.Tensor], local_ids: list[int], remote_ids: list[int]
+) -> list[str]:
+    """Layers whose local blocks differ, in any byte, from the source's blocks (regenerated from the seed)."""
+    wrong = []
+    local_index = torch.tensor(local_ids, device="cuda")
+    remote_index = torch.tensor(remote_ids, device="cuda")
+    for layer, (name, cache) in enumerate(local.items()):
+        expected = layer_cache(geometry, layer, SOURCE_SEED).index_select(1, remote_index)
+        if not torch.equal(cache.index_select(1, local_index).view(torch.int16), expected.view(torch.int16)):
+            wrong.append(name)
+        del expected
+    return wrong
+
+
+def one_at_a_time(step: Callable[[], None], iters: int) -> float:
+    """Median seconds of ``step`` (which waits for its own end) after one warm-up."""
+    step()
+    times = []
+    for _ in range(iters):
+        started = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def pipelined(post: Callable[[], Callable[[], None]], iters: int) -> float:
+    """Seconds per step of ``iters`` steps posted back to back (``post`` returns the step's wait), then waited for."""
+    post()()
+    started = time.perf_counter()
+    waits = [post() for _ in range(iters)]
+    for wait in waits:
+        wait()
+    return (time.perf_counter() - started) / iters
+
+
+def read_post(transport, peer: str, local_ids: list[int], remote_ids: list[int]) -> Callable[[], Callable[[], None]]:
+    def post() -> Callable[[], None]:
+        read = transport.read_blocks(peer, local_ids, remote_ids)
+
+        def wait() -> None:
+            if read.wait() is not TransferState.DONE:
+                raise RuntimeError(f"read from {peer} failed: {read.failure_reason}")
+
+        return wait
+
+    return post
+
+
+def copy_post(num_bytes: int) -> Callable[[], Callable[[], None]]:
+    src = torch.randint(0, 255, (num_bytes,), dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+
+    def post() -> Callable[[], None]:
+        dst.copy_(src)
+        return torch.cuda.synchronize
+
+    return post
+
+
+def phases(
+    transport: CudaIpcTransport, way: str, local_ids: list[int], remote_ids: list[int], iters: int
+) -> dict[str, float]:
+    """Where a read's time goes: planning and launching it on the host, the gather on the GPU (medians, us)."""
+    host, gpu = [], []
+    for _ in range(iters):
+        read = transport.read_blocks("prefill", local_ids, remote_ids)
+        read.wait()
+        host.append(read.launched_s)
+        gpu.append(read.gpu_s)
+    return {
+        f"{way} host us": round(statistics.median(host) * 1e6, 1),
+        f"{way} gpu us": round(statistics.median(gpu) * 1e6, 1),
+    }
+
+
+def sweep(source: Source, local: dict[str, torch.Tensor], geometry: Geometry, sizes_mib: list[int], iters: int):
+    """GPU time of the Triton gather per (words per program, warps)."""
+    payload, regions = source.offers[CUDA_IPC]
+    results = []
+    for chunk, warps, hints in SWEEP:
+        transport = CudaIpcTransport("decode-sweep", copy="triton", triton_chunk=chunk, triton_warps=warps)
+        transport.register_kv_caches(local, geometry.plane_bytes, planes_per_layer=2)
+        transport.add_peer("prefill", payload, regions)
+        transport.read_blocks("prefill", [0], [0]).wait()
+        transport._gather.hints &= hints  # noqa: SLF001 - a benchmark's choice of the kernel's variant
+        for size_mib in sizes_mib:
+            local_ids, remote_ids = pick_blocks(geometry, size_mib, seed=size_mib)
+            gpu_us = phases(transport, "x", local_ids, remote_ids, iters)["x gpu us"]
+            results.append(
+                {
+                    "chunk": chunk,
+                    "warps": warps,
+                    "16-byte hints": transport._gather.hints,  # noqa: SLF001
+                    "size_mib": size_mib,
+                    "gpu us": gpu_us,
+                    "GB/s": round(len(local_ids) * geometry.block_bytes / gpu_us / 1e3, 1),
+                }
+            )
+            print(json.dumps(results[-1]), flush=True)
+        transport.close()
+    return results
+
+
+def timings(post: Callable[[], Callable[[], None]], iters: int) -> tuple[float, float]:
+    """``(one at a time, pipelined)`` seconds per step."""
+    return one_at_a_time(lambda: post()(), iters), pipelined(post, iters)
+
+
+def measure(
+    geometry: Geometry, sizes_mib: list[int], iters: int, nixl_iters: int, do_sweep: bool = False
+) -> dict[str, object]:
+    with_nixl = importlib.util.find_spec("nixl") is not None
+    names = (CUDA_IPC, NIXL) if with_nixl else (CUDA_IPC,)
+    source = start_source(geometry, names)
+    rows, failures = [], []
+    try:
+        local = caches(geometry, None)
+        readers = {
+            WAYS[0]: CudaIpcTransport("decode-triton", copy="triton"),
+            WAYS[1]: CudaIpcTransport("decode-torch", copy="torch"),
+        }
+        if with_nixl:
+            readers["nixl"] = make_transport(NIXL, "decode-nixl", 120.0)
+        for way, transport in readers.items():
+            transport.register_kv_caches(local, geometry.plane_bytes, planes_per_layer=2)
+            payload, regions = source.offers[NIXL if way == "nixl" else CUDA_IPC]
+            transport.add_peer("prefill", payload, regions)
+        for size_mib in sizes_mib:
+            local_ids, remote_ids = pick_blocks(geometry, size_mib, seed=size_mib)
+            num_bytes = len(local_ids) * geometry.block_bytes
+            reference = timings(copy_post(num_bytes), iters)
+            row: dict[str, object] = {"size_mib": size_mib, "blocks": len(local_ids), "bytes": num_bytes}
+            for mode, seconds in zip(MODES, reference, strict=True):
+                row[f"device copy GB/s {mode}"] = round(num_bytes / seconds / GB, 1)
+            for way, transport in readers.items():
+                for cache in local.values():
+                    cache.zero_()
+                post = read_post(transport, "prefill", local_ids, remote_ids)
+                post()()
+                wrong = check_blocks(geometry, local, local_ids, remote_ids)
+                if wrong:
+                    failures.append(f"{way}, {size_mib} MiB: {len(wrong)} layers differ, first {wrong[0]}")
+                measured = timings(post, nixl_iters if way == "nixl" else iters)
+                for mode, seconds, reference_s in zip(MODES, measured, reference, strict=True):
+                    row[f"{way} GB/s {mode}"] = round(num_bytes / seconds / GB, 2)
+                    row[f"{way} / device copy {mode}"] = round(reference_s / seconds, 3)
+                if isinstance(transport, CudaIpcTransport):
+                    row.update(phases(transport, way, local_ids, remote_ids, iters))
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        for transport in readers.values():
+            transport.close()
+        swept = sweep(source, local, geometry, sizes_mib, iters) if do_sweep else []
+    finally:
+        source.stop()
+    properties = torch.cuda.get_device_properties(0)
+    return {
+        "device": properties.name,
+        "torch": torch.__version__,
+        "geometry": geometry.__dict__,
+        "iters": iters,
+        "rows": rows,
+        "sweep": swept,
+        "failures": failures,
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes-mib", type=int, nargs="+", default=[64, 256])
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--nixl-iters", type=int, default=3)
+    parser.add_argument("--layers", type=int, default=Geometry.layers)
+    parser.add_argument("--blocks", type=int, default=Geometry.blocks)
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--sweep", action="store_true", help="also time the Triton gather's launch shapes")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("no CUDA device: nothing to measure")
+        return 0
+    geometry = Geometry(layers=args.layers, blocks=args.blocks)
+    result = measure(geometry, args.sizes_mib, args.iters, args.nixl_iters, args.sweep)
+    print(f"\n{result['device']} (torch {result['torch']}), {args.iters} reads per figure after a warm-up:")
+    for row in result["rows"]:
+        for mode in MODES:
+            ways = ", ".join(
+                f"{way} {row[f'{way} GB/s {mode}']} GB/s ({row[f'{way} / device copy {mode}']:.0%})"
+                for way in WAYS
+                if f"{way} GB/s {mode}" in row
+            )
+            print(
+                f"  {row['size_mib']:>4} MiB in {row['blocks']} blocks, {mode}: "
+                f"device copy {row[f'device copy GB/s {mode}']} GB/s; {ways}"
+            )
+    for failure in result["failures"]:
+        print(f"MISMATCH: {failure}")
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+    return 1 if result["failures"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

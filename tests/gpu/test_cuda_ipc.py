@@ -1,0 +1,108 @@
+"""CudaIpcTransport between two processes on one GPU: every byte of scattered blocks lands where it should.
+
+The source process of ``scripts/bench_cuda_ipc.py`` (FlashAttention-layout
+caches filled from a seed) serves; this process maps its caches and reads
+64 and 256 MiB of scattered blocks with each gather, then a head slice into
+caches of another layout (a decode rank of TP 2 reading a prefill of TP 1),
+and compares with the source's content regenerated from the seed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from connectors.block_ranges import plan_peer_ranges  # noqa: E402
+from connectors.errors import TransportError  # noqa: E402
+from connectors.topology import KVTopology  # noqa: E402
+from connectors.transport import CUDA_IPC  # noqa: E402
+from connectors.transport.base import TransferState  # noqa: E402
+from connectors.transport.cuda_ipc import CudaIpcTransport  # noqa: E402
+from scripts import bench_cuda_ipc as bench  # noqa: E402
+
+pytestmark = pytest.mark.timeout(300)
+
+GEOMETRY = bench.Geometry(layers=8, blocks=2048)
+
+
+@pytest.fixture(scope="module")
+def source() -> Iterator[bench.Source]:
+    started = bench.start_source(GEOMETRY, (CUDA_IPC,))
+    try:
+        yield started
+    finally:
+        started.stop()
+
+
+def reader(source: bench.Source, copy: str, caches: dict[str, torch.Tensor], ranges=None) -> CudaIpcTransport:
+    transport = CudaIpcTransport("decode-0", copy=copy)
+    transport.register_kv_caches(caches, next(iter(caches.values()))[0, 0].nbytes, planes_per_layer=2)
+    payload, regions = source.offers[CUDA_IPC]
+    assert transport.cannot_read(payload) is None
+    transport.add_peer("prefill/rank0", payload, regions, ranges)
+    return transport
+
+
+@pytest.mark.parametrize("copy", ["triton", "torch"])
+@pytest.mark.parametrize("size_mib", [64, 256])
+def test_scattered_blocks_arrive_byte_for_byte(source: bench.Source, copy: str, size_mib: int):
+    local = bench.caches(GEOMETRY, None)
+    transport = reader(source, copy, local)
+    local_ids, remote_ids = bench.pick_blocks(GEOMETRY, size_mib, seed=size_mib)
+    read = transport.read_blocks("prefill/rank0", local_ids, remote_ids)
+    assert read.wait() is TransferState.DONE
+    assert read.num_bytes == len(local_ids) * GEOMETRY.block_bytes == size_mib << 20
+    assert bench.check_blocks(GEOMETRY, local, local_ids, remote_ids) == []
+    untouched = sorted(set(range(GEOMETRY.blocks)) - set(local_ids))[:64]
+    assert all(cache[:, untouched].count_nonzero() == 0 for cache in local.values())
+    transport.close()
+
+
+@pytest.mark.parametrize("copy", ["triton", "torch"])
+def test_a_head_slice_lands_in_another_layout(source: bench.Source, copy: str):
+    """Decode rank 1 of TP 2, HND, reads heads 4-7 of the TP 1 NHD source: one run per token and head."""
+    g = GEOMETRY
+    topology = dict(total_num_kv_heads=g.heads, block_size=g.block_size, head_dim=g.head_dim, dtype="bfloat16")
+    remote = KVTopology(tp_size=1, tp_rank=0, layout="NHD", num_layers=g.layers, **topology)
+    local = KVTopology(tp_size=2, tp_rank=1, layout="HND", num_layers=g.layers, **topology)
+    hnd = {  # memory [2, blocks, heads, block_size, head_dim]
+        f"layer.{i}": torch.zeros(
+            2, g.blocks, g.heads // 2, g.block_size, g.head_dim, dtype=torch.bfloat16, device="cuda"
+        )
+        for i in range(g.layers)
+    }
+    transport = reader(source, copy, hnd, plan_peer_ranges(local, remote))
+    local_ids, remote_ids = bench.pick_blocks(g, 16, seed=3)
+    assert transport.read_blocks("prefill/rank0", local_ids, remote_ids).wait() is TransferState.DONE
+    for layer, cache in enumerate(hnd.values()):
+        expected = bench.layer_cache(g, layer, bench.SOURCE_SEED)[:, remote_ids][:, :, :, g.heads // 2 :]
+        got = cache[:, local_ids].transpose(2, 3)
+        assert torch.equal(got.view(torch.int16), expected.view(torch.int16)), layer
+    transport.close()
+
+
+def test_a_region_outside_the_export_is_refused(source: bench.Source):
+    local = bench.caches(bench.Geometry(layers=GEOMETRY.layers, blocks=4), None)
+    transport = CudaIpcTransport("decode-0")
+    transport.register_kv_caches(local, GEOMETRY.plane_bytes, planes_per_layer=2)
+    payload, regions = source.offers[CUDA_IPC]
+    shifted = type(regions)(
+        regions.layer_names,
+        tuple(address + GEOMETRY.plane_bytes for address in regions.region_addrs),
+        regions.num_blocks,
+        regions.block_len_bytes,
+        regions.mem_type,
+        regions.device_id,
+    )
+    with pytest.raises(TransportError, match="outside every storage"):
+        transport.add_peer("prefill/rank0", payload, shifted, plan_peer_ranges_whole(regions))
+    transport.close()
+
+
+def plan_peer_ranges_whole(regions):
+    from connectors.block_ranges import whole_plane_ranges
+
+    return whole_plane_ranges(2, regions.block_len_bytes)
