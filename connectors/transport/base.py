@@ -13,6 +13,8 @@ ever: a transport fails a transfer still pending at its deadline.
 from __future__ import annotations
 
 import enum
+import logging
+import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
@@ -24,7 +26,9 @@ from connectors.errors import TransportError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["KVTransport", "Transfer", "TransferState", "cache_regions", "checked_ranges"]
+__all__ = ["KVTransport", "ReadState", "Transfer", "TransferState", "cache_regions", "checked_ranges"]
+
+logger = logging.getLogger(__name__)
 
 
 class TransferState(enum.Enum):
@@ -52,6 +56,43 @@ class Transfer(Protocol):
     def poll(self) -> TransferState: ...
 
     def abort(self, reason: str = "aborted") -> None: ...
+
+
+class ReadState:
+    """What every transport's read keeps: whom it reads, how much, its state and why it failed, its times.
+
+    A transport's read adds ``poll``, ``abort`` and ``wait`` and ends itself with ``_finish``.
+    """
+
+    def __init__(self, peer: str, num_bytes: int, deadline: float, started_at: float | None = None) -> None:
+        self.peer = peer
+        self.num_bytes = num_bytes
+        self.deadline = deadline
+        self.started_at = time.monotonic() if started_at is None else started_at
+        self.finished_at: float | None = None
+        self._state = TransferState.PENDING
+        self._reason: str | None = None
+
+    @property
+    def state(self) -> TransferState:
+        return self._state
+
+    @property
+    def failure_reason(self) -> str | None:
+        return self._reason
+
+    @property
+    def elapsed_s(self) -> float:
+        return (self.finished_at or time.monotonic()) - self.started_at
+
+    def _finish(self, state: TransferState, reason: str | None) -> None:
+        self._state, self._reason = state, reason
+        self.finished_at = time.monotonic()
+        if state is TransferState.FAILED:
+            logger.warning("KV read from peer %s failed: %s", self.peer, reason)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(peer={self.peer!r}, bytes={self.num_bytes}, state={self._state.name})"
 
 
 @runtime_checkable

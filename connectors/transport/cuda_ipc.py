@@ -53,7 +53,7 @@ import numpy as np
 from connectors.block_ranges import KVRegions, PlaneRanges, checked_block_ids
 from connectors.errors import BlockMappingError, TransportError
 from connectors.transport import CUDA_IPC
-from connectors.transport.base import TransferState, cache_regions, checked_ranges
+from connectors.transport.base import ReadState, TransferState, cache_regions, checked_ranges
 
 if TYPE_CHECKING:
     import torch
@@ -433,33 +433,15 @@ class _TritonGather:
 # ---------------------------------------------------------------- reads
 
 
-class IpcRead:
+class IpcRead(ReadState):
     """One launched gather: DONE when its event has fired, FAILED past its deadline or when aborted."""
 
     def __init__(self, peer: str, num_bytes: int, started: Any, event: Any, deadline: float, started_at: float) -> None:
-        self.peer = peer
-        self.num_bytes = num_bytes
-        self.deadline = deadline
-        self.started_at = started_at
+        super().__init__(peer, num_bytes, deadline, started_at)
         self.launched_s = time.monotonic() - started_at
         """Host time to plan and launch the gather."""
-        self.finished_at: float | None = None
         self._started = started
         self._event = event
-        self._state = TransferState.PENDING
-        self._reason: str | None = None
-
-    @property
-    def state(self) -> TransferState:
-        return self._state
-
-    @property
-    def failure_reason(self) -> str | None:
-        return self._reason
-
-    @property
-    def elapsed_s(self) -> float:
-        return (self.finished_at or time.monotonic()) - self.started_at
 
     @property
     def gpu_s(self) -> float | None:
@@ -487,11 +469,6 @@ class IpcRead:
         if self._state is TransferState.PENDING:
             self._event.synchronize()
             self._finish(TransferState.FAILED, reason)
-            logger.warning("KV read from peer %s failed: %s", self.peer, reason)
-
-    def _finish(self, state: TransferState, reason: str | None) -> None:
-        self._state, self._reason = state, reason
-        self.finished_at = time.monotonic()
 
 
 # ---------------------------------------------------------------- the transport

@@ -62,7 +62,7 @@ from connectors.block_ranges import (
     remote_descriptors,
 )
 from connectors.errors import TransportError
-from connectors.transport.base import TransferState, cache_regions, checked_ranges
+from connectors.transport.base import ReadState, TransferState, cache_regions, checked_ranges
 
 if TYPE_CHECKING:
     import torch
@@ -82,7 +82,7 @@ DEFAULT_PROGRESS_WAKE_US = 10_000
 PROGRESS_MODES = ("thread", "caller", "nixl")
 
 
-class KVRead:
+class KVRead(ReadState):
     """One posted READ of a request's blocks from one peer: a small state machine.
 
     ``poll()`` advances it, ``abort()`` ends it as FAILED, ``failure_exception()``
@@ -90,23 +90,9 @@ class KVRead:
     """
 
     def __init__(self, transport: NixlKVTransport, peer: str, num_bytes: int, deadline: float):
-        self.peer = peer
-        self.num_bytes = num_bytes
-        self.deadline = deadline
-        self.started_at = time.monotonic()
-        self.finished_at: float | None = None
+        super().__init__(peer, num_bytes, deadline)
         self._transport = transport
         self._xfer: Any = None
-        self._state = TransferState.PENDING
-        self._reason: str | None = None
-
-    @property
-    def state(self) -> TransferState:
-        return self._state
-
-    @property
-    def failure_reason(self) -> str | None:
-        return self._reason
 
     def poll(self) -> TransferState:
         """Check NIXL once (no blocking) and return the state, failing the read past its deadline."""
@@ -143,20 +129,10 @@ class KVRead:
             return None
         return TransportError(self._reason or f"READ from {self.peer} failed")
 
-    @property
-    def elapsed_s(self) -> float:
-        return (self.finished_at or time.monotonic()) - self.started_at
-
     def _finish(self, state: TransferState, reason: str | None) -> None:
-        self._state, self._reason = state, reason
-        self.finished_at = time.monotonic()
-        if state is TransferState.FAILED:
-            logger.warning("KV read from peer %s failed: %s", self.peer, reason)
+        super()._finish(state, reason)
         self._transport._release_xfer(self._xfer)
         self._xfer = None
-
-    def __repr__(self) -> str:
-        return f"KVRead(peer={self.peer!r}, bytes={self.num_bytes}, state={self._state.name})"
 
 
 @dataclass(slots=True)

@@ -224,13 +224,8 @@ def test_direct_reads_put_each_decode_ranks_heads_in_its_blocks_and_nothing_else
     prefill_layout: str,
     decode_layout: str,
 ) -> None:
-    prefill = make_topology(
-        tp_size=prefill_tp, total_num_kv_heads=num_heads, block_size=prefill_block, layout=prefill_layout
-    )
-    decode = make_topology(
-        tp_size=decode_tp, total_num_kv_heads=num_heads, block_size=decode_block, layout=decode_layout
-    )
-    assert_direct_reads_move_the_reference(prefill, decode, generator)
+    check_direct_reads(make_topology, generator, (prefill_tp, decode_tp), num_heads, (prefill_block, decode_block),
+                       (prefill_layout, decode_layout))  # fmt: skip
 
 
 @pytest.mark.parametrize(("prefill_layout", "decode_layout"), ONE_PLANE_PAIRS, ids="{0[0]}-to-{0[1]}".format)
@@ -249,11 +244,23 @@ def test_direct_reads_between_one_plane_layouts_and_any_other(
     prefill_layout: str,
     decode_layout: str,
 ) -> None:
-    prefill = make_topology(
-        tp_size=prefill_tp, total_num_kv_heads=num_heads, block_size=prefill_block, layout=prefill_layout
-    )
-    decode = make_topology(
-        tp_size=decode_tp, total_num_kv_heads=num_heads, block_size=decode_block, layout=decode_layout
+    check_direct_reads(make_topology, generator, (prefill_tp, decode_tp), num_heads, (prefill_block, decode_block),
+                       (prefill_layout, decode_layout))  # fmt: skip
+
+
+def check_direct_reads(
+    make_topology: TopologyFactory,
+    generator: torch.Generator,
+    tp: tuple[int, int],
+    num_heads: int,
+    blocks: tuple[int, int],
+    layouts: tuple[str, str],
+) -> None:
+    """Prefill and decode topologies of (prefill, decode) ``tp``, ``blocks`` and ``layouts``: reads move the
+    reference's KV."""
+    prefill, decode = (
+        make_topology(tp_size=t, total_num_kv_heads=num_heads, block_size=b, layout=layout)
+        for t, b, layout in zip(tp, blocks, layouts, strict=True)
     )
     assert_direct_reads_move_the_reference(prefill, decode, generator)
 

@@ -331,13 +331,22 @@ def test_two_decode_ranks_tell_the_one_prefill_rank_to_expect_two_reads(
     assert [transport.reads[0][3] for transport in fakes.transports] == [read_notification("p-r1", 2)] * 2
 
 
+def worker_with_both_transports(
+    fakes: Fakes, make_worker: WorkerFactory, gpu_refusal: str, prefill_node: str
+) -> tuple[PdserveWorker, FakeTransport, FakeTransport]:
+    """A decode worker with (fake) CUDA IPC and NIXL, reading a TP 1 prefill on ``prefill_node`` that offers
+    both; its CUDA IPC refuses every peer for ``gpu_refusal`` ("": none)."""
+    fakes.gpu_peers, fakes.prefill.tp_size = gpu_refusal, 1
+    fakes.prefill.transports, fakes.prefill.node = (CUDA_IPC, NIXL), prefill_node
+    worker = make_worker(tp_size=1, tp_rank=0)
+    ipc, nixl = fakes.transports
+    return worker, ipc, nixl
+
+
 def test_a_peer_on_this_node_is_read_by_cuda_ipc_which_tells_the_source_over_the_side_channel(
     fakes: Fakes, make_worker: WorkerFactory
 ) -> None:
-    fakes.gpu_peers, fakes.prefill.tp_size = "", 1
-    fakes.prefill.transports, fakes.prefill.node = (CUDA_IPC, NIXL), node_identity()
-    worker = make_worker(tp_size=1, tp_rank=0)
-    ipc, nixl = fakes.transports
+    worker, ipc, nixl = worker_with_both_transports(fakes, make_worker, "", node_identity())
     receive(worker, ipc, spec("r1", 1, (5,), (1, 2)), reads=1)
     ipc.reads[0][-1].state = TransferState.DONE
 
@@ -349,10 +358,7 @@ def test_a_peer_on_this_node_is_read_by_cuda_ipc_which_tells_the_source_over_the
 
 
 def test_a_peer_whose_gpu_this_process_cannot_see_is_read_over_nixl(fakes: Fakes, make_worker: WorkerFactory) -> None:
-    fakes.gpu_peers, fakes.prefill.tp_size = "its GPU is not visible to this process", 1
-    fakes.prefill.transports, fakes.prefill.node = (CUDA_IPC, NIXL), node_identity()
-    worker = make_worker(tp_size=1, tp_rank=0)
-    ipc, nixl = fakes.transports
+    worker, ipc, nixl = worker_with_both_transports(fakes, make_worker, "its GPU is not visible", node_identity())
     receive(worker, nixl, spec("r1", 1, (5,), (1, 2)), reads=1)
     nixl.reads[0][-1].state = TransferState.DONE
 
@@ -365,10 +371,7 @@ def test_a_peer_whose_gpu_this_process_cannot_see_is_read_over_nixl(fakes: Fakes
 def test_a_peer_on_another_node_is_read_over_nixl_even_when_both_have_cuda_ipc(
     fakes: Fakes, make_worker: WorkerFactory
 ) -> None:
-    fakes.gpu_peers, fakes.prefill.tp_size = "", 1
-    fakes.prefill.transports, fakes.prefill.node = (CUDA_IPC, NIXL), "another-node"
-    worker = make_worker(tp_size=1, tp_rank=0)
-    ipc, nixl = fakes.transports
+    worker, ipc, nixl = worker_with_both_transports(fakes, make_worker, "", "another-node")
     receive(worker, nixl, spec("r1", 1, (5,), (1, 2)), reads=1)
     assert (set(ipc.peers), set(nixl.peers)) == (set(), {"prefill/rank0"})
 
