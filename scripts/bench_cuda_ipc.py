@@ -223,6 +223,41 @@ def phases(
     }
 
 
+def same_process_gather(
+    local: dict[str, torch.Tensor], geometry: Geometry, local_ids: list[int], remote_ids: list[int], iters: int
+) -> float:
+    """Median GPU seconds of the same Triton gather between two caches of this process (no IPC mapping):
+    what the scatter costs apart from the mapping."""
+    from connectors.block_ranges import whole_plane_ranges
+    from connectors.transport.base import cache_regions
+    from connectors.transport.cuda_ipc import _TritonGather, run_table
+
+    src = caches(geometry, SOURCE_SEED)
+    src_regions = cache_regions(src, geometry.plane_bytes, 2, "bench")
+    dst_regions = cache_regions(local, geometry.plane_bytes, 2, "bench")
+    table = run_table(
+        whole_plane_ranges(2, geometry.plane_bytes),
+        dst_regions,
+        src_regions,
+        np.asarray(dst_regions.region_addrs, dtype=np.int64),
+        np.asarray(src_regions.region_addrs, dtype=np.int64),
+    )
+    gather = _TritonGather()
+    device = torch.device("cuda", 0)
+    on_device = gather.upload(table, device)
+    remote, local_blocks = np.asarray(remote_ids, dtype=np.int64), np.asarray(local_ids, dtype=np.int64)
+    times = []
+    for _ in range(iters + 1):
+        started, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        started.record()
+        gather(table, on_device, remote, local_blocks, device)
+        done.record()
+        done.synchronize()
+        times.append(started.elapsed_time(done) / 1e3)
+    del src
+    return statistics.median(times[1:])
+
+
 def sweep(source: Source, local: dict[str, torch.Tensor], geometry: Geometry, sizes_mib: list[int], iters: int):
     """GPU time of the Triton gather per (words per program, warps)."""
     payload, regions = source.offers[CUDA_IPC]
@@ -296,6 +331,11 @@ def measure(
                     row[f"{way} / device copy {mode}"] = round(reference_s / seconds, 3)
                 if isinstance(transport, CudaIpcTransport):
                     row.update(phases(transport, way, local_ids, remote_ids, iters))
+            in_order = list(range(len(local_ids)))
+            contiguous = phases(readers[WAYS[0]], "x", in_order, in_order, iters)["x gpu us"]
+            row["cuda-ipc (triton), blocks in order GB/s gpu"] = round(num_bytes / contiguous / 1e3, 1)
+            same_s = same_process_gather(local, geometry, local_ids, remote_ids, iters)
+            row["same-process gather GB/s gpu"] = round(num_bytes / same_s / GB, 1)
             rows.append(row)
             print(json.dumps(row), flush=True)
         for transport in readers.values():
