@@ -197,19 +197,23 @@ def make_worker(fakes: Fakes) -> Iterator[Callable[..., PdserveWorker]]:
     """``make_worker(tp_size, tp_rank, heads=4, block_size=32)``: a registered decode worker, shut down at the end."""
     workers: list[PdserveWorker] = []
 
-    def make(tp_size: int, tp_rank: int, heads: int = 4, block_size: int = 32) -> PdserveWorker:
+    def make(tp_size: int, tp_rank: int, heads: int = 4, block_size: int = 32, mla: bool = False) -> PdserveWorker:
         extra = {"side_channel_host": "127.0.0.1", "side_channel_port": 17700}
         config = SimpleNamespace(
             kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra),
             model_config=SimpleNamespace(
-                get_total_num_kv_heads=lambda: heads, get_head_size=lambda: HEAD_DIM, **FAKE_MODEL
+                get_total_num_kv_heads=lambda: heads, get_head_size=lambda: HEAD_DIM, use_mla=mla, **FAKE_MODEL
             ),
             parallel_config=SimpleNamespace(tensor_parallel_size=tp_size),
             cache_config=SimpleNamespace(block_size=block_size),
         )
         worker = PdserveWorker(config, "decode", SimpleNamespace(num_blocks=NUM_BLOCKS), fakes.transport_factory)
         workers.append(worker)
-        shape = (NUM_BLOCKS, max(1, heads // tp_size), block_size, 2 * HEAD_DIM)
+        shape = (
+            (NUM_BLOCKS, 1, block_size, HEAD_DIM)
+            if mla
+            else (NUM_BLOCKS, max(1, heads // tp_size), block_size, 2 * HEAD_DIM)
+        )
         caches = {f"layer.{i}": torch.zeros(shape, dtype=torch.bfloat16) for i in range(NUM_LAYERS)}
         worker.register_kv_caches(caches, tp_rank)
         return worker
@@ -451,6 +455,14 @@ def test_describe_kv_cache_reads_each_layout_as_vllm_hands_it(layout: KVLayout) 
     # ... and the transports cut that tensor into the topology's block planes.
     regions = cache_regions({"layer.0": handed}, topology.block_plane_bytes, topology.planes_per_layer, "engine")
     assert regions.num_blocks == 10
+
+
+def test_an_mla_engine_counts_its_latent_as_one_head_on_every_rank(make_worker: WorkerFactory) -> None:
+    """vLLM's MLA cache ([blocks, 1, block_size, latent]) on rank 1 of 2, for a model of 16 KV heads."""
+    worker = make_worker(tp_size=2, tp_rank=1, heads=16, mla=True)
+    topology = worker._topology
+    assert (topology.layout, topology.total_num_kv_heads, topology.num_heads) == (KVLayout.MLA, 1, 1)
+    assert topology.block_plane_bytes == 32 * HEAD_DIM * 2  # one bf16 latent per token
 
 
 def test_describe_kv_cache_reads_older_mla_caches() -> None:
