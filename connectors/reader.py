@@ -54,7 +54,8 @@ from connectors.block_ranges import KVRegions, PlaneRanges, plan_peer_ranges
 from connectors.errors import ConnectorError, HandshakeRejected, TopologyError, TransportError
 from connectors.handshake import HandshakeCache, HandshakeResponse
 from connectors.leases import read_notification
-from connectors.metadata import ConnectorSettings, ReceiveSpec
+from connectors.metadata import ReceiveSpec
+from connectors.options import ConnectorSettings
 from connectors.side_channel import RecentReports, ReleaseSender, report_key, request_handshake
 from connectors.stats import PdserveKVStats, PdserveWorkerMeta
 from connectors.topology import KVTopology, reader_ranks, source_ranks
@@ -131,7 +132,7 @@ class KVReader:
         self._reads: dict[str, _RequestReads] = {}
         self._failed_now: list[_Failure] = []
         self._load_error_block_ids: set[int] = set()
-        self._faults = random.Random(settings.fault_seed)
+        self._faults = random.Random(settings.fault_injection.seed)
         self._clock = time.time  # wall clock: the prefill host's lease end is a unix time
 
     def attach(self, transport: WorkerTransports, topology: KVTopology, kernel_blocks_per_block: int) -> None:
@@ -149,8 +150,15 @@ class KVReader:
             return
         if self._past_read_window(spec):
             return
-        if self.settings.read_failure_rate and self._faults.random() < self.settings.read_failure_rate:
-            self.fail(spec, "injected", f"fault injection (read_failure_rate={self.settings.read_failure_rate})")
+        if (
+            self.settings.fault_injection.read_failure_rate
+            and self._faults.random() < self.settings.fault_injection.read_failure_rate
+        ):
+            self.fail(
+                spec,
+                "injected",
+                f"fault injection (read_failure_rate={self.settings.fault_injection.read_failure_rate})",
+            )
             return
         try:
             ranks = source_ranks(topology, remote.tp_size)

@@ -45,7 +45,8 @@ from typing import TYPE_CHECKING, Any
 from connectors import wire
 from connectors.auth import EXPIRED_REASON, ConsumedParams, KVAuth, Unauthenticated
 from connectors.log_limit import LogLimiter
-from connectors.metadata import ConnectorSettings, KVTransferParams, PdserveConnectorMetadata, ReceiveSpec
+from connectors.metadata import KVTransferParams, PdserveConnectorMetadata, ReceiveSpec
+from connectors.options import ConnectorSettings
 from connectors.side_channel import ReleaseSender, release_message, report_key, report_message
 from connectors.stats import PdserveKVStats, PdserveWorkerMeta, merge_reports
 

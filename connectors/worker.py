@@ -29,7 +29,8 @@ from connectors.errors import ConnectorError
 from connectors.handshake import HandshakeResponse, encode_response
 from connectors.holder import LeaseHolder
 from connectors.identity import model_identity
-from connectors.metadata import ConnectorSettings, PdserveConnectorMetadata
+from connectors.metadata import PdserveConnectorMetadata
+from connectors.options import ConnectorSettings
 from connectors.reader import KVReader, peer_name
 from connectors.side_channel import RecentReports, SideChannelServer
 from connectors.stats import PdserveKVStats, PdserveWorkerMeta
@@ -245,7 +246,7 @@ class PdserveWorker:
             on_release=self._holder.releases_in.put,
             on_read=self._holder.add_notification,
             on_report=self._answered.encoded,
-            answer_delay_s=self.settings.handshake_delay_s,
+            answer_delay_s=self.settings.fault_injection.handshake_delay_s,
         )
         logger.info(
             "engine %s rank %d/%d: KV caches %s (%s) x %d layers, %d kernel block(s) per block, transports %s, "

@@ -26,6 +26,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from connectors.options import ConnectorOptions
 from connectors.wire import ROLES
 from orchestrator.errors import SpecError
 from orchestrator.models import KNOWN_MODELS, model_cache_dir, resolve_model
@@ -332,44 +333,6 @@ class EngineSpec(_Strict):
     )
 
 
-class FaultInjectionSpec(_Strict):
-    """Faults the ``pdserve`` connector injects on purpose, so tests can prove it survives them."""
-
-    read_failure_rate: float = Field(
-        default=0.0, ge=0, le=1, description="Fraction of KV reads on decode engines that fail (then recompute)."
-    )
-    handshake_delay_s: float = Field(
-        default=0.0, ge=0, description="Seconds a prefill engine waits before answering each handshake."
-    )
-    seed: int | None = Field(default=None, description="Seed of the failure draw (default: random).")
-
-
-class ConnectorOptionsSpec(_Strict):
-    """Settings of our own connector (``connector: pdserve``)."""
-
-    lease_ttl_s: float = Field(
-        default=120.0, gt=0, description="Prefill engines free KV blocks nobody read (or released) after this."
-    )
-    handshake_timeout_s: float = Field(
-        default=5.0, gt=0, description="A decode engine gives up on an unreachable prefill engine after this."
-    )
-    transfer_timeout_s: float = Field(default=30.0, gt=0, description="A KV read that takes longer fails.")
-    read_margin_s: float = Field(
-        default=2.0,
-        ge=0,
-        description="A KV read must end this long before the prefill's lease on the blocks does (the most the "
-        "clocks of two hosts may differ); one that cannot is recomputed, never served from blocks that may be "
-        "another request's.",
-    )
-    transports: list[Literal["cuda-ipc", "nixl"]] = Field(
-        default=["cuda-ipc", "nixl"],
-        min_length=1,
-        description="KV transports engines serve and read over, best first: cuda-ipc moves KV device to device "
-        "between engines whose GPU one of them sees (it stands aside on CPU caches); nixl everywhere else.",
-    )
-    fault_injection: FaultInjectionSpec = Field(default_factory=FaultInjectionSpec)
-
-
 class ResourcesSpec(_Strict):
     cpus: int | None = Field(
         default=None, ge=1, description="CPU cores pdserve may pin engines to (default: all of this machine's)."
@@ -515,7 +478,7 @@ class ClusterSpec(_Strict):
         description="KV connector between prefill and decode engines: our own pull-mode connector "
         "('pdserve', connectors.vllm_connector; the default) or vLLM's NixlConnector ('vllm-nixl').",
     )
-    connector_options: ConnectorOptionsSpec | None = Field(
+    connector_options: ConnectorOptions | None = Field(
         default=None, description="Settings of connector 'pdserve' (lease TTL, timeouts, fault injection)."
     )
     ray: RaySpec = Field(default_factory=RaySpec)
@@ -586,8 +549,8 @@ class ClusterSpec(_Strict):
         return self
 
     @property
-    def pdserve_connector(self) -> ConnectorOptionsSpec:
-        return self.connector_options or ConnectorOptionsSpec()
+    def pdserve_connector(self) -> ConnectorOptions:
+        return self.connector_options or ConnectorOptions()
 
     @model_validator(mode="after")
     def _check_connector_options(self) -> ClusterSpec:

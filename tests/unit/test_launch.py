@@ -178,14 +178,15 @@ def test_pdserve_connector_is_loaded_from_our_module_with_its_side_channel(plan,
 
 
 def test_connector_options_reach_both_engines_and_the_connector_parses_them(plan):
-    from connectors.metadata import ConnectorSettings
+    from connectors.options import ConnectorSettings
 
     options = {"lease_ttl_s": 7, "fault_injection": {"read_failure_rate": 0.25, "handshake_delay_s": 1.5, "seed": 3}}
     for launch in plan(connector="pdserve", connector_options=options).values():
         extra = json.loads(flag_value(launch.vllm_args, "--kv-transfer-config"))["kv_connector_extra_config"]
         settings = ConnectorSettings.from_extra_config(extra, launch.engine_id)
-        assert (settings.lease_ttl_s, settings.read_failure_rate, settings.handshake_delay_s) == (7.0, 0.25, 1.5)
-        assert settings.fault_seed == 3
+        faults = settings.fault_injection
+        assert (settings.lease_ttl_s, faults.read_failure_rate, faults.handshake_delay_s) == (7.0, 0.25, 1.5)
+        assert faults.seed == 3
         assert settings.side_channel_port == launch.kv_port
 
 
