@@ -480,6 +480,7 @@ class _Peer:
     ranges: PlaneRanges
     src: list[Any]  # flat uint8 views of the peer's regions, in our address space
     table: RunTable
+    keys: frozenset[bytes] = frozenset()  # the mappings it reads (``_mapping_key``)
     on_device: tuple[Any, ...] = ()  # the table on the GPU, for the Triton gather
 
 
@@ -569,20 +570,23 @@ class CudaIpcTransport:
             raise TransportError(f"peer {peer}: its GPU {export.gpu_uuid} is not visible to this process")
         ranges = checked_ranges(peer, local, regions, ranges)
         device = torch.device("cuda", devices[export.gpu_uuid])
+        keys = [_mapping_key(storage) for storage in export.storages]
         try:
             opened = [self._open(storage, device) for storage in export.storages]
-        except RuntimeError as e:
+            src = region_views(regions, export, opened)
+        except (RuntimeError, TransportError) as e:
+            self._close_unused()
             raise TransportError(f"peer {peer}: cannot map its KV caches by CUDA IPC: {e}") from e
-        src = region_views(regions, export, opened)
         src_bases = np.asarray([view.data_ptr() for view in src], dtype=np.int64)
-        self._peers[peer] = _Peer(regions, ranges, src, run_table(ranges, local, regions, self._dst_bases, src_bases))
+        table = run_table(ranges, local, regions, self._dst_bases, src_bases)
+        self._peers[peer] = _Peer(regions, ranges, src, table, keys=frozenset(keys))
         return export.gpu_uuid
 
     def _open(self, storage: IpcStorage, device: torch.device) -> torch.Tensor:
-        """The storage mapped here (once per handle and offset for this transport's life), as flat uint8."""
+        """The storage mapped here (once, while a peer uses it), as flat uint8."""
         import torch
 
-        key = storage.handle + storage.offset.to_bytes(8, "little")
+        key = _mapping_key(storage)
         if key not in self._opened:
             with torch.cuda.device(device):
                 shared = torch.UntypedStorage._new_shared_cuda(
@@ -599,7 +603,17 @@ class CudaIpcTransport:
         return self._opened[key]
 
     def remove_peer(self, peer: str) -> None:
-        self._peers.pop(peer, None)
+        """Forget the peer, and unmap what no other peer uses (a restarted engine's old caches are not held)."""
+        if self._peers.pop(peer, None) is not None:
+            self._close_unused()
+
+    def _close_unused(self) -> None:
+        in_use = set().union(*(entry.keys for entry in self._peers.values()))
+        unused = [key for key in self._opened if key not in in_use]
+        if unused and self._stream is not None:
+            self._stream.synchronize()  # unmapping is not ordered on the stream: no gather may still read it
+        for key in unused:
+            del self._opened[key]
 
     def read_blocks(
         self, peer: str, local_block_ids: Sequence[int], remote_block_ids: Sequence[int], notify: bytes = b""
@@ -655,6 +669,10 @@ class CudaIpcTransport:
             self._stream.synchronize()
         self._peers.clear()
         self._opened.clear()
+
+
+def _mapping_key(storage: IpcStorage) -> bytes:
+    return storage.handle + storage.offset.to_bytes(8, "little")
 
 
 def _export_storage(storage: torch.UntypedStorage) -> IpcStorage:

@@ -99,6 +99,15 @@ def test_a_region_outside_the_export_is_refused(source: bench.Source):
     )
     with pytest.raises(TransportError, match="outside every storage"):
         transport.add_peer("prefill/rank0", payload, shifted, plan_peer_ranges_whole(regions))
+    assert transport._opened == {}  # nothing of a refused peer stays mapped
+    transport.close()
+
+
+def test_a_removed_peer_is_unmapped(source: bench.Source):
+    transport = reader(source, "triton", bench.caches(bench.Geometry(layers=GEOMETRY.layers, blocks=4), None))
+    assert len(transport._opened) == GEOMETRY.layers
+    transport.remove_peer("prefill/rank0")
+    assert transport._opened == {}
     transport.close()
 
 
