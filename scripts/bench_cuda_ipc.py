@@ -230,7 +230,7 @@ def same_process_gather(
     what the scatter costs apart from the mapping."""
     from connectors.block_ranges import whole_plane_ranges
     from connectors.transport.base import cache_regions
-    from connectors.transport.cuda_ipc import _TritonGather, run_table
+    from connectors.transport.gather import TritonGather, run_table
 
     src = caches(geometry, SOURCE_SEED)
     src_regions = cache_regions(src, geometry.plane_bytes, 2, "bench")
@@ -242,7 +242,7 @@ def same_process_gather(
         np.asarray(dst_regions.region_addrs, dtype=np.int64),
         np.asarray(src_regions.region_addrs, dtype=np.int64),
     )
-    gather = _TritonGather()
+    gather = TritonGather()
     device = torch.device("cuda", 0)
     on_device = gather.upload(table, device)
     remote, local_blocks = np.asarray(remote_ids, dtype=np.int64), np.asarray(local_ids, dtype=np.int64)

@@ -22,17 +22,9 @@ from connectors.errors import BlockMappingError, TransportError
 from connectors.topology import plan_reads
 from connectors.transport import CUDA_IPC, IN_MEMORY, NIXL, Where, common_transports
 from connectors.transport.base import cache_regions
-from connectors.transport.cuda_ipc import (
-    CudaIpcTransport,
-    IpcExport,
-    IpcStorage,
-    copy_moves_torch,
-    decode_export,
-    plan_moves,
-    region_views,
-    run_table,
-)
+from connectors.transport.cuda_ipc import CudaIpcTransport, IpcExport, IpcStorage, decode_export, region_views
 from connectors.transport.fake import InMemoryTransport
+from connectors.transport.gather import copy_moves_torch, plan_moves, run_table
 from connectors.transport.group import WorkerTransports
 from tests.kv_reference import cache_shape, rank_heads, read_tokens, write_tokens
 from tests.unit.kv_factories import topology_factory
