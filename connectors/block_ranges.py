@@ -58,7 +58,7 @@ from connectors.topology import HeadSlice, KVLayout, KVTopology, block_size_rati
 
 __all__ = [
     "KVRegions",
-    "checked_block_ids",
+    "checked_read_ids",
     "PlaneRanges",
     "local_descriptors",
     "plan_peer_ranges",
@@ -284,13 +284,9 @@ def read_indices(
 
     Raises ``BlockMappingError`` when the id lists do not pair at the ratio or an id is out of range.
     """
-    local_ids = checked_block_ids(local_block_ids, local_num_blocks, "local")
-    remote_ids = checked_block_ids(remote_block_ids, remote_num_blocks, "remote")
     ratio = ranges.ratio
-    needed = -(-len(remote_ids) // ratio)
-    if len(local_ids) != needed:
-        detail = f" (at block size ratio {ratio} they fill {needed})" if ratio > 1 else ""
-        raise BlockMappingError(f"{len(local_ids)} local block ids for {len(remote_ids)} remote block ids{detail}")
+    local_ids, remote_ids = checked_read_ids(ratio, local_block_ids, remote_block_ids, local_num_blocks,
+                                             remote_num_blocks)  # fmt: skip
     position = np.arange(len(remote_ids), dtype=np.int64)
     layer = np.arange(num_layers, dtype=np.int64)[:, None, None]
     run = np.arange(ranges.num_runs, dtype=np.int64)[None, None, :]
@@ -301,7 +297,25 @@ def read_indices(
     return _as_index(local.ravel()), _as_index(remote.ravel())
 
 
-def checked_block_ids(block_ids: Sequence[int], num_blocks: int, side: str) -> np.ndarray:
+def checked_read_ids(
+    ratio: int,
+    local_block_ids: Sequence[int],
+    remote_block_ids: Sequence[int],
+    local_num_blocks: int,
+    remote_num_blocks: int,
+) -> tuple[np.ndarray, np.ndarray]:
+    """A read's ``(local, remote)`` block ids as int64 arrays, each in its cache, and as many local ids as
+    the remote ones fill at ``ratio``; ``BlockMappingError`` otherwise. Every transport checks a read so."""
+    local_ids = _checked_ids(local_block_ids, local_num_blocks, "local")
+    remote_ids = _checked_ids(remote_block_ids, remote_num_blocks, "remote")
+    needed = -(-len(remote_ids) // ratio)
+    if len(local_ids) != needed:
+        detail = f" (at block size ratio {ratio} they fill {needed})" if ratio > 1 else ""
+        raise BlockMappingError(f"{len(local_ids)} local block ids for {len(remote_ids)} remote block ids{detail}")
+    return local_ids, remote_ids
+
+
+def _checked_ids(block_ids: Sequence[int], num_blocks: int, side: str) -> np.ndarray:
     ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
     if ids.size and (ids.min() < 0 or ids.max() >= num_blocks):
         raise BlockMappingError(f"{side} block ids must lie in [0, {num_blocks}), got {ids.min()}..{ids.max()}")

@@ -17,6 +17,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from connectors.transport import DEFAULT_TRANSPORTS
+
 __all__ = ["ConnectorOptions", "ConnectorSettings", "FaultInjection"]
 
 logger = logging.getLogger(__name__)
@@ -56,7 +58,7 @@ class ConnectorOptions(_Strict):
         "another request's.",
     )
     transports: tuple[Literal["cuda-ipc", "nixl"], ...] = Field(
-        default=("cuda-ipc", "nixl"),
+        default=DEFAULT_TRANSPORTS,
         min_length=1,
         description="KV transports engines serve and read over, best first: cuda-ipc moves KV device to device "
         "between engines whose GPU one of them sees (it stands aside on CPU caches); nixl everywhere else.",

@@ -96,11 +96,12 @@ class _SourceRank:
 
 @dataclass(slots=True)
 class _RequestReads:
-    """One request's READs, one per remote rank it reads, and the notification each owes its source."""
+    """One request's READs, one per remote rank it reads, and the notifications owed to sources over their
+    side channels (``(endpoint, notification)``, for READs whose transport does not send them)."""
 
     spec: ReceiveSpec
     reads: list[Transfer]
-    notifications: list[bytes]
+    notifications: list[tuple[str, bytes]]
 
 
 def peer_name(engine_id: str, tp_rank: int) -> str:
@@ -150,15 +151,9 @@ class KVReader:
             return
         if self._past_read_window(spec):
             return
-        if (
-            self.settings.fault_injection.read_failure_rate
-            and self._faults.random() < self.settings.fault_injection.read_failure_rate
-        ):
-            self.fail(
-                spec,
-                "injected",
-                f"fault injection (read_failure_rate={self.settings.fault_injection.read_failure_rate})",
-            )
+        failure_rate = self.settings.fault_injection.read_failure_rate
+        if failure_rate and self._faults.random() < failure_rate:
+            self.fail(spec, "injected", f"fault injection (read_failure_rate={failure_rate})")
             return
         try:
             ranks = source_ranks(topology, remote.tp_size)
@@ -267,7 +262,7 @@ class KVReader:
         remote = spec.remote
         transports = self._require_transport()
         reads: list[Transfer] = []
-        notifications: list[bytes] = []
+        notifications: list[tuple[str, bytes]] = []
         try:
             for name in names:
                 source = self._peers[name]
@@ -275,7 +270,8 @@ class KVReader:
                 local_ids, remote_ids = self._kernel_block_ids(spec, source.topology)
                 notify = read_notification(remote.remote_request_id, source.expected_reads)
                 reads.append(transport.read_blocks(name, local_ids, remote_ids, notify=notify))
-                notifications.append(b"" if transport.notifies_source else notify)
+                if not transport.notifies_source:
+                    notifications.append((remote.side_channel(source.topology.tp_rank), notify))
         except ConnectorError as e:
             for read in reads:
                 read.abort("another READ of the request could not be posted")
@@ -418,10 +414,8 @@ class KVReader:
     def _notify_sources(self, group: _RequestReads) -> None:
         """Send the READ notifications the transports could not (over each source's side channel)."""
         reader = peer_name(self.engine_id, self._require_topology().tp_rank)
-        for read, notification in zip(group.reads, group.notifications, strict=True):
-            if notification:
-                rank = int(read.peer.rpartition("/rank")[2])
-                self._releases_out.read_done(group.spec.remote.side_channel(rank), reader, notification)
+        for endpoint, notification in group.notifications:
+            self._releases_out.read_done(endpoint, reader, notification)
 
     def _forget_peer(self, name: str) -> None:
         """A read from ``name`` failed: that rank may have restarted, so handshake again next time."""

@@ -422,8 +422,7 @@ def _ask(endpoint: str, message: bytes, timeout_s: float, failure: str) -> bytes
 
 
 def send_release(endpoint: str, message: bytes, timeout_s: float = 2.0) -> bool:
-    """Send a sealed release (``release_message``, or ``read_message``) to the worker at ``endpoint``; False if it
-    did not take it."""
+    """Send a sealed release (``release_message``) to the worker at ``endpoint``; False if it did not take it."""
     return _answered_ok(endpoint, message, timeout_s, "release", logging.WARNING)
 
 
@@ -444,28 +443,28 @@ class ReleaseSender:
         self.engine_id = engine_id
         self._auth = auth
         self._timeout_s = timeout_s
-        self._queue: queue.SimpleQueue[tuple[str, bytes, str] | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[str, bytes, str, str] | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
     def release(self, endpoint: str, request_id: str) -> None:
-        self._send(endpoint, release_message(self._auth, request_id), f"released request {request_id}")
+        self._send(endpoint, release_message(self._auth, request_id), "release", f"released request {request_id}")
 
     def read_done(self, endpoint: str, reader: str, notification: bytes) -> None:
         """Tell the source at ``endpoint`` that ``reader`` has read what ``notification`` names."""
-        self._send(endpoint, read_message(self._auth, reader, notification), f"read {notification!r}")
+        self._send(endpoint, read_message(self._auth, reader, notification), "read", f"read {notification!r}")
 
-    def _send(self, endpoint: str, message: bytes, what: str) -> None:
+    def _send(self, endpoint: str, message: bytes, kind: str, what: str) -> None:
         with self._lock:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="pdserve-release", daemon=True)
                 self._thread.start()
-        self._queue.put((endpoint, message, what))
+        self._queue.put((endpoint, message, kind, what))
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
-            endpoint, message, what = item
-            if send_release(endpoint, message, self._timeout_s):
+            endpoint, message, kind, what = item
+            if _answered_ok(endpoint, message, self._timeout_s, kind, logging.WARNING):
                 logger.debug("engine %s: %s at %s", self.engine_id, what, endpoint)
 
     def close(self) -> None:

@@ -43,7 +43,6 @@ __all__ = [
     "PREFERENCE",
     "TRANSPORTS",
     "Where",
-    "choose_transport",
     "common_transports",
     "make_transport",
     "node_identity",
@@ -84,17 +83,6 @@ def where(local_node: str, remote_node: str, same_process_group: bool = False) -
 def common_transports(ours: Sequence[str], theirs: Sequence[str], place: Where) -> tuple[str, ...]:
     """The transports of ``PREFERENCE[place]`` both sides offer, best first."""
     return tuple(name for name in PREFERENCE[place] if name in ours and name in theirs)
-
-
-def choose_transport(ours: Sequence[str], theirs: Sequence[str], place: Where) -> str:
-    """The first transport of ``PREFERENCE[place]`` both sides offer; ``TransportError`` if none."""
-    common = common_transports(ours, theirs, place)
-    if common:
-        return common[0]
-    raise TransportError(
-        f"no common KV transport for a peer ({place}): we offer {', '.join(ours) or 'none'}, "
-        f"it offers {', '.join(theirs) or 'none'}"
-    )
 
 
 @cache

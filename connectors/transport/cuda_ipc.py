@@ -49,8 +49,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from connectors.block_ranges import KVRegions, PlaneRanges, checked_block_ids
-from connectors.errors import BlockMappingError, TransportError
+from connectors.block_ranges import KVRegions, PlaneRanges, checked_read_ids
+from connectors.errors import TransportError
 from connectors.transport import CUDA_IPC
 from connectors.transport.base import ReadState, TransferState, cache_regions, checked_ranges
 from connectors.transport.gather import RunTable, TritonGather, copy_moves_torch, plan_moves, run_table
@@ -260,7 +260,6 @@ class CudaIpcTransport:
     notifies_source = False
     """Reads do not tell the source: the reader sends the READ notification over the side channel."""
     _regions: KVRegions | None = field(default=None, init=False)
-    _caches: list[Any] = field(default_factory=list, init=False)
     _export: IpcExport | None = field(default=None, init=False)
     _dst: list[Any] = field(default_factory=list, init=False)
     _dst_bases: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64), init=False)
@@ -297,7 +296,7 @@ class CudaIpcTransport:
             raise TransportError(f"engine {self.engine_id}: cannot export the KV caches by CUDA IPC: {e}") from e
         properties = torch.cuda.get_device_properties(device)
         self._export = IpcExport(str(properties.uuid), properties.name, exported)
-        self._regions, self._caches = regions, list(caches.values())
+        self._regions = regions
         self._dst = region_views(regions, self._export, [_flat(s, device) for s in storages.values()])
         self._dst_bases = np.asarray([view.data_ptr() for view in self._dst], dtype=np.int64)
         self._stream = torch.cuda.Stream(device)
@@ -391,13 +390,8 @@ class CudaIpcTransport:
         entry = self._peers.get(peer)
         if entry is None:
             raise TransportError(f"engine {self.engine_id}: unknown peer {peer}; call add_peer first")
-        remote_ids = checked_block_ids(remote_block_ids, entry.regions.num_blocks, "remote")
-        local_ids = checked_block_ids(local_block_ids, local.num_blocks, "local")
-        ratio = entry.ranges.ratio
-        if len(local_ids) != -(-len(remote_ids) // ratio):
-            raise BlockMappingError(
-                f"{len(local_ids)} local block ids for {len(remote_ids)} remote block ids (block size ratio {ratio})"
-            )
+        local_ids, remote_ids = checked_read_ids(entry.ranges.ratio, local_block_ids, remote_block_ids,
+                                                 local.num_blocks, entry.regions.num_blocks)  # fmt: skip
         num_bytes = len(remote_ids) * local.num_layers * entry.ranges.bytes_per_block
         stream = self._stream
         stream.wait_stream(torch.cuda.current_stream(stream.device))  # the blocks' last users go first
@@ -418,7 +412,7 @@ class CudaIpcTransport:
                     raise TransportError(f"copy='triton' needs Triton: {e}") from e
                 logger.info("engine %s: Triton is not available (%s); CUDA IPC copies with torch", self.engine_id, e)
                 self.copy = "torch"
-        if self.copy == "torch" or (entry.table.words * TritonGather.WORD != entry.ranges.lengths).any():
+        if self.copy == "torch" or not entry.table.whole_words:
             moves = plan_moves(entry.ranges, self.kv_regions(), entry.regions, local_ids, remote_ids)
             copy_moves_torch(moves, entry.src, self._dst)
             return

@@ -22,8 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from connectors.block_ranges import KVRegions, PlaneRanges, checked_block_ids
-from connectors.errors import BlockMappingError
+from connectors.block_ranges import KVRegions, PlaneRanges, checked_read_ids
 
 if TYPE_CHECKING:
     import torch
@@ -37,8 +36,7 @@ logger = logging.getLogger(__name__)
 class Moves:
     """A read as copies: run i copies ``lengths[i]`` bytes from ``src_offsets[i]`` of source region
     ``src_regions[i]`` to ``dst_offsets[i]`` of local region ``dst_regions[i]``. ``row_bytes`` divides every
-    offset and length (the rows a gather may index), ``granule`` (its largest power-of-two divisor up to 16)
-    is the widest element a copy may move them in."""
+    offset and length: the rows a gather may index."""
 
     src_regions: np.ndarray
     src_offsets: np.ndarray
@@ -46,10 +44,6 @@ class Moves:
     dst_offsets: np.ndarray
     lengths: np.ndarray
     row_bytes: int
-
-    @property
-    def granule(self) -> int:
-        return math.gcd(self.row_bytes, 16)
 
     @property
     def num_bytes(self) -> int:
@@ -70,13 +64,9 @@ def plan_moves(
     ``layer * planes + plane`` on each side, offsets are within a region. Block
     ids are checked (``BlockMappingError``) as for NIXL.
     """
-    remote_ids = checked_block_ids(remote_block_ids, remote.num_blocks, "remote")
-    local_ids = checked_block_ids(local_block_ids, local.num_blocks, "local")
     ratio = ranges.ratio
-    if len(local_ids) != -(-len(remote_ids) // ratio):
-        raise BlockMappingError(
-            f"{len(local_ids)} local block ids for {len(remote_ids)} remote block ids (ratio {ratio})"
-        )
+    local_ids, remote_ids = checked_read_ids(ratio, local_block_ids, remote_block_ids, local.num_blocks,
+                                             remote.num_blocks)  # fmt: skip
     layers = np.arange(local.num_layers, dtype=np.int64)[:, None, None]
     position = np.arange(len(remote_ids))
     remote_planes = np.asarray(ranges.remote_planes, dtype=np.int64)
@@ -141,6 +131,8 @@ class RunTable:
     words: np.ndarray  # [runs]: lengths in 8-byte words
     remote_block_bytes: int
     local_block_bytes: int
+    whole_words: bool
+    """Every length is a multiple of 8 bytes: the Triton gather can move this peer's runs."""
     aligned: bool
     """Every address and length is a multiple of 16 bytes: the gather may move 16 bytes at a time."""
 
@@ -164,6 +156,7 @@ def run_table(ranges: PlaneRanges, local: KVRegions, remote: KVRegions, dst_base
         words=lengths // TritonGather.WORD,
         remote_block_bytes=remote.block_len_bytes,
         local_block_bytes=local.block_len_bytes,
+        whole_words=bool((lengths % TritonGather.WORD == 0).all()),
         aligned=bool((values % 16 == 0).all()),
     )
 

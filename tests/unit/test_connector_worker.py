@@ -415,6 +415,24 @@ def test_a_prefill_tp_size_that_cannot_pair_fails_the_load_as_incompatible(
     assert fakes.prefill.asked == []
 
 
+def test_a_prefill_that_offers_no_transport_we_have_fails_the_load_as_incompatible(
+    fakes: Fakes, make_worker: WorkerFactory
+) -> None:
+    fakes.prefill.tp_size, fakes.prefill.transports = 1, ("nccl",)
+    worker = make_worker(tp_size=1, tp_rank=0)
+    worker.start_load_kv(PdserveConnectorMetadata(reqs_to_receive=[spec("r1", 1, (5,), (1, 2))]))
+    for _ in range(5000):
+        _, finished, failed = worker.transfer_results()
+        if finished:
+            break
+        time.sleep(0.001)
+
+    assert finished == failed == {"r1"}
+    report = worker.take_reports().reports["r1"]
+    assert report["reason"] == "incompatible"
+    assert "no KV transport reaches prefill/rank0 (other-node): we have nixl, it offers nccl" in report["detail"]
+
+
 # ---------------------------------------------------------------- cache shapes
 
 

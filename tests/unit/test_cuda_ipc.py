@@ -244,7 +244,7 @@ def test_moves_of_whole_planes_are_one_run_per_layer_plane_and_block():
     moves = plan_moves(plan_peer_ranges(topology, topology), regions, regions, [1, 2, 3], [4, 5, 6])
     assert len(moves.lengths) == NUM_LAYERS * 2 * 3
     assert set(moves.lengths.tolist()) == {topology.block_plane_bytes}
-    assert moves.granule == 16
+    assert moves.row_bytes == topology.block_plane_bytes  # whole planes: one row each
     np.testing.assert_array_equal(np.unique(moves.src_regions), np.arange(2 * NUM_LAYERS))
 
 
