@@ -1,4 +1,5 @@
-"""The multi-host test bed of ``scripts/hosts.py``: three network namespaces on a bridge, one Ray node each.
+"""The multi-host test bed (``tests/testbed``, CLI ``scripts/hosts.py``): three network namespaces on a bridge, one
+Ray node each.
 
 On the suite's shared bed (fixture ``three_hosts``: ``up(fresh=True)`` replaces a bed left running), checks from a
 driver in the head's namespace that every node has its own IP and labels and that actors placed by
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from scripts import hosts
+from tests import testbed as hosts
 from tests.integration.conftest import FAST_HEALTH_CHECKS, THREE_HOSTS
 
 pytestmark = [
