@@ -1,4 +1,4 @@
-# pdserve: `make run` starts the local CPU demo cluster, `make test` runs every test.
+# pdserve: `make run` starts the local CPU demo cluster, `make test` runs every test (tests/ and the lab's, lab/tests/).
 # Both run `setup` first; `setup` is idempotent and quick once done.
 
 PYTHON ?= python3
@@ -32,10 +32,10 @@ run: setup
 	$(BIN)/pdserve up $(CONFIG)
 
 test: setup
-	$(BIN)/python -m pytest tests --durations=30
+	$(BIN)/python -m pytest tests lab/tests --durations=30
 
 test-unit: setup
-	$(BIN)/python -m pytest tests/unit
+	$(BIN)/python -m pytest tests/unit lab/tests
 
 test-integration: setup
 	$(BIN)/python -m pytest tests/integration

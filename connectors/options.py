@@ -63,7 +63,9 @@ class ConnectorOptions(_Strict):
         description="KV transports engines serve and read over, best first: cuda-ipc moves KV device to device "
         "between engines whose GPU one of them sees (it stands aside on CPU caches); nixl everywhere else.",
     )
-    fault_injection: FaultInjection = Field(default_factory=FaultInjection)
+    fault_injection: FaultInjection = Field(
+        default_factory=FaultInjection, description="Failures to inject, for tests of what a failure costs (off)."
+    )
 
 
 class ConnectorSettings(ConnectorOptions):

@@ -1,4 +1,4 @@
-"""The ``pdserve`` command line: validate, up, status, down, proxy (the proxy alone, without Ray),
+"""The ``pdserve`` command line: validate, up, status, down, proxy (the proxy alone, without Ray), schema,
 simulate (a spec's cluster on a request trace, no Ray), traces (write a trace) and profile
 (measure a cluster's engines into a performance profile)."""
 
@@ -203,6 +203,22 @@ def cmd_down(args: argparse.Namespace) -> int:
     return 0
 
 
+def proxy_settings(args: argparse.Namespace) -> Any:
+    """``pdserve proxy``'s settings: ``--config FILE``'s, with the flags given laid over them."""
+    from pydantic import ValidationError
+
+    from orchestrator.errors import read_mapping
+    from orchestrator.model_flags import given, overlay
+    from proxy.config import ProxySettings
+
+    source = args.config or "the command line"
+    raw = read_mapping(args.config) if args.config else {}
+    try:
+        return ProxySettings.model_validate(overlay(raw, given(args)))
+    except ValidationError as e:
+        raise SpecError.of(source, e) from e
+
+
 def cmd_proxy(args: argparse.Namespace) -> int:
     import logging
 
@@ -210,7 +226,6 @@ def cmd_proxy(args: argparse.Namespace) -> int:
     from proxy.auth import load_engine_key, load_keys
     from proxy.config import ProxyConfig
     from proxy.errors import ProxyConfigError
-    from proxy.routing import RoutingSettings
     from proxy.server import serve
     from proxy.standalone import (
         StandaloneError,
@@ -224,6 +239,11 @@ def cmd_proxy(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from connectors.auth import PROXY_ENGINE_KEY_ENV, PROXY_ENGINE_KEY_FILE_ENV, SECRET_ENV, SECRET_FILE_ENV
 
+    try:
+        settings = proxy_settings(args)
+    except SpecError as e:
+        print(f"pdserve proxy: invalid settings:\n{e}", file=sys.stderr)
+        return 2
     # The workers inherit these; only the files' names travel. The engine key alone is enough (least
     # privilege: `pdserve secret PATH --engine-key-file OUT`); a secret file is read only to derive it.
     if args.engine_key_file:
@@ -233,24 +253,6 @@ def cmd_proxy(args: argparse.Namespace) -> int:
     engine_auth = any(
         os.environ.get(name) for name in (PROXY_ENGINE_KEY_ENV, PROXY_ENGINE_KEY_FILE_ENV, SECRET_ENV, SECRET_FILE_ENV)
     )
-    try:
-        routing = RoutingSettings(
-            prefill_policy=args.prefill_policy,
-            decode_policy=args.decode_policy,
-            decode_only_below_tokens=args.decode_only_below_tokens,
-            decode_only_if_cached=args.decode_only_if_cached,
-            prefill_retries=args.prefill_retries,
-            decode_retries=args.decode_retries,
-            prefix_overload_factor=args.prefix_overload_factor,
-            health_interval_s=args.health_interval_s,
-            health_timeout_s=args.health_timeout_s,
-            unhealthy_after=args.unhealthy_after,
-            healthy_after=args.healthy_after,
-            metrics_interval_s=args.metrics_interval_s,
-        )
-    except ValueError as e:
-        print(f"pdserve proxy: {e}", file=sys.stderr)
-        return 2
     try:
         prefill = [normalize_url(url) for url in args.prefill]
         decode = [normalize_url(url) for url in args.decode]
@@ -267,24 +269,7 @@ def cmd_proxy(args: argparse.Namespace) -> int:
     except StandaloneError as e:
         print(f"pdserve proxy: {e}", file=sys.stderr)
         return 1
-    config = ProxyConfig(
-        model_name=model,
-        engine_auth=engine_auth,
-        fast_path=not args.no_fast_path,
-        request_timeout_s=args.request_timeout_s,
-        max_body_bytes=args.max_body_bytes,
-        max_concurrent_requests=args.max_concurrent_requests,
-        max_queued_requests=args.max_queued_requests,
-        max_model_len=args.max_model_len,
-        api_key_env=tuple(args.api_key_env),
-        api_key_file=args.api_key_file,
-        admin_key_env=tuple(args.admin_key_env),
-        admin_key_file=args.admin_key_file,
-        admin_engine_networks=tuple(args.admin_engine_network),
-        forward_authorization=args.forward_authorization,
-        connect_timeout_s=args.connect_timeout_s,
-        routing=routing,
-    )
+    config = ProxyConfig.of(settings, model_name=model, engine_auth=engine_auth, max_model_len=args.max_model_len)
     try:  # here, not only in each worker: a key that cannot be read stops the command with its reason
         load_keys(config.api_key_env, config.api_key_file)
         load_keys(config.admin_key_env, config.admin_key_file)
@@ -294,19 +279,28 @@ def cmd_proxy(args: argparse.Namespace) -> int:
     except ProxyConfigError as e:
         print(f"pdserve proxy: {e}", file=sys.stderr)
         return 1
-    settings = StandaloneSettings(tuple(prefill), tuple(decode), config, decode_kv)
+    standalone = StandaloneSettings(tuple(prefill), tuple(decode), config, decode_kv)
 
     def ready(url: str) -> None:
         _print(f"pdserve proxy: serving {model!r} on {url}/v1 ({args.workers} worker(s))")
         _print(f"  prefill: {' '.join(prefill)}")
         _print(f"  decode:  {' '.join(decode)}")
-        _print(f"  routing: prefill {routing.prefill_policy}, decode {routing.decode_policy}")
+        _print(f"  routing: prefill {config.routing.prefill}, decode {config.routing.decode}")
 
     try:
-        return serve(app_factory(settings), args.host, args.port, args.workers, on_ready=ready)
+        return serve(app_factory(standalone), config.host, config.port, args.workers, on_ready=ready)
     except OSError as e:
-        print(f"pdserve proxy: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
+        print(f"pdserve proxy: cannot listen on {config.host}:{config.port}: {e}", file=sys.stderr)
         return 1
+
+
+def cmd_schema(args: argparse.Namespace) -> int:
+    from orchestrator import reference
+
+    _print(
+        reference.markdown().rstrip("\n") if args.markdown else json.dumps(reference.json_schema(args.which), indent=2)
+    )
+    return 0
 
 
 def cmd_secret(args: argparse.Namespace) -> int:
@@ -482,88 +476,6 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
-def _add_routing_flags(parser: argparse.ArgumentParser) -> None:
-    from proxy.engine_client import CONNECT_TIMEOUT_S
-    from proxy.routing import POLICIES, RoutingSettings
-
-    defaults = RoutingSettings()
-    group = parser.add_argument_group("routing and health")
-    for role in ("prefill", "decode"):
-        group.add_argument(
-            f"--{role}-policy",
-            choices=POLICIES,
-            default=getattr(defaults, f"{role}_policy"),
-            help=f"how {role} engines are chosen (default: %(default)s)",
-        )
-    group.add_argument(
-        "--decode-only-below-tokens",
-        type=_non_negative_int,
-        default=defaults.decode_only_below_tokens,
-        help="serve shorter prompts (token ids, or text at ~4 characters a token) on a decode engine alone; "
-        "0: always disaggregate (default: %(default)s)",
-    )
-    group.add_argument(
-        "--decode-only-if-cached",
-        action="store_true",
-        help="serve decode-only a prompt whose prefix the chosen decode engine was recently sent",
-    )
-    group.add_argument(
-        "--prefill-retries",
-        type=_non_negative_int,
-        default=defaults.prefill_retries,
-        help="other prefill engines a failed prefill is tried on (default: %(default)s)",
-    )
-    group.add_argument(
-        "--decode-retries",
-        type=_non_negative_int,
-        default=defaults.decode_retries,
-        help="other decode engines tried when the chosen one cannot be reached (default: %(default)s)",
-    )
-    group.add_argument(
-        "--prefix-overload-factor",
-        type=float,
-        default=defaults.prefix_overload_factor,
-        help="prefix_aware leaves the engine holding the prefix when its load+1 exceeds this times the least "
-        "load+1 (default: %(default)s)",
-    )
-    group.add_argument(
-        "--health-interval-s",
-        type=_non_negative_float,
-        default=defaults.health_interval_s,
-        help="seconds between /health probes of each engine; 0: no health checks (default: %(default)s)",
-    )
-    group.add_argument(
-        "--health-timeout-s",
-        type=float,
-        default=defaults.health_timeout_s,
-        help="a slower probe fails (default: %(default)s)",
-    )
-    group.add_argument(
-        "--unhealthy-after",
-        type=_positive_int,
-        default=defaults.unhealthy_after,
-        help="consecutive failures that eject an engine (default: %(default)s)",
-    )
-    group.add_argument(
-        "--healthy-after",
-        type=_positive_int,
-        default=defaults.healthy_after,
-        help="consecutive good probes that readmit it (default: %(default)s)",
-    )
-    group.add_argument(
-        "--metrics-interval-s",
-        type=_non_negative_float,
-        default=defaults.metrics_interval_s,
-        help="seconds between /metrics polls, for least_loaded and prefix_aware (default: %(default)s)",
-    )
-    group.add_argument(
-        "--connect-timeout-s",
-        type=float,
-        default=CONNECT_TIMEOUT_S,
-        help="longest wait for a connection to an engine (default: %(default)s)",
-    )
-
-
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The whole parser; with ``command``, the other commands' heavy options (whose defaults import the
     proxy, the profiler, the traces) are left out, so that ``pdserve status`` starts in a fraction of a second."""
@@ -611,7 +523,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         "proxy",
         help="run the P/D proxy alone (no Ray) in front of vLLM servers started with a KV connector",
         description="Serve the OpenAI API; send each request's prefill to a --prefill server and its decode "
-        "to a --decode server (round robin, or as --prefill-policy / --decode-policy say), carrying the KV "
+        "to a --decode server (round robin, or as --routing-prefill / --routing-decode say), carrying the KV "
         "transfer parameters between them.",
     )
     proxy.set_defaults(func=cmd_proxy)
@@ -625,6 +537,15 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     secret.add_argument("path", metavar="PATH")
     secret.add_argument("--engine-key-file", metavar="OUT", help="also write the engines' API key (mode 0600)")
     secret.set_defaults(func=cmd_secret)
+    schema = commands.add_parser(
+        "schema",
+        help="print the JSON schema of a cluster spec or of `pdserve proxy --config` (editors validate YAML with it)",
+    )
+    schema.add_argument("which", nargs="?", choices=["cluster", "proxy"], default="cluster")
+    schema.add_argument(
+        "--markdown", action="store_true", help="print the configuration reference instead (docs/configuration.md)"
+    )
+    schema.set_defaults(func=cmd_schema)
     if wanted("proxy"):
         _add_proxy_args(proxy)
     simulate = commands.add_parser(
@@ -652,88 +573,61 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
-def _add_proxy_args(proxy: argparse.ArgumentParser) -> None:
-    from proxy.config import DEFAULT_MAX_BODY_BYTES
+PROXY_FLAG_ALIASES = {
+    "routing.prefill": ("--prefill-policy",),
+    "routing.decode": ("--decode-policy",),
+    "routing.prefix_overload_factor": ("--prefix-overload-factor",),
+    "admin_engine_networks": ("--admin-engine-network",),
+}
+"""The flags these settings had before the flags were generated from ``ProxySettings``; they still work."""
 
-    proxy.add_argument("--prefill", nargs="+", required=True, metavar="URL", help="prefill servers' URLs")
-    proxy.add_argument("--decode", nargs="+", required=True, metavar="URL", help="decode servers' URLs")
-    proxy.add_argument(
+
+def _add_proxy_args(proxy: argparse.ArgumentParser) -> None:
+    from orchestrator.model_flags import add_model_flags
+    from proxy.config import ProxySettings
+
+    engines = proxy.add_argument_group("engines (pdserve proxy only)")
+    engines.add_argument("--prefill", nargs="+", required=True, metavar="URL", help="prefill servers' URLs")
+    engines.add_argument("--decode", nargs="+", required=True, metavar="URL", help="decode servers' URLs")
+    engines.add_argument(
         "--decode-kv", nargs="+", default=[], metavar="TCP[,TCP...]",
         help="for decode servers of the pdserve connector: each one's side channel, tcp://host:kv_port per TP "
         "rank (comma-separated), one value per --decode server in its order; streams then carry X-PDServe-KV",
     )  # fmt: skip
-    proxy.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
-    proxy.add_argument("--port", type=int, default=8000, help="port to listen on; 0 picks one (default: %(default)s)")
-    proxy.add_argument("--model", help="the served model's name (default: asked from the engines' /v1/models)")
-    proxy.add_argument(
-        "--workers", type=_positive_int, default=DEFAULT_PROXY_WORKERS, help="proxy processes (default: %(default)s)"
-    )
-    proxy.add_argument(
-        "--request-timeout-s", type=float, default=600.0, help="longest silence from an engine (default: %(default)s)"
-    )
-    limits = proxy.add_argument_group("limits")
-    limits.add_argument(
-        "--max-body-bytes",
-        type=_positive_int,
-        default=DEFAULT_MAX_BODY_BYTES,
-        help="longer bodies are 413 (default: %(default)s)",
-    )
-    limits.add_argument(
-        "--max-concurrent-requests",
-        type=_positive_int,
-        help="requests under way at once, per worker (default: no limit)",
-    )
-    limits.add_argument(
-        "--max-queued-requests", type=_non_negative_int, default=1024,
-        help="with --max-concurrent-requests: how many more wait before 429s (default: %(default)s)",
-    )  # fmt: skip
-    limits.add_argument(
-        "--max-model-len", type=_positive_int, help="the engines' context length: refuse what plainly exceeds it"
-    )
-    security = proxy.add_argument_group(
-        "security (keys are read from the environment or a file, never the command line)"
-    )
-    security.add_argument(
-        "--api-key-env", action="append", default=[], metavar="NAME",
-        help="environment variable holding an API key clients must send as 'Authorization: Bearer' (repeatable)",
-    )  # fmt: skip
-    security.add_argument("--api-key-file", metavar="PATH", help="file of API keys, one per line")
-    security.add_argument(
-        "--admin-key-env", action="append", default=[], metavar="NAME",
-        help="environment variable holding an admin key: enables the /admin routes (repeatable)",
-    )  # fmt: skip
-    security.add_argument("--admin-key-file", metavar="PATH", help="file of admin keys, one per line")
-    security.add_argument(
-        "--admin-engine-network", action="append", default=[], metavar="CIDR",
-        help="a network where the admin routes may add engines, besides the hosts of --prefill and --decode "
-        "(repeatable; an added engine is sent users' requests and the engine key)",
-    )  # fmt: skip
-    security.add_argument(
-        "--forward-authorization", action="store_true",
-        help="send the client's Authorization header on to the engines (engines started with --api-key)",
-    )  # fmt: skip
-    security.add_argument(
-        "--engine-key-file", metavar="PATH",
-        help="the engines' key, which the proxy sends them (`pdserve secret SECRET --engine-key-file PATH` "
-        "writes it; or PDSERVE_ENGINE_KEY): all the proxy needs, rather than the cluster secret",
-    )  # fmt: skip
-    security.add_argument(
-        "--cluster-secret-file", metavar="PATH",
-        help="the cluster secret (`pdserve secret PATH` makes one; or PDSERVE_CLUSTER_SECRET): the proxy sends "
-        "the engine key derived from it (hand-started engines: VLLM_API_KEY from "
-        "`pdserve secret PATH --engine-key-file OUT`); --engine-key-file, when given, is used instead",
-    )  # fmt: skip
-    proxy.add_argument(
-        "--no-fast-path", action="store_true",
-        help="stock FastAPI routing and uvicorn protocol instead of pdserve's faster ones (if an upgrade broke them)",
-    )  # fmt: skip
-    proxy.add_argument(
+    engines.add_argument("--model", help="the served model's name (default: asked from the engines' /v1/models)")
+    engines.add_argument(
         "--wait-s",
         type=float,
         default=600.0,
         help="without --model: how long to wait for the engines to answer /v1/models (default: %(default)s)",
     )
-    _add_routing_flags(proxy)
+    engines.add_argument(
+        "--max-model-len", type=_positive_int, help="the engines' context length: refuse what plainly exceeds it"
+    )
+    engines.add_argument(
+        "--engine-key-file", metavar="PATH",
+        help="the engines' key, which the proxy sends them (`pdserve secret SECRET --engine-key-file PATH` "
+        "writes it; or PDSERVE_ENGINE_KEY): all the proxy needs, rather than the cluster secret",
+    )  # fmt: skip
+    engines.add_argument(
+        "--cluster-secret-file", metavar="PATH",
+        help="the cluster secret (`pdserve secret PATH` makes one; or PDSERVE_CLUSTER_SECRET): the proxy sends "
+        "the engine key derived from it (hand-started engines: VLLM_API_KEY from "
+        "`pdserve secret PATH --engine-key-file OUT`); --engine-key-file, when given, is used instead",
+    )  # fmt: skip
+    engines.add_argument(
+        "--workers", type=_positive_int, default=DEFAULT_PROXY_WORKERS, help="proxy processes (default: %(default)s)"
+    )
+    settings = proxy.add_argument_group(
+        "settings (a cluster spec's `proxy` section; keys are read from the environment or a file, never the "
+        "command line)"
+    )
+    settings.add_argument(
+        "--config", metavar="FILE",
+        help="a YAML file of these settings, keyed as a cluster spec's `proxy` section (`pdserve schema proxy`); "
+        "flags override it",
+    )  # fmt: skip
+    add_model_flags(settings, ProxySettings, PROXY_FLAG_ALIASES)
 
 
 def _add_traces_args(make_traces: argparse.ArgumentParser) -> None:

@@ -46,7 +46,7 @@ from connectors.auth import (
 )
 from connectors.private_files import make_private_dirs, open_private, write_private
 from connectors.wire import http_url
-from orchestrator import shm
+from orchestrator import placement, shm
 from orchestrator.control import ControlClient, ControlError, new_token, token_digest
 from orchestrator.errors import ClusterNotRunning, PdserveError
 from orchestrator.paths import pdserve_dir
@@ -170,9 +170,9 @@ def ray_token_path() -> Path:
 def start_ray_head(spec: ClusterSpec) -> tuple[str, str]:
     """Start a Ray head for this cluster alone; return (address, temp_dir)."""
     port, temp_dir = _free_port(), _ray_temp_dir()
-    cpus = spec.cpu_cores_available
+    cpus = placement.cpu_cores_available(spec)
     if spec.device == "cpu" and spec.resources.share_cores:  # Ray must still place every engine actor
-        cpus = max(cpus, spec.cpu_cores_needed)
+        cpus = max(cpus, placement.cpu_cores_needed(spec))
     ray_bin = Path(sys.executable).parent / "ray"
     command = [
         str(ray_bin) if ray_bin.exists() else "ray", "start", "--head",

@@ -49,7 +49,6 @@ from connectors.auth import ClusterSecret, EngineKey, new_secret
 from connectors.private_files import write_private
 from connectors.wire import ROLES, http_url
 from orchestrator.autoscale.actuator import AUTOSCALER_REASON, Autoscaler
-from orchestrator.autoscale.policy import PolicyConfig
 from orchestrator.autoscale.profile import PerformanceProfile
 from orchestrator.autoscale.rules import new_replicas, retirement_order, take_back_order, warm_room, warm_to_stop
 from orchestrator.control import STATUS_SCHEMA
@@ -114,7 +113,7 @@ class ClusterController:
         self.autoscaler: Autoscaler | None = None
         if self.spec.autoscaling is not None and profile_data is not None:
             self.autoscaler = Autoscaler(
-                PolicyConfig.from_spec(self.spec.autoscaling),
+                self.spec.autoscaling,
                 PerformanceProfile.from_dict(profile_data),
                 self.proxy_url,
                 lambda: [(r.engine_id, r.role, r.state, r.url) for r in self.engines.values()],
@@ -324,7 +323,7 @@ class ClusterController:
             config = self.autoscaler.config
             self._event(
                 f"autoscaler on: a decision every {config.interval_s:g}s "
-                f"(p90 TTFT <= {config.ttft_p90_s:g}s, p90 ITL <= {config.itl_p90_s:g}s)"
+                f"(p90 TTFT <= {config.targets.ttft_p90_s:g}s, p90 ITL <= {config.targets.itl_p90_s:g}s)"
             )
             self._spawn(self.autoscaler.run())
         elif self.spec.autoscaling is not None:

@@ -26,6 +26,7 @@ from typing import Any
 from connectors import wire
 from connectors.tier import TIER_HASH_ALGO
 from connectors.wire import LISTEN_ALL, ROLES, http_url, side_channel_endpoints
+from orchestrator import placement
 from orchestrator.models import resolve_dtype, resolve_model
 from orchestrator.placement import Placement, engine_placement
 from orchestrator.spec import ClusterSpec
@@ -213,7 +214,7 @@ def _core_ranges(spec: ClusterSpec) -> dict[str, str]:
     """Disjoint OpenMP core bindings per engine, one plan per group of pools that may share hosts;
     TP ranks separated by '|'."""
     bindings: dict[str, str] = {}
-    for roles in spec.placement_domains().values():
+    for roles in placement.placement_domains(spec).values():
         bindings.update(host_core_ranges(spec, roles))
     return bindings
 
@@ -227,7 +228,7 @@ def host_core_ranges(spec: ClusterSpec, roles: tuple[str, ...]) -> dict[str, str
     autoscaling demo (prefill 1..2, decode 1, two cores) ran prefill-0 and decode-0 on core 0 while core 1
     waited for a prefill-1 that might never start."""
     bindings: dict[str, str] = {}
-    available = spec.cpu_cores_available
+    available = placement.cpu_cores_available(spec)
     next_core = 0
     total = [0] * available
     own = {role: [0] * available for role in roles}

@@ -14,16 +14,23 @@
   engines and the control plane; each problem names the spec field and the
   reason (a plan Ray cannot place would otherwise wait for ever).
 - ``host_plan(spec, launches, assign(...))``: the plan per host, for ``pdserve validate``.
+- Resource planning, which the spec checks when it is loaded: ``placement_domains``
+  (pools that may share hosts), ``most_at_once`` (the most of a resource the
+  engines hold at once, over every split autoscaling allows), ``cpu_cores_needed``
+  and ``resource_problem``.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from connectors.wire import ROLES
-from orchestrator.spec import ClusterSpec, NodeSelectorSpec
+
+if TYPE_CHECKING:  # the spec checks its resources with this module's planning
+    from orchestrator.spec import ClusterSpec, NodeSelectorSpec
 
 HEAD_RESOURCE = "node:__internal_head__"
 """The resource Ray gives its head node only."""
@@ -266,3 +273,79 @@ def _engine_line(spec: ClusterSpec, launch: Any) -> str:
     return f"{launch.engine_id:<10} {what}, port {launch.port}, kv_port {launch.kv_port}" + (
         "" if starts else " (autoscaling)"
     )
+
+
+# --- resource planning --------------------------------------------------------------------------
+
+
+def placement_domains(spec: ClusterSpec) -> dict[tuple, tuple[str, ...]]:
+    """Pools grouped by where they may run: pools of one group may share hosts (and a core plan)."""
+    domains: dict[tuple, tuple[str, ...]] = {}
+    for role in ROLES:
+        key = spec.pool(role).placement.key
+        domains[key] = (*domains.get(key, ()), role)
+    return domains
+
+
+def most_at_once(spec: ClusterSpec, per_engine: Mapping[str, int]) -> int:
+    """The most of a resource (``per_engine[role]`` each) the engines can hold at once."""
+    if spec.autoscaling is None:
+        return sum(spec.pool(r).replicas * per_engine[r] for r in ROLES)
+    scaling = spec.autoscaling
+    return max(
+        p * per_engine["prefill"] + min(scaling.decode.max, scaling.max_engines - p) * per_engine["decode"]
+        for p in range(scaling.prefill.min, min(scaling.prefill.max, scaling.max_engines - scaling.decode.min) + 1)
+    )
+
+
+def cpu_cores_available(spec: ClusterSpec) -> int:
+    """Cores CPU engines may be pinned to: ``resources.cpus``, else all of this machine's."""
+    return spec.resources.cpus or os.cpu_count() or 1
+
+
+def cpu_cores_needed(spec: ClusterSpec) -> int:
+    """Cores the CPU engines are pinned to at most on one host: replicas x TP x cores per rank of the pools
+    that may share hosts, after their ``first_core`` (with autoscaling, of the largest split its ranges
+    and budget allow)."""
+    needed = 0
+    for roles in placement_domains(spec).values():
+        per_engine = {r: spec.pool(r).tensor_parallel_size * spec.pool(r).cpu_cores if r in roles else 0 for r in ROLES}
+        first = min(spec.pool(r).placement.first_core for r in roles)
+        needed = max(needed, first + most_at_once(spec, per_engine))
+    return needed
+
+
+def resource_problem(spec: ClusterSpec) -> tuple[str, str] | None:
+    """(field, reason) when the engines cannot fit the spec's resources, else None."""
+    if spec.device == "cpu":
+        available, needed = cpu_cores_available(spec), cpu_cores_needed(spec)
+        if needed > available and not spec.resources.share_cores:
+            return (
+                "resources.cpus",
+                f"engines need {needed} CPU cores on one host (first_core + replicas x tensor_parallel_size x "
+                f"cpu_cores of the pools that share hosts) but only {available} are available (resources.cpus; "
+                "resources.share_cores lets them share)",
+            )
+        return None
+    gpus = spec.resources.gpus
+    for role in ROLES:
+        tp = spec.pool(role).tensor_parallel_size
+        if tp > gpus:
+            return (
+                f"{role}.tensor_parallel_size",
+                f"TP size {tp} needs {tp} GPUs per engine but resources.gpus is {gpus}",
+            )
+    # Each engine asks Ray for tensor_parallel_size whole GPUs, and the Ray head is
+    # started with resources.gpus of them: engines beyond that would wait forever.
+    needed = most_at_once(spec, {r: spec.pool(r).tensor_parallel_size for r in ROLES})
+    if needed > gpus and spec.autoscaling is not None:
+        return (
+            "autoscaling.max_engines",
+            f"the autoscaler may run engines that need {needed} GPUs but resources.gpus is {gpus}",
+        )
+    if needed > gpus:
+        return (
+            "resources.gpus",
+            f"engines need {needed} GPUs (replicas x tensor_parallel_size, both pools) but resources.gpus is {gpus}",
+        )
+    return None

@@ -22,7 +22,7 @@ and runs, cancelled if its client goes away (``proxy.disconnect``).
 ``proxy.routing.Router`` chooses each request's engines (``config.routing``),
 or serves it decode-only (no prefill leg). A prefill leg that fails
 (``UpstreamFailed``) is tried again on another prefill engine, up to
-``routing.prefill_retries`` times; an engine's 4xx is not. Every leg counts
+``config.prefill_retries`` times; an engine's 4xx is not. Every leg counts
 in its engine's ``in_flight`` while it runs, whatever ends it.
 
 Engines get the cluster's engine key (``engine_auth``), never a client's key
@@ -88,10 +88,9 @@ def create_app(config: ProxyConfig, pool: EnginePool | None = None) -> FastAPI:
     """The proxy's app; ``ProxyConfigError`` if its keys cannot be read."""
     pool = pool if pool is not None else EnginePool()
     created = int(time.time())
-    settings = config.routing
-    router = Router(pool, settings)
-    tracker = HealthTracker(pool, settings.unhealthy_after, settings.healthy_after)
-    checks_health = settings.health_interval_s > 0
+    router = Router(pool, config)
+    tracker = HealthTracker(pool, config.unhealthy_after, config.healthy_after)
+    checks_health = config.health_interval_s > 0
 
     api_keys = KeyCheck(load_keys(config.api_key_env, config.api_key_file))
     admin_keys = KeyCheck(load_keys(config.admin_key_env, config.admin_key_file))
@@ -105,10 +104,10 @@ def create_app(config: ProxyConfig, pool: EnginePool | None = None) -> FastAPI:
         flow.open(client)
         background = []
         if checks_health:
-            monitor = HealthMonitor(tracker, client, settings.health_interval_s, settings.health_timeout_s)
+            monitor = HealthMonitor(tracker, client, config.health_interval_s, config.health_timeout_s)
             background.append(asyncio.create_task(monitor.run(), name="pdserve-health"))
-        if settings.needs_load and settings.metrics_interval_s > 0:
-            poller = LoadPoller(pool, client, settings.metrics_interval_s, settings.health_timeout_s)
+        if config.routing.needs_load and config.metrics_interval_s > 0:
+            poller = LoadPoller(pool, client, config.metrics_interval_s, config.health_timeout_s)
             background.append(asyncio.create_task(poller.run(), name="pdserve-load"))
         try:
             yield
@@ -172,7 +171,7 @@ def create_app(config: ProxyConfig, pool: EnginePool | None = None) -> FastAPI:
         if len(ready) == len(ROLES):
             status = "ok"
         else:
-            status = "degraded" if ready and config.routing.degrade else "unavailable"
+            status = "degraded" if ready and config.degrade else "unavailable"
         body = {"status": status, "engines": engines}
         code = 503 if status == "unavailable" else 200
         return Response(orjson.dumps(body), status_code=code, media_type="application/json")

@@ -33,7 +33,9 @@ def load_keys(env_names: Iterable[str] = (), file: str | None = None) -> tuple[b
     keys: list[str] = []
     for name in env_names:
         if not ENV_NAME.fullmatch(name):
-            raise ProxyConfigError(f"{name!r} is not the name of an environment variable")
+            raise ProxyConfigError(
+                "an API key variable is not the name of an environment variable (never write a key there)"
+            )
         value = os.environ.get(name, "").strip()
         if not value:
             raise ProxyConfigError(f"environment variable {name} (an API key) is not set or empty")

@@ -41,95 +41,15 @@ import collections
 import itertools
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import orjson
 
+from proxy.config import POLICIES, ProxyConfig, RoutingConfig
 from proxy.pool import EnginePool, EngineState, no_healthy_engine
 
-POLICIES = ("round_robin", "least_loaded", "prefix_aware")
 CHARS_PER_TOKEN = 4
 """The token estimate without a tokenizer: about 4 characters a token for English text with BPE vocabularies."""
-
-
-@dataclass(frozen=True, slots=True)
-class RoutingSettings:
-    """How the proxy routes, ejects and retries (``ProxyConfig.routing``; the YAML's ``proxy`` section)."""
-
-    prefill_policy: str = "round_robin"
-    decode_policy: str = "round_robin"
-    prefix_block_chars: int = 256
-    """Characters a prefix block covers (token-id prompts: a quarter as many tokens)."""
-    prefix_max_blocks: int = 32
-    """Only the prompt's first blocks are hashed (8 KiB of text by default)."""
-    prefix_cache_size: int = 100_000
-    """Hashes the prefix index remembers (LRU), per pool."""
-    prefix_overload_factor: float = 2.0
-    """The engine holding the prefix is skipped when (its load + 1) > factor x (the least load + 1)."""
-    decode_only_below_tokens: int = 0
-    """Prompts estimated shorter than this skip the prefill leg; 0: always disaggregate."""
-    decode_only_if_cached: bool = False
-    decode_only_cached_fraction: float = 0.8
-    """With ``decode_only_if_cached``: the share of the prompt's blocks the decode engine must have been sent."""
-    tier_pools: tuple[str, ...] = ()
-    """Pools whose engines share a KV tier (the spec's ``kv_tier`` with a shared directory): any of them loads
-    what it holds, so ``decode_only_if_cached`` and ``prefix_aware`` ask it (``TierHeld``) before routing."""
-    tier_lookup_timeout_s: float = 0.5
-    """How long routing waits for a tier engine's answer; without one the request is routed as without a tier."""
-    prefill_retries: int = 1
-    """A failed prefill (connection, timeout, 5xx) is tried again on this many other prefill engines."""
-    decode_retries: int = 1
-    """A decode engine that cannot be reached (connection refused or reset before it answered: nothing reached
-    it or the client) is replaced by up to this many other decode engines. Not after a timeout or a 5xx: the
-    engine may have begun, and a second one would compute the same answer again."""
-    degrade: bool = True
-    """When one pool has no engine that can take a request (empty, all ejected or draining), serve it on an
-    engine of the other pool alone instead of failing with 503. (A prefill that fails is retried, then 502:
-    after ``unhealthy_after`` failures the engine is ejected, and the next requests degrade.)"""
-    health_interval_s: float = 2.0
-    """Seconds between ``/health`` probes of every engine; 0 turns health checking (and ejection) off."""
-    health_timeout_s: float = 1.0
-    unhealthy_after: int = 3
-    healthy_after: int = 2
-    metrics_interval_s: float = 1.0
-    """Seconds between ``/metrics`` polls (only for ``least_loaded`` / ``prefix_aware``); 0: never."""
-
-    def __post_init__(self) -> None:
-        for name in ("prefill_policy", "decode_policy"):
-            if getattr(self, name) not in POLICIES:
-                raise ValueError(f"{name}: unknown policy {getattr(self, name)!r}; expected one of {POLICIES}")
-        at_least_one = (
-            "prefix_block_chars",
-            "prefix_max_blocks",
-            "prefix_cache_size",
-            "unhealthy_after",
-            "healthy_after",
-        )
-        for name in at_least_one:
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.healthy_after < 1:
-            raise ValueError(f"healthy_after must be at least 1, got {self.healthy_after}")
-        for name in (
-            "decode_only_below_tokens", "prefill_retries", "decode_retries", "health_interval_s", "metrics_interval_s"
-        ):  # fmt: skip
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must not be negative, got {getattr(self, name)}")
-        for name in ("health_timeout_s", "tier_lookup_timeout_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if not set(self.tier_pools) <= {"prefill", "decode"}:
-            raise ValueError(f"tier_pools: expected prefill and/or decode, got {self.tier_pools}")
-        if self.prefix_overload_factor < 1:
-            raise ValueError(f"prefix_overload_factor must be at least 1, got {self.prefix_overload_factor}")
-        if not 0 < self.decode_only_cached_fraction <= 1:
-            raise ValueError(f"decode_only_cached_fraction must be in (0, 1], got {self.decode_only_cached_fraction}")
-
-    @property
-    def needs_load(self) -> bool:
-        """Whether a policy reads the engines' reported load (so ``/metrics`` is worth polling)."""
-        return any(p != "round_robin" for p in (self.prefill_policy, self.decode_policy))
 
 
 # --- policies -------------------------------------------------------------------------------
@@ -235,13 +155,13 @@ class PrefixAware:
         return least
 
 
-def make_policy(name: str, settings: RoutingSettings) -> RoundRobin | LeastLoaded | PrefixAware:
+def make_policy(name: str, routing: RoutingConfig) -> RoundRobin | LeastLoaded | PrefixAware:
     if name == "round_robin":
         return RoundRobin()
     if name == "least_loaded":
         return LeastLoaded()
     if name == "prefix_aware":
-        return PrefixAware(settings.prefix_cache_size, settings.prefix_overload_factor)
+        return PrefixAware(routing.prefix_cache_size, routing.prefix_overload_factor)
     raise ValueError(f"unknown routing policy {name!r}; expected one of {POLICIES}")
 
 
@@ -289,24 +209,25 @@ class Route(NamedTuple):
 class Router:
     """A request's engines: ``route`` picks (prefill or None for decode-only, decode); ``retry`` another."""
 
-    def __init__(self, pool: EnginePool, settings: RoutingSettings) -> None:
+    def __init__(self, pool: EnginePool, config: ProxyConfig) -> None:
         self.pool = pool
-        self.settings = settings
-        self.prefill_policy = make_policy(settings.prefill_policy, settings)
-        self.decode_policy = make_policy(settings.decode_policy, settings)
+        self.config = config
+        self.routing = routing = config.routing
+        self.prefill_policy = make_policy(routing.prefill, routing)
+        self.decode_policy = make_policy(routing.decode, routing)
         # What the decode engines were sent, for decode_only_if_cached.
         self.decode_index: PrefixIndex | None = None
         if isinstance(self.decode_policy, PrefixAware):
             self.decode_index = self.decode_policy.index
-        elif settings.decode_only_if_cached:
-            self.decode_index = PrefixIndex(settings.prefix_cache_size)
+        elif config.decode_only_if_cached:
+            self.decode_index = PrefixIndex(routing.prefix_cache_size)
         self._uses_prefix = isinstance(self.prefill_policy, PrefixAware) or self.decode_index is not None
-        self._decode_only_below = settings.decode_only_below_tokens
-        self._cached_fraction = settings.decode_only_cached_fraction
-        tiers = settings.tier_pools
+        self._decode_only_below = config.decode_only_below_tokens
+        self._cached_fraction = config.decode_only_cached_fraction
+        tiers = config.tier_pools
         # Whether routing reads the shared tier: a decision that a tier's contents change.
         self._asks_tier = bool(tiers) and (
-            (settings.decode_only_if_cached and "decode" in tiers)
+            (config.decode_only_if_cached and "decode" in tiers)
             or (isinstance(self.prefill_policy, PrefixAware) and "prefill" in tiers)
             or (isinstance(self.decode_policy, PrefixAware) and "decode" in tiers)
         )
@@ -318,11 +239,11 @@ class Router:
         if not self._asks_tier:
             return False
         tokens = estimate_prompt_tokens(body, kind)
-        return tokens * CHARS_PER_TOKEN >= self.settings.prefix_block_chars and tokens >= self._decode_only_below
+        return tokens * CHARS_PER_TOKEN >= self.routing.prefix_block_chars and tokens >= self._decode_only_below
 
     def tier_engine(self) -> EngineState | None:
         """The engine to ask what the shared tier holds: a ready engine of the tier's pools, in turn."""
-        engines = [e for role in self.settings.tier_pools for e in self.pool.ready(role)]
+        engines = [e for role in self.config.tier_pools for e in self.pool.ready(role)]
         return engines[next(self._tier_turn) % len(engines)] if engines else None
 
     def route(self, body: dict[str, Any], kind: str, held: TierHeld | None = None) -> Route:
@@ -330,15 +251,15 @@ class Router:
         the other pool's engine serves the request alone; ``NoHealthyEngine`` only when neither can.
         ``held``: what the shared tier holds of the prompt (``asks_tier``), if known."""
         prefix = (
-            prefix_hashes(body, kind, self.settings.prefix_block_chars, self.settings.prefix_max_blocks)
+            prefix_hashes(body, kind, self.routing.prefix_block_chars, self.routing.prefix_max_blocks)
             if self._uses_prefix
             else ()
         )
-        in_tier = held.depth(body, kind, self.settings.prefix_block_chars, len(prefix)) if held and prefix else 0
-        tiers = self.settings.tier_pools
+        in_tier = held.depth(body, kind, self.routing.prefix_block_chars, len(prefix)) if held and prefix else 0
+        tiers = self.config.tier_pools
         engines = self.pool.ready("decode")
         if not engines:
-            if not self.settings.degrade:
+            if not self.config.degrade:
                 raise no_healthy_engine("decode")
             return Route(None, self.prefill_policy.pick(self._ready("prefill"), prefix), prefix, NO_DECODE_ENGINE)
         if self.decode_index is None:
@@ -356,7 +277,7 @@ class Router:
                 self.decode_index.record(prefix, decode.engine_id)
                 stored = held.fraction if held is not None and "decode" in tiers else 0.0
                 cached = sent >= self._cached_fraction * len(prefix) or stored >= self._cached_fraction
-                if self.settings.decode_only_if_cached and cached:
+                if self.config.decode_only_if_cached and cached:
                     return Route(None, decode, prefix, CACHED)
         if self._decode_only_below and estimate_prompt_tokens(body, kind) < self._decode_only_below:
             return Route(None, decode, prefix, SHORT_PROMPT)
@@ -364,7 +285,7 @@ class Router:
         if engines:
             shared = in_tier if "prefill" in tiers else 0
             return Route(self.prefill_policy.pick(engines, prefix, shared), decode, prefix)
-        if not self.settings.degrade:
+        if not self.config.degrade:
             raise no_healthy_engine("prefill")
         return Route(None, decode, prefix, NO_PREFILL_ENGINE)
 

@@ -75,7 +75,7 @@ class TwoPhaseFlow:
         self.config, self.router, self.tracker, self.metrics = config, router, tracker, metrics
         self.api_keys = api_keys
         self.checks_health = checks_health
-        self.retries = config.routing.prefill_retries
+        self.retries = config.prefill_retries
         self.gate = (
             AdmissionGate(config.max_concurrent_requests, config.max_queued_requests)
             if config.max_concurrent_requests is not None
@@ -195,7 +195,7 @@ class TwoPhaseFlow:
                     prefill_engine, prefix, route, body, reader, headers, request_id, reply_headers
                 )
             except UpstreamFailed as failure:
-                if not self.config.routing.degrade:
+                if not self.config.degrade:
                     raise
                 # Nothing reached the client yet: the decode engine computes the prompt (and says so).
                 logger.warning(
@@ -284,7 +284,7 @@ class TwoPhaseFlow:
                 failure = e
             self._unreachable(engine, failure, request_id)
             tried.append(engine)
-            retryable = failure.unreachable and len(tried) <= self.config.routing.decode_retries
+            retryable = failure.unreachable and len(tried) <= self.config.decode_retries
             retry = self.router.retry("decode", prefix, tried) if retryable else None
             if retry is None:
                 self.releaser.release(kv_params, request_id)
@@ -309,7 +309,7 @@ class TwoPhaseFlow:
         engine = self.router.tier_engine()
         if engine is None:
             return None
-        timeout_s = self.config.routing.tier_lookup_timeout_s
+        timeout_s = self.config.tier_lookup_timeout_s
         url = f"{engine.url}{wire.TIER_HELD_PATH}?kind={kind}"
         try:
             async with asyncio.timeout(timeout_s):

@@ -25,7 +25,7 @@ Machine speed drifts: compare the ratios, measured in the same run. With
 decode engine can load most of it (the tier holds it; without the tier, the decode
 engine was sent it), and each row says how the turn was served (``path``).
 
-    python scripts/bench_multiturn.py [--conversations 6] [--out docs/multiturn-benchmark.json]
+    python scripts/bench_multiturn.py [--conversations 6] [--out lab/results/multiturn-benchmark.json]
     python scripts/bench_multiturn.py --first-sentences 80 --user-sentences 8 --max-tokens 64   (chat over a document)
 """
 

@@ -1,11 +1,12 @@
 """Test order for the whole suite.
 
-Unit tests run first, while no engine holds the machine's cores (pinned vLLM
-CPU engines of a running cluster starve them); then the integration tests that
-share one cluster, grouped by the connector it runs (each group ends with the
-tests marked ``teardown_check``, which stop it); then those marked
-``after_cluster``, which start clusters of their own; last those on the
-multi-host test bed (fixture ``three_hosts``), which they share.
+Unit tests (tests/unit, and the lab's in lab/tests) run first, while no engine
+holds the machine's cores (pinned vLLM CPU engines of a running cluster starve
+them); then the integration tests that share one cluster, grouped by the
+connector it runs (each group ends with the tests marked ``teardown_check``,
+which stop it); then those marked ``after_cluster``, which start clusters of
+their own; last those on the multi-host test bed (fixture ``three_hosts``),
+which they share.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ CONNECTOR_ORDER = ("vllm-nixl", "pdserve")  # tests.integration.conftest.CONNECT
 @pytest.hookimpl(trylast=True)  # after pytest's own grouping by fixture parameters
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     def rank(item: pytest.Item) -> tuple[int, int, int]:
-        if "tests/unit/" in item.nodeid or item.nodeid.startswith("unit/"):
+        if "tests/unit/" in item.nodeid or item.nodeid.startswith(("unit/", "lab/tests/")):
             return (0, 0, 0)
         if "three_hosts" in getattr(item, "fixturenames", ()):
             return (4, 0, 0)

@@ -46,13 +46,9 @@ from typing import Any
 
 import aiohttp
 
-from orchestrator.autoscale.policy import (
-    AutoscalePolicy,
-    ClusterObservation,
-    PolicyConfig,
-    PoolObservation,
-    ScalingDecision,
-)
+from connectors.wire import ROLES
+from orchestrator.autoscale.config import AutoscalingConfig
+from orchestrator.autoscale.policy import AutoscalePolicy, ClusterObservation, PoolObservation, ScalingDecision
 from orchestrator.autoscale.profile import PerformanceProfile
 from orchestrator.engine_metrics import MetricsReading, fetch_metrics
 
@@ -60,7 +56,6 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["Autoscaler", "EngineReading", "Observer", "histogram_cv2", "histogram_quantile"]
 
-ROLES = ("prefill", "decode")
 AUTOSCALER_REASON = "autoscaler"  # how the autoscaler's scale calls begin their reason (the others are by hand)
 RECEIVED = "pdserve_proxy_requests_received_total"
 PROXY_TTFT = "pdserve_proxy_time_to_first_token_seconds"
@@ -257,7 +252,7 @@ class Autoscaler:
 
     def __init__(
         self,
-        config: PolicyConfig,
+        config: AutoscalingConfig,
         profile: PerformanceProfile,
         proxy_url: str,
         engines: Callable[[], list[tuple[str, str, str, str]]],
@@ -278,7 +273,7 @@ class Autoscaler:
     def status(self) -> dict[str, Any]:
         return {
             "interval_s": self.config.interval_s,
-            "targets": {"ttft_p90_s": self.config.ttft_p90_s, "itl_p90_s": self.config.itl_p90_s},
+            "targets": {"ttft_p90_s": self.config.targets.ttft_p90_s, "itl_p90_s": self.config.targets.itl_p90_s},
             "decisions": list(self.decisions),
             "changes": list(self.changes),
         }

@@ -54,19 +54,19 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from connectors.wire import ROLES
+from orchestrator.autoscale.config import AutoscalingConfig, PoolLimits
 from orchestrator.autoscale.profile import PerformanceProfile
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
-
-    from orchestrator.spec import AutoscalingSpec
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
     "AutoscalePolicy",
     "ClusterObservation",
-    "PolicyConfig",
+    "AutoscalingConfig",
     "PoolLimits",
     "PoolObservation",
     "ScalingDecision",
@@ -74,53 +74,8 @@ __all__ = [
     "erlang_c_wait_tail",
 ]
 
-ROLES = ("prefill", "decode")
 TTFT_TAIL = 0.10  # the targets are p90s: at most 10 % of requests may wait longer
 TREND_SIGMAS = 3.0  # a rise of the arrival rate beyond this many standard deviations of Poisson noise is a trend
-
-
-@dataclass(slots=True, frozen=True)
-class PoolLimits:
-    min: int
-    max: int
-
-
-@dataclass(slots=True, frozen=True)
-class PolicyConfig:
-    """The knobs of the policy; ``from_spec`` reads them from a spec's ``autoscaling`` section."""
-
-    prefill: PoolLimits
-    decode: PoolLimits
-    max_engines: int
-    ttft_p90_s: float
-    itl_p90_s: float
-    interval_s: float = 30.0
-    scale_up_cooldown_s: float = 0.0
-    scale_down_cooldown_s: float = 300.0
-    hysteresis: float = 0.1
-    target_utilization: float = 0.8
-    burst_guard: float = 0.5
-    burst_memory_s: float = 1800.0
-
-    @classmethod
-    def from_spec(cls, spec: AutoscalingSpec) -> PolicyConfig:
-        return cls(
-            prefill=PoolLimits(spec.prefill.min, spec.prefill.max),
-            decode=PoolLimits(spec.decode.min, spec.decode.max),
-            max_engines=spec.max_engines,
-            ttft_p90_s=spec.targets.ttft_p90_s,
-            itl_p90_s=spec.targets.itl_p90_s,
-            interval_s=spec.interval_s,
-            scale_up_cooldown_s=spec.scale_up_cooldown_s,
-            scale_down_cooldown_s=spec.scale_down_cooldown_s,
-            hysteresis=spec.hysteresis,
-            target_utilization=spec.target_utilization,
-            burst_guard=spec.burst_guard,
-            burst_memory_s=spec.burst_memory_s,
-        )
-
-    def limits(self, role: str) -> PoolLimits:
-        return self.prefill if role == "prefill" else self.decode
 
 
 @dataclass(slots=True)
@@ -196,7 +151,7 @@ def erlang_c_wait_tail(
 class AutoscalePolicy:
     """Decides both pools' sizes every interval; see the module docstring for the arithmetic."""
 
-    def __init__(self, config: PolicyConfig, profile: PerformanceProfile) -> None:
+    def __init__(self, config: AutoscalingConfig, profile: PerformanceProfile) -> None:
         self.config = config
         self.profile = profile
         self._wishes: deque[tuple[float, int, int]] = deque()  # (t, prefill, decode) before stability rules
@@ -257,11 +212,11 @@ class AutoscalePolicy:
         idle_s = (
             prof.prefill_seconds(prompt, 1) + prof.handoff_seconds(int(prompt)) + prof.decode_step_seconds(1, prompt)
         )
-        wait_s = cfg.ttft_p90_s - idle_s
+        wait_s = cfg.targets.ttft_p90_s - idle_s
         if wait_s <= 0:
             reasons.append(
                 f"prefill: an idle engine alone needs {idle_s:.3f}s of TTFT for {prompt:.0f}-token prompts, "
-                f"over the {cfg.ttft_p90_s:g}s target; sizing for no waiting at all"
+                f"over the {cfg.targets.ttft_p90_s:g}s target; sizing for no waiting at all"
             )
             wait_s = 0.0
         cv2 = obs.prompt_tokens_cv2
@@ -298,7 +253,7 @@ class AutoscalePolicy:
         prof, cfg = self.profile, self.config
         by_kv = int(cfg.target_utilization * prof.engine.kv_capacity_tokens // max(kv_per_seq, 1.0))
         batch = max(1, min(prof.engine.max_num_seqs, by_kv))
-        while batch > 1 and prof.decode_step_seconds(batch, context) > cfg.target_utilization * cfg.itl_p90_s:
+        while batch > 1 and prof.decode_step_seconds(batch, context) > cfg.target_utilization * cfg.targets.itl_p90_s:
             batch -= 1
         return batch
 
@@ -312,7 +267,7 @@ class AutoscalePolicy:
         reasons.append(
             f"decode: {rate:.2f} req/s x {output:.0f} tokens x {step_s * 1000:.1f} ms/step = "
             f"{concurrency:.1f} sequences at once; {batch}/engine (step within {cfg.target_utilization:.0%} of "
-            f"ITL {cfg.itl_p90_s * 1000:g} ms, KV within {cfg.target_utilization:.0%}) needs {n}"
+            f"ITL {cfg.targets.itl_p90_s * 1000:g} ms, KV within {cfg.target_utilization:.0%}) needs {n}"
         )
         waiting = obs.decode.queue_depth
         if waiting > 0:
@@ -323,18 +278,18 @@ class AutoscalePolicy:
 
     def _feedback(self, obs: ClusterObservation, wish: dict[str, int], floor: dict[str, int], reasons: list[str]):
         cfg = self.config
-        if obs.ttft_p90_s is not None and obs.ttft_p90_s > cfg.ttft_p90_s:
+        if obs.ttft_p90_s is not None and obs.ttft_p90_s > cfg.targets.ttft_p90_s:
             role = "decode" if obs.decode.queue_depth > 0 else "prefill"
             floor[role] = obs.pool(role).provisioned + 1
             reasons.append(
-                f"feedback: measured p90 TTFT {obs.ttft_p90_s:.3f}s > {cfg.ttft_p90_s:g}s "
+                f"feedback: measured p90 TTFT {obs.ttft_p90_s:.3f}s > {cfg.targets.ttft_p90_s:g}s "
                 f"({'requests wait for decode' if role == 'decode' else 'prefill is the wait'}): "
                 f"{role} at least {floor[role]}"
             )
-        if obs.itl_p90_s is not None and obs.itl_p90_s > cfg.itl_p90_s:
+        if obs.itl_p90_s is not None and obs.itl_p90_s > cfg.targets.itl_p90_s:
             floor["decode"] = max(floor["decode"], obs.decode.provisioned + 1)
             reasons.append(
-                f"feedback: measured p90 ITL {obs.itl_p90_s * 1000:.1f} ms > {cfg.itl_p90_s * 1000:g} ms: "
+                f"feedback: measured p90 ITL {obs.itl_p90_s * 1000:.1f} ms > {cfg.targets.itl_p90_s * 1000:g} ms: "
                 f"decode at least {floor['decode']}"
             )
         for role in ROLES:

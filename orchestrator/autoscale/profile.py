@@ -41,7 +41,7 @@ from __future__ import annotations
 import json
 import os
 from bisect import bisect_right
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -172,34 +172,6 @@ class PerformanceProfile:
     @classmethod
     def from_file(cls, path: str | os.PathLike[str]) -> PerformanceProfile:
         return load_profile(path)
-
-
-def mean_profile(a: PerformanceProfile, b: PerformanceProfile, name: str, provenance: str) -> PerformanceProfile:
-    """The mean of two profiles of one cluster, on ``a``'s grid (``b`` read there): the engines' speed over
-    a span that ``a``'s measurement began and ``b``'s ended, on a machine whose speed moves."""
-
-    def grid2d(x: Grid2D, y: Grid2D) -> Grid2D:
-        seconds = [[(x.seconds[i][j] + y(r, c)) / 2 for j, c in enumerate(x.cols)] for i, r in enumerate(x.rows)]
-        return Grid2D(list(x.rows), list(x.cols), seconds)
-
-    engine = {
-        f.name: (
-            round((getattr(a.engine, f.name) + getattr(b.engine, f.name)) / 2)
-            if isinstance(getattr(a.engine, f.name), int)
-            else (getattr(a.engine, f.name) + getattr(b.engine, f.name)) / 2
-        )
-        for f in fields(EngineLimits)
-    }
-    return PerformanceProfile(
-        name=name,
-        provenance=provenance,
-        engine=EngineLimits(**engine),
-        prefill=grid2d(a.prefill, b.prefill),
-        decode=grid2d(a.decode, b.decode),
-        transfer=Grid1D(
-            list(a.transfer.x), [(v + b.transfer(x)) / 2 for x, v in zip(a.transfer.x, a.transfer.y, strict=True)]
-        ),
-    )
 
 
 def load_profile(path: str | os.PathLike[str]) -> PerformanceProfile:

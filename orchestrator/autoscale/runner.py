@@ -1,4 +1,5 @@
-"""Simulate a cluster spec: the glue ``pdserve simulate`` and scripts/autoscale_study.py share.
+"""Simulate a cluster spec: the glue ``pdserve simulate`` and the lab (lab/autoscale_study.py,
+lab/validate_simulator.py) share.
 
 ``parse_policy("autoscale" | "static:P,D")`` names a policy; ``simulate_spec`` runs
 a trace through the spec's cluster under it, with the spec's ``autoscaling``
@@ -10,7 +11,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from orchestrator.autoscale.policy import AutoscalePolicy, PolicyConfig, StaticPolicy
+from orchestrator import placement
+from orchestrator.autoscale.policy import AutoscalePolicy, StaticPolicy
 from orchestrator.autoscale.profile import PerformanceProfile, load_profile
 from orchestrator.autoscale.simulator import EVEN_SHARE, Policy, SharedCore, SimulationResult, SloTargets, simulate
 from orchestrator.autoscale.traces import TraceRequest
@@ -78,7 +80,7 @@ def simulate_spec(
             )
         policy, initial = StaticPolicy(*static), static
     else:
-        policy = policy or AutoscalePolicy(PolicyConfig.from_spec(scaling), profile)
+        policy = policy or AutoscalePolicy(scaling, profile)
         initial = start or (spec.prefill.replicas, spec.decode.replicas)
     routing = (spec.proxy.routing.prefill, spec.proxy.routing.decode)
     return simulate(
@@ -106,7 +108,7 @@ def shared_cores(spec: ClusterSpec) -> dict[str, frozenset[tuple[int, int]]] | N
     from orchestrator.launch import host_core_ranges
 
     cores: dict[str, frozenset[tuple[int, int]]] = {}
-    for domain, roles in enumerate(spec.placement_domains().values()):
+    for domain, roles in enumerate(placement.placement_domains(spec).values()):
         for engine_id, ranks in host_core_ranges(spec, roles).items():
             cores[engine_id] = frozenset((domain, core) for rank in ranks.split("|") for core in _cores_of(rank))
     return cores

@@ -106,7 +106,7 @@ PASS_BIN_S = 10  # SimulationResult.prefill_passes' bins
 @dataclass(slots=True, frozen=True)
 class SharedCore:
     """How many times slower than alone an engine works beside one busy engine on its core
-    (``scripts/probe_shared_start.py`` measures it on a CPU cluster), and a decode step beside one that
+    (``lab/probe_shared_start.py`` measures it on a CPU cluster), and a decode step beside one that
     is starting. The default splits a core evenly between the engines busy on it and leaves a start-up,
     and a decode step beside one, alone."""
 
@@ -115,7 +115,7 @@ class SharedCore:
     startup: float = 1.0  # from "start" to "serves", over the profile's startup_s (a start with the cluster)
     decode_beside_start: float = 1.0  # a decode step while a neighbour loads its model
     # A prefill pass / decode step while an engine on another core computes (the cores share the host:
-    # its memory, its caches, and the processes no core is pinned for); scripts/probe_host_load.py --other-core.
+    # its memory, its caches, and the processes no core is pinned for); lab/probe_host_load.py --other-core.
     host_prefill: float = 1.0
     host_decode: float = 1.0
 

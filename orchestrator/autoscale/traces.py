@@ -103,7 +103,7 @@ MIXES: dict[str, LengthMix] = {
     # Heavy tails: log-normal with sigma 1.2 (the p99 prompt is ~10x the median), prompts up to 8k
     # tokens, outputs up to 2k. Sizing from the mean alone under-provisions it.
     "heavy": LengthMix("heavy", ((1.0, LengthDist(1500, 1.2, 16, 8192), LengthDist(250, 1.2, 4, 2048)),)),
-    # Short requests a CPU engine serves in seconds (the CPU demo, scripts/validate_simulator.py).
+    # Short requests a CPU engine serves in seconds (the CPU demo, lab/validate_simulator.py).
     "short": LengthMix("short", ((1.0, LengthDist(300, 0.5, 64, 1024), LengthDist(24, 0.5, 8, 64)),)),
 }
 

@@ -5,9 +5,9 @@ real engines give (longer prompts take longer, every table positive, the KV of o
 SmolLM2 token about its layer x head arithmetic), and leave the cluster it did not
 start running. With that profile, the simulator must predict what a light load
 replayed through the cluster's proxy measures (the light-load case of
-``scripts/validate_simulator.py``): here within 2x at p50 and p90 of TTFT and ITL,
+``lab/validate_simulator.py``): here within 2x at p50 and p90 of TTFT and ITL,
 which catches gross errors of profile or simulator; the issue's 20 % bar is held
-by the script, whose result is saved in ``docs/simulator-fidelity.json``. On the CI
+by the script, whose result is saved in ``lab/results/simulator-fidelity.json``. On the CI
 machine a 20 % bar in this test failed on machine speed alone: the replay's TTFT
 p50 read 1.80 s a minute after the profile had measured the prefill at this
 machine's speed (simulated 0.92 s, as locally), i.e. the machine ran at half speed
@@ -27,8 +27,8 @@ from pathlib import Path
 
 import pytest
 
+from lab.fidelity import TOLERANCE, compare, prefill_capacity_rps, replay, within
 from orchestrator.autoscale import traces
-from orchestrator.autoscale.fidelity import TOLERANCE, compare, prefill_capacity_rps, replay, within
 from orchestrator.autoscale.policy import StaticPolicy
 from orchestrator.autoscale.profile import load_profile
 from orchestrator.autoscale.simulator import SloTargets, simulate

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
-import dataclasses
 import os
 import socket
 import time
@@ -29,11 +28,11 @@ import zmq.asyncio
 
 from connectors.auth import SECRET_ENV, SECRET_FILE_ENV, ClusterSecret
 from orchestrator.models import DEMO_MODEL_NAME, KNOWN_MODELS
-from proxy.app import ProxyConfig, create_app
+from proxy.app import create_app
 from proxy.pool import Endpoint, EnginePool
-from proxy.routing import RoutingSettings
 from proxy.server import uvicorn_config
 from tests.stub_engine import StubEngine
+from tests.unit.proxy_factories import proxy_config
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 LOCAL_CPU_SPEC = REPO_ROOT / "configs" / "local-cpu.yaml"
@@ -119,7 +118,7 @@ def write_spec(tmp_path: Path) -> Callable[..., Path]:
 #
 # ``prefill_engine`` / ``decode_engine``: stub vLLM engines on ephemeral ports.
 # ``pool``: an EnginePool whose prefill and decode endpoints are those stubs.
-# ``proxy``: the app of ``create_app(ProxyConfig("m", PROXY_TIMEOUT_S), pool)`` served
+# ``proxy``: the app of ``create_app(proxy_config(request_timeout_s=PROXY_TIMEOUT_S), pool)`` served
 # for real by uvicorn in the test's event loop (so its lifespan runs).
 # ``client``: an httpx.AsyncClient on the proxy. ``make_engine`` / ``make_proxy``: more
 # stubs, or a proxy configured otherwise (routing settings as keywords).
@@ -237,9 +236,6 @@ def pool(prefill_engine: StubEngine, decode_engine: StubEngine) -> EnginePool:
     return pool
 
 
-ROUTING_FIELDS = frozenset(field.name for field in dataclasses.fields(RoutingSettings))
-
-
 @pytest.fixture
 async def make_proxy(pool: EnginePool) -> AsyncIterator[Callable[..., Awaitable[ProxyServer]]]:
     """Factory of served proxies on ``pool``, stopped after the test: ``await make_proxy(request_timeout_s=10)``.
@@ -251,11 +247,8 @@ async def make_proxy(pool: EnginePool) -> AsyncIterator[Callable[..., Awaitable[
     async def make(
         request_timeout_s: float = PROXY_TIMEOUT_S, model_name: str = PROXY_MODEL, **settings: Any
     ) -> ProxyServer:
-        """``settings``: ``ProxyConfig`` or ``RoutingSettings`` fields, e.g. ``prefill_policy="least_loaded"``."""
-        routing = {name: settings.pop(name) for name in list(settings) if name in ROUTING_FIELDS}
-        config = ProxyConfig(
-            model_name=model_name, request_timeout_s=request_timeout_s, routing=RoutingSettings(**routing), **settings
-        )
+        """``settings``: as ``proxy_config`` takes them, e.g. ``prefill_policy="least_loaded"``."""
+        config = proxy_config(model_name, request_timeout_s=request_timeout_s, **settings)
         servers.append(ProxyServer(create_app(config, pool)))
         return await servers[-1].start()
 

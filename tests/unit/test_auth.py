@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pydantic
 import pytest
 
 from proxy.app import ProxyConfig, create_app
@@ -88,13 +89,25 @@ async def test_without_keys_no_key_is_needed(client):
     ("settings", "message"),
     [
         ({"api_key_env": ("PD_UNSET",)}, "PD_UNSET"),
-        ({"api_key_env": ("sk-literal-secret",)}, "not the name of an environment variable"),
         ({"admin_key_file": "/nonexistent/keys"}, "/nonexistent/keys"),
     ],
 )
 def test_keys_that_cannot_be_read_stop_the_app_from_being_built(settings, message):
     with pytest.raises(ProxyConfigError, match=message):
-        create_app(ProxyConfig("m", **settings))
+        create_app(ProxyConfig(model_name="m", **settings))
+
+
+def test_a_key_written_where_its_variables_name_belongs_is_refused_and_never_repeated(capsys):
+    from orchestrator.cli import main
+
+    with pytest.raises(pydantic.ValidationError, match="not the name of an environment variable") as info:
+        ProxyConfig(model_name="m", api_key_env=("sk-literal-secret",))
+    assert "sk-literal-secret" not in str(info.value.errors(include_input=False))
+
+    with pytest.raises(SystemExit):
+        main(["proxy", "--prefill", "http://p:1", "--decode", "http://d:1", "--api-key-env", "sk-literal-secret"])
+    err = capsys.readouterr().err
+    assert "--api-key-env: not the name of an environment variable" in err and "sk-literal" not in err
 
 
 def test_an_empty_key_file_is_refused(tmp_path: Path):
@@ -226,4 +239,4 @@ async def test_admin_engine_networks_allow_addresses_not_names(make_client, pool
 
 def test_a_bad_admin_engine_network_names_itself() -> None:
     with pytest.raises(ProxyConfigError, match="admin_engine_networks: '10.0.0.0/33' is not a network"):
-        create_app(ProxyConfig("m", admin_engine_networks=("10.0.0.0/33",)))
+        create_app(ProxyConfig(model_name="m", admin_engine_networks=("10.0.0.0/33",)))

@@ -18,7 +18,7 @@ from orchestrator.autoscale.actuator import (
     histogram_quantile,
     next_tick,
 )
-from orchestrator.autoscale.policy import PolicyConfig, PoolLimits
+from orchestrator.autoscale.config import AutoscalingConfig, LatencyTargets, PoolLimits
 from orchestrator.autoscale.profile import load_profile
 from orchestrator.engine_metrics import parse_metrics
 from proxy.metrics import TTFT_BUCKETS, ProxyMetrics
@@ -180,9 +180,9 @@ def test_autoscaler_step_scales_up_under_load_and_records_why() -> None:
             scaled.append((targets, reason))
             return {"plan": {}}
 
-        config = PolicyConfig(
-            prefill=PoolLimits(1, 8), decode=PoolLimits(1, 8), max_engines=12, ttft_p90_s=2.0, itl_p90_s=0.06,
-            interval_s=10.0, scale_up_cooldown_s=0.0,
+        config = AutoscalingConfig(
+            prefill=PoolLimits(min=1, max=8), decode=PoolLimits(min=1, max=8), max_engines=12,
+            targets=LatencyTargets(ttft_p90_s=2.0, itl_p90_s=0.06), interval_s=10.0, scale_up_cooldown_s=0.0,
         )  # fmt: skip
         engines = [
             ("prefill-0", "prefill", "ready", base + "/prefill"),

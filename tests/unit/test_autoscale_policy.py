@@ -7,28 +7,25 @@ and checks the target counts an actuator would apply, and that the reasons say w
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
 
 import pytest
 
+from orchestrator.autoscale.config import AutoscalingConfig, LatencyTargets, PoolLimits
 from orchestrator.autoscale.policy import (
     AutoscalePolicy,
     ClusterObservation,
-    PolicyConfig,
-    PoolLimits,
     PoolObservation,
     StaticPolicy,
     erlang_c_wait_tail,
 )
 from orchestrator.autoscale.profile import EngineLimits, Grid1D, Grid2D, PerformanceProfile
 
-CONFIG = PolicyConfig(
-    prefill=PoolLimits(1, 40),
-    decode=PoolLimits(1, 40),
+CONFIG = AutoscalingConfig(
+    prefill=PoolLimits(min=1, max=40),
+    decode=PoolLimits(min=1, max=40),
     max_engines=64,
-    ttft_p90_s=2.0,
-    itl_p90_s=0.05,
+    targets=LatencyTargets(ttft_p90_s=2.0, itl_p90_s=0.05),
     interval_s=30.0,
     scale_up_cooldown_s=30.0,
     scale_down_cooldown_s=300.0,
@@ -52,7 +49,7 @@ def linear_profile() -> PerformanceProfile:
 @pytest.fixture
 def policy() -> Callable[..., AutoscalePolicy]:
     def make(**overrides: Any) -> AutoscalePolicy:
-        return AutoscalePolicy(replace(CONFIG, **overrides), linear_profile())
+        return AutoscalePolicy(AutoscalingConfig.model_validate({**CONFIG.model_dump(), **overrides}), linear_profile())
 
     return make
 
@@ -218,9 +215,11 @@ def test_scale_up_cooldown_holds_a_second_increase(policy):
 
 
 def test_min_and_max_bound_each_pool(policy):
-    p = policy(prefill=PoolLimits(3, 5), decode=PoolLimits(2, 3))
+    p = policy(prefill=PoolLimits(min=3, max=5), decode=PoolLimits(min=2, max=3))
     idle = p.decide(observe(0.0, 0.0, 3, 2))
-    flooded = policy(prefill=PoolLimits(3, 5), decode=PoolLimits(2, 3)).decide(observe(0.0, 500.0, 3, 2))
+    flooded = policy(prefill=PoolLimits(min=3, max=5), decode=PoolLimits(min=2, max=3)).decide(
+        observe(0.0, 500.0, 3, 2)
+    )
 
     assert (idle.prefill, idle.decode) == (3, 2)
     assert (flooded.prefill, flooded.decode) == (5, 3)
@@ -236,7 +235,7 @@ def test_the_budget_is_shared_in_proportion_to_demand(policy):
 
 
 def test_the_budget_holds_while_one_pool_waits_out_its_cooldown(policy):
-    p = policy(max_engines=30, prefill=PoolLimits(1, 30), decode=PoolLimits(1, 30))
+    p = policy(max_engines=30, prefill=PoolLimits(min=1, max=30), decode=PoolLimits(min=1, max=30))
     run(p, [200.0])  # prefill grows and its last change is now
     # The load moves to decode (long outputs) while prefill may not shrink yet.
     decision = p.decide(observe(30.0, 30.0, 25, 2, prompt=200, output=4000))

@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from connectors.wire import ROLES
+from orchestrator import placement
 from orchestrator.cli import build_parser
 from orchestrator.launch import plan_engines
 from orchestrator.models import KNOWN_MODELS
@@ -77,7 +78,7 @@ def test_gpu_specs_load_with_a_hub_model_and_tp_pools(path):
 def test_one_node_spec_splits_the_eight_gpus_between_the_pools(one_node):
     assert one_node.resources.gpus == 8
     assert one_node.ray.address is None  # pdserve starts a local Ray head with --num-gpus=8
-    assert one_node.placement_domains() == {((), ()): ("prefill", "decode")}  # both pools on the same node
+    assert placement.placement_domains(one_node) == {((), ()): ("prefill", "decode")}  # both pools on the same node
     assert {role: gpus_of_pool(one_node, role) for role in ROLES} == {"prefill": 4, "decode": 4}
 
 

@@ -52,7 +52,9 @@ async def test_leaving_during_prefill_cancels_the_prefill_request(make_client, p
 async def test_under_uvicorns_own_protocol_a_watcher_notices(pool, prefill_engine):
     """Our protocol reports a disconnect itself; under another (``pdserve`` apps served by someone
     else's uvicorn) a task per request watches ``receive()`` for it."""
-    server = await ProxyServer(create_app(ProxyConfig(PROXY_MODEL, PATIENT_S), pool), http="httptools").start()
+    server = await ProxyServer(
+        create_app(ProxyConfig(model_name=PROXY_MODEL, request_timeout_s=PATIENT_S), pool), http="httptools"
+    ).start()
     prefill_engine.behaviour = Behaviour.HANG
     try:
         async with httpx.AsyncClient(base_url=server.url, timeout=10) as client:

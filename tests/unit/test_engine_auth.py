@@ -36,7 +36,7 @@ def test_engine_auth_without_a_secret_names_where_it_is_looked_for(monkeypatch) 
     for name in (SECRET_ENV, PROXY_ENGINE_KEY_ENV, PROXY_ENGINE_KEY_FILE_ENV):
         monkeypatch.delenv(name, raising=False)
     with pytest.raises(ProxyConfigError, match=f"{PROXY_ENGINE_KEY_ENV}.*{PROXY_ENGINE_KEY_FILE_ENV}.*{SECRET_ENV}"):
-        create_app(ProxyConfig(PROXY_MODEL, engine_auth=True), EnginePool())
+        create_app(ProxyConfig(model_name=PROXY_MODEL, engine_auth=True), EnginePool())
 
 
 def test_the_engine_key_comes_first_then_its_file_then_the_secret(monkeypatch, tmp_path) -> None:

@@ -33,21 +33,21 @@ pytestmark = pytest.mark.timeout(15)
 
 
 async def test_a_body_over_the_limit_is_413_before_it_is_read(make_client, prefill_engine):
-    client = await make_client(max_body_bytes=200)
-    response = await client.post(CHAT_PATH, json=CHAT | {"padding": "x" * 300}, headers={"X-Request-Id": "big-1"})
+    client = await make_client(max_body_bytes=2000)
+    response = await client.post(CHAT_PATH, json=CHAT | {"padding": "x" * 3000}, headers={"X-Request-Id": "big-1"})
 
     error = assert_openai_error(response, 413, error_type="invalid_request_error", code="request_too_large")
-    assert "200" in error["message"]
+    assert "2000" in error["message"]
     assert response.headers["x-request-id"] == "big-1"
     assert prefill_engine.requests == []
 
 
 async def test_a_chunked_body_over_the_limit_is_413(make_client, prefill_engine):
-    client = await make_client(max_body_bytes=200)
+    client = await make_client(max_body_bytes=2000)
 
     async def chunked():
         yield orjson.dumps(CHAT)[:-1]
-        for _ in range(10):
+        for _ in range(60):
             yield b', "pad": "' + b"x" * 40 + b'"'
         yield b"}"
 
@@ -59,7 +59,7 @@ async def test_a_chunked_body_over_the_limit_is_413(make_client, prefill_engine)
 
 
 async def test_a_body_at_the_limit_is_served(make_client):
-    body = orjson.dumps(CHAT)
+    body = orjson.dumps(CHAT | {"user": "u" * 2000})  # the smallest limit is 1 KiB
     client = await make_client(max_body_bytes=len(body))
 
     response = await client.post(CHAT_PATH, content=body, headers=json_header())

@@ -47,7 +47,9 @@ def actor_process(monkeypatch):
 
 @pytest.fixture
 async def actor(actor_process, tmp_path):
-    actor = ProxyActor(ProxyConfig("m", 5.0), "127.0.0.1", free_port(), str(tmp_path / "proxy.log"))
+    actor = ProxyActor(
+        ProxyConfig(model_name="m", request_timeout_s=5.0), "127.0.0.1", free_port(), str(tmp_path / "proxy.log")
+    )
     yield actor
     await actor.stop()
 
@@ -112,9 +114,12 @@ async def test_the_actor_holds_the_engine_key_and_never_the_cluster_secret(
 ):
     assert os.environ[SECRET_ENV] == TEST_SECRET.reveal()  # the process had it (Ray's environment, say)
     actor = ProxyActor(
-        ProxyConfig("m", 5.0, engine_auth=True), "127.0.0.1", free_port(), str(tmp_path / "proxy.log"),
+        ProxyConfig(model_name="m", request_timeout_s=5.0, engine_auth=True),
+        "127.0.0.1",
+        free_port(),
+        str(tmp_path / "proxy.log"),
         EngineKey.of(TEST_SECRET),
-    )  # fmt: skip
+    )
     try:
         info = await actor.start()
         await actor.set_endpoints("prefill", [("prefill-0", prefill_engine.url)])

@@ -13,10 +13,10 @@ import httpx
 import pytest
 from fastapi import Request
 
-from proxy.app import ProxyConfig, create_app
-from proxy.routing import RoutingSettings
+from proxy.app import create_app
 from tests.stub_engine import Behaviour, answer_text
 from tests.unit.conftest import PROXY_MODEL, ProxyServer, endpoint, released
+from tests.unit.proxy_factories import proxy_config
 from tests.unit.test_metrics import scrape
 from tests.unit.test_proxy import (
     CHAT,
@@ -207,7 +207,7 @@ async def test_without_an_answer_from_the_tier_in_time_a_request_is_routed_as_wi
 
 
 async def test_the_serving_path_is_on_the_request_state_for_middleware(pool, prefill_engine, decode_engine):
-    app = create_app(ProxyConfig(PROXY_MODEL, 5.0, routing=RoutingSettings(decode_only_below_tokens=32)), pool)
+    app = create_app(proxy_config(PROXY_MODEL, request_timeout_s=5.0, decode_only_below_tokens=32), pool)
     seen: list[str | None] = []
 
     @app.middleware("http")

@@ -12,11 +12,11 @@ from proxy.routing import (
     PrefixIndex,
     RoundRobin,
     Router,
-    RoutingSettings,
     TierHeld,
     estimate_prompt_tokens,
     prefix_hashes,
 )
+from tests.unit.proxy_factories import ROUTING_KEYS, proxy_config
 
 BLOCK = 8  # characters per prefix block in these tests
 
@@ -41,7 +41,7 @@ def make_router(prefill: int = 2, decode: int = 2, **settings) -> Router:
     pool = EnginePool()
     pool.set_endpoints("prefill", [e.endpoint for e in engines(prefill, "prefill")])
     pool.set_endpoints("decode", [e.endpoint for e in engines(decode, "decode")])
-    return Router(pool, RoutingSettings(prefix_block_chars=BLOCK, **settings))
+    return Router(pool, proxy_config(prefix_block_chars=BLOCK, **settings))
 
 
 def picked(policy, pool: tuple[EngineState, ...], prefix: tuple[int, ...] = ()) -> str:
@@ -351,15 +351,15 @@ def test_router_skips_draining_and_ejected_engines():
     ],
 )
 def test_routing_settings_refuse_impossible_values(settings):
-    field = next(iter(settings))
-    with pytest.raises(ValueError, match=field):
-        RoutingSettings(**settings)
+    field = ROUTING_KEYS.get(next(iter(settings)), next(iter(settings)))
+    with pytest.raises(ValueError, match=f"\n{field}\n"):
+        proxy_config(**settings)
 
 
 def test_only_load_aware_policies_need_metrics():
-    assert not RoutingSettings().needs_load
-    assert RoutingSettings(decode_policy="least_loaded").needs_load
-    assert RoutingSettings(prefill_policy="prefix_aware").needs_load
+    assert not proxy_config().routing.needs_load
+    assert proxy_config(decode_policy="least_loaded").routing.needs_load
+    assert proxy_config(prefill_policy="prefix_aware").routing.needs_load
 
 
 def test_router_accepts_plain_endpoints_in_its_pool():
@@ -367,7 +367,7 @@ def test_router_accepts_plain_endpoints_in_its_pool():
     pool.set_endpoints("prefill", [Endpoint("p", "http://p")])
     pool.set_endpoints("decode", [Endpoint("d", "http://d")])
 
-    prefill, decode, _, _ = Router(pool, RoutingSettings()).route(chat("hi"), "chat")
+    prefill, decode, _, _ = Router(pool, proxy_config()).route(chat("hi"), "chat")
     assert (prefill.url, decode.url) == ("http://p", "http://d")
 
 
@@ -454,4 +454,4 @@ def test_the_tier_is_asked_of_its_pools_ready_engines_in_turn():
 
 def test_tier_pools_must_name_pools():
     with pytest.raises(ValueError, match="tier_pools"):
-        RoutingSettings(tier_pools=("router",))
+        proxy_config(tier_pools=("router",))

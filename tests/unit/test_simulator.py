@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.autoscale import fidelity, traces
 from orchestrator.autoscale import simulator as simulator_module
+from orchestrator.autoscale import traces
 from orchestrator.autoscale.policy import ClusterObservation, ScalingDecision, StaticPolicy
 from orchestrator.autoscale.profile import EngineLimits, Grid1D, Grid2D, PerformanceProfile
 from orchestrator.autoscale.rules import new_replicas, retirement_order, take_back_order, warm_room, warm_to_stop
@@ -537,29 +537,6 @@ def test_profile_holds_a_falling_last_segment_flat_above_the_grid() -> None:
     grid = Grid2D(rows=[1024.0, 2048.0], cols=[1.0, 2.0], seconds=[[5.9, 4.2], [13.1, 8.9]])
     assert grid(2048, 8) == pytest.approx(8.9)  # not 8.9 - 6 x 4.2 < 0
     assert grid(4096, 2) == pytest.approx(8.9 + (8.9 - 4.2) * 2)  # a rising segment still extends
-
-
-def test_fidelity_compares_quantiles_and_judges_the_tolerance():
-    from types import SimpleNamespace
-
-    measured = [{"ttft_s": float(i), "itl_s": 0.1} for i in range(1, 11)]
-    simulated = [SimpleNamespace(ttft_s=1.1 * i, itl_s=0.125) for i in range(1, 11)]
-
-    rows = fidelity.compare(measured, simulated)
-
-    assert list(rows) == ["TTFT p50", "TTFT p90", "ITL p50", "ITL p90"]
-    assert rows["TTFT p50"] == {"cluster_s": 6.0, "simulator_s": 6.6, "ratio": 1.1}
-    assert rows["TTFT p90"]["cluster_s"] == 10.0 and rows["ITL p90"]["ratio"] == 1.25
-    assert not fidelity.within(rows)  # ITL 25 % over
-    assert fidelity.within(rows, tolerance=0.25)
-
-
-def test_fidelity_capacity_is_engines_over_the_mixes_mean_prefill_time():
-    profile = make_profile(prefill_s_per_token=0.002)
-    mix = traces.LengthMix("fixed", ((1.0, traces.LengthDist(250, 0.0, 250, 250), traces.LengthDist(8, 0.0, 8, 8)),))
-
-    assert fidelity.prefill_capacity_rps(profile, 1, mix) == pytest.approx(2.0)  # 0.5 s per prompt
-    assert fidelity.prefill_capacity_rps(profile, 3, mix) == pytest.approx(6.0)
 
 
 def test_burst_windows_are_where_the_bursty_trace_runs_at_the_burst_rate():

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from orchestrator import placement
 from orchestrator.errors import PdserveError, SpecError
 from orchestrator.spec import ClusterSpec
 
@@ -300,19 +301,19 @@ def test_proxy_routing_reaches_the_proxys_settings(load):
             "decode_retries": 2,
         }
     )
-    settings = spec.proxy.routing_settings()
+    settings = spec.proxy_config()
 
-    assert (settings.prefill_policy, settings.decode_policy) == ("prefix_aware", "least_loaded")
-    assert (settings.prefix_block_chars, settings.decode_only_below_tokens) == (64, 32)
+    assert (settings.routing.prefill, settings.routing.decode) == ("prefix_aware", "least_loaded")
+    assert (settings.routing.prefix_block_chars, settings.decode_only_below_tokens) == (64, 32)
     assert (settings.health_interval_s, settings.unhealthy_after, settings.prefill_retries) == (0.5, 2, 0)
     assert settings.decode_retries == 2
     assert settings.healthy_after == 2  # a default
 
 
 def test_proxy_routing_defaults_are_round_robin_and_always_disaggregated(load):
-    settings = load().proxy.routing_settings()
+    settings = load().proxy_config()
 
-    assert (settings.prefill_policy, settings.decode_policy, settings.decode_only_below_tokens) == (
+    assert (settings.routing.prefill, settings.routing.decode, settings.decode_only_below_tokens) == (
         "round_robin",
         "round_robin",
         0,
@@ -452,7 +453,7 @@ def test_shipped_spec_needs_the_model_prepared(local_cpu_spec: Path, monkeypatch
 def test_file_that_is_not_a_mapping(rejected, content: str):
     path, err = rejected(content)
 
-    assert str(err) == f"{path}: the spec must be a YAML mapping"
+    assert str(err) == f"{path}: the file must hold a YAML mapping"
     assert err.field == ""
 
 
@@ -509,7 +510,7 @@ def test_spec_is_frozen(load):
 def test_share_cores_admits_more_engines_than_cores(load):
     spec = load(decode={"tensor_parallel_size": 2}, resources={"cpus": 2, "share_cores": True})
 
-    assert spec.cpu_cores_needed == 3
+    assert placement.cpu_cores_needed(spec) == 3
 
 
 # --- autoscaling ------------------------------------------------------------------------------

@@ -320,27 +320,36 @@ def test_prefill_and_decode_are_required(capsys):
 
 
 def test_routing_flags():
-    from orchestrator.cli import build_parser
+    from orchestrator.cli import build_parser, proxy_settings
 
     args = build_parser().parse_args(
         ["proxy", "--prefill", "http://p:1", "--decode", "http://d:1"]
-        + ["--prefill-policy", "prefix_aware", "--decode-policy", "least_loaded", "--decode-only-below-tokens", "64"]
+        + ["--prefill-policy", "prefix_aware", "--routing-decode", "least_loaded", "--decode-only-below-tokens", "64"]
         + ["--decode-only-if-cached", "--prefill-retries", "2", "--health-interval-s", "0", "--unhealthy-after", "4"]
-        + ["--decode-retries", "0"]
+        + ["--decode-retries", "0", "--no-degrade"]
     )
+    settings = proxy_settings(args)
 
-    assert (args.prefill_policy, args.decode_policy) == ("prefix_aware", "least_loaded")
-    assert (args.decode_only_below_tokens, args.decode_only_if_cached, args.prefill_retries) == (64, True, 2)
-    assert (args.health_interval_s, args.unhealthy_after, args.healthy_after) == (0.0, 4, 2)
-    assert args.decode_retries == 0
+    assert (settings.routing.prefill, settings.routing.decode) == ("prefix_aware", "least_loaded")
+    assert (settings.decode_only_below_tokens, settings.decode_only_if_cached, settings.prefill_retries) == (
+        64,
+        True,
+        2,
+    )
+    assert (settings.health_interval_s, settings.unhealthy_after, settings.healthy_after) == (0.0, 4, 2)
+    assert settings.decode_retries == 0 and settings.degrade is False
 
 
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
         (["--prefill-policy", "random"], "invalid choice: 'random'"),
-        (["--decode-only-below-tokens", "-1"], "must not be negative"),
-        (["--unhealthy-after", "0"], "must be at least 1"),
+        (
+            ["--decode-only-below-tokens", "-1"],
+            "--decode-only-below-tokens: Input should be greater than or equal to 0",
+        ),
+        (["--unhealthy-after", "0"], "--unhealthy-after: Input should be greater than or equal to 1 (got '0')"),
+        (["--max-body-bytes", "lots"], "--max-body-bytes: Input should be a valid integer"),
     ],
 )
 def test_bad_routing_flags_exit_2(capsys, flags, message):
@@ -406,7 +415,7 @@ def test_normalize_url_refuses_other_schemes():
 
 
 def test_settings_name_the_engines_by_role_and_position():
-    settings = StandaloneSettings(("http://p:1", "http://p:2"), ("http://d:1",), ProxyConfig("m"))
+    settings = StandaloneSettings(("http://p:1", "http://p:2"), ("http://d:1",), ProxyConfig(model_name="m"))
 
     snapshot = settings.pool().snapshot()
     assert {role: [(e["engine_id"], e["url"]) for e in engines] for role, engines in snapshot.items()} == {
@@ -417,7 +426,7 @@ def test_settings_name_the_engines_by_role_and_position():
 
 def test_decode_kv_gives_each_decode_server_its_side_channel():
     kv = parse_kv_endpoints(["tcp://d:5700,tcp://d:5701", "tcp://e:5700"], 2)
-    settings = StandaloneSettings(("http://p:1",), ("http://d:1", "http://e:1"), ProxyConfig("m"), kv)
+    settings = StandaloneSettings(("http://p:1",), ("http://d:1", "http://e:1"), ProxyConfig(model_name="m"), kv)
 
     decode = settings.pool().snapshot()["decode"]
     assert [(e["engine_id"], e["kv_endpoints"]) for e in decode] == [

@@ -1,0 +1,470 @@
+"""The autoscaling study: the autoscaler against the best static split, on load it was not tuned on.
+
+Four trace families (below) x three length mixes (``chat``; ``heavy``, log-normal
+with sigma 1.2, prompts up to 8k and outputs up to 2k tokens; ``long-output``, a
+quarter of the requests writing 500-8k tokens), each at a rate calibrated so that
+a static 32:32 split of the 64 engines attains about 91 % of its SLO (``RATES``,
+from ``--calibrate`` on the calibration seed). For each trace: the spec's cluster
+(configs/autoscaling-sim.yaml: the illustrative GPU profile, max_engines 64) under
+the autoscaler, and under the best static split P:D with P + D = 64.
+
+Seeds are disjoint by role, and the README says which is which:
+
+- ``CALIBRATION_SEED`` sets the rates;
+- ``TUNING_SEEDS`` are the only ones a change of the policy may be judged on while
+  it is being made;
+- ``EVALUATION_SEEDS`` are the ones reported: ``--seeds evaluation`` (the default).
+
+Best static: the split with the most goodput (requests meeting both SLO targets
+per second); all static splits run 64 engines for the same time, so it also has
+the best goodput per engine-hour and SLO attainment. Found by a scan of every 8th
+P, then every 2nd around the best, then its neighbours (goodput rises then falls
+with P). The target (issue 15): on every family, at least 1.3x the best static
+split's goodput per engine-hour with SLO attainment within 5 points of it.
+
+``--bounds`` adds what a right-sized static fleet and, on the bursty family, an oracle that knows
+the bursts reach (``bounds_one``); ``--set KNOB=VALUE`` changes one of the autoscaler's knobs for a run.
+
+    python lab/autoscale_study.py [--seeds evaluation|tuning|3,4] [--families bursty,...]
+        [--mixes chat,...] [--jobs 2] [--static-cache FILE] [--set KNOB=VALUE] [--bounds] [--json out.json]
+        [--calibrate]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from orchestrator.autoscale import traces
+from orchestrator.autoscale.config import AutoscalingConfig
+from orchestrator.autoscale.policy import ClusterObservation, ScalingDecision
+from orchestrator.autoscale.runner import load_spec_and_profile, simulate_spec
+from orchestrator.autoscale.traces import LengthDist, LengthMix, TraceRequest
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG = REPO / "configs/autoscaling-sim.yaml"
+SIMULATOR_SOURCES = [REPO / "orchestrator/autoscale" / name for name in ("simulator.py", "rules.py", "traces.py")]
+HOUR = 3600.0
+
+CALIBRATION_SEED = 0
+TUNING_SEEDS = (1, 2)
+EVALUATION_SEEDS = (11, 12, 13)
+MIX_NAMES = ("chat", "heavy", "long-output")
+TARGET_RATIO, TARGET_SLO_POINTS = 1.3, -5.0
+CALIBRATION_TARGET = 0.91  # static 32:32 attains 85-97 % at the calibrated rate
+
+# The long-prompt tenant of the mixed family: documents of 4-8k tokens.
+DOCUMENTS = LengthMix("documents", ((1.0, LengthDist(6000, 0.3, 4000, 8192), LengthDist(250, 1.2, 4, 2048)),))
+
+# The bursty family's bursts: ~5 min long, ~15 min apart, both exponential (so an onset cannot be foreseen).
+BURSTS = {"mean_burst_s": 300.0, "mean_gap_s": 900.0}
+
+# Each family: (mean-ish rate in req/s, length mix, seed) -> an hour of requests.
+FAMILIES: dict[str, Callable[[float, LengthMix, int], list[TraceRequest]]] = {
+    # Poisson arrivals at one rate.
+    "steady": lambda rps, mix, seed: traces.poisson(rps, HOUR, mix=mix, seed=seed),
+    # Markov-modulated: the rate jumps to 3x for ~5 min, every ~15 min (no ramp).
+    "bursty": lambda rps, mix, seed: traces.bursty(rps / 1.5, HOUR, burst_factor=3.0, mix=mix, seed=seed, **BURSTS),
+    # A slow swing from 0.4x to 1.6x over 90 minutes (the hour sees trough, peak and the way down).
+    "diurnal": lambda rps, mix, seed: traces.diurnal(0.4 * rps, 1.6 * rps, HOUR, period_s=5400.0, mix=mix, seed=seed),
+    # A diurnal base of the mix, and a tenant of long documents bursting on top of it (15x for ~4 min).
+    "tenants": lambda rps, mix, seed: traces.merge(
+        traces.diurnal(0.35 * rps, 1.05 * rps, HOUR, period_s=5400.0, mix=mix, seed=seed),
+        traces.bursty(
+            0.02 * rps, HOUR, burst_factor=15.0, mean_burst_s=240.0, mean_gap_s=900.0, mix=DOCUMENTS, seed=seed + 1000
+        ),
+    ),  # fmt: skip
+}
+
+# Rates (req/s) at which a static 32:32 split attains ~91 % on CALIBRATION_SEED (``--calibrate``).
+RATES: dict[tuple[str, str], float] = {
+    ("steady", "chat"): 66.25,
+    ("steady", "heavy"): 96.75,
+    ("bursty", "chat"): 33.62,
+    ("bursty", "heavy"): 49.38,
+    ("diurnal", "chat"): 43.38,
+    ("diurnal", "heavy"): 62.88,
+    ("tenants", "chat"): 35.88,
+    ("tenants", "heavy"): 42.62,
+    ("steady", "long-output"): 66.25,
+    ("bursty", "long-output"): 33.62,
+    ("diurnal", "long-output"): 43.12,
+    ("tenants", "long-output"): 35.88,
+}
+
+
+def make_trace(family: str, mix: str, seed: int, rate: float | None = None) -> list[TraceRequest]:
+    return FAMILIES[family](RATES[(family, mix)] if rate is None else rate, traces.MIXES[mix], seed)
+
+
+def _summary(result: Any) -> dict[str, Any]:
+    keys = ("requests", "slo_attainment", "goodput_rps", "engine_hours", "goodput_per_engine_hour")
+    return {k: result.summary()[k] for k in keys}
+
+
+def search_split(budget: int, score: Callable[[int], float], near: int | None = None) -> int:
+    """The P in [1, budget) with the highest ``score`` (ties: nearer the middle), for a score that rises then
+    falls with P: every 8th P (or ``near``, when given), then every 2nd within 6 of the best, then its
+    neighbours."""
+
+    def key(p: int) -> tuple[float, float]:
+        return score(p), -abs(p - budget / 2)
+
+    best = near if near is not None else max(range(min(4, budget - 1), budget, 8), key=key)
+    for step in (2, 1):
+        best = max((p for p in range(best - 3 * step, best + 3 * step + 1, step) if 1 <= p < budget), key=key)
+    return best
+
+
+def best_static(
+    spec: Any, profile: Any, trace: list[TraceRequest], size: int | None = None, near: int | None = None
+) -> tuple[int, dict[str, Any], int]:
+    """The split of ``size`` engines (default: the budget) with the most goodput, its summary, and how many
+    splits were simulated; ``near``: search around that P only (``search_split``)."""
+    budget = size or spec.autoscaling.max_engines
+    runs: dict[int, dict[str, Any]] = {}
+
+    def goodput(p: int) -> float:
+        if p not in runs:
+            runs[p] = _summary(simulate_spec(spec, profile, trace, (p, budget - p)))
+        return runs[p]["goodput_rps"]
+
+    best = search_split(budget, goodput, near)
+    return best, runs[best], len(runs)
+
+
+# What a static split's run reads of the spec's autoscaling section; the rest are the autoscaler's knobs.
+STATIC_READS = ("profile", "max_engines", "targets", "interval_s")
+
+
+def static_key(family: str, mix: str, seed: int) -> str:
+    """What a best static split depends on: the trace, the cluster's config (less the autoscaler's knobs:
+    ``--set`` and a change of them in the file keep the cache) and profile, the simulator."""
+    digest = hashlib.sha256()
+    config = yaml.safe_load(CONFIG.read_text())
+    config["autoscaling"] = {key: config["autoscaling"].get(key) for key in STATIC_READS}
+    digest.update(json.dumps(config, sort_keys=True).encode())
+    for path in (CONFIG.parent / config["autoscaling"]["profile"], *SIMULATOR_SOURCES):
+        digest.update(path.read_bytes())
+    return f"{family}/{mix}/{seed}/{RATES[(family, mix)]}/{digest.hexdigest()[:16]}"
+
+
+def load(overrides: dict[str, float] | None = None) -> tuple[Any, Any]:
+    """The study's spec and profile, with ``overrides`` of the autoscaler's knobs (``--set``), validated."""
+    spec, profile = load_spec_and_profile(CONFIG)
+    if overrides:
+        unknown = set(overrides) - (set(AutoscalingConfig.model_fields) - set(STATIC_READS) - {"prefill", "decode"})
+        if unknown:
+            raise ValueError(f"--set: {', '.join(sorted(unknown))} is not one of the autoscaler's knobs")
+        scaling = AutoscalingConfig.model_validate({**spec.autoscaling.model_dump(), **overrides})
+        spec = spec.model_copy(update={"autoscaling": scaling})
+    return spec, profile
+
+
+def study_one(
+    family: str, mix: str, seed: int, cached: dict[str, Any] | None = None, overrides: dict[str, float] | None = None
+) -> dict[str, Any]:
+    spec, profile = load(overrides)
+    trace = make_trace(family, mix, seed)
+    if cached is not None:
+        split, static, runs = cached["split"], cached["static"], 0
+    else:
+        split, static, runs = best_static(spec, profile, trace)
+    # Both start alike: the autoscaler with the engines of the static split it is judged against.
+    auto = simulate_spec(spec, profile, trace, None, start=(split, spec.autoscaling.max_engines - split))
+    summary = _summary(auto)
+    changes = sum(
+        1
+        for a, b in zip(auto.timeline, auto.timeline[1:], strict=False)
+        if (a["prefill"], a["decode"]) != (b["prefill"], b["decode"])
+    )
+    return {
+        "family": family,
+        "mix": mix,
+        "seed": seed,
+        "rate_rps": RATES[(family, mix)],
+        "best_static": f"{split}:{spec.autoscaling.max_engines - split}",
+        "static_runs": runs,
+        "split": split,
+        "static": static,
+        "autoscale": summary,
+        "ratio": summary["goodput_per_engine_hour"] / static["goodput_per_engine_hour"],
+        "slo_points": 100 * (summary["slo_attainment"] - static["slo_attainment"]),
+        "replica_changes": changes,
+    }
+
+
+class BurstOracle:
+    """A policy that knows the bursty family's bursts (``traces.burst_windows``): the ``burst`` split from
+    ``lead_s`` before each burst to its end, the ``quiet`` split otherwise. ``lead_s`` 0 is the best a policy
+    that only reacts can do (it sees a burst at the first decision inside it, with no samples to wait
+    for); ``lead_s`` of a startup plus an interval foresees every onset, which exponential gaps make
+    impossible."""
+
+    def __init__(
+        self, windows: list[tuple[float, float]], burst: tuple[int, int], quiet: tuple[int, int], lead_s: float
+    ) -> None:
+        self.windows, self.burst, self.quiet, self.lead_s = windows, burst, quiet, lead_s
+
+    def decide(self, obs: ClusterObservation) -> ScalingDecision:
+        inside = any(start - self.lead_s <= obs.t < end for start, end in self.windows)
+        prefill, decode = self.burst if inside else self.quiet
+        return ScalingDecision(obs.t, prefill, decode, [f"oracle: {'burst' if inside else 'quiet'} {prefill}:{decode}"])
+
+
+def smallest_holding(
+    largest: int, run: Callable[[int], dict[str, Any]], static: dict[str, Any], step: int = 4
+) -> tuple[int, dict[str, Any]] | None:
+    """The smallest size from ``largest`` down, every ``step``th and then half a step below the last that
+    held, whose ``run(size)`` stays within TARGET_SLO_POINTS of ``static``'s SLO attainment; with its
+    summary (None when ``largest`` does not). Stops at the first miss: fewer engines attain less."""
+
+    def holds(size: int) -> dict[str, Any] | None:
+        summary = run(size)
+        return summary if 100 * (summary["slo_attainment"] - static["slo_attainment"]) >= TARGET_SLO_POINTS else None
+
+    held = None
+    for size in range(largest, 1, -step):
+        summary = holds(size)
+        if summary is None:
+            break
+        held = size, summary
+    if held is not None and step > 1 and held[0] - step // 2 > 1 and (summary := holds(held[0] - step // 2)):
+        held = held[0] - step // 2, summary
+    return held
+
+
+def _judged(summary: dict[str, Any], static: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    return {
+        **extra,
+        "summary": summary,
+        "ratio": summary["goodput_per_engine_hour"] / static["goodput_per_engine_hour"],
+        "slo_points": 100 * (summary["slo_attainment"] - static["slo_attainment"]),
+    }
+
+
+def bounds_one(
+    family: str, mix: str, seed: int, cached: dict[str, Any] | None = None, overrides: dict[str, float] | None = None
+) -> dict[str, Any]:
+    """What any policy could reach on one trace, against the best static split of the whole budget:
+
+    - ``right_sized``: the smallest static fleet (every 4th size, split as the best split is) whose SLO
+      attainment stays within 5 points: on a load that does not change, no policy does much better;
+    - steady family only, ``target_sized``: the best split (searched near the best split's proportion) of
+      the largest fleet whose engine-hours leave room for the target ratio (``budget / TARGET_RATIO``): when
+      even it misses the SLO by more than 5 points, no fleet small enough for the target holds that load;
+    - bursty family only, ``reactive`` and ``foresight``: ``BurstOracle`` with the best split in bursts and
+      the smallest quiet fleet (every 4th size) that keeps the SLO within 5 points."""
+    row = study_one(family, mix, seed, cached, overrides)
+    spec, profile = load(overrides)
+    trace, budget = make_trace(family, mix, seed), spec.autoscaling.max_engines
+    static, split = row["static"], row["split"]
+
+    def scaled(size: int) -> tuple[int, int]:
+        prefill = min(max(1, round(size * split / budget)), size - 1)
+        return prefill, size - prefill
+
+    def static_run(size: int) -> dict[str, Any]:
+        return _summary(simulate_spec(spec, profile, trace, scaled(size)))
+
+    # None holding below the budget: the budget is the right size (the best split itself).
+    held = smallest_holding(budget - 4, static_run, static) or (budget, static)
+    row["right_sized"] = _judged(held[1], static, engines=held[0])
+    if family == "steady":
+        size = int(budget / TARGET_RATIO)
+        p, summary, _ = best_static(spec, profile, trace, size, near=scaled(size)[0])
+        row["target_sized"] = _judged(summary, static, engines=size, split=f"{p}:{size - p}")
+    if family != "bursty":
+        return row
+    windows = traces.burst_windows(HOUR, seed=seed, **BURSTS)
+
+    def oracle_run(burst: int, quiet: int, lead: float) -> dict[str, Any]:
+        policy = BurstOracle(windows, scaled(burst), scaled(quiet), lead)
+        return _summary(simulate_spec(spec, profile, trace, None, start=scaled(quiet), policy=policy))
+
+    # Reacting: every burst fleet from the budget down to the right-sized static's (each with its smallest
+    # quiet fleet); foreseeing: the budget in bursts (it is an upper bound, not a policy to tune).
+    best = None
+    for burst in range(budget, held[0] - 1, -4):
+        quiet = smallest_holding(burst - 4, lambda q, b=burst: oracle_run(b, q, 0.0), static)
+        if quiet is not None:
+            judged = _judged(quiet[1], static, burst=burst, quiet=quiet[0])
+            best = judged if best is None or judged["ratio"] > best["ratio"] else best
+    row["reactive"] = best or _judged(held[1], static, burst=held[0], quiet=held[0])
+    lead = profile.engine.startup_s + spec.autoscaling.interval_s
+    quiet = smallest_holding(budget - 4, lambda q: oracle_run(budget, q, lead), static) or (budget, static)
+    row["foresight"] = _judged(quiet[1], static, burst=budget, quiet=quiet[0])
+    return row
+
+
+def bounds_table(rows: list[dict[str, Any]]) -> str:
+    """Per trace: the autoscaler, and the bounds of ``bounds_one`` (ratio of goodput per engine-hour to the
+    best static split's, SLO points against it)."""
+
+    def cell(row: dict[str, Any], name: str) -> str:
+        bound = row.get(name)
+        if bound is None:
+            return "-"
+        if "split" in bound:
+            fleet = bound["split"]
+        elif "engines" in bound:
+            fleet = f"{bound['engines']} engines"
+        else:
+            fleet = f"{bound['quiet']} quiet, {bound['burst']} in bursts"
+        return f"{bound['ratio']:.2f}x, {bound['slo_points']:+.1f} ({fleet})"
+
+    lines = [
+        "| family | mix | seed | best static | autoscaler | right-sized static | target-sized static | "
+        "oracle, reacting | oracle, foreseeing |",
+        "|---|---|---:|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        lines.append(
+            f"| {row['family']} | {row['mix']} | {row['seed']} | {row['best_static']}, "
+            f"{100 * row['static']['slo_attainment']:.1f} % | {row['ratio']:.2f}x, {row['slo_points']:+.1f} | "
+            + " | ".join(cell(row, name) for name in ("right_sized", "target_sized", "reactive", "foresight"))
+            + " |"
+        )
+    return "\n".join(lines)
+
+
+def calibrate_one(family: str, mix: str) -> float:
+    """The rate at which static 32:32 attains CALIBRATION_TARGET on CALIBRATION_SEED (bisection)."""
+    spec, profile = load_spec_and_profile(CONFIG)
+    half = spec.autoscaling.max_engines // 2
+
+    def attainment(rate: float) -> float:
+        trace = make_trace(family, mix, CALIBRATION_SEED, rate)
+        return simulate_spec(spec, profile, trace, (half, half)).summary()["slo_attainment"]
+
+    low, high = 1.0, 2.0
+    if attainment(low) <= CALIBRATION_TARGET:
+        raise ValueError(f"{family}/{mix}: static {half}:{half} misses {CALIBRATION_TARGET:.0%} even at {low} req/s")
+    while attainment(high) > CALIBRATION_TARGET:
+        low, high = high, high * 2
+    for _ in range(7):
+        mid = (low + high) / 2
+        low, high = (mid, high) if attainment(mid) > CALIBRATION_TARGET else (low, mid)
+    return round((low + high) / 2, 2)
+
+
+def _spread(values: list[float], fmt: str) -> str:
+    if len(values) == 1:
+        return format(values[0], fmt)
+    return f"{format(statistics.mean(values), fmt)} [{format(min(values), fmt)}, {format(max(values), fmt)}]"
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| family | mix | req/s | best static (per seed) | static SLO | autoscale SLO | goodput/engine-hour "
+        "vs best static | SLO points vs best static | target met |",
+        "|---|---|---:|---|---:|---:|---:|---:|---:|",
+    ]
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for row in rows:
+        groups.setdefault((row["family"], row["mix"]), []).append(row)
+    for (family, mix), group in groups.items():
+        met = sum(1 for r in group if r["ratio"] >= TARGET_RATIO and r["slo_points"] >= TARGET_SLO_POINTS)
+        lines.append(
+            f"| {family} | {mix} | {group[0]['rate_rps']:g} | {', '.join(r['best_static'] for r in group)} | "
+            f"{_spread([100 * r['static']['slo_attainment'] for r in group], '.1f')} % | "
+            f"{_spread([100 * r['autoscale']['slo_attainment'] for r in group], '.1f')} % | "
+            f"{_spread([r['ratio'] for r in group], '.2f')}x | {_spread([r['slo_points'] for r in group], '+.1f')} | "
+            f"{met}/{len(group)} |"
+        )
+    return "\n".join(lines)
+
+
+def _seeds(text: str) -> tuple[int, ...]:
+    named = {"evaluation": EVALUATION_SEEDS, "tuning": TUNING_SEEDS}
+    return named[text] if text in named else tuple(int(s) for s in text.split(","))
+
+
+def _knob(text: str) -> tuple[str, float]:
+    key, _, value = text.partition("=")
+    try:
+        return key.strip(), float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--set {text!r}: expected KNOB=NUMBER") from None
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=_seeds, default=EVALUATION_SEEDS, help="evaluation (default), tuning, or 3,4")
+    parser.add_argument("--families", default=",".join(FAMILIES), help="comma-separated: " + ", ".join(FAMILIES))
+    parser.add_argument("--mixes", default=",".join(MIX_NAMES), help="comma-separated: " + ", ".join(MIX_NAMES))
+    parser.add_argument("--jobs", type=int, default=1, help="simulations in parallel (processes)")
+    parser.add_argument("--calibrate", action="store_true", help="find RATES again (on the calibration seed)")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        type=_knob,
+        metavar="KNOB=VALUE",
+        help="an autoscaler knob of the spec's autoscaling section for this run (burst_memory_s=3600); repeatable",
+    )
+    parser.add_argument(
+        "--bounds",
+        action="store_true",
+        help="also what a right-sized static fleet, on the steady family the best split of a fleet small enough "
+        "for the target, and on the bursty family an oracle that knows the bursts reach",
+    )
+    parser.add_argument("--json", type=Path, help="also write the rows as JSON here")
+    parser.add_argument(
+        "--static-cache",
+        type=Path,
+        help="JSON file of best static splits, read and extended (they do not depend on the policy: a change "
+        "of it is then judged in one simulation per trace); keyed by trace, config, profile and simulator",
+    )
+    args = parser.parse_args()
+    if set(args.seeds) & {CALIBRATION_SEED, *TUNING_SEEDS} and args.seeds != TUNING_SEEDS:
+        print(f"note: seeds {args.seeds} include calibration or tuning seeds", file=sys.stderr)
+    try:
+        load(dict(args.set))  # a wrong knob fails here, not in every worker
+    except (ValueError, ValidationError) as e:
+        parser.error(str(e))
+    started = time.time()
+    cases = [(f, m) for f in args.families.split(",") for m in args.mixes.split(",")]
+    with ProcessPoolExecutor(max_workers=args.jobs) as pool:
+        if args.calibrate:
+            rates = list(pool.map(calibrate_one, *zip(*cases, strict=True)))
+            for (family, mix), rate in zip(cases, rates, strict=True):
+                print(f'    ("{family}", "{mix}"): {rate},')
+            return 0
+        cache = json.loads(args.static_cache.read_text()) if args.static_cache and args.static_cache.exists() else {}
+        jobs = [(f, m, s) for f, m in cases for s in args.seeds]
+        cached = [cache.get(static_key(*job)) for job in jobs]
+        overrides = dict(args.set)
+        rows = list(
+            pool.map(
+                bounds_one if args.bounds else study_one, *zip(*jobs, strict=True), cached, [overrides] * len(jobs)
+            )
+        )
+    if args.static_cache:
+        for job, row in zip(jobs, rows, strict=True):
+            cache[static_key(*job)] = {"split": row["split"], "static": row["static"]}
+        args.static_cache.write_text(json.dumps(cache, indent=1, sort_keys=True) + "\n")
+    knobs = "".join(f"; {key}={value:g}" for key, value in args.set)
+    print(f"seeds {', '.join(map(str, args.seeds))}{knobs}; {time.time() - started:.0f} s", file=sys.stderr)
+    print(table(rows))
+    if args.bounds:
+        print()
+        print(bounds_table(rows))
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

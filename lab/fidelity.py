@@ -1,0 +1,141 @@
+"""The simulator against a real cluster: replay a trace through the proxy, compare latency quantiles.
+
+``replay`` sends each request of a trace at its time to a running cluster's
+proxy (a streamed completion of ``prompt_tokens`` random token ids, fresh per
+request so no prefix cache helps, and exactly ``output_tokens`` tokens with
+``ignore_eos``) and keeps each one's TTFT (arrival to the first streamed token)
+and mean inter-token latency. ``compare`` sets those against the simulator's
+records of the same trace, per metric and quantile. ``lab/validate_simulator.py``
+and the integration suite both use them. ``mean_profile``: the engines' speed over a
+replay that was profiled before and after it (``validate_simulator.py --profile-after``).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import random
+import statistics
+import time
+import urllib.request
+from dataclasses import fields
+
+from orchestrator.autoscale import traces
+from orchestrator.autoscale.profile import EngineLimits, Grid1D, Grid2D, PerformanceProfile
+from orchestrator.autoscale.traces import TraceRequest
+
+TOLERANCE = 0.20  # the simulator within 20 % of the cluster, per quantile
+QUANTILES = (0.5, 0.9)
+# Token ids well inside SmolLM2's vocabulary and clear of its special tokens.
+TOKEN_IDS = (1000, 40000)
+
+
+def prefill_capacity_rps(
+    profile: PerformanceProfile, prefill_engines: int, mix: traces.LengthMix, seed: int = 0
+) -> float:
+    """Requests per second a prefill pool computes, by the profile, for the mix's prompts one at a time."""
+    sample = traces.poisson(50.0, 20.0, mix, seed=seed)  # ~1000 draws of the mix
+    return prefill_engines / statistics.mean(profile.prefill_seconds(r.prompt_tokens) for r in sample)
+
+
+def replay(proxy_url: str, model: str, trace: list[TraceRequest], headers: dict[str, str] | None = None) -> list[dict]:
+    """Send every request at its time; per request ``{"ttft_s", "itl_s", "chunks", "path"}`` (``path``: the
+    proxy's ``X-PDServe-Path``, e.g. ``decode-only; reason=...``) or ``{"failed": why}``."""
+    # Never seeded: prompts another replay sent (a lower load of the same seed, a test before) would hit the
+    # engines' prefix caches, and a trace's second run would prefill for free.
+    rng = random.Random()
+    prompts = [[rng.randrange(*TOKEN_IDS) for _ in range(r.prompt_tokens)] for r in trace]
+    start = time.perf_counter()
+
+    def one(index: int) -> dict:
+        request = trace[index]
+        time.sleep(max(0.0, start + request.t - time.perf_counter()))
+        sent = time.perf_counter()
+        body = {
+            "model": model,
+            "prompt": prompts[index],
+            "max_tokens": request.output_tokens,
+            "min_tokens": request.output_tokens,
+            "ignore_eos": True,
+            "temperature": 0,
+            "stream": True,
+        }
+        http = urllib.request.Request(
+            proxy_url + "/v1/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json", **(headers or {})},
+        )
+        stamps = []
+        try:
+            with urllib.request.urlopen(http, timeout=900) as response:
+                path = response.headers.get("X-PDServe-Path", "")
+                for raw in response:
+                    line = raw.decode().strip()
+                    if line.startswith("data: {") and json.loads(line[6:]).get("choices"):
+                        stamps.append(time.perf_counter())
+        except OSError as e:  # counted, and kept out of the latencies
+            return {"failed": f"{type(e).__name__}: {e}"}
+        if not stamps:
+            return {"failed": "no token came back"}
+        gaps = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+        itl_s = statistics.mean(gaps) if gaps else 0.0
+        return {"ttft_s": stamps[0] - sent, "itl_s": itl_s, "chunks": len(stamps), "path": path}
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=64) as pool:
+        return list(pool.map(one, range(len(trace))))
+
+
+def quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def compare(measured: list[dict], simulated: list) -> dict[str, dict[str, float]]:
+    """Per metric and quantile (``"TTFT p50"``...): the cluster's value, the simulator's, and their ratio.
+
+    ``measured`` holds ``replay``'s answers that did not fail; ``simulated`` the
+    simulator's records (``ttft_s``, ``itl_s``) of the same trace.
+    """
+    rows = {}
+    for name, key in (("TTFT", "ttft_s"), ("ITL", "itl_s")):
+        for q in QUANTILES:
+            real = quantile([m[key] for m in measured], q)
+            sim = quantile([getattr(r, key) for r in simulated], q)
+            rows[f"{name} p{round(q * 100)}"] = {
+                "cluster_s": round(real, 4),
+                "simulator_s": round(sim, 4),
+                "ratio": round(sim / real, 3),
+            }
+    return rows
+
+
+def within(rows: dict[str, dict[str, float]], tolerance: float = TOLERANCE) -> bool:
+    return all(abs(row["ratio"] - 1) <= tolerance for row in rows.values())
+
+
+def mean_profile(a: PerformanceProfile, b: PerformanceProfile, name: str, provenance: str) -> PerformanceProfile:
+    """The mean of two profiles of one cluster, on ``a``'s grid (``b`` read there): the engines' speed over
+    a span that ``a``'s measurement began and ``b``'s ended, on a machine whose speed moves."""
+
+    def grid2d(x: Grid2D, y: Grid2D) -> Grid2D:
+        seconds = [[(x.seconds[i][j] + y(r, c)) / 2 for j, c in enumerate(x.cols)] for i, r in enumerate(x.rows)]
+        return Grid2D(list(x.rows), list(x.cols), seconds)
+
+    engine = {
+        f.name: (
+            round((getattr(a.engine, f.name) + getattr(b.engine, f.name)) / 2)
+            if isinstance(getattr(a.engine, f.name), int)
+            else (getattr(a.engine, f.name) + getattr(b.engine, f.name)) / 2
+        )
+        for f in fields(EngineLimits)
+    }
+    return PerformanceProfile(
+        name=name,
+        provenance=provenance,
+        engine=EngineLimits(**engine),
+        prefill=grid2d(a.prefill, b.prefill),
+        decode=grid2d(a.decode, b.decode),
+        transfer=Grid1D(
+            list(a.transfer.x), [(v + b.transfer(x)) / 2 for x, v in zip(a.transfer.x, a.transfer.y, strict=True)]
+        ),
+    )

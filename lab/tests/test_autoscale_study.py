@@ -1,0 +1,92 @@
+"""lab/autoscale_study.py: its split search and its seeds (the simulations themselves: tests/unit/test_simulator.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from lab import autoscale_study as study
+from orchestrator.autoscale.policy import ClusterObservation, PoolObservation
+
+
+def test_the_split_search_finds_the_peak_of_a_rise_then_fall_in_few_runs() -> None:
+    for peak in (1, 2, 17, 32, 45, 63):
+        runs: list[int] = []
+
+        def score(p: int, peak=peak, runs=runs) -> float:
+            runs.append(p)
+            return -abs(p - peak)
+
+        assert study.search_split(64, score) == peak
+        assert len(set(runs)) <= 8 + 6 + 4  # of 63
+
+
+def test_a_flat_top_picks_the_split_nearest_the_middle() -> None:
+    assert study.search_split(64, lambda p: min(p, 40)) == 40
+    assert study.search_split(64, lambda p: 1.0) == 32
+
+
+def test_a_search_near_a_split_refines_around_it_only() -> None:
+    runs: list[int] = []
+
+    def score(p: int) -> float:
+        runs.append(p)
+        return -abs(p - 33)
+
+    assert study.search_split(49, score, near=31) == 33
+    assert min(runs) >= 31 - 6 and max(runs) <= 31 + 6 + 3  # no scan of every 8th split
+    assert len(set(runs)) <= 7 + 6
+
+
+def test_the_bounds_table_shows_each_bound_a_trace_has() -> None:
+    static = {"slo_attainment": 0.977}
+    row = {"family": "steady", "mix": "long-output", "seed": 11, "best_static": "35:29", "static": static}
+    row |= {"ratio": 1.0, "slo_points": 0.0, "right_sized": {"ratio": 1.0, "slo_points": 0.0, "engines": 64}}
+    row["target_sized"] = {"ratio": 0.4, "slo_points": -60.2, "engines": 49, "split": "27:22"}
+    line = study.bounds_table([row]).splitlines()[-1]
+    assert line == (
+        "| steady | long-output | 11 | 35:29, 97.7 % | 1.00x, +0.0 | 1.00x, +0.0 (64 engines) "
+        "| 0.40x, -60.2 (27:22) | - | - |"
+    )
+
+
+def test_calibration_tuning_and_evaluation_seeds_are_disjoint() -> None:
+    roles = [{study.CALIBRATION_SEED}, set(study.TUNING_SEEDS), set(study.EVALUATION_SEEDS)]
+    assert all(a.isdisjoint(b) for i, a in enumerate(roles) for b in roles[i + 1 :])
+    assert set(study.RATES) == {(f, m) for f in study.FAMILIES for m in study.MIX_NAMES}
+
+
+def test_the_burst_oracle_takes_the_burst_split_from_its_lead_before_a_burst_to_its_end() -> None:
+    def at(t: float) -> ClusterObservation:
+        return ClusterObservation(t, 1.0, 100, 10, PoolObservation(1), PoolObservation(1))
+
+    reacting = study.BurstOracle([(100.0, 400.0)], (40, 24), (10, 6), lead_s=0.0)
+    foreseeing = study.BurstOracle([(100.0, 400.0)], (40, 24), (10, 6), lead_s=75.0)
+    sizes = {t: (reacting.decide(at(t)), foreseeing.decide(at(t))) for t in (0.0, 30.0, 105.0, 399.0, 400.0)}
+    assert [(r.prefill, f.prefill) for r, f in sizes.values()] == [(10, 10), (10, 40), (40, 40), (40, 40), (10, 10)]
+    assert sizes[30.0][1].reasons == ["oracle: burst 40:24"]
+
+
+def test_the_smallest_fleet_that_holds_the_slo_is_the_last_before_it_misses_then_half_a_step() -> None:
+    static = {"slo_attainment": 0.98}
+    attained = {60: 0.97, 56: 0.95, 52: 0.931, 50: 0.94, 48: 0.90, 44: 0.97}
+    seen: list[int] = []
+
+    def run(size: int) -> dict:
+        seen.append(size)
+        return {"slo_attainment": attained[size]}
+
+    assert study.smallest_holding(60, run, static) == (50, {"slo_attainment": 0.94})
+    assert seen == [60, 56, 52, 48, 50]  # stops at the first miss, then tries half a step below the last held
+    attained[50] = 0.92
+    assert study.smallest_holding(60, run, static) == (52, {"slo_attainment": 0.931})
+    assert study.smallest_holding(48, run, static) is None
+
+
+def test_set_overrides_only_the_autoscalers_knobs_and_validates_them() -> None:
+    spec, _ = study.load({"burst_memory_s": 3600.0, "burst_guard": 1.0})
+    assert (spec.autoscaling.burst_memory_s, spec.autoscaling.burst_guard) == (3600.0, 1.0)
+    for wrong in ({"max_engines": 32.0}, {"targets": 1.0}, {"nonsense": 1.0}):
+        with pytest.raises(ValueError, match="not one of the autoscaler's knobs"):
+            study.load(wrong)
+    with pytest.raises(ValueError, match="less than or equal to 1"):
+        study.load({"burst_guard": 3.0})

@@ -1,0 +1,666 @@
+"""The simulator against the real cluster: traces at three loads through both, p50 and p90 of TTFT and ITL.
+
+The cluster of ``--config`` is started (``pdserve up --detach``) and, unless
+``--profile`` names one, profiled (``pdserve profile``: the simulator's model of
+these engines as fast as they run today). Each trace is replayed against its
+proxy in real time (``lab.fidelity.replay``: streamed
+completions of random token ids, no prefix cache help, exactly
+``output_tokens`` tokens), and the cluster is stopped. The same trace then goes
+through ``pdserve simulate``'s model of that cluster (the profile, the spec's pool
+sizes held fixed). Per request, TTFT is arrival to the first streamed token and
+ITL the mean gap between tokens; the table compares their medians and p90s (the
+issue's bar: within 20 %). The loads (``LOADS``), as shares of what the prefill
+pool computes by the profile: light, near saturation (the prefill engine busy
+most of the time) and overloaded (arrivals above what it computes: a queue
+builds up).
+
+With ``--autoscale`` the spec's autoscaler runs on both sides (its SLO attainment
+is compared too), and both read the same profile: ``--profile``, or one measured
+first on the same engines without the autoscaler (a copy of the spec without its
+``autoscaling`` section, started, profiled and stopped); the cluster then runs a
+copy of the spec whose ``autoscaling.profile`` is that file. The ``bursty`` load
+(0.3 of the prefill pool's capacity, 4x bursts) is the one meant for it:
+
+    python lab/validate_simulator.py --config configs/local-cpu-autoscale.yaml --autoscale --loads bursty \\
+        --duration 900 --out lab/results/autoscale-fidelity.json
+
+The machine's speed moves (one command on the same code: the cluster attained 22 % and 70 %, 40
+minutes apart). With ``--profile-after`` the engines are profiled again after the replay, the simulator's
+engines run at the mean of the two profiles while its autoscaler reads the first (the one the cluster's
+read), and the report gives the drift between them.
+
+    python lab/validate_simulator.py [--config configs/local-cpu.yaml] [--profile FILE | --profile-out FILE] \\
+        [--loads light,...] [--duration 180 | --trace FILE] [--out lab/results/simulator-fidelity.json] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import dataclasses
+import json
+import os
+import re
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repository's packages
+
+from lab.fidelity import (  # noqa: E402
+    TOLERANCE,
+    compare,
+    mean_profile,
+    prefill_capacity_rps,
+    quantile,
+    replay,
+    within,
+)
+from orchestrator.autoscale import traces  # noqa: E402
+from orchestrator.autoscale.policy import AutoscalePolicy, StaticPolicy  # noqa: E402
+from orchestrator.autoscale.profile import PerformanceProfile, load_profile  # noqa: E402
+from orchestrator.autoscale.runner import shared_cores, simulate_spec  # noqa: E402
+from orchestrator.autoscale.simulator import EVEN_SHARE, SharedCore, SimulationResult, SloTargets, simulate  # noqa: E402
+from orchestrator.engine_metrics import scrape  # noqa: E402
+from orchestrator.spec import ClusterSpec  # noqa: E402
+from scripts.bench_latency import pdserve  # noqa: E402
+
+# Arrival rate as a share of what the spec's prefill pool computes (by the profile, one prompt per pass).
+LOADS = {"light": 0.2, "near saturation": 0.8, "overloaded": 1.2}
+MIX = traces.MIXES["short"]
+
+
+def load_trace(name: str, capacity_rps: float, duration_s: float, seed: int) -> tuple[float, list[traces.TraceRequest]]:
+    """``(rate, trace)``: Poisson at a share (``LOADS``) of the capacity, or ``bursty``: 0.3 of it with 4x
+    bursts (1.2x what the prefill pool computes: a queue builds that a larger pool would not have) of ~1 min
+    every ~2 min."""
+    if name == "bursty":
+        rate = 0.3 * capacity_rps
+        trace = traces.bursty(
+            rate, duration_s, burst_factor=4.0, mean_burst_s=60.0, mean_gap_s=120.0, mix=MIX, seed=seed
+        )
+        return rate, trace
+    rate = LOADS[name] * capacity_rps
+    return rate, traces.poisson(rate, duration_s, MIX, seed=seed)
+
+
+def spec_copy(config: str, **autoscaling: object) -> str:
+    """A temporary copy of the spec file at ``config`` with its ``autoscaling`` section dropped
+    (``autoscaling=None``) or some of its fields replaced; its path."""
+    with open(config) as f:
+        raw = yaml.safe_load(f)
+    if "autoscaling" in autoscaling and autoscaling["autoscaling"] is None:
+        raw.pop("autoscaling", None)
+    else:
+        raw["autoscaling"] = raw.get("autoscaling", {}) | autoscaling
+    fd, path = tempfile.mkstemp(suffix=".yaml", prefix="validate-simulator-")
+    with os.fdopen(fd, "w") as f:
+        yaml.safe_dump(raw, f)
+    return path
+
+
+ENGINE_SAMPLES = {  # what --sample-engines reads off each engine's /metrics (summed over label sets)
+    "prompt_tokens": "vllm:prompt_tokens_total",
+    "prefill_s_sum": "vllm:request_prefill_time_seconds_sum",
+    "prefill_s_count": "vllm:request_prefill_time_seconds_count",
+    "queue_s_sum": "vllm:request_queue_time_seconds_sum",
+    "steps": "vllm:iteration_tokens_total_count",  # engine steps (a prefill pass, a decode step)
+    "step_tokens": "vllm:iteration_tokens_total_sum",  # the tokens they computed
+    "waiting": "vllm:num_requests_waiting",
+    "running": "vllm:num_requests_running",
+    "kv_usage": "vllm:kv_cache_usage_perc",
+}
+
+
+class EngineSampler:
+    """Every ``interval_s`` while the traces replay: each serving engine's ``ENGINE_SAMPLES`` (the
+    controller's status says which engines serve, at what URL); ``rows`` of [t, engine, *values]. From
+    the same status, the autoscaler's ``decisions`` by time (the controller keeps only its last 20)."""
+
+    def __init__(self, interval_s: float) -> None:
+        from orchestrator.cluster import ClusterState
+
+        self.interval_s, self.rows, self._client = interval_s, [], ClusterState.load().client()
+        self.decisions: dict[float, dict] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        start = time.monotonic()
+        while not self._stop.wait(self.interval_s):
+            try:
+                status = self._client.status()
+            except Exception:  # noqa: BLE001 - a missed sample, not a failed run
+                continue
+            self.decisions.update((d["t"], d) for d in (status.get("autoscaler") or {}).get("decisions", []))
+            engines = [e for e in status["engines"] if e["state"] in ("ready", "draining")]
+            for engine in engines:
+                try:
+                    values = scrape(engine["url"], list(ENGINE_SAMPLES.values()), timeout_s=5)
+                except OSError:
+                    continue
+                t = round(time.monotonic() - start, 1)
+                self.rows.append([t, engine["engine_id"], *(round(values[n], 4) for n in ENGINE_SAMPLES.values())])
+
+    def __enter__(self) -> EngineSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def _per(b: dict, a: dict, num: str, den: str) -> float:
+    """``num``'s rise from sample ``a`` to ``b`` over ``den``'s (NaN where ``den`` did not rise)."""
+    d = b[den] - a[den]
+    return (b[num] - a[num]) / d if d > 0 else float("nan")
+
+
+def engines_by_minute(samples: dict, window_s: float = 60.0) -> None:
+    """``--sample-engines``' readings by minute, per engine: prompt tokens computed per second, mean prefill
+    and queue time of the requests that finished prefill in it, most requests waiting, mean KV-cache use."""
+    columns = samples["columns"]
+    by_engine: dict[str, list[dict]] = collections.defaultdict(list)
+    for row in samples["rows"]:
+        by_engine[row[1]].append(dict(zip(columns, row, strict=True)))
+    steps = "steps" in columns  # reports from before 2026-11-27 have no step counts
+    print(
+        "engine | from t | prompt tok/s | prefill s / request | queue s / request | waiting (max) | KV use"
+        + (" | steps / s | tokens / step" if steps else "")
+    )
+    for engine, rows in sorted(by_engine.items()):
+        for start in range(0, int(rows[-1]["t"] + window_s), int(window_s)):
+            here = [r for r in rows if start <= r["t"] < start + window_s]
+            before = [r for r in rows if r["t"] < start][-1:] or here[:1]
+            if not here or not before:
+                continue
+            a, b = before[0], here[-1]
+            span = max(b["t"] - a["t"], 1e-9)
+            per = {k: _per(b, a, k, "prefill_s_count") for k in ("prefill_s_sum", "queue_s_sum")}
+            print(
+                f"{engine} | {start:5d} | {(b['prompt_tokens'] - a['prompt_tokens']) / span:6.0f} | "
+                f"{per['prefill_s_sum']:6.2f} | {per['queue_s_sum']:6.2f} | {max(r['waiting'] for r in here):4.0f} | "
+                f"{statistics.mean(r['kv_usage'] for r in here):.1%}"
+                + (
+                    f" | {(b['steps'] - a['steps']) / span:5.2f} | {_per(b, a, 'step_tokens', 'steps'):6.0f}"
+                    if steps
+                    else ""
+                )
+            )
+
+
+DECISION_COLUMNS = ["t", "prefill", "decode", "arrival_rps", "ttft_p90_s", "prefill_waiting", "decode_waiting"]
+
+
+def decision_rows(decisions: Iterable[dict]) -> dict:
+    """Decisions of an autoscaler, the cluster's or the simulator's, as rows of ``DECISION_COLUMNS`` and the
+    reasons that concern prefill or feedback (the others hold every interval)."""
+    rows = [
+        [round(d["t"], 2)]
+        + [round(v, 3) if isinstance(v := d.get(key), float) else v for key in DECISION_COLUMNS[1:]]
+        + [[r for r in d["reasons"] if r.startswith(("prefill:", "feedback:", "trend:"))]]
+        for d in decisions
+        if d["t"] >= 0
+    ]
+    return {"columns": [*DECISION_COLUMNS, "reasons"], "rows": rows}
+
+
+def predict(
+    spec: ClusterSpec,
+    profile: PerformanceProfile,
+    trace: list,
+    shared: SharedCore,
+    physics: PerformanceProfile | None = None,
+    first_decision_s: float | None = None,
+    cores: dict | None = None,
+) -> SimulationResult:
+    """The autoscaled cluster in the simulator: its autoscaler reads ``profile`` (as the cluster's did), its
+    engines run at ``physics`` (default: the same profile), and it first decides at ``first_decision_s``."""
+    policy = AutoscalePolicy(spec.autoscaling, profile)
+    return simulate_spec(
+        spec,
+        physics or profile,
+        trace,
+        None,
+        cores=cores,
+        policy=policy,
+        shared=shared,
+        first_decision_s=first_decision_s,
+    )
+
+
+def slo_attainment(spec: ClusterSpec, result: SimulationResult) -> float:
+    targets = spec.autoscaling.targets
+    return attainment([(r.ttft_s, r.itl_s) for r in result.records], targets.ttft_p90_s, targets.itl_p90_s)
+
+
+def phases(interval_s: float, n: int = 5) -> list[float]:
+    return [round(interval_s * k / n, 3) for k in range(1, n + 1)]
+
+
+def decision_phase(decisions: list[dict], start: float, interval_s: float) -> float | None:
+    """Where the controller's clock ticked into the replay: seconds from its start to the first decision. The
+    autoscaler ticks at a fixed rate, so any decision's time since ``start``, modulo the interval, gives it."""
+    offsets = [(d["t"] - start) % interval_s for d in decisions if d["t"] >= start]
+    if not offsets:
+        return None
+    return round(offsets[-1], 3) or interval_s
+
+
+def drift(before: PerformanceProfile, after: PerformanceProfile) -> dict:
+    """How much the engines' speed moved between two profiles: after / before, per decode batch (at the
+    grid's middle context) and per prefill pass of one sequence, and both start-up times."""
+    context = before.decode.cols[len(before.decode.cols) // 2]
+    return {
+        "decode_step_at_context": context,
+        "decode_step": {
+            str(round(b)): round(after.decode_step_seconds(b, context) / before.decode_step_seconds(b, context), 3)
+            for b in before.decode.rows
+        },
+        "prefill_pass": {
+            str(round(t)): round(after.prefill_seconds(t, 1) / before.prefill_seconds(t, 1), 3)
+            for t in before.prefill.rows
+        },
+        "startup_s": [round(before.engine.startup_s, 1), round(after.engine.startup_s, 1)],
+    }
+
+
+def report_json(report: dict) -> str:
+    """The report as indented JSON, each innermost list on one line (a request's row, an engine's sample)."""
+    return re.sub(
+        r"\[\n\s*([^\[\]{}]*?)\n\s*\]",  # a newline is never inside a JSON string: only lists match
+        lambda m: "[" + re.sub(r",\n\s*", ", ", m.group(1)) + "]",
+        json.dumps(report, indent=2),
+    )
+
+
+def per_request(trace: list, replayed: list[dict], simulated: list) -> list[list]:
+    """Per request, in arrival order: t, prompt and output tokens, then TTFT and ITL (s) on the cluster (None
+    where it failed) and in the simulator; what a later look at a gap starts from."""
+    pairs = sorted(zip(trace, replayed, strict=True), key=lambda pair: pair[0].t)
+    return [
+        [round(r.t, 3), r.prompt_tokens, r.output_tokens]
+        + [None if "failed" in m else round(m[k], 4) for k in ("ttft_s", "itl_s")]
+        + [round(s.ttft_s, 4), round(s.itl_s, 4)]
+        for (r, m), s in zip(pairs, sorted(simulated, key=lambda s: s.arrival), strict=True)
+    ]
+
+
+def by_minute(report_path: str, window_s: float = 60.0) -> None:
+    """A saved report's ``per_request`` by minute of arrival: TTFT p50 / p90 on both sides, and the prompt
+    tokens whose first token came in that minute (what the prefill engines got through) per second."""
+    with open(report_path) as f:
+        report = json.load(f)
+    for name, load in report["loads"].items():
+        rows = load.get("per_request")
+        if not rows:
+            sys.exit(f"{report_path}: {name}: no per_request (reports from before 2026-11-26 have none)")
+        print(f"{name}: from t | requests | TTFT p50 | TTFT p90 (s) | prompt tok/s prefilled; each cluster / simulator")
+        last = max(t + ttft for t, _, _, ttft, _, _, _ in rows if ttft is not None)
+        for start in range(0, int(last + window_s), int(window_s)):
+            here = [r for r in rows if start <= r[0] < start + window_s]
+            done = [
+                sum(r[1] for r in rows if r[col] is not None and start <= r[0] + r[col] < start + window_s) / window_s
+                for col in (3, 5)
+            ]
+            ttft = [
+                [quantile([r[col] for r in here if r[col] is not None] or [0.0], q) for col in (3, 5)]
+                for q in (0.5, 0.9)
+            ]
+            cells = " | ".join(f"{a:.1f} / {b:.1f}" if here else "-" for a, b in ttft)
+            print(f"{start:5d} | {len(here):4d} | {cells} | {done[0]:.0f} / {done[1]:.0f}")
+        if "simulator_prefill_passes" in load:
+            passes_by_minute(load["simulator_prefill_passes"], window_s)
+    if "engine_samples" in report:
+        engines_by_minute(report["engine_samples"], window_s)
+
+
+def pass_rows(result: SimulationResult) -> dict:
+    """``result.prefill_passes`` as a report's table, by time."""
+    return {
+        "columns": ["t", "engine", "passes", "tokens", "sequences", "seconds", "seconds_x_sequences"],
+        "rows": [
+            [t, f"prefill-{replica}", *(round(v, 3) for v in tally)]
+            for (replica, t), tally in sorted(result.prefill_passes.items(), key=lambda kv: kv[0][::-1])
+        ],
+    }
+
+
+def passes_by_minute(passes: dict, window_s: float) -> None:
+    """The simulator's prefill passes by minute of their start, per engine: passes per second, tokens and
+    sequences per pass, seconds per pass, and per request (what vllm:request_prefill_time_seconds reads)."""
+    print("simulator: engine | from t | passes / s | tokens / pass | sequences / pass | s / pass | s / request")
+    sums: dict[tuple[str, int], list[float]] = {}
+    for t, engine, *tally in passes["rows"]:
+        key = (engine, int(t // window_s * window_s))
+        sums[key] = [a + b for a, b in zip(sums.get(key, [0.0] * len(tally)), tally, strict=True)]
+    for (engine, start), (n, tokens, seqs, seconds, weighted) in sorted(sums.items()):
+        print(
+            f"{engine} | {start:5d} | {n / window_s:5.2f} | {tokens / n:6.0f} | {seqs / n:4.2f} | "
+            f"{seconds / n:5.2f} | {weighted / seqs:5.2f}"
+        )
+
+
+def attainment(pairs: list[tuple[float, float]], ttft_s: float, itl_s: float) -> float:
+    """The share of (TTFT, ITL) pairs within both targets."""
+    return sum(1 for ttft, itl in pairs if ttft <= ttft_s and itl <= itl_s) / len(pairs)
+
+
+def load_shared_core(paths: list[str] | None) -> SharedCore:
+    """The slowdowns beside a busy engine that probes measured (their ``shared_core``:
+    ``lab/probe_shared_start.py --out`` on a core, ``lab/probe_host_load.py --other-core --out`` on the
+    host), each field the mean over the probes that measured it, or the simulator's default (the core split
+    evenly, the host no slower) where none did."""
+    if not paths:
+        return EVEN_SHARE
+    values: dict[str, list[float]] = collections.defaultdict(list)
+    over_up: dict[str, list[float]] = collections.defaultdict(list)
+    for path in paths:
+        with open(path) as f:
+            probe = json.load(f)
+        measured = probe.get("shared_core")
+        if not isinstance(measured, dict):
+            sys.exit(f"{path}: no 'shared_core' (written by lab/probe_shared_start.py or probe_host_load.py --out)")
+        try:
+            SharedCore(**measured)
+        except (TypeError, ValueError) as e:
+            sys.exit(f"{path}: shared_core: {e}")
+        # older probes divided the start-up by a scale-up's beside an idle engine, not by the profile's
+        newer = "at_up" in probe.get("prefill_1_startup_s", {})
+        for name, value in measured.items():
+            (over_up if name == "startup" and newer else values)[name].append(value)
+    values.update(over_up)  # a newer probe's start-up, where there is one
+    return SharedCore(**{name: round(statistics.mean(v), 3) for name, v in values.items()})
+
+
+def resimulate(report_path: str, core_plan: str | None, seed: int, duration_s: float, shared: SharedCore) -> None:
+    with open(report_path) as f:
+        report = json.load(f)
+    spec = ClusterSpec.from_file(report["config"])
+    # The proxy's routing as the run had it (reports before it was saved: the demo's round robin then).
+    prefill, decode = report.get("routing", ("round_robin", "round_robin"))
+    routing = spec.proxy.routing.model_copy(update={"prefill": prefill, "decode": decode})
+    spec = spec.model_copy(update={"proxy": spec.proxy.model_copy(update={"routing": routing})})
+    profile = load_profile(report["profile"].split(" (")[0])
+    physics = profile  # the engines' speed: around the replay where the run profiled them after it, too
+    if after := report.get("profile_after"):
+        physics = mean_profile(profile, load_profile(after), "around-the-replay", f"mean of the profiles and {after}")
+    seed, duration_s = report.get("seed", seed), report.get("duration_s", duration_s)  # the run's own
+    if spec.autoscaling is None:
+        sys.exit(f"{report['config']}: no autoscaling section")
+    cores = shared_cores(spec)
+    core_plan = core_plan or report.get("core_plan", "").split(" (")[0]
+    if core_plan:
+        plan = dict(item.split(":") for item in core_plan.split())
+        cores = {engine: frozenset((0, int(c)) for c in plan_cores.split(",")) for engine, plan_cores in plan.items()}
+    capacity = prefill_capacity_rps(profile, spec.prefill.replicas, MIX, seed)
+    for name, load in report["loads"].items():
+        _, trace = load_trace(name, capacity, duration_s, seed)
+        if len(trace) != load["requests"]:
+            sys.exit(f"{name}: {len(trace)} requests, the report replayed {load['requests']}: --seed / --duration?")
+        result = predict(spec, profile, trace, shared, physics, report.get("decision_phase_s"), cores)
+        records, sim = result.records, slo_attainment(spec, result)
+        real = load["slo_attainment"]["cluster"]
+        rows = {
+            "TTFT p50": statistics.median(r.ttft_s for r in records),
+            "ITL p50": statistics.median(r.itl_s for r in records),
+        }
+        measured = {key: load["quantiles"][key]["cluster_s"] for key in rows}
+        print(
+            f"{name}: SLO attainment cluster {100 * real:.1f} %, simulator {100 * sim:.1f} % "
+            f"({100 * (sim - real):+.1f} points); "
+            + ", ".join(f"{k} {1000 * measured[k]:.0f} / {1000 * v:.0f} ms" for k, v in rows.items())
+            + f"; cores {sorted((e, sorted(c for _, c in cs)) for e, cs in (cores or {}).items())}"
+        )
+        by_phase = {
+            t: slo_attainment(spec, predict(spec, profile, trace, shared, physics, t, cores))
+            for t in phases(spec.autoscaling.interval_s)
+        }
+        print("  first decision at " + ", ".join(f"{t:g} s: {100 * a:.1f} %" for t, a in by_phase.items()))
+        passes_by_minute(pass_rows(result), 60.0)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="configs/local-cpu.yaml")
+    parser.add_argument(
+        "--profile",
+        help="the simulator's profile; by default one measured on the started cluster first (pdserve profile), "
+        "so the simulator models the engines as fast as they run in this run (shared machines vary 2x by the day)",
+    )
+    parser.add_argument("--profile-out", help="where the measured profile goes (default: beside --out, or a temp dir)")
+    parser.add_argument("--trace", help="a trace file (JSON lines) instead of the generated loads")
+    parser.add_argument(
+        "--loads",
+        default=",".join(LOADS),
+        help="comma-separated, of: "
+        + ", ".join(f"{k} ({v:g} x the prefill pool's capacity)" for k, v in LOADS.items())
+        + ", bursty",
+    )
+    parser.add_argument("--duration", type=float, default=180.0, help="seconds of each generated trace")
+    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument(
+        "--autoscale",
+        action="store_true",
+        help="the spec's autoscaler on both sides (it starts at the spec's replicas); adds SLO attainment",
+    )
+    parser.add_argument("--out", help="also write the report (JSON) here")
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument(
+        "--profile-after",
+        action="store_true",
+        help="with --autoscale: profile the engines again after the replay. The simulator's engines then run at "
+        "the mean of the two profiles (the machine's speed around the replay) while its autoscaler reads the "
+        "profile before, as the cluster's did; the report adds the drift and the prediction from the profile before",
+    )
+    parser.add_argument(
+        "--resimulate",
+        metavar="REPORT",
+        help="no cluster: the simulator side of an --autoscale REPORT again (its config, profile, seed and "
+        "duration), with today's simulator and --core-plan; against the cluster attainment it measured",
+    )
+    parser.add_argument(
+        "--core-plan",
+        help="with --resimulate: the engines' cores as the cluster ran them, e.g. 'prefill-0:0 prefill-1:1 "
+        "decode-0:0' (default: the report's core_plan, else the plan the code makes for the spec now)",
+    )
+    parser.add_argument(
+        "--shared-core",
+        metavar="PROBE",
+        nargs="+",
+        help="the simulator slows an engine beside a busy one on its core as lab/probe_shared_start.py "
+        "--out PROBE measured; of several, the mean (default: the core split evenly)",
+    )
+    parser.add_argument(
+        "--by-minute",
+        metavar="REPORT",
+        help="no cluster: a saved report's requests by minute (TTFT on both sides, prompt tokens prefilled per s)",
+    )
+    parser.add_argument(
+        "--sample-engines",
+        type=float,
+        metavar="S",
+        help="every S seconds of the replay, read each serving engine's /metrics (prompt tokens, prefill and "
+        "queue time, waiting, running, KV use) into the report's engine_samples",
+    )
+    args = parser.parse_args()
+    if args.by_minute:
+        by_minute(args.by_minute)
+        return
+    shared = load_shared_core(args.shared_core)
+    if args.resimulate:
+        resimulate(args.resimulate, args.core_plan, args.seed, args.duration, shared)
+        return
+
+    spec = ClusterSpec.from_file(args.config)
+    split = (spec.prefill.replicas, spec.decode.replicas)
+    profile_path = args.profile or args.profile_out
+    if profile_path is None:
+        profile_path = args.out.removesuffix(".json") + "-profile.yaml" if args.out else tempfile.mktemp(".yaml")
+    config = args.config
+    if args.autoscale:  # the cluster's autoscaler and the simulator's must read the same profile
+        if args.profile is None:  # measured on the same engines, without an autoscaler to move them meanwhile
+            profiled = pdserve("profile", spec_copy(args.config, autoscaling=None), "--out", profile_path, timeout=1800)
+            if profiled.returncode != 0:
+                sys.exit(f"pdserve profile failed:\n{profiled.stdout}\n{profiled.stderr}")
+        config = spec_copy(args.config, profile=os.path.abspath(profile_path))
+    up = pdserve("up", config, "--detach")
+    if up.returncode != 0:
+        sys.exit(f"pdserve up failed:\n{up.stdout}\n{up.stderr}")
+    measured = {}
+    sampler: EngineSampler | None = None
+    phase = None  # where the autoscaler's clock ticked into the replay
+    try:
+        if args.profile is None and not args.autoscale:  # the running cluster's engines, measured now
+            profiled = pdserve("profile", config, "--out", profile_path, timeout=1800)
+            if profiled.returncode != 0:
+                sys.exit(f"pdserve profile failed:\n{profiled.stdout}\n{profiled.stderr}")
+        profile = load_profile(profile_path)
+        capacity = prefill_capacity_rps(profile, spec.prefill.replicas, MIX, args.seed)
+        if args.trace:
+            cases = {args.trace: (None, traces.read_trace(args.trace))}
+        else:
+            cases = {name: load_trace(name, capacity, args.duration, args.seed) for name in args.loads.split(",")}
+        limit = spec.engine.max_model_len
+        for name, (_, trace) in cases.items():
+            if any(r.prompt_tokens + r.output_tokens > limit for r in trace):
+                sys.exit(f"{name}: the trace has requests longer than engine.max_model_len ({limit})")
+        status = json.loads(pdserve("status", "--json").stdout)
+        replay_start = time.time()
+        sampler = EngineSampler(args.sample_engines) if args.sample_engines else None
+        with sampler or contextlib.nullcontext():
+            for name, (_, trace) in cases.items():  # one after the other: each replay ends when its last answer did
+                measured[name] = replay(status["proxy_url"], status["model"], trace)
+        status = json.loads(pdserve("status", "--json").stdout)
+        autoscaler = status.get("autoscaler") or {}
+        if autoscaler and spec.autoscaling is not None:
+            phase = decision_phase(autoscaler["decisions"], replay_start, spec.autoscaling.interval_s)
+        events = [  # what the controller did to the engines while the traces ran, seconds into the replay
+            f"{event['t'] - replay_start:.0f}s {event['message']}"
+            for event in status["events"]
+            if event["t"] >= replay_start and event["message"].startswith(("scaling", "prefill-", "decode-"))
+        ]
+    finally:
+        pdserve("down")
+    physics, after = profile, None  # how fast the simulator's engines run; the profile after the replay
+    if args.profile_after and args.autoscale:
+        after_path = profile_path.removesuffix(".yaml") + "-after.yaml"
+        profiled = pdserve("profile", spec_copy(args.config, autoscaling=None), "--out", after_path, timeout=1800)
+        if profiled.returncode != 0:  # the replay is not lost: the report says so and uses the profile before
+            print(f"pdserve profile after the replay failed:\n{profiled.stdout}\n{profiled.stderr}", file=sys.stderr)
+        else:
+            after = load_profile(after_path)
+            physics = mean_profile(profile, after, "around-the-replay", f"mean of {profile_path} and {after_path}")
+
+    report = {
+        "config": args.config,
+        "profile": profile_path if args.profile else f"{profile_path} (measured in this run)",
+        "prefill_capacity_rps": round(capacity, 3),
+        "tolerance": TOLERANCE,
+        "seed": args.seed,
+        "duration_s": args.duration,
+        "shared_core": {"probes": args.shared_core or [], **dataclasses.asdict(shared)},  # the probes, their mean
+        "routing": [spec.proxy.routing.prefill, spec.proxy.routing.decode],
+        "decision_phase_s": phase,
+        "core_plan": " ".join(
+            f"{engine}:{','.join(str(c) for _, c in sorted(cs))}" for engine, cs in (shared_cores(spec) or {}).items()
+        ),
+        "loads": {},
+    }
+    if after is not None:
+        report["profile_after"] = after_path
+        report["drift"] = drift(profile, after)
+    if sampler is not None:
+        report["engine_samples"] = {"columns": ["t", "engine", *ENGINE_SAMPLES], "rows": sampler.rows}
+        if sampler.decisions:  # every decision of the cluster's autoscaler in the replay, beside the simulator's
+            report["cluster_decisions"] = decision_rows(
+                {**d["observed"], **d, "t": t - replay_start} for t, d in sorted(sampler.decisions.items())
+            )
+    if args.autoscale:  # what the cluster's autoscaler changed, in order
+        report["cluster_changes"] = [change["changed"] for change in autoscaler.get("changes", [])]
+        report["cluster_events"] = events
+    for name, (rate, trace) in cases.items():
+        replayed = measured[name]  # in the trace's order
+        failed = [m["failed"] for m in replayed if "failed" in m]
+        measured[name] = [m for m in replayed if "failed" not in m]
+        if args.autoscale and spec.autoscaling is not None:
+            result = predict(spec, profile, trace, shared, physics, phase)
+            simulated, scaled = result.records, result.timeline
+        else:
+            simulated = simulate(profile, StaticPolicy(*split), trace, SloTargets(1e9, 1e9), split).records
+        rows = compare(measured[name], simulated)
+        report["loads"][name] = {
+            "rate_rps": None if rate is None else round(rate, 3),
+            "requests": len(trace),
+            "failed": failed,
+            "paths": dict(collections.Counter(m["path"] for m in measured[name])),
+            "mean_prompt_tokens": round(statistics.mean(r.prompt_tokens for r in trace), 1),
+            "mean_output_tokens": round(statistics.mean(r.output_tokens for r in trace), 1),
+            "quantiles": rows,
+            "within_tolerance": within(rows),
+            "per_request": per_request(trace, replayed, simulated),
+        }
+        if args.autoscale and spec.autoscaling is not None:
+            report["loads"][name]["simulator_prefill_passes"] = pass_rows(result)
+            targets = spec.autoscaling.targets
+            real = attainment(
+                [(m["ttft_s"], m["itl_s"]) for m in measured[name]], targets.ttft_p90_s, targets.itl_p90_s
+            )
+            sim = slo_attainment(spec, result)
+            report["loads"][name]["slo_attainment"] = {
+                "cluster": round(real, 4),
+                "simulator": round(sim, 4),
+                "points": round(100 * (sim - real), 1),
+                **(
+                    {}
+                    if physics is profile
+                    else {
+                        "simulator_profile_before": round(
+                            slo_attainment(spec, predict(spec, profile, trace, shared, None, phase)), 4
+                        )
+                    }
+                ),
+                # how much the prediction moves with where the controller's clock ticks into the trace
+                "simulator_by_first_decision_s": {
+                    str(t): round(slo_attainment(spec, predict(spec, profile, trace, shared, physics, t)), 4)
+                    for t in phases(spec.autoscaling.interval_s)
+                },
+                "simulator_prefill_sizes": sorted({row["prefill"] for row in scaled}),
+                "simulator_decisions": decision_rows(
+                    {**row, "prefill_waiting": row["prefill_queue"], "decode_waiting": row["decode_queue"]}
+                    for row in scaled
+                ),
+                "simulator_changes": [  # (seconds into the trace, prefill, decode) at each change of a target
+                    (round(row["t"]), row["prefill"], row["decode"])
+                    for before, row in zip([None, *scaled], scaled, strict=False)
+                    if before is None or (before["prefill"], before["decode"]) != (row["prefill"], row["decode"])
+                ],
+            }
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(report_json(report) + "\n")
+    if args.json:
+        print(report_json(report))
+        return
+    print(f"{args.config}, profile {report['profile']}; cluster / simulator (simulator / cluster):")
+    print("| load | req/s | requests | " + " | ".join(next(iter(report["loads"].values()))["quantiles"]) + " |")
+    for name, load in report["loads"].items():
+        cells = [
+            f"{row['cluster_s'] * 1000:.0f} / {row['simulator_s'] * 1000:.0f} ms ({row['ratio']:.2f})"
+            for row in load["quantiles"].values()
+        ]
+        print(f"| {name} | {load['rate_rps']} | {load['requests']} | " + " | ".join(cells) + " |")
+        if "slo_attainment" in load:
+            print(f"  SLO attainment: {load['slo_attainment']}")
+
+
+if __name__ == "__main__":
+    main()
