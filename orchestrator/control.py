@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import os
 import secrets
 import urllib.error
 import urllib.request
@@ -89,6 +90,59 @@ HOST_FIELDS: dict[str, tuple[type, ...]] = {
     "engines": (list,),  # engine ids whose address is this host's
 }
 POOL_FIELDS: dict[str, tuple[type, ...]] = {"target": (int,), "max": (int,), "ready": (int,), "draining": (int,)}
+
+
+def cluster_status(controller: Any, nodes: list[Any] | None) -> dict[str, Any]:
+    """The document ``GET /v1/status`` answers (``STATUS_FIELDS``): the controller's state, and ``nodes``
+    (``placement.Node``, Ray's; None when the GCS did not answer) with the engines on each."""
+    from connectors.wire import ROLES
+    from orchestrator.engine_record import engine_status
+
+    spec, records = controller.spec, list(controller.engines.values())
+    return {
+        "schema": STATUS_SCHEMA,
+        "name": spec.name,
+        "model": spec.model_name,
+        "connector": spec.connector,
+        "phase": controller.phase,
+        "error": controller.error,
+        "proxy_url": controller.proxy_url,
+        "started_at": controller.started_at,
+        "ready_s": controller.ready_s,
+        "log_dir": str(controller.log_dir),
+        "controller": {"pid": os.getpid(), "restarts": controller.restarts, "api_url": controller.api.url},
+        "engines": [engine_status(r) for r in records],
+        "hosts": _hosts(nodes or [], records),
+        "pools": {
+            role: {
+                "target": controller.targets[role],
+                "max": spec.max_replicas(role),
+                "ready": sum(r.state == "ready" for r in records if r.role == role),
+                "draining": sum(r.state == "draining" for r in records if r.role == role),
+            }
+            for role in ROLES
+        },
+        "autoscaler": controller.autoscaler.status() if controller.autoscaler is not None else None,
+        "events": controller.log.events,
+    }
+
+
+def _hosts(nodes: list[Any], records: list[Any]) -> list[dict[str, Any]]:
+    """Ray's nodes and the engines on each (a lost host shows ``alive: false``)."""
+    latest: dict[str, Any] = {}
+    for node in nodes:  # a host that came back is a new node at the same address: show the live one
+        if node.ip not in latest or node.alive:
+            latest[node.ip] = node
+    return [
+        {
+            "ip": node.ip,
+            "alive": node.alive,
+            "head": node.is_head,
+            "labels": {k: v for k, v in node.labels.items() if not k.startswith("ray.io/")},
+            "engines": [r.engine_id for r in records if r.host == node.ip],
+        }
+        for node in sorted(latest.values(), key=lambda n: n.ip)
+    ]
 
 
 def schema_problems(status: dict[str, Any]) -> list[str]:

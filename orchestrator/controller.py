@@ -32,50 +32,47 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import json
 import logging
-import os
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import ray
 from ray.exceptions import ActorDiedError, RayActorError, RayTaskError
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from connectors.auth import ClusterSecret, EngineKey, new_secret
-from connectors.private_files import write_private
+from connectors.auth import ClusterSecret, new_secret
 from connectors.wire import ROLES, http_url
 from orchestrator.autoscale.actuator import AUTOSCALER_REASON, Autoscaler
 from orchestrator.autoscale.profile import PerformanceProfile
-from orchestrator.autoscale.rules import new_replicas, retirement_order, take_back_order, warm_room, warm_to_stop
-from orchestrator.control import STATUS_SCHEMA
+from orchestrator.autoscale.rules import new_replicas, resize_plan, warm_room, warm_to_stop
+from orchestrator.control import cluster_status
 from orchestrator.control_server import ControlServer
-from orchestrator.engine_actor import ENGINE_ACTOR_GROUPS, EngineActor, error_excerpt
-from orchestrator.engine_metrics import fetch_metrics
+from orchestrator.engine_actor import error_excerpt
+from orchestrator.engine_handles import EngineHandles
+from orchestrator.engine_metrics import engine_gauges
 from orchestrator.engine_record import (
     EngineRecord,
-    engine_status,
     first_line,
     replica,
     take_info,
     warm_since,
 )
 from orchestrator.errors import EngineStartError
+from orchestrator.event_log import EventLog
 from orchestrator.launch import EngineLaunch, plan_engines
 from orchestrator.logs import redirect_output
-from orchestrator.placement import Node, assign, control_placement
-from orchestrator.proxy_actor import ProxyActor
+from orchestrator.placement import assign
 from orchestrator.spec import ClusterSpec
 
 logger = logging.getLogger(__name__)
 
 MONITOR_INTERVAL_S = 1.0
 PROBE_TIMEOUT_S = 5.0
-ENGINE_MAX_RESTARTS = 5
-SNAPSHOT_NAME = "controller.json"
+WATCH_S = 30.0
+"""A running engine's watch call (``EngineActor.watch``) answers within this long when nothing changes; one that
+does not answer within ``PROBE_TIMEOUT_S`` more is stuck. Its death fails the call at once."""
+WATCHED = ("ready", "restarting")
 
 
 class ClusterController:
@@ -93,7 +90,7 @@ class ClusterController:
         redirect_output(self.log_dir / "controller.log")
         self.spec = ClusterSpec.model_validate(spec_data)
         self.host = host
-        self._secret = secret or new_secret()  # engines get it, the proxy only its engine key; never logged
+        self.handles = EngineHandles(self.spec, secret or new_secret(), self.log_dir)
         # Every engine the pools may grow to; the first `replicas` of each start with the cluster.
         self.launches: dict[str, EngineLaunch] = {e.engine_id: e for e in plan_engines(self.spec, host)}
         self.targets = {role: self.spec.pool(role).replicas for role in ROLES}
@@ -103,13 +100,14 @@ class ClusterController:
                 self.engines[launch.engine_id] = self._record(launch)
         self.phase = "created"  # created | starting | ready | failed | stopping | stopped
         self.error: str | None = None
-        self.events: list[dict[str, Any]] = []
+        self.log = EventLog(self.log_dir, self._snapshot)
         self.started_at = time.time()
         self.ready_s: float | None = None
         self.proxy: Any = None
         self.proxy_url = http_url(self.spec.proxy.host, self.spec.proxy.port)
         self._tasks: set[asyncio.Task] = set()
         self._retiring: dict[str, asyncio.Task] = {}  # engine id -> its _retire, while it may be taken back
+        self._watching: dict[str, asyncio.Task] = {}  # engine id -> its _watch, while it runs
         self.autoscaler: Autoscaler | None = None
         if self.spec.autoscaling is not None and profile_data is not None:
             self.autoscaler = Autoscaler(
@@ -123,7 +121,7 @@ class ClusterController:
         # The API listens where the CLI reaches it: loopback on a local cluster, else this node's address.
         api_host = api_host or host or ray.util.get_node_ip_address()
         self.api = ControlServer(self, api_token_sha256, api_host, after_shutdown=self._exit)
-        snapshot = self._read_snapshot()
+        snapshot = self.log.read()
         self._resumed = False
         if snapshot is not None:  # Ray restarted this controller: take the cluster back (``resume``)
             self._restore(snapshot)
@@ -136,81 +134,28 @@ class ClusterController:
         url = await self.api.start()
         if self.phase == "created":
             self.phase = "starting"
-            self._save()
+            self.log.save()
             self._spawn(self._bring_up())
         return url
 
     async def status(self) -> dict[str, Any]:
-        return {
-            "schema": STATUS_SCHEMA,
-            "name": self.spec.name,
-            "model": self.spec.model_name,
-            "connector": self.spec.connector,
-            "phase": self.phase,
-            "error": self.error,
-            "proxy_url": self.proxy_url,
-            "started_at": self.started_at,
-            "ready_s": self.ready_s,
-            "log_dir": str(self.log_dir),
-            "controller": {"pid": os.getpid(), "restarts": self.restarts, "api_url": self.api.url},
-            "engines": [engine_status(r) for r in self.engines.values()],
-            "hosts": self._hosts(),
-            "pools": {
-                role: {
-                    "target": self.targets[role],
-                    "max": self.spec.max_replicas(role),
-                    "ready": sum(r.state == "ready" for r in self.engines.values() if r.role == role),
-                    "draining": sum(r.state == "draining" for r in self.engines.values() if r.role == role),
-                }
-                for role in ROLES
-            },
-            "autoscaler": self.autoscaler.status() if self.autoscaler is not None else None,
-            "events": self.events,
-        }
-
-    def _hosts(self) -> list[dict[str, Any]]:
-        """The Ray cluster's nodes and the engines on each (a lost host shows ``alive: false``)."""
-        try:
-            nodes = [Node.from_ray(entry) for entry in ray.nodes()]
-        except Exception as e:  # noqa: BLE001 - status must answer even when the GCS does not
-            logger.warning("cannot list Ray's nodes: %s", e)
-            return []
-        latest: dict[str, Node] = {}
-        for node in nodes:  # a host that came back is a new node at the same address: show the live one
-            if node.ip not in latest or node.alive:
-                latest[node.ip] = node
-        return [
-            {
-                "ip": node.ip,
-                "alive": node.alive,
-                "head": node.is_head,
-                "labels": {k: v for k, v in node.labels.items() if not k.startswith("ray.io/")},
-                "engines": [r.engine_id for r in self.engines.values() if r.host == node.ip],
-            }
-            for node in sorted(latest.values(), key=lambda n: n.ip)
-        ]
+        return cluster_status(self, await asyncio.to_thread(self.handles.nodes))
 
     async def shutdown(self) -> None:
         self.phase = "stopping"
         for task in list(self._tasks):
             task.cancel()
         handles = [r.handle for r in self.engines.values() if r.handle is not None]
-        if self.proxy is not None:
-            handles.append(self.proxy)
-        stops = [h.stop.remote() for h in handles]
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(asyncio.gather(*stops, return_exceptions=True), timeout=60)
-        for handle in handles:
-            with contextlib.suppress(Exception):
-                ray.kill(handle, no_restart=True)
+        await self.handles.stop_all([*handles, *([self.proxy] if self.proxy is not None else [])])
         for record in self.engines.values():
-            self._remove_placement_group(record.engine_id)
+            self.handles.remove_placement_group(self.launches[record.engine_id])
             record.state, record.handle = "stopped", None
         self.phase = "stopped"
         self._event("cluster stopped")
 
     async def _exit(self) -> None:
         """After ``shutdown``: leave for good (an intentional exit, which Ray does not restart)."""
+        self.log.write()
         await self.api.stop()
         ray.get_runtime_context().current_actor.exit.remote()
 
@@ -240,7 +185,7 @@ class ClusterController:
         if self.phase in ("stopping", "stopped", "failed", "created"):
             return
         try:
-            self.proxy = ray.get_actor(self._actor_name("proxy"))
+            self.proxy = self.handles.find("proxy")
         except ValueError:
             self._fail("the proxy actor is gone (found after a restart of the controller)")
             return
@@ -261,11 +206,11 @@ class ClusterController:
 
     async def _adopt(self, record: EngineRecord) -> None:
         try:
-            record.handle = ray.get_actor(self._actor_name(record.engine_id))
+            record.handle = self.handles.find(record.engine_id)
             info = await asyncio.wait_for(record.handle.info.remote(), timeout=PROBE_TIMEOUT_S)
         except (ValueError, RayActorError, TimeoutError) as e:
             if record.handle is None:  # never created, or gone for good: start it (again)
-                record.handle = self._create_engine_actor(self.launches[record.engine_id])
+                record.handle = self._create_engine_actor(record.engine_id)
                 self._start_adopted(record)
             else:  # alive but not answering: the monitor treats it as any engine that stops answering
                 record.state = "restarting"
@@ -299,7 +244,7 @@ class ClusterController:
             return
         try:
             for engine_id, record in self.engines.items():
-                record.handle = self._create_engine_actor(self.launches[engine_id])
+                record.handle = self._create_engine_actor(engine_id)
         except Exception as e:  # noqa: BLE001 - reported to the user, not a bring-up that never ends
             self._fail(f"cannot create the engine actors: {_cause(e)}")
             return
@@ -333,66 +278,13 @@ class ClusterController:
             )
 
     async def _start_proxy(self) -> None:
-        config = self.spec.proxy_config()
-        self.proxy = (
-            ray.remote(ProxyActor)
-            .options(
-                max_restarts=-1,
-                max_task_retries=0,
-                name=self._actor_name("proxy"),
-                lifetime="detached",
-                **control_placement(self.spec).actor_options(),
-            )
-            .remote(
-                config,
-                self.spec.proxy.host,
-                self.spec.proxy.port,
-                str(self.log_dir / "proxy.log"),
-                EngineKey.of(self._secret),  # the engine key alone: the proxy never holds the cluster secret
-            )
-        )
+        self.proxy = self.handles.create_proxy()
         self._event(f"proxy starting on {self.proxy_url}")
         self.proxy_url = (await self.proxy.start.remote())["url"]
         self._event("proxy ready")
 
-    def _create_engine_actor(self, launch: EngineLaunch) -> Any:
-        options: dict[str, Any] = {
-            "max_restarts": ENGINE_MAX_RESTARTS,
-            "max_task_retries": 0,
-            "name": self._actor_name(launch.engine_id),
-            "lifetime": "detached",  # outlives a restart of this controller, which adopts it
-            # The monitor asks every engine how it is once a second; Ray would record each call as a task
-            # event and ship it to the GCS: ~0.5 % of a core per idle engine, for a dashboard list nobody reads.
-            "enable_task_events": False,
-        }
-        if launch.placement.bundles:  # GPU: the engine and its TP workers in one placement group
-            options.update(
-                num_cpus=0,
-                num_gpus=0,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    self._placement_group(launch), placement_group_capture_child_tasks=True
-                ),
-            )
-        else:
-            options.update(launch.placement.actor_options())
-        return (
-            ray.remote(concurrency_groups=ENGINE_ACTOR_GROUPS)(EngineActor)  # stop() has a loop of its own
-            .options(**options)
-            .remote(launch, self.engines[launch.engine_id].log_path, self.spec.network.interface, self._secret)
-        )
-
-    def _placement_group(self, launch: EngineLaunch) -> Any:
-        """The engine's placement group (one bundle per TP rank): the one a previous controller made, or a new one."""
-        name = self._actor_name(launch.engine_id) + "-pg"
-        with contextlib.suppress(ValueError):
-            return ray.util.get_placement_group(name)
-        return ray.util.placement_group(name=name, lifetime="detached", **launch.placement.placement_group_args())
-
-    def _remove_placement_group(self, engine_id: str) -> None:
-        if not self.launches[engine_id].placement.bundles:
-            return
-        with contextlib.suppress(Exception):
-            ray.util.remove_placement_group(ray.util.get_placement_group(self._actor_name(engine_id) + "-pg"))
+    def _create_engine_actor(self, engine_id: str) -> Any:
+        return self.handles.create_engine(self.launches[engine_id], self.engines[engine_id].log_path)
 
     async def _start_engine(self, engine_id: str) -> str:
         record, launch = self.engines[engine_id], self.launches[engine_id]
@@ -489,7 +381,7 @@ class ClusterController:
                 if record.role in targets:
                     self._cut_warm(record, f"scaled by hand ({reason})")
         self._fit_warm()
-        self._save()
+        self.log.save()
         return {"plan": plan, "targets": dict(self.targets)}
 
     async def _resize(
@@ -498,18 +390,12 @@ class ClusterController:
         """Bring the pool towards its target: take back draining engines, start failed ones again (once their
         back-off ended, or ``retry_now``), start new ones, or retire; failed engines it does not need stop."""
         target = self.targets[role]
-        serving = [r for r in self.engines.values() if r.role == role and r.state in _SERVING]
-        draining = [r for r in self.engines.values() if r.role == role and r.state == "draining" and not r.stopping]
-        taken = take_back_order(draining, lambda r: replica(r.engine_id))[: max(target - len(serving), 0)]
-        failed = [r for r in self.engines.values() if r.role == role and r.state == "failed" and not r.stopping]
-        failed.sort(key=lambda r: replica(r.engine_id))
-        wanted = failed[: max(target - len(serving) - len(taken), 0)]
-        again = [r for r in wanted if retry_now or time.monotonic() >= r.retry_at]
-        started = self._grow(role, target - len(serving) - len(taken) - len(wanted))
-        retiring = retirement_order(serving, lambda r: r.state == "ready", lambda r: replica(r.engine_id))
-        retiring = retiring[: max(len(serving) - target, 0)]
+        pool = [r for r in self.engines.values() if r.role == role]
+        plan = resize_plan(pool, target, time.monotonic(), retry_now, lambda r: replica(r.engine_id))
+        taken, again, retiring = plan.take_back, plan.start_again, plan.retire
+        started = self._grow(role, plan.start)
         if started or retiring or taken or again:
-            self._event(f"scaling {role} {len(serving)} -> {target} ({reason})")
+            self._event(f"scaling {role} {plan.serving} -> {target} ({reason})")
         for record in taken:
             if task := self._retiring.pop(record.engine_id, None):
                 task.cancel()
@@ -528,11 +414,11 @@ class ClusterController:
                 f"{first_line(record.error)})"
             )
             self._spawn(self._start_again(record))
-        for record in failed[len(wanted) :]:
+        for record in plan.stop_failed:
             self._event(f"{record.engine_id} failed and its pool is at its target without it: stopping it")
             self._spawn_retire(record, drain=False)
         stopping = [r.engine_id for r in self.engines.values() if r.role == role and r.stopping]
-        if len(serving) + len(taken) + len(started) + len(again) < target and stopping:
+        if plan.serving + len(taken) + len(started) + len(again) < target and stopping:
             self._event(f"{role}: the other engine(s) start once {', '.join(stopping)} stopped (replicas held)")
         return {
             "take_back": [r.engine_id for r in taken],
@@ -547,7 +433,7 @@ class ClusterController:
             return
         record.error, record.url, record.pid = None, "", None
         try:
-            record.handle = self._create_engine_actor(self.launches[record.engine_id])
+            record.handle = self._create_engine_actor(record.engine_id)
         except Exception as e:  # noqa: BLE001 - the engine's error, and tried again after its back-off
             self._start_failed(record, f"cannot create its actor: {_cause(e)}")
             return
@@ -559,10 +445,8 @@ class ClusterController:
         if all(targets[role] <= self.targets[role] for role in ROLES):
             return []  # shrinking needs no room
         pools = {role: self.spec.pool(role).model_copy(update={"replicas": targets[role]}) for role in ROLES}
-        try:
-            nodes = [Node.from_ray(entry) for entry in ray.nodes()]
-        except Exception as e:  # noqa: BLE001 - then let Ray try
-            logger.warning("cannot list Ray's nodes to check a scale-up: %s", e)
+        nodes = self.handles.nodes()
+        if nodes is None:  # then let Ray try
             return []
         return assign(self.spec.model_copy(update=pools), nodes)[1]
 
@@ -575,7 +459,7 @@ class ClusterController:
         wanted = set(new_replicas((replica(r.engine_id) for r in self.engines.values() if r.role == role), count))
         for launch in [launch for launch in self._launches(role) if replica(launch.engine_id) in wanted]:
             record = self.engines[launch.engine_id] = self._record(launch)
-            record.handle = self._create_engine_actor(launch)
+            record.handle = self._create_engine_actor(launch.engine_id)
             self._spawn(self._start_engine(launch.engine_id))
             started.append(launch.engine_id)
         return started
@@ -677,19 +561,7 @@ class ClusterController:
 
     async def _release(self, record: EngineRecord) -> None:
         """Stop the engine's vLLM and its actor, and free its placement group."""
-        name = self._actor_name(record.engine_id)
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(record.handle.stop.remote(), timeout=60)
-        with contextlib.suppress(Exception):
-            ray.kill(record.handle, no_restart=True)
-        # The replica may start again later under the same actor name: wait until Ray let it go.
-        for _ in range(100):
-            try:
-                ray.get_actor(name)
-            except ValueError:
-                break
-            await asyncio.sleep(0.1)
-        self._remove_placement_group(record.engine_id)
+        await self.handles.release(record.handle, self.launches[record.engine_id])
 
     async def _stop_engine(self, record: EngineRecord) -> None:
         await self._release(record)
@@ -702,22 +574,34 @@ class ClusterController:
     # --- supervision ------------------------------------------------------------------------
 
     async def _monitor(self) -> None:
+        """Once a second: the proxy, a watch on every running engine (``_watch``), failed engines' back-off."""
         while True:
             await asyncio.sleep(MONITOR_INTERVAL_S)
             await self._check_proxy()
             for record in list(self.engines.values()):  # a scale may add or remove one while a check awaits
-                if record.state in ("ready", "restarting"):
-                    await self._check_engine(record)
+                watch = self._watching.get(record.engine_id)
+                if record.state in WATCHED and (watch is None or watch.done()):
+                    self._watching[record.engine_id] = self._spawn(self._watch(record))
             # Failed engines whose back-off ended: their pools grow back to the targets.
             now = time.monotonic()
             for role in ROLES if self.phase == "ready" else ():
                 if any(r.role == role and r.state == "failed" and now >= r.retry_at for r in self.engines.values()):
                     await self._resize(role, "a failed engine's back-off ended")
 
+    async def _watch(self, record: EngineRecord) -> None:
+        """Watch a running engine until it leaves ``WATCHED`` states (the monitor then watches it again once
+        it runs). The engine answers when its state changes or every ``WATCH_S``; Ray fails the call when the
+        process dies: no probe a second wakes the idle engine."""
+        while record.state in WATCHED and self.engines.get(record.engine_id) is record:
+            await self._check_engine(record)
+
     async def _check_engine(self, record: EngineRecord) -> None:
+        seen = record.state
         try:
-            info = await asyncio.wait_for(record.handle.info.remote(), timeout=PROBE_TIMEOUT_S)
+            info = await asyncio.wait_for(record.handle.watch.remote(seen, WATCH_S), timeout=WATCH_S + PROBE_TIMEOUT_S)
         except (RayActorError, TimeoutError) as e:
+            if record.state not in WATCHED or self.engines.get(record.engine_id) is not record:
+                return  # retired or stopped meanwhile: its calls fail, which is no news
             if record.state == "ready":
                 record.state = "restarting"
                 self._event(f"{record.engine_id} stopped answering ({type(e).__name__}); out of the pool")
@@ -725,7 +609,11 @@ class ClusterController:
             if isinstance(e, ActorDiedError):  # restarts exhausted: dead for good
                 delay = record.failed(f"actor died for good: {e}")
                 self._event(f"{record.engine_id} is gone: Ray will not restart it again; a new one in {delay:g}s")
+            elif seen == "restarting":
+                await asyncio.sleep(MONITOR_INTERVAL_S)  # Ray is restarting it: ask again in a while
             return
+        if record.state != seen or self.engines.get(record.engine_id) is not record:
+            return  # changed here meanwhile (a scale, a stop): the monitor decides again
         if info["state"] == "ready" and record.state == "restarting":  # it was only slow to answer
             record.state = "ready"
             take_info(record, info)
@@ -756,10 +644,6 @@ class ClusterController:
 
     # --- helpers ----------------------------------------------------------------------------
 
-    def _actor_name(self, part: str) -> str:
-        """The Ray actor name of the proxy (``part="proxy"``) or an engine: found again by a restarted controller."""
-        return f"{self.spec.name}-{part}"
-
     def _launches(self, role: str) -> list[EngineLaunch]:
         return [launch for launch in self.launches.values() if launch.role == role]
 
@@ -767,31 +651,20 @@ class ClusterController:
         return EngineRecord(launch.engine_id, launch.role, log_path=str(self.log_dir / f"{launch.engine_id}.log"))
 
     def _event(self, message: str) -> None:
-        self.events.append({"t": time.time(), "message": message})
-        del self.events[:-500]
-        logger.info("%s", message)
-        self._save()
+        self.log.add(message)
 
-    def _save(self) -> None:
-        """Write what a restarted controller needs (``_restore``); atomically, so it never reads half."""
-        snapshot = {
+    def _snapshot(self) -> dict[str, Any]:
+        """What a restarted controller needs (``_restore``; ``EventLog`` writes it with the events)."""
+        return {
             "phase": self.phase,
             "error": self.error,
             "started_at": self.started_at,
             "ready_s": self.ready_s,
-            "targets": self.targets,
+            "targets": dict(self.targets),
             "api_port": self.api.port,
             "restarts": self.restarts,
             "engines": {r.engine_id: {"state": r.state, "restarts": r.restarts} for r in self.engines.values()},
-            "events": self.events,
         }
-        write_private(self.log_dir / SNAPSHOT_NAME, json.dumps(snapshot))  # 0600, whole or not at all
-
-    def _read_snapshot(self) -> dict[str, Any] | None:
-        try:
-            return json.loads((self.log_dir / SNAPSHOT_NAME).read_text())
-        except (FileNotFoundError, ValueError):
-            return None
 
     def _restore(self, snapshot: dict[str, Any]) -> None:
         self.phase, self.error = snapshot["phase"], snapshot["error"]
@@ -799,7 +672,6 @@ class ClusterController:
         self.targets = snapshot["targets"]
         self.restarts = snapshot["restarts"] + 1
         self.api.port = snapshot["api_port"]
-        self.events = snapshot["events"]
         self.engines = {}
         for engine_id, saved in snapshot["engines"].items():
             record = self.engines[engine_id] = self._record(self.launches[engine_id])
@@ -814,16 +686,6 @@ class ClusterController:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
-
-
-_SERVING = ("pending", "starting", "ready", "restarting")
-
-
-async def engine_gauges(url: str, timeout_s: float = PROBE_TIMEOUT_S) -> dict[str, float] | None:
-    """The engine's samples on its ``/metrics``, summed over label sets; None if it does not answer."""
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
-        reading = await fetch_metrics(session, url)
-    return None if reading is None else reading.values
 
 
 def _cause(error: BaseException) -> str:

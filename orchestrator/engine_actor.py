@@ -60,6 +60,7 @@ from proxy.server import listen_socket as proxy_listen_socket
 logger = logging.getLogger(__name__)
 
 WATCHDOG_INTERVAL_S = 1.0
+WATCH_STEP_S = 1.0  # how often a watch (``EngineActor.watch``) looks at the state, inside the actor
 SHM_NOTE_INTERVAL_S = 2.0
 """While an engine starts, how often it notes the /dev/shm files its processes hold."""
 SERVER_TICK_S = 1.0
@@ -264,6 +265,15 @@ class EngineActor:
             "error": self.error,
             "log_path": str(self.log_path),
         }
+
+    async def watch(self, seen: str, timeout_s: float) -> dict[str, Any]:
+        """``info()`` once the state is no longer ``seen``, or after ``timeout_s``: how the controller watches a
+        running engine, one Ray call per ``timeout_s`` rather than a probe a second (each probe wakes Ray's
+        threads in this process). A death of this process fails the call at once."""
+        deadline = time.monotonic() + timeout_s
+        while self.state == seen and (left := deadline - time.monotonic()) > 0:
+            await asyncio.sleep(min(left, WATCH_STEP_S))
+        return await self.info()
 
     async def start(self) -> dict[str, Any]:
         """Start vLLM (or wait for the start under way: a restarted controller asks again); its ``info()``."""

@@ -93,3 +93,10 @@ def scrape(url: str, names: tuple[str, ...] | list[str], timeout_s: float = 30) 
     """``sum_samples`` of ``url``/metrics, fetched now (blocking; for scripts)."""
     with urllib.request.urlopen(url + "/metrics", timeout=timeout_s) as response:
         return sum_samples(response.read().decode(), names)
+
+
+async def engine_gauges(url: str, timeout_s: float = 5.0) -> dict[str, float] | None:
+    """The engine's samples on its ``/metrics``, summed over label sets; None if it does not answer."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
+        reading = await fetch_metrics(session, url)
+    return None if reading is None else reading.values

@@ -9,6 +9,10 @@
    calls each, as a user runs them (a new process each), median and max.
 3. With ``--down``: ``pdserve down`` once, timed (it stops the cluster).
 
+With ``--plain``, a plain vLLM server (``vllm serve``: no Ray, no KV connector, no probes) of the same
+model, settings and core as ``prefill-0`` runs beside the cluster and is measured in the same window:
+the ratio of each engine's tree to it is what pdserve adds to an idle engine.
+
 ``--idle-only`` skips 2. To compare two commits' idle engines on one machine, run them in turn from a
 ``git worktree`` of each (``PYTHONPATH`` set to that tree for ``pdserve up`` and this script), as the
 README's "Idle engines" section shows.
@@ -19,16 +23,23 @@ Run from the repository root: ``.venv/bin/python scripts/bench_control.py [--jso
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
+import socket
 import statistics
 import subprocess
 import sys
 import time
+import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from orchestrator.cluster import idle_use  # noqa: E402
+from orchestrator.launch import plan_engines  # noqa: E402
+from orchestrator.spec import ClusterSpec  # noqa: E402
 
 PDSERVE = [sys.executable, "-m", "orchestrator.cli"]
 
@@ -42,18 +53,61 @@ def timed(args: list[str]) -> tuple[float, subprocess.CompletedProcess]:
     return took, result
 
 
+@contextlib.contextmanager
+def plain_vllm(config: str, log: Path, settle_s: float) -> Iterator[int]:
+    """A plain vLLM server as the spec's ``prefill-0`` is configured (model, settings, core, environment),
+    without the KV connector; yields its pid once it answers /health and has idled ``settle_s``."""
+    launch = plan_engines(ClusterSpec.from_file(config), "127.0.0.1")[0]
+    args = list(launch.vllm_args)
+    kv = args.index("--kv-transfer-config")
+    del args[kv : kv + 2]
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    args[args.index("--port") + 1] = str(port)
+    env = {**os.environ, **launch.env}
+    command = [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", *args]  # what `vllm serve` runs
+    with open(log, "w") as out:
+        server = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            if server.poll() is not None:
+                raise SystemExit(f"the plain vLLM server exited ({server.returncode}); its log: {log}")
+            with contextlib.suppress(OSError):
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
+                    break
+            if time.monotonic() > deadline:
+                raise SystemExit(f"the plain vLLM server did not answer in 600 s; its log: {log}")
+            time.sleep(1)
+        time.sleep(settle_s)
+        yield server.pid
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server.pid, 15)
+        server.wait(60)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--idle-s", type=float, default=30.0)
     parser.add_argument("--runs", type=int, default=10)
     parser.add_argument("--down", action="store_true", help="also time `pdserve down` (stops the cluster)")
     parser.add_argument("--idle-only", action="store_true", help="only the idle engines, not the status timings")
+    parser.add_argument(
+        "--plain", metavar="CONFIG", help="measure beside the engines a plain vLLM server as CONFIG's prefill-0"
+    )
+    parser.add_argument("--settle-s", type=float, default=20.0, help="--plain: idle this long before measuring")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     _, result = timed(["status", "--json"])
     status = json.loads(result.stdout)
     engines = {e["pid"]: e["engine_id"] for e in status["engines"] if e["pid"]}
-    idle = idle_use(list(engines), args.idle_s)
+    with contextlib.ExitStack() as stack:
+        if args.plain:
+            log = Path(status["log_dir"]) / "plain-vllm.log"
+            engines[stack.enter_context(plain_vllm(args.plain, log, args.settle_s))] = "plain-vllm"
+        idle = idle_use(list(engines), args.idle_s)
     report: dict = {
         "connector": status["connector"],
         "idle_s": args.idle_s,
@@ -67,6 +121,11 @@ def main() -> None:
             for pid, use in idle.items()
         },
     }
+    if args.plain:
+        plain = report["idle_cpu_pct"]["plain-vllm"]
+        report["idle_vs_plain"] = {
+            engine: round(pct / plain, 2) for engine, pct in report["idle_cpu_pct"].items() if engine != "plain-vllm"
+        }
     for name, cmd in () if args.idle_only else (("status", ["status"]), ("status_json", ["status", "--json"])):
         samples = [timed(cmd)[0] for _ in range(args.runs)]
         report[name + "_s"] = {"median": round(statistics.median(samples), 3), "max": round(max(samples), 3)}
@@ -81,6 +140,8 @@ def main() -> None:
             f"  {engine:<12} {report['idle_cpu_pct'][engine]:6.2f} %   busiest thread "
             f"{entry['busiest_thread_pct']:.2f} % ({entry['busiest_thread']})   {entry['wakeups_per_s']} wake-ups/s"
         )
+    for engine, ratio in report.get("idle_vs_plain", {}).items():
+        print(f"  {engine:<12} {ratio:.2f}x the plain vLLM server's idle CPU")
     for name in ("status", "status_json"):
         if (r := report.get(name + "_s")) is not None:
             print(

@@ -19,11 +19,23 @@ same scaling mechanics on a real cluster.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import TypeVar
+from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar
 
-__all__ = ["new_replicas", "retirement_order", "take_back_order", "warm_room", "warm_to_stop"]
+__all__ = [
+    "SERVING",
+    "ResizePlan",
+    "new_replicas",
+    "resize_plan",
+    "retirement_order",
+    "take_back_order",
+    "warm_room",
+    "warm_to_stop",
+]
 
 T = TypeVar("T")
+SERVING = ("pending", "starting", "ready", "restarting")
+"""Engine states that count towards a pool's size: asked for, starting or serving."""
 
 
 def new_replicas(held: Iterable[int], count: int) -> list[int]:
@@ -56,3 +68,54 @@ def warm_to_stop(warm: Sequence[T], since: Callable[[T], float], max_engines: in
     """The engines kept warm that stop now so that the targets and the rest fit the budget: the longest-warm
     (smallest ``since``) first."""
     return sorted(warm, key=since)[: max(0, -warm_room(max_engines, targets, len(warm)))]
+
+
+class PoolEngine(Protocol):
+    state: str  # pending | starting | ready | restarting | draining | failed
+    stopping: bool  # being stopped: neither taken back nor started again
+    retry_at: float  # a failed engine starts again from then (monotonic seconds)
+
+
+E = TypeVar("E", bound=PoolEngine)
+
+
+@dataclass(frozen=True, slots=True)
+class ResizePlan(Generic[E]):
+    """What brings one pool to its target (``resize_plan``)."""
+
+    serving: int
+    take_back: list[E]
+    """Draining (or warm) engines that serve again at once."""
+    start_again: list[E]
+    """Failed engines started afresh now (their back-off ended)."""
+    waiting: int
+    """Failed engines the pool needs whose back-off has not ended: they hold their places."""
+    start: int
+    """New engines to start, on ``new_replicas``."""
+    retire: list[E]
+    stop_failed: list[E]
+    """Failed engines the pool no longer needs."""
+
+
+def resize_plan(
+    engines: Sequence[E], target: int, now: float, retry_now: bool, replica: Callable[[E], int]
+) -> ResizePlan[E]:
+    """How a pool of ``engines`` reaches ``target``: take back draining engines first, then start failed ones
+    again (once their back-off ended at ``now``, or ``retry_now``), then start new ones; or retire the
+    surplus (``retirement_order``). Failed engines beyond what the target needs are stopped."""
+    serving = [e for e in engines if e.state in SERVING]
+    draining = [e for e in engines if e.state == "draining" and not e.stopping]
+    taken = take_back_order(draining, replica)[: max(target - len(serving), 0)]
+    failed = sorted((e for e in engines if e.state == "failed" and not e.stopping), key=replica)
+    wanted = failed[: max(target - len(serving) - len(taken), 0)]
+    again = [e for e in wanted if retry_now or now >= e.retry_at]
+    retiring = retirement_order(serving, lambda e: e.state == "ready", replica)[: max(len(serving) - target, 0)]
+    return ResizePlan(
+        serving=len(serving),
+        take_back=taken,
+        start_again=again,
+        waiting=len(wanted) - len(again),
+        start=max(target - len(serving) - len(taken) - len(wanted), 0),
+        retire=retiring,
+        stop_failed=failed[len(wanted) :],
+    )

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.controller import engine_gauges
-from orchestrator.engine_metrics import parse_metrics, sum_samples
+from orchestrator.engine_metrics import engine_gauges, parse_metrics, sum_samples
 
 pytestmark = pytest.mark.timeout(15)
 

@@ -10,14 +10,13 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
 from connectors.errors import UnsafeDirectory
 from connectors.private_files import make_private_dirs, open_private, private_dir, write_private
 from orchestrator import cluster
-from orchestrator.controller import SNAPSHOT_NAME, ClusterController
+from orchestrator.event_log import SNAPSHOT_NAME, EventLog
 from tests.unit.conftest import REPO_ROOT
 
 
@@ -75,12 +74,9 @@ def test_an_actors_log_is_0600_in_directories_made_0700(tmp_path: Path) -> None:
 
 
 def test_the_controllers_snapshot_is_0600(tmp_path: Path, open_umask) -> None:
-    c = ClusterController.__new__(ClusterController)
-    c.log_dir, c.phase, c.error, c.started_at, c.ready_s = tmp_path, "ready", None, 0.0, 1.0
-    c.targets, c.api, c.restarts, c.engines, c.events = {}, SimpleNamespace(port=1), 0, {}, []
-    c._save()
+    EventLog(tmp_path, lambda: {"phase": "ready"}).write()
     assert mode(tmp_path / SNAPSHOT_NAME) == 0o600
-    assert c._read_snapshot()["phase"] == "ready"
+    assert EventLog(tmp_path, dict).read() == {"phase": "ready"}
 
 
 def test_the_state_directory_and_its_lock_are_private(tmp_path: Path, monkeypatch, open_umask) -> None:

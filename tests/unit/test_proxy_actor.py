@@ -14,8 +14,7 @@ import httpx
 import pytest
 
 from connectors.auth import PROXY_ENGINE_KEY_ENV, SECRET_ENV, SECRET_FILE_ENV, ClusterSecret, EngineKey, engine_key
-from orchestrator import controller as controller_module
-from orchestrator import proxy_actor
+from orchestrator import engine_handles, proxy_actor
 from orchestrator.controller import ClusterController
 from orchestrator.proxy_actor import ProxyActor
 from orchestrator.spec import ClusterSpec
@@ -159,10 +158,11 @@ async def test_the_controller_hands_the_proxy_actor_the_engine_key_alone(monkeyp
 
             return SimpleNamespace(start=SimpleNamespace(remote=started))
 
-    monkeypatch.setattr(controller_module.ray, "remote", lambda cls: ProxyClass())
+    monkeypatch.setattr(engine_handles.ray, "remote", lambda cls: ProxyClass())
     c = ClusterController.__new__(ClusterController)
     c.spec = ClusterSpec.model_validate(spec_dict())
-    c.log_dir, c._secret, c.events, c.proxy_url = tmp_path, TEST_SECRET, [], "http://0.0.0.0:8000"
+    c.handles = engine_handles.EngineHandles(c.spec, TEST_SECRET, tmp_path)
+    c.log_dir, c.events, c.proxy_url = tmp_path, [], "http://0.0.0.0:8000"
     c._event = lambda message: c.events.append(message)  # type: ignore[method-assign]
     await c._start_proxy()
 

@@ -1,0 +1,172 @@
+"""The controller's parts that act for it: the event log and its snapshot, the pure resize plan, the status
+document. Without Ray; the controller's coordination runs for real in tests/integration (test_lifecycle,
+test_scale, test_control)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+from orchestrator import event_log
+from orchestrator.autoscale.rules import resize_plan
+from orchestrator.control import cluster_status, schema_problems
+from orchestrator.engine_record import EngineRecord, replica
+from orchestrator.event_log import SNAPSHOT_NAME, EventLog
+from orchestrator.placement import HEAD_RESOURCE, Node
+from orchestrator.spec import ClusterSpec
+from tests.unit.conftest import spec_dict
+
+
+def snapshot(path: Path) -> dict:
+    return json.loads((path / SNAPSHOT_NAME).read_text())
+
+
+async def test_a_change_of_state_is_written_at_once_and_events_alone_together(tmp_path, monkeypatch):
+    monkeypatch.setattr(event_log, "EVENT_FLUSH_S", 0.05)
+    state = {"phase": "starting"}
+    log = EventLog(tmp_path, lambda: dict(state))
+
+    log.add("proxy starting")  # the first write: no state was written yet
+    for n in range(20):
+        log.add(f"engine {n} loading")
+    assert log.writes == 1 and len(snapshot(tmp_path)["events"]) == 1
+
+    await asyncio.sleep(0.2)
+    assert log.writes == 2 and len(snapshot(tmp_path)["events"]) == 21  # twenty events, one write
+
+    state["phase"] = "ready"
+    log.add("cluster ready")
+    assert log.writes == 3 and snapshot(tmp_path)["phase"] == "ready"  # a restart must see it: at once
+    await asyncio.sleep(0.2)
+    assert log.writes == 3  # nothing left to write
+
+
+def test_a_restarted_controller_reads_the_state_and_the_events_back(tmp_path):
+    EventLog(tmp_path, lambda: {"phase": "ready", "targets": {"prefill": 2}}).add("cluster ready")
+
+    log = EventLog(tmp_path, dict)
+    assert log.read() == {"phase": "ready", "targets": {"prefill": 2}}
+    assert [e["message"] for e in log.events] == ["cluster ready"]
+    assert EventLog(tmp_path / "none", dict).read() is None
+
+
+def pool(*states: str) -> list[EngineRecord]:
+    return [EngineRecord(f"prefill-{i}", "prefill", state=state) for i, state in enumerate(states)]
+
+
+def plan(engines, target, now=0.0, retry_now=False):
+    return resize_plan(engines, target, now, retry_now, lambda r: replica(r.engine_id))
+
+
+def test_growing_takes_draining_engines_back_before_starting_new_ones():
+    engines = pool("ready", "draining", "draining")
+    grown = plan(engines, 4)
+    assert [r.engine_id for r in grown.take_back] == ["prefill-1", "prefill-2"] and grown.start == 1
+    assert grown.retire == [] and grown.serving == 1
+
+
+def test_shrinking_retires_the_newest_and_those_not_serving_yet_first():
+    engines = pool("ready", "starting", "ready", "ready")
+    shrunk = plan(engines, 2)
+    assert [r.engine_id for r in shrunk.retire] == ["prefill-1", "prefill-3"] and shrunk.start == 0
+
+
+def test_a_failed_engine_holds_its_place_until_its_back_off_ends():
+    engines = pool("ready", "failed", "failed")
+    for record in engines[1:]:
+        record.retry_at = 10.0
+    waiting = plan(engines, 2, now=5.0)
+    assert (waiting.start_again, waiting.waiting, waiting.start) == ([], 1, 0)
+    assert [r.engine_id for r in waiting.stop_failed] == ["prefill-2"]  # the pool does not need it
+    assert [r.engine_id for r in plan(engines, 2, now=11.0).start_again] == ["prefill-1"]
+    assert [r.engine_id for r in plan(engines, 2, now=5.0, retry_now=True).start_again] == ["prefill-1"]
+
+
+def test_the_status_document_is_the_documented_schema():
+    spec = ClusterSpec.model_validate(spec_dict())
+    engines = {r.engine_id: r for r in pool("ready", "draining")}
+    engines["prefill-0"].host = "10.0.0.1"
+    controller = SimpleNamespace(
+        spec=spec, engines=engines, phase="ready", error=None, proxy_url="http://127.0.0.1:8000", started_at=1.0,
+        ready_s=2.0, log_dir=Path("/tmp/logs"), restarts=0, api=SimpleNamespace(url="http://127.0.0.1:9"),
+        targets={"prefill": 2, "decode": 1}, autoscaler=None, log=SimpleNamespace(events=[]),
+    )  # fmt: skip
+    nodes = [
+        Node("a", "10.0.0.1", {"ray.io/node-id": "a", "pool": "p"}, {HEAD_RESOURCE: 1.0}, alive=False),
+        Node("b", "10.0.0.1", {"pool": "p"}, {}),  # the same host, back as a new node
+    ]
+
+    status = cluster_status(controller, nodes)
+
+    assert schema_problems(json.loads(json.dumps(status))) == []  # as the client reads it
+    assert status["hosts"] == [
+        {"ip": "10.0.0.1", "alive": True, "head": False, "labels": {"pool": "p"}, "engines": ["prefill-0"]}
+    ]
+    assert status["pools"]["prefill"] == {"target": 2, "max": spec.max_replicas("prefill"), "ready": 1, "draining": 1}
+    assert cluster_status(controller, None)["hosts"] == []  # the GCS did not answer
+
+
+async def test_an_engines_watch_answers_when_its_state_changes_or_after_the_timeout(monkeypatch):
+    from orchestrator import engine_actor
+
+    monkeypatch.setattr(engine_actor, "WATCH_STEP_S", 0.01)
+    actor = engine_actor.EngineActor.__new__(engine_actor.EngineActor)
+    actor.state = "ready"
+    actor.info = lambda: _info(actor)  # type: ignore[method-assign]
+
+    started = asyncio.get_running_loop().time()
+    assert (await actor.watch("ready", 0.1))["state"] == "ready"  # nothing changed: after the timeout
+    assert asyncio.get_running_loop().time() - started >= 0.1
+
+    watch = asyncio.create_task(actor.watch("ready", 60))
+    await asyncio.sleep(0.05)
+    actor.state = "idle"
+    assert (await asyncio.wait_for(watch, 1))["state"] == "idle"  # at once, not after a minute
+
+
+async def _info(actor) -> dict:
+    return {"state": actor.state}
+
+
+class _DeadActor:
+    """An engine handle whose calls fail as Ray fails them when the actor's process died (once ``dies`` is set)."""
+
+    def __init__(self, error: Exception) -> None:
+        self.dies = asyncio.Event()
+        self.dies.set()
+        self.watch = SimpleNamespace(remote=lambda *_: self._fail(error))
+
+    async def _fail(self, error: Exception) -> None:
+        await self.dies.wait()
+        raise error
+
+
+async def test_a_watched_engine_that_dies_leaves_the_pool_and_a_retired_one_stays_retired():
+    from ray.exceptions import RayActorError
+
+    from tests.unit.test_keep_warm import controller
+
+    c = controller()
+    published: list[str] = []
+
+    async def publish(role: str) -> None:
+        published.append(role)
+
+    c._publish = publish  # type: ignore[method-assign]
+    ready = c.engines["prefill-0"] = EngineRecord("prefill-0", "prefill", state="ready")
+    ready.handle = _DeadActor(RayActorError())
+    await c._check_engine(ready)
+    assert ready.state == "restarting" and published == ["prefill"]
+    assert c.events == ["prefill-0 stopped answering (RayActorError); out of the pool"]
+
+    draining = c.engines["prefill-1"] = EngineRecord("prefill-1", "prefill", state="ready")
+    draining.handle = _DeadActor(RayActorError())
+    draining.handle.dies.clear()
+    call = asyncio.create_task(c._check_engine(draining))
+    await asyncio.sleep(0.01)  # the watch is under way
+    draining.state = "draining"  # retired meanwhile: its actor is killed
+    draining.handle.dies.set()
+    await call
+    assert draining.state == "draining" and published == ["prefill"]
