@@ -6,15 +6,15 @@ and the background tasks that use it: ``/health`` probes (``proxy.health``) and,
 for the load-aware policies, ``/metrics`` polls (``proxy.load``). Routes:
 
 - ``POST /v1/chat/completions``, ``POST /v1/completions`` (streaming and not):
-  the two-phase flow (``proxy.two_phase.TwoPhaseFlow``; request bodies and
-  engine calls: ``proxy.flow``).
+  the two-phase flow (``proxy.two_phase.TwoPhaseFlow``; one ``proxy.exchange.Exchange``
+  per request; request bodies: ``proxy.bodies``; engine calls: ``proxy.upstream``).
 - ``GET /v1/models``: the one served model.
 - ``GET /health``: 200 while both pools have a ready engine (healthy, not draining), else 503 (no key needed).
 - ``GET /metrics``: Prometheus metrics (``proxy.metrics``; no key needed).
 - ``/admin/engines...``: with an admin key only (``proxy.admin``).
 
 A completion request is checked in this order: API key (``proxy.auth``, 401),
-Content-Type, body size (``proxy.limits``, 413), the body (``proxy.flow``,
+Content-Type, body size (``proxy.limits``, 413), the body (``proxy.bodies``,
 400/404), the context length when ``max_model_len`` is known (400), then it
 waits for a slot (``proxy.limits.AdmissionGate``, 429 when the queue is full)
 and runs, cancelled if its client goes away (``proxy.disconnect``).
@@ -41,14 +41,17 @@ its side channel can be asked how.
 
 When the decode leg produced nothing (it failed, or the client went away
 first), the prefill engine is told to free the KV it holds for the request
-(``proxy.release``), rather than keep it until its lease expires.
+(``proxy.release``, through the exchange's ``KVHandle``), rather than keep it until its lease expires.
 
 The fast path (``config.fast_path``, on by default): ``DirectRoute`` calls the
 completion endpoints without FastAPI's dependency machinery, and
 ``proxy.server.uvicorn_config`` serves with ``CoalescingHttpToolsProtocol``;
-both lean on FastAPI's and uvicorn's internals. Off, the proxy runs on stock
-``APIRoute`` and uvicorn's own httptools protocol (the same answers, a little
-more CPU), which is the way out if an upgrade of either breaks the fast path.
+both lean on FastAPI's and uvicorn's internals, and each earns it: taken out
+one at a time, the proxy spent 9-34 % more CPU per request (the README's
+"Proxy" measurements). Off, the proxy runs on stock ``APIRoute`` and uvicorn's
+own httptools protocol (the same answers, which ``test_engine_auth`` checks on
+both paths; about a third more CPU), the way out if an upgrade of either breaks
+the fast path.
 """
 
 from __future__ import annotations
@@ -72,12 +75,13 @@ from proxy.auth import KeyCheck, load_keys
 from proxy.config import ProxyConfig
 from proxy.engine_client import EngineClient
 from proxy.errors import ProxyError, error_body, error_response
+from proxy.exchange import DECODE_ONLY, DISAGGREGATED, PREFILL_ONLY
 from proxy.health import HealthMonitor, HealthTracker
 from proxy.load import LoadPoller
 from proxy.metrics import CONTENT_TYPE_LATEST, ProxyMetrics
 from proxy.pool import EnginePool
 from proxy.routing import Router
-from proxy.two_phase import DECODE_ONLY, DISAGGREGATED, PREFILL_ONLY, TwoPhaseFlow
+from proxy.two_phase import TwoPhaseFlow
 
 __all__ = ["DECODE_ONLY", "DISAGGREGATED", "PREFILL_ONLY", "ProxyConfig", "create_app"]
 
@@ -192,7 +196,9 @@ class DirectRoute(APIRoute):
     FastAPI's own handler solves the endpoint's dependencies for every request
     (parsing query parameters and cookies, two exit stacks) and then looks at
     what it returned; an endpoint that declares nothing but the request needs
-    none of it, and it cost ~15 µs of CPU a request, about 6% of the proxy's.
+    none of it, and it cost the proxy 15-20 % more CPU per request
+    (``scripts/bench_proxy.py``, two runs, against a copy of the proxy without it).
+    It reads the fields of FastAPI's ``Dependant``.
     The route stays a FastAPI route: in the OpenAPI schema, behind the app's
     middleware and exception handlers. An endpoint that declares anything more
     (a parameter, a dependency, a response model) gets FastAPI's handler.

@@ -13,7 +13,7 @@ or, under another server, by a task of its own that watches ``receive()`` for
 ``http.disconnect``. The cancellation closes the upstream connection under way
 (``proxy.engine_client`` never pools a connection whose answer was not read
 to its end, so vLLM sees its client gone and aborts the request), runs the
-caller's clean-up (the KV release of ``proxy.app``), and leaves the block as
+caller's clean-up (``Exchange.close`` releases the KV: ``proxy.exchange``), and leaves the block as
 ``ClientGone``. Use it only once the body has been read: the watcher consumes
 ``receive()``'s messages. Streams need no watcher once their response has
 started: Starlette's ``StreamingResponse`` listens for the disconnect itself.

@@ -79,7 +79,7 @@ class UpstreamFailed(ProxyError):
 class EngineConnectionError(Exception):
     """A call to an engine failed below HTTP: refused, reset, closed early, or an unreadable answer.
 
-    Not a ``ProxyError``: ``proxy.flow`` turns it into ``UpstreamFailed``, naming the engine and phase.
+    Not a ``ProxyError``: ``proxy.upstream`` turns it into ``UpstreamFailed``, naming the engine and phase.
     """
 
 

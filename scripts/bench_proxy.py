@@ -30,7 +30,9 @@ was running).
     python scripts/bench_proxy.py [--duration 10] [--rounds 3] [--connections 32] [--workers 1] [--json]
 
 ``--baseline DIR`` adds the same proxy from another checkout (``git worktree add /tmp/base <commit>``),
-measured in turn with ours: what a change to the proxy costs, as a ratio from one run.
+measured in turn with ours (as ``ours@<DIR's name>``): what a change to the proxy costs, as a ratio from
+one run. It may be given several times (variants of one change, each in its own checkout): all are
+measured in the same rounds.
 
 Every process runs on the same machine: compare ratios from one run, not
 absolute numbers across runs or machines.
@@ -259,7 +261,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-auth", action="store_true", help="leave out our proxy with authentication on")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.add_argument(
-        "--baseline", type=Path, help="a checkout of another commit: its proxy is measured beside ours (ours@base)"
+        "--baseline",
+        type=Path,
+        action="append",
+        default=[],
+        help="a checkout of another commit: its proxy is measured beside ours (ours@<its directory's name>); "
+        "may be repeated",
     )
     args = parser.parse_args(argv)
 
@@ -269,9 +276,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.no_router:
         router_bin = None
     python = sys.executable
+    baselines = {f"ours@{path.resolve().name}": path.resolve() for path in args.baseline}
+    if len(baselines) < len(args.baseline):
+        parser.error("each --baseline needs a directory of its own name")
     ports = {
-        name: free_port()
-        for name in ("prefill", "decode", "ours", "ours@base", "ours+auth", "router", "router_metrics")
+        name: free_port() for name in ("prefill", "decode", "ours", *baselines, "ours+auth", "router", "router_metrics")
     }
     url = {name: f"http://127.0.0.1:{port}" for name, port in ports.items()}
     chat = "/v1/chat/completions"
@@ -291,12 +300,10 @@ def main(argv: list[str] | None = None) -> int:
         ours += ["--port", str(ports["ours"]), "--model", MODEL, "--workers", str(args.workers)]
         processes["ours"] = stack.enter_context(started("ours", ours, log_dir))
         targets = ["ours"]
-        if args.baseline:
-            base = [*ours[:-6], "--port", str(ports["ours@base"]), "--model", MODEL, "--workers", str(args.workers)]
-            processes["ours@base"] = stack.enter_context(
-                started("ours@base", base, log_dir, repo=args.baseline.resolve())
-            )
-            targets.append("ours@base")
+        for name, checkout in baselines.items():
+            base = [*ours[:-6], "--port", str(ports[name]), "--model", MODEL, "--workers", str(args.workers)]
+            processes[name] = stack.enter_context(started(name, base, log_dir, repo=checkout))
+            targets.append(name)
         if not args.no_auth:
             from connectors.auth import new_secret, write_secret
 
@@ -371,13 +378,19 @@ def _report(args: argparse.Namespace, tool: str, at_load: dict, single: dict) ->
         report["rate_ratio_ours_to_router"] = rates["ours"] / rates["router"]
         if "ours+auth" in rates:
             report["rate_ratio_ours_auth_to_router"] = rates["ours+auth"] / rates["router"]
-    if "ours@base" in at_load:
-        report["rate_ratio_ours_to_baseline"] = (
-            report["at_load"]["ours"]["rate_rps"] / report["at_load"]["ours@base"]["rate_rps"]
-        )
-        report["cpu_ratio_ours_to_baseline"] = (
-            report["at_load"]["ours"]["cpu_us_per_request"] / report["at_load"]["ours@base"]["cpu_us_per_request"]
-        )
+    ours = report["at_load"]["ours"]
+    report["ours_to_baselines"] = {
+        name: {
+            "rate_ratio": ours["rate_rps"] / summary["rate_rps"],
+            "cpu_ratio": ours["cpu_us_per_request"] / summary["cpu_us_per_request"],
+            # the ratio within each round (both measured in it), then their median: less of the machine's drift
+            "rate_ratio_paired": statistics.median(
+                mine.rate / theirs.rate for mine, theirs in zip(at_load["ours"], at_load[name], strict=True)
+            ),
+        }
+        for name, summary in report["at_load"].items()
+        if name.startswith("ours@")
+    }
     if "ours+auth" in at_load:
         report["rate_ratio_auth_to_no_auth"] = (
             report["at_load"]["ours+auth"]["rate_rps"] / report["at_load"]["ours"]["rate_rps"]
@@ -397,10 +410,10 @@ def _print_report(report: dict) -> None:
         print(f"  ours / router: {report['rate_ratio_ours_to_router']:.2f}")
     if "rate_ratio_ours_auth_to_router" in report:
         print(f"  ours+auth / router: {report['rate_ratio_ours_auth_to_router']:.2f}")
-    if "rate_ratio_ours_to_baseline" in report:
+    for name, ratios in report["ours_to_baselines"].items():
         print(
-            f"  ours / ours@base: {report['rate_ratio_ours_to_baseline']:.3f} req/s, "
-            f"{report['cpu_ratio_ours_to_baseline']:.3f} CPU/req"
+            f"  ours / {name}: {ratios['rate_ratio']:.3f} req/s (round by round {ratios['rate_ratio_paired']:.3f}), "
+            f"{ratios['cpu_ratio']:.3f} CPU/req"
         )
     if "rate_ratio_auth_to_no_auth" in report:
         print(f"  ours+auth / ours: {report['rate_ratio_auth_to_no_auth']:.3f}")

@@ -1,4 +1,4 @@
-"""The proxy's limits as a client meets them (``proxy.limits``, ``proxy.flow.check_context_length``).
+"""The proxy's limits as a client meets them (``proxy.limits``, ``proxy.bodies.check_context_length``).
 
 Bodies over ``max_body_bytes`` are 413, whether announced by Content-Length
 or sent chunked; past ``max_concurrent_requests`` running and

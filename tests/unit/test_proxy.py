@@ -3,8 +3,8 @@
 The proxy runs for real (uvicorn with the proxy's settings, its lifespan and
 engine client) against the stub engines of ``tests/stub_engine.py``; each test
 checks what the client gets back and what each engine received. ``proxy.pool``
-and ``proxy.app.DirectRoute`` are tested at the end; ``proxy.flow``'s request
-bodies and validation in ``test_flow.py``.
+and ``proxy.app.DirectRoute`` are tested at the end; ``proxy.bodies``' request
+bodies and validation in ``test_bodies.py``.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import Response
 
 from proxy.app import DirectRoute
+from proxy.bodies import PREFILL_KV_PARAMS
 from proxy.errors import NoHealthyEngine
-from proxy.flow import PREFILL_KV_PARAMS
 from proxy.pool import Endpoint, EnginePool
 from tests.stub_engine import ERROR_400_MESSAGE, Behaviour, answer_text
 from tests.unit.conftest import PROXY_MODEL, PROXY_TIMEOUT_S, endpoint

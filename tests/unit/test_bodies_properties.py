@@ -1,4 +1,4 @@
-"""Property-based tests of the proxy's request validation (``proxy.flow.parse_request``).
+"""Property-based tests of the proxy's request validation (``proxy.bodies.parse_request``).
 
 Hypothesis builds JSON objects around the fields the proxy relies on (every
 JSON value for each, often the right type, sometimes absent) and checks:
@@ -21,8 +21,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
+from proxy.bodies import REQUEST_MODELS, _plainly_valid, parse_request
 from proxy.errors import InvalidRequest, ModelNotFound
-from proxy.flow import REQUEST_MODELS, _plainly_valid, parse_request
 
 MODEL = "m"
 KINDS = ("chat", "completion")

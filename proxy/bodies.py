@@ -1,40 +1,38 @@
-"""The two-phase request flow: prefill on one engine, then decode on another.
+"""The request bodies of the two-phase flow: the client's, validated, and the two the engines get.
 
-1. ``parse_request`` validates the client's body (400/404 in OpenAI's format).
-2. ``prefill_body`` asks a prefill engine to compute the prompt's KV and keep
-   it: ``max_tokens=1``, ``stream=false``, ``kv_transfer_params.do_remote_decode``.
-3. The prefill engine answers with ``kv_transfer_params`` that say where the
-   blocks are; ``decode_body`` sends the client's original request with them
-   to a decode engine, which pulls the KV over its connector and generates.
-4. The decode engine's answer (JSON or an SSE stream) goes back to the client.
+1. ``parse_request`` validates the client's body (400/404 in OpenAI's format) and
+   refuses any transfer parameters of the client's own; ``check_context_length``
+   refuses a request that plainly cannot fit the model (when its length is known).
+2. ``prefill_body``: the prefill leg, which asks a prefill engine to compute the
+   prompt's KV and keep it: ``max_tokens=1``, ``stream=false``,
+   ``kv_transfer_params.do_remote_decode``.
+3. ``decode_body``: the client's original request with the ``kv_transfer_params``
+   the prefill engine answered, for a decode engine, which reads the KV over its
+   connector and generates.
 
-An engine that cannot be reached, resets, times out or answers 5xx becomes
-``UpstreamFailed`` (502); an engine's 4xx (e.g. a prompt longer than the
-context) is the client's error and is passed through as it came.
+Pure functions of dicts; the calls that carry them are ``proxy.upstream``'s.
 """
 
 from __future__ import annotations
 
-import logging
-import time
-from collections.abc import AsyncIterator
-from typing import Any, Protocol
+from typing import Any
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
 
 from connectors import wire
-from proxy.engine_client import EngineClient, EngineResponse
-from proxy.errors import (
-    ContextLengthExceeded,
-    EngineConnectionError,
-    InvalidRequest,
-    ModelNotFound,
-    UpstreamFailed,
-    error_body,
-)
+from proxy.errors import ContextLengthExceeded, InvalidRequest, ModelNotFound
 
-logger = logging.getLogger(__name__)
+__all__ = [
+    "PREFILL_KV_PARAMS",
+    "REQUEST_MODELS",
+    "ChatRequest",
+    "CompletionRequest",
+    "check_context_length",
+    "decode_body",
+    "parse_request",
+    "prefill_body",
+]
 
 PREFILL_KV_PARAMS = wire.PREFILL_REQUEST_PARAMS
 
@@ -213,102 +211,3 @@ def decode_body(body: dict[str, Any], kv_transfer_params: dict[str, Any] | None)
     if kv_transfer_params:
         request[wire.KV_TRANSFER_PARAMS] = kv_transfer_params
     return request
-
-
-class EngineAddress(Protocol):
-    """What an upstream call needs of an engine (``proxy.pool.Endpoint`` or ``EngineState``)."""
-
-    engine_id: str
-    url: str
-
-
-class Upstream:
-    """HTTP calls to engines, on the app's one ``EngineClient`` (keep-alive connections per engine)."""
-
-    def __init__(self, client: EngineClient, timeout_s: float) -> None:
-        self.client = client
-        # A prefill call is bounded as a whole; a decode stream may run longer than
-        # timeout_s in total, but never stays silent for longer than that.
-        self.timeout_s = timeout_s
-
-    async def prefill(self, endpoint: EngineAddress, path: str, body: dict, headers: dict, request_id: str) -> dict:
-        """Run the prefill phase; return the engine's ``kv_transfer_params``."""
-        deadline = time.monotonic() + self.timeout_s
-        try:
-            response = await self.client.post(endpoint.url + path, orjson.dumps(body), headers, self.timeout_s)
-            payload = await response.read(max(deadline - time.monotonic(), 0.0))
-        except (EngineConnectionError, TimeoutError) as e:
-            raise _engine_failed(endpoint, "prefill", request_id, e) from e
-        status = response.status
-        if status >= 500 or status == 401:
-            raise _engine_failed(endpoint, "prefill", request_id, _engine_status(status, payload))
-        if status >= 400:
-            raise EngineRejected(status, payload)
-        try:
-            return orjson.loads(payload).get(wire.KV_TRANSFER_PARAMS)
-        except (orjson.JSONDecodeError, AttributeError) as e:
-            raise _engine_failed(endpoint, "prefill", request_id, f"unreadable answer: {e}") from e
-
-    async def decode(
-        self, endpoint: EngineAddress, path: str, body: dict, headers: dict, request_id: str
-    ) -> EngineResponse:
-        """Open the decode call; return the response (the caller reads or releases it)."""
-        try:
-            response = await self.client.post(endpoint.url + path, orjson.dumps(body), headers, self.timeout_s)
-        except (EngineConnectionError, TimeoutError) as e:
-            raise _engine_failed(endpoint, "decode", request_id, e) from e
-        if response.status >= 400:
-            try:
-                payload = await response.read(self.timeout_s)
-            except (EngineConnectionError, TimeoutError) as e:
-                raise _engine_failed(endpoint, "decode", request_id, e) from e
-            if response.status >= 500 or response.status == 401:
-                raise _engine_failed(endpoint, "decode", request_id, _engine_status(response.status, payload))
-            raise EngineRejected(response.status, payload)
-        return response
-
-    async def read_all(self, response: EngineResponse, endpoint: EngineAddress, request_id: str) -> bytes:
-        try:
-            return await response.read(self.timeout_s)
-        except (EngineConnectionError, TimeoutError) as e:
-            raise _engine_failed(endpoint, "decode", request_id, e) from e
-
-    async def stream(self, response: EngineResponse, endpoint: EngineAddress, request_id: str) -> AsyncIterator[bytes]:
-        """Relay an SSE stream; an engine failing mid-stream ends it with an error event."""
-        try:
-            async for chunk in response.chunks(self.timeout_s):
-                yield chunk
-        except (EngineConnectionError, TimeoutError) as e:
-            failure = _engine_failed(endpoint, "decode", request_id, e)
-            yield b"data: " + orjson.dumps(failure.body()) + b"\n\n"
-        finally:
-            response.release()
-
-
-class EngineRejected(Exception):
-    """An engine answered 4xx: the client's request is at fault; relay the answer."""
-
-    def __init__(self, status: int, payload: bytes) -> None:
-        super().__init__(f"engine answered HTTP {status}")
-        self.status = status
-        try:
-            parsed = orjson.loads(payload)
-        except orjson.JSONDecodeError:
-            parsed = None
-        if not (isinstance(parsed, dict) and "error" in parsed):
-            parsed = error_body(payload.decode(errors="replace")[:500], "invalid_request_error")
-        self.body = parsed
-
-
-def _engine_status(status: int, payload: bytes) -> str:
-    if status == 401:  # the proxy's own key, not the client's: the client must not see a 401
-        return "HTTP 401: the engine refused the proxy's engine key (is it of another cluster's secret?)"
-    return f"HTTP {status}: {payload[:200]!r}"
-
-
-def _engine_failed(endpoint: EngineAddress, phase: str, request_id: str, cause: object) -> UpstreamFailed:
-    reason = f"{type(cause).__name__}: {cause}" if isinstance(cause, BaseException) else str(cause)
-    logger.warning("request %s: %s engine %s failed: %s", request_id, phase, endpoint.engine_id, reason)
-    failure = UpstreamFailed(f"{phase} engine {endpoint.engine_id} failed: {reason}")
-    failure.unreachable = isinstance(cause, EngineConnectionError)
-    return failure

@@ -1,16 +1,16 @@
-"""``proxy.flow``'s pure pieces: the prefill and decode request bodies, and request validation."""
+"""``proxy.bodies``: the prefill and decode request bodies, and request validation."""
 
 from __future__ import annotations
 
 import orjson
 import pytest
 
+from proxy.bodies import PREFILL_KV_PARAMS, decode_body, parse_request, prefill_body
 from proxy.errors import InvalidRequest, ModelNotFound
-from proxy.flow import PREFILL_KV_PARAMS, decode_body, parse_request, prefill_body
 from tests.unit.conftest import PROXY_MODEL
 from tests.unit.test_proxy import CHAT, CHAT_PATH, COMPLETION, INVALID_REQUESTS, PREFILL_FIELDS
 
-# --- proxy.flow: the request bodies -----------------------------------------------------
+# --- proxy.bodies: the request bodies -----------------------------------------------------
 
 
 def test_prefill_body_forces_one_token_no_stream_and_remote_decode():
@@ -67,7 +67,7 @@ def test_decode_body_without_kv_transfer_params_is_the_clients_request(kv_params
     assert request == body and request is not body
 
 
-# --- proxy.flow: validation -------------------------------------------------------------
+# --- proxy.bodies: validation -------------------------------------------------------------
 
 
 @pytest.mark.parametrize("kind", ["chat", "completion"])
@@ -154,7 +154,7 @@ PLAIN_CHECK_BODIES = [
 def test_the_quick_check_accepts_only_what_the_request_models_accept(kind, body):
     from pydantic import ValidationError
 
-    from proxy.flow import REQUEST_MODELS, _plainly_valid
+    from proxy.bodies import REQUEST_MODELS, _plainly_valid
 
     try:
         REQUEST_MODELS[kind].model_validate(body)
@@ -173,7 +173,7 @@ def test_the_quick_check_accepts_only_what_the_request_models_accept(kind, body)
 
 
 def test_the_quick_check_takes_the_usual_bodies():
-    from proxy.flow import _plainly_valid
+    from proxy.bodies import _plainly_valid
 
     assert _plainly_valid(CHAT | {"stream": True, "max_tokens": 9, "temperature": 0.1}, "chat")
     assert _plainly_valid(COMPLETION | {"prompt": [[1, 2], [3]]}, "completion")
