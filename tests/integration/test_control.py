@@ -29,7 +29,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.parametrize("cluster", ["pdse
 
 MODEL = "smollm2-135m-instruct"
 IDLE_S = 30.0
-# An idle vLLM CPU engine's floor on this VM, measured (README, "Idle engines"): Ray's worker (its main
+# An idle vLLM CPU engine's floor on this VM, measured (docs/idle-engines.md): Ray's worker (its main
 # thread takes the GIL 100 times a second to check for signals; its gRPC and event threads; the monitor's
 # call once a second), torch's Gloo (13 threads waking every 10 ms), vLLM's HTTP server. It is made of
 # wake-ups, each costing what the machine makes it cost: the same engines measured 3.1 % on 2026-11-23 and
