@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -23,11 +24,36 @@ def _print(*parts: object) -> None:
 
 
 class _EventPrinter:
-    def __init__(self) -> None:
+    """Prints the controller's events as lines; on a terminal (``live``) also a last line, redrawn in place,
+    with the phase each starting engine has reached (``status``)."""
+
+    def __init__(self, live: bool | None = None) -> None:
         self.t0 = time.time()
+        self.live = sys.stdout.isatty() if live is None else live
+        self._line = ""
 
     def __call__(self, event: dict[str, Any]) -> None:
+        self._erase()
         _print(f"[{event['t'] - self.t0:6.1f}s] {event['message']}")
+        self._draw()
+
+    def status(self, status: dict[str, Any]) -> None:
+        if not self.live:
+            return
+        starting = [e for e in status.get("engines", []) if e["state"] in ("pending", "starting")]
+        parts = [f"{e['engine_id']}: {(e.get('phases') or [{'phase': 'asked for'}])[-1]['phase']}" for e in starting]
+        self._erase()
+        self._line = f"[{time.time() - self.t0:6.1f}s] starting: " + "; ".join(parts) if parts else ""
+        self._draw()
+
+    def _erase(self) -> None:
+        if self.live and self._line:
+            sys.stdout.write("\r\033[K")
+
+    def _draw(self) -> None:
+        if self.live and self._line:
+            sys.stdout.write(self._line[: shutil.get_terminal_size().columns - 1])
+            sys.stdout.flush()
 
 
 def _usage_hint(status: dict[str, Any]) -> str:
@@ -100,7 +126,9 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     cluster.install_stop_signals()
     try:
-        status = cluster.up(args.config, on_event=printer, follow=None if args.detach else on_ready_wait)
+        status = cluster.up(
+            args.config, on_event=printer, follow=None if args.detach else on_ready_wait, on_status=printer.status
+        )
     except KeyboardInterrupt:
         _print("pdserve: interrupted; the cluster was stopped")
         return 130

@@ -299,18 +299,21 @@ def up(
     config: str,
     on_event: Callable[[dict[str, Any]], None],
     follow: Callable[[Callable[[], dict[str, Any]]], None] | None = None,
+    on_status: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
     """Bring the cluster up; return its status once ready. Raises PdserveError on failure.
 
-    With ``follow`` (a foreground ``up``), call it with a status getter once the
-    cluster is ready, and stop the cluster when it returns or raises (Ctrl-C).
+    ``on_event`` is called with each of the controller's events, ``on_status`` (if given) with its status
+    each time it is read while the cluster comes up (every half second). With ``follow`` (a foreground
+    ``up``), call it with a status getter once the cluster is ready, and stop the cluster when it returns
+    or raises (Ctrl-C).
     """
     from orchestrator.spec import ClusterSpec
 
     spec = ClusterSpec.from_file(config)
     profile = autoscaling_profile(spec, config)  # read and checked before anything starts
     with _starting_lock():
-        state, status = _start(spec, config, on_event, profile)
+        state, status = _start(spec, config, on_event, profile, on_status)
     if follow is not None:
         try:
             follow(state.client().status)
@@ -344,7 +347,11 @@ def _starting_lock() -> Iterator[None]:
 
 
 def _start(
-    spec: ClusterSpec, config: str, on_event: Callable[[dict[str, Any]], None], profile: dict | None
+    spec: ClusterSpec,
+    config: str,
+    on_event: Callable[[dict[str, Any]], None],
+    profile: dict | None,
+    on_status: Callable[[dict[str, Any]], None] | None = None,
 ) -> tuple[ClusterState, dict[str, Any]]:
     with contextlib.suppress(ClusterNotRunning):
         previous = ClusterState.load()
@@ -374,7 +381,7 @@ def _start(
     )
     state.save()  # from here on, `pdserve down` can clean up whatever happens
     try:
-        return state, _bring_up(state, spec, on_event, profile)
+        return state, _bring_up(state, spec, on_event, profile, on_status)
     except BaseException:
         down()
         raise
@@ -394,7 +401,11 @@ def autoscaling_profile(spec: ClusterSpec, config: str) -> dict[str, Any] | None
 
 
 def _bring_up(
-    state: ClusterState, spec: ClusterSpec, on_event: Callable[[dict[str, Any]], None], profile: dict | None
+    state: ClusterState,
+    spec: ClusterSpec,
+    on_event: Callable[[dict[str, Any]], None],
+    profile: dict | None,
+    on_status: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict:
     """Create the controller (the one Ray call), record its API and token, then follow it over HTTP."""
     _use_ray_auth(state)
@@ -433,6 +444,8 @@ def _bring_up(
         for event in status["events"][seen:]:
             on_event(event)
         seen = len(status["events"])
+        if on_status is not None:
+            on_status(status)
         if status["phase"] == "ready":
             return status
         if status["phase"] == "failed":

@@ -76,6 +76,7 @@ ENGINE_FIELDS: dict[str, tuple[type, ...]] = {
     "pid": (int, type(None)),
     "cpu_bind": (str, type(None)),
     "load_s": (float, int, type(None)),
+    "phases": (list,),  # its start's phases so far: {"phase": str, "s": seconds since it was asked for}
     "restarts": (int,),
     "failures": (int,),  # starts that failed in a row (a failed engine starts again after a back-off)
     "error": (str, type(None)),

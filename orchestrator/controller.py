@@ -56,6 +56,7 @@ from orchestrator.engine_record import (
     first_line,
     replica,
     take_info,
+    take_phases,
     warm_since,
 )
 from orchestrator.errors import EngineStartError
@@ -284,13 +285,17 @@ class ClusterController:
         self._event("proxy ready")
 
     def _create_engine_actor(self, engine_id: str) -> Any:
-        return self.handles.create_engine(self.launches[engine_id], self.engines[engine_id].log_path)
+        record = self.engines[engine_id]
+        record.asked_at, record.phases = time.time(), []
+        return self.handles.create_engine(self.launches[engine_id], record.log_path)
 
     async def _start_engine(self, engine_id: str) -> str:
         record, launch = self.engines[engine_id], self.launches[engine_id]
         record.state, record.error = "starting", None
         where = f"cores {launch.cpu_bind}" if launch.cpu_bind else f"{launch.num_gpus:g} GPU(s)"
         self._event(f"{engine_id} loading ({where}, port {launch.port})")
+        following = self._spawn(self._follow_start(record))
+        await asyncio.sleep(0)  # its first call goes out before the start's, which holds the actor's main loop
         try:
             info = await asyncio.wait_for(record.handle.start.remote(), timeout=self.spec.engine.startup_timeout_s)
         except Exception as e:  # noqa: BLE001 - every failure becomes the engine's error
@@ -298,13 +303,33 @@ class ClusterController:
                 return engine_id
             self._start_failed(record, self._start_failure(record, e))
             return engine_id
+        finally:
+            following.cancel()
         if record.state != "starting":
             return engine_id
+        self._say_phases(record, take_phases(record, info))
         record.state, record.failures = "ready", 0
         take_info(record, info)
         self._event(f"{engine_id} ready in {record.load_s:.1f}s at {record.url}")
         await self._publish(record.role)
         return engine_id
+
+    async def _follow_start(self, record: EngineRecord) -> None:
+        """Say each phase of an engine's start as it ends (``EngineActor.progress``: one call per phase)."""
+        handle = record.handle
+        with contextlib.suppress(RayActorError, TimeoutError):
+            while record.state == "starting" and record.handle is handle:
+                info = await asyncio.wait_for(
+                    handle.progress.remote(len(record.phases), WATCH_S), timeout=WATCH_S + PROBE_TIMEOUT_S
+                )
+                self._say_phases(record, take_phases(record, info))
+                if info["state"] != "starting":
+                    return
+
+    def _say_phases(self, record: EngineRecord, phases: list[dict[str, Any]]) -> None:
+        for phase in phases:
+            if phase["phase"] != "ready":  # said with the load time once the start returns
+                self._event(f"{record.engine_id}: {phase['phase']} (+{phase['s']:.1f}s)")
 
     def _start_failed(self, record: EngineRecord, error: str) -> None:
         delay = record.failed(error)
@@ -626,6 +651,7 @@ class ClusterController:
             was_ready = record.state == "ready"
             record.state = "starting"  # not probed again until it is ready; the other engines still are
             record.restarts += 1
+            record.asked_at, record.phases = time.time(), []
             if was_ready:
                 await self._publish(record.role)
             self._event(f"{record.engine_id} restarted by Ray (restart {record.restarts}); starting vLLM")

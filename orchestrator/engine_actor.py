@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import logging
 import os
 import re
@@ -35,6 +36,7 @@ import secrets
 import shutil
 import socket
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -61,6 +63,18 @@ logger = logging.getLogger(__name__)
 
 WATCHDOG_INTERVAL_S = 1.0
 WATCH_STEP_S = 1.0  # how often a watch (``EngineActor.watch``) looks at the state, inside the actor
+PHASE_READ_S = 0.5  # how often a start reads vLLM's new log lines for its phases
+START_PHASES = (
+    ("actor placed", None),
+    ("vLLM imported", None),
+    ("engine core started", "Initializing a V1 LLM engine"),
+    ("weights loaded", "Loading weights took"),
+    ("KV cache allocated", "KV cache size:"),
+    ("warmed up", "init engine (profile, create kv cache, warmup model) took"),
+    ("ready", None),
+)
+"""The phases of an engine's start, in order, and the line of vLLM's log that ends each one (None: the actor
+itself notes it). A phase vLLM does not log (a version that words it otherwise) is left out, never guessed."""
 SHM_NOTE_INTERVAL_S = 2.0
 """While an engine starts, how often it notes the /dev/shm files its processes hold."""
 SERVER_TICK_S = 1.0
@@ -73,7 +87,8 @@ SIDE_CHANNEL_DEAD_AFTER = 4
 # actor is created). vLLM's start-up blocks the actor's main loop while it waits for its engine core to load
 # the model (``wait_for_engine_startup`` polls a socket), so a stop on that loop waited for the whole start.
 CONTROL_GROUP = "control"
-ENGINE_ACTOR_GROUPS = {CONTROL_GROUP: 1}
+PROGRESS_GROUP = "progress"  # ``progress``: answered while vLLM's start holds the main loop
+ENGINE_ACTOR_GROUPS = {CONTROL_GROUP: 1, PROGRESS_GROUP: 1}
 STOP_KILL_AFTER_S = 10.0  # a start's processes that outlive SIGTERM this long are killed
 _QUIET_LINE = re.compile(r"\b(INFO|DEBUG)\b")
 _ERROR_LINE = re.compile(r"(Error|Exception|error:|Traceback|raise |failed)", re.IGNORECASE)
@@ -163,6 +178,19 @@ def listen_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+_LOGGED_AT = re.compile(r"\b(\d\d)-(\d\d) (\d\d):(\d\d):(\d\d)\b")
+
+
+def _logged_at(line: str) -> float | None:
+    """When vLLM logged ``line`` (its ``MM-DD hh:mm:ss`` stamp, local time, this year), or None (then: now)."""
+    if (m := _LOGGED_AT.search(line)) is None:
+        return None
+    with contextlib.suppress(ValueError):
+        month, day, hour, minute, second = map(int, m.groups())
+        return datetime.datetime(datetime.date.today().year, month, day, hour, minute, second).timestamp()
+    return None
+
+
 def error_excerpt(log_text: str, exc: BaseException | None = None, max_lines: int = 12) -> str:
     """vLLM's own words about why an engine failed: the last error lines of its log."""
     lines = [line.rstrip() for line in log_text.splitlines()[-400:]]
@@ -227,6 +255,10 @@ class EngineActor:
         self.state = "idle"
         self.error: str | None = None
         self.load_s: float | None = None
+        self.placed_at = time.time()
+        self.phases: list[dict[str, Any]] = []  # this start's phases so far: {"phase", "t": when it ended}
+        self._phase_lock = threading.Lock()  # the main loop's thread and progress()'s both read the log
+        self._log_offset, self._log_tail = 0, b""
         self._stack: contextlib.AsyncExitStack | None = None
         self._server: Any = None
         self._tasks: list[asyncio.Task] = []
@@ -234,6 +266,9 @@ class EngineActor:
         self._loop: asyncio.AbstractEventLoop | None = None  # the actor's main loop, where vLLM runs
         self.url = launch.url
         os.environ.update(launch.env)
+        # vLLM's engine core logs to its stdout, this actor's log file: unbuffered, each line arrives when it is
+        # logged (a start's phases are read from them), not in 8 KiB bursts.
+        os.environ.setdefault("PYTHONUNBUFFERED", "1")
         # What vLLM's processes leave in /dev/shm when they do not exit cleanly, noted while they run;
         # a record left by an earlier run of this engine (Ray restarted the actor after a crash) is
         # cleaned up now.
@@ -262,6 +297,7 @@ class EngineActor:
             "pid": os.getpid(),
             "cpu_bind": self.launch.cpu_bind,
             "load_s": self.load_s,
+            "phases": list(self.phases),
             "error": self.error,
             "log_path": str(self.log_path),
         }
@@ -275,6 +311,34 @@ class EngineActor:
             await asyncio.sleep(min(left, WATCH_STEP_S))
         return await self.info()
 
+    @ray.method(concurrency_group=PROGRESS_GROUP)
+    async def progress(self, seen: int, timeout_s: float) -> dict[str, Any]:
+        """``info()`` once the start has more than ``seen`` phases or has ended, or after ``timeout_s``: how
+        ``pdserve up`` follows a start. It runs on a loop of its own (``PROGRESS_GROUP``): vLLM's start holds
+        the main loop for seconds at a time (imports, the engine core's hand-shake)."""
+        deadline = time.monotonic() + timeout_s
+        while self.state == "starting" and len(self.phases) <= seen and (left := deadline - time.monotonic()) > 0:
+            await asyncio.sleep(min(left, PHASE_READ_S))
+            self._read_phases()
+        return await self.info()
+
+    def _phase(self, name: str, t: float | None = None) -> None:
+        if name not in {p["phase"] for p in self.phases}:
+            self.phases.append({"phase": name, "t": time.time() if t is None else t})
+
+    def _read_phases(self) -> None:
+        """Note the phases vLLM's new log lines (this actor's output) say ended, at the time each line says."""
+        with self._phase_lock, contextlib.suppress(OSError), open(self.log_path, "rb") as log:
+            log.seek(self._log_offset)
+            new = log.read()
+            self._log_offset += len(new)
+            lines = (self._log_tail + new).decode(errors="replace").splitlines(keepends=True)
+            self._log_tail = lines.pop().encode() if lines and not lines[-1].endswith("\n") else b""
+            for line in lines:
+                for name, said in START_PHASES:
+                    if said is not None and said in line:
+                        self._phase(name, _logged_at(line))
+
     async def start(self) -> dict[str, Any]:
         """Start vLLM (or wait for the start under way: a restarted controller asks again); its ``info()``."""
         if self.state == "ready":
@@ -282,6 +346,9 @@ class EngineActor:
         self._loop = asyncio.get_running_loop()
         if self.state != "starting" or self._starting is None:
             self.state, self.error = "starting", None
+            self.phases, self._log_tail = [], b""
+            self._log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
+            self._phase("actor placed", self.placed_at)
             self._starting = asyncio.ensure_future(self._start())
         await asyncio.shield(self._starting)
         return await self.info()
@@ -301,12 +368,14 @@ class EngineActor:
             logger.error("engine %s failed to start: %s", self.launch.engine_id, self.error)
             raise EngineStartError(self.launch.engine_id, self.error) from None
         noting.cancel()
+        self._read_phases()
         if self.launch.cpu_bind:
             pinned = pin_process_tree(os.getpid(), parse_cores(self.launch.cpu_bind))
             logger.info("engine %s: %d threads pinned to cores %s", self.launch.engine_id, pinned, self.launch.cpu_bind)
         self.load_s = time.monotonic() - started
         self._remove_shm_leftovers(this_start_too=False)  # what a crashed start's children still held at first
         self._note_shm()
+        self._phase("ready")
         self.state = "ready"
         logger.info("engine %s ready at %s in %.1fs", self.launch.engine_id, self.url, self.load_s)
 
@@ -321,6 +390,7 @@ class EngineActor:
 
         from connectors.tier.held import add_route as add_tier_route
 
+        self._phase("vLLM imported")
         args = make_arg_parser(FlexibleArgumentParser()).parse_args(self.launch.vllm_args)
         validate_parsed_serve_args(args)
         shutil.rmtree(self._tier_layouts, ignore_errors=True)  # this start's tiers write theirs again

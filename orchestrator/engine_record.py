@@ -44,6 +44,8 @@ class EngineRecord:
     warm_since: float | None = None  # drained and kept warm (autoscaling.keep_warm_s) since then, monotonic
     warm_cut: asyncio.Event | None = field(default=None, repr=False)  # set: stop it now, its room is needed
     retry_at: float = 0.0  # failed: not started again before this (monotonic)
+    asked_at: float | None = None  # when its actor was asked for, or its start (wall clock)
+    phases: list[dict[str, Any]] = field(default_factory=list)  # its start's phases: {"phase", "s" since asked}
     handle: Any = field(default=None, repr=False)
 
     def failed(self, error: str) -> float:
@@ -54,7 +56,7 @@ class EngineRecord:
         return delay
 
 
-_PRIVATE_FIELDS = ("handle", "warm_since", "warm_cut", "retry_at")
+_PRIVATE_FIELDS = ("handle", "warm_since", "warm_cut", "retry_at", "asked_at")
 
 
 def retry_delay(failures: int) -> float:
@@ -73,10 +75,21 @@ def engine_status(record: EngineRecord) -> dict[str, Any]:
     return entry | {"kept_warm": record.warm_cut is not None}
 
 
+def take_phases(record: EngineRecord, info: dict[str, Any]) -> list[dict[str, Any]]:
+    """The start's phases an engine reports (``EngineActor.phases``), in seconds since it was asked for; returns
+    those that are new."""
+    base = record.asked_at or 0.0
+    phases = [{"phase": p["phase"], "s": round(max(p["t"] - base, 0.0), 1)} for p in info.get("phases", [])]
+    new = phases[len(record.phases) :]
+    record.phases = phases
+    return new
+
+
 def take_info(record: EngineRecord, info: dict[str, Any]) -> None:
     """What a ready engine reports about itself: where it serves (it resolved the address on its node)."""
     record.url, record.host, record.kv_endpoints = info["url"], info["host"], tuple(info["kv_endpoints"])
     record.pid, record.cpu_bind, record.load_s = info["pid"], info["cpu_bind"], info["load_s"]
+    take_phases(record, info)
 
 
 def first_line(text: str | None) -> str:

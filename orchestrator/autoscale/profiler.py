@@ -226,6 +226,8 @@ class ClusterEndpoints:
     prefill_url: str
     decode_url: str
     startup_s: float
+    startup_phases: tuple[tuple[str, float], ...] = ()
+    """When each phase of the engines' starts ended, seconds since the engine was asked for (mean over them)."""
     engine_key: str = field(default="", repr=False)
     """The cluster's engine key: the profiler calls the engines' ``/v1`` routes itself (never printed)."""
     prefill_pool: tuple[str, ...] = ()
@@ -244,6 +246,10 @@ class ClusterEndpoints:
                 raise ProfilingError(f"cluster {status['name']!r} has no ready {role} engine ({states})")
             urls[role] = tuple(e["url"] for e in engines)
         loads = [e["load_s"] for e in ready if e.get("load_s")]
+        phases: dict[str, list[float]] = {}
+        for engine in ready:
+            for phase in engine.get("phases") or []:
+                phases.setdefault(phase["phase"], []).append(phase["s"])
         return cls(
             name=status["name"],
             model=status["model"],
@@ -252,6 +258,7 @@ class ClusterEndpoints:
             prefill_url=urls["prefill"][0],
             decode_url=urls["decode"][0],
             startup_s=round(statistics.mean(loads), 1) if loads else 0.0,
+            startup_phases=tuple((name, round(statistics.mean(s), 1)) for name, s in phases.items()),
             engine_key=engine_key,
             prefill_pool=urls["prefill"],
             decode_pool=urls["decode"],
@@ -717,7 +724,14 @@ async def measure(
         "handoff_s: those requests' streamed TTFT beyond "
         "the prefill engine's queue + prefill time, the transfer and one decode step, median; "
         f"max_num_seqs, max_num_batched_tokens: {limits_from}; kv_capacity_tokens: {CACHE_INFO}; "
-        "startup_s: mean engine load_s."
+        "startup_s: mean engine load_s"
+        + (
+            "; the starts' phases ended at (s since the engine was asked for, mean): "
+            + ", ".join(f"{name} {s:g}" for name, s in endpoints.startup_phases)
+            if endpoints.startup_phases
+            else ""
+        )
+        + "."
     )
     return PerformanceProfile(
         name=name or endpoints.name,

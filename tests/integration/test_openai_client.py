@@ -97,3 +97,19 @@ def test_a_client_cannot_tell_the_engines_where_to_read_kv(client: openai.OpenAI
     with pytest.raises(openai.BadRequestError) as refused:
         client.chat.completions.create(model=MODEL, messages=QUESTION, extra_body={"kv_transfer_params": forged})
     assert refused.value.param == "kv_transfer_params"
+
+
+FIRST_REQUEST = [{"role": "user", "content": "What is the capital of France?"}]
+"""The README's first request (no sampling fields: the demo's generation defaults apply, as this cluster's)."""
+
+
+def test_the_readmes_first_request_answers_right_every_time(client: openai.OpenAI) -> None:
+    answers = [client.chat.completions.create(model=MODEL, messages=FIRST_REQUEST) for _ in range(10)]
+    assert {(a.choices[0].message.content, a.choices[0].finish_reason) for a in answers} == {
+        ("The capital of France is Paris.", "stop")
+    }
+    for _ in range(3):
+        stream = client.chat.completions.create(model=MODEL, messages=FIRST_REQUEST, stream=True)
+        assert (
+            "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == "The capital of France is Paris."
+        )

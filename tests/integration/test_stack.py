@@ -41,15 +41,22 @@ def chat(prompt: str, **extra) -> dict:
 
 def test_up_reported_progress_and_load_times(cluster: Cluster) -> None:
     out = cluster.up_output
+    phases = ["actor placed", "vLLM imported", "engine core started", "weights loaded", "KV cache allocated"]
     for engine in ("prefill-0", "decode-0"):
         assert f"{engine} loading (cores" in out
         assert f"{engine} ready in" in out
+        for phase in phases:  # each phase of its start, said as it ended
+            assert f"{engine}: {phase} (+" in out
     assert "cluster 'pdserve-test' is ready in" in out
     status = cluster.refresh()
     assert status["phase"] == "ready"
     assert {e["engine_id"]: e["state"] for e in status["engines"]} == {"prefill-0": "ready", "decode-0": "ready"}
     assert sorted(e["cpu_bind"] for e in status["engines"]) == ["0", "1"]  # each engine on its own core
     assert all(e["load_s"] > 0 for e in status["engines"])
+    for engine in status["engines"]:  # where each start's time went, in order
+        assert [p["phase"] for p in engine["phases"]] == [*phases, "warmed up", "ready"]
+        seconds = [p["s"] for p in engine["phases"]]
+        assert seconds == sorted(seconds) and seconds[-1] >= engine["load_s"] - 1
 
 
 # vLLM's NixlConnector keeps its smoke tests (progress, greedy equality, nothing left behind); the proxy's own

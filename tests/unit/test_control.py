@@ -36,6 +36,7 @@ def status_document() -> dict[str, Any]:
         "pid": 1234,
         "cpu_bind": "0",
         "load_s": 31.5,
+        "phases": [{"phase": "weights loaded", "s": 12.0}, {"phase": "ready", "s": 31.5}],
         "restarts": 0,
         "failures": 0,
         "error": None,

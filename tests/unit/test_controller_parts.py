@@ -170,3 +170,72 @@ async def test_a_watched_engine_that_dies_leaves_the_pool_and_a_retired_one_stay
     draining.handle.dies.set()
     await call
     assert draining.state == "draining" and published == ["prefill"]
+
+
+async def test_a_start_notes_each_phase_as_vllms_log_says_it_ended(tmp_path, monkeypatch):
+    import threading
+
+    from orchestrator import engine_actor
+
+    monkeypatch.setattr(engine_actor, "PHASE_READ_S", 0.01)
+    actor = engine_actor.EngineActor.__new__(engine_actor.EngineActor)
+    actor.log_path = tmp_path / "prefill-0.log"
+    actor.log_path.write_text("an earlier start's line: Loading weights took 9.1 seconds\n")
+    actor.state, actor.phases, actor.placed_at, actor._phase_lock = "starting", [], 100.0, threading.Lock()
+    actor._log_offset, actor._log_tail = actor.log_path.stat().st_size, b""
+    actor.info = lambda: _phases(actor)  # type: ignore[method-assign]
+    actor._phase("actor placed", actor.placed_at)
+
+    waiting = asyncio.create_task(actor.progress(1, 60))
+    await asyncio.sleep(0.05)
+    with actor.log_path.open("a") as log:
+        log.write("(EngineCore pid=1) INFO 11-27 18:10:24 [core.py:133] Initializing a V1 LLM engine (v0.32.0) ...\n")
+        log.write("(Worker pid=2) INFO 11-27 18:10:36 [default_loader.py:501] Loading weights took 0.54 sec")
+    info = await asyncio.wait_for(waiting, 1)  # at the new phase, not after a minute
+    with actor.log_path.open("a") as log:
+        log.write("onds\n(EngineCore pid=1) INFO 11-27 18:10:38 [kv_cache_utils.py:2327] CPU KV cache size: 23,296\n")
+    actor._read_phases()
+
+    assert info["phases"][-1]["phase"] == "engine core started"
+    assert [p["phase"] for p in actor.phases] == [
+        "actor placed", "engine core started", "weights loaded", "KV cache allocated",
+    ]  # fmt: skip
+    assert actor.phases[0]["t"] == 100.0
+    assert actor.phases[2]["t"] - actor.phases[1]["t"] == 12.0  # when vLLM logged them, not when read
+
+
+async def _phases(actor) -> dict:
+    return {"state": actor.state, "phases": list(actor.phases)}
+
+
+def test_phases_are_said_in_seconds_since_the_engine_was_asked_for():
+    from orchestrator.engine_record import take_phases
+
+    record = EngineRecord("prefill-0", "prefill", asked_at=1000.0)
+    first = take_phases(record, {"phases": [{"phase": "actor placed", "t": 1001.24}]})
+    more = take_phases(record, {"phases": [{"phase": "actor placed", "t": 1001.24}, {"phase": "ready", "t": 1060.0}]})
+    assert first == [{"phase": "actor placed", "s": 1.2}] and more == [{"phase": "ready", "s": 60.0}]
+    assert record.phases == first + more
+
+
+def test_up_on_a_terminal_redraws_a_line_with_each_starting_engines_phase(capsys):
+    from orchestrator.cli import _EventPrinter
+
+    status = {
+        "engines": [
+            {"engine_id": "prefill-0", "state": "starting", "phases": [{"phase": "weights loaded", "s": 12.0}]},
+            {"engine_id": "decode-0", "state": "pending", "phases": []},
+            {"engine_id": "decode-1", "state": "ready", "phases": []},
+        ]
+    }
+    live = _EventPrinter(live=True)
+    live.status(status)
+    live({"t": live.t0 + 1, "message": "prefill-0: KV cache allocated (+13.0s)"})
+    out = capsys.readouterr().out
+    assert "starting: prefill-0: weights loaded; decode-0: asked for" in out
+    assert "\r\033[K[   1.0s] prefill-0: KV cache allocated (+13.0s)\n" in out  # the live line erased first
+
+    plain = _EventPrinter(live=False)
+    plain.status(status)
+    plain({"t": plain.t0, "message": "cluster ready"})
+    assert capsys.readouterr().out == "[   0.0s] cluster ready\n"  # lines only
