@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.pdserve-installed
 CONFIG ?= configs/local-cpu.yaml
 
-.PHONY: setup model run test test-unit test-integration test-gpu lint lock bench bench-proxy clean
+.PHONY: setup model run test test-unit test-integration test-gpu lint lock bench bench-proxy docs clean
 
 setup: $(STAMP) model
 
@@ -60,6 +60,10 @@ bench: setup
 # Proxy throughput and added latency on stub engines, against vllm-router (wrk if installed).
 bench-proxy: setup
 	$(BIN)/python scripts/bench_proxy.py
+
+# The docs site (MkDocs with Material) into site/; --strict fails on a broken link or anchor.
+docs: setup
+	$(BIN)/mkdocs build --strict --site-dir site
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache
