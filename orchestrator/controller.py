@@ -354,7 +354,7 @@ class ClusterController:
         records = [r for r in self.engines.values() if r.role == role and r.state in ("ready", "draining") and r.url]
         draining = [r.engine_id for r in records if r.state == "draining"]
         endpoints = [(r.engine_id, r.url, self._kv_endpoints(r.engine_id)) for r in records]
-        await self.proxy.set_endpoints.remote(role, endpoints, draining)
+        await self.proxy.set_endpoints.remote(role, endpoints, draining, self.targets[role])
 
     def _kv_endpoints(self, engine_id: str) -> tuple[str, ...]:
         """The ``pdserve`` connector's side channel of an engine, one endpoint per TP rank (the proxy asks
@@ -401,6 +401,7 @@ class ClusterController:
         for role, target in targets.items():
             self.targets[role] = target
             plan[role] = await self._resize(role, reason, keep_warm_s, retry_now=by_hand)
+            await self._publish(role)  # the proxy's /metrics says the new target at once
         if not keep_warm_s:  # by hand: an engine of the pools it names is stopped now, kept warm or not
             for record in self._warm():
                 if record.role in targets:

@@ -87,10 +87,14 @@ class ProxyActor:
         role: str,
         endpoints: list[tuple[str, str]] | list[tuple[str, str, tuple[str, ...]]],
         draining: tuple[str, ...] | list[str] = (),
+        target: int | None = None,
     ) -> None:
         """Make ``endpoints`` the role's engines (``(engine_id, url)``, or with the engine's KV side-channel
         endpoints third); those in ``draining`` stay (their requests are counted) but get no new ones, and
-        one that was draining and is not any more (the controller took it back) gets them again."""
+        one that was draining and is not any more (the controller took it back) gets them again. ``target``:
+        the pool's size as the controller wants it (``/metrics``: ``pdserve_proxy_pool_target``)."""
+        if target is not None:
+            self.pool.targets[role] = target
         self.pool.set_endpoints(role, [Endpoint(*endpoint) for endpoint in endpoints])
         for endpoint in endpoints:
             if endpoint[0] in draining:

@@ -19,6 +19,10 @@ tests, count apart):
   time, routed as without a tier).
 - ``pdserve_proxy_engine_in_flight{role,engine_id}``: read from ``pool.snapshot()``
   when scraped, so the hot path pays nothing for it.
+- ``pdserve_proxy_pool_engines{role,state}``: the pool's engines by state (``ready``:
+  healthy and serving; ``ejected``: failing its health checks; ``draining``), and
+  ``pdserve_proxy_pool_target{role}``: the size the cluster's controller wants (its
+  autoscaler's decisions, ``pdserve scale``); a standalone proxy has no target.
 
 Labelled children are bound once per label set and kept, so a request costs
 a dict look-up, not ``labels()``; the histograms have no labels.
@@ -91,6 +95,7 @@ class ProxyMetrics:
             registry=self.registry,
         )
         self.registry.register(_EngineInFlight(pool))
+        self.registry.register(_PoolSizes(pool))
         self._counters: dict[tuple[str, int, str], Any] = {}
 
     def request_done(self, route: str, status: int, serving_path: str, elapsed_s: float) -> None:
@@ -124,3 +129,34 @@ class _EngineInFlight(Collector):
 
     def describe(self):  # noqa: ANN201
         return [GaugeMetricFamily("pdserve_proxy_engine_in_flight", "", labels=("role", "engine_id"))]
+
+
+class _PoolSizes(Collector):
+    """``pdserve_proxy_pool_engines`` and ``pdserve_proxy_pool_target``, read from the pool at scrape time."""
+
+    def __init__(self, pool: Any) -> None:
+        self._pool = pool
+
+    def collect(self):  # noqa: ANN201
+        engines = GaugeMetricFamily(
+            "pdserve_proxy_pool_engines",
+            "The pool's engines by state (ready, ejected, draining).",
+            labels=("role", "state"),
+        )
+        target = GaugeMetricFamily(
+            "pdserve_proxy_pool_target", "The pool's size as the cluster's controller wants it.", labels=("role",)
+        )
+        for role, members in self._pool.snapshot().items():
+            states = ["draining" if e["draining"] else "ready" if e["healthy"] else "ejected" for e in members]
+            for state in ("ready", "ejected", "draining"):
+                engines.add_metric((role, state), states.count(state))
+            if role in self._pool.targets:
+                target.add_metric((role,), self._pool.targets[role])
+        yield engines
+        yield target
+
+    def describe(self):  # noqa: ANN201
+        return [
+            GaugeMetricFamily("pdserve_proxy_pool_engines", "", labels=("role", "state")),
+            GaugeMetricFamily("pdserve_proxy_pool_target", "", labels=("role",)),
+        ]

@@ -111,6 +111,9 @@ class EnginePool:
         self._counters = {role: itertools.count() for role in ROLES}
         self.cluster_hosts: set[str] = set()
         """Hosts (URL and side-channel) of every engine ``set_endpoints`` was given: the cluster's machines."""
+        self.targets: dict[str, int] = {}
+        """Each pool's size as its cluster's controller wants it (its autoscaler or ``pdserve scale``), when
+        there is one: ``/metrics`` says it beside the engines the pool has."""
 
     # --- membership (orchestrator, admin) --------------------------------------------------
 

@@ -9,8 +9,10 @@ engine's metrics that prove the prompt's KV arrived over the connector.
 from __future__ import annotations
 
 import json
+import re
 import socket
 import time
+import urllib.request
 from pathlib import Path
 
 import psutil
@@ -189,3 +191,46 @@ def _alive(process: psutil.Process) -> bool:
         return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "monitoring" / "grafana-dashboard.json"
+_QUERIED = re.compile(r"\b(pdserve_proxy_\w+|pdserve:\w+|vllm:\w+)")
+_SAMPLE_SUFFIXES = ("_total", "_bucket", "_sum", "_count", "_created")
+
+
+def _family(name: str) -> str:
+    for suffix in _SAMPLE_SUFFIXES:
+        if name.endswith(suffix):
+            return name.removesuffix(suffix)
+    return name
+
+
+def _families(url: str) -> set[str]:
+    """The metric families ``url``/metrics declares (``# TYPE``) or has samples of: a labelled counter
+    nothing has counted yet still declares itself."""
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as response:
+        text = response.read().decode()
+    names = set()
+    for line in text.splitlines():
+        if line.startswith("# TYPE "):
+            names.add(_family(line.split()[2]))
+        elif line and not line.startswith("#"):
+            names.add(_family(re.split(r"[{ ]", line, maxsplit=1)[0]))
+    return names
+
+
+@pytest.mark.parametrize("cluster", ["pdserve"], indirect=True)
+def test_every_metric_the_grafana_dashboard_queries_exists_on_the_running_cluster(cluster: Cluster) -> None:
+    dashboard = json.loads(DASHBOARD.read_text())
+    queried = {
+        _family(name)
+        for panel in dashboard["panels"]
+        for target in panel.get("targets", [])
+        for name in _QUERIED.findall(target["expr"])
+    }
+    served = _families(cluster.proxy_url)
+    for role in ("prefill", "decode"):
+        served |= _families(cluster.engine(role)["url"])  # an engine's /metrics needs no key (Prometheus's)
+
+    assert queried >= {"pdserve_proxy_requests", "vllm:kv_cache_usage_perc", "pdserve:kv_transfer_bytes"}
+    assert queried - served == set()

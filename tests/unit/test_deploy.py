@@ -4,6 +4,7 @@ describe the Ray cluster the multi-node spec needs."""
 
 from __future__ import annotations
 
+import json
 import shlex
 from importlib.metadata import version
 from pathlib import Path
@@ -410,3 +411,16 @@ def test_no_manifest_exposes_the_dashboard_on_a_service():
             if doc["kind"] == "Service":
                 ports = {p["port"] for p in doc["spec"]["ports"]} | {p.get("targetPort") for p in doc["spec"]["ports"]}
                 assert not ports & {8265, "dashboard", 6379, 10001}, path.name
+
+
+def test_the_monitoring_files_parse_and_name_the_proxy_and_both_pools():
+    monitoring = REPO_ROOT / "deploy" / "monitoring"
+    dashboard = json.loads((monitoring / "grafana-dashboard.json").read_text())
+    rows = [p["title"] for p in dashboard["panels"] if p["type"] == "row"]
+    assert rows == ["Proxy", "Engines", "KV plane", "Pools and autoscaler"]
+    assert all(t["expr"] for p in dashboard["panels"] for t in p.get("targets", []))
+    scrape = yaml.safe_load((monitoring / "prometheus.yml").read_text())
+    assert {job["job_name"] for job in scrape["scrape_configs"]} == {"pdserve-proxy", "pdserve-engines"}
+    monitor = yaml.safe_load((monitoring / "podmonitor.yaml").read_text())
+    roles = {r.get("replacement") for e in monitor["spec"]["podMetricsEndpoints"] for r in e.get("relabelings", [])}
+    assert {"prefill", "decode"} <= roles and monitor["spec"]["podMetricsEndpoints"][0]["port"] == "proxy"

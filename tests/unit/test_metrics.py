@@ -92,6 +92,22 @@ async def test_engine_in_flight_is_read_from_the_pool_when_scraped(pool, make_pr
     assert samples[(in_flight, (("engine_id", "prefill-0"), ("role", "prefill")))] == 1
 
 
+async def test_pool_sizes_and_the_controllers_targets_are_read_when_scraped(pool, make_proxy):
+    server = await make_proxy()
+    async with httpx.AsyncClient(base_url=server.url) as client:
+        standalone = await scrape(client)
+        pool.targets.update(prefill=2, decode=1)  # what the cluster's controller publishes with the engines
+        pool.drain("prefill-0")
+        samples = await scrape(client)
+
+    engines, target = "pdserve_proxy_pool_engines", "pdserve_proxy_pool_target"
+    assert not any(name == target for name, _ in standalone)  # a proxy without a controller wants nothing
+    assert samples[(engines, (("role", "prefill"), ("state", "draining")))] == 1
+    assert samples[(engines, (("role", "prefill"), ("state", "ready")))] == 0
+    assert samples[(engines, (("role", "decode"), ("state", "ready")))] == 1
+    assert samples[(target, (("role", "prefill"),))] == 2 and samples[(target, (("role", "decode"),))] == 1
+
+
 async def test_each_app_counts_its_own_requests(make_client):
     first, second = await make_client(), await make_client()
     assert (await first.post(CHAT_PATH, json=CHAT)).status_code == 200
