@@ -54,10 +54,11 @@ def timed(args: list[str]) -> tuple[float, subprocess.CompletedProcess]:
 
 
 @contextlib.contextmanager
-def plain_vllm(config: str, log: Path, settle_s: float) -> Iterator[int]:
-    """A plain vLLM server as the spec's ``prefill-0`` is configured (model, settings, core, environment),
-    without the KV connector; yields its pid once it answers /health and has idled ``settle_s``."""
-    launch = plan_engines(ClusterSpec.from_file(config), "127.0.0.1")[0]
+def plain_vllm(config: str, log: Path, settle_s: float, engine_id: str = "prefill-0") -> Iterator[tuple[int, str]]:
+    """A plain vLLM server as the spec's ``engine_id`` is configured (model, settings, core, environment),
+    without the KV connector, on a free port; yields (its pid, its URL) once it answers /health and has
+    idled ``settle_s``."""
+    launch = next(e for e in plan_engines(ClusterSpec.from_file(config), "127.0.0.1") if e.engine_id == engine_id)
     args = list(launch.vllm_args)
     kv = args.index("--kv-transfer-config")
     del args[kv : kv + 2]
@@ -81,7 +82,7 @@ def plain_vllm(config: str, log: Path, settle_s: float) -> Iterator[int]:
                 raise SystemExit(f"the plain vLLM server did not answer in 600 s; its log: {log}")
             time.sleep(1)
         time.sleep(settle_s)
-        yield server.pid
+        yield server.pid, f"http://127.0.0.1:{port}"
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(server.pid, 15)
@@ -106,7 +107,7 @@ def main() -> None:
     with contextlib.ExitStack() as stack:
         if args.plain:
             log = Path(status["log_dir"]) / "plain-vllm.log"
-            engines[stack.enter_context(plain_vllm(args.plain, log, args.settle_s))] = "plain-vllm"
+            engines[stack.enter_context(plain_vllm(args.plain, log, args.settle_s))[0]] = "plain-vllm"
         idle = idle_use(list(engines), args.idle_s)
     report: dict = {
         "connector": status["connector"],

@@ -41,6 +41,9 @@ def chat(prompt: str, **extra) -> dict:
     return {"model": MODEL, "messages": [{"role": "user", "content": prompt}], **extra}
 
 
+# The progress `up` prints is the controller's, whatever the connector: on our connector's cluster only (with
+# vLLM's NixlConnector every engine spins a core, and each `pdserve status` of this test took a minute).
+@pytest.mark.parametrize("cluster", ["pdserve"], indirect=True)
 def test_up_reported_progress_and_load_times(cluster: Cluster) -> None:
     out = cluster.up_output
     phases = ["actor placed", "vLLM imported", "engine core started", "weights loaded", "KV cache allocated"]
