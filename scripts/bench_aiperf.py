@@ -111,7 +111,9 @@ def run_aiperf(name: str, url: str, spec: ClusterSpec, args: argparse.Namespace,
         "--goodput", f"time_to_first_token:{args.ttft_slo_ms} inter_token_latency:{args.itl_slo_ms}",
         "--random-seed", "7", "--artifact-dir", str(out), "--ui-type", "none",
     ]  # fmt: skip
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    # Not HF_HUB_OFFLINE: aiperf 0.13's offline path takes a local tokenizer directory for a repo id and
+    # fails; given a directory it asks the Hub nothing anyway.
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
     result = subprocess.run(command, env=env, capture_output=True, text=True)
     (artifacts / f"{name}.log").write_text(result.stdout + result.stderr)
     if result.returncode != 0:
