@@ -158,12 +158,16 @@ def test_scaling_places_new_engines_on_their_pools_hosts(multihost):
     assert multihost.engine("prefill-1")["url"] == f"http://{IPS['prefill']}:8101"
     # Round robin reaches the new engine. (Its KV may be recomputed instead of read: three engines on
     # this machine's two cores can starve a just-started engine's side channel past the handshake timeout.)
+    # A prefill the starved engine fails is tried on the other, then served decode-only (no X-PDServe-Prefill):
+    # every request is answered; round robin must reach both prefill engines within a few.
     served_by = set()
-    for n in range(4):
+    for n in range(8):
         code, body, headers = chat(multihost.status["proxy_url"], f"Say the number {n}.", timeout=300)
         assert code == 200, body
-        served_by.add({k.lower(): v for k, v in headers.items()}["x-pdserve-prefill"])
-    assert served_by == {"prefill-0", "prefill-1"}
+        served_by.add({k.lower(): v for k, v in headers.items()}.get("x-pdserve-prefill"))
+        if {"prefill-0", "prefill-1"} <= served_by:
+            break
+    assert {"prefill-0", "prefill-1"} <= served_by <= {"prefill-0", "prefill-1", None}
     shrunk = multihost.pdserve("scale", "prefill=1", host=None, timeout=900)
     assert shrunk.returncode == 0, shrunk.stdout + shrunk.stderr
     assert "prefill-1 stopped" in shrunk.stdout
