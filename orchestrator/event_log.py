@@ -46,19 +46,21 @@ class EventLog:
 
     def save(self) -> None:
         """Write the snapshot now if the state changed; events alone are written within ``EVENT_FLUSH_S``."""
-        if self.state() != self._written:
-            self.write()
+        state = self.state()
+        if state != self._written:
+            self.write(state)
         elif self._flush is None:
             try:
                 self._flush = asyncio.get_running_loop().call_later(EVENT_FLUSH_S, self.write)
             except RuntimeError:  # no loop (the constructor): nothing waits for a timer
-                self.write()
+                self.write(state)
 
-    def write(self) -> None:
+    def write(self, state: dict[str, Any] | None = None) -> None:
+        """Write the snapshot now (``state``: the controller's, if the caller has it already)."""
         if self._flush is not None:
             self._flush.cancel()
             self._flush = None
-        state = self.state()
+        state = self.state() if state is None else state
         write_private(self.path, json.dumps({**state, "events": self.events}))  # 0600, whole or not at all
         self._written = state
         self.writes += 1
