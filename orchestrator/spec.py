@@ -271,6 +271,12 @@ class ClusterSpec(_Strict):
     kv_tier: KvTierSpec | None = Field(
         default=None, description="A KV tier shared by the cluster's engines (connector 'pdserve'); absent: none."
     )
+    role_moves: bool = Field(
+        default=True,
+        description="Ready engines may change pool (prefill <-> decode) without a restart: `pdserve scale --move` "
+        "and the autoscaler's changes of the P:D ratio. Only pools of one shape move (same TP size, cores, "
+        "node selector and KV tier); false: engines never move.",
+    )
 
     @property
     def model_name(self) -> str:
@@ -289,6 +295,18 @@ class ClusterSpec(_Strict):
     def min_replicas(self, role: str) -> int:
         """The fewest engines pool ``role`` may shrink to: ``autoscaling.<role>.min``, else 1."""
         return getattr(self.autoscaling, role).min if self.autoscaling is not None else 1
+
+    def move_problem(self) -> str | None:
+        """Why engines may not move between the pools (``role_moves``); None when they may."""
+        if not self.role_moves:
+            return "the spec forbids it (role_moves: false)"
+        prefill, decode = self.prefill, self.decode
+        differ = [f for f in ("tensor_parallel_size", "cpu_cores") if getattr(prefill, f) != getattr(decode, f)]
+        if prefill.placement.key != decode.placement.key or prefill.placement.strategy != decode.placement.strategy:
+            differ.append("placement")
+        if self.kv_tier is not None and len(set(self.kv_tier.pools)) == 1:
+            differ.append("kv_tier.pools")
+        return f"the pools differ in shape ({', '.join(differ)})" if differ else None
 
     def proxy_config(self) -> ProxyConfig:
         """The settings of the cluster's proxy; it refuses what cannot fit ``engine.max_model_len``."""

@@ -7,6 +7,12 @@
   the controller starts the missing engine then).
 - Shrinking retires the newest engines first (the highest replica numbers), and
   an engine that is not serving yet before one that serves.
+- Moving changes a ready engine's pool without restarting it (pools of one shape:
+  ``ClusterSpec.move_problem``). When one pool is to grow and the other to shrink,
+  the change both share is made by moves (``moves_for``): the shrinking pool's
+  ready engines move, newest first (``move_order``). A moving engine leaves its
+  old pool's routing at once, finishes what it has there, and serves in the new
+  pool then; it counts towards the new pool from the decision on.
 - A retired engine that has drained is kept warm (``autoscaling.keep_warm_s``) only
   while the pools' targets and the engines already warm leave room in
   ``max_engines``; when they no longer fit, the longest-warm stop first.
@@ -18,13 +24,16 @@ same scaling mechanics on a real cluster.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
 __all__ = [
+    "MOVING",
     "SERVING",
     "ResizePlan",
+    "move_order",
+    "moves_for",
     "new_replicas",
     "resize_plan",
     "retirement_order",
@@ -34,8 +43,10 @@ __all__ = [
 ]
 
 T = TypeVar("T")
-SERVING = ("pending", "starting", "ready", "restarting")
-"""Engine states that count towards a pool's size: asked for, starting or serving."""
+MOVING = "moving"
+"""A ready engine on its way from one pool to the other: it finishes its old pool's work, then serves in the new."""
+SERVING = ("pending", "starting", "ready", "restarting", MOVING)
+"""Engine states that count towards a pool's size: asked for, starting, serving or moving into it."""
 
 
 def new_replicas(held: Iterable[int], count: int) -> list[int]:
@@ -56,6 +67,29 @@ def retirement_order(engines: Sequence[T], serving: Callable[[T], bool], replica
 def take_back_order(draining: Sequence[T], replica: Callable[[T], int]) -> list[T]:
     """Draining engines in the order a scale-up takes them back: the reverse of retirement."""
     return sorted(draining, key=replica)
+
+
+def move_order(engines: Sequence[T], ready: Callable[[T], bool], replica: Callable[[T], int]) -> list[T]:
+    """The engines of a pool that may move, in the order they move: the ready ones, newest first (a shrink's
+    order: the engines the pool would retire are the ones it gives away)."""
+    return sorted((e for e in engines if ready(e)), key=lambda e: -replica(e))
+
+
+def moves_for(
+    current: Mapping[str, int], wanted: Mapping[str, int], movable: Mapping[str, int]
+) -> tuple[str, str, int] | None:
+    """``(source, destination, count)``: the part of a change from ``current`` to ``wanted`` pool sizes that
+    moves make, when one pool shrinks while the other grows; at most the source's ``movable`` (ready) engines.
+    None when no move helps. The rest of the change is starts and retirements (``resize_plan``)."""
+    for source, destination in zip(current, reversed(list(current)), strict=True):
+        count = min(
+            current[source] - wanted.get(source, current[source]),
+            wanted.get(destination, current[destination]) - current[destination],
+            movable.get(source, 0),
+        )
+        if count > 0:
+            return source, destination, count
+    return None
 
 
 def warm_room(max_engines: int | None, targets: int, warm: int) -> int:
