@@ -157,6 +157,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         "pools     "
         + ", ".join(
             f"{role} {p['ready']}/{p['target']} ready (max {p['max']}"
+            + (f", {p['moving']} moving in" if p.get("moving") else "")
             + (f", {p['draining']} draining)" if p["draining"] else ")")
             for role, p in pools.items()
         )
@@ -167,6 +168,16 @@ def cmd_status(args: argparse.Namespace) -> int:
         _print(
             f"{e['engine_id']:<11} {e['role']:<8} {e['state']:<11} {e['url'] or '-':<24} "
             f"{e['cpu_bind'] or '-':<6} {load:>7} {e['restarts']:>8}"
+        )
+    if moves := status.get("moves"):
+        _print(
+            "moves: "
+            + "; ".join(
+                time.strftime("%H:%M:%S ", time.localtime(m["at"]))
+                + f"{m['engine_id']} {m['from']}->{m['to']} ({m['finishing_s']:.1f}s finishing, "
+                f"{m['switch_s'] * 1000:.0f} ms switching)"
+                for m in moves[-5:]
+            )
         )
     if status.get("autoscaler"):
         _print_decisions(status["autoscaler"])
@@ -210,14 +221,26 @@ def _print_decisions(autoscaler: dict[str, Any], last: int = 3) -> None:
 def cmd_scale(args: argparse.Namespace) -> int:
     from orchestrator import cluster
 
-    targets: dict[str, int] = {}
-    for item in args.targets:
-        role, sep, count = item.partition("=")
-        if not sep or role not in ("prefill", "decode") or not count.isdigit():
-            print(f"pdserve scale: {item!r}: expected prefill=N or decode=N", file=sys.stderr)
+    if bool(args.targets) == bool(args.move):
+        print("pdserve scale: give POOL=N targets or --move FROM->TO[=N], one of the two", file=sys.stderr)
+        return 2
+    if args.move:
+        source, arrow, rest = args.move.partition("->")
+        destination, sep, count = rest.partition("=")
+        if not arrow or {source, destination} != {"prefill", "decode"} or (sep and not count.isdigit()):
+            print(f"pdserve scale: --move {args.move!r}: expected prefill->decode[=N] or decode->prefill[=N]",
+                  file=sys.stderr)  # fmt: skip
             return 2
-        targets[role] = int(count)
-    status = cluster.scale(targets, on_event=_EventPrinter(), wait=not args.no_wait)
+        status = cluster.move(source, destination, int(count or 1), on_event=_EventPrinter(), wait=not args.no_wait)
+    else:
+        targets: dict[str, int] = {}
+        for item in args.targets:
+            role, sep, count = item.partition("=")
+            if not sep or role not in ("prefill", "decode") or not count.isdigit():
+                print(f"pdserve scale: {item!r}: expected prefill=N or decode=N", file=sys.stderr)
+                return 2
+            targets[role] = int(count)
+        status = cluster.scale(targets, on_event=_EventPrinter(), wait=not args.no_wait)
     sizes = ", ".join(f"{role} {p['ready']}/{p['target']} ready" for role, p in status["pools"].items())
     _print(f"pdserve: {sizes}")
     return 0
@@ -540,9 +563,16 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         "scale",
         help="resize the pools of the running cluster: pdserve scale prefill=2 decode=1",
         description="Grow a pool (start engines; each joins the proxy when ready) or shrink it (engines leave "
-        "the proxy at once, finish their requests, hand over their KV, then stop). Waits until done.",
+        "the proxy at once, finish their requests, hand over their KV, then stop); or move ready engines from "
+        "one pool to the other without restarting them (--move). Waits until done.",
     )
-    scale.add_argument("targets", nargs="+", metavar="POOL=N", help="prefill=N and/or decode=N")
+    scale.add_argument("targets", nargs="*", metavar="POOL=N", help="prefill=N and/or decode=N")
+    scale.add_argument(
+        "--move",
+        metavar="FROM->TO[=N]",
+        help="move N (default 1) ready engines between the pools, e.g. prefill->decode=2: each leaves FROM's "
+        "routing at once, finishes its work there, then serves TO (pools of one shape; spec role_moves)",
+    )
     scale.add_argument("--no-wait", action="store_true", help="return once the change has started")
     scale.set_defaults(func=cmd_scale)
     down = commands.add_parser("down", help="stop the running cluster and everything it started")

@@ -469,12 +469,44 @@ def scale(
 ) -> dict[str, Any]:
     """Ask the controller to resize pools; with ``wait``, follow its events until every pool in
     ``targets`` has that many ready engines and none draining. Return the last status."""
+    return _change(lambda client: client.scale(targets), "scale", targets, on_event, wait, timeout_s)
+
+
+def move(
+    source: str,
+    destination: str,
+    count: int,
+    on_event: Callable[[dict[str, Any]], None],
+    wait: bool = True,
+    timeout_s: float = 1800,
+) -> dict[str, Any]:
+    """Ask the controller to move ``count`` ready engines from pool ``source`` to ``destination``; with
+    ``wait``, follow its events until both pools have their new sizes ready. Return the last status."""
+    answer: dict[str, Any] = {}
+
+    def call(client: Any) -> None:
+        answer.update(client.move(source, destination, count))
+
+    status = _change(call, "move engines", None, on_event, wait, timeout_s)
+    return status | {"plan": answer.get("plan", {})}
+
+
+def _change(
+    call: Callable[[Any], Any],
+    what: str,
+    targets: dict[str, int] | None,
+    on_event: Callable[[dict[str, Any]], None],
+    wait: bool,
+    timeout_s: float,
+) -> dict[str, Any]:
+    """Make a change of the pools (``call``) and follow its events until the pools in ``targets`` (None: the
+    controller's targets of both) have that many ready engines, none draining or moving."""
     client = ClusterState.load().client()
     seen = len(client.status()["events"])
     try:
-        client.scale(targets)
+        call(client)
     except ControlError as e:
-        raise PdserveError(f"cannot scale: {e}") from None
+        raise PdserveError(f"cannot {what}: {e}") from None
     deadline = time.monotonic() + timeout_s
     while True:
         status = client.status()
@@ -482,8 +514,12 @@ def scale(
             on_event(event)
         seen = len(status["events"])
         pools = status["pools"]
-        done = all(pools[r]["ready"] == n and not pools[r]["draining"] for r, n in targets.items())
-        failed = [e["engine_id"] for e in status["engines"] if e["state"] == "failed" and e["role"] in targets]
+        wanted = targets or {role: pool["target"] for role, pool in pools.items()}
+        done = all(
+            pools[r]["ready"] == n and not pools[r]["draining"] and not pools[r].get("moving")
+            for r, n in wanted.items()
+        )
+        failed = [e["engine_id"] for e in status["engines"] if e["state"] == "failed" and e["role"] in wanted]
         if not wait or done:
             return status
         if failed:
@@ -493,7 +529,7 @@ def scale(
                 "its target)"
             )
         if time.monotonic() > deadline:
-            raise PdserveError(f"pools did not reach {targets} within {timeout_s:g}s")
+            raise PdserveError(f"pools did not reach {wanted} within {timeout_s:g}s")
         time.sleep(0.5)
 
 

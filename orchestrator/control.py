@@ -12,6 +12,8 @@ Routes (every one needs ``Authorization: Bearer <token>``; 401 without it):
 - ``GET  /v1/status``: the cluster as ``pdserve status --json`` prints it,
   schema ``STATUS_SCHEMA`` (fields in ``STATUS_FIELDS``, README "Status schema").
 - ``POST /v1/scale``  ``{"targets": {"prefill": N, "decode": M}}``: the plan, or 409 with the reason.
+- ``POST /v1/move``   ``{"from": "prefill", "to": "decode", "count": N}``: ready engines change pool without a
+  restart; the plan, or 409 with the reason.
 - ``POST /v1/shutdown``: stops engines and proxy, answers, then the controller exits.
 
 This module imports only the standard library: it is on every CLI call's path.
@@ -42,6 +44,7 @@ __all__ = [
 
 STATUS_PATH = "/v1/status"
 SCALE_PATH = "/v1/scale"
+MOVE_PATH = "/v1/move"
 SHUTDOWN_PATH = "/v1/shutdown"
 HEALTH_PATH = "/health"  # no token: says only that the API is up
 
@@ -64,12 +67,14 @@ STATUS_FIELDS: dict[str, tuple[type, ...]] = {
     "engines": (list,),  # ENGINE_FIELDS each
     "hosts": (list,),  # HOST_FIELDS each: the Ray cluster's nodes
     "autoscaler": (dict, type(None)),  # interval_s, decisions, changes; None when off
+    "moves": (list,),  # the last moves done: {engine_id, from, to, at, finishing_s, switch_s}
     "events": (list,),  # {"t": unix time, "message": str}, oldest first
 }
 ENGINE_FIELDS: dict[str, tuple[type, ...]] = {
     "engine_id": (str,),
     "role": (str,),  # prefill | decode
-    "state": (str,),  # pending | starting | ready | draining | restarting | failed | stopped
+    "state": (str,),  # pending | starting | ready | moving | draining | restarting | failed | stopped
+    "moving_from": (str, type(None)),  # moving: the pool whose work it finishes; it then serves in its role
     "url": (str,),
     "host": (str,),  # the address other hosts reach it at ("" until it started)
     "kv_endpoints": (list,),  # its connector's side channel, one tcp://host:port per TP rank
@@ -90,7 +95,13 @@ HOST_FIELDS: dict[str, tuple[type, ...]] = {
     "labels": (dict,),  # the node's own labels (Ray's ray.io/* left out)
     "engines": (list,),  # engine ids whose address is this host's
 }
-POOL_FIELDS: dict[str, tuple[type, ...]] = {"target": (int,), "max": (int,), "ready": (int,), "draining": (int,)}
+POOL_FIELDS: dict[str, tuple[type, ...]] = {
+    "target": (int,),
+    "max": (int,),
+    "ready": (int,),
+    "moving": (int,),  # engines moving into the pool, still finishing the other pool's work
+    "draining": (int,),
+}
 
 
 def cluster_status(controller: Any, nodes: list[Any] | None) -> dict[str, Any]:
@@ -119,11 +130,13 @@ def cluster_status(controller: Any, nodes: list[Any] | None) -> dict[str, Any]:
                 "target": controller.targets[role],
                 "max": spec.max_replicas(role),
                 "ready": sum(r.state == "ready" for r in records if r.role == role),
+                "moving": sum(r.state == "moving" for r in records if r.role == role),
                 "draining": sum(r.state == "draining" for r in records if r.role == role),
             }
             for role in ROLES
         },
         "autoscaler": controller.autoscaler.status() if controller.autoscaler is not None else None,
+        "moves": list(controller.moves),
         "events": controller.log.events,
     }
 
@@ -203,6 +216,9 @@ class ControlClient:
 
     def scale(self, targets: dict[str, int], reason: str = "by hand") -> dict[str, Any]:
         return self._call("POST", SCALE_PATH, {"targets": targets, "reason": reason})
+
+    def move(self, source: str, destination: str, count: int = 1, reason: str = "by hand") -> dict[str, Any]:
+        return self._call("POST", MOVE_PATH, {"from": source, "to": destination, "count": count, "reason": reason})
 
     def shutdown(self, timeout_s: float = 180.0) -> dict[str, Any]:
         return self._call("POST", SHUTDOWN_PATH, {}, timeout_s=timeout_s)

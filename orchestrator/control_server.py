@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
-from orchestrator.control import HEALTH_PATH, SCALE_PATH, SHUTDOWN_PATH, STATUS_PATH, token_matches
+from orchestrator.control import HEALTH_PATH, MOVE_PATH, SCALE_PATH, SHUTDOWN_PATH, STATUS_PATH, token_matches
 
 logger = logging.getLogger(__name__)
 
@@ -27,6 +27,8 @@ class Controlled(Protocol):
     async def status(self) -> dict[str, Any]: ...
 
     async def scale(self, targets: dict[str, int], reason: str = "by hand") -> dict[str, Any]: ...
+
+    async def move(self, source: str, destination: str, count: int = 1, reason: str = "by hand") -> dict[str, Any]: ...
 
     async def shutdown(self) -> None: ...
 
@@ -65,6 +67,7 @@ class ControlServer:
         app.router.add_get(HEALTH_PATH, self._health)
         app.router.add_get(STATUS_PATH, self._status)
         app.router.add_post(SCALE_PATH, self._scale)
+        app.router.add_post(MOVE_PATH, self._move)
         app.router.add_post(SHUTDOWN_PATH, self._shutdown)
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
@@ -105,6 +108,21 @@ class ControlServer:
         except (ValueError, KeyError, TypeError) as e:
             return _error(400, f'expected {{"targets": {{"prefill": N, "decode": M}}}}: {e}', "invalid_request")
         answer = await self._controller.scale(targets, str(body.get("reason") or "by hand"))
+        if "error" in answer:
+            return _error(409, answer["error"], "conflict")
+        return web.json_response(answer)
+
+    async def _move(self, request: web.Request) -> web.Response:
+        try:
+            body = await request.json()
+            source, destination, count = body["from"], body["to"], body.get("count", 1)
+            if not (isinstance(source, str) and isinstance(destination, str)):
+                raise TypeError("from and to must be pool names")
+            if not isinstance(count, int) or isinstance(count, bool):
+                raise TypeError("count must be a whole number")
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            return _error(400, f'expected {{"from": "prefill", "to": "decode", "count": N}}: {e}', "invalid_request")
+        answer = await self._controller.move(source, destination, count, str(body.get("reason") or "by hand"))
         if "error" in answer:
             return _error(409, answer["error"], "conflict")
         return web.json_response(answer)

@@ -30,6 +30,7 @@ never passes through the controller, so none fails on its account.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import functools
 import logging
@@ -45,7 +46,15 @@ from connectors.auth import ClusterSecret, new_secret
 from connectors.wire import ROLES, http_url
 from orchestrator.autoscale.actuator import AUTOSCALER_REASON, Autoscaler
 from orchestrator.autoscale.profile import PerformanceProfile
-from orchestrator.autoscale.rules import new_replicas, resize_plan, warm_room, warm_to_stop
+from orchestrator.autoscale.rules import (
+    MOVING,
+    move_order,
+    moves_for,
+    new_replicas,
+    resize_plan,
+    warm_room,
+    warm_to_stop,
+)
 from orchestrator.control import cluster_status
 from orchestrator.control_server import ControlServer
 from orchestrator.engine_actor import error_excerpt
@@ -73,7 +82,11 @@ PROBE_TIMEOUT_S = 5.0
 WATCH_S = 30.0
 """A running engine's watch call (``EngineActor.watch``) answers within this long when nothing changes; one that
 does not answer within ``PROBE_TIMEOUT_S`` more is stuck. Its death fails the call at once."""
-WATCHED = ("ready", "restarting")
+WATCHED = ("ready", "restarting", MOVING)
+MOVE_POLL_S = 0.2
+"""How often a moving engine is asked whether its old pool's work is done: a move serves in its new pool within
+this of its last request there (a retirement's drain asks once a second)."""
+MOVES_KEPT = 20
 
 
 class ClusterController:
@@ -109,6 +122,7 @@ class ClusterController:
         self._tasks: set[asyncio.Task] = set()
         self._retiring: dict[str, asyncio.Task] = {}  # engine id -> its _retire, while it may be taken back
         self._watching: dict[str, asyncio.Task] = {}  # engine id -> its _watch, while it runs
+        self.moves: collections.deque[dict[str, Any]] = collections.deque(maxlen=MOVES_KEPT)  # the last moves
         self.autoscaler: Autoscaler | None = None
         if self.spec.autoscaling is not None and profile_data is not None:
             self.autoscaler = Autoscaler(
@@ -116,7 +130,7 @@ class ClusterController:
                 PerformanceProfile.from_dict(profile_data),
                 self.proxy_url,
                 lambda: [(r.engine_id, r.role, r.state, r.url) for r in self.engines.values()],
-                functools.partial(self.scale, keep_warm_s=self.spec.autoscaling.keep_warm_s),
+                functools.partial(self.scale, keep_warm_s=self.spec.autoscaling.keep_warm_s, move=True),
             )
         self.restarts = 0  # Ray restarts of this controller
         # The API listens where the CLI reaches it: loopback on a local cluster, else this node's address.
@@ -210,6 +224,8 @@ class ClusterController:
             record.handle = self.handles.find(record.engine_id)
             info = await asyncio.wait_for(record.handle.info.remote(), timeout=PROBE_TIMEOUT_S)
         except (ValueError, RayActorError, TimeoutError) as e:
+            if record.state == MOVING:  # called off: it serves again where the monitor finds it
+                record.state, record.moving_from = "ready", None
             if record.handle is None:  # never created, or gone for good: start it (again)
                 record.handle = self._create_engine_actor(record.engine_id)
                 self._start_adopted(record)
@@ -221,11 +237,15 @@ class ClusterController:
             take_info(record, info)
             if record.state == "draining":
                 self._spawn_retire(record, drain=True)
+            elif record.state == MOVING:  # its move goes on: done once its old work is
+                self._spawn(self._move(record, time.monotonic()))
             else:
                 record.state = "ready"
         elif info["state"] == "failed":
+            record.moving_from = None
             record.failed(info["error"])
         elif record.state != "draining":  # idle (Ray restarted it meanwhile) or still starting: start / wait
+            record.moving_from = None
             self._start_adopted(record)
         else:
             self._spawn_retire(record, drain=False)
@@ -351,8 +371,12 @@ class ClusterController:
 
     async def _publish(self, role: str) -> None:
         """Tell the proxy the role's engines: the ready ones, and those draining (no new requests)."""
-        records = [r for r in self.engines.values() if r.role == role and r.state in ("ready", "draining") and r.url]
-        draining = [r.engine_id for r in records if r.state == "draining"]
+        records = [
+            r
+            for r in self.engines.values()
+            if r.url and ((r.role == role and r.state in ("ready", "draining")) or r.moving_from == role)
+        ]
+        draining = [r.engine_id for r in records if r.state == "draining" or r.moving_from == role]
         endpoints = [(r.engine_id, r.url, self._kv_endpoints(r.engine_id)) for r in records]
         await self.proxy.set_endpoints.remote(role, endpoints, draining, self.targets[role])
 
@@ -365,7 +389,9 @@ class ClusterController:
 
     # --- scaling ----------------------------------------------------------------------------
 
-    async def scale(self, targets: dict[str, int], reason: str = "by hand", keep_warm_s: float = 0.0) -> dict[str, Any]:
+    async def scale(
+        self, targets: dict[str, int], reason: str = "by hand", keep_warm_s: float = 0.0, move: bool = False
+    ) -> dict[str, Any]:
         """Grow or shrink pools to ``targets`` (``{role: replicas}``); return at once with the plan.
 
         Growing takes back the pool's draining engines first (they serve again at
@@ -376,6 +402,8 @@ class ClusterController:
         prefill engine keeps its KV until the decode engines have read it; then it
         is stopped (``_retire``), or first kept warm, idle, for ``keep_warm_s`` (the autoscaler's
         ``autoscaling.keep_warm_s``), where a scale-up takes it back as it would a draining one.
+        ``move`` (the autoscaler's, where the spec allows moves): when one pool grows while the other shrinks,
+        the part they share is made by moving ready engines (``rules.moves_for``; ``move``), the rest as above.
         ``{"error": ...}`` when a target is out of bounds.
         """
         if self.phase != "ready":
@@ -398,6 +426,12 @@ class ClusterController:
         by_hand = not reason.startswith(AUTOSCALER_REASON)
         if self.autoscaler is not None and by_hand:
             self.autoscaler.policy.scaled_by_hand(targets)  # not undone before its scale-down cooldown
+        if move and self.spec.move_problem() is None:
+            movable = {role: len(self._movers(role)) for role in ROLES}
+            if found := moves_for(self.targets, targets, movable):
+                source, destination, count = found
+                moved = await self._start_moves(self._movers(source)[:count], source, destination, reason)
+                plan["move"] = {f"{source}->{destination}": moved}
         for role, target in targets.items():
             self.targets[role] = target
             plan[role] = await self._resize(role, reason, keep_warm_s, retry_now=by_hand)
@@ -409,6 +443,83 @@ class ClusterController:
         self._fit_warm()
         self.log.save()
         return {"plan": plan, "targets": dict(self.targets)}
+
+    async def move(self, source: str, destination: str, count: int = 1, reason: str = "by hand") -> dict[str, Any]:
+        """Move ``count`` ready engines from pool ``source`` to ``destination`` without restarting them (the
+        newest first, ``rules.move_order``); return at once with the plan. Each leaves ``source``'s routing
+        now, finishes what it has there (requests; a prefill engine's KV its readers have not read), then serves
+        in ``destination`` (``_move``). ``{"error": ...}`` when the spec forbids it or a bound would break."""
+        if self.phase != "ready":
+            return {"error": f"the cluster is {self.phase}, not ready"}
+        if {source, destination} != set(ROLES):
+            return {"error": f"a move goes between the pools {' and '.join(ROLES)}, not {source!r} -> {destination!r}"}
+        if problem := self.spec.move_problem():
+            return {"error": f"engines cannot move: {problem}"}
+        low, high = self.spec.min_replicas(source), self.spec.max_replicas(destination)
+        if count < 1:
+            return {"error": f"a move needs at least one engine, not {count}"}
+        if self.targets[source] - count < low:
+            return {"error": f"moving {count} would leave {source} below its minimum ({low})"}
+        if self.targets[destination] + count > high:
+            return {"error": f"moving {count} would take {destination} above its maximum ({high})"}
+        movers = self._movers(source)
+        if len(movers) < count:
+            return {"error": f"{source} has {len(movers)} ready engine(s) that could move, not {count}"}
+        if self.autoscaler is not None and not reason.startswith(AUTOSCALER_REASON):
+            self.autoscaler.policy.scaled_by_hand(
+                {source: self.targets[source] - count, destination: self.targets[destination] + count}
+            )
+        moved = await self._start_moves(movers[:count], source, destination, reason)
+        self.log.save()
+        return {"plan": {"move": {f"{source}->{destination}": moved}}, "targets": dict(self.targets)}
+
+    def _movers(self, role: str) -> list[EngineRecord]:
+        """The engines of pool ``role`` that may move, in the order they move."""
+        pool = [r for r in self.engines.values() if r.role == role]
+        return move_order(pool, lambda r: r.state == "ready", lambda r: replica(r.engine_id))
+
+    async def _start_moves(self, records: list[EngineRecord], source: str, destination: str, reason: str) -> list[str]:
+        """Take ``records`` out of ``source``'s routing now (they count towards ``destination`` from here on)
+        and move each in a task of its own."""
+        self.targets[source] -= len(records)
+        self.targets[destination] += len(records)
+        decided = time.monotonic()
+        for record in records:
+            record.role, record.moving_from, record.state = destination, source, MOVING
+            self._event(
+                f"{record.engine_id} moving {source} -> {destination} ({reason}): out of the {source} pool, "
+                f"finishing its {source} work"
+            )
+            self._spawn(self._move(record, decided))
+        await self._publish(source)
+        await self._publish(destination)  # the proxy's /metrics says the new targets at once
+        return [r.engine_id for r in records]
+
+    async def _move(self, record: EngineRecord, decided: float) -> None:
+        """``_start_moves``'s task: once the engine's old work is done, it serves in its new pool."""
+        source, destination = record.moving_from, record.role
+        await self._wait_drained(record, MOVE_POLL_S)
+        if record.state != MOVING or self.engines.get(record.engine_id) is not record:
+            return  # retired, failed or stopped meanwhile
+        drained = time.monotonic()
+        record.state, record.moving_from = "ready", None
+        await self._publish(source)  # out of the old pool's table before it joins the new one
+        await self._publish(destination)
+        done = time.monotonic()
+        move = {
+            "engine_id": record.engine_id,
+            "from": source,
+            "to": destination,
+            "at": time.time(),
+            "finishing_s": round(drained - decided, 3),
+            "switch_s": round(done - drained, 3),
+        }
+        self.moves.append(move)
+        self._event(
+            f"{record.engine_id} serves {destination} now: moved in {done - decided:.2f}s "
+            f"({move['finishing_s']:.2f}s finishing its {source} work, {move['switch_s']:.2f}s switching)"
+        )
+        self.log.save()
 
     async def _resize(
         self, role: str, reason: str, keep_warm_s: float = 0.0, retry_now: bool = False
@@ -482,9 +593,16 @@ class ClusterController:
         started: list[str] = []
         if count <= 0:
             return started
-        wanted = set(new_replicas((replica(r.engine_id) for r in self.engines.values() if r.role == role), count))
-        for launch in [launch for launch in self._launches(role) if replica(launch.engine_id) in wanted]:
-            record = self.engines[launch.engine_id] = self._record(launch)
+        held = (replica(e) for e in self.engines if self.launches[e].role == role)
+        wanted = set(new_replicas(held, count))
+        launches = [launch for launch in self._launches(role) if replica(launch.engine_id) in wanted]
+        if len(launches) < count and self.spec.move_problem() is None:
+            # The pool's own launches are held by engines that moved away: the other pool's free ones have the
+            # same shape (an engine serves the pool its record says, whatever its id).
+            other = [launch for launch in self.launches.values() if launch.role != role]
+            launches += [launch for launch in other if launch.engine_id not in self.engines][: count - len(launches)]
+        for launch in launches:
+            record = self.engines[launch.engine_id] = self._record(launch, role)
             record.handle = self._create_engine_actor(launch.engine_id)
             self._spawn(self._start_engine(launch.engine_id))
             started.append(launch.engine_id)
@@ -495,6 +613,9 @@ class ClusterController:
         and stop it, in a task of its own, which a scale-up cancels to take the engine back while it drains.
         Its state changes now, so that a scale that follows at once counts it as retiring."""
         announce = drain is None
+        if record.state == MOVING:  # called off: it retires from the pool it has not left yet
+            record.role, record.moving_from = record.moving_from, None  # type: ignore[assignment]
+            record.state, drain = "ready", None
         if drain is None:
             drain = record.state == "ready"
             record.state = "draining"
@@ -552,9 +673,9 @@ class ClusterController:
         record.warm_cut.set()  # type: ignore[union-attr]
         self._event(f"{record.engine_id} no longer kept warm: {why}")
 
-    async def _wait_drained(self, record: EngineRecord) -> None:
+    async def _wait_drained(self, record: EngineRecord, poll_s: float = MONITOR_INTERVAL_S) -> None:
         """Until the engine has nothing in flight, queued, running or held (KV not yet read), or
-        ``engine.drain_timeout_s`` passed."""
+        ``engine.drain_timeout_s`` passed; asked every ``poll_s``."""
         deadline = time.monotonic() + self.spec.engine.drain_timeout_s
         while True:
             busy = await self._busy(record)
@@ -566,14 +687,14 @@ class ClusterController:
                     f"(engine.drain_timeout_s): {busy}; stopping it anyway"
                 )
                 return
-            await asyncio.sleep(MONITOR_INTERVAL_S)
+            await asyncio.sleep(poll_s)
 
     async def _busy(self, record: EngineRecord) -> str:
         """What keeps a draining engine busy, in words; '' when nothing does (or it is gone)."""
-        reasons = []
+        reasons, role = [], record.moving_from or record.role  # a moving engine finishes its old pool's work
         with contextlib.suppress(RayActorError, TimeoutError):
             info = await asyncio.wait_for(self.proxy.info.remote(), timeout=PROBE_TIMEOUT_S)
-            for entry in info["pool"].get(record.role, []):
+            for entry in info["pool"].get(role, []):
                 if entry["engine_id"] == record.engine_id and entry.get("in_flight"):
                     reasons.append(f"{entry['in_flight']} request(s) in flight at the proxy")
         gauges = await engine_gauges(record.url)
@@ -581,7 +702,7 @@ class ClusterController:
             return ""  # not answering: nothing left to wait for
         if running := gauges.get("vllm:num_requests_running", 0) + gauges.get("vllm:num_requests_waiting", 0):
             reasons.append(f"{running:g} request(s) running or queued")
-        if record.role == "prefill" and (used := gauges.get("vllm:kv_cache_usage_perc", 0)):
+        if role == "prefill" and (used := gauges.get("vllm:kv_cache_usage_perc", 0)):
             reasons.append(f"{used:.1%} of its KV cache still held for decode engines")
         return "; ".join(reasons)
 
@@ -623,14 +744,20 @@ class ClusterController:
 
     async def _check_engine(self, record: EngineRecord) -> None:
         seen = record.state
+        engine_state = "ready" if seen == MOVING else seen  # a moving engine serves as before
         try:
-            info = await asyncio.wait_for(record.handle.watch.remote(seen, WATCH_S), timeout=WATCH_S + PROBE_TIMEOUT_S)
+            info = await asyncio.wait_for(
+                record.handle.watch.remote(engine_state, WATCH_S), timeout=WATCH_S + PROBE_TIMEOUT_S
+            )
         except (RayActorError, TimeoutError) as e:
             if record.state not in WATCHED or self.engines.get(record.engine_id) is not record:
                 return  # retired or stopped meanwhile: its calls fail, which is no news
-            if record.state == "ready":
-                record.state = "restarting"
-                self._event(f"{record.engine_id} stopped answering ({type(e).__name__}); out of the pool")
+            if record.state in ("ready", MOVING):
+                was_moving_from, record.state, record.moving_from = record.moving_from, "restarting", None
+                moving = f" (its move from {was_moving_from} is called off)" if was_moving_from else ""
+                self._event(f"{record.engine_id} stopped answering ({type(e).__name__}); out of the pool{moving}")
+                if was_moving_from:
+                    await self._publish(was_moving_from)
                 await self._publish(record.role)
             if isinstance(e, ActorDiedError):  # restarts exhausted: dead for good
                 delay = record.failed(f"actor died for good: {e}")
@@ -674,8 +801,10 @@ class ClusterController:
     def _launches(self, role: str) -> list[EngineLaunch]:
         return [launch for launch in self.launches.values() if launch.role == role]
 
-    def _record(self, launch: EngineLaunch) -> EngineRecord:
-        return EngineRecord(launch.engine_id, launch.role, log_path=str(self.log_dir / f"{launch.engine_id}.log"))
+    def _record(self, launch: EngineLaunch, role: str | None = None) -> EngineRecord:
+        """A new record of ``launch``'s engine, serving ``role`` (default: the pool it was planned for)."""
+        log_path = str(self.log_dir / f"{launch.engine_id}.log")
+        return EngineRecord(launch.engine_id, role or launch.role, log_path=log_path)
 
     def _event(self, message: str) -> None:
         self.log.add(message)
@@ -690,7 +819,10 @@ class ClusterController:
             "targets": dict(self.targets),
             "api_port": self.api.port,
             "restarts": self.restarts,
-            "engines": {r.engine_id: {"state": r.state, "restarts": r.restarts} for r in self.engines.values()},
+            "engines": {
+                r.engine_id: {"state": r.state, "restarts": r.restarts, "role": r.role, "moving_from": r.moving_from}
+                for r in self.engines.values()
+            },
         }
 
     def _restore(self, snapshot: dict[str, Any]) -> None:
@@ -701,8 +833,9 @@ class ClusterController:
         self.api.port = snapshot["api_port"]
         self.engines = {}
         for engine_id, saved in snapshot["engines"].items():
-            record = self.engines[engine_id] = self._record(self.launches[engine_id])
+            record = self.engines[engine_id] = self._record(self.launches[engine_id], saved.get("role"))
             record.state, record.restarts = saved["state"], saved["restarts"]
+            record.moving_from = saved.get("moving_from")
 
     def _fail(self, error: str) -> None:
         self.phase, self.error = "failed", error

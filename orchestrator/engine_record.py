@@ -28,8 +28,9 @@ RETRY_FIRST_S, RETRY_MAX_S = 10.0, 300.0
 @dataclass(slots=True)
 class EngineRecord:
     engine_id: str
-    role: str
-    state: str = "pending"  # pending | starting | ready | restarting | failed | stopped
+    role: str  # the pool it serves (or, moving, moves into); an engine keeps its id and launch when it moves
+    state: str = "pending"  # pending | starting | ready | moving | restarting | draining | failed | stopped
+    moving_from: str | None = None  # moving: the pool whose work it finishes before it serves in ``role``
     url: str = ""
     host: str = ""  # the address other hosts reach it at (its node's, resolved by the engine)
     kv_endpoints: tuple[str, ...] = ()  # its connector's side channel, one per TP rank

@@ -36,6 +36,7 @@ def spec() -> dict:
     # The demo keeps a rise in mind for 2 min and waits 30 s before a scale-down; the test needs only to see
     # the shrink, not to wait for it (the suite's longest test: 284-412 s with the demo's values).
     base["autoscaling"] |= {"burst_memory_s": 45, "scale_down_cooldown_s": 15, "keep_warm_s": KEEP_WARM_S}
+    base["autoscaling"]["decode"] = {"min": 1, "max": 1}  # this test follows prefill-1 only (moves: test_scale)
     return base | {
         "name": "pdserve-autoscale",
         "proxy": {"port": 18600},

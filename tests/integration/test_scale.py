@@ -1,7 +1,8 @@
 """``pdserve scale`` on a real cluster: a pool grows, serves on its new engine, takes a draining
 engine back when it grows again, and shrinks again while requests run, without failing one of them;
 an engine that cannot start (its port is taken) fails the scale with its reason, and the controller
-starts it again after its back-off until it serves; a scale-down during a start ends the start at once.
+starts it again after its back-off until it serves; a scale-down during a start ends the start at once;
+``--move`` takes a ready engine from one pool to the other and back while requests run, without a restart.
 
 Its own cluster (three engines at most on this machine's two cores:
 ``resources.share_cores``), after the shared one is stopped.
@@ -41,7 +42,7 @@ def spec() -> dict:
         "connector_options": {"lease_ttl_s": LEASE_TTL_S},
         "autoscaling": {
             "prefill": {"min": 1, "max": 2},
-            "decode": {"min": 1, "max": 1},
+            "decode": {"min": 1, "max": 2},
             "max_engines": 3,
             "targets": {"ttft_p90_s": 30, "itl_p90_s": 5},
             "interval_s": 3600,  # no automatic decision during this test: only `pdserve scale`
@@ -77,7 +78,7 @@ def test_scale_prefill_up_then_down_under_load(tmp_path: Path) -> None:
         env = dict(os.environ, PDSERVE_STATE_DIR=str(tmp_path / "state"))  # own_cluster's
         env.pop("RAY_ADDRESS", None)
         proxy_url = status["proxy_url"]
-        assert status["pools"]["prefill"] == {"target": 1, "max": 2, "ready": 1, "draining": 0}
+        assert status["pools"]["prefill"] == {"target": 1, "max": 2, "ready": 1, "moving": 0, "draining": 0}
 
         grown = run_pdserve("scale", "prefill=2", env=env, timeout=900)
         assert grown.returncode == 0, grown.stderr
@@ -156,6 +157,38 @@ def test_scale_prefill_up_then_down_under_load(tmp_path: Path) -> None:
         while (strays := vllm_processes_outside(env)) and time.monotonic() < deadline:
             time.sleep(1)
         assert strays == [], strays
+
+        # Moves: prefill-1 becomes a decode engine and back while requests run, without a restart (same pid).
+        assert run_pdserve("scale", "prefill=2", env=env, timeout=900).returncode == 0
+        pid = engine_record(env, "prefill-1")["pid"]
+        for way, role in (("prefill->decode", "decode"), ("decode->prefill", "prefill")):
+            with concurrent.futures.ThreadPoolExecutor(max_workers=3) as pool:
+                load = [pool.submit(ask_engines, proxy_url, n) for n in range(9)]
+                time.sleep(1.0)
+                moved = run_pdserve("scale", "--move", way, env=env, timeout=600)
+                results = [future.result() for future in load]
+            assert moved.returncode == 0, moved.stdout + moved.stderr
+            assert f"prefill-1 moving {way.replace('->', ' -> ')}" in moved.stdout, moved.stdout
+            assert f"prefill-1 serves {role} now: moved in" in moved.stdout, moved.stdout
+            assert [s for s, *_ in results] == [200] * len(results), results
+            record = engine_record(env, "prefill-1")
+            assert (record["role"], record["state"], record["pid"]) == (role, "ready", pid), record
+            served = {
+                engines[0 if role == "prefill" else 1] for _, *engines in (ask_engines(proxy_url, n) for n in range(6))
+            }
+            assert "prefill-1" in served, served
+        status = json.loads(run_pdserve("status", "--json", env=env).stdout)
+        assert [(m["engine_id"], m["from"], m["to"]) for m in status["moves"]] == [
+            ("prefill-1", "prefill", "decode"), ("prefill-1", "decode", "prefill")]  # fmt: skip
+        refused = run_pdserve("scale", "--move", "decode->prefill", env=env)
+        assert refused.returncode == 1 and "would leave decode below its minimum (1)" in refused.stderr
+
+
+def ask_engines(proxy_url: str, n: int) -> tuple[int, str, str]:
+    """A short chat request: its status and the engines that prefilled and decoded it."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": f"Count to {n}."}], "max_tokens": 16}
+    status, headers, _ = http_json(proxy_url + "/v1/chat/completions", body, timeout=300)
+    return status, headers.get("x-pdserve-prefill", ""), headers.get("x-pdserve-decode", "")
 
 
 def vllm_processes_outside(env: dict[str, str]) -> list[str]:

@@ -42,6 +42,7 @@ def status_document() -> dict[str, Any]:
         "error": None,
         "log_path": "/tmp/logs/prefill-0.log",
         "kept_warm": False,
+        "moving_from": None,
     }
     return {
         "schema": STATUS_SCHEMA,
@@ -55,10 +56,11 @@ def status_document() -> dict[str, Any]:
         "ready_s": 40.2,
         "log_dir": "/tmp/logs",
         "controller": {"pid": 99, "restarts": 0, "api_url": "http://127.0.0.1:1"},
-        "pools": {"prefill": {"target": 1, "max": 1, "ready": 1, "draining": 0}},
+        "pools": {"prefill": {"target": 1, "max": 1, "ready": 1, "moving": 0, "draining": 0}},
         "engines": [engine],
         "hosts": [{"ip": "127.0.0.1", "alive": True, "head": True, "labels": {}, "engines": ["prefill-0"]}],
         "autoscaler": None,
+        "moves": [],
         "events": [{"t": 1.0, "message": "cluster ready"}],
     }
 

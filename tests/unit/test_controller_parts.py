@@ -91,7 +91,7 @@ def test_the_status_document_is_the_documented_schema():
     controller = SimpleNamespace(
         spec=spec, engines=engines, phase="ready", error=None, proxy_url="http://127.0.0.1:8000", started_at=1.0,
         ready_s=2.0, log_dir=Path("/tmp/logs"), restarts=0, api=SimpleNamespace(url="http://127.0.0.1:9"),
-        targets={"prefill": 2, "decode": 1}, autoscaler=None, log=SimpleNamespace(events=[]),
+        targets={"prefill": 2, "decode": 1}, autoscaler=None, log=SimpleNamespace(events=[]), moves=[],
     )  # fmt: skip
     nodes = [
         Node("a", "10.0.0.1", {"ray.io/node-id": "a", "pool": "p"}, {HEAD_RESOURCE: 1.0}, alive=False),
@@ -104,7 +104,13 @@ def test_the_status_document_is_the_documented_schema():
     assert status["hosts"] == [
         {"ip": "10.0.0.1", "alive": True, "head": False, "labels": {"pool": "p"}, "engines": ["prefill-0"]}
     ]
-    assert status["pools"]["prefill"] == {"target": 2, "max": spec.max_replicas("prefill"), "ready": 1, "draining": 1}
+    assert status["pools"]["prefill"] == {
+        "target": 2,
+        "max": spec.max_replicas("prefill"),
+        "ready": 1,
+        "moving": 0,
+        "draining": 1,
+    }
     assert cluster_status(controller, None)["hosts"] == []  # the GCS did not answer
 
 
