@@ -485,15 +485,20 @@ class ClusterController:
         self.targets[destination] += len(records)
         decided = time.monotonic()
         for record in records:
-            record.role, record.moving_from, record.state = destination, source, MOVING
-            self._event(
-                f"{record.engine_id} moving {source} -> {destination} ({reason}): out of the {source} pool, "
-                f"finishing its {source} work"
-            )
-            self._spawn(self._move(record, decided))
+            self._begin_move(record, destination, reason, decided)
         await self._publish(source)
         await self._publish(destination)  # the proxy's /metrics says the new targets at once
         return [r.engine_id for r in records]
+
+    def _begin_move(self, record: EngineRecord, destination: str, reason: str, decided: float) -> None:
+        """``record`` counts towards ``destination`` from now on; it serves there once its old work is done."""
+        source = record.role
+        record.role, record.moving_from, record.state = destination, source, MOVING
+        self._event(
+            f"{record.engine_id} moving {source} -> {destination} ({reason}): out of the {source} pool, "
+            f"finishing its {source} work"
+        )
+        self._spawn(self._move(record, decided))
 
     async def _move(self, record: EngineRecord, decided: float) -> None:
         """``_start_moves``'s task: once the engine's old work is done, it serves in its new pool."""
@@ -524,14 +529,16 @@ class ClusterController:
     async def _resize(
         self, role: str, reason: str, keep_warm_s: float = 0.0, retry_now: bool = False
     ) -> dict[str, list[str]]:
-        """Bring the pool towards its target: take back draining engines, start failed ones again (once their
-        back-off ended, or ``retry_now``), start new ones, or retire; failed engines it does not need stop."""
+        """Bring the pool towards its target: take back draining engines, move in the other pool's draining
+        ones (where engines may move), start failed ones again (once their back-off ended, or ``retry_now``),
+        start new ones, or retire; failed engines it does not need stop."""
         target = self.targets[role]
         pool = [r for r in self.engines.values() if r.role == role]
-        plan = resize_plan(pool, target, time.monotonic(), retry_now, lambda r: replica(r.engine_id))
+        others = [r for r in self.engines.values() if r.role != role] if self.spec.move_problem() is None else []
+        plan = resize_plan(pool, target, time.monotonic(), retry_now, lambda r: replica(r.engine_id), others)
         taken, again, retiring = plan.take_back, plan.start_again, plan.retire
         started = self._grow(role, plan.start)
-        if started or retiring or taken or again:
+        if started or retiring or taken or again or plan.move_in:
             self._event(f"scaling {role} {plan.serving} -> {target} ({reason})")
         for record in taken:
             if task := self._retiring.pop(record.engine_id, None):
@@ -542,6 +549,13 @@ class ClusterController:
             self._event(f"{record.engine_id} taken back: it was {was}; in the proxy's pool again")
         if taken:
             await self._publish(role)
+        decided = time.monotonic()
+        for record in plan.move_in:  # it was leaving its pool anyway: it serves here once its work there is done
+            if task := self._retiring.pop(record.engine_id, None):
+                task.cancel()
+            was = "kept warm" if record.warm_since is not None else "draining"
+            record.warm_since = record.warm_cut = None
+            self._begin_move(record, role, f"{reason}; it was {was} in {record.role}", decided)
         for record in retiring:
             self._spawn_retire(record, keep_warm_s=keep_warm_s)
         for record in again:
@@ -555,10 +569,11 @@ class ClusterController:
             self._event(f"{record.engine_id} failed and its pool is at its target without it: stopping it")
             self._spawn_retire(record, drain=False)
         stopping = [r.engine_id for r in self.engines.values() if r.role == role and r.stopping]
-        if plan.serving + len(taken) + len(started) + len(again) < target and stopping:
+        if plan.serving + len(taken) + len(plan.move_in) + len(started) + len(again) < target and stopping:
             self._event(f"{role}: the other engine(s) start once {', '.join(stopping)} stopped (replicas held)")
         return {
             "take_back": [r.engine_id for r in taken],
+            "move_in": [r.engine_id for r in plan.move_in],
             "start": started + [r.engine_id for r in again],
             "retire": [r.engine_id for r in retiring],
         }

@@ -12,7 +12,10 @@
   the change both share is made by moves (``moves_for``): the shrinking pool's
   ready engines move, newest first (``move_order``). A moving engine leaves its
   old pool's routing at once, finishes what it has there, and serves in the new
-  pool then; it counts towards the new pool from the decision on.
+  pool then; it counts towards the new pool from the decision on. A pool that grows
+  also moves in the other pool's draining (or kept-warm) engines, after taking back
+  its own and before starting any (``resize_plan``'s ``others``): the ratio of the
+  pools then changes in seconds even when its two halves come in separate decisions.
 - A retired engine that has drained is kept warm (``autoscaling.keep_warm_s``) only
   while the pools' targets and the engines already warm leave room in
   ``max_engines``; when they no longer fit, the longest-warm stop first.
@@ -120,6 +123,8 @@ class ResizePlan(Generic[E]):
     serving: int
     take_back: list[E]
     """Draining (or warm) engines that serve again at once."""
+    move_in: list[E]
+    """The other pool's draining (or warm) engines that move into this one (``others``)."""
     start_again: list[E]
     """Failed engines started afresh now (their back-off ended)."""
     waiting: int
@@ -132,24 +137,33 @@ class ResizePlan(Generic[E]):
 
 
 def resize_plan(
-    engines: Sequence[E], target: int, now: float, retry_now: bool, replica: Callable[[E], int]
+    engines: Sequence[E],
+    target: int,
+    now: float,
+    retry_now: bool,
+    replica: Callable[[E], int],
+    others: Sequence[E] = (),
 ) -> ResizePlan[E]:
-    """How a pool of ``engines`` reaches ``target``: take back draining engines first, then start failed ones
+    """How a pool of ``engines`` reaches ``target``: take back draining engines first, then move in the
+    draining engines of ``others`` (the other pool's, where engines may move), then start failed ones
     again (once their back-off ended at ``now``, or ``retry_now``), then start new ones; or retire the
     surplus (``retirement_order``). Failed engines beyond what the target needs are stopped."""
     serving = [e for e in engines if e.state in SERVING]
     draining = [e for e in engines if e.state == "draining" and not e.stopping]
     taken = take_back_order(draining, replica)[: max(target - len(serving), 0)]
+    leaving = [e for e in others if e.state == "draining" and not e.stopping]
+    moved = take_back_order(leaving, replica)[: max(target - len(serving) - len(taken), 0)]
     failed = sorted((e for e in engines if e.state == "failed" and not e.stopping), key=replica)
-    wanted = failed[: max(target - len(serving) - len(taken), 0)]
+    wanted = failed[: max(target - len(serving) - len(taken) - len(moved), 0)]
     again = [e for e in wanted if retry_now or now >= e.retry_at]
     retiring = retirement_order(serving, lambda e: e.state == "ready", replica)[: max(len(serving) - target, 0)]
     return ResizePlan(
         serving=len(serving),
         take_back=taken,
+        move_in=moved,
         start_again=again,
         waiting=len(wanted) - len(again),
-        start=max(target - len(serving) - len(taken) - len(wanted), 0),
+        start=max(target - len(serving) - len(taken) - len(moved) - len(wanted), 0),
         retire=retiring,
         stop_failed=failed[len(wanted) :],
     )

@@ -49,7 +49,7 @@ async def test_a_failed_engine_holds_its_replica_until_its_back_off_ends() -> No
     failed = engine(c, "prefill-1", "failed")
     failed.failed("OSError: [Errno 98] Address already in use")
     plan = await c._resize("prefill", "autoscaler: ...")
-    assert plan == {"take_back": [], "start": [], "retire": []}  # no new replica instead of it, no start yet
+    assert plan == {"take_back": [], "move_in": [], "start": [], "retire": []}  # no new replica instead of it, no start yet
     assert failed.state == "failed" and actions == [] and c.events == []
 
     failed.retry_at = time.monotonic() - 1  # the back-off ended
@@ -79,7 +79,7 @@ async def test_a_failed_engine_its_pool_no_longer_needs_stops() -> None:
     engine(c, "prefill-0", "ready")
     engine(c, "prefill-1", "failed").failed("boom")
     plan = await c._resize("prefill", "by hand", retry_now=True)
-    assert plan == {"take_back": [], "start": [], "retire": []}
+    assert plan == {"take_back": [], "move_in": [], "start": [], "retire": []}
     assert actions == ["retire prefill-1"]
     assert c.events == ["prefill-1 failed and its pool is at its target without it: stopping it"]
 

@@ -136,7 +136,8 @@ async def test_the_autoscalers_change_of_ratio_is_made_by_moves_and_the_rest_by_
     c._grow = lambda role, count: grown.append((role, count)) or []  # type: ignore[method-assign]
     answer = await c.scale({"prefill": 1, "decode": 2}, "autoscaler: prefill 2 -> 1, decode 1 -> 2", move=True)
     assert answer["plan"]["move"] == {"prefill->decode": ["prefill-1"]}
-    assert answer["plan"]["decode"] == {"take_back": [], "start": [], "retire": []}  # the move is all it needs
+    no_change = {"take_back": [], "move_in": [], "start": [], "retire": []}
+    assert answer["plan"]["decode"] == no_change  # the move is all it needs
     assert answer["plan"]["prefill"]["retire"] == [] and grown == [("prefill", 0), ("decode", 0)]
     assert c.engines["prefill-1"].state == MOVING
     # without move: the same change is a start and a retirement
@@ -185,3 +186,26 @@ def test_a_restarted_controller_knows_which_pool_a_moved_engine_serves() -> None
     again._restore(snapshot)
     record = again.engines["prefill-1"]
     assert (record.role, record.state, record.moving_from) == ("decode", MOVING, "prefill")
+
+
+async def test_a_growing_pool_moves_in_the_other_pools_draining_or_warm_engine_before_it_starts_one() -> None:
+    c, proxy, busy = controller(prefill=1, decode=1)
+    warm = c.engines["prefill-1"] = EngineRecord("prefill-1", "prefill", state="draining", url="http://prefill-1")
+    warm.warm_since, warm.warm_cut = 1.0, asyncio.Event()  # retired a while ago, kept warm
+    grown: list[tuple[str, int]] = []
+    c._grow = lambda role, count: grown.append((role, count)) or []  # type: ignore[method-assign]
+    answer = await c.scale({"decode": 2}, "autoscaler: decode 1 -> 2")
+    assert answer["plan"]["decode"]["move_in"] == ["prefill-1"] and grown == [("decode", 0)]
+    assert (warm.state, warm.role, warm.moving_from, warm.warm_cut) == (MOVING, "decode", "prefill", None)
+    await asyncio.wait_for(asyncio.gather(*c.tasks), 5)
+    assert (warm.state, warm.role) == ("ready", "decode")
+    assert proxy.told[-1] == ("decode", ["decode-0", "prefill-1"], [])
+    assert c.events[1].startswith("prefill-1 moving prefill -> decode (autoscaler: decode 1 -> 2; it was kept warm")
+    # where the spec forbids moves, the pool starts an engine instead
+    c, _, _ = controller(prefill=1, decode=1)
+    c.spec = c.spec.model_copy(update={"role_moves": False})
+    c.engines["prefill-1"] = EngineRecord("prefill-1", "prefill", state="draining", url="http://prefill-1")
+    grown.clear()
+    c._grow = lambda role, count: grown.append((role, count)) or []  # type: ignore[method-assign]
+    assert (await c.scale({"decode": 2}, "by hand"))["plan"]["decode"]["move_in"] == []
+    assert grown == [("decode", 1)]
