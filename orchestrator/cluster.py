@@ -483,11 +483,17 @@ def move(
     """Ask the controller to move ``count`` ready engines from pool ``source`` to ``destination``; with
     ``wait``, follow its events until both pools have their new sizes ready. Return the last status."""
     answer: dict[str, Any] = {}
+    before: list[dict[str, Any]] = []
 
     def call(client: Any) -> None:
+        before.extend(client.status().get("moves", []))
         answer.update(client.move(source, destination, count))
 
-    status = _change(call, "move engines", None, on_event, wait, timeout_s)
+    def arrived(status: dict[str, Any]) -> bool:  # each moved engine serves in its new pool (its move is done)
+        moved = {m["engine_id"] for m in status.get("moves", []) if m not in before}
+        return moved >= set(answer.get("plan", {}).get("move", {}).get(f"{source}->{destination}", []))
+
+    status = _change(call, "move engines", None, on_event, wait, timeout_s, arrived)
     return status | {"plan": answer.get("plan", {})}
 
 
@@ -498,9 +504,10 @@ def _change(
     on_event: Callable[[dict[str, Any]], None],
     wait: bool,
     timeout_s: float,
+    done_when: Callable[[dict[str, Any]], bool] = lambda status: True,
 ) -> dict[str, Any]:
     """Make a change of the pools (``call``) and follow its events until the pools in ``targets`` (None: the
-    controller's targets of both) have that many ready engines, none draining or moving."""
+    controller's targets of both) have that many ready engines, none draining or moving, and ``done_when``."""
     client = ClusterState.load().client()
     seen = len(client.status()["events"])
     try:
@@ -515,7 +522,7 @@ def _change(
         seen = len(status["events"])
         pools = status["pools"]
         wanted = targets or {role: pool["target"] for role, pool in pools.items()}
-        done = all(
+        done = done_when(status) and all(
             pools[r]["ready"] == n and not pools[r]["draining"] and not pools[r].get("moving")
             for r, n in wanted.items()
         )
