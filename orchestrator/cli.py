@@ -391,7 +391,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         from orchestrator.autoscale.plot import require_matplotlib
 
         require_matplotlib()  # fail before simulating, not after
-    result = simulate_spec(spec, profile, read_trace(args.trace), static)
+    result = simulate_spec(spec, profile, read_trace(args.trace), static, moves=not args.no_moves)
     summary = result.summary()
     if args.json:
         _print(json.dumps(result.to_json(), indent=2))
@@ -618,6 +618,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         "--policy", default="autoscale", help="'autoscale' or 'static:P,D' fixed pools (default: %(default)s)"
     )
     simulate.add_argument("--profile", metavar="FILE", help="performance profile (default: autoscaling.profile)")
+    simulate.add_argument(
+        "--no-moves", action="store_true", help="engines never move between the pools (as with role_moves: false)"
+    )
     simulate.add_argument("--json", action="store_true", help="print the results and the replica timeline as JSON")
     simulate.add_argument("--plot", metavar="FILE.png", help="draw load, replicas and latencies (needs matplotlib)")
     simulate.set_defaults(func=cmd_simulate)

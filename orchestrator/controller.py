@@ -131,6 +131,7 @@ class ClusterController:
                 self.proxy_url,
                 lambda: [(r.engine_id, r.role, r.state, r.url) for r in self.engines.values()],
                 functools.partial(self.scale, keep_warm_s=self.spec.autoscaling.keep_warm_s, move=True),
+                moves=self.spec.move_problem() is None,
             )
         self.restarts = 0  # Ray restarts of this controller
         # The API listens where the CLI reaches it: loopback on a local cluster, else this node's address.

@@ -49,10 +49,39 @@ def test_the_bounds_table_shows_each_bound_a_trace_has() -> None:
     )
 
 
-def test_calibration_tuning_and_evaluation_seeds_are_disjoint() -> None:
-    roles = [{study.CALIBRATION_SEED}, set(study.TUNING_SEEDS), set(study.EVALUATION_SEEDS)]
+def test_calibration_tuning_evaluation_and_generalization_seeds_are_disjoint() -> None:
+    roles = [{study.CALIBRATION_SEED}, *map(set, (study.TUNING_SEEDS, study.EVALUATION_SEEDS))]
+    roles.append(set(study.GENERALIZATION_SEEDS))
     assert all(a.isdisjoint(b) for i, a in enumerate(roles) for b in roles[i + 1 :])
-    assert set(study.RATES) == {(f, m) for f in study.FAMILIES for m in study.MIX_NAMES}
+    study_rates = {(f, m) for f in study.STUDY_FAMILIES for m in study.MIX_NAMES}
+    assert set(study.RATES) == study_rates | {(f, "tail") for f in study.GENERALIZATION}
+
+
+def test_each_family_is_judged_against_its_own_target() -> None:
+    assert study.meets("steady", 0.98, -1.0) and not study.meets("steady", 1.5, -1.1)
+    assert study.meets("diurnal", 1.3, -5.0) and not study.meets("diurnal", 1.29, 0.0)
+    assert study.meets("bursty", 1.0, -4.9) and not study.meets("bursty", 0.99, 0.0)
+    assert study.meets("swing-fast", 1.0, -5.0) and not study.meets("cold-start", 0.9, 0.0)
+
+
+def test_the_table_sets_the_autoscaler_with_moves_beside_it_without() -> None:
+    static = {"slo_attainment": 0.98}
+    row = {"family": "bursty", "mix": "chat", "seed": 11, "rate_rps": 33.62, "best_static": "41:23"}
+    row |= {"static": static, "autoscale": {"slo_attainment": 0.96}, "ratio": 1.1, "slo_points": -2.0}
+    row["no_moves"] = {"slo_attainment": 0.9, "ratio": 0.9, "slo_points": -8.0}
+    line = study.table([row]).splitlines()[-1]
+    assert line == (
+        "| bursty | chat | 33.62 | 41:23 | 98.0 % | >= 1x, -5 | 96.0 % | 1.10x | -2.0 | 1/1 | 90.0 % | 0.90x "
+        "| -8.0 | 0/1 |"
+    )
+
+
+def test_the_generalization_shapes_are_what_they_say() -> None:
+    swing = study.make_trace("swing-fast", "tail", 1, rate=40.0)
+    trough, peak = (sum(1 for r in swing if start <= r.t < start + 120) for start in (0, 840))
+    assert 6 * trough < peak < 9 * trough  # 8x from the trough to the peak 15 min later
+    prompts = sorted(r.prompt_tokens for r in swing)
+    assert 500 < prompts[len(prompts) // 2] < 700 and prompts[-1] > 6000  # median ~600, a tail to 8k
 
 
 def test_the_burst_oracle_takes_the_burst_split_from_its_lead_before_a_burst_to_its_end() -> None:

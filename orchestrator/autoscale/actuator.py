@@ -127,7 +127,7 @@ class EngineReading:
     metrics: MetricsReading | None
 
 
-STARTING_STATES = ("pending", "starting", "restarting")
+STARTING_STATES = ("pending", "starting", "restarting", "moving")  # provisioned, not serving yet (in its pool)
 
 
 class Observer:
@@ -257,9 +257,10 @@ class Autoscaler:
         proxy_url: str,
         engines: Callable[[], list[tuple[str, str, str, str]]],
         scale: Callable[[dict[str, int], str], Awaitable[dict[str, Any]]],
+        moves: bool = False,
     ) -> None:
         self.config = config
-        self.policy = AutoscalePolicy(config, profile)
+        self.policy = AutoscalePolicy(config, profile, moves=moves)  # moves: the spec allows role moves
         self.observer = Observer()
         self.proxy_url = proxy_url
         self.engines = engines

@@ -12,7 +12,12 @@ How one decision is made (both pools at once):
 0. Rate. The last window's arrival rate; when it rose by more than Poisson noise
    (3 standard deviations) since the window before, the rise is extrapolated to
    when engines started now would serve (``startup_s`` + one interval), and that
-   forecast holds while the rate keeps from falling, for at most that long.
+   forecast holds while the rate keeps from falling, for at most that long. A ramp
+   too gradual for one window's rise to stand out of the noise is found by the
+   least-squares slope of the last ``TREND_WINDOWS`` windows' rates: when it is more
+   than 3 standard errors above zero (Poisson counts) and the last window is not
+   below the line by more than noise (the ramp goes on), the fitted rate is
+   extrapolated over the same horizon. While either trend rises, no pool shrinks.
 1. Prefill. An engine computes ``max_num_batched_tokens`` prompt tokens per pass;
    the profile says how long that takes, hence tokens/s per engine and a mean
    service time per request. The TTFT target, less the time an idle engine needs
@@ -25,7 +30,9 @@ How one decision is made (both pools at once):
 2. Decode. The largest batch whose step time is within ``target_utilization`` of
    the ITL target and whose sequences fill at most that fraction of the KV cache
    is the batch one engine should hold; Little's law (concurrency = rate x output tokens x step
-   time) gives the engines. Requests waiting for a slot add engines.
+   time) gives the engines. Requests waiting for a slot (vLLM's waiting gauge of the
+   decode engines: prefilled requests not admitted yet, and those whose KV loads) add
+   engines.
 3. Feedback. A measured p90 TTFT or ITL above its target forbids shrinking the
    pool to blame (decode, when requests wait for a decode slot; else prefill) and
    adds one engine to it, so a wrong profile cannot hold the cluster in breach.
@@ -43,6 +50,15 @@ How one decision is made (both pools at once):
    (bursts come at random; holding all of it would cost what scaling saves).
    A pool scaled by hand (``pdserve scale``; ``scaled_by_hand``) counts as changed at the
    next decision: it is not shrunk again before ``scale_down_cooldown_s``.
+6. Moves (``moves``: the spec lets ready engines change pool, ``ClusterSpec.move_problem``).
+   The ratio follows load in seconds, the fleet size in minutes: when one pool grows,
+   the other gives it the engines it holds beyond its own demand (the largest wish of
+   its last ``MOVE_MEMORY`` decisions, never below its min) at once, without waiting
+   for its scale-down cooldown, hysteresis or burst guard: the controller moves them
+   (``rules.moves_for``), and what the growth needs beyond them it starts. A pool's
+   reserve is thus shared: a burst of the other pool takes it in seconds, and its own
+   takes it back the same way. The memory of a few decisions keeps one noisy window from
+   moving engines back and forth.
 """
 
 from __future__ import annotations
@@ -76,6 +92,8 @@ __all__ = [
 
 TTFT_TAIL = 0.10  # the targets are p90s: at most 10 % of requests may wait longer
 TREND_SIGMAS = 3.0  # a rise of the arrival rate beyond this many standard deviations of Poisson noise is a trend
+TREND_WINDOWS = 8  # windows of arrival rates whose least-squares slope reads a ramp (2 min at 15 s)
+MOVE_MEMORY = 3  # a pool gives engines away by moves only down to the largest of its last this many wishes
 
 
 @dataclass(slots=True)
@@ -151,9 +169,10 @@ def erlang_c_wait_tail(
 class AutoscalePolicy:
     """Decides both pools' sizes every interval; see the module docstring for the arithmetic."""
 
-    def __init__(self, config: AutoscalingConfig, profile: PerformanceProfile) -> None:
+    def __init__(self, config: AutoscalingConfig, profile: PerformanceProfile, moves: bool = False) -> None:
         self.config = config
         self.profile = profile
+        self.moves = moves  # engines move between the pools (the spec's role_moves; ClusterSpec.move_problem)
         self._wishes: deque[tuple[float, int, int]] = deque()  # (t, prefill, decode) before stability rules
         self._last_change: dict[str, float] = {}
         self._by_hand: set[str] = set()  # pools scaled by hand since the last decision
@@ -161,6 +180,8 @@ class AutoscalePolicy:
         self._history: deque[tuple[float, int, int]] = deque()  # wishes of the last burst_memory_s
         self._previous_rate: float | None = None
         self._held: tuple[float, float] | None = None  # (made at t, forecast rate) of a rise under way
+        self._rates: deque[tuple[float, float]] = deque(maxlen=TREND_WINDOWS)  # (t, arrival rate) for the slope
+        self._rising = False  # a trend rises now: no pool shrinks
 
     def scaled_by_hand(self, roles: Iterable[str]) -> None:
         """Pools someone else resized (``pdserve scale``): the next decision counts them as changed then,
@@ -170,18 +191,57 @@ class AutoscalePolicy:
     # --- demand -------------------------------------------------------------------------------
 
     def _forecast_rate(self, obs: ClusterObservation, reasons: list[str]) -> float:
-        """The arrival rate one startup time ahead: the trend of the last two windows, when it is more than noise.
+        """The arrival rate one startup time ahead: the larger of the trend of the last two windows
+        (``_step_forecast``) and of the last ``TREND_WINDOWS`` (``_slope_forecast``), where either is more
+        than noise; the rate now where neither is."""
+        rate, previous = obs.arrival_rate_rps, self._previous_rate
+        self._previous_rate = rate
+        self._rates.append((obs.t, rate))
+        self._rising = False
+        if previous is None:
+            return rate
+        window = self.config.interval_s
+        horizon = self.profile.engine.startup_s + window
+        step = self._step_forecast(obs, rate, previous, window, horizon, reasons)
+        slope = self._slope_forecast(obs.t, window, horizon, reasons)
+        self._rising = step > rate or slope is not None
+        return max(step, slope or 0.0)
+
+    def _slope_forecast(self, t: float, window: float, horizon: float, reasons: list[str]) -> float | None:
+        """The rate ``horizon`` from now on the least-squares line through the last ``TREND_WINDOWS`` windows'
+        rates, when its slope is more than ``TREND_SIGMAS`` standard errors above zero and the last window is
+        not below the line by more than noise; else None."""
+        if len(self._rates) < TREND_WINDOWS // 2:
+            return None
+        times, rates = [p[0] for p in self._rates], [p[1] for p in self._rates]
+        mean_t, mean_rate = sum(times) / len(times), sum(rates) / len(rates)
+        spread = sum((x - mean_t) ** 2 for x in times)
+        if spread <= 0 or mean_rate <= 0:
+            return None
+        slope = sum((x - mean_t) * (r - mean_rate) for x, r in zip(times, rates, strict=True)) / spread
+        # A window's rate of a Poisson count has variance rate / window: the slope's standard error follows.
+        error = math.sqrt(mean_rate / window / spread)
+        if slope <= TREND_SIGMAS * error:
+            return None
+        fitted = mean_rate + slope * (t - mean_t)
+        if rates[-1] < fitted - TREND_SIGMAS * math.sqrt(fitted / window):
+            return None  # the last window fell below the line by more than noise: the ramp has ended
+        forecast = fitted + slope * horizon
+        reasons.append(
+            f"trend: the last {len(rates)} windows rise {slope * 60:.2f} req/s per minute ({slope / error:.1f} "
+            f"standard errors); {fitted:.2f} req/s now, {forecast:.2f} req/s expected in {horizon:g}s"
+        )
+        return forecast
+
+    def _step_forecast(
+        self, obs: ClusterObservation, rate: float, previous: float, window: float, horizon: float, reasons: list[str]
+    ) -> float:
+        """The rise of the last window over the one before, extrapolated, when it is more than noise.
 
         A forecast holds while the rise goes on (the rate does not fall by more than
         noise) and for at most its horizon: one window of a ramp may rise less than
         the noise while the ramp is still under way.
         """
-        rate, previous = obs.arrival_rate_rps, self._previous_rate
-        self._previous_rate = rate
-        if previous is None:
-            return rate
-        window = self.config.interval_s
-        horizon = self.profile.engine.startup_s + window
         # Poisson counts: a change under 3 standard deviations of the difference is noise.
         noise = TREND_SIGMAS * math.sqrt((rate + previous) * window) / window
         rise = rate - previous
@@ -326,6 +386,9 @@ class AutoscalePolicy:
         if wish == current:
             reasons.append(f"{role}: stay at {current}")
             return current
+        if self._rising:
+            reasons.append(f"{role}: stay at {current} (wants {wish}; the load is rising)")
+            return current
         index = 1 if role == "prefill" else 2
         recent = max(max(w[index] for w in self._wishes), floor)
         history = [w[index] for w in self._history]
@@ -355,6 +418,26 @@ class AutoscalePolicy:
             return current
         reasons.append(f"{role}: {current} -> {recent} (largest wish of the last {cfg.scale_down_cooldown_s:g}s)")
         return recent
+
+    def _move(self, obs: ClusterObservation, target: dict[str, int], floor: dict[str, int], reasons: list[str]):
+        """Where one pool grows, the other gives it what it holds beyond the largest of its last
+        ``MOVE_MEMORY`` wishes (and its floor and min) at once: the controller moves those engines."""
+        for grow, give in (("prefill", "decode"), ("decode", "prefill")):
+            growth = target[grow] - obs.pool(grow).provisioned
+            if growth <= 0:
+                continue
+            index = 1 if give == "prefill" else 2
+            recent = max(w[index] for w in itertools.islice(reversed(self._wishes), MOVE_MEMORY))
+            keep = max(recent, floor[give], self.config.limits(give).min)
+            count = min(growth, target[give] - keep)
+            if count <= 0:
+                continue
+            reasons.append(
+                f"move: {grow} grows by {growth}; {give} gives {count} of its {target[give]} (it wishes at most "
+                f"{keep} over the last {MOVE_MEMORY} decisions): {give} {target[give]} -> {target[give] - count}"
+            )
+            target[give] -= count
+            self._last_change[give] = obs.t
 
     def decide(self, obs: ClusterObservation) -> ScalingDecision:
         cfg = self.config
@@ -389,6 +472,8 @@ class AutoscalePolicy:
             target[role] = self._stabilize(role, obs.t, current, wish[role], floor[role], reasons)
             if target[role] != current:
                 self._last_change[role] = obs.t
+        if self.moves:
+            self._move(obs, target, floor, reasons)
         if target["prefill"] + target["decode"] > cfg.max_engines:
             # Stability kept one pool above its budget share: the other gives way.
             grow = "prefill" if target["prefill"] > obs.prefill.provisioned else "decode"

@@ -18,6 +18,9 @@ File format (YAML or JSON, chosen by the file's suffix; ``format`` is checked fi
       handoff_s: 0.15                # optional (0): a disaggregated request's fixed cost between the
                                      # prefill pass and the decode engine's first step, beyond the KV
                                      # transfer (HTTP both ways, the decode engine's scheduling of it)
+      move_s: 0.1                    # optional (0.1): a ready engine's switch from one pool to the other
+                                     # once its old work is done (out of one routing table, into the
+                                     # other; no restart: every engine runs the connector as kv_both)
     prefill:                         # one forward pass computing `tokens` prompt tokens of `batch` sequences
       tokens: [256, 1024, 4096, 8192]
       batch: [1, 2, 4]
@@ -50,8 +53,21 @@ import yaml
 from orchestrator.errors import PdserveError
 
 FORMAT = "pdserve-profile/1"
+# A role move's switch time when the profile does not say (engine.move_s), measured on the CPU demo: an idle
+# engine serves in its new pool 0.04 s after the decision (median of 10, scripts/bench_moves.py), and the
+# controller sees a busy one's old work done within its 0.2-s check, 0.1 s later on average.
+DEFAULT_MOVE_S = 0.1
 
-__all__ = ["FORMAT", "EngineLimits", "Grid1D", "Grid2D", "PerformanceProfile", "ProfileError", "load_profile"]
+__all__ = [
+    "DEFAULT_MOVE_S",
+    "FORMAT",
+    "EngineLimits",
+    "Grid1D",
+    "Grid2D",
+    "PerformanceProfile",
+    "ProfileError",
+    "load_profile",
+]
 
 
 class ProfileError(PdserveError):
@@ -117,6 +133,7 @@ class EngineLimits:
     kv_bytes_per_token: int
     startup_s: float
     handoff_s: float = 0.0  # fixed cost of the prefill -> decode hand-off beyond the KV transfer
+    move_s: float = DEFAULT_MOVE_S  # a role move's switch, once the engine's old work is done
 
 
 @dataclass(slots=True, frozen=True)
@@ -211,13 +228,13 @@ class _Reader:
             raise self.fail(field, f"must be greater than 0 (got {value!r})")
         return float(value)
 
-    def handoff(self, engine: dict[str, Any]) -> float:
-        """``engine.handoff_s``: optional (profiles from before it have none: 0), never negative."""
-        if "handoff_s" not in engine:
-            return 0.0
-        value = self.number(engine, "handoff_s", "engine.handoff_s", positive=False)
+    def optional(self, engine: dict[str, Any], key: str, default: float) -> float:
+        """``engine.<key>``: optional (profiles from before it have none: ``default``), never negative."""
+        if key not in engine:
+            return default
+        value = self.number(engine, key, f"engine.{key}", positive=False)
         if value < 0:
-            raise self.fail("engine.handoff_s", f"must be 0 or more (got {value!r})")
+            raise self.fail(f"engine.{key}", f"must be 0 or more (got {value!r})")
         return value
 
     def axis(self, raw: dict[str, Any], key: str, field: str) -> list[float]:
@@ -259,7 +276,8 @@ class _Reader:
             kv_capacity_tokens=int(self.number(engine, "kv_capacity_tokens", "engine.kv_capacity_tokens")),
             kv_bytes_per_token=int(self.number(engine, "kv_bytes_per_token", "engine.kv_bytes_per_token")),
             startup_s=self.number(engine, "startup_s", "engine.startup_s", positive=False),
-            handoff_s=self.handoff(engine),
+            handoff_s=self.optional(engine, "handoff_s", 0.0),
+            move_s=self.optional(engine, "move_s", DEFAULT_MOVE_S),
         )
         transfer = self.section(raw, "transfer")
         nbytes = self.axis(transfer, "bytes", "transfer.bytes")

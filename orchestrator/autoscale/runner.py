@@ -19,7 +19,14 @@ from orchestrator.autoscale.traces import TraceRequest
 from orchestrator.errors import PdserveError
 from orchestrator.spec import ClusterSpec
 
-__all__ = ["SimulationSetupError", "load_spec_and_profile", "parse_policy", "shared_cores", "simulate_spec"]
+__all__ = [
+    "SimulationSetupError",
+    "load_spec_and_profile",
+    "moves_allowed",
+    "parse_policy",
+    "shared_cores",
+    "simulate_spec",
+]
 
 
 class SimulationSetupError(PdserveError):
@@ -62,13 +69,15 @@ def simulate_spec(
     policy: Policy | None = None,
     shared: SharedCore = EVEN_SHARE,
     first_decision_s: float | None = None,
+    moves: bool = True,
 ) -> SimulationResult:
     """Run ``trace`` under the autoscaler (``static`` None) or a fixed ``static`` = (prefill, decode) split,
     or under ``policy`` when given (a study's own, with ``static`` None). The autoscaler (or ``policy``)
     starts with ``start`` engines serving (default: the spec's replicas); ``cores``: the engines' shared
     cores as a cluster ran them (default: the plan the spec makes now, ``shared_cores``), and ``shared`` how
     much a busy neighbour on a core slows an engine (``SharedCore``); ``first_decision_s``: when the
-    policy first decides (default: one interval in)."""
+    policy first decides (default: one interval in); ``moves``: engines move between the pools where the spec
+    allows it (``ClusterSpec.move_problem``), as the controller moves them; False: never (``--no-moves``)."""
     scaling = spec.autoscaling
     if scaling is None:
         raise SimulationSetupError("the spec has no 'autoscaling' section")
@@ -80,7 +89,7 @@ def simulate_spec(
             )
         policy, initial = StaticPolicy(*static), static
     else:
-        policy = policy or AutoscalePolicy(scaling, profile)
+        policy = policy or AutoscalePolicy(scaling, profile, moves=moves_allowed(spec, moves))
         initial = start or (spec.prefill.replicas, spec.decode.replicas)
     routing = (spec.proxy.routing.prefill, spec.proxy.routing.decode)
     return simulate(
@@ -96,7 +105,13 @@ def simulate_spec(
         first_decision_s=first_decision_s,
         keep_warm_s=scaling.keep_warm_s if static is None else 0.0,
         max_engines=scaling.max_engines,
+        moves=moves_allowed(spec, moves),
     )
+
+
+def moves_allowed(spec: ClusterSpec, moves: bool = True) -> bool:
+    """Whether engines move between the pools: ``moves`` asked for and the spec allows it."""
+    return moves and spec.move_problem() is None
 
 
 def shared_cores(spec: ClusterSpec) -> dict[str, frozenset[tuple[int, int]]] | None:

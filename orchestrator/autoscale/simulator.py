@@ -33,6 +33,15 @@ New engines serve after ``startup_s``; removed ones stop taking requests and sto
 once their own work is done (drain). Which engines start and which retire follows the controller's rules
 (``orchestrator.autoscale.rules``): the newest retire first, and a scale-up
 takes back draining engines (serving again at once) before it starts new ones.
+With ``moves`` (the spec's ``role_moves``, pools of one shape: ``ClusterSpec.move_problem``) a decision
+that grows one pool while it shrinks the other is made by moves first, as the controller makes it
+(``rules.moves_for``, ``rules.move_order``): the shrinking pool's serving engines move, newest first, keeping
+their replica numbers and cores. A moving engine takes no new work in its old pool and counts towards its
+new pool from the decision on (as one starting); it finishes its old work (a prefill engine also waits
+until every KV it computed has been read: until its requests' loads on the decode engines are done), then
+serves in the new pool the profile's ``move_s`` later. A retirement that picks a moving engine calls the
+move off: it drains in its old pool. The rest of the decision is starts and retirements, as without moves;
+a pool that grows moves in the other pool's draining (or kept-warm) engines before it starts any.
 With ``keep_warm_s`` (``autoscaling.keep_warm_s``) a drained engine stays up that long,
 idle and takeable, while the targets and the engines kept warm fit ``max_engines``
 (as the controller's ``_retire``). Engine-hours count every engine from start to stop,
@@ -77,7 +86,15 @@ from typing import Any, Protocol
 
 from orchestrator.autoscale.policy import ClusterObservation, PoolObservation, ScalingDecision
 from orchestrator.autoscale.profile import PerformanceProfile
-from orchestrator.autoscale.rules import new_replicas, retirement_order, take_back_order, warm_room, warm_to_stop
+from orchestrator.autoscale.rules import (
+    move_order,
+    moves_for,
+    new_replicas,
+    retirement_order,
+    take_back_order,
+    warm_room,
+    warm_to_stop,
+)
 from orchestrator.autoscale.traces import TraceRequest
 
 logger = logging.getLogger(__name__)
@@ -95,7 +112,7 @@ __all__ = [
 
 _EPS = 1e-9
 # Event kinds, in the order simultaneous events are handled.
-_READY, _PREFILL_DONE, _TRANSFER_DONE, _DECODE_DONE, _ARRIVAL, _DECIDE, _SPIN_END, _WARM_END = range(8)
+_READY, _PREFILL_DONE, _TRANSFER_DONE, _DECODE_DONE, _ARRIVAL, _DECIDE, _SPIN_END, _WARM_END, _MOVED = range(9)
 # vLLM's worker keeps polling its shared-memory queue for this long after its last message before it
 # sleeps on a socket (``SpinCondition``'s ``busy_loop_s``, vllm.distributed.device_communicators.shm_broadcast):
 # an engine that just finished a pass or step keeps its core busy this much longer.
@@ -136,7 +153,14 @@ class EngineState(enum.Enum):
     STARTING = "starting"
     SERVING = "serving"
     DRAINING = "draining"
+    LEAVING = "leaving"  # moving away: out of its pool's routing, finishing its work there
+    MOVING = "moving"  # the same engine in its new pool, counted there (rules.MOVING), until it serves
     STOPPED = "stopped"
+
+
+_PROVISIONED = (EngineState.STARTING, EngineState.SERVING, EngineState.MOVING)  # a pool's size (rules.SERVING)
+_ARRIVING = (EngineState.STARTING, EngineState.MOVING)  # counted in a pool, not serving in it yet
+_NOT_COUNTED = (EngineState.STOPPED, EngineState.LEAVING)  # a leaving engine is counted as its successor
 
 
 @dataclass(slots=True, frozen=True)
@@ -155,6 +179,7 @@ class _Request:
     first_token: float = -1.0
     done: float = -1.0
     start_step: float = 0.0
+    kv_holder: _PrefillEngine | None = None  # the prefill engine holding its KV until the decode side read it
 
 
 @dataclass(slots=True, eq=False)
@@ -165,6 +190,9 @@ class _Engine:
     stopped: float = -1.0
     spins_until: float = -1.0  # when its worker stops polling after its last pass or step (SPIN_S)
     warm_until: float = -1.0  # drained and kept warm until then (keep_warm_s); -1: not kept warm
+    cores_id: str = ""  # the engine id its cores are pinned for, when it moved here from the other pool
+    # A move: the LEAVING engine of the old pool and its MOVING successor in the new point to each other.
+    twin: _Engine | None = None
 
     def hours(self, end: float) -> float:
         stop = min(self.stopped if self.stopped >= 0 else end, end)
@@ -179,6 +207,7 @@ class _PrefillEngine(_Engine):
     # What vLLM's waiting gauge shows (requests, prompt tokens): those its last pass left unscheduled. One
     # that arrives during a pass reaches the scheduler only when the pass ends, and is scheduled then.
     gauge_waiting: tuple[int, int] = (0, 0)
+    unread: int = 0  # requests it prefilled whose KV no decode engine has read yet (it holds their blocks)
 
     @property
     def idle(self) -> bool:
@@ -277,6 +306,7 @@ class Simulator:
         first_decision_s: float | None = None,
         keep_warm_s: float = 0.0,
         max_engines: int | None = None,
+        moves: bool = False,
     ) -> None:
         if interval_s <= 0:
             raise ValueError(f"interval_s must be > 0 (got {interval_s})")
@@ -292,6 +322,7 @@ class Simulator:
         self.spin_s = spin_s
         self.shared = shared
         self.keep_warm_s, self.max_engines = keep_warm_s, max_engines
+        self.moves = moves
         self.startup_s = profile.engine.startup_s if startup_s is None else startup_s
         self.now = 0.0
         self._events: list[tuple[float, int, int, Any]] = []
@@ -319,8 +350,7 @@ class Simulator:
     # --- engines that share cores -------------------------------------------------------------
 
     def _cores(self, engine: _Engine) -> frozenset[Any]:
-        role = "prefill" if isinstance(engine, _PrefillEngine) else "decode"
-        return self.cores.get(f"{role}-{engine.replica}", frozenset())
+        return self.cores.get(self._cores_id(engine), frozenset())
 
     def _share(self, engine: _Engine, slowdown: float, beside_start: float = 1.0, host: float = 1.0) -> float:
         """How many times slower than alone ``engine`` works now: ``1 + (slowdown - 1) * n + (beside_start - 1)
@@ -391,6 +421,7 @@ class Simulator:
             _DECIDE: self._on_decide,
             _SPIN_END: self._on_spin_end,
             _WARM_END: self._on_warm_end,
+            _MOVED: self._on_moved,
         }
         while self._events:
             t, kind, _, payload = heapq.heappop(self._events)
@@ -471,6 +502,8 @@ class Simulator:
             w["prefilled"] += 1
             w["prompt"] += req.prompt
             w["prompt_sq"] += req.prompt**2
+            req.kv_holder = engine
+            engine.unread += 1
             self._route_decode(req)
         if engine.queue:
             self._start_prefill_pass(engine)
@@ -479,6 +512,8 @@ class Simulator:
             self._went_idle(engine)
             if engine.state is EngineState.DRAINING:
                 self._drained(engine)
+            elif engine.state is EngineState.LEAVING:
+                self._left(engine)
 
     # --- decode -------------------------------------------------------------------------------
 
@@ -540,6 +575,11 @@ class Simulator:
 
     def _on_transfer_done(self, payload: tuple[_DecodeEngine, _Request]) -> None:
         engine, req = payload
+        if req.kv_holder is not None:  # read: the prefill engine frees its blocks
+            holder, req.kv_holder = req.kv_holder, None
+            holder.unread -= 1
+            if holder.state is EngineState.LEAVING:
+                self._left(holder)
         wait = self._to_step_end(engine)
         if wait > _EPS:  # the scheduler hears of a finished load, and takes the request in, between steps
             self._at(self.now + wait, _TRANSFER_DONE, payload)
@@ -575,6 +615,8 @@ class Simulator:
             self._went_idle(engine)
         if engine.state is EngineState.DRAINING and engine.idle:
             self._drained(engine)
+        elif engine.state is EngineState.LEAVING:
+            self._left(engine)
 
     def _finish(self, req: _Request) -> None:
         req.done = self.now
@@ -619,7 +661,7 @@ class Simulator:
         waiting = [e.gauge_waiting for e in prefill_serving]
         prefill = PoolObservation(
             replicas=len(prefill_serving),
-            starting=sum(1 for e in self.prefill if e.state is EngineState.STARTING),
+            starting=sum(1 for e in self.prefill if e.state in _ARRIVING),
             queue_depth=sum(n for n, _ in waiting) + len(self._proxy_queue),
             queued_tokens=sum(tokens for _, tokens in waiting) + sum(r.prompt for r in self._proxy_queue),
             running=sum(1 for e in prefill_serving if e.busy),
@@ -627,7 +669,7 @@ class Simulator:
         capacity = self.profile.engine.kv_capacity_tokens
         decode = PoolObservation(
             replicas=len(decode_serving),
-            starting=sum(1 for e in self.decode if e.state is EngineState.STARTING),
+            starting=sum(1 for e in self.decode if e.state in _ARRIVING),
             # vLLM's waiting gauge counts the requests whose KV is still loading, too
             queue_depth=sum(len(e.waiting) + e.transferring for e in decode_serving) + len(self._decode_pending),
             queued_tokens=sum(e.waiting_kv for e in decode_serving),
@@ -653,6 +695,7 @@ class Simulator:
         decision = self.policy.decide(obs)
         self._window = self._new_window()
         self.policy_targets = decision.prefill + decision.decode
+        moved = self._move(decision) if self.moves else None
         self._scale(self.prefill, decision.prefill, _PrefillEngine, "prefill")
         self._scale(self.decode, decision.decode, _DecodeEngine, "decode")
         self._fit_warm()
@@ -664,7 +707,8 @@ class Simulator:
                 "decode": decision.decode,
                 "prefill_serving": obs.prefill.replicas,
                 "decode_serving": obs.decode.replicas,
-                "engines": sum(1 for e in self.prefill + self.decode if e.state is not EngineState.STOPPED),
+                "engines": sum(1 for e in self.prefill + self.decode if e.state not in _NOT_COUNTED),
+                "moved": moved,
                 "ttft_p90_s": obs.ttft_p90_s,
                 "itl_p90_s": obs.itl_p90_s,
                 "prefill_queue": obs.prefill.queue_depth,
@@ -675,10 +719,71 @@ class Simulator:
         if self._in_flight or self._events:
             self._at(self.now + self.interval_s, _DECIDE, None)
 
+    def _move(self, decision: ScalingDecision) -> str | None:
+        """The part of ``decision`` that moves make, as the controller makes it (``rules.moves_for``): the
+        source pool's serving engines, newest first (``rules.move_order``), leave its routing now and count
+        towards the destination; each serves there once its old work is done and ``move_s`` has passed.
+        ``"source->destination count"``, or None when no move helps."""
+        pools = {"prefill": (self.prefill, _PrefillEngine), "decode": (self.decode, _DecodeEngine)}
+        current = {role: sum(1 for e in pool if e.state in _PROVISIONED) for role, (pool, _) in pools.items()}
+        movers = {
+            role: move_order(pool, lambda e: e.state is EngineState.SERVING, lambda e: e.replica)
+            for role, (pool, _) in pools.items()
+        }
+        wanted = {"prefill": decision.prefill, "decode": decision.decode}
+        found = moves_for(current, wanted, {role: len(engines) for role, engines in movers.items()})
+        if found is None:
+            return None
+        source, destination, count = found
+        pool, kind = pools[destination]
+        for engine in movers[source][:count]:
+            self._begin_move(engine, pool, kind)
+        return f"{source}->{destination} {count}"
+
+    def _begin_move(self, engine: _Engine, pool: list, kind: type) -> None:
+        """``engine`` leaves its pool; its successor in ``pool`` counts there from now on."""
+        successor = kind(engine.replica, self.now, EngineState.MOVING, cores_id=self._cores_id(engine))
+        engine.state, engine.stopped = EngineState.LEAVING, self.now  # its hours go on in the successor's
+        engine.warm_until = -1.0
+        engine.twin, successor.twin = successor, engine
+        pool.append(successor)
+        self._left(engine)
+
+    def _left(self, engine: _Engine) -> None:
+        """A LEAVING engine whose old work is done (a prefill engine's KV read, too) switches pools: it serves
+        in the new one ``move_s`` later."""
+        done = engine.idle and (not isinstance(engine, _PrefillEngine) or engine.unread == 0)
+        if done and engine.twin is not None:
+            self._at(self.now + self.profile.engine.move_s, _MOVED, engine)
+
+    def _on_moved(self, engine: _Engine) -> None:
+        successor = engine.twin
+        if engine.state is not EngineState.LEAVING or successor is None:  # called off meanwhile
+            return
+        engine.state, engine.twin, successor.twin = EngineState.STOPPED, None, None
+        successor.state = EngineState.SERVING
+        self._serve_pending(successor)
+
+    def _call_off(self, successor: _Engine) -> None:
+        """A retirement picked a MOVING engine: the move is called off and the engine drains in its old pool
+        (as the controller's ``_spawn_retire`` does)."""
+        engine = successor.twin
+        successor.state, successor.stopped, successor.twin = EngineState.STOPPED, successor.started, None
+        if engine is None:
+            return
+        engine.state, engine.stopped, engine.twin = EngineState.DRAINING, -1.0, None
+        if engine.idle:
+            self._drained(engine)
+
+    def _cores_id(self, engine: _Engine) -> str:
+        role = "prefill" if isinstance(engine, _PrefillEngine) else "decode"
+        return engine.cores_id or f"{role}-{engine.replica}"
+
     def _scale(self, pool: list, target: int, kind: type, role: str) -> None:
-        """The controller's rules (``rules``): draining engines taken back first, then new engines on the
-        lowest free replicas; the newest retired first."""
-        provisioned = [e for e in pool if e.state in (EngineState.STARTING, EngineState.SERVING)]
+        """The controller's rules (``rules``): draining engines taken back first, then (with moves) the other
+        pool's draining engines moved in, then new engines on the lowest free replicas; the newest retired first
+        (a moving engine's move called off)."""
+        provisioned = [e for e in pool if e.state in _PROVISIONED]
         missing = target - len(provisioned)
         if missing > 0:
             draining = [e for e in pool if e.state is EngineState.DRAINING]
@@ -687,6 +792,12 @@ class Simulator:
                 engine.warm_until = -1.0
                 missing -= 1
                 self._serve_pending(engine)
+            if self.moves and missing > 0:  # the other pool's draining engines move in (rules.resize_plan's others)
+                other = self.decode if role == "prefill" else self.prefill
+                leaving = [e for e in other if e.state is EngineState.DRAINING]
+                for engine in take_back_order(leaving, lambda e: e.replica)[:missing]:
+                    self._begin_move(engine, pool, kind)
+                    missing -= 1
             held = (e.replica for e in pool if e.state is not EngineState.STOPPED)
             for replica in new_replicas(held, missing):
                 engine = kind(replica, self.now, EngineState.STARTING)
@@ -696,7 +807,9 @@ class Simulator:
         elif missing < 0:
             order = retirement_order(provisioned, lambda e: e.state is EngineState.SERVING, lambda e: e.replica)
             for engine in order[:-missing]:
-                if engine.state is EngineState.STARTING:
+                if engine.state is EngineState.MOVING:
+                    self._call_off(engine)
+                elif engine.state is EngineState.STARTING:
                     self._stop(engine)
                 else:
                     engine.state = EngineState.DRAINING
@@ -772,13 +885,14 @@ def simulate(
     first_decision_s: float | None = None,
     keep_warm_s: float = 0.0,
     max_engines: int | None = None,
+    moves: bool = False,
 ) -> SimulationResult:
     """Run ``trace`` through a cluster that starts with ``initial`` = (prefill, decode) serving engines
     (``cores``: engines that share CPU cores, and ``spin_s`` how long one keeps polling after its work;
     ``routing``: the proxy's (prefill, decode) policies; ``shared``: how much a busy neighbour on a core
     slows an engine; ``first_decision_s``: when the policy first decides; ``keep_warm_s``: how long a drained
-    engine stays up while the targets and the engines kept warm fit ``max_engines``; see the module's
-    docstring)."""
+    engine stays up while the targets and the engines kept warm fit ``max_engines``; ``moves``: whether
+    engines move between the pools; see the module's docstring)."""
     sim = Simulator(
         profile,
         policy,
@@ -793,5 +907,6 @@ def simulate(
         first_decision_s=first_decision_s,
         keep_warm_s=keep_warm_s,
         max_engines=max_engines,
+        moves=moves,
     )
     return sim.run(trace)

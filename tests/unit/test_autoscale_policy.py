@@ -48,8 +48,9 @@ def linear_profile() -> PerformanceProfile:
 
 @pytest.fixture
 def policy() -> Callable[..., AutoscalePolicy]:
-    def make(**overrides: Any) -> AutoscalePolicy:
-        return AutoscalePolicy(AutoscalingConfig.model_validate({**CONFIG.model_dump(), **overrides}), linear_profile())
+    def make(moves: bool = False, **overrides: Any) -> AutoscalePolicy:
+        config = AutoscalingConfig.model_validate({**CONFIG.model_dump(), **overrides})
+        return AutoscalePolicy(config, linear_profile(), moves=moves)
 
     return make
 
@@ -299,3 +300,74 @@ def test_a_pool_scaled_by_hand_is_not_shrunk_again_before_the_scale_down_cooldow
     assert q.decide(grown).prefill == settled.prefill  # unmarked, the same pool shrinks at once
     assert p.decide(observe(t + 270.0, 10.0, settled.prefill + 3, settled.decode)).prefill == settled.prefill + 3
     assert p.decide(observe(t + 300.0, 10.0, settled.prefill + 3, settled.decode)).prefill == settled.prefill
+
+
+def test_a_ramp_too_gradual_for_one_window_is_read_from_the_slope_and_the_fleet_grows_ahead(policy):
+    # +1.5 req/s a window from 20: each rise is under one window's noise (~4 req/s), the slope of the last
+    # windows is not. The forecast is the line's rate a startup plus an interval ahead; nothing shrinks.
+    p = policy()
+    rates = [20.0 + 1.5 * i for i in range(12)]
+    decisions = run(p, rates)
+    assert not any(r.startswith("trend: ") and "->" in r for d in decisions for r in d.reasons)  # no step seen
+    slope = [r for r in decisions[-1].reasons if r.startswith("trend: the last 8 windows rise 3.00 req/s per minute")]
+    assert slope and "41.00 req/s expected in 90s" in slope[0]  # 36.5 now + 0.05 req/s/s x 90 s
+    flat = policy()
+    assert decisions[-1].prefill > run(flat, [rates[-1]] * 12)[-1].prefill
+    sizes = [d.prefill for d in decisions]
+    assert sizes == sorted(sizes)  # never shrunk on the way up
+
+
+def test_a_slope_is_dropped_when_the_last_window_falls_below_its_line(policy):
+    p = policy()
+    run(p, [20.0 + 1.5 * i for i in range(11)])
+    fallen = p.decide(observe(330.0, 20.0, 6, 2))
+    assert not any(r.startswith("trend") for r in fallen.reasons)
+
+
+def test_with_moves_a_growing_pool_takes_the_others_surplus_at_once(policy):
+    # Prompt-heavy load, then the load turns to short prompts and long outputs: decode must grow, prefill's
+    # demand falls. Without moves prefill waits out its scale-down cooldown while decode starts engines; with
+    # them prefill gives decode its surplus in the same decision, down to the largest of its last
+    # MOVE_MEMORY wishes (9: for the prompt-heavy load), and decode's growth beyond that is starts.
+    turned = {}
+    for moves in (False, True):
+        p = policy(moves=moves)
+        first = run(p, [40.0] * 4, start=(10, 2))[-1]
+        assert (first.prefill, first.decode) == (10, 2)
+        turned[moves] = p.decide(observe(120.0, 40.0, 10, 2, prompt=200, output=2000))
+    assert (turned[False].prefill, turned[False].decode) == (10, 20)
+    assert (turned[True].prefill, turned[True].decode) == (9, 20)
+    assert "move: decode grows by 18; prefill gives 1 of its 10 (it wishes at most 9" in "\n".join(turned[True].reasons)
+
+
+def test_a_move_never_leaves_the_giving_pool_below_its_min_or_its_recent_wish(policy):
+    for low, kept in ((1, 9), (10, 10)):
+        p = policy(moves=True, prefill=PoolLimits(min=low, max=40))
+        run(p, [40.0] * 2, start=(12, 2))
+        turned = p.decide(observe(60.0, 5.0, 12, 2, prompt=50, output=20000))
+        assert turned.prefill == kept  # its wish for 40 req/s of 2000-token prompts was 9
+
+
+def test_with_moves_load_that_flaps_between_the_pools_does_not_move_engines_back_and_forth(policy):
+    # Windows alternate between prompt-heavy and output-heavy load: the memory of the last wishes keeps the
+    # pools from trading engines every interval.
+    p = policy(moves=True)
+    prefill, decode, sizes = 8, 8, []
+    for i in range(30):
+        prompt, output = (4000, 100) if i % 2 else (200, 1500)
+        d = p.decide(observe(30.0 * i, 20.0, prefill, decode, prompt=prompt, output=output))
+        prefill, decode = d.prefill, d.decode
+        sizes.append((prefill, decode))
+    changes = sum(1 for a, b in zip(sizes, sizes[1:], strict=False) if a != b)
+    assert changes <= 4
+    assert len(set(sizes[10:])) == 1
+
+
+def test_requests_waiting_for_decode_admission_size_the_decode_pool(policy):
+    # Prefilled requests waiting for a decode slot: vLLM's decode engines count them in
+    # vllm:num_requests_waiting, which the observation carries as the decode queue.
+    waiting = PoolObservation(replicas=2, queue_depth=400)
+    calm = policy().decide(observe(0.0, 10.0, 4, 2))
+    backed_up = policy().decide(observe(0.0, 10.0, 4, 2, decode_pool=waiting))
+    assert backed_up.decode > calm.decode
+    assert any("400 requests wait for a decode slot" in r for r in backed_up.reasons)

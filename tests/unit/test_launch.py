@@ -351,8 +351,8 @@ def test_engines_that_start_with_the_cluster_get_their_own_cores_before_those_it
     spec = ClusterSpec.from_file(tmp_path / "spec.yaml")
     assert (spec.prefill.replicas, spec.decode.replicas, spec.max_replicas("prefill")) == (1, 1, 2)
     # prefill-0 and decode-0 run from the start, each on a core; prefill-1, if the autoscaler adds it, shares
-    # decode-0's: on prefill-0's it would add no prefill compute.
-    assert _core_ranges(spec) == {"prefill-0": "0", "decode-0": "1", "prefill-1": "1"}
+    # decode-0's: on prefill-0's it would add no prefill compute (and decode-1 prefill-0's).
+    assert _core_ranges(spec) == {"prefill-0": "0", "decode-0": "1", "prefill-1": "1", "decode-1": "0"}
 
 
 def test_engine_env_reaches_every_engine_but_not_over_pdserves_own_settings(plan):

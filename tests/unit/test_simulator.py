@@ -522,10 +522,11 @@ def test_the_spec_gives_the_simulator_its_shared_cores(tmp_path: Path) -> None:
         "prefill-0": frozenset({(0, 0)}),
         "decode-0": frozenset({(0, 1)}),
         "prefill-1": frozenset({(0, 1)}),
+        "decode-1": frozenset({(0, 0)}),
     }
     raw["resources"]["share_cores"] = False
     raw["autoscaling"]["max_engines"] = 2
-    raw["autoscaling"]["prefill"]["max"] = 1
+    raw["autoscaling"]["prefill"]["max"] = raw["autoscaling"]["decode"]["max"] = 1
     (tmp_path / "own.yaml").write_text(yaml.safe_dump(raw))
     assert shared_cores(ClusterSpec.from_file(tmp_path / "own.yaml")) is None  # each engine on its own cores
 
