@@ -49,7 +49,8 @@ async def test_a_failed_engine_holds_its_replica_until_its_back_off_ends() -> No
     failed = engine(c, "prefill-1", "failed")
     failed.failed("OSError: [Errno 98] Address already in use")
     plan = await c._resize("prefill", "autoscaler: ...")
-    assert plan == {"take_back": [], "move_in": [], "start": [], "retire": []}  # no new replica instead of it, no start yet
+    # no new replica instead of it, no start yet
+    assert plan == {"take_back": [], "move_in": [], "start": [], "retire": []}
     assert failed.state == "failed" and actions == [] and c.events == []
 
     failed.retry_at = time.monotonic() - 1  # the back-off ended
