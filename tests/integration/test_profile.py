@@ -48,7 +48,7 @@ def profiled(
     out = tmp_path_factory.mktemp("profile") / "profile.yaml"
     spec_path = state_dir / f"cluster-{cluster.connector}.yaml"
     grid = ["--prefill-tokens", "64", "512", "--prefill-batch", "1", "2", "--decode-batch", "1", "2"]
-    grid += ["--decode-context", "128", "--transfer-tokens", "256", "1024", "--repeats", "1", "--decode-tokens", "16"]
+    grid += ["--decode-context", "128", "--transfer-tokens", "256", "1024", "--repeats", "1", "--decode-tokens", "32"]
     return run_pdserve("profile", str(spec_path), "--out", str(out), *grid, env=cluster.env), out
 
 
