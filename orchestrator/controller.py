@@ -542,20 +542,14 @@ class ClusterController:
         if started or retiring or taken or again or plan.move_in:
             self._event(f"scaling {role} {plan.serving} -> {target} ({reason})")
         for record in taken:
-            if task := self._retiring.pop(record.engine_id, None):
-                task.cancel()
+            was = self._call_off_retirement(record)
             record.state = "ready"
-            was = "kept warm" if record.warm_since is not None else "draining"
-            record.warm_since = record.warm_cut = None
             self._event(f"{record.engine_id} taken back: it was {was}; in the proxy's pool again")
         if taken:
             await self._publish(role)
         decided = time.monotonic()
         for record in plan.move_in:  # it was leaving its pool anyway: it serves here once its work there is done
-            if task := self._retiring.pop(record.engine_id, None):
-                task.cancel()
-            was = "kept warm" if record.warm_since is not None else "draining"
-            record.warm_since = record.warm_cut = None
+            was = self._call_off_retirement(record)
             self._begin_move(record, role, f"{reason}; it was {was} in {record.role}", decided)
         for record in retiring:
             self._spawn_retire(record, keep_warm_s=keep_warm_s)
@@ -578,6 +572,14 @@ class ClusterController:
             "start": started + [r.engine_id for r in again],
             "retire": [r.engine_id for r in retiring],
         }
+
+    def _call_off_retirement(self, record: EngineRecord) -> str:
+        """End a draining engine's retirement (its ``_retire`` task, its keeping warm); what it was, in words."""
+        if task := self._retiring.pop(record.engine_id, None):
+            task.cancel()
+        was = "kept warm" if record.warm_since is not None else "draining"
+        record.warm_since = record.warm_cut = None
+        return was
 
     async def _start_again(self, record: EngineRecord) -> None:
         """Start a failed engine afresh on its replica: its old actor and placement group go first."""
