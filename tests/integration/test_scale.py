@@ -86,6 +86,31 @@ def test_scale_prefill_up_then_down_under_load(tmp_path: Path) -> None:
         served_by = {ask(proxy_url, n)[1] for n in range(4)}
         assert served_by == {"prefill-0", "prefill-1"}  # round robin reaches the new engine
 
+        # Moves: prefill-1 becomes a decode engine and back while requests run, without a restart (same pid).
+        # (Right after the scale-up: it saves this test an engine start.)
+        pid = engine_record(env, "prefill-1")["pid"]
+        for way, role in (("prefill->decode", "decode"), ("decode->prefill", "prefill")):
+            with concurrent.futures.ThreadPoolExecutor(max_workers=3) as pool:
+                load = [pool.submit(ask_engines, proxy_url, n) for n in range(9)]
+                time.sleep(1.0)
+                moved = run_pdserve("scale", "--move", way, env=env, timeout=600)
+                results = [future.result() for future in load]
+            assert moved.returncode == 0, moved.stdout + moved.stderr
+            assert f"prefill-1 moving {way.replace('->', ' -> ')}" in moved.stdout, moved.stdout
+            assert f"prefill-1 serves {role} now: moved in" in moved.stdout, moved.stdout
+            assert [s for s, *_ in results] == [200] * len(results), results
+            record = engine_record(env, "prefill-1")
+            assert (record["role"], record["state"], record["pid"]) == (role, "ready", pid), record
+            served = {
+                engines[0 if role == "prefill" else 1] for _, *engines in (ask_engines(proxy_url, n) for n in range(6))
+            }
+            assert "prefill-1" in served, served
+        status = json.loads(run_pdserve("status", "--json", env=env).stdout)
+        assert [(m["engine_id"], m["from"], m["to"]) for m in status["moves"]] == [
+            ("prefill-1", "prefill", "decode"), ("prefill-1", "decode", "prefill")]  # fmt: skip
+        refused = run_pdserve("scale", "--move", "decode->prefill", env=env)
+        assert refused.returncode == 1 and "would leave decode below its minimum (1)" in refused.stderr
+
         # Shrink while long prompts run, and grow again while prefill-1 still drains: the scale-up takes
         # prefill-1 back (it serves again at once) instead of waiting for it to stop and start. What keeps it
         # draining is KV it holds for nobody (until LEASE_TTL_S), not the long prompts, which a fast machine
@@ -157,31 +182,6 @@ def test_scale_prefill_up_then_down_under_load(tmp_path: Path) -> None:
         while (strays := vllm_processes_outside(env)) and time.monotonic() < deadline:
             time.sleep(1)
         assert strays == [], strays
-
-        # Moves: prefill-1 becomes a decode engine and back while requests run, without a restart (same pid).
-        assert run_pdserve("scale", "prefill=2", env=env, timeout=900).returncode == 0
-        pid = engine_record(env, "prefill-1")["pid"]
-        for way, role in (("prefill->decode", "decode"), ("decode->prefill", "prefill")):
-            with concurrent.futures.ThreadPoolExecutor(max_workers=3) as pool:
-                load = [pool.submit(ask_engines, proxy_url, n) for n in range(9)]
-                time.sleep(1.0)
-                moved = run_pdserve("scale", "--move", way, env=env, timeout=600)
-                results = [future.result() for future in load]
-            assert moved.returncode == 0, moved.stdout + moved.stderr
-            assert f"prefill-1 moving {way.replace('->', ' -> ')}" in moved.stdout, moved.stdout
-            assert f"prefill-1 serves {role} now: moved in" in moved.stdout, moved.stdout
-            assert [s for s, *_ in results] == [200] * len(results), results
-            record = engine_record(env, "prefill-1")
-            assert (record["role"], record["state"], record["pid"]) == (role, "ready", pid), record
-            served = {
-                engines[0 if role == "prefill" else 1] for _, *engines in (ask_engines(proxy_url, n) for n in range(6))
-            }
-            assert "prefill-1" in served, served
-        status = json.loads(run_pdserve("status", "--json", env=env).stdout)
-        assert [(m["engine_id"], m["from"], m["to"]) for m in status["moves"]] == [
-            ("prefill-1", "prefill", "decode"), ("prefill-1", "decode", "prefill")]  # fmt: skip
-        refused = run_pdserve("scale", "--move", "decode->prefill", env=env)
-        assert refused.returncode == 1 and "would leave decode below its minimum (1)" in refused.stderr
 
 
 def ask_engines(proxy_url: str, n: int) -> tuple[int, str, str]:
