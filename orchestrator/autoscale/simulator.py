@@ -118,6 +118,10 @@ _READY, _PREFILL_DONE, _TRANSFER_DONE, _DECODE_DONE, _ARRIVAL, _DECIDE, _SPIN_EN
 # an engine that just finished a pass or step keeps its core busy this much longer.
 SPIN_S = 1.0
 PASS_BIN_S = 10  # SimulationResult.prefill_passes' bins
+_NO_CORES: frozenset[Any] = frozenset()
+# The events after which the engines serving in a pool may differ; ``_pick`` keeps each pool's serving engines
+# (``_serving``) until one of them, or ``_serve_pending``, which routes as soon as an engine serves.
+_CHANGES_SERVING = frozenset({_READY, _DECIDE, _WARM_END, _MOVED})
 
 
 @dataclass(slots=True, frozen=True)
@@ -316,6 +320,7 @@ class Simulator:
         # The proxy's policy per pool (proxy.routing): round_robin in turn, the others to the least loaded.
         self._in_turn = tuple(policy == "round_robin" for policy in routing)
         self._turns = (itertools.count(), itertools.count())  # the proxy's pick counter per pool
+        self._serving: list[list | None] = [None, None]  # each pool's serving engines, kept by _pick
         self.profile, self.policy, self.targets = profile, policy, targets
         self.interval_s = interval_s
         self.cores = cores or {}
@@ -350,7 +355,7 @@ class Simulator:
     # --- engines that share cores -------------------------------------------------------------
 
     def _cores(self, engine: _Engine) -> frozenset[Any]:
-        return self.cores.get(self._cores_id(engine), frozenset())
+        return self.cores.get(self._cores_id(engine), _NO_CORES) if self.cores else _NO_CORES
 
     def _share(self, engine: _Engine, slowdown: float, beside_start: float = 1.0, host: float = 1.0) -> float:
         """How many times slower than alone ``engine`` works now: ``1 + (slowdown - 1) * n + (beside_start - 1)
@@ -427,6 +432,8 @@ class Simulator:
             t, kind, _, payload = heapq.heappop(self._events)
             self.now = t
             handlers[kind](payload)
+            if kind in _CHANGES_SERVING:
+                self._serving = [None, None]
         end = max(r.done for r in self._records)
         hours = sum(e.hours(end) for e in self.prefill + self.decode)
         return SimulationResult(self._records, self.targets, end - t0, hours, self.timeline, self._passes)
@@ -445,19 +452,26 @@ class Simulator:
         self._in_flight += 1
         self._route_prefill(req)
 
-    def _pick(self, pool: list, role: int, load: Callable[[Any], float]) -> Any:
+    def _pick(self, pool: list, role: int, loads: Callable[[list], list[float]]) -> Any:
         """A serving engine of ``pool`` as the proxy's policy for it picks (``proxy.routing``): in turn, or the
-        lowest ``load`` with ties going to the first from the turn's position on (so they rotate)."""
-        serving = [e for e in pool if e.state is EngineState.SERVING]
+        lowest of ``loads`` (the engines' scores, in their order) with ties going to the first from the turn's
+        position on (so they rotate)."""
+        serving = self._serving[role]
+        if serving is None:
+            serving = self._serving[role] = [e for e in pool if e.state is EngineState.SERVING]
         if not serving:
             return None
-        n, turn = len(serving), next(self._turns[role])
+        k = next(self._turns[role]) % len(serving)
         if self._in_turn[role]:
-            return serving[turn % n]
-        return min((serving[(turn + i) % n] for i in range(n)), key=load)  # min keeps the first of equals
+            return serving[k]
+        # The lowest load from the turn's position on (index() finds the first of equals): one call per
+        # request, the simulator's hottest line, so the loads are rotated as a list rather than indexed.
+        scores = loads(serving)
+        scores = scores[k:] + scores[:k]
+        return serving[(k + scores.index(min(scores))) % len(serving)]
 
     def _route_prefill(self, req: _Request) -> None:
-        best: _PrefillEngine | None = self._pick(self.prefill, 0, _prefill_load)
+        best: _PrefillEngine | None = self._pick(self.prefill, 0, _prefill_loads)
         if best is None:
             self._proxy_queue.append(req)
             return
@@ -517,14 +531,14 @@ class Simulator:
 
     # --- decode -------------------------------------------------------------------------------
 
-    def _decode_load(self, engine: _DecodeEngine) -> float:
-        """The proxy's least-loaded score (``proxy.pool.EngineState.load``): its decode legs there, vLLM's
-        waiting gauge (requests waiting, their KV loading included), and the KV cache in use (0-1)."""
-        waiting = len(engine.waiting) + engine.transferring
-        return waiting + len(engine.running) + waiting + engine.kv_used / self.profile.engine.kv_capacity_tokens
+    def _decode_loads(self, engines: list[_DecodeEngine]) -> list[float]:
+        """The proxy's least-loaded scores (``proxy.pool.EngineState.load``): an engine's decode legs there,
+        vLLM's waiting gauge (requests waiting, their KV loading included), and the KV cache in use (0-1)."""
+        capacity = self.profile.engine.kv_capacity_tokens
+        return [2 * (len(e.waiting) + e.transferring) + len(e.running) + e.kv_used / capacity for e in engines]
 
     def _route_decode(self, req: _Request) -> None:
-        best: _DecodeEngine | None = self._pick(self.decode, 1, self._decode_load)
+        best: _DecodeEngine | None = self._pick(self.decode, 1, self._decode_loads)
         if best is None:
             self._decode_pending.append(req)
             return
@@ -823,6 +837,7 @@ class Simulator:
             self._serve_pending(engine)
 
     def _serve_pending(self, engine: _Engine) -> None:
+        self._serving = [None, None]  # ``engine`` serves now
         if isinstance(engine, _PrefillEngine):
             while self._proxy_queue:
                 self._route_prefill(self._proxy_queue.popleft())
@@ -863,11 +878,11 @@ class Simulator:
             self._neighbours_changed(engine)
 
 
-def _prefill_load(engine: _PrefillEngine) -> float:
-    """The proxy's least-loaded score of a prefill engine: its prefill legs there (the requests in its queue,
-    the pass in flight included) and vLLM's waiting gauge. Its KV use, the score's tie-breaker, is left out:
-    a prefill engine holds KV only until the decode engine has read it."""
-    return len(engine.queue) + engine.gauge_waiting[0]
+def _prefill_loads(engines: list[_PrefillEngine]) -> list[int]:
+    """The proxy's least-loaded scores of prefill engines: an engine's prefill legs there (the requests in its
+    queue, the pass in flight included) and vLLM's waiting gauge. Its KV use, the score's tie-breaker, is left
+    out: a prefill engine holds KV only until the decode engine has read it."""
+    return [len(e.queue) + e.gauge_waiting[0] for e in engines]
 
 
 def simulate(

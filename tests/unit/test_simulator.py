@@ -319,14 +319,16 @@ def test_least_loaded_routes_as_the_proxy_scores_engines_and_rotates_ties():
     the calm minutes' requests; the simulator used to give every tie to the first (the cluster's calm
     minutes split ~55/45 while it sent ~75 % to prefill-0)."""
     sim = Simulator(make_profile(), _Script([(2, 2)]), TARGETS, (2, 2), routing=("least_loaded", "least_loaded"))
-    prefill_load, decode_load = simulator_module._prefill_load, sim._decode_load
-    assert [sim._pick(sim.prefill, 0, prefill_load).replica for _ in range(4)] == [0, 1, 0, 1]
+    prefill_loads, decode_loads = simulator_module._prefill_loads, sim._decode_loads
+    assert [sim._pick(sim.prefill, 0, prefill_loads).replica for _ in range(4)] == [0, 1, 0, 1]
     busy = sim.prefill[0]
     busy.queue.extend([object(), object()])  # a pass in flight and one behind it
     busy.gauge_waiting = (1, 100)
-    assert prefill_load(busy) == 3 and [sim._pick(sim.prefill, 0, prefill_load).replica for _ in range(3)] == [1] * 3
+    assert (
+        prefill_loads([busy]) == [3] and [sim._pick(sim.prefill, 0, prefill_loads).replica for _ in range(3)] == [1] * 3
+    )
     sim.decode[0].transferring = 1  # a request whose KV loads: a leg, and in vLLM's waiting gauge
-    assert decode_load(sim.decode[0]) == 2 and sim._pick(sim.decode, 1, decode_load).replica == 1
+    assert decode_loads(sim.decode[:1]) == [2] and sim._pick(sim.decode, 1, decode_loads).replica == 1
 
 
 def test_rules_retire_the_newest_and_the_not_yet_serving_first():
