@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.after_cluster]
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "local-cpu-autoscale.yaml"
 MODEL = "smollm2-135m-instruct"
-KEEP_WARM_S = 20
+KEEP_WARM_S = 10
 WARM = f"prefill-1 drained; kept warm for {KEEP_WARM_S}s"
 WORDS = "the river carried old boats past the mill while children counted stones on the bank".split()
 
