@@ -235,6 +235,16 @@ def test_the_budget_is_shared_in_proportion_to_demand(policy):
     assert any("max_engines 20" in line for line in decision.reasons)
 
 
+def test_the_budget_is_shared_by_demand_before_the_pools_max_clamps_it(policy):
+    """Prefill needs 68 engines (its max is 40), decode 31, 48 fit: shared 68:31, not 40:31. By the clamped
+    wishes decode got 21 of the 48, though it serves only what prefill lets through (the simulator's tuning
+    seeds: 32:32 in bursts whose best split was near 42:22)."""
+    decision = policy(max_engines=48).decide(observe(0.0, 300.0, 30, 10, output=400))
+
+    assert (decision.prefill, decision.decode) == (round(48 * 68 / 99), 48 - round(48 * 68 / 99)) == (33, 15)
+    assert any("shared in proportion to demand (68:31): 33+15" in line for line in decision.reasons)
+
+
 def test_the_budget_holds_while_one_pool_waits_out_its_cooldown(policy):
     p = policy(max_engines=30, prefill=PoolLimits(min=1, max=30), decode=PoolLimits(min=1, max=30))
     run(p, [200.0])  # prefill grows and its last change is now
