@@ -119,9 +119,10 @@ _READY, _PREFILL_DONE, _TRANSFER_DONE, _DECODE_DONE, _ARRIVAL, _DECIDE, _SPIN_EN
 SPIN_S = 1.0
 PASS_BIN_S = 10  # SimulationResult.prefill_passes' bins
 _NO_CORES: frozenset[Any] = frozenset()
-# The events after which the engines serving in a pool may differ; ``_pick`` keeps each pool's serving engines
-# (``_serving``) until one of them, or ``_serve_pending``, which routes as soon as an engine serves.
-_CHANGES_SERVING = frozenset({_READY, _DECIDE, _WARM_END, _MOVED})
+# The events that never change which engines serve in a pool (the per-request ones): ``_pick`` keeps each
+# pool's serving engines (``_serving``) across them, and drops them after any other event (an event kind added
+# later is then safe by default) and in ``_serve_pending``, which routes as soon as an engine serves.
+_KEEP_SERVING = frozenset({_ARRIVAL, _PREFILL_DONE, _TRANSFER_DONE, _DECODE_DONE, _SPIN_END})
 
 
 @dataclass(slots=True, frozen=True)
@@ -432,7 +433,7 @@ class Simulator:
             t, kind, _, payload = heapq.heappop(self._events)
             self.now = t
             handlers[kind](payload)
-            if kind in _CHANGES_SERVING:
+            if kind not in _KEEP_SERVING:
                 self._serving = [None, None]
         end = max(r.done for r in self._records)
         hours = sum(e.hours(end) for e in self.prefill + self.decode)
