@@ -6,7 +6,9 @@ needs the KV loaded), marks the exchange's KV read once a chunk came, times the
 chunks, and ends the decode leg exactly once (``aclose``). ``RelayResponse``
 sends it and, however the response ends, closes it and then the exchange
 (``Exchange.close``: its KV released if no chunk ever came, its slot given
-back, the request counted).
+back, the request counted); a stream the engine ended closes its exchange
+before the response's last frame, so a client that read the whole answer
+never finds its own slot still taken.
 """
 
 from __future__ import annotations
@@ -59,7 +61,11 @@ class DecodeStream:
             return chunk
         try:
             chunk = await anext(self._chunks)
-        except BaseException:  # the end (StopAsyncIteration), a failure or a cancellation
+        except StopAsyncIteration:
+            await self.aclose()
+            self._exchange.close(200)  # before the response's end goes out: a client that read it finds its slot free
+            raise
+        except BaseException:  # a failure or a cancellation
             await self.aclose()
             raise
         if not self._started:

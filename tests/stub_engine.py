@@ -78,11 +78,12 @@ class Behaviour(enum.Enum):
     ERROR_400 = "error_400"
     """Answer HTTP 400 with vLLM's error body and ``ERROR_400_MESSAGE`` (the request is at fault)."""
     HANG = "hang"
-    """Send nothing until ``hang_s`` has passed or the stub is stopped; then answer as ``OK``."""
+    """Send nothing until ``hang_s`` has passed, ``release()`` or the stub is stopped; then answer as ``OK``."""
     DROP = "drop"
     """Close the connection: before any answer if not streaming, after the first chunks if streaming."""
     STALL_MID_STREAM = "stall_mid_stream"
-    """Streaming: send the first chunks, then nothing until ``hang_s`` has passed or the stub is stopped.
+    """Streaming: send the first chunks, then nothing until ``hang_s`` has passed, ``release()`` or the stub
+    is stopped.
     Not streaming: as ``HANG``."""
 
 
@@ -139,7 +140,7 @@ class StubEngine:
     port: int = 0
     """0: an ephemeral port, chosen at the first ``start()`` and kept across restarts."""
     hang_s: float = 3600.0
-    """How long ``HANG`` / ``STALL_MID_STREAM`` wait (``stop()`` ends the wait early)."""
+    """How long ``HANG`` / ``STALL_MID_STREAM`` wait (``release()`` and ``stop()`` end the wait early)."""
     first_token_delay_s: float = 0.0
     """Latency before every answer (simulated prefill time), for benchmarks."""
     token_delay_s: float = 0.0
@@ -216,9 +217,15 @@ class StubEngine:
         if self._runner is None:
             return
         runner, self._runner = self._runner, None
-        if self._released is not None:
-            self._released.set()  # ends HANG / STALL_MID_STREAM waits
+        self.release()
         await runner.cleanup()
+
+    def release(self) -> None:
+        """End the ``HANG`` / ``STALL_MID_STREAM`` waits under way: they answer as ``OK`` from there on.
+        Requests that arrive later wait again."""
+        if self._released is not None:
+            self._released.set()
+            self._released = asyncio.Event()
 
     @property
     def running(self) -> bool:

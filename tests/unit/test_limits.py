@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 
+import httpx
 import orjson
 import pytest
 from aiohttp import web
@@ -70,28 +71,29 @@ async def test_a_body_at_the_limit_is_served(make_client):
 # --- concurrency ------------------------------------------------------------------------
 
 
-async def test_requests_past_the_running_and_queued_limits_are_429(make_client, decode_engine):
-    client = await make_client(request_timeout_s=30, max_concurrent_requests=1, max_queued_requests=1)
-    decode_engine.behaviour = Behaviour.HANG
-    running = asyncio.create_task(client.post(CHAT_PATH, json=CHAT))
-    await wait_until(lambda: len(decode_engine.requests) == 1)
-    queued = asyncio.create_task(client.post(CHAT_PATH, json=CHAT))
-    await asyncio.sleep(0.1)  # it waits in the proxy: no engine has seen it
+async def test_requests_past_the_running_and_queued_limits_are_429(make_proxy, decode_engine):
+    proxy = await make_proxy(request_timeout_s=30, max_concurrent_requests=1, max_queued_requests=1)
+    async with httpx.AsyncClient(base_url=proxy.url, timeout=10) as client:
+        decode_engine.behaviour = Behaviour.HANG
+        running = asyncio.create_task(client.post(CHAT_PATH, json=CHAT))
+        await wait_until(lambda: len(decode_engine.requests) == 1)
+        queued = asyncio.create_task(client.post(CHAT_PATH, json=CHAT))
+        await wait_until(lambda: proxy.app.state.flow.gate.queued == 1, 10)  # waits in the proxy: no engine saw it
 
-    refused = await client.post(CHAT_PATH, json=CHAT, headers={"X-Request-Id": "busy-1"})
+        refused = await client.post(CHAT_PATH, json=CHAT, headers={"X-Request-Id": "busy-1"})
 
-    error = assert_openai_error(refused, 429, error_type="requests", code="rate_limit_exceeded")
-    assert "busy" in error["message"]
-    assert refused.headers["retry-after"] == "1"
-    assert refused.headers["x-request-id"] == "busy-1"
-    assert len(decode_engine.requests) == 1 and not queued.done()
+        error = assert_openai_error(refused, 429, error_type="requests", code="rate_limit_exceeded")
+        assert "busy" in error["message"]
+        assert refused.headers["retry-after"] == "1"
+        assert refused.headers["x-request-id"] == "busy-1"
+        assert len(decode_engine.requests) == 1 and not queued.done()
 
-    decode_engine.behaviour = Behaviour.OK
-    await decode_engine.stop()  # ends the HANG: the running request gets its answer, then the queued one runs
-    await decode_engine.start()
-    assert (await running).status_code in (200, 502)
-    assert (await queued).status_code == 200
-    assert (await client.post(CHAT_PATH, json=CHAT)).status_code == 200  # every slot came back
+        decode_engine.behaviour = Behaviour.OK
+        await decode_engine.stop()  # ends the HANG: the running request gets its answer, then the queued one runs
+        await decode_engine.start()
+        assert (await running).status_code in (200, 502)
+        assert (await queued).status_code == 200
+        assert (await client.post(CHAT_PATH, json=CHAT)).status_code == 200  # every slot came back
 
 
 async def test_no_queue_refuses_at_once(make_client, decode_engine):
@@ -106,11 +108,13 @@ async def test_no_queue_refuses_at_once(make_client, decode_engine):
 
 async def test_a_stream_holds_its_slot_until_it_ends(make_client, decode_engine):
     client = await make_client(request_timeout_s=30, max_concurrent_requests=1, max_queued_requests=0)
-    decode_engine.behaviour, decode_engine.hang_s = Behaviour.STALL_MID_STREAM, 0.5  # then the rest of the stream
+    decode_engine.behaviour = Behaviour.STALL_MID_STREAM
     async with client.stream("POST", CHAT_PATH, json=CHAT | {"stream": True}) as streaming:
         assert streaming.status_code == 200
         assert (await client.post(CHAT_PATH, json=CHAT)).status_code == 429
-        await streaming.aread()
+        decode_engine.behaviour = Behaviour.OK
+        decode_engine.release()  # the rest of the stream
+        assert b"[DONE]" in await streaming.aread()
 
     assert (await client.post(CHAT_PATH, json=CHAT)).status_code == 200
 
