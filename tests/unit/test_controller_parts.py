@@ -17,6 +17,7 @@ from orchestrator.event_log import SNAPSHOT_NAME, EventLog
 from orchestrator.placement import HEAD_RESOURCE, Node
 from orchestrator.spec import ClusterSpec
 from tests.unit.conftest import spec_dict
+from tests.unit.test_proxy import wait_until
 
 
 def snapshot(path: Path) -> dict:
@@ -33,8 +34,8 @@ async def test_a_change_of_state_is_written_at_once_and_events_alone_together(tm
         log.add(f"engine {n} loading")
     assert log.writes == 1 and len(snapshot(tmp_path)["events"]) == 1
 
-    await asyncio.sleep(0.2)
-    assert log.writes == 2 and len(snapshot(tmp_path)["events"]) == 21  # twenty events, one write
+    await wait_until(lambda: log.writes == 2, 10)
+    assert len(snapshot(tmp_path)["events"]) == 21  # twenty events, one write
 
     state["phase"] = "ready"
     log.add("cluster ready")

@@ -33,6 +33,7 @@ from proxy.standalone import (
 )
 from tests.stub_engine import StubEngine, answer_text
 from tests.unit.conftest import REPO_ROOT, TEST_SECRET, SideChannel
+from tests.unit.test_proxy import wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -94,6 +95,13 @@ async def cli_proxy(*args: str) -> AsyncIterator[CliProxy]:
 
 def urls(*engines: StubEngine) -> list[str]:
     return [engine.url for engine in engines]
+
+
+def alive(process: psutil.Process) -> bool:
+    """Running and not a zombie (a process that ended but was not reaped counts as gone)."""
+    with contextlib.suppress(psutil.NoSuchProcess):
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    return False
 
 
 # --- serving ----------------------------------------------------------------------------
@@ -178,8 +186,7 @@ async def test_several_workers_share_the_port_and_stop_together(prefill_engine, 
     assert len(served_by) >= 2  # each worker keeps its own connections to the engine
     assert status == 0
     assert len(workers) == 2
-    await asyncio.sleep(0.2)
-    assert not [p for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    await wait_until(lambda: not [p for p in children if alive(p)], 10)
 
 
 async def test_a_worker_that_dies_is_replaced(prefill_engine, decode_engine):
@@ -475,7 +482,7 @@ async def test_model_name_waits_for_an_engine_that_is_starting(make_engine):
     lookup = asyncio.create_task(
         asyncio.to_thread(model_name_from_engines, [ready.url, starting.url], 10.0, waited.append)
     )
-    await asyncio.sleep(0.5)
+    await wait_until(lambda: waited, 10)  # it found the engine down and waits for it
     await starting.start()
 
     assert await lookup == "smol"
