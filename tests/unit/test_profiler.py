@@ -42,6 +42,11 @@ def transfer_s(nbytes: float) -> float:
     return 0.001 + nbytes / 1e8
 
 
+def batch_of(prompt: list) -> list[list[int]]:
+    """A completion request's prompts: one prompt (token ids), or a batch of them."""
+    return [prompt] if isinstance(prompt[0], int) else prompt
+
+
 class FakeVllm:
     """The metrics and answers of a prefill and a decode vLLM engine, installed on two stubs."""
 
@@ -63,8 +68,7 @@ class FakeVllm:
             self.prefill_sum += prefill_pass_s(len(received.body["prompt"]), 1)
             self.prefill_count += 1
             return None
-        prompts = received.body["prompt"]
-        prompts = [prompts] if isinstance(prompts[0], int) else prompts  # one prompt, or a batch of them
+        prompts = batch_of(received.body["prompt"])
         batch, tokens = len(prompts), sum(len(p) for p in prompts)
         if self.split_next and tokens > 16:  # not the warm-up: answered a whole pass after its own
             self.split_next -= 1
@@ -90,10 +94,11 @@ class FakeVllm:
             self.transfer_count += 1
             self.transfer_bytes += nbytes
             return None
-        context = len(body["prompt"])
+        prompts = batch_of(body["prompt"])
+        batch, context = len(prompts), len(prompts[0])
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
-        self.active += 1
+        self.active += batch
         chunks, decoding_s = [], 0.0
         try:
             for generated in range(1, body["max_tokens"] + 1):
@@ -101,17 +106,19 @@ class FakeVllm:
                     step = decode_step_s(self.active, context)
                     await asyncio.sleep(step)
                     decoding_s += step
-                chunk = {"choices": [{"index": 0, "text": "x"}], "usage": {"completion_tokens": generated}}
-                chunks.append(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+                for index in range(batch):  # one chunk a choice, as vLLM streams a list of prompts
+                    chunk = {"choices": [{"index": index, "text": "x"}], "usage": {"completion_tokens": generated}}
+                    chunks.append(b"data: " + json.dumps(chunk).encode() + b"\n\n")
                 if not (self.stalled or self.unreadable_runs):
-                    await response.write(chunks.pop())
+                    await response.write(b"".join(chunks))
+                    chunks.clear()
         finally:
-            self.active -= 1
+            self.active -= batch
         for chunk in chunks:  # a stalled front end's: all at once
             await response.write(chunk)
-        self.decode_sum += decoding_s
-        self.decode_count += 1
-        self.generated += body["max_tokens"]
+        self.decode_sum += batch * decoding_s
+        self.decode_count += batch
+        self.generated += batch * body["max_tokens"]
         if not self.active:  # the last of a batch: the steps of its pass, as one engine counts them
             extra = self.extra_steps or (1 if self.unreadable_runs else 0)
             self.steps += body["max_tokens"] + (extra if body["max_tokens"] > 1 else 0)
@@ -204,7 +211,8 @@ async def test_prefill_that_never_shares_a_pass_fails_naming_the_engine(
 
     with pytest.raises(ProfilingError, match=rf"{prefill_engine.url}: 1 sequences of 64 tokens never shared one"):
         await profiler.measure(spec, endpoints, SMALL_GRID)
-    assert len([r for r in prefill_engine.requests if not r.is_prefill]) == 1 + 3 * SMALL_GRID.repeats
+    attempts = profiler.ATTEMPTS_PER_REPEAT * SMALL_GRID.repeats
+    assert len([r for r in prefill_engine.requests if not r.is_prefill]) == 1 + attempts
 
 
 @pytest.mark.parametrize("stalled", [False, True])
@@ -220,8 +228,9 @@ async def test_the_decode_step_is_read_on_the_engines_clock_when_the_batch_prefi
         for batch in (1, 4):
             step = await profiler._decode_point(http, decode_engine.url, "m", prompts, batch, 128, SMALL_GRID)
             assert step == pytest.approx(decode_step_s(batch, 128), rel=0.3)
-        blocker, *batch_of_4 = [r.body for r in decode_engine.requests][-5:]  # the last repeat
-        assert blocker["max_tokens"] == 1 and [b["max_tokens"] for b in batch_of_4] == [SMALL_GRID.decode_tokens] * 4
+        blocker, batch_of_4 = [r.body for r in decode_engine.requests][-2:]  # the last repeat
+        assert blocker["max_tokens"] == 1 and batch_of_4["max_tokens"] == SMALL_GRID.decode_tokens
+        assert [len(p) for p in batch_of_4["prompt"]] == [128] * 4  # one request: its prompts reach the core together
     finally:
         await http.session.close()
 
@@ -254,11 +263,15 @@ async def test_a_run_neither_clock_can_read_is_made_again(
         with caplog.at_level("INFO", logger=profiler.logger.name):
             step = await profiler._decode_point(http, decode_engine.url, "m", prompts, 2, 128, SMALL_GRID)
         assert step == pytest.approx(decode_step_s(2, 128), rel=0.3)
-        assert "never all decoded at once: measured again" in caplog.text
+        assert "read on neither clock: measured again" in caplog.text
         fake.unreadable_runs = 1000
         attempts = profiler.ATTEMPTS_PER_REPEAT * SMALL_GRID.repeats
-        with pytest.raises(ProfilingError, match=f"never all decoding at once in {attempts} runs"):
+        with pytest.raises(ProfilingError, match=f"read on neither clock in {attempts} runs") as failed:
             await profiler._decode_point(http, decode_engine.url, "m", prompts, 2, 128, SMALL_GRID)
+        # What each run showed: a step more than one pass, and the tokens read together (1 ms for 12 tokens at
+        # 20 ms a step would once have been taken for the step).
+        runs = str(failed.value).split("(runs: ")[1].split(")")[0].split("; ")
+        assert len(runs) == attempts and all(run.startswith("10 steps, 12 tokens in 0.00") for run in runs), runs
     finally:
         await http.session.close()
 
