@@ -12,7 +12,8 @@ Seeds are disjoint by role, and the README says which is which:
 
 - ``CALIBRATION_SEED`` sets the rates;
 - ``TUNING_SEEDS`` are the only ones a change of the policy may be judged on while
-  it is being made;
+  it is being made (``autoscale_screen.py`` screens a change on them cheaply; 1 and 2
+  until 2026-11-28, then 1-6: two seeds a family judged a change by noise);
 - ``EVALUATION_SEEDS`` are the ones reported: ``--seeds evaluation`` (the default).
 
 Best static: the split with the most goodput (requests meeting both SLO targets
@@ -67,7 +68,7 @@ SIMULATOR_SOURCES = [REPO / "orchestrator/autoscale" / name for name in ("simula
 HOUR = 3600.0
 
 CALIBRATION_SEED = 0
-TUNING_SEEDS = (1, 2)
+TUNING_SEEDS = (1, 2, 3, 4, 5, 6)
 EVALUATION_SEEDS = (11, 12, 13)
 GENERALIZATION_SEEDS = (21, 22, 23)
 HALF_HOUR = 1800.0
@@ -545,15 +546,15 @@ def main() -> int:
         jobs = [(f, m, s) for f, m in cases for s in args.seeds]
         cached = [cache.get(static_key(*job)) for job in jobs]
         overrides = dict(args.set)
-        rows = list(
-            pool.map(
-                bounds_one if args.bounds else study_one, *zip(*jobs, strict=True), cached, [overrides] * len(jobs)
-            )
+        results = pool.map(
+            bounds_one if args.bounds else study_one, *zip(*jobs, strict=True), cached, [overrides] * len(jobs)
         )
-    if args.static_cache:
-        for job, row in zip(jobs, rows, strict=True):
-            cache[static_key(*job)] = {"split": row["split"], "static": row["static"]}
-        args.static_cache.write_text(json.dumps(cache, indent=1, sort_keys=True) + "\n")
+        rows = []
+        for job, row in zip(jobs, results, strict=True):
+            rows.append(row)
+            if args.static_cache:  # after each trace: an interrupted run keeps the splits it found
+                cache[static_key(*job)] = {"split": row["split"], "static": row["static"]}
+                args.static_cache.write_text(json.dumps(cache, indent=1, sort_keys=True) + "\n")
     knobs = "".join(f"; {key}={value:g}" for key, value in args.set)
     print(f"seeds {', '.join(map(str, args.seeds))}{knobs}; {time.time() - started:.0f} s", file=sys.stderr)
     print(table(rows))

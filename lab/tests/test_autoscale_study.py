@@ -119,3 +119,15 @@ def test_set_overrides_only_the_autoscalers_knobs_and_validates_them() -> None:
             study.load(wrong)
     with pytest.raises(ValueError, match="less than or equal to 1"):
         study.load({"burst_guard": 3.0})
+
+
+def test_the_screen_compares_the_autoscaler_with_the_fixed_split_and_reuses_its_run(monkeypatch) -> None:
+    from lab import autoscale_screen as screen
+
+    short = study.make_trace("steady", "chat", 1)[:600]  # ~9 s of the hour: the arithmetic, not the load
+    monkeypatch.setattr(screen, "make_trace", lambda family, mix, seed: short)
+    row = screen.screen_one("steady", 1, (46, 18), {}, None)
+    assert row["fixed"]["requests"] == 600 and row["met"] == study.meets("steady", row["ratio"], row["slo_points"])
+    # Given the fixed split's run (the cache), only the autoscaler runs, and the comparison is with it.
+    again = screen.screen_one("steady", 1, (46, 18), {}, {**row["fixed"], "goodput_per_engine_hour": 1.0})
+    assert again["ratio"] == pytest.approx(row["ratio"] * row["fixed"]["goodput_per_engine_hour"])

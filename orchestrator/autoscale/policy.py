@@ -14,18 +14,21 @@ How one decision is made (both pools at once):
    when engines started now would serve (``startup_s`` + one interval), and that
    forecast holds while the rate keeps from falling, for at most that long. A ramp
    too gradual for one window's rise to stand out of the noise is found by the
-   least-squares slope of the last ``TREND_WINDOWS`` windows' rates: when it is more
-   than 3 standard errors above zero (Poisson counts) and the last window is not
-   below the line by more than noise (the ramp goes on), the fitted rate is
-   extrapolated over the same horizon. While either trend rises, no pool shrinks.
+   least-squares slope of the last windows' rates, over each of ``TREND_SPANS`` (2 and
+   4 minutes: the shorter sees a fast swing sooner, the longer a slow one at all): when
+   it is more than 3 standard errors above zero (Poisson counts) and the last window is
+   not below the line by more than noise (the ramp goes on), the fitted rate is
+   extrapolated over the same horizon (the largest such forecast counts). While any
+   trend rises, no pool shrinks.
 1. Prefill. An engine computes ``max_num_batched_tokens`` prompt tokens per pass;
    the profile says how long that takes, hence tokens/s per engine and a mean
    service time per request. The TTFT target, less the time an idle engine needs
-   (prefill, KV transfer, one decode step), is the wait we can afford; the
-   smallest N whose M/G/N chance of waiting longer than that is under 10 % is the
-   prefill demand (Erlang C, its tail stretched by (1 + cv^2) / 2 for the spread
-   of the window's prompt lengths: a heavy tail needs more engines than its mean
-   says). Queued prompt tokens add engines to clear them
+   for a prompt (prefill, KV transfer, one decode step), is the wait that prompt
+   affords, taken over ``LENGTH_QUANTILES`` lengths of a log-normal with the
+   window's mean and cv^2 (a long prompt affords less; lengths late even unqueued
+   are left out); the smallest N for which at most ``TTFT_TAIL`` of the requests
+   wait past their budget in M/G/N is the prefill demand (Erlang C, its tail
+   stretched by (1 + cv^2) / 2 for the spread of the prompt lengths). Queued prompt tokens add engines to clear them
    within one interval plus an engine's startup time.
 2. Decode. The largest batch whose step time is within ``target_utilization`` of
    the ITL target and whose sequences fill at most that fraction of the KV cache
@@ -34,10 +37,12 @@ How one decision is made (both pools at once):
    decode engines: prefilled requests not admitted yet, and those whose KV loads) add
    engines.
 3. Feedback. A measured p90 TTFT or ITL above its target forbids shrinking the
-   pool to blame (decode, when requests wait for a decode slot; else prefill) and
-   adds one engine to it, so a wrong profile cannot hold the cluster in breach.
+   pool to blame (decode, when the requests waiting for a decode slot wait, by
+   Little's law, more than ``DECODE_BLAME_SHARE`` of the TTFT target; else prefill)
+   and adds one engine to it, so a wrong profile cannot hold the cluster in breach.
 4. Limits: each pool within its min/max, both within ``max_engines`` (shared in
-   proportion to demand when they do not fit).
+   proportion to what each needs for the arrival rate when they do not fit: queues are served by
+   the split, not allowed to skew it).
 5. Stability. Growing is allowed once ``scale_up_cooldown_s`` has passed since the
    pool's last change. Shrinking goes to the largest wish of the last
    ``scale_down_cooldown_s`` (so a burst that fades is not forgotten at once),
@@ -55,7 +60,10 @@ How one decision is made (both pools at once):
    the other gives it the engines it holds beyond its own demand (the largest wish of
    its last ``MOVE_MEMORY`` decisions, never below its min) at once, without waiting
    for its scale-down cooldown, hysteresis or burst guard: the controller moves them
-   (``rules.moves_for``), and what the growth needs beyond them it starts. A pool's
+   (``rules.moves_for``), and what the growth needs beyond them it starts. A growth
+   smaller than the growing pool's hysteresis band moves nothing unless the feedback
+   asked for it: a window's noise in the wishes would otherwise trade engines back
+   and forth, and each trade takes from the giving pool what its own band kept. A pool's
    reserve is thus shared: a burst of the other pool takes it in seconds, and its own
    takes it back the same way. The memory of a few decisions keeps one noisy window from
    moving engines back and forth.
@@ -66,6 +74,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import statistics
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -90,10 +99,19 @@ __all__ = [
     "erlang_c_wait_tail",
 ]
 
-TTFT_TAIL = 0.10  # the targets are p90s: at most 10 % of requests may wait longer
+# At most this share of the requests may wait past what their prompt's TTFT budget leaves. The targets are
+# p90s, but sized at 10 % a steady load kept them with ~3.5 % of its requests late against ~2 % on the whole
+# budget; at 1-5 % the tuning seeds' SLO rose with the engines hardly changed (docs/autoscaling-study.md).
+TTFT_TAIL = 0.02
+LENGTH_QUANTILES = 20  # prompt lengths the wait budget is taken over (quantiles of a log-normal)
 TREND_SIGMAS = 3.0  # a rise of the arrival rate beyond this many standard deviations of Poisson noise is a trend
-TREND_WINDOWS = 8  # windows of arrival rates whose least-squares slope reads a ramp (2 min at 15 s)
+TREND_SPANS = (8, 16)  # windows of arrival rates whose least-squares slope reads a ramp (2 and 4 min at 15 s)
 MOVE_MEMORY = 3  # a pool gives engines away by moves only down to the largest of its last this many wishes
+# A TTFT breach is decode's when the requests waiting for a decode slot would wait, by Little's law
+# (waiting / arrival rate), more than this share of the TTFT target; else prefill's. Blamed on decode whenever
+# one request waited, a breach raised decode on long outputs, where a few requests always wait for a slot,
+# while prefill was the wait (long-output tuning seeds: steady -5.8 points against the fixed split).
+DECODE_BLAME_SHARE = 0.5
 
 
 @dataclass(slots=True)
@@ -151,6 +169,12 @@ def erlang_c_wait_tail(
     ``service_cv2`` (the squared coefficient of variation of service times; 1 for M/M/c) stretches the
     tail as Allen and Cunneen's M/G/c approximation stretches the mean wait: by (1 + cv2) / 2. Heavy-tailed
     prompts (cv2 of 3-4) wait about twice as long as their mean alone says."""
+    return wait_tail(servers, arrival_rate, service_s, [wait_s], service_cv2)
+
+
+def wait_tail(servers: int, arrival_rate: float, service_s: float, waits: list[float], service_cv2: float) -> float:
+    """The mean over ``waits`` of ``erlang_c_wait_tail``: the share of requests that wait past their own
+    budget when each budget is equally likely."""
     if arrival_rate <= 0:
         return 0.0
     offered = arrival_rate * service_s  # in Erlangs
@@ -162,8 +186,12 @@ def erlang_c_wait_tail(
         erlang_b = offered * erlang_b / (k + offered * erlang_b)
     utilization = offered / servers
     p_wait = erlang_b / (1 - utilization + utilization * erlang_b)
-    stretch = (1 + max(service_cv2, 0.0)) / 2
-    return p_wait * math.exp(-(servers - offered) * max(wait_s, 0.0) / (service_s * stretch))
+    decay = (servers - offered) / (service_s * (1 + max(service_cv2, 0.0)) / 2)
+    return p_wait * sum(math.exp(-decay * max(w, 0.0)) for w in waits) / len(waits)
+
+
+# The standard normal's quantiles at the middles of LENGTH_QUANTILES equal slices: the prompt lengths'.
+_LENGTH_Z = [statistics.NormalDist().inv_cdf((i + 0.5) / LENGTH_QUANTILES) for i in range(LENGTH_QUANTILES)]
 
 
 class AutoscalePolicy:
@@ -180,7 +208,7 @@ class AutoscalePolicy:
         self._history: deque[tuple[float, int, int]] = deque()  # wishes of the last burst_memory_s
         self._previous_rate: float | None = None
         self._held: tuple[float, float] | None = None  # (made at t, forecast rate) of a rise under way
-        self._rates: deque[tuple[float, float]] = deque(maxlen=TREND_WINDOWS)  # (t, arrival rate) for the slope
+        self._rates: deque[tuple[float, float]] = deque(maxlen=max(TREND_SPANS))  # (t, arrival rate) for the slope
         self._rising = False  # a trend rises now: no pool shrinks
 
     def scaled_by_hand(self, roles: Iterable[str]) -> None:
@@ -192,8 +220,8 @@ class AutoscalePolicy:
 
     def _forecast_rate(self, obs: ClusterObservation, reasons: list[str]) -> float:
         """The arrival rate one startup time ahead: the larger of the trend of the last two windows
-        (``_step_forecast``) and of the last ``TREND_WINDOWS`` (``_slope_forecast``), where either is more
-        than noise; the rate now where neither is."""
+        (``_step_forecast``) and of the last windows over each of ``TREND_SPANS`` (``_slope_forecast``), where
+        one is more than noise; the rate now where none is."""
         rate, previous = obs.arrival_rate_rps, self._previous_rate
         self._previous_rate = rate
         self._rates.append((obs.t, rate))
@@ -203,17 +231,22 @@ class AutoscalePolicy:
         window = self.config.interval_s
         horizon = self.profile.engine.startup_s + window
         step = self._step_forecast(obs, rate, previous, window, horizon, reasons)
-        slope = self._slope_forecast(obs.t, window, horizon, reasons)
+        slopes = [self._slope_forecast(obs.t, span, window, horizon) for span in TREND_SPANS]
+        # The largest forecast; of equal ones, the shorter span's (the first).
+        slope = max(filter(None, slopes), key=lambda s: s[0], default=None)
+        if slope is not None:
+            reasons.append(slope[1])
         self._rising = step > rate or slope is not None
-        return max(step, slope or 0.0)
+        return max(step, slope[0] if slope else 0.0)
 
-    def _slope_forecast(self, t: float, window: float, horizon: float, reasons: list[str]) -> float | None:
-        """The rate ``horizon`` from now on the least-squares line through the last ``TREND_WINDOWS`` windows'
-        rates, when its slope is more than ``TREND_SIGMAS`` standard errors above zero and the last window is
-        not below the line by more than noise; else None."""
-        if len(self._rates) < TREND_WINDOWS // 2:
+    def _slope_forecast(self, t: float, span: int, window: float, horizon: float) -> tuple[float, str] | None:
+        """The rate ``horizon`` from now on the least-squares line through the last ``span`` windows' rates,
+        and the reason, when its slope is more than ``TREND_SIGMAS`` standard errors above zero and the last
+        window is not below the line by more than noise; else None."""
+        if len(self._rates) < span // 2:
             return None
-        times, rates = [p[0] for p in self._rates], [p[1] for p in self._rates]
+        last = list(itertools.islice(self._rates, max(0, len(self._rates) - span), None))
+        times, rates = [p[0] for p in last], [p[1] for p in last]
         mean_t, mean_rate = sum(times) / len(times), sum(rates) / len(rates)
         spread = sum((x - mean_t) ** 2 for x in times)
         if spread <= 0 or mean_rate <= 0:
@@ -227,11 +260,10 @@ class AutoscalePolicy:
         if rates[-1] < fitted - TREND_SIGMAS * math.sqrt(fitted / window):
             return None  # the last window fell below the line by more than noise: the ramp has ended
         forecast = fitted + slope * horizon
-        reasons.append(
+        return forecast, (
             f"trend: the last {len(rates)} windows rise {slope * 60:.2f} req/s per minute ({slope / error:.1f} "
             f"standard errors); {fitted:.2f} req/s now, {forecast:.2f} req/s expected in {horizon:g}s"
         )
-        return forecast
 
     def _step_forecast(
         self, obs: ClusterObservation, rate: float, previous: float, window: float, horizon: float, reasons: list[str]
@@ -262,33 +294,37 @@ class AutoscalePolicy:
         self._held = None
         return rate
 
-    def _prefill_demand(self, obs: ClusterObservation, rate: float, reasons: list[str]) -> int:
+    def _prefill_demand(self, obs: ClusterObservation, rate: float, reasons: list[str]) -> tuple[int, int]:
+        """Engines for ``rate`` (the TTFT tail), and those plus what clears the queue: (with, without it)."""
         cfg, prof = self.config, self.profile
         budget = prof.engine.max_num_batched_tokens
         prompt = max(obs.mean_prompt_tokens, 1.0)
         per_pass = max(1, min(prof.engine.max_num_seqs, round(budget / prompt)))
         tokens_per_s = budget / prof.prefill_seconds(budget, per_pass)
         service_s = prompt / tokens_per_s
-        idle_s = (
-            prof.prefill_seconds(prompt, 1) + prof.handoff_seconds(int(prompt)) + prof.decode_step_seconds(1, prompt)
-        )
-        wait_s = cfg.targets.ttft_p90_s - idle_s
-        if wait_s <= 0:
-            reasons.append(
-                f"prefill: an idle engine alone needs {idle_s:.3f}s of TTFT for {prompt:.0f}-token prompts, "
-                f"over the {cfg.targets.ttft_p90_s:g}s target; sizing for no waiting at all"
-            )
-            wait_s = 0.0
         cv2 = obs.prompt_tokens_cv2
-        n = 1
-        while n < cfg.max_engines and erlang_c_wait_tail(n, rate, service_s, wait_s, cv2) > TTFT_TAIL:
+        budgets = self._wait_budgets(prompt, cv2)
+        late = LENGTH_QUANTILES - len(budgets)
+        if not budgets:
+            reasons.append(
+                f"prefill: an idle engine alone needs over the {cfg.targets.ttft_p90_s:g}s TTFT target for "
+                f"every prompt length around {prompt:.0f} tokens; sizing for no waiting at all"
+            )
+            budgets = [0.0]
+        # From the load up (fewer engines than the load never keep up), past max_engines if need be: a pool
+        # short of its need is shared the budget by what it needs, not by the budget itself (_fit_budget).
+        load = rate * service_s
+        n, limit = max(1, math.floor(load)), 2 * math.ceil(load) + cfg.max_engines
+        while n < limit and wait_tail(n, rate, service_s, budgets, cv2) > TTFT_TAIL:
             n += 1
         reasons.append(
             f"prefill: {rate:.2f} req/s x {prompt:.0f} tokens = "
             f"{rate * prompt:.0f} tok/s at {tokens_per_s:.0f} tok/s/engine "
-            f"(load {rate * service_s:.2f} engines); "
-            f"P(wait > {wait_s:.3f}s) <= {TTFT_TAIL:.0%} (M/G/c, prompt cv^2 {cv2:.2f}) needs {n}"
+            f"(load {load:.2f} engines); "
+            f"P(wait > its budget) <= {TTFT_TAIL:.0%} over {LENGTH_QUANTILES} prompt lengths (M/G/c, prompt cv^2 "
+            f"{cv2:.2f}; {late} late even unqueued) needs {n}"
         )
+        for_rate = n
         backlog = obs.prefill.queued_tokens
         # Until new engines serve, the engines serving now take the arrivals: what they cannot
         # compute in that time (at the mean of the rate now and the rate expected) queues up too.
@@ -305,7 +341,27 @@ class AutoscalePolicy:
                 f"prefill: {obs.prefill.queue_depth} queued requests ({backlog} tokens){grows}: "
                 f"{extra} more to clear them in {horizon:g}s"
             )
-        return n
+        return n, for_rate
+
+    def _wait_budgets(self, mean: float, cv2: float) -> list[float]:
+        """What each of ``LENGTH_QUANTILES`` prompt lengths (quantiles of a log-normal with the window's mean and
+        cv^2) can wait and still meet the TTFT target: the target less an idle engine's prefill, KV hand-off and
+        first decode step for it. A long prompt affords less wait than the mean one; lengths an idle engine
+        alone serves late are left out (no number of engines helps them)."""
+        prof, target = self.profile, self.config.targets.ttft_p90_s
+        sigma = math.sqrt(math.log1p(max(cv2, 0.0)))
+        mu = math.log(mean) - sigma * sigma / 2
+        budgets = []
+        for z in _LENGTH_Z:
+            length = math.exp(mu + sigma * z)
+            idle = (
+                prof.prefill_seconds(length, 1)
+                + prof.handoff_seconds(int(length))
+                + prof.decode_step_seconds(1, length)
+            )
+            if idle < target:
+                budgets.append(target - idle)
+        return budgets
 
     def _decode_batch(self, context: float, kv_per_seq: float) -> int:
         """The largest batch whose step time is within ``target_utilization`` of the ITL target and whose
@@ -317,7 +373,8 @@ class AutoscalePolicy:
             batch -= 1
         return batch
 
-    def _decode_demand(self, obs: ClusterObservation, rate: float, reasons: list[str]) -> int:
+    def _decode_demand(self, obs: ClusterObservation, rate: float, reasons: list[str]) -> tuple[int, int]:
+        """Engines for ``rate`` (the ITL target), and those plus what seats the requests waiting for a slot."""
         cfg = self.config
         prompt, output = max(obs.mean_prompt_tokens, 1.0), max(obs.mean_output_tokens, 1.0)
         batch = self._decode_batch(prompt + output / 2, prompt + output)
@@ -329,22 +386,22 @@ class AutoscalePolicy:
             f"{concurrency:.1f} sequences at once; {batch}/engine (step within {cfg.target_utilization:.0%} of "
             f"ITL {cfg.targets.itl_p90_s * 1000:g} ms, KV within {cfg.target_utilization:.0%}) needs {n}"
         )
-        waiting = obs.decode.queue_depth
+        waiting, extra = obs.decode.queue_depth, 0
         if waiting > 0:
             extra = math.ceil(waiting / batch)
-            n += extra
             reasons.append(f"decode: {waiting} requests wait for a decode slot; {extra} more")
-        return n
+        return n + extra, n
 
     def _feedback(self, obs: ClusterObservation, wish: dict[str, int], floor: dict[str, int], reasons: list[str]):
         cfg = self.config
         if obs.ttft_p90_s is not None and obs.ttft_p90_s > cfg.targets.ttft_p90_s:
-            role = "decode" if obs.decode.queue_depth > 0 else "prefill"
+            decode_wait_s = obs.decode.queue_depth / max(obs.arrival_rate_rps, 1e-9)
+            role = "decode" if decode_wait_s > DECODE_BLAME_SHARE * cfg.targets.ttft_p90_s else "prefill"
             floor[role] = obs.pool(role).provisioned + 1
             reasons.append(
                 f"feedback: measured p90 TTFT {obs.ttft_p90_s:.3f}s > {cfg.targets.ttft_p90_s:g}s "
-                f"({'requests wait for decode' if role == 'decode' else 'prefill is the wait'}): "
-                f"{role} at least {floor[role]}"
+                f"({obs.decode.queue_depth} waiting for a decode slot, ~{min(decode_wait_s, 1e6):.2f}s by Little's "
+                f"law: {role} is the wait): {role} at least {floor[role]}"
             )
         if obs.itl_p90_s is not None and obs.itl_p90_s > cfg.targets.itl_p90_s:
             floor["decode"] = max(floor["decode"], obs.decode.provisioned + 1)
@@ -359,10 +416,13 @@ class AutoscalePolicy:
 
     def _fit_budget(self, want: dict[str, int], demand: dict[str, int], reasons: list[str]) -> dict[str, int]:
         """``want`` (each within its pool's bounds) fitted to ``max_engines``: shared in proportion to
-        ``demand``, the wishes before the pools' max clamped them. Shared by the clamped wishes, a prefill pool
-        that needed 130 engines counted as its max of 60 and the budget went to decode, which serves only what
-        prefill lets through (on the tuning seeds: 32:32 in the bursts of bursts-short, whose best split is
-        near 42:22; 47:17 to 37:27 by moves in swing-tenant's burst of documents)."""
+        ``demand``, what each pool needs for the arrival rate, before the pools' max clamped it and without
+        what clears a queue or the feedback adds. Shared by the clamped wishes, a prefill pool that needed 130
+        engines counted as its max of 60 and the budget went to decode, which serves only what prefill lets
+        through (on the tuning seeds: 32:32 in the bursts of bursts-short, whose best split is near 42:22;
+        47:17 to 37:27 by moves in swing-tenant's burst of documents). Shared with the queues' engines, a
+        prefill queue of 30,000 requests (wishes of 289:24) took 59 of 64 and left decode 5 for a rate that
+        needs 24: the requests prefilled then waited for decode (swing-tenant, tuning seed 4)."""
         cfg = self.config
         total = want["prefill"] + want["decode"]
         if total <= cfg.max_engines:
@@ -372,7 +432,8 @@ class AutoscalePolicy:
         decode = min(cfg.max_engines - prefill, cfg.decode.max)
         reasons.append(
             f"budget: {want['prefill']}+{want['decode']} = {total} engines > max_engines {cfg.max_engines}; "
-            f"shared in proportion to demand ({demand['prefill']}:{demand['decode']}): {prefill}+{decode}"
+            f"shared in proportion to what the arrival rate needs ({demand['prefill']}:{demand['decode']}): "
+            f"{prefill}+{decode}"
         )
         return {"prefill": prefill, "decode": decode}
 
@@ -406,7 +467,7 @@ class AutoscalePolicy:
                 f"{math.ceil(cfg.burst_guard * rise)} = {guarded}"
             )
             recent = guarded
-        step = max(1, math.ceil(cfg.hysteresis * current))
+        step = self._band(current)
         if recent > current - step:
             reasons.append(
                 f"{role}: stay at {current} (wants {wish}; largest wish of the last "
@@ -424,12 +485,25 @@ class AutoscalePolicy:
         reasons.append(f"{role}: {current} -> {recent} (largest wish of the last {cfg.scale_down_cooldown_s:g}s)")
         return recent
 
+    def _band(self, engines: int) -> int:
+        """A pool's hysteresis band: it shrinks only to free more than this, and moves in no less."""
+        return max(1, math.ceil(self.config.hysteresis * engines))
+
     def _move(self, obs: ClusterObservation, target: dict[str, int], floor: dict[str, int], reasons: list[str]):
         """Where one pool grows, the other gives it what it holds beyond the largest of its last
-        ``MOVE_MEMORY`` wishes (and its floor and min) at once: the controller moves those engines."""
+        ``MOVE_MEMORY`` wishes (and its floor and min) at once: the controller moves those engines. A growth
+        within the growing pool's hysteresis band moves nothing unless the feedback's floor asks for it."""
         for grow, give in (("prefill", "decode"), ("decode", "prefill")):
-            growth = target[grow] - obs.pool(grow).provisioned
+            provisioned = obs.pool(grow).provisioned
+            growth = target[grow] - provisioned
             if growth <= 0:
+                continue
+            band = self._band(provisioned)
+            if growth < band and floor[grow] <= provisioned:
+                reasons.append(
+                    f"move: none ({grow} grows by {growth}, within its hysteresis band of {band}, and no "
+                    "measured breach asks for it)"
+                )
                 continue
             index = 1 if give == "prefill" else 2
             recent = max(w[index] for w in itertools.islice(reversed(self._wishes), MOVE_MEMORY))
@@ -449,10 +523,14 @@ class AutoscalePolicy:
         reasons: list[str] = []
         self._watching_since = min(self._watching_since, obs.t - cfg.interval_s)
         rate = self._forecast_rate(obs, reasons)
-        wish = {"prefill": self._prefill_demand(obs, rate, reasons), "decode": self._decode_demand(obs, rate, reasons)}
+        (prefill, prefill_rate), (decode, decode_rate) = (
+            self._prefill_demand(obs, rate, reasons),
+            self._decode_demand(obs, rate, reasons),
+        )
+        wish = {"prefill": prefill, "decode": decode}
         floor = {"prefill": 0, "decode": 0}
         self._feedback(obs, wish, floor, reasons)
-        demand = dict(wish)
+        demand = {"prefill": prefill_rate, "decode": decode_rate}
         for role in ROLES:
             limits = cfg.limits(role)
             clamped = min(max(wish[role], limits.min), limits.max)

@@ -13,6 +13,8 @@ import pytest
 
 from orchestrator.autoscale.config import AutoscalingConfig, LatencyTargets, PoolLimits
 from orchestrator.autoscale.policy import (
+    LENGTH_QUANTILES,
+    TTFT_TAIL,
     AutoscalePolicy,
     ClusterObservation,
     PoolObservation,
@@ -90,6 +92,27 @@ def test_erlang_c_matches_the_m_m_1_formula():
     assert erlang_c_wait_tail(1, 0.5, 1.0, 2.0, 1.0) == erlang_c_wait_tail(1, 0.5, 1.0, 2.0)
     assert erlang_c_wait_tail(1, 0.5, 1.0, 2.0, 0.0) == pytest.approx(0.5 * 2.718281828 ** (-2.0))
     assert erlang_c_wait_tail(1, 0.5, 1.0, 2.0, 3.0) == pytest.approx(0.5 * 2.718281828 ** (-0.5))
+
+
+def test_prefill_is_sized_for_the_wait_each_prompt_length_affords_not_the_mean_prompts(policy):
+    # 4000-token prompts on average (0.4 s of an engine), log-normal with cv^2 1: the longest take ~1.4 s and
+    # may wait ~0.6 s of the 2 s target, the mean one ~1.6 s. Sized by the mean prompt's budget alone, the
+    # long prompts would be the late ones: each length's budget counts.
+    p = policy()
+    decision = p.decide(observe(0.0, rate=20.0, prefill=1, prompt=4000, prompt_tokens_cv2=1.0))
+    budgets = p._wait_budgets(4000, 1.0)
+    assert len(budgets) == LENGTH_QUANTILES and budgets == sorted(budgets, reverse=True)
+    mean_budget = p._wait_budgets(4000, 0.0)[0]  # no spread: every length is the mean
+    assert budgets[-1] < 0.7 < 1.5 < mean_budget < budgets[0]
+    by_mean = next(n for n in range(1, 64) if erlang_c_wait_tail(n, 20.0, 0.4, mean_budget) <= TTFT_TAIL)
+    assert decision.prefill > by_mean
+    assert any("P(wait > its budget) <= 2% over 20 prompt lengths" in line for line in decision.reasons)
+
+
+def test_prompts_too_long_for_the_target_even_unqueued_do_not_size_the_pool(policy):
+    # 40k-token prompts: an idle engine alone needs 4 s for the mean one, over the 2 s target.
+    decision = policy().decide(observe(0.0, rate=0.5, prefill=1, prompt=40000, prompt_tokens_cv2=0.01))
+    assert any("every prompt length around 40000 tokens; sizing for no waiting at all" in r for r in decision.reasons)
 
 
 def test_heavy_tailed_prompts_get_more_prefill_engines_than_their_mean_says(policy):
@@ -235,14 +258,31 @@ def test_the_budget_is_shared_in_proportion_to_demand(policy):
     assert any("max_engines 20" in line for line in decision.reasons)
 
 
-def test_the_budget_is_shared_by_demand_before_the_pools_max_clamps_it(policy):
-    """Prefill needs 68 engines (its max is 40), decode 31, 48 fit: shared 68:31, not 40:31. By the clamped
-    wishes decode got 21 of the 48, though it serves only what prefill lets through (the simulator's tuning
-    seeds: 32:32 in bursts whose best split was near 42:22)."""
+def test_the_budget_is_shared_by_what_the_rate_needs_before_the_pools_max_clamps_it(policy):
+    """Prefill needs 61 engines for the rate (its max is 40), decode 31, 48 fit: shared 61:31, not 40:31. By the
+    clamped wishes decode got 21 of the 48, though it serves only what prefill lets through (the simulator's
+    tuning seeds: 32:32 in bursts whose best split was near 42:22)."""
     decision = policy(max_engines=48).decide(observe(0.0, 300.0, 30, 10, output=400))
 
-    assert (decision.prefill, decision.decode) == (round(48 * 68 / 99), 48 - round(48 * 68 / 99)) == (33, 15)
-    assert any("shared in proportion to demand (68:31): 33+15" in line for line in decision.reasons)
+    assert (decision.prefill, decision.decode) == (round(48 * 61 / 92), 48 - round(48 * 61 / 92)) == (32, 16)
+    assert any("needs 61" in line for line in decision.reasons)  # uncapped: more than max_engines may need
+    shared = "shared in proportion to what the arrival rate needs (61:31): 32+16"
+    assert any(shared in line for line in decision.reasons)
+
+
+def test_a_queue_does_not_take_the_other_pools_share_of_the_budget(policy):
+    """A prefill queue of 30,000 requests asks for hundreds of engines to clear it, requests waiting for decode
+    for more decode engines: shared by those wishes, prefill took 59 of 64 and left decode 5 for a rate that
+    needed 24, and every request prefilled then waited for decode (swing-tenant, tuning seed 4). What each pool
+    needs for the arrival rate shares the budget; the queues are served by it."""
+    calm = policy(max_engines=48).decide(observe(0.0, 300.0, 30, 10, output=400))
+    queued = PoolObservation(replicas=30, queue_depth=30_000, queued_tokens=60_000_000)
+    waiting = PoolObservation(replicas=10, queue_depth=500)
+    behind = policy(max_engines=48).decide(observe(0.0, 300.0, output=400, prefill_pool=queued, decode_pool=waiting))
+
+    assert (behind.prefill, behind.decode) == (calm.prefill, calm.decode) == (32, 16)
+    assert any("30000 queued requests" in line for line in behind.reasons)
+    assert any("500 requests wait for a decode slot" in line for line in behind.reasons)
 
 
 def test_the_budget_holds_while_one_pool_waits_out_its_cooldown(policy):
@@ -260,9 +300,24 @@ def test_measured_latency_over_target_blames_the_right_pool(policy):
     slow_prefill = policy().decide(observe(0.0, 1.0, 4, 2, ttft_p90_s=5.0))
     slow_itl = policy().decide(observe(0.0, 1.0, 4, 2, itl_p90_s=0.2))
 
-    assert slow_ttft.decode >= 3 and any("requests wait for decode" in r for r in slow_ttft.reasons)
+    assert slow_ttft.decode >= 3 and any("decode is the wait" in r for r in slow_ttft.reasons)
     assert slow_prefill.prefill >= 5 and any("prefill is the wait" in r for r in slow_prefill.reasons)
     assert slow_itl.decode >= 3 and any("p90 ITL 200.0 ms" in r for r in slow_itl.reasons)
+
+
+def test_a_ttft_breach_is_decodes_only_when_its_waiting_requests_wait_a_real_share_of_the_target(policy):
+    # Long outputs at 66 req/s: a few requests always wait for a decode slot, for ~0.1 s; a breach of the
+    # 2-s target is then prefill's. 200 waiting wait ~3 s: decode's.
+    def breach(waiting: int):
+        decode_pool = PoolObservation(replicas=30, queue_depth=waiting)
+        return policy().decide(observe(0.0, 66.0, 30, 30, output=700, ttft_p90_s=2.5, decode_pool=decode_pool))
+
+    few, many = breach(6), breach(200)
+
+    assert any("6 waiting for a decode slot, ~0.09s by Little's law: prefill is the wait" in r for r in few.reasons)
+    assert few.prefill >= 31
+    assert any("200 waiting for a decode slot, ~3.03s by Little's law: decode is the wait" in r for r in many.reasons)
+    assert many.decode >= 31
 
 
 def test_same_observations_give_the_same_decisions(policy):
@@ -327,6 +382,19 @@ def test_a_ramp_too_gradual_for_one_window_is_read_from_the_slope_and_the_fleet_
     assert sizes == sorted(sizes)  # never shrunk on the way up
 
 
+def test_a_ramp_too_slow_for_two_minutes_of_windows_is_read_from_the_longer_span(policy):
+    # +0.25 req/s a window from 20 (a diurnal swing's climb): over 8 windows the slope is under 2 standard
+    # errors, over 16 it is 5. The longer span forecasts it, and nothing shrinks on the way up.
+    p = policy()
+    rates = [20.0 + 0.25 * i for i in range(20)]
+    decisions = run(p, rates)
+    assert not any("the last 8 windows" in r for d in decisions for r in d.reasons)
+    slope = [r for r in decisions[-1].reasons if r.startswith("trend: the last 16 windows rise 0.50 req/s per minute")]
+    assert slope and "25.50 req/s expected in 90s" in slope[0]  # 24.75 now + 0.0083 req/s/s x 90 s
+    sizes = [d.prefill for d in decisions]
+    assert sizes == sorted(sizes)
+
+
 def test_a_slope_is_dropped_when_the_last_window_falls_below_its_line(policy):
     p = policy()
     run(p, [20.0 + 1.5 * i for i in range(11)])
@@ -356,6 +424,24 @@ def test_a_move_never_leaves_the_giving_pool_below_its_min_or_its_recent_wish(po
         run(p, [40.0] * 2, start=(12, 2))
         turned = p.decide(observe(60.0, 5.0, 12, 2, prompt=50, output=20000))
         assert turned.prefill == kept  # its wish for 40 req/s of 2000-token prompts was 9
+
+
+def test_at_the_budget_a_growth_within_the_growing_pools_band_moves_nothing_unless_a_breach_asks(policy):
+    # Decode's wish wanders an engine above its 24 with the window's output lengths (its band is 3); a move
+    # would take that engine from prefill, which would then wait out its own band to take it back. A measured
+    # breach is not noise: it moves the engine.
+    def grown(itl_p90_s: float | None):
+        p = policy(moves=True, max_engines=30, prefill=PoolLimits(min=1, max=30), decode=PoolLimits(min=1, max=30))
+        first = p.decide(observe(0.0, 40.0, 6, 24, prompt=1000, output=2000))
+        assert (first.prefill, first.decode) == (6, 24)  # prefill wishes 5
+        return p.decide(observe(30.0, 40.0, 6, 24, prompt=1000, output=2100, itl_p90_s=itl_p90_s))
+
+    calm, breached = grown(None), grown(0.2)
+
+    assert (calm.prefill, calm.decode) == (6, 24)
+    assert "move: none (decode grows by 1, within its hysteresis band of 3" in "\n".join(calm.reasons)
+    assert (breached.prefill, breached.decode) == (5, 25)
+    assert "move: decode grows by 1; prefill gives 1 of its 6" in "\n".join(breached.reasons)
 
 
 def test_with_moves_load_that_flaps_between_the_pools_does_not_move_engines_back_and_forth(policy):
