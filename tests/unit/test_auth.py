@@ -16,7 +16,7 @@ import pytest
 from proxy.app import ProxyConfig, create_app
 from proxy.auth import KeyCheck, bearer_token, load_keys
 from proxy.errors import ProxyConfigError
-from tests.unit.test_proxy import CHAT, CHAT_PATH, assert_openai_error
+from tests.unit.proxy_requests import CHAT, CHAT_PATH, assert_openai_error
 
 pytestmark = pytest.mark.timeout(15)
 

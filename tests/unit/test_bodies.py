@@ -8,7 +8,7 @@ import pytest
 from proxy.bodies import PREFILL_KV_PARAMS, decode_body, parse_request, prefill_body
 from proxy.errors import InvalidRequest, ModelNotFound
 from tests.unit.conftest import PROXY_MODEL
-from tests.unit.test_proxy import CHAT, CHAT_PATH, COMPLETION, INVALID_REQUESTS, PREFILL_FIELDS
+from tests.unit.proxy_requests import CHAT, CHAT_PATH, COMPLETION, INVALID_REQUESTS, PREFILL_FIELDS
 
 # --- proxy.bodies: the request bodies -----------------------------------------------------
 

@@ -17,7 +17,7 @@ from orchestrator.event_log import SNAPSHOT_NAME, EventLog
 from orchestrator.placement import HEAD_RESOURCE, Node
 from orchestrator.spec import ClusterSpec
 from tests.unit.conftest import spec_dict
-from tests.unit.test_proxy import wait_until
+from tests.unit.proxy_requests import wait_until
 
 
 def snapshot(path: Path) -> dict:

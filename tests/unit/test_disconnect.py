@@ -19,7 +19,7 @@ from aiohttp import web
 from proxy.app import ProxyConfig, create_app
 from tests.stub_engine import Behaviour
 from tests.unit.conftest import PROXY_MODEL, ProxyServer, released
-from tests.unit.test_proxy import CHAT, CHAT_PATH, wait_until
+from tests.unit.proxy_requests import CHAT, CHAT_PATH, wait_until
 
 pytestmark = pytest.mark.timeout(15)
 

@@ -16,7 +16,7 @@ from proxy.errors import ProxyConfigError
 from proxy.pool import EnginePool
 from tests.stub_engine import Behaviour
 from tests.unit.conftest import PROXY_MODEL, TEST_SECRET, released
-from tests.unit.test_proxy import CHAT, CHAT_PATH, wait_until
+from tests.unit.proxy_requests import CHAT, CHAT_PATH, wait_until
 
 pytestmark = pytest.mark.timeout(15)
 

@@ -20,8 +20,8 @@ from proxy.routing import NO_DECODE_ENGINE, PREFILL_FAILED, SHORT_PROMPT, Route
 from tests.stub_engine import Behaviour
 from tests.unit.conftest import released
 from tests.unit.proxy_factories import make_exchange
+from tests.unit.proxy_requests import CHAT, CHAT_PATH
 from tests.unit.test_disconnect import PATIENT_S, leave_once
-from tests.unit.test_proxy import CHAT, CHAT_PATH
 
 pytestmark = pytest.mark.timeout(15)
 

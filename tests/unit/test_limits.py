@@ -18,7 +18,7 @@ from aiohttp import web
 
 from proxy.limits import AdmissionGate
 from tests.stub_engine import Behaviour, error_body
-from tests.unit.test_proxy import (
+from tests.unit.proxy_requests import (
     CHAT,
     CHAT_PATH,
     COMPLETION,

@@ -8,7 +8,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.stub_engine import Behaviour
 from tests.unit.conftest import PROXY_MODEL
-from tests.unit.test_proxy import CHAT, CHAT_PATH, COMPLETION, COMPLETION_PATH
+from tests.unit.proxy_requests import CHAT, CHAT_PATH, COMPLETION, COMPLETION_PATH
 
 pytestmark = pytest.mark.timeout(15)
 

@@ -17,8 +17,7 @@ from proxy.app import create_app
 from tests.stub_engine import Behaviour, answer_text
 from tests.unit.conftest import PROXY_MODEL, ProxyServer, endpoint, released
 from tests.unit.proxy_factories import proxy_config
-from tests.unit.test_metrics import scrape
-from tests.unit.test_proxy import (
+from tests.unit.proxy_requests import (
     CHAT,
     CHAT_PATH,
     answer_of,
@@ -27,6 +26,7 @@ from tests.unit.test_proxy import (
     streamed_text,
     wait_until,
 )
+from tests.unit.test_metrics import scrape
 
 pytestmark = pytest.mark.timeout(20)
 

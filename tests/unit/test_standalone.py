@@ -33,7 +33,7 @@ from proxy.standalone import (
 )
 from tests.stub_engine import StubEngine, answer_text
 from tests.unit.conftest import REPO_ROOT, TEST_SECRET, SideChannel
-from tests.unit.test_proxy import wait_until
+from tests.unit.proxy_requests import wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
