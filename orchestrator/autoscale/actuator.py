@@ -14,8 +14,9 @@ Every ``interval_s`` it
      (streamed requests only: a JSON answer has no first token to time);
    - mean prompt tokens: the prefill engines' ``vllm:prompt_tokens_total`` per
      finished request (the decode engines' when only decode-only requests ran);
-     mean output tokens: the decode engines' ``vllm:generation_tokens_total`` per
-     finished request; the last known means hold through a window without any;
+     mean output tokens: the decode engines' ``vllm:generation_tokens_total`` (every
+     token generated in the window, running requests' too) per finished request;
+     the last known means hold through a window without any;
    - the spread of prompt lengths (variance / mean^2) from the same engines'
      ``vllm:request_prompt_tokens`` histogram, each bucket at its middle;
    - per pool: engines serving and starting (the controller's records), requests

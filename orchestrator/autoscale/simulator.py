@@ -340,6 +340,8 @@ class Simulator:
         self._records: list[RequestRecord] = []
         self._in_flight = 0
         self._window: dict[str, Any] = self._new_window()
+        self._finished_output = 0  # output tokens of the finished requests so far
+        self._generated_mark = 0.0  # the decode engines' generated tokens (_generated) at the last decision
         self._last_means = (1.0, 1.0)
         self._last_cv2 = 1.0
         self.timeline: list[dict[str, Any]] = []
@@ -642,7 +644,7 @@ class Simulator:
         w = self._window
         w["itl"].append(itl)
         w["finished"] += 1
-        w["output"] += req.output
+        self._finished_output += req.output
         self._in_flight -= 1
 
     # --- scaling ------------------------------------------------------------------------------
@@ -654,21 +656,33 @@ class Simulator:
             "prompt": 0,
             "prompt_sq": 0,
             "finished": 0,
-            "output": 0,
             "ttft": [],
             "itl": [],
         }
 
+    def _generated(self) -> float:
+        """Output tokens the decode engines generated so far, as vLLM's ``vllm:generation_tokens_total`` counts
+        them (one a step for each running sequence): the finished requests' and the running ones' steps so far."""
+        running = 0.0
+        for engine in self.decode:
+            if engine.running:
+                steps = engine.steps + ((self.now - engine.t_ref) / engine.step_s if engine.step_s > 0 else 0.0)
+                running += len(engine.running) * steps - engine.sum_start
+        return self._finished_output + running
+
     def _observe(self) -> ClusterObservation:
         # The means as a cluster's counters give them: prompt tokens of the requests whose prefill finished in
-        # the window, output tokens of those that finished; the last known means hold through a window without.
+        # the window; output tokens the decode engines generated in the window (vLLM counts them at each step,
+        # running requests' too) per request finished in it; the last known means hold through a window without.
         w = self._window
         mean_prompt, mean_output = self._last_means
         if w["prefilled"]:
             mean_prompt = w["prompt"] / w["prefilled"]
             self._last_cv2 = max(w["prompt_sq"] / w["prefilled"] / mean_prompt**2 - 1, 0.0)
+        generated = self._generated()
         if w["finished"]:
-            mean_output = w["output"] / w["finished"]
+            mean_output = (generated - self._generated_mark) / w["finished"]
+        self._generated_mark = generated
         self._last_means = (mean_prompt, mean_output)
         prefill_serving = [e for e in self.prefill if e.state is EngineState.SERVING]
         decode_serving = [e for e in self.decode if e.state is EngineState.SERVING]

@@ -216,12 +216,25 @@ def test_the_first_decision_comes_where_the_controllers_clock_ticks_into_the_tra
 
 def test_the_policy_sees_the_mean_lengths_as_a_clusters_counters_give_them():
     # A 1000-token prompt arrives at 1 s; its pass takes 10 s. vLLM counts its prompt tokens (and the
-    # autoscaler its mean) when the prefill finishes, and its output tokens when the request finishes.
+    # autoscaler its mean) when the prefill finishes, and its output tokens as they are generated (below).
     policy = _Script([(1, 1)])
     profile = make_profile(prefill_s_per_token=0.01)
     Simulator(profile, policy, TARGETS, (1, 1), interval_s=5.0).run([TraceRequest(1.0, 1000, 3)])
     seen = [(round(o.t), o.arrival_rate_rps, o.mean_prompt_tokens, o.mean_output_tokens) for o in policy.seen[:3]]
     assert seen == [(5, 0.2, 1.0, 1.0), (10, 0.0, 1.0, 1.0), (15, 0.0, 1000.0, 3.0)]
+
+
+def test_the_mean_output_counts_the_tokens_generated_in_the_window_as_vllms_counter_does():
+    # vLLM's vllm:generation_tokens_total grows at every step, running requests' tokens too; the autoscaler
+    # divides its growth over a window by the requests finished in it. Steps of 0.1 s: A (120 tokens) runs
+    # 0-12 s, B (20) 0-2 s, C (30) 6-9 s. Counted at the finish alone, the first window would read 20.
+    profile = make_profile(prefill_s_per_token=INSTANT, decode_step=(0.1, 0.0), max_num_seqs=100)
+    policy = _Script([(1, 1)])
+    trace = [TraceRequest(0.0, 10, 120), TraceRequest(0.0, 10, 20), TraceRequest(6.0, 10, 30)]
+    Simulator(profile, policy, TARGETS, (1, 1), interval_s=5.0).run(trace)
+    means = [o.mean_output_tokens for o in policy.seen[:3]]
+    assert means == pytest.approx([20 + 50, 50 + 30, 20], abs=1.0)  # B and A's first 50; A's next 50 and C; A's last
+    assert sum(means) == pytest.approx(120 + 20 + 30, abs=1e-6)  # over the windows, every token once
 
 
 def test_new_engines_serve_only_after_their_startup_time():
