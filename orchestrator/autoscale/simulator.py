@@ -573,9 +573,14 @@ class Simulator:
         self._advance(engine)
         return max(0.0, math.ceil(engine.steps - 1e-6) - engine.steps) * engine.step_s
 
-    def _advance(self, engine: _DecodeEngine) -> None:
+    def _steps_now(self, engine: _DecodeEngine) -> float:
+        """The decode steps ``engine`` has done by now (fractional between events)."""
         if engine.running and engine.step_s > 0:
-            engine.steps += (self.now - engine.t_ref) / engine.step_s
+            return engine.steps + (self.now - engine.t_ref) / engine.step_s
+        return engine.steps
+
+    def _advance(self, engine: _DecodeEngine) -> None:
+        engine.steps = self._steps_now(engine)
         engine.t_ref = self.now
 
     def _reschedule(self, engine: _DecodeEngine) -> None:
@@ -663,11 +668,7 @@ class Simulator:
     def _generated(self) -> float:
         """Output tokens the decode engines generated so far, as vLLM's ``vllm:generation_tokens_total`` counts
         them (one a step for each running sequence): the finished requests' and the running ones' steps so far."""
-        running = 0.0
-        for engine in self.decode:
-            if engine.running:
-                steps = engine.steps + ((self.now - engine.t_ref) / engine.step_s if engine.step_s > 0 else 0.0)
-                running += len(engine.running) * steps - engine.sum_start
+        running = sum(len(e.running) * self._steps_now(e) - e.sum_start for e in self.decode if e.running)
         return self._finished_output + running
 
     def _observe(self) -> ClusterObservation:
