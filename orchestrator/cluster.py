@@ -22,8 +22,10 @@ import logging
 import os
 import re
 import secrets
+import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -145,10 +147,25 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+RAY_HOME_PREFIX = "pdserve-ray-"
+
+
 def _ray_temp_dir() -> str:
-    # Ray's socket paths must stay short (AF_UNIX limit), hence /tmp and a hash.
+    """Where the local Ray head keeps its sockets and logs: ``r`` in a private dir of this cluster's. Ray makes
+    its temp dir world-writable; the dir above it is ours alone. Socket paths must stay short (AF_UNIX), hence
+    the system's temp dir and a hash of the state dir."""
     digest = hashlib.sha1(str(state_dir().resolve()).encode()).hexdigest()[:8]
-    return str(Path(tempfile.gettempdir()) / f"pdserve-ray-{os.getuid()}-{digest}")
+    return str(Path(tempfile.gettempdir()) / f"{RAY_HOME_PREFIX}{os.getuid()}-{digest}" / "r")
+
+
+def _private_home(temp_dir: str) -> Path:
+    """The private dir above a Ray temp dir of ``_ray_temp_dir``'s, made and checked to be this user's alone."""
+    home = Path(temp_dir).parent
+    make_private_dirs(home)
+    if (made := os.lstat(home)).st_uid != os.getuid() or not stat.S_ISDIR(made.st_mode):
+        raise PdserveError(f"{home} (where this cluster's Ray head keeps its files) is not a directory of yours")
+    os.chmod(home, 0o700)
+    return home
 
 
 def ray_token_path() -> Path:
@@ -170,6 +187,7 @@ def ray_token_path() -> Path:
 def start_ray_head(spec: ClusterSpec) -> tuple[str, str]:
     """Start a Ray head for this cluster alone; return (address, temp_dir)."""
     port, temp_dir = _free_port(), _ray_temp_dir()
+    _private_home(temp_dir)  # ``stop_ray_head`` removes it
     cpus = placement.cpu_cores_available(spec)
     if spec.device == "cpu" and spec.resources.share_cores:  # Ray must still place every engine actor
         cpus = max(cpus, placement.cpu_cores_needed(spec))
@@ -207,8 +225,11 @@ def stop_ray_head(temp_dir: str, address: str) -> None:
                 if temp_dir in cmdline or ("ray" in cmdline and gcs_port.search(cmdline)):
                     roots.append(proc)
         if not roots:
-            return
+            break
         terminate_trees(roots)
+    # its sockets, its session's logs: nothing runs there now (the engines' and pdserve's logs are in the state dir)
+    home = Path(temp_dir).parent
+    shutil.rmtree(home if home.name.startswith(RAY_HOME_PREFIX) else temp_dir, ignore_errors=True)
 
 
 def terminate_trees(roots: list[psutil.Process]) -> None:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
+import hashlib
 import logging
 import os
 import re
@@ -36,6 +37,7 @@ import secrets
 import shutil
 import socket
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -191,6 +193,14 @@ def _logged_at(line: str) -> float | None:
     return None
 
 
+def engine_temp_dir(log_path: Path) -> Path:
+    """The temp dir of the engine that logs to ``log_path``: named by it, so a restarted actor finds the one its
+    crashed predecessor used; short, under the system's temp dir, since vLLM puts Unix sockets in it (their
+    paths have a length limit of about 100 bytes)."""
+    digest = hashlib.sha1(str(log_path.resolve()).encode()).hexdigest()[:12]
+    return Path(tempfile.gettempdir()) / f"pdserve-engine-{os.getuid()}-{digest}"
+
+
 def error_excerpt(log_text: str, exc: BaseException | None = None, max_lines: int = 12) -> str:
     """vLLM's own words about why an engine failed: the last error lines of its log."""
     lines = [line.rstrip() for line in log_text.splitlines()[-400:]]
@@ -284,6 +294,11 @@ class EngineActor:
         # for the connector (side channel, transfer parameters) and vLLM's --api-key
         os.environ[SECRET_ENV] = secret.reveal()
         os.environ[ENGINE_KEY_ENV] = engine_key(secret)
+        # vLLM's ZMQ sockets between its HTTP server and engine core, and its Gloo rendezvous file, go to the
+        # temp dir and nothing removes them: each start left four or five in /tmp. They go to a private dir of
+        # this engine's (``_fresh_temp_dir``; the same one after a crash, so its leftovers go too).
+        self._temp_dir = engine_temp_dir(self.log_path)
+        os.environ["TMPDIR"] = str(self._temp_dir)  # for vLLM's processes; this one's: tempfile.tempdir
         redirect_output(self.log_path)
 
     async def info(self) -> dict[str, Any]:
@@ -394,6 +409,7 @@ class EngineActor:
         args = make_arg_parser(FlexibleArgumentParser()).parse_args(self.launch.vllm_args)
         validate_parsed_serve_args(args)
         shutil.rmtree(self._tier_layouts, ignore_errors=True)  # this start's tiers write theirs again
+        self._fresh_temp_dir()
         # Bind before loading the model so that a taken port fails in a second, not a minute.
         sock = listen_socket(args.host, args.port)
         self._stack = contextlib.AsyncExitStack()
@@ -526,6 +542,12 @@ class EngineActor:
         else:
             self._shm_record.unlink(missing_ok=True)
 
+    def _fresh_temp_dir(self) -> None:
+        """This engine's temp dir, empty (a crashed start's files go) and private."""
+        shutil.rmtree(self._temp_dir, ignore_errors=True)
+        self._temp_dir.mkdir(mode=0o700)
+        tempfile.tempdir = str(self._temp_dir)
+
     async def _close(self) -> None:
         import psutil
 
@@ -547,4 +569,6 @@ class EngineActor:
                 await stack.aclose()
         await asyncio.to_thread(psutil.wait_procs, children, timeout=10)
         self._remove_shm_leftovers()
+        shutil.rmtree(self._temp_dir, ignore_errors=True)
+        tempfile.tempdir = None  # the system's again until the next start
         await asyncio.to_thread(stop_resource_tracker)

@@ -30,6 +30,7 @@ from orchestrator import placement
 from orchestrator.models import resolve_dtype, resolve_model
 from orchestrator.placement import Placement, engine_placement
 from orchestrator.spec import ClusterSpec
+from orchestrator.vllm_plugin import CALM_NIXL_ENV, FORK_WORKERS_ENV
 
 LOCAL_HOST = "127.0.0.1"
 GIB = 1 << 30
@@ -306,6 +307,9 @@ def plan_engines(spec: ClusterSpec, host: str | None = LOCAL_HOST) -> list[Engin
             if spec.device == "cpu":
                 env["VLLM_CPU_OMP_THREADS_BIND"] = bindings[engine_id]
                 env["VLLM_CPU_KVCACHE_SPACE"] = str(spec.engine.kv_cache_gib)
+                env[FORK_WORKERS_ENV] = "1"  # the engine core forks its workers (orchestrator.vllm_plugin)
+                if spec.connector == "vllm-nixl":  # its NIXL thread would spin the engine's core
+                    env[CALM_NIXL_ENV] = "1"
                 cpus, gpus = float(pool.tensor_parallel_size * pool.cpu_cores), 0.0
             else:
                 args += ["--gpu-memory-utilization", str(spec.engine.gpu_memory_utilization)]

@@ -171,7 +171,7 @@ def _import_nixl() -> tuple[Any, tuple[type[Exception], ...]]:
 _AGENT_LOCK = threading.Lock()
 
 
-class _WakeEvery:
+class WakeEvery:
     """Stands in for ``nixl._api.nixlBind`` while one agent is built: the agent's progress thread gets a
     wake-up interval instead of the API's hard-coded 0 (a spinning thread); everything else is the module."""
 
@@ -184,6 +184,22 @@ class _WakeEvery:
     def nixlAgent(self, name: str, config: Any) -> Any:  # noqa: N802 - the binding's name
         config.pthrDelay = self._wake_us
         return self._bindings.nixlAgent(name, config)
+
+
+def wake_every_agent(wake_us: int = DEFAULT_PROGRESS_WAKE_US) -> bool:
+    """Every NIXL agent this process builds from now on gets a progress thread that sleeps between UCX events,
+    waking at least every ``wake_us``: vLLM's NixlConnector's too (``orchestrator.vllm_plugin``), which no
+    setting of vLLM's reaches. False where NIXL is not installed or its API has no ``nixlBind``."""
+    try:
+        api, _ = _import_nixl()
+    except TransportError:
+        return False
+    if not hasattr(api, "nixlBind"):
+        return False
+    with _AGENT_LOCK:
+        if not isinstance(api.nixlBind, WakeEvery):
+            api.nixlBind = WakeEvery(api.nixlBind, max(1000, wake_us))
+    return True
 
 
 def make_agent(
@@ -208,7 +224,7 @@ def make_agent(
         return api.nixl_agent(name, config), progress
     with _AGENT_LOCK:
         bindings = api.nixlBind
-        api.nixlBind = _WakeEvery(bindings, max(1000, wake_us))
+        api.nixlBind = WakeEvery(bindings, max(1000, wake_us))
         try:
             return api.nixl_agent(name, config), progress
         finally:

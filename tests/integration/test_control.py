@@ -1,4 +1,4 @@
-"""Idle engines and the control plane, on the shared cluster (our connector).
+"""Idle engines and the control plane, on the shared cluster (our connector; the idle check on vLLM's too).
 
 - Idle engines idle: no thread of an engine's process tree spins (NIXL's
   progress thread used a whole core before), and the tree stays under
@@ -25,7 +25,8 @@ from orchestrator.cluster import idle_use
 from orchestrator.control import STATUS_SCHEMA, schema_problems
 from tests.integration.conftest import Cluster, http_json, run_pdserve
 
-pytestmark = [pytest.mark.integration, pytest.mark.parametrize("cluster", ["pdserve"], indirect=True)]
+pytestmark = pytest.mark.integration
+ours = pytest.mark.parametrize("cluster", ["pdserve"], indirect=True)
 
 MODEL = "smollm2-135m-instruct"
 IDLE_S = 30.0
@@ -40,6 +41,8 @@ IDLE_TREE_BOUND = 0.15
 IDLE_THREAD_BOUND = 0.10
 
 
+# Both connectors: vLLM's NixlConnector builds a NIXL agent whose progress thread never sleeps; on CPU pdserve
+# gives it the sleeping thread ours has (orchestrator.vllm_plugin).
 def test_idle_engines_use_a_few_percent_of_a_core_and_no_thread_spins(cluster: Cluster) -> None:
     engines = {e["pid"]: e["engine_id"] for e in cluster.refresh()["engines"]}
     for pid, use in idle_use(list(engines), IDLE_S).items():
@@ -49,6 +52,7 @@ def test_idle_engines_use_a_few_percent_of_a_core_and_no_thread_spins(cluster: C
         )
 
 
+@ours
 def test_status_json_answers_fast_in_the_documented_schema(cluster: Cluster) -> None:
     started = time.monotonic()
     result = run_pdserve("status", "--json", env=cluster.env)
@@ -62,6 +66,7 @@ def test_status_json_answers_fast_in_the_documented_schema(cluster: Cluster) -> 
     assert state["api_token"] not in result.stdout + result.stderr  # the token is never printed
 
 
+@ours
 def test_the_controller_killed_under_load_comes_back_and_adopts_the_running_engines(cluster: Cluster) -> None:
     before = cluster.refresh()
     engines_before = {e["engine_id"]: (e["pid"], e["restarts"]) for e in before["engines"]}

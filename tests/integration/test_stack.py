@@ -158,6 +158,13 @@ def test_down_leaves_no_process_behind(cluster: Cluster) -> None:
     )
     in_shm = shm.mapped(p.pid for p in ours)
     assert in_shm, "the engines hold nothing in /dev/shm: the check below would check nothing"
+    # vLLM's sockets and Gloo files: in each engine's private temp dir (its processes' TMPDIR), not in /tmp
+    temp_dirs = {Path(p.environ()["TMPDIR"]) for p in ours if "TMPDIR" in p.environ()}
+    assert len(temp_dirs) == len(status["engines"]), temp_dirs
+    for temp_dir in temp_dirs:
+        assert temp_dir.stat().st_mode & 0o777 == 0o700 and any(temp_dir.iterdir()), temp_dir
+    ray_home = Path(recorded["ray_temp_dir"]).parent
+    assert ray_home.stat().st_mode & 0o777 == 0o700, oct(ray_home.stat().st_mode)
     result = cluster.down()
     assert result.returncode == 0, result.stderr
     assert "stopped cluster 'pdserve-test'" in result.stdout
@@ -167,6 +174,7 @@ def test_down_leaves_no_process_behind(cluster: Cluster) -> None:
         p.pid for p in psutil.process_iter(["cmdline"]) if recorded["ray_temp_dir"] in " ".join(p.info["cmdline"] or [])
     ]
     assert ray_processes == []
+    assert [str(d) for d in (*temp_dirs, ray_home) if d.exists()] == []
     for port in (18000, 18100, 18200):
         with socket.socket() as s:
             assert s.connect_ex(("127.0.0.1", port)) != 0, f"port {port} still answers"

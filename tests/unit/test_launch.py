@@ -13,6 +13,7 @@ import yaml
 from orchestrator.errors import SpecError
 from orchestrator.launch import EngineLaunch, _core_ranges, flag_args, kv_transfer_config, plan_engines
 from orchestrator.spec import ClusterSpec
+from orchestrator.vllm_plugin import CALM_NIXL_ENV, FORK_WORKERS_ENV
 
 
 @pytest.fixture
@@ -128,7 +129,14 @@ def test_cpu_engine_env(plan):
     assert engine.env["VLLM_CPU_KVCACHE_SPACE"] == "3"
     assert engine.env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5700"
     assert engine.env["VLLM_USAGE_STATS_DISABLED"] == "1"
+    assert engine.env[FORK_WORKERS_ENV] == "1"  # its engine core forks its worker (orchestrator.vllm_plugin)
+    assert CALM_NIXL_ENV not in engine.env  # our connector's NIXL thread sleeps already
     assert all(isinstance(value, str) for value in engine.env.values())
+
+
+def test_vllms_nixl_agents_on_cpu_get_a_progress_thread_that_sleeps(plan):
+    assert plan(connector="vllm-nixl")["prefill-0"].env[CALM_NIXL_ENV] == "1"
+    assert CALM_NIXL_ENV not in plan(connector="vllm-nixl", device="cuda", resources={"gpus": 2})["prefill-0"].env
 
 
 def test_local_model_runs_hub_offline_and_hub_id_does_not(plan):
@@ -297,6 +305,7 @@ def test_cuda_engines_are_not_pinned_to_cpu_cores(plan):
     assert engine.cpu_bind is None
     assert "VLLM_CPU_OMP_THREADS_BIND" not in engine.env
     assert "VLLM_CPU_KVCACHE_SPACE" not in engine.env
+    assert FORK_WORKERS_ENV not in engine.env  # vLLM's Ray executor starts its workers
 
 
 # --- flag_args ----------------------------------------------------------------------------------
