@@ -31,11 +31,14 @@ model: $(STAMP)
 run: setup
 	$(BIN)/pdserve up $(CONFIG)
 
+# Unit tests on every core (pytest-xdist), then the integration tests, one at a time (they share one cluster
+# and pin engines to cores); the second run starts only once the first passed.
 test: setup
-	$(BIN)/python -m pytest tests lab/tests --durations=30
+	$(BIN)/python -m pytest -n auto tests/unit lab/tests --durations=10
+	$(BIN)/python -m pytest tests --ignore=tests/unit --durations=30
 
 test-unit: setup
-	$(BIN)/python -m pytest tests/unit lab/tests
+	$(BIN)/python -m pytest -n auto tests/unit lab/tests
 
 test-integration: setup
 	$(BIN)/python -m pytest tests/integration

@@ -307,9 +307,11 @@ def plan_engines(spec: ClusterSpec, host: str | None = LOCAL_HOST) -> list[Engin
             if spec.device == "cpu":
                 env["VLLM_CPU_OMP_THREADS_BIND"] = bindings[engine_id]
                 env["VLLM_CPU_KVCACHE_SPACE"] = str(spec.engine.kv_cache_gib)
-                env[FORK_WORKERS_ENV] = "1"  # the engine core forks its workers (orchestrator.vllm_plugin)
-                if spec.connector == "vllm-nixl":  # its NIXL thread would spin the engine's core
-                    env[CALM_NIXL_ENV] = "1"
+                # orchestrator.vllm_plugin: the engine core forks its workers; vLLM's NIXL thread sleeps (it
+                # would spin the engine's core). engine.env may turn either off ("0").
+                env.setdefault(FORK_WORKERS_ENV, "1")
+                if spec.connector == "vllm-nixl":
+                    env.setdefault(CALM_NIXL_ENV, "1")
                 cpus, gpus = float(pool.tensor_parallel_size * pool.cpu_cores), 0.0
             else:
                 args += ["--gpu-memory-utilization", str(spec.engine.gpu_memory_utilization)]

@@ -139,6 +139,11 @@ def test_vllms_nixl_agents_on_cpu_get_a_progress_thread_that_sleeps(plan):
     assert CALM_NIXL_ENV not in plan(connector="vllm-nixl", device="cuda", resources={"gpus": 2})["prefill-0"].env
 
 
+def test_the_engine_env_can_turn_the_plugins_changes_off(plan):
+    env = plan(connector="vllm-nixl", engine={"env": {FORK_WORKERS_ENV: "0", CALM_NIXL_ENV: "0"}})["decode-0"].env
+    assert (env[FORK_WORKERS_ENV], env[CALM_NIXL_ENV]) == ("0", "0")
+
+
 def test_local_model_runs_hub_offline_and_hub_id_does_not(plan):
     assert plan()["prefill-0"].env["HF_HUB_OFFLINE"] == "1"
     assert plan(model="HuggingFaceTB/SmolLM2-135M-Instruct")["prefill-0"].env["HF_HUB_OFFLINE"] == "0"
