@@ -174,7 +174,9 @@ class EngineSpec(_Strict):
     env: dict[EnvName, str] = Field(
         default_factory=dict,
         description="Environment of every engine process, e.g. {UCX_TLS: tcp} or {UCX_NET_DEVICES: mlx5_0:1}; "
-        "pdserve's own settings (core binding, KV cache size) win.",
+        "pdserve's own settings (core binding, KV cache size) win. On CPU, PDSERVE_FORK_WORKERS: '0' makes "
+        "vLLM's engine core spawn its worker instead of forking it, and with connector vllm-nixl "
+        "PDSERVE_CALM_NIXL: '0' leaves vLLM's NIXL progress thread spinning (orchestrator.vllm_plugin).",
     )
 
 
