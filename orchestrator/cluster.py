@@ -51,7 +51,7 @@ from connectors.wire import http_url
 from orchestrator import placement, shm
 from orchestrator.control import ControlClient, ControlError, new_token, token_digest
 from orchestrator.errors import ClusterNotRunning, PdserveError
-from orchestrator.paths import pdserve_dir
+from orchestrator.paths import engine_temp_dir, pdserve_dir
 
 if TYPE_CHECKING:
     from orchestrator.spec import ClusterSpec
@@ -590,8 +590,16 @@ def down() -> list[str]:
     # what engines that did not exit cleanly left in /dev/shm (each stopping engine removes its own too)
     if removed := shm.remove_unheld(shm_files):
         done.append(f"removed {len(removed)} shared-memory file(s) the engines left in /dev/shm")
+    remove_engine_temp_dirs(Path(state.log_dir))
     ClusterState.clear()
     return done
+
+
+def remove_engine_temp_dirs(log_dir: Path) -> None:
+    """The temp dirs of the engines that logged to ``log_dir``, which a stopping engine removes itself: those
+    of engines that died and were not started again."""
+    for log in log_dir.glob("*.log"):
+        shutil.rmtree(engine_temp_dir(log), ignore_errors=True)
 
 
 def _kill_actors(state: ClusterState) -> list[str]:

@@ -29,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
-import hashlib
 import logging
 import os
 import re
@@ -51,6 +50,7 @@ from orchestrator.engine_guard import guard
 from orchestrator.errors import EngineStartError
 from orchestrator.launch import EngineLaunch
 from orchestrator.logs import redirect_output
+from orchestrator.paths import engine_temp_dir
 from orchestrator.shm import (
     is_resource_tracker,
     mapped,
@@ -191,14 +191,6 @@ def _logged_at(line: str) -> float | None:
         month, day, hour, minute, second = map(int, m.groups())
         return datetime.datetime(datetime.date.today().year, month, day, hour, minute, second).timestamp()
     return None
-
-
-def engine_temp_dir(log_path: Path) -> Path:
-    """The temp dir of the engine that logs to ``log_path``: named by it, so a restarted actor finds the one its
-    crashed predecessor used; short, under the system's temp dir, since vLLM puts Unix sockets in it (their
-    paths have a length limit of about 100 bytes)."""
-    digest = hashlib.sha1(str(log_path.resolve()).encode()).hexdigest()[:12]
-    return Path(tempfile.gettempdir()) / f"pdserve-engine-{os.getuid()}-{digest}"
 
 
 def error_excerpt(log_text: str, exc: BaseException | None = None, max_lines: int = 12) -> str:

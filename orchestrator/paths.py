@@ -1,8 +1,11 @@
-"""Where pdserve keeps files on a machine: ``$XDG_CACHE_HOME/pdserve/<part>`` unless overridden."""
+"""Where pdserve keeps files on a machine: ``$XDG_CACHE_HOME/pdserve/<part>`` unless overridden; and each
+engine's temp dir."""
 
 from __future__ import annotations
 
+import hashlib
 import os
+import tempfile
 from pathlib import Path
 
 
@@ -13,3 +16,11 @@ def pdserve_dir(part: str, override_env: str) -> Path:
         return Path(override).expanduser()
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "pdserve" / part
+
+
+def engine_temp_dir(log_path: Path) -> Path:
+    """The temp dir of the engine that logs to ``log_path`` (its vLLM processes' ``TMPDIR``): named by that
+    path, so a restarted engine actor and ``pdserve down`` find the one a crashed engine used; short, under the
+    system's temp dir, since vLLM puts Unix sockets in it (their paths have a limit of about 100 bytes)."""
+    digest = hashlib.sha1(str(log_path.resolve()).encode()).hexdigest()[:12]
+    return Path(tempfile.gettempdir()) / f"pdserve-engine-{os.getuid()}-{digest}"

@@ -120,12 +120,13 @@ os._exit(0)                              # as Ray ends an actor: no finalizers
 
 
 class _Actor:
-    """The engine actor's record of its /dev/shm files, without the rest of the actor."""
+    """The engine actor's record of its /dev/shm files (and its temp dir), without the rest of the actor."""
 
     _recorded_shm = EngineActor._recorded_shm
     _remove_shm_leftovers = EngineActor._remove_shm_leftovers
     _note_shm = EngineActor._note_shm
     _note_shm_while_starting = EngineActor._note_shm_while_starting
+    _fresh_temp_dir = EngineActor._fresh_temp_dir
 
     def __init__(self, record: Path) -> None:
         self._shm_record = record
@@ -173,3 +174,32 @@ def test_records_of_a_clusters_engines_are_read_together(tmp_path):
     (tmp_path / "decode-0.log").write_text("not a record\n")
     assert recorded_in(tmp_path) == {Path("/dev/shm/psm_a"), Path("/dev/shm/sem.mp-b"), Path("/dev/shm/psm_c")}
     assert recorded_in(tmp_path / "absent") == set()
+
+
+def test_an_engines_temp_dir_is_private_emptied_at_each_start_and_removed_by_down(tmp_path, monkeypatch):
+    """vLLM's sockets and Gloo files go to the engine's own temp dir (its processes' TMPDIR): a start empties
+    it (what a crashed start left goes), and ``pdserve down`` removes those of engines that died unrestarted."""
+    import tempfile
+
+    from orchestrator.cluster import remove_engine_temp_dirs
+    from orchestrator.paths import engine_temp_dir
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    actor = _Actor(record_of(logs / "prefill-0.log"))
+    actor._temp_dir = engine_temp_dir(logs / "prefill-0.log")
+    actor._temp_dir.mkdir()
+    (actor._temp_dir / "socket-of-a-crashed-start").touch()
+    actor._fresh_temp_dir()
+    assert tempfile.tempdir == str(actor._temp_dir)  # this process's temp files go there too while it serves
+    assert list(actor._temp_dir.iterdir()) == [] and actor._temp_dir.stat().st_mode & 0o777 == 0o700
+    (actor._temp_dir / "vllm_dist_x").touch()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))  # pdserve down's process
+    other = engine_temp_dir(tmp_path / "elsewhere" / "decode-0.log")  # another cluster's engine
+    other.mkdir()
+    for log in ("prefill-0.log", "proxy.log"):
+        (logs / log).touch()
+    remove_engine_temp_dirs(logs)
+    assert not actor._temp_dir.exists() and other.exists()
