@@ -176,7 +176,7 @@ class WakeEvery:
     wake-up interval instead of the API's hard-coded 0 (a spinning thread); everything else is the module."""
 
     def __init__(self, bindings: Any, wake_us: int):
-        self._bindings, self._wake_us = bindings, wake_us
+        self._bindings, self._wake_us = bindings, max(1000, wake_us)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._bindings, name)
@@ -198,7 +198,7 @@ def wake_every_agent(wake_us: int = DEFAULT_PROGRESS_WAKE_US) -> bool:
         return False
     with _AGENT_LOCK:
         if not isinstance(api.nixlBind, WakeEvery):
-            api.nixlBind = WakeEvery(api.nixlBind, max(1000, wake_us))
+            api.nixlBind = WakeEvery(api.nixlBind, wake_us)
     return True
 
 
@@ -224,7 +224,7 @@ def make_agent(
         return api.nixl_agent(name, config), progress
     with _AGENT_LOCK:
         bindings = api.nixlBind
-        api.nixlBind = WakeEvery(bindings, max(1000, wake_us))
+        api.nixlBind = WakeEvery(bindings, wake_us)
         try:
             return api.nixl_agent(name, config), progress
         finally:
