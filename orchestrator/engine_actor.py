@@ -45,12 +45,13 @@ from typing import Any
 import ray
 
 from connectors.auth import ENGINE_KEY_ENV, SECRET_ENV, ClusterSecret, engine_key
+from connectors.private_files import make_private_dirs
 from connectors.tier import LAYOUT_ENV, REGION_ENV, region_file
 from orchestrator.engine_guard import guard
 from orchestrator.errors import EngineStartError
 from orchestrator.launch import EngineLaunch
 from orchestrator.logs import redirect_output
-from orchestrator.paths import engine_temp_dir
+from orchestrator.paths import compile_cache_dir, engine_temp_dir
 from orchestrator.shm import (
     is_resource_tracker,
     mapped,
@@ -291,6 +292,7 @@ class EngineActor:
         # this engine's (``_fresh_temp_dir``; the same one after a crash, so its leftovers go too).
         self._temp_dir = engine_temp_dir(self.log_path)
         os.environ["TMPDIR"] = str(self._temp_dir)  # for vLLM's processes; this one's: tempfile.tempdir
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(make_private_dirs(compile_cache_dir()))  # not in TMPDIR
         redirect_output(self.log_path)
 
     async def info(self) -> dict[str, Any]:

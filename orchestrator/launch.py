@@ -312,6 +312,10 @@ def plan_engines(spec: ClusterSpec, host: str | None = LOCAL_HOST) -> list[Engin
                 env.setdefault(FORK_WORKERS_ENV, "1")
                 if spec.connector == "vllm-nixl":
                     env.setdefault(CALM_NIXL_ENV, "1")
+                if spec.engine.enforce_eager:
+                    # vLLM still torch.compiles two sampler helpers; an engine's first logprobs request compiled
+                    # one (dynamo, inductor, C++) for 13-16 s here. Eager, as the model runs: 2.7 s.
+                    env.setdefault("TORCHDYNAMO_DISABLE", "1")
                 cpus, gpus = float(pool.tensor_parallel_size * pool.cpu_cores), 0.0
             else:
                 args += ["--gpu-memory-utilization", str(spec.engine.gpu_memory_utilization)]

@@ -18,6 +18,14 @@ def pdserve_dir(part: str, override_env: str) -> Path:
     return Path(base) / "pdserve" / part
 
 
+def compile_cache_dir() -> Path:
+    """Where torch's inductor keeps the kernels it compiles for vLLM (its sampler's, on an engine's first
+    sampled or logprobs request: 20-30 s of C++ compiling on a small CPU): ``$TORCHINDUCTOR_CACHE_DIR`` if set,
+    else ``~/.cache/pdserve/torchinductor``. Kept across starts; inductor's default is under the temp dir,
+    which each engine start empties (``engine_temp_dir``)."""
+    return pdserve_dir("torchinductor", "TORCHINDUCTOR_CACHE_DIR")
+
+
 def engine_temp_dir(log_path: Path) -> Path:
     """The temp dir of the engine that logs to ``log_path`` (its vLLM processes' ``TMPDIR``): named by that
     path, so a restarted engine actor and ``pdserve down`` find the one a crashed engine used; short, under the

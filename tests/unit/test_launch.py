@@ -139,6 +139,13 @@ def test_vllms_nixl_agents_on_cpu_get_a_progress_thread_that_sleeps(plan):
     assert CALM_NIXL_ENV not in plan(connector="vllm-nixl", device="cuda", resources={"gpus": 2})["prefill-0"].env
 
 
+def test_eager_cpu_engines_run_vllms_compiled_sampler_helpers_eagerly_too(plan):
+    assert plan()["decode-0"].env["TORCHDYNAMO_DISABLE"] == "1"
+    assert "TORCHDYNAMO_DISABLE" not in plan(engine={"enforce_eager": False})["decode-0"].env  # it compiles the model
+    assert "TORCHDYNAMO_DISABLE" not in plan(device="cuda", resources={"gpus": 2})["decode-0"].env
+    assert plan(engine={"env": {"TORCHDYNAMO_DISABLE": "0"}})["decode-0"].env["TORCHDYNAMO_DISABLE"] == "0"
+
+
 def test_the_engine_env_can_turn_the_plugins_changes_off(plan):
     env = plan(connector="vllm-nixl", engine={"env": {FORK_WORKERS_ENV: "0", CALM_NIXL_ENV: "0"}})["decode-0"].env
     assert (env[FORK_WORKERS_ENV], env[CALM_NIXL_ENV]) == ("0", "0")

@@ -203,3 +203,13 @@ def test_an_engines_temp_dir_is_private_emptied_at_each_start_and_removed_by_dow
         (logs / log).touch()
     remove_engine_temp_dirs(logs)
     assert not actor._temp_dir.exists() and other.exists()
+
+
+def test_compiled_kernels_are_kept_outside_the_temp_dir_each_start_empties(tmp_path, monkeypatch):
+    from orchestrator.paths import compile_cache_dir
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    assert compile_cache_dir() == tmp_path / "cache" / "pdserve" / "torchinductor"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    assert compile_cache_dir() == tmp_path / "mine"
