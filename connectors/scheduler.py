@@ -28,6 +28,10 @@ A request's life, seen from here:
 - A stream's client learns how its KV got here too: the prefill's params carry
   a ``pdserve_report`` message that the proxy sends to the decode engine's
   side channel when the stream starts (``side_channel.RecentReports``).
+- A request for ``n`` samples reaches the decode engine as ``n`` requests of one parent
+  (``{i}_{parent}``, vLLM's fan-out) with the same parameters. The first one scheduled reads the KV; its
+  siblings wait for that read, and then find the prompt in vLLM's prefix cache. Its parameters are not a
+  replay for them, and they report the reader's load.
 - Trust (``connectors.auth``): the prefill side MACs what it issues (with the
   lease's end, and the decode engine the proxy named); the decode side acts on
   parameters only if their MAC holds, they have not expired, they name this
@@ -40,6 +44,7 @@ A request's life, seen from here:
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 from connectors import wire
@@ -79,6 +84,9 @@ class PdserveScheduler:
         self._to_hold: dict[str, tuple[int, ...]] = {}
         self._to_report: dict[str, dict[str, Any]] = {}  # report_key -> a load decided here
         self._loading_tokens: dict[str, int] = {}  # decode requests being loaded -> tokens to load
+        self._claimed_by: OrderedDict[str, str] = OrderedDict()  # MAC of params acted on -> the request
+        self._siblings: dict[str, str] = {}  # a sample of an n>1 request -> its sibling that reads the KV
+        self._shared_reports: dict[str, dict[str, Any]] = {}  # a finished reader's report, for its siblings
         self._reports: dict[str, dict[str, Any]] = {}
         self._stats = PdserveKVStats()
         self._releases = ReleaseSender(engine_id, self._auth)
@@ -86,8 +94,11 @@ class PdserveScheduler:
 
     # ------------------------------------------------------------ decode side
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         params = self._remote_prefill_params(request)
+        if (reader := self._siblings.get(request.request_id)) is not None:
+            # Until its sibling's read ends, ask again at the next step (None); then vLLM's prefix cache has it.
+            return (None, False) if reader in self._loading_tokens else (0, False)
         if params is None or self._block_ratio(params) is None:
             return 0, False
         count = len(request.prompt_token_ids or ()) - num_computed_tokens
@@ -193,8 +204,16 @@ class PdserveScheduler:
         try:
             params = wire.parse_remote_prefill(raw)
             self._auth.check_params(raw, self.engine_id)
+            mac = str(raw.get(wire.PDSERVE_MAC))
             if not self._consumed.claim(raw):
+                if _same_parent(self._claimed_by.get(mac), request.request_id):
+                    self._siblings[request.request_id] = self._claimed_by[mac]
+                    self._checked[request.request_id] = None
+                    return None
                 raise Unauthenticated("params", "already used (a replay)")
+            self._claimed_by[mac] = request.request_id
+            while len(self._claimed_by) > CLAIMS_KEPT:
+                self._claimed_by.popitem(last=False)
         except wire.InvalidTransferParams as e:
             self._refuse(request, "malformed_params", str(e))
             params = None
@@ -242,7 +261,7 @@ class PdserveScheduler:
                 known = self._reports.get(request_id)
                 self._reports[request_id] = report if known is None else merge_reports(known, report)
         for request_id in output.failed_recving or ():
-            self._stats.record_recomputed(self._loading_tokens.get(request_id, 0))
+            self._stats.record_recomputed(self._loading_tokens.pop(request_id, 0))
         for request_id in output.finished_recving or ():
             self._loading_tokens.pop(request_id, None)
 
@@ -322,6 +341,13 @@ class PdserveScheduler:
         self._loading_tokens.pop(request.request_id, None)
         self._checked.pop(request.request_id, None)
         report = self._reports.pop(request.request_id, None)
+        if (reader := self._siblings.pop(request.request_id, None)) is not None:
+            report = self._reports.get(reader) or self._shared_reports.get(reader)
+            if reader not in self._siblings.values():
+                self._shared_reports.pop(reader, None)
+            return {wire.PDSERVE_KV: report} if report is not None else None
+        if report is not None and request.request_id in self._siblings.values():
+            self._shared_reports[request.request_id] = report
         if report is None:
             params = self._remote_prefill_params(request)
             if params is None:
@@ -336,3 +362,15 @@ class PdserveScheduler:
             self._release(params)
             report = {"source": "none", "reason": "finished before loading"}
         return {wire.PDSERVE_KV: report}
+
+
+CLAIMS_KEPT = 4096  # which request claimed the parameters acted on last: enough to tell siblings from replays
+
+
+def _same_parent(first: str | None, second: str) -> bool:
+    """Both samples of one n>1 request: vLLM names them ``{index}_{parent request id}``."""
+    if first is None:
+        return False
+    index, sep, parent = first.partition("_")
+    other_index, other_sep, other_parent = second.partition("_")
+    return bool(sep and other_sep) and index.isdigit() and other_index.isdigit() and parent == other_parent

@@ -13,7 +13,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from tests.integration.conftest import Cluster
+from tests.integration.conftest import Cluster, kv_report
 
 # What the OpenAI client sees is the proxy's doing, whatever connector moves the KV: on our connector's
 # shared cluster only (vLLM's NixlConnector spins its engines' cores, and doubles this file's time).
@@ -59,7 +59,11 @@ def test_text_completion_with_stop_and_max_completion_tokens(client: openai.Open
 
 def test_n_seed_and_logprobs_reach_the_decode_engine(client: openai.OpenAI) -> None:
     sampled = dict(model=MODEL, messages=QUESTION, temperature=1.0, max_tokens=12, seed=1234)
-    first = client.chat.completions.create(n=3, logprobs=True, top_logprobs=2, **sampled)
+    raw = client.chat.completions.with_raw_response.create(n=3, logprobs=True, top_logprobs=2, **sampled)
+    # The decode engine reads the prompt's KV once for the n samples (vLLM makes each one a request with the
+    # same parameters: no replay), and says so.
+    assert kv_report(raw.headers)["source"] == "transfer", raw.headers
+    first = raw.parse()
     assert [c.index for c in first.choices] == [0, 1, 2]
     assert first.usage.completion_tokens == sum(len(c.logprobs.content) for c in first.choices)
     for choice in first.choices:

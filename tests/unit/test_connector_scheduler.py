@@ -225,6 +225,46 @@ def test_a_local_prefix_hit_of_the_whole_prompt_is_reported_without_a_read(sched
     assert params["pdserve_kv"]["source"] == "local_prefix_cache"
 
 
+@pytest.mark.parametrize("outcome", ["finished_recving", "failed_recving"])
+def test_the_samples_of_an_n_request_wait_for_one_read_and_report_it(scheduler, outcome):
+    """vLLM fans a request for n samples out into ``{i}_{parent}`` requests with the same parameters: one
+    reads, the others are no replay; they wait for its read (None: ask again), then compute what vLLM's
+    prefix cache lacks, and report the reader's load."""
+    params = signed()
+    reader, *siblings = (
+        FakeRequest(request_id=f"{i}_chatcmpl-x-1f", kv_transfer_params=dict(params)) for i in range(3)
+    )
+    assert scheduler.get_num_new_matched_tokens(reader, 0) == (300, True)
+    scheduler.update_state_after_alloc(reader, fake_blocks((3, False), (4, False), (5, False)), 300)
+    assert [scheduler.get_num_new_matched_tokens(s, 0) for s in siblings] == [(None, False)] * 2
+    assert [spec.request_id for spec in scheduler.build_connector_meta().reqs_to_receive] == [reader.request_id]
+    report = {"source": "transfer", "bytes": 1000, "transfer_ms": 2.0, "remote_engine_id": "prefill-engine"}
+    meta = PdserveWorkerMeta({reader.request_id: report} if outcome == "finished_recving" else {})
+    scheduler.update_connector_output(
+        KVConnectorOutput(**{outcome: {reader.request_id}}, kv_connector_worker_meta=meta)
+    )
+
+    assert [scheduler.get_num_new_matched_tokens(s, 0) for s in siblings] == [(0, False)] * 2
+    scheduler.update_state_after_alloc(siblings[0], fake_blocks((3, True), (4, True), (6, False)), 0)
+    assert scheduler.build_connector_meta().reqs_to_receive == []
+    assert refused_params(scheduler) == 0
+    finished = [scheduler.request_finished(r, [3, 4])[1] for r in (siblings[0], reader, siblings[1])]
+    expected = {"pdserve_kv": report} if outcome == "finished_recving" else None
+    assert finished == [expected] * 3
+    assert scheduler._siblings == {} and scheduler._shared_reports == {}
+
+
+def test_the_same_parameters_in_a_request_of_another_parent_are_a_replay(scheduler):
+    params = signed()
+    assert scheduler.get_num_new_matched_tokens(FakeRequest("0_chatcmpl-x-1f", kv_transfer_params=dict(params)), 0)[0]
+    for request_id in ("1_chatcmpl-y-2e", "chatcmpl-x-1f", "a_chatcmpl-x-1f"):
+        assert scheduler.get_num_new_matched_tokens(FakeRequest(request_id, kv_transfer_params=dict(params)), 0) == (
+            0,
+            False,
+        )
+    assert refused_params(scheduler) == 3
+
+
 def test_the_ranks_reports_of_one_load_add_up_when_they_come_in_different_steps(scheduler):
     request = FakeRequest(kv_transfer_params=signed())
     scheduler.update_state_after_alloc(request, fake_blocks((3, False), (4, False), (5, False)), 300)
