@@ -29,7 +29,7 @@ pytestmark = pytest.mark.integration
 ours = pytest.mark.parametrize("cluster", ["pdserve"], indirect=True)
 
 MODEL = "smollm2-135m-instruct"
-IDLE_S = 30.0
+IDLE_S = 10.0  # what the bounds catch, a thread that never sleeps, shows within a second
 # An idle vLLM CPU engine's floor on this VM, measured (docs/idle-engines.md): Ray's worker (its main
 # thread takes the GIL 100 times a second to check for signals; its gRPC and event threads; the monitor's
 # call once a second), torch's Gloo (13 threads waking every 10 ms), vLLM's HTTP server. It is made of

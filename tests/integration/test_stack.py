@@ -84,7 +84,7 @@ def test_disaggregated_greedy_output_equals_one_engine_alone(cluster: Cluster) -
     before = metric_values(decode_url, SOURCE_METRIC, "source")
     prompt_tokens = 0
     for prompt in PROMPTS:
-        request = chat(prompt, temperature=0, max_tokens=32)
+        request = chat(prompt, temperature=0, max_tokens=16)  # KV read wrong shows from the first token
         status, _, alone = http_json(prefill_url + "/v1/chat/completions", request, headers=cluster.engine_headers)
         assert status == 200, alone
         status, headers, disaggregated = http_json(cluster.proxy_url + "/v1/chat/completions", request)
