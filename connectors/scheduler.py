@@ -206,8 +206,9 @@ class PdserveScheduler:
             self._auth.check_params(raw, self.engine_id)
             mac = str(raw.get(wire.PDSERVE_MAC))
             if not self._consumed.claim(raw):
-                if _same_parent(self._claimed_by.get(mac), request.request_id):
-                    self._siblings[request.request_id] = self._claimed_by[mac]
+                claimer, parent = self._claimed_by.get(mac), _parent(request.request_id)
+                if claimer is not None and parent is not None and _parent(claimer) == parent:
+                    self._siblings[request.request_id] = claimer
                     self._checked[request.request_id] = None
                     return None
                 raise Unauthenticated("params", "already used (a replay)")
@@ -367,10 +368,7 @@ class PdserveScheduler:
 CLAIMS_KEPT = 4096  # which request claimed the parameters acted on last: enough to tell siblings from replays
 
 
-def _same_parent(first: str | None, second: str) -> bool:
-    """Both samples of one n>1 request: vLLM names them ``{index}_{parent request id}``."""
-    if first is None:
-        return False
-    index, sep, parent = first.partition("_")
-    other_index, other_sep, other_parent = second.partition("_")
-    return bool(sep and other_sep) and index.isdigit() and other_index.isdigit() and parent == other_parent
+def _parent(request_id: str) -> str | None:
+    """The parent request of a sample of an n>1 request, which vLLM names ``{index}_{parent request id}``."""
+    index, sep, parent = request_id.partition("_")
+    return parent if sep and index.isdigit() else None

@@ -19,10 +19,10 @@ def pdserve_dir(part: str, override_env: str) -> Path:
 
 
 def compile_cache_dir() -> Path:
-    """Where torch's inductor keeps the kernels it compiles for vLLM (its sampler's, on an engine's first
-    sampled or logprobs request: 20-30 s of C++ compiling on a small CPU): ``$TORCHINDUCTOR_CACHE_DIR`` if set,
-    else ``~/.cache/pdserve/torchinductor``. Kept across starts; inductor's default is under the temp dir,
-    which each engine start empties (``engine_temp_dir``)."""
+    """Where torch's inductor keeps the kernels it compiles for vLLM (the model's, without enforce_eager; the
+    sampler helpers', where dynamo is on): ``$TORCHINDUCTOR_CACHE_DIR`` if set, else
+    ``~/.cache/pdserve/torchinductor``. Kept across starts; inductor's default is under the temp dir, which
+    each engine start empties (``engine_temp_dir``). The cache spares the C++ compile, not dynamo's tracing."""
     return pdserve_dir("torchinductor", "TORCHINDUCTOR_CACHE_DIR")
 
 
