@@ -6,6 +6,7 @@ import pytest
 
 from lab import autoscale_study as study
 from orchestrator.autoscale.policy import ClusterObservation, PoolObservation
+from orchestrator.autoscale.traces import TraceRequest
 
 
 def test_the_split_search_finds_the_peak_of_a_rise_then_fall_in_few_runs() -> None:
@@ -45,7 +46,12 @@ def test_the_bounds_table_shows_each_bound_a_trace_has() -> None:
     line = study.bounds_table([row]).splitlines()[-1]
     assert line == (
         "| steady | long-output | 11 | 35:29, 97.7 % | 1.00x, +0.0 | 1.00x, +0.0 (64 engines) "
-        "| 0.40x, -60.2 (27:22) | - | - |"
+        "| 0.40x, -60.2 (27:22) | - | - | - | - |"
+    )
+    row["load_reacting"] = {"ratio": 1.27, "slo_points": -1.8, "headroom": 1.1, "sqrt": True, "held": True}
+    row["load_foreseeing"] = {"ratio": 0.9, "slo_points": -7.0, "headroom": 1.2, "sqrt": False, "held": False}
+    assert study.bounds_table([row]).splitlines()[-1].endswith(
+        "| 1.27x, -1.8 (square-root, headroom 1.1) | 0.90x, -7.0 (linear, headroom 1.2, misses) |"
     )
 
 
@@ -93,6 +99,24 @@ def test_the_burst_oracle_takes_the_burst_split_from_its_lead_before_a_burst_to_
     sizes = {t: (reacting.decide(at(t)), foreseeing.decide(at(t))) for t in (0.0, 30.0, 105.0, 399.0, 400.0)}
     assert [(r.prefill, f.prefill) for r, f in sizes.values()] == [(10, 10), (10, 40), (40, 40), (40, 40), (10, 10)]
     assert sizes[30.0][1].reasons == ["oracle: burst 40:24"]
+
+
+def test_the_load_oracle_sizes_each_pool_to_its_work_at_once_or_ahead() -> None:
+    # 10 min at 10 req/s, then 10 min at 30 req/s (every request 1,000 prompt tokens, 100 output tokens).
+    calm = [TraceRequest(i / 10, 1000, 100) for i in range(6000)]
+    busy = [TraceRequest(600 + i / 30, 1000, 100) for i in range(18000)]
+    trace = calm + busy
+    reacting = study.LoadOracle(trace, (30, 20), 64, headroom=1.0, lead_s=0.0)
+    foreseeing = study.LoadOracle(trace, (30, 20), 64, headroom=1.0, lead_s=75.0)
+    assert reacting.sizes(0.0) == reacting.sizes(300.0) == (10, 7)  # a third of the busy load's split
+    assert reacting.sizes(900.0) == (30, 20)  # the best split at the busy load (its 95th percentile)
+    assert reacting.sizes(560.0) == (10, 7) and foreseeing.sizes(560.0) == (30, 20)  # ahead of the rise
+    assert reacting.decide(ClusterObservation(900.0, 30.0, 1000, 100, PoolObservation(1), PoolObservation(1))).reasons
+    shared = study.LoadOracle(trace, (30, 20), 64, headroom=2.0, lead_s=0.0)
+    assert shared.sizes(900.0) == (39, 25)  # 60 + 40 wished, the budget shared 3:2 (rounded up, then the rest)
+    root = study.LoadOracle(trace, (30, 20), 64, headroom=1.0, lead_s=0.0, sqrt=True)
+    assert root.sizes(900.0) == (30, 20)  # square-root staffing gives the best split at the same load
+    assert root.sizes(300.0)[0] > 10  # and more than a third of it at a third of the load
 
 
 def test_the_smallest_fleet_that_holds_the_slo_is_the_last_before_it_misses_then_half_a_step() -> None:
