@@ -395,8 +395,34 @@ def smallest_holding(
     return held
 
 
-# LoadOracle's headrooms, from the most engines down (``bounds_one`` stops at the first that misses the SLO).
+# LoadOracle's headrooms: from 1.2 down to the first that misses the SLO; when 1.2 misses, up until one holds.
 LOAD_HEADROOMS = (1.2, 1.1, 1.05, 1.0, 0.95, 0.9, 0.8)
+LOAD_HEADROOMS_ABOVE = (1.3, 1.4, 1.6, 2.0)
+
+
+def best_headroom(
+    run: Callable[[float], dict[str, Any]], static: dict[str, Any], points: float, **extra: Any
+) -> dict[str, Any]:
+    """The headroom whose ``run`` has the most goodput per engine-hour within ``points`` of ``static``'s SLO
+    (``LOAD_HEADROOMS`` down to the first miss, or ``LOAD_HEADROOMS_ABOVE`` up to the first that holds), judged;
+    ``held`` False: none held (the largest tried, to say by how much)."""
+
+    def judged(headroom: float) -> dict[str, Any]:
+        result = _judged(run(headroom), static, headroom=headroom, **extra)
+        return result | {"held": result["slo_points"] >= points}
+
+    best = judged(LOAD_HEADROOMS[0])
+    if not best["held"]:
+        for headroom in LOAD_HEADROOMS_ABOVE:
+            if (best := judged(headroom))["held"]:
+                break
+        return best
+    for headroom in LOAD_HEADROOMS[1:]:
+        lower = judged(headroom)
+        if not lower["held"]:
+            break
+        best = max(best, lower, key=lambda r: r["ratio"])
+    return best
 
 
 def _judged(summary: dict[str, Any], static: dict[str, Any], **extra: Any) -> dict[str, Any]:
@@ -449,15 +475,13 @@ def bounds_one(
     for name, lead in (("load_reacting", 0.0), ("load_foreseeing", ahead)):
         best = None
         for sqrt in (False, True):
-            held = None
-            for headroom in LOAD_HEADROOMS:
+
+            def run(headroom: float, lead: float = lead, sqrt: bool = sqrt) -> dict[str, Any]:
                 oracle = LoadOracle(trace, budget_split, budget, headroom, lead, sqrt)
-                summary = _summary(simulate_spec(spec, profile, trace, None, start=oracle.sizes(0.0), policy=oracle))
-                judged = _judged(summary, static, headroom=headroom, sqrt=sqrt, held=True)
-                if judged["slo_points"] < points:
-                    held = held or {**judged, "held": False}  # even the most engines miss: say by how much
-                    break
-                held = judged if held is None or judged["ratio"] > held["ratio"] else held
+                summary = simulate_spec(spec, profile, trace, None, start=oracle.sizes(0.0), policy=oracle)
+                return _summary(summary)
+
+            held = best_headroom(run, static, points, sqrt=sqrt)
             if best is None or (held["held"], held["ratio"]) > (best["held"], best["ratio"]):
                 best = held
         row[name] = best

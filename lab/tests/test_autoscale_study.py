@@ -50,8 +50,10 @@ def test_the_bounds_table_shows_each_bound_a_trace_has() -> None:
     )
     row["load_reacting"] = {"ratio": 1.27, "slo_points": -1.8, "headroom": 1.1, "sqrt": True, "held": True}
     row["load_foreseeing"] = {"ratio": 0.9, "slo_points": -7.0, "headroom": 1.2, "sqrt": False, "held": False}
-    assert study.bounds_table([row]).splitlines()[-1].endswith(
-        "| 1.27x, -1.8 (square-root, headroom 1.1) | 0.90x, -7.0 (linear, headroom 1.2, misses) |"
+    assert (
+        study.bounds_table([row])
+        .splitlines()[-1]
+        .endswith("| 1.27x, -1.8 (square-root, headroom 1.1) | 0.90x, -7.0 (linear, headroom 1.2, misses) |")
     )
 
 
@@ -117,6 +119,28 @@ def test_the_load_oracle_sizes_each_pool_to_its_work_at_once_or_ahead() -> None:
     root = study.LoadOracle(trace, (30, 20), 64, headroom=1.0, lead_s=0.0, sqrt=True)
     assert root.sizes(900.0) == (30, 20)  # square-root staffing gives the best split at the same load
     assert root.sizes(300.0)[0] > 10  # and more than a third of it at a third of the load
+
+
+def test_the_best_headroom_is_searched_down_to_the_first_miss_or_up_to_the_first_hold() -> None:
+    static = {"slo_attainment": 0.96, "goodput_per_engine_hour": 100.0}
+
+    def fleet(attained: dict[float, float]):
+        tried: list[float] = []
+
+        def run(headroom: float) -> dict:
+            tried.append(headroom)
+            return {"slo_attainment": attained[headroom], "goodput_per_engine_hour": 100.0 / headroom}
+
+        return run, tried
+
+    run, tried = fleet({1.2: 0.95, 1.1: 0.94, 1.05: 0.93, 1.0: 0.90})
+    best = study.best_headroom(run, static, -5.0, sqrt=True)
+    assert (best["headroom"], best["held"], best["sqrt"]) == (1.05, True, True) and tried == [1.2, 1.1, 1.05, 1.0]
+    run, tried = fleet({1.2: 0.85, 1.3: 0.89, 1.4: 0.92})
+    assert study.best_headroom(run, static, -5.0)["headroom"] == 1.4 and tried == [1.2, 1.3, 1.4]
+    run, tried = fleet(dict.fromkeys((1.2, *study.LOAD_HEADROOMS_ABOVE), 0.5))
+    assert study.best_headroom(run, static, -5.0) | {"ratio": 0} == {
+        "headroom": 2.0, "held": False, "ratio": 0, "slo_points": -46.0, "summary": run(2.0)}  # fmt: skip
 
 
 def test_the_smallest_fleet_that_holds_the_slo_is_the_last_before_it_misses_then_half_a_step() -> None:
