@@ -448,8 +448,8 @@ def bounds_one(
       the smallest quiet fleet (every 4th size) that keeps the SLO within 5 points;
     - every family, ``load_reacting`` and ``load_foreseeing``: ``LoadOracle`` (pools sized to the work the
       trace brings, read without noise, at once or ahead) at the headroom of ``LOAD_HEADROOMS`` with the most
-      goodput per engine-hour within the family's SLO points (``TARGETS``), searched from the most engines
-      down to the first miss."""
+      goodput per engine-hour within the family's SLO points (``TARGETS``): ``best_headroom``, from 1.2 down
+      to the first miss, or up from 1.2 until one holds."""
     row = study_one(family, mix, seed, cached, overrides)
     spec, profile = load(overrides)
     trace, budget = make_trace(family, mix, seed), spec.autoscaling.max_engines
@@ -542,6 +542,40 @@ def bounds_table(rows: list[dict[str, Any]]) -> str:
             + " | ".join(cell(row, name) for name in BOUNDS)
             + " |"
         )
+    return "\n".join(lines)
+
+
+SUMMARY_BOUNDS = (
+    ("right_sized", "right-sized static"),
+    ("reactive", "burst oracle, reacting"),
+    ("foresight", "burst oracle, foreseeing"),
+    ("load_reacting", "load oracle, reacting"),
+    ("load_foreseeing", "load oracle, foreseeing"),
+)
+
+
+def bounds_summary(rows: list[dict[str, Any]]) -> str:
+    """Per (family, mix), over its seeds: the autoscaler and each bound (mean [min, max] of the ratio to the
+    best static split and of the SLO points); a load oracle that missed the SLO at every headroom on some
+    seeds says on how many."""
+
+    def cell(runs: list[dict[str, Any]]) -> str:
+        if not runs:
+            return "-"
+        text = f"{_spread([r['ratio'] for r in runs], '.2f')}x, {_spread([r['slo_points'] for r in runs], '+.1f')}"
+        missed = sum(1 for r in runs if r.get("held") is False)
+        return text + (f" (misses on {missed} of {len(runs)})" if missed else "")
+
+    lines = [
+        "| family | mix | autoscaler | " + " | ".join(title for _, title in SUMMARY_BOUNDS) + " |",
+        "|---|---|" + "---|" * (1 + len(SUMMARY_BOUNDS)),
+    ]
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for row in rows:
+        groups.setdefault((row["family"], row["mix"]), []).append(row)
+    for (family, mix), group in groups.items():
+        cells = [cell(group)] + [cell([r[name] for r in group if name in r]) for name, _ in SUMMARY_BOUNDS]
+        lines.append(f"| {family} | {mix} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -639,7 +673,8 @@ def main() -> int:
         "--bounds",
         action="store_true",
         help="also what a right-sized static fleet, on the steady family the best split of a fleet small enough "
-        "for the target, and on the bursty family an oracle that knows the bursts reach",
+        "for the target, on the bursty family an oracle that knows the bursts, and on every family an oracle that "
+        "sizes the pools to the load the trace brings (at once, or a start-up ahead) reach",
     )
     parser.add_argument("--json", type=Path, help="also write the rows as JSON here")
     parser.add_argument(
@@ -648,7 +683,22 @@ def main() -> int:
         help="JSON file of best static splits, read and extended (they do not depend on the policy: a change "
         "of it is then judged in one simulation per trace); keyed by trace, config, profile and simulator",
     )
+    parser.add_argument(
+        "--tables",
+        type=Path,
+        metavar="JSON",
+        help="print the tables of rows an earlier run wrote with --json (its bounds too, if it ran them), and stop",
+    )
     args = parser.parse_args()
+    if args.tables:
+        rows = json.loads(args.tables.read_text())
+        print(table(rows))
+        if any("load_reacting" in row for row in rows):
+            print()
+            print(bounds_table(rows))
+            print()
+            print(bounds_summary(rows))
+        return 0
     if set(args.seeds) & {CALIBRATION_SEED, *TUNING_SEEDS} and args.seeds != TUNING_SEEDS:
         print(f"note: seeds {args.seeds} include calibration or tuning seeds", file=sys.stderr)
     try:
@@ -687,6 +737,8 @@ def main() -> int:
     if args.bounds:
         print()
         print(bounds_table(rows))
+        print()
+        print(bounds_summary(rows))
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2) + "\n")
     return 0

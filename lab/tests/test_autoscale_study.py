@@ -57,6 +57,28 @@ def test_the_bounds_table_shows_each_bound_a_trace_has() -> None:
     )
 
 
+def test_the_bounds_summary_averages_over_seeds_and_counts_an_oracles_misses() -> None:
+    def row(seed: int, ratio: float, held: bool) -> dict:
+        oracle = {"ratio": ratio, "slo_points": -2.0 if held else -8.0, "headroom": 1.2, "sqrt": False, "held": held}
+        right = {"ratio": 1.2, "slo_points": -3.0, "engines": 48}
+        return {
+            "family": "tenants",
+            "mix": "chat",
+            "seed": seed,
+            "ratio": 1.1,
+            "slo_points": -1.0,
+            "right_sized": right,
+            "load_reacting": oracle,
+            "load_foreseeing": oracle | {"held": True},
+        }
+
+    line = study.bounds_summary([row(11, 1.4, True), row(12, 1.6, False)]).splitlines()[-1]
+    assert line == (
+        "| tenants | chat | 1.10 [1.10, 1.10]x, -1.0 [-1.0, -1.0] | 1.20 [1.20, 1.20]x, -3.0 [-3.0, -3.0] | - | - "
+        "| 1.50 [1.40, 1.60]x, -5.0 [-8.0, -2.0] (misses on 1 of 2) | 1.50 [1.40, 1.60]x, -5.0 [-8.0, -2.0] |"
+    )
+
+
 def test_calibration_tuning_evaluation_and_generalization_seeds_are_disjoint() -> None:
     roles = [{study.CALIBRATION_SEED}, *map(set, (study.TUNING_SEEDS, study.EVALUATION_SEEDS))]
     roles.append(set(study.GENERALIZATION_SEEDS))
