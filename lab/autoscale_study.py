@@ -481,9 +481,9 @@ def bounds_one(
                 summary = simulate_spec(spec, profile, trace, None, start=oracle.sizes(0.0), policy=oracle)
                 return _summary(summary)
 
-            held = best_headroom(run, static, points, sqrt=sqrt)
-            if best is None or (held["held"], held["ratio"]) > (best["held"], best["ratio"]):
-                best = held
+            found = best_headroom(run, static, points, sqrt=sqrt)
+            if best is None or (found["held"], found["ratio"]) > (best["held"], best["ratio"]):
+                best = found
         row[name] = best
     if family != "bursty":
         return row
