@@ -39,8 +39,9 @@ def prefill_capacity_rps(
 
 
 def replay(proxy_url: str, model: str, trace: list[TraceRequest], headers: dict[str, str] | None = None) -> list[dict]:
-    """Send every request at its time; per request ``{"ttft_s", "itl_s", "chunks", "path"}`` (``path``: the
-    proxy's ``X-PDServe-Path``, e.g. ``decode-only; reason=...``) or ``{"failed": why}``."""
+    """Send every request at its time; per request ``{"ttft_s", "itl_s", "longest_gap_s", "chunks", "path"}``
+    (``itl_s``: the mean gap between chunks; ``path``: the proxy's ``X-PDServe-Path``, e.g. ``decode-only;
+    reason=...``) or ``{"failed": why}``."""
     # Never seeded: prompts another replay sent (a lower load of the same seed, a test before) would hit the
     # engines' prefix caches, and a trace's second run would prefill for free.
     rng = random.Random()
@@ -79,7 +80,14 @@ def replay(proxy_url: str, model: str, trace: list[TraceRequest], headers: dict[
             return {"failed": "no token came back"}
         gaps = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
         itl_s = statistics.mean(gaps) if gaps else 0.0
-        return {"ttft_s": stamps[0] - sent, "itl_s": itl_s, "chunks": len(stamps), "path": path}
+        longest = max(gaps, default=0.0)
+        return {
+            "ttft_s": stamps[0] - sent,
+            "itl_s": itl_s,
+            "longest_gap_s": longest,
+            "chunks": len(stamps),
+            "path": path,
+        }
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=64) as pool:
         return list(pool.map(one, range(len(trace))))

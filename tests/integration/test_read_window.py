@@ -3,9 +3,10 @@
 The prefill engine keeps a request's blocks under a lease (2 s here) and then gives them to the next
 request; a decode engine that waits for blocks of its own (4 blocks of 128 tokens, two requests at a time)
 would, without the READ window, read blocks that by then hold another prompt's KV, and answer from it with
-200. With it (``read_margin_s``: a READ must be over 1 s before the lease ends) every late read is
-recomputed: every greedy answer equals the same prompt computed by one engine alone, and the expired reads
-show as ``X-PDServe-KV: source=recomputed; reason=expired`` and in
+200. With it (``read_margin_s``: a READ must be over 1.75 s before the lease ends, so one that waits more
+than 0.25 s for a decode slot is late on any machine; with a margin of 1 s, a fast machine read every KV in
+time) every late read is recomputed: every greedy answer equals the same prompt computed by one engine
+alone, and the expired reads show as ``X-PDServe-KV: source=recomputed; reason=expired`` and in
 ``pdserve:kv_transfer_failures_total{kind="expired"}``. Its own cluster, after the shared one.
 """
 
@@ -29,7 +30,7 @@ SPEC = {
     "model": MODEL,
     "device": "cpu",
     "connector": "pdserve",
-    "connector_options": {"lease_ttl_s": LEASE_TTL_S, "read_margin_s": 1},
+    "connector_options": {"lease_ttl_s": LEASE_TTL_S, "read_margin_s": 1.75},
     "proxy": {"port": 22000},
     "prefill": {"replicas": 1, "cpu_cores": 1, "port": 22100, "kv_port": 18600},
     "decode": {"replicas": 1, "cpu_cores": 1, "port": 22200, "kv_port": 18700},
@@ -38,6 +39,9 @@ SPEC = {
     "engine": {"max_model_len": 384, "kv_cache_gib": 1, "dtype": "float32",
                "extra_args": {"num_gpu_blocks_override": 5}},
 }  # fmt: skip
+# Long enough that a request waits for a decode slot past the 2-s lease on a fast machine too (with 32, none
+# did), so the prefill engine frees some blocks at expiry.
+MAX_TOKENS = 64
 FILLER = "Here is some context about the town, its river, its bridges, its market and its people. " * 6
 QUESTIONS = [
     *PROMPTS,
@@ -50,7 +54,12 @@ QUESTIONS = [
 
 def chat(question: str) -> dict:
     content = f"{FILLER}\n{question}"
-    return {"model": MODEL, "messages": [{"role": "user", "content": content}], "temperature": 0, "max_tokens": 32}
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": content}],
+        "temperature": 0,
+        "max_tokens": MAX_TOKENS,
+    }
 
 
 @pytest.fixture(scope="module")
