@@ -570,13 +570,20 @@ def bounds_summary(rows: list[dict[str, Any]]) -> str:
         "| family | mix | autoscaler | " + " | ".join(title for _, title in SUMMARY_BOUNDS) + " |",
         "|---|---|" + "---|" * (1 + len(SUMMARY_BOUNDS)),
     ]
-    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
-    for row in rows:
-        groups.setdefault((row["family"], row["mix"]), []).append(row)
-    for (family, mix), group in groups.items():
+    for (family, mix), group in _by_family_and_mix(rows).items():
         cells = [cell(group)] + [cell([r[name] for r in group if name in r]) for name, _ in SUMMARY_BOUNDS]
         lines.append(f"| {family} | {mix} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def print_tables(rows: list[dict[str, Any]], bounds: bool) -> None:
+    """The study's table of ``rows``; with ``bounds``, the bounds per trace and their summary too."""
+    print(table(rows))
+    if bounds:
+        print()
+        print(bounds_table(rows))
+        print()
+        print(bounds_summary(rows))
 
 
 def calibrate_one(family: str, mix: str) -> float:
@@ -605,6 +612,14 @@ def _spread(values: list[float], fmt: str) -> str:
     return f"{format(statistics.mean(values), fmt)} [{format(min(values), fmt)}, {format(max(values), fmt)}]"
 
 
+def _by_family_and_mix(rows: list[dict[str, Any]]) -> dict[tuple[str, str], list[dict[str, Any]]]:
+    """``rows`` grouped by (family, mix), in their order: a group's rows are its seeds."""
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for row in rows:
+        groups.setdefault((row["family"], row["mix"]), []).append(row)
+    return groups
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     """Per (family, mix), over its seeds: the autoscaler with moves and without (``no_moves``) against the best
     static split, and how many seeds meet the family's target (``TARGETS``)."""
@@ -614,10 +629,7 @@ def table(rows: list[dict[str, Any]]) -> str:
         "SLO points | met |",
         "|---|---|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
-    for row in rows:
-        groups.setdefault((row["family"], row["mix"]), []).append(row)
-    for (family, mix), group in groups.items():
+    for (family, mix), group in _by_family_and_mix(rows).items():
         target_ratio, target_points = TARGETS.get(family, GENERALIZATION_TARGET)
         cells = []
         for runs in ([(r, r["autoscale"]) for r in group], [(r["no_moves"], r["no_moves"]) for r in group]):
@@ -692,12 +704,7 @@ def main() -> int:
     args = parser.parse_args()
     if args.tables:
         rows = json.loads(args.tables.read_text())
-        print(table(rows))
-        if any("load_reacting" in row for row in rows):
-            print()
-            print(bounds_table(rows))
-            print()
-            print(bounds_summary(rows))
+        print_tables(rows, bounds=any("load_reacting" in row for row in rows))
         return 0
     if set(args.seeds) & {CALIBRATION_SEED, *TUNING_SEEDS} and args.seeds != TUNING_SEEDS:
         print(f"note: seeds {args.seeds} include calibration or tuning seeds", file=sys.stderr)
@@ -733,12 +740,7 @@ def main() -> int:
                 args.static_cache.write_text(json.dumps(cache, indent=1, sort_keys=True) + "\n")
     knobs = "".join(f"; {key}={value:g}" for key, value in args.set)
     print(f"seeds {', '.join(map(str, args.seeds))}{knobs}; {time.time() - started:.0f} s", file=sys.stderr)
-    print(table(rows))
-    if args.bounds:
-        print()
-        print(bounds_table(rows))
-        print()
-        print(bounds_summary(rows))
+    print_tables(rows, args.bounds)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2) + "\n")
     return 0

@@ -80,11 +80,10 @@ def replay(proxy_url: str, model: str, trace: list[TraceRequest], headers: dict[
             return {"failed": "no token came back"}
         gaps = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
         itl_s = statistics.mean(gaps) if gaps else 0.0
-        longest = max(gaps, default=0.0)
         return {
             "ttft_s": stamps[0] - sent,
             "itl_s": itl_s,
-            "longest_gap_s": longest,
+            "longest_gap_s": max(gaps, default=0.0),
             "chunks": len(stamps),
             "path": path,
         }

@@ -48,8 +48,8 @@ def profiled(
     out = tmp_path_factory.mktemp("profile") / "profile.yaml"
     spec_path = state_dir / f"cluster-{cluster.connector}.yaml"
     grid = ["--prefill-tokens", "64", "512", "--prefill-batch", "1", "2", "--decode-batch", "1", "2"]
-    # Two runs a point: handoff_s is the median over the transfer requests, and with two in all one slow request
-    # set it (0.50 s, where the next profile of a cluster read 0.02 s; the light-load TTFT then read 2.3x).
+    # Two runs a point: handoff_s is the median over the transfer requests, and with two in all it once read
+    # 0.50 s where the next profile of a fresh cluster read 0.02 s (the light-load TTFT then read 2.3x).
     grid += ["--decode-context", "128", "--transfer-tokens", "256", "1024", "--repeats", "2", "--decode-tokens", "32"]
     return run_pdserve("profile", str(spec_path), "--out", str(out), *grid, env=cluster.env), out
 

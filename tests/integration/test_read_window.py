@@ -35,7 +35,8 @@ SPEC = {
     "prefill": {"replicas": 1, "cpu_cores": 1, "port": 22100, "kv_port": 18600},
     "decode": {"replicas": 1, "cpu_cores": 1, "port": 22200, "kv_port": 18700},
     # float32: the same greedy answer whatever the batch (bf16 sums differ with the batch's shape);
-    # 5 blocks of 128 tokens (vLLM keeps one): two requests of ~200 tokens at a time, the others wait
+    # 5 blocks of 128 tokens (vLLM keeps one): two requests of ~160 prompt and 64 output tokens at a time, the
+    # others wait
     "engine": {"max_model_len": 384, "kv_cache_gib": 1, "dtype": "float32",
                "extra_args": {"num_gpu_blocks_override": 5}},
 }  # fmt: skip
