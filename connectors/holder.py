@@ -61,6 +61,9 @@ class LeaseHolder:
     def poll(self, transports: WorkerTransports) -> set[str]:
         """The requests whose lease ended since the last call (read, released or expired)."""
         now = time.monotonic()
+        # Leases past their end expire before this step's events: a release or READ notification that came
+        # after a lease's end is late (counted so), not the lease's outcome.
+        self._leases.expire()
         for reader, message in transports.poll_notifications() + _drain(self.notifications_in):
             request_id, expected_reads = parse_read_notification(message)
             self._lease_event(request_id, _LeaseEvent("read", reader, expected_reads, now))
@@ -69,7 +72,6 @@ class LeaseHolder:
         for request_id, events in list(self._early.items()):
             if now - events[0].seen_at > self.lease_ttl_s:
                 del self._early[request_id]
-        self._leases.expire()
         finished = self._leases.take_finished_with_state()
         for state in finished.values():
             self._stats.record_lease(_LEASE_OUTCOMES[state])
