@@ -7,7 +7,8 @@ would, without the READ window, read blocks that by then hold another prompt's K
 than 0.25 s for a decode slot is late on any machine; with a margin of 1 s, a fast machine read every KV in
 time) every late read is recomputed: every greedy answer equals the same prompt computed by one engine
 alone, and the expired reads show as ``X-PDServe-KV: source=recomputed; reason=expired`` and in
-``pdserve:kv_transfer_failures_total{kind="expired"}``. Its own cluster, after the shared one.
+``pdserve:kv_transfer_failures_total{kind="expired"}``; and every lease the burst took ends (read, released or
+expired): no blocks stay held. Its own cluster, after the shared one.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests.integration.conftest import engine_headers, http_json, kv_report, metric_values, own_cluster
-from tests.integration.test_pdserve_connector import PROMPTS
+from tests.integration.test_pdserve_connector import LEASES, PROMPTS, eventually, lease_deltas
 
 pytestmark = [pytest.mark.integration, pytest.mark.after_cluster]
 
@@ -40,8 +41,7 @@ SPEC = {
     "engine": {"max_model_len": 384, "kv_cache_gib": 1, "dtype": "float32",
                "extra_args": {"num_gpu_blocks_override": 5}},
 }  # fmt: skip
-# Long enough that a request waits for a decode slot past the 2-s lease on a fast machine too (with 32, none
-# did), so the prefill engine frees some blocks at expiry.
+# Long enough that a request waits for a decode slot past its READ window on a fast machine too.
 MAX_TOKENS = 64
 FILLER = "Here is some context about the town, its river, its bridges, its market and its people. " * 6
 QUESTIONS = [
@@ -85,6 +85,7 @@ def test_reads_that_would_outlive_the_lease_are_recomputed_never_served(window_c
     counted_before = metric_values(decode_url, "pdserve:kv_transfer_failures_total", "kind").get(
         "expired", 0
     ) + metric_values(decode_url, "pdserve:kv_refused_total", "kind").get("params", 0)
+    leases_before = metric_values(prefill_url, LEASES, "outcome")
 
     def disaggregated(question: str) -> tuple[str, str, dict]:
         status, headers, answer = http_json(window_cluster["proxy_url"] + "/v1/chat/completions", chat(question))
@@ -113,5 +114,10 @@ def test_reads_that_would_outlive_the_lease_are_recomputed_never_served(window_c
     while counted() != expired and time.monotonic() < deadline:
         time.sleep(0.5)
     assert counted() == expired
-    # and the prefill engine did free blocks at lease expiry, the case the window guards
-    assert metric_values(prefill_url, "pdserve:kv_leases_total", "outcome").get("expired", 0) > 0
+    # and every lease ended: read, released by the decode engine when its read was late, or expired; none
+    # holds blocks. Which of the last two a late read gives depends on the machine's speed (on a fast one the
+    # decode engine released each in time); expiry alone is test_pdserve_connector's
+    # test_blocks_nobody_reads_are_freed_when_the_lease_expires.
+    assert eventually(lambda: sum(lease_deltas(prefill_url, leases_before).values()), len(results), timeout_s=20) == len(
+        results
+    )
