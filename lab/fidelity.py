@@ -8,16 +8,26 @@ and mean inter-token latency. ``compare`` sets those against the simulator's
 records of the same trace, per metric and quantile. ``lab/validate_simulator.py``
 and the integration suite both use them. ``mean_profile``: the engines' speed over a
 replay that was profiled before and after it (``validate_simulator.py --profile-after``).
+
+``machine_stalls`` notes the intervals in which the machine itself ran nothing: a process of its own that
+sleeps 20 ms at a time and wakes up seconds late. On the 2-core CI machines such stalls of 1-5 s came every
+few seconds while a cluster served (2026-12-01: ``vmstat 1`` skipped seconds too, no steal time, no memory
+pressure, both engine cores charged the whole stall), and a replay whose requests span one measures the
+machine, not the engines. ``undisturbed`` keeps the requests clear of every stall.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import random
 import statistics
+import subprocess
+import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import fields
 
 from orchestrator.autoscale import traces
@@ -28,6 +38,21 @@ TOLERANCE = 0.20  # the simulator within 20 % of the cluster, per quantile
 QUANTILES = (0.5, 0.9)
 # Token ids well inside SmolLM2's vocabulary and clear of its special tokens.
 TOKEN_IDS = (1000, 40000)
+# A stall: a 20-ms sleep that ended this much late. The backlog it leaves takes a light load a request or two to
+# clear, so a request that starts within SETTLE_S of its end is disturbed too.
+STALL_S = 0.25
+SETTLE_S = 2.0
+_WATCHER = """
+import sys, time
+threshold = float(sys.argv[1])
+last = time.time()
+while True:
+    time.sleep(0.02)
+    now = time.time()
+    if now - last > 0.02 + threshold:
+        print(f"{last + 0.02} {now}", flush=True)
+    last = now
+"""
 
 
 def prefill_capacity_rps(
@@ -39,14 +64,15 @@ def prefill_capacity_rps(
 
 
 def replay(proxy_url: str, model: str, trace: list[TraceRequest], headers: dict[str, str] | None = None) -> list[dict]:
-    """Send every request at its time; per request ``{"ttft_s", "itl_s", "longest_gap_s", "chunks", "path"}``
-    (``itl_s``: the mean gap between chunks; ``path``: the proxy's ``X-PDServe-Path``, e.g. ``decode-only;
-    reason=...``) or ``{"failed": why}``."""
+    """Send every request at its time; per request ``{"ttft_s", "itl_s", "longest_gap_s", "longest_gap_at",
+    "sent_at", "ended_at", "chunks", "path"}`` (``itl_s``: the mean gap between chunks; ``*_at``: wall-clock
+    times; ``path``: the proxy's ``X-PDServe-Path``, e.g. ``decode-only; reason=...``) or ``{"failed": why}``."""
     # Never seeded: prompts another replay sent (a lower load of the same seed, a test before) would hit the
     # engines' prefix caches, and a trace's second run would prefill for free.
     rng = random.Random()
     prompts = [[rng.randrange(*TOKEN_IDS) for _ in range(r.prompt_tokens)] for r in trace]
     start = time.perf_counter()
+    wall = time.time() - start
 
     def one(index: int) -> dict:
         request = trace[index]
@@ -80,16 +106,46 @@ def replay(proxy_url: str, model: str, trace: list[TraceRequest], headers: dict[
             return {"failed": "no token came back"}
         gaps = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
         itl_s = statistics.mean(gaps) if gaps else 0.0
+        longest = max(range(len(gaps)), key=gaps.__getitem__, default=None)
         return {
             "ttft_s": stamps[0] - sent,
             "itl_s": itl_s,
-            "longest_gap_s": max(gaps, default=0.0),
+            "longest_gap_s": gaps[longest] if gaps else 0.0,
+            # when it began, on the wall clock: to find it in the engines' and the proxy's logs
+            "longest_gap_at": wall + stamps[longest] if gaps else None,
+            "sent_at": wall + sent,
+            "ended_at": wall + stamps[-1],
             "chunks": len(stamps),
             "path": path,
         }
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=64) as pool:
         return list(pool.map(one, range(len(trace))))
+
+
+@contextlib.contextmanager
+def machine_stalls(threshold_s: float = STALL_S) -> Iterator[list[tuple[float, float]]]:
+    """The wall-clock intervals (start, end) in which a process of its own woke up over ``threshold_s`` late,
+    filled in when the block ends."""
+    watcher = subprocess.Popen([sys.executable, "-c", _WATCHER, str(threshold_s)], stdout=subprocess.PIPE, text=True)
+    stalls: list[tuple[float, float]] = []
+    try:
+        yield stalls
+    finally:
+        watcher.terminate()
+        out, _ = watcher.communicate(timeout=10)
+        stalls.extend((float(start), float(end)) for start, end in (line.split() for line in out.splitlines()))
+
+
+def undisturbed(answers: list[dict], stalls: list[tuple[float, float]], settle_s: float = SETTLE_S) -> list[int]:
+    """The indices of ``replay``'s answers that neither failed nor overlapped a stall (or the ``settle_s`` after
+    it)."""
+    return [
+        i
+        for i, answer in enumerate(answers)
+        if "failed" not in answer
+        and not any(answer["sent_at"] < end + settle_s and start < answer["ended_at"] for start, end in stalls)
+    ]
 
 
 def quantile(values: list[float], q: float) -> float:

@@ -32,3 +32,31 @@ def test_fidelity_capacity_is_engines_over_the_mixes_mean_prefill_time():
 
     assert fidelity.prefill_capacity_rps(profile, 1, mix) == pytest.approx(2.0)  # 0.5 s per prompt
     assert fidelity.prefill_capacity_rps(profile, 3, mix) == pytest.approx(6.0)
+
+
+def test_a_watcher_held_still_is_a_stall_and_requests_near_it_are_left_out():
+    import signal
+    import time
+
+    import psutil
+
+    with fidelity.machine_stalls() as stalls:
+        time.sleep(0.3)  # the watcher has started
+        (watcher,) = psutil.Process().children()
+        held = time.time()
+        watcher.send_signal(signal.SIGSTOP)  # what a stalled machine does to every process
+        time.sleep(0.6)
+        watcher.send_signal(signal.SIGCONT)
+        time.sleep(0.2)
+    ((start, end),) = stalls
+    assert start <= held + 0.05 and end - start >= 0.5
+
+    answers = [
+        {"sent_at": start - 3, "ended_at": start - 2},  # before: kept
+        {"sent_at": start - 1, "ended_at": start + 0.1},  # through it
+        {"sent_at": end + 1, "ended_at": end + 2},  # in the backlog it left (SETTLE_S)
+        {"sent_at": end + fidelity.SETTLE_S + 0.1, "ended_at": end + 4},  # after: kept
+        {"failed": "URLError"},
+    ]
+    assert fidelity.undisturbed(answers, stalls) == [0, 3]
+    assert fidelity.undisturbed(answers, []) == [0, 1, 2, 3]

@@ -11,7 +11,11 @@ by the script, whose result is saved in ``lab/results/simulator-fidelity.json``.
 machine a 20 % bar in this test failed on machine speed alone: the replay's TTFT
 p50 read 1.80 s a minute after the profile had measured the prefill at this
 machine's speed (simulated 0.92 s, as locally), i.e. the machine ran at half speed
-for part of the run.
+for part of the run. The machine also stalls outright: in the full suite a process that sleeps
+20 ms at a time woke 1-5 s late every few seconds while the cluster served, and the replay's
+streams paused 1.2-2.8 s at those moments (TTFT p90 2.2-2.7 s against 0.9-1.2 s simulated, on
+the CI run of 2026-11-29 and here on 2026-12-01). The comparison keeps the requests clear of
+those stalls (``lab.fidelity.machine_stalls``), at least half of them.
 
 It runs on the shared cluster of our connector (the default, whose profile
 configs/profiles/ ships) only: on vLLM's ``NixlConnector`` cluster both idle
@@ -23,11 +27,12 @@ the engines: the suite's largest single cost.
 from __future__ import annotations
 
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
 
-from lab.fidelity import TOLERANCE, compare, prefill_capacity_rps, replay, within
+from lab.fidelity import TOLERANCE, compare, machine_stalls, prefill_capacity_rps, replay, undisturbed, within
 from orchestrator.autoscale import traces
 from orchestrator.autoscale.policy import StaticPolicy
 from orchestrator.autoscale.profile import load_profile
@@ -38,6 +43,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.parametrize("cluster", ["pdse
 
 # SmolLM2-135M: 30 layers x 3 KV heads x 64 dims x (K, V), in bf16 or float32 on CPU.
 KV_BYTES_PER_TOKEN = (30 * 3 * 64 * 2 * 2, 30 * 3 * 64 * 2 * 4)
+MIN_CLEAR = 8  # of the replay's 16 requests, clear of the machine's stalls
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +83,13 @@ def test_profile_of_the_running_cluster_loads_and_leaves_it_running(
     assert cluster.refresh()["phase"] == "ready"
 
 
+def clock(unix_s: float | None) -> str:
+    """A wall-clock time as the engines' logs print it (UTC), to the millisecond."""
+    if unix_s is None:
+        return "-"
+    return time.strftime("%H:%M:%S", time.gmtime(unix_s)) + f".{int(unix_s % 1 * 1000):03d}"
+
+
 def test_the_simulator_predicts_a_light_load_within_tolerance(
     cluster: Cluster, profiled: tuple[subprocess.CompletedProcess, Path]
 ) -> None:
@@ -87,20 +100,28 @@ def test_the_simulator_predicts_a_light_load_within_tolerance(
     rate = 0.25 * prefill_capacity_rps(profile, 1, mix)  # light: a quarter of what the prefill engine computes
     trace = traces.poisson(rate, 24 / rate, mix, seed=7)[:16]  # 16 requests in ~140 prefill times (~95 s here)
 
-    simulated = simulate(profile, StaticPolicy(1, 1), trace, SloTargets(1e9, 1e9), (1, 1)).records
-    for attempt in (1, 2):  # one more replay when the first misses: a shared machine's speed drifts by minutes
-        answers = replay(cluster.proxy_url, cluster.status["model"], trace)
+    simulated = {
+        r.arrival: r for r in simulate(profile, StaticPolicy(1, 1), trace, SloTargets(1e9, 1e9), (1, 1)).records
+    }
+    for attempt in (1, 2, 3):  # again when a replay misses: a shared machine's speed drifts by minutes
+        with machine_stalls() as stalls:
+            answers = replay(cluster.proxy_url, cluster.status["model"], trace)
         failed = [a["failed"] for a in answers if "failed" in a]
         assert not failed, failed
-        rows = compare(answers, simulated)
-        print(f"light load {rate:.3f} req/s, profile {out}, replay {attempt}: {rows}")  # shown when the test fails
+        kept = undisturbed(answers, stalls)  # a request through a machine stall measures the machine
+        rows = compare([answers[i] for i in kept], [simulated[trace[i].t] for i in kept])
+        print(f"light load {rate:.3f} req/s, profile {out}, replay {attempt}: {len(kept)} of {len(trace)} requests "
+              f"clear of the machine's stalls ({', '.join(f'{clock(a)} {b - a:.1f} s' for a, b in stalls) or 'none'}): "
+              f"{rows}")  # fmt: skip
         print(f"within the issue's {TOLERANCE:.0%}: {within(rows)}")
         slowest = sorted(zip(trace, answers, strict=True), key=lambda pair: -pair[1]["itl_s"])[:3]
         print("highest ITL: " + "; ".join(  # a stall shows as one long gap in a request of few tokens
             f"t {r.t:.1f} s, {r.output_tokens} tokens, ITL {1000 * a['itl_s']:.0f} ms, longest gap "
-            f"{1000 * a['longest_gap_s']:.0f} ms, {a['path']}" for r, a in slowest))  # fmt: skip
-        if all(0.5 <= row["ratio"] <= 2 for row in rows.values()):
+            f"{1000 * a['longest_gap_s']:.0f} ms from {clock(a['longest_gap_at'])}, {a['path']}"
+            for r, a in slowest))  # fmt: skip
+        if len(kept) >= MIN_CLEAR and all(0.5 <= row["ratio"] <= 2 for row in rows.values()):
             break
+    assert len(kept) >= MIN_CLEAR, f"the machine stalled through every replay: {stalls}"
     # A gross error (the profile's batch-2 passes read 2x too fast, which the simulator believed; the decode step
     # read from the median client-side gap, 0.1 ms) shows beyond 2x.
     assert all(0.5 <= row["ratio"] <= 2 for row in rows.values()), rows

@@ -118,6 +118,6 @@ def test_reads_that_would_outlive_the_lease_are_recomputed_never_served(window_c
     # holds blocks. Which of the last two a late read gives depends on the machine's speed (on a fast one the
     # decode engine released each in time); expiry alone is test_pdserve_connector's
     # test_blocks_nobody_reads_are_freed_when_the_lease_expires.
-    assert eventually(lambda: sum(lease_deltas(prefill_url, leases_before).values()), len(results), timeout_s=20) == len(
-        results
-    )
+    assert eventually(
+        lambda: sum(lease_deltas(prefill_url, leases_before).values()), len(results), timeout_s=20
+    ) == len(results)
