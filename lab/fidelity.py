@@ -9,11 +9,13 @@ records of the same trace, per metric and quantile. ``lab/validate_simulator.py`
 and the integration suite both use them. ``mean_profile``: the engines' speed over a
 replay that was profiled before and after it (``validate_simulator.py --profile-after``).
 
-``machine_stalls`` notes the intervals in which the machine itself ran nothing: a process of its own that
-sleeps 20 ms at a time and wakes up seconds late. On the 2-core CI machines such stalls of 1-5 s came every
-few seconds while a cluster served (2026-12-01: ``vmstat 1`` skipped seconds too, no steal time, no memory
-pressure, both engine cores charged the whole stall), and a replay whose requests span one measures the
-machine, not the engines. ``undisturbed`` keeps the requests clear of every stall.
+``client_stalls`` notes the intervals in which the client's side got no CPU: a process in the client's
+session (Linux puts each session in an autogroup, which shares the CPU as one) that sleeps 20 ms at a time
+and wakes up late. On our 2-core machines, while a cluster (a session of its own) served, such a process
+waited 1-5 s in the run queue every few seconds (2026-12-01, ``/proc/self/schedstat``; no steal time, no
+memory pressure), where one in a session of its own saw no wait over 0.2 s at the same moments. A request
+whose stream spans such a wait measures the client, not the engines: ``undisturbed`` keeps the requests
+clear of every stall.
 """
 
 from __future__ import annotations
@@ -124,9 +126,9 @@ def replay(proxy_url: str, model: str, trace: list[TraceRequest], headers: dict[
 
 
 @contextlib.contextmanager
-def machine_stalls(threshold_s: float = STALL_S) -> Iterator[list[tuple[float, float]]]:
-    """The wall-clock intervals (start, end) in which a process of its own woke up over ``threshold_s`` late,
-    filled in when the block ends."""
+def client_stalls(threshold_s: float = STALL_S) -> Iterator[list[tuple[float, float]]]:
+    """The wall-clock intervals (start, end) in which a process in this one's session woke up over
+    ``threshold_s`` late, filled in when the block ends."""
     watcher = subprocess.Popen([sys.executable, "-c", _WATCHER, str(threshold_s)], stdout=subprocess.PIPE, text=True)
     stalls: list[tuple[float, float]] = []
     try:

@@ -56,8 +56,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script:
 
 from lab.fidelity import (  # noqa: E402
     TOLERANCE,
+    client_stalls,
     compare,
-    machine_stalls,
     mean_profile,
     prefill_capacity_rps,
     quantile,
@@ -537,7 +537,7 @@ def main() -> None:
         status = json.loads(pdserve("status", "--json").stdout)
         replay_start = time.time()
         sampler = EngineSampler(args.sample_engines) if args.sample_engines else None
-        with sampler or contextlib.nullcontext(), machine_stalls() as stalls:
+        with sampler or contextlib.nullcontext(), client_stalls() as stalls:
             for name, (_, trace) in cases.items():  # one after the other: each replay ends when its last answer did
                 measured[name] = replay(status["proxy_url"], status["model"], trace)
         status = json.loads(pdserve("status", "--json").stdout)
@@ -575,8 +575,8 @@ def main() -> None:
             f"{engine}:{','.join(str(c) for _, c in sorted(cs))}" for engine, cs in (shared_cores(spec) or {}).items()
         ),
         "loads": {},
-        # when this machine ran nothing else (lab.fidelity.machine_stalls): seconds into the replay, and how long
-        "machine_stalls_s": [[round(start - replay_start, 1), round(end - start, 2)] for start, end in stalls],
+        # when the replaying client got no CPU (lab.fidelity.client_stalls): seconds into the replay, how long
+        "client_stalls_s": [[round(start - replay_start, 1), round(end - start, 2)] for start, end in stalls],
     }
     if after is not None:
         report["profile_after"] = after_path
@@ -663,8 +663,8 @@ def main() -> None:
         print(f"| {name} | {load['rate_rps']} | {load['requests']} | " + " | ".join(cells) + " |")
         if "slo_attainment" in load:
             print(f"  SLO attainment: {load['slo_attainment']}")
-    if stalled := report["machine_stalls_s"]:  # the cluster's figures then measure the machine as well
-        print(f"the machine stalled {len(stalled)} times in the replay, {sum(s for _, s in stalled):.1f} s in all")
+    if stalled := report["client_stalls_s"]:  # the cluster's figures then measure the client's waits as well
+        print(f"the client stalled {len(stalled)} times in the replay, {sum(s for _, s in stalled):.1f} s in all")
 
 
 if __name__ == "__main__":

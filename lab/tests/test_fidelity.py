@@ -40,11 +40,11 @@ def test_a_watcher_held_still_is_a_stall_and_requests_near_it_are_left_out():
 
     import psutil
 
-    with fidelity.machine_stalls() as stalls:
+    with fidelity.client_stalls() as stalls:
         time.sleep(0.3)  # the watcher has started
         (watcher,) = psutil.Process().children()
         held = time.time()
-        watcher.send_signal(signal.SIGSTOP)  # what a stalled machine does to every process
+        watcher.send_signal(signal.SIGSTOP)  # as a process that gets no CPU
         time.sleep(0.6)
         watcher.send_signal(signal.SIGCONT)
         time.sleep(0.2)

@@ -11,11 +11,11 @@ by the script, whose result is saved in ``lab/results/simulator-fidelity.json``.
 machine a 20 % bar in this test failed on machine speed alone: the replay's TTFT
 p50 read 1.80 s a minute after the profile had measured the prefill at this
 machine's speed (simulated 0.92 s, as locally), i.e. the machine ran at half speed
-for part of the run. The machine also stalls outright: in the full suite a process that sleeps
-20 ms at a time woke 1-5 s late every few seconds while the cluster served, and the replay's
-streams paused 1.2-2.8 s at those moments (TTFT p90 2.2-2.7 s against 0.9-1.2 s simulated, on
-the CI run of 2026-11-29 and here on 2026-12-01). The comparison keeps the requests clear of
-those stalls (``lab.fidelity.machine_stalls``), at least half of them.
+for part of the run. The client also stalls: in the full suite a process in the test's session
+that sleeps 20 ms at a time waited 1-5 s in the run queue every few seconds while the cluster
+served, and the replay's streams paused 1.2-2.8 s at those moments (TTFT p90 2.2-2.7 s against
+0.9-1.2 s simulated, on the CI run of 2026-11-29 and here on 2026-12-01). The comparison keeps
+the requests clear of those stalls (``lab.fidelity.client_stalls``), at least half of them.
 
 It runs on the shared cluster of our connector (the default, whose profile
 configs/profiles/ ships) only: on vLLM's ``NixlConnector`` cluster both idle
@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pytest
 
-from lab.fidelity import TOLERANCE, compare, machine_stalls, prefill_capacity_rps, replay, undisturbed, within
+from lab.fidelity import TOLERANCE, client_stalls, compare, prefill_capacity_rps, replay, undisturbed, within
 from orchestrator.autoscale import traces
 from orchestrator.autoscale.policy import StaticPolicy
 from orchestrator.autoscale.profile import load_profile
@@ -43,7 +43,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.parametrize("cluster", ["pdse
 
 # SmolLM2-135M: 30 layers x 3 KV heads x 64 dims x (K, V), in bf16 or float32 on CPU.
 KV_BYTES_PER_TOKEN = (30 * 3 * 64 * 2 * 2, 30 * 3 * 64 * 2 * 4)
-MIN_CLEAR = 8  # of the replay's 16 requests, clear of the machine's stalls
+MIN_CLEAR = 8  # of the replay's 16 requests, clear of the client's stalls
 
 
 @pytest.fixture(scope="module")
@@ -104,14 +104,14 @@ def test_the_simulator_predicts_a_light_load_within_tolerance(
         r.arrival: r for r in simulate(profile, StaticPolicy(1, 1), trace, SloTargets(1e9, 1e9), (1, 1)).records
     }
     for attempt in (1, 2, 3):  # again when a replay misses: a shared machine's speed drifts by minutes
-        with machine_stalls() as stalls:
+        with client_stalls() as stalls:
             answers = replay(cluster.proxy_url, cluster.status["model"], trace)
         failed = [a["failed"] for a in answers if "failed" in a]
         assert not failed, failed
-        kept = undisturbed(answers, stalls)  # a request through a machine stall measures the machine
+        kept = undisturbed(answers, stalls)  # a request through a stall measures the client's wait
         rows = compare([answers[i] for i in kept], [simulated[trace[i].t] for i in kept])
         print(f"light load {rate:.3f} req/s, profile {out}, replay {attempt}: {len(kept)} of {len(trace)} requests "
-              f"clear of the machine's stalls ({', '.join(f'{clock(a)} {b - a:.1f} s' for a, b in stalls) or 'none'}): "
+              f"clear of the client's stalls ({', '.join(f'{clock(a)} {b - a:.1f} s' for a, b in stalls) or 'none'}): "
               f"{rows}")  # fmt: skip
         print(f"within the issue's {TOLERANCE:.0%}: {within(rows)}")
         slowest = sorted(zip(trace, answers, strict=True), key=lambda pair: -pair[1]["itl_s"])[:3]
@@ -121,7 +121,7 @@ def test_the_simulator_predicts_a_light_load_within_tolerance(
             for r, a in slowest))  # fmt: skip
         if len(kept) >= MIN_CLEAR and all(0.5 <= row["ratio"] <= 2 for row in rows.values()):
             break
-    assert len(kept) >= MIN_CLEAR, f"the machine stalled through every replay: {stalls}"
+    assert len(kept) >= MIN_CLEAR, f"the client stalled through every replay: {stalls}"
     # A gross error (the profile's batch-2 passes read 2x too fast, which the simulator believed; the decode step
     # read from the median client-side gap, 0.1 ms) shows beyond 2x.
     assert all(0.5 <= row["ratio"] <= 2 for row in rows.values()), rows
