@@ -14,14 +14,16 @@ session (Linux puts each session in an autogroup, which shares the CPU as one) t
 and wakes up late. On our 2-core machines, while a cluster (a session of its own) served, such a process
 waited 1-5 s in the run queue every few seconds (2026-12-01, ``/proc/self/schedstat``; no steal time, no
 memory pressure), where one in a session of its own saw no wait over 0.2 s at the same moments. A request
-whose stream spans such a wait measures the client, not the engines: ``undisturbed`` keeps the requests
-clear of every stall.
+whose stream spans such a wait measures the client, not the engines. ``replay_apart`` runs a replay and its
+watcher in a session of their own (then the client has a share of its own); ``undisturbed`` keeps the
+requests clear of every stall that still came.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import json
 import random
 import statistics
@@ -31,6 +33,7 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import fields
+from pathlib import Path
 
 from orchestrator.autoscale import traces
 from orchestrator.autoscale.profile import EngineLimits, Grid1D, Grid2D, PerformanceProfile
@@ -139,6 +142,35 @@ def client_stalls(threshold_s: float = STALL_S) -> Iterator[list[tuple[float, fl
         stalls.extend((float(start), float(end)) for start, end in (line.split() for line in out.splitlines()))
 
 
+def replay_apart(
+    proxy_url: str, model: str, trace: list[TraceRequest], headers: dict[str, str] | None = None
+) -> tuple[list[dict], list[tuple[float, float]]]:
+    """``replay`` in a process of a session of its own, and the stalls (``client_stalls``) seen in that session."""
+    job = {"proxy_url": proxy_url, "model": model, "trace": [dataclasses.astuple(r) for r in trace], "headers": headers}
+    done = subprocess.run(
+        [sys.executable, "-m", "lab.fidelity"],
+        input=json.dumps(job),
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parents[1],  # the repository: lab, orchestrator
+        start_new_session=True,
+        check=False,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"the replay's process failed ({done.returncode}):\n{done.stderr[-4000:]}")
+    result = json.loads(done.stdout)
+    return result["answers"], [(start, end) for start, end in result["stalls"]]
+
+
+def _replay_job() -> None:
+    """``replay_apart``'s process: the job on stdin, the answers and stalls on stdout."""
+    job = json.load(sys.stdin)
+    trace = [TraceRequest(*row) for row in job["trace"]]
+    with client_stalls() as stalls:
+        answers = replay(job["proxy_url"], job["model"], trace, job["headers"])
+    json.dump({"answers": answers, "stalls": stalls}, sys.stdout)
+
+
 def undisturbed(answers: list[dict], stalls: list[tuple[float, float]], settle_s: float = SETTLE_S) -> list[int]:
     """The indices of ``replay``'s answers that neither failed nor overlapped a stall (or the ``settle_s`` after
     it)."""
@@ -204,3 +236,7 @@ def mean_profile(a: PerformanceProfile, b: PerformanceProfile, name: str, proven
             list(a.transfer.x), [(v + b.transfer(x)) / 2 for x, v in zip(a.transfer.x, a.transfer.y, strict=True)]
         ),
     )
+
+
+if __name__ == "__main__":
+    _replay_job()

@@ -56,12 +56,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script:
 
 from lab.fidelity import (  # noqa: E402
     TOLERANCE,
-    client_stalls,
     compare,
     mean_profile,
     prefill_capacity_rps,
     quantile,
-    replay,
+    replay_apart,
     within,
 )
 from orchestrator.autoscale import traces  # noqa: E402
@@ -537,9 +536,11 @@ def main() -> None:
         status = json.loads(pdserve("status", "--json").stdout)
         replay_start = time.time()
         sampler = EngineSampler(args.sample_engines) if args.sample_engines else None
-        with sampler or contextlib.nullcontext(), client_stalls() as stalls:
+        stalls = []
+        with sampler or contextlib.nullcontext():
             for name, (_, trace) in cases.items():  # one after the other: each replay ends when its last answer did
-                measured[name] = replay(status["proxy_url"], status["model"], trace)
+                measured[name], seen = replay_apart(status["proxy_url"], status["model"], trace)
+                stalls += seen
         status = json.loads(pdserve("status", "--json").stdout)
         autoscaler = status.get("autoscaler") or {}
         if autoscaler and spec.autoscaling is not None:

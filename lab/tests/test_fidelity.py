@@ -60,3 +60,32 @@ def test_a_watcher_held_still_is_a_stall_and_requests_near_it_are_left_out():
     ]
     assert fidelity.undisturbed(answers, stalls) == [0, 3]
     assert fidelity.undisturbed(answers, []) == [0, 1, 2, 3]
+
+
+def test_a_replay_apart_streams_every_request_from_a_process_of_its_own():
+    import http.server
+    import threading
+
+    class Stream(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 - http.server's name
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(200)
+            self.send_header("X-PDServe-Path", "disaggregated")
+            self.end_headers()
+            for _ in range(3):
+                self.wfile.write(b'data: {"choices": [{"text": "x"}]}\n\n')
+                self.wfile.flush()
+            self.wfile.write(b"data: [DONE]\n\n")
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Stream)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        trace = [traces.TraceRequest(0.0, 8, 3), traces.TraceRequest(0.1, 8, 3)]
+        answers, stalls = fidelity.replay_apart(f"http://127.0.0.1:{server.server_port}", "m", trace)
+    finally:
+        server.shutdown()
+    assert [(a["chunks"], a["path"]) for a in answers] == [(3, "disaggregated")] * 2
+    assert all(a["sent_at"] <= a["ended_at"] for a in answers) and isinstance(stalls, list)
