@@ -14,7 +14,6 @@ expired): no blocks stay held. Its own cluster, after the shared one.
 from __future__ import annotations
 
 import concurrent.futures
-import time
 from collections.abc import Iterator
 
 import pytest
@@ -110,10 +109,7 @@ def test_reads_that_would_outlive_the_lease_are_recomputed_never_served(window_c
         refused = metric_values(decode_url, "pdserve:kv_refused_total", "kind").get("params", 0)
         return failed + refused - counted_before
 
-    deadline = time.monotonic() + 20
-    while counted() != expired and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert counted() == expired
+    assert eventually(counted, expired, timeout_s=20) == expired
     # and every lease ended: read, released by the decode engine when its read was late, or expired; none
     # holds blocks. Which of the last two a late read gives depends on the machine's speed (on a fast one the
     # decode engine released each in time); expiry alone is test_pdserve_connector's
