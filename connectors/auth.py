@@ -3,9 +3,9 @@
 One secret per cluster (``pdserve up`` makes it: 32 random bytes, URL-safe
 text). It reaches a process only through the environment
 (``PDSERVE_CLUSTER_SECRET``) or a file named by ``PDSERVE_CLUSTER_SECRET_FILE``;
-it is never printed, logged or written into a config or a command line. Three
+it is never printed, logged or written into a config or a command line. Two
 keys are derived from it (HMAC-SHA256 with a fixed label each), so holding one
-does not give another:
+does not give the other:
 
 - the **engine key** (``engine_key``): the key of every engine's HTTP server
   (vLLM's ``VLLM_API_KEY``; ``orchestrator.engine_guard`` asks it on every
@@ -14,8 +14,10 @@ does not give another:
 - the **KV key** (``KVAuth``): engines only. It seals every side-channel
   message (handshake, its answer, release, report query, ping) and MACs the
   ``kv_transfer_params`` a prefill engine issues.
-- the **tier key** (``tier_key``): engines only. It MACs every KV tier entry,
-  so an entry another cluster (or a local user) wrote is refused as corrupt.
+
+The KV tier's entries are MAC'd under a key of the tier's own, kept in its
+directory (``connectors.tier.key``), not under one of this secret: the secret is
+new at every ``pdserve up``, and the tier outlives the cluster.
 
 A sealed message is ASCII framing around its body (so a sealed release or
 report query travels in JSON as a string; the proxy sends it unchanged)::
@@ -88,7 +90,7 @@ ENGINE_KEY_ENV = "VLLM_API_KEY"
 """Where vLLM's server takes its ``--api-key`` from (so the key is on no command line)."""
 
 SEALED_MAGIC = b"PDS1"
-KINDS = (b"handshake", b"handshake-reply", b"release", b"report", b"ping", b"read")
+KINDS = (b"handshake", b"handshake-reply", b"release", b"report", b"ping", b"read", b"pin")
 LIVE_TTL_S = 60.0
 """How long a message made for sending now is valid (clocks of the cluster's hosts may differ by this much)."""
 MAX_MESSAGE_TTL_S = 24 * 3600.0
@@ -198,6 +200,7 @@ MACED_FIELDS = (
     wire.BLOCK_SIZE,
     wire.PDSERVE_EXPIRES,
     wire.PDSERVE_READER,
+    wire.PDSERVE_EPOCH,
 )
 
 
@@ -336,6 +339,6 @@ def load_engine_key(environ: Mapping[str, str] | None = None) -> str:
 
 
 def tier_key(secret: ClusterSecret) -> bytes:
-    """The KV tier's MAC key (``connectors.tier.store``): engines that share a tier directory share it, so only
-    engines holding the same cluster secret accept each other's entries."""
+    """What MAC'd the KV tier's entries of format 2 (before the tier kept a key of its own, ``connectors.tier.key``):
+    no longer used by the tier. Kept only for ``tests/unit/test_cli.py``, which still names it; remove both."""
     return _derive(secret, _TIER_KEY_LABEL)

@@ -129,6 +129,8 @@ class HandshakeResponse:
     """The transports this rank can serve reads over (``connectors.transport``)."""
     payloads: Mapping[str, bytes] = dataclasses.field(default_factory=dict)
     """What a reader needs per transport other than NIXL (whose payload is ``agent_metadata``)."""
+    epoch: str = ""
+    """This start of the engine (``connectors.identity.engine_epoch``): a reader's mapping belongs to one start."""
     node: str = ""
     """This rank's node (``connectors.transport.node_identity``): a reader on the same node may take a
     node-local transport."""
@@ -173,6 +175,7 @@ def encode_response(response: HandshakeResponse, codec: PayloadCodec | None = No
             for name, data in response.payloads.items()
         },
         "node": response.node,
+        "epoch": response.epoch,
     }
     return _encode(response.protocol_version, response.compatibility_hash, payload, codec)
 
@@ -246,6 +249,7 @@ def decode_response(data: bytes | bytearray | memoryview, local_topology: KVTopo
         transports=_transports_field(payload),
         payloads=_payloads_field(payload, codec),
         node=str(payload.get("node") or ""),
+        epoch=str(payload.get("epoch") or "")[:64],
         compatibility_hash=hash_hex,
     )
     _check_pair(response.topology, hash_hex, reader=local_topology, source=response.topology)

@@ -1,13 +1,15 @@
 """Prefill side of the pdserve connector's worker: the blocks of finished requests, held for their readers.
 
 ``hold`` puts a request's blocks under a ``LeaseTable`` lease (the scheduler
-side asks, one step after the request finished). ``poll`` turns the
-transports' READ notifications (each says how many decode ranks will read this
-rank; CUDA IPC readers send theirs over the side channel: ``notifications_in``)
-and the side channel's releases into lease ends, expires leases, and
-returns the ended ones: vLLM frees their blocks ("finished sending"). A READ
-notification or a release can arrive before the hold (the hold comes with the
-next scheduler step): it waits, up to a lease's life, for its lease.
+side asks, one step after the request finished). The side channel's thread
+answers readers' pins at once (``pin``: the lease table decides, under its
+lock), and queues releases and READ notifications that came over it
+(``releases_in``, ``notifications_in``: CUDA IPC readers send theirs there).
+``poll`` turns those and the transports' READ notifications into lease ends,
+expires leases, and returns the ended ones: vLLM frees their blocks
+("finished sending"). A READ notification or a release can arrive before the
+hold (the hold comes with the next scheduler step): it waits, up to a lease's
+life, for its lease; a pin that comes first is answered WAIT and asked again.
 """
 
 from __future__ import annotations
@@ -20,9 +22,15 @@ from connectors.leases import LeaseState, LeaseTable, parse_read_notification
 from connectors.stats import PdserveKVStats
 from connectors.transport.group import WorkerTransports
 
-__all__ = ["LeaseHolder"]
+__all__ = ["LeaseHolder", "parse_release"]
 
 _LEASE_OUTCOMES = {LeaseState.READ: "read", LeaseState.RELEASED: "released", LeaseState.EXPIRED: "expired"}
+
+
+def parse_release(body: str) -> tuple[str, str | None]:
+    """``(request_id, reader)`` of a release's body: ``request_id``, or ``request_id reader`` for a reader's own."""
+    request_id, _, reader = body.partition(" ")
+    return request_id, reader or None
 
 
 @dataclass(slots=True)
@@ -30,29 +38,41 @@ class _LeaseEvent:
     """A READ notification or release that came before this worker held the lease."""
 
     what: str  # "read" or "release"
-    reader: str
+    reader: str | None
     expected_reads: int | None
     seen_at: float
 
 
 class LeaseHolder:
     """The prefill side of one TP rank; ``releases_in`` and ``notifications_in`` are fed by the side-channel
-    thread."""
+    thread, which also calls ``pin``."""
 
-    def __init__(self, engine_id: str, lease_ttl_s: float) -> None:
+    def __init__(self, engine_id: str, lease_ttl_s: float, *, grace_s: float = 2.0, epoch: str = "") -> None:
         self.lease_ttl_s = lease_ttl_s
-        self._leases = LeaseTable(lease_ttl_s, engine_id=engine_id)
+        self._leases = LeaseTable(lease_ttl_s, engine_id=engine_id, grace_s=grace_s, epoch=epoch)
         self._holding: set[str] = set()
         self._early: dict[str, list[_LeaseEvent]] = {}
         self._stats = PdserveKVStats()
         self.releases_in: queue.SimpleQueue[str] = queue.SimpleQueue()
         self.notifications_in: queue.SimpleQueue[tuple[str, bytes]] = queue.SimpleQueue()
 
+    @property
+    def leases(self) -> LeaseTable:
+        return self._leases
+
     def hold(self, request_id: str, block_ids: tuple[int, ...]) -> None:
         self._leases.hold(request_id, block_ids)
         self._holding.add(request_id)
         for event in self._early.pop(request_id, ()):
             self._apply_lease_event(request_id, event)
+
+    def pin(self, body: str) -> bytes:
+        """A reader's pin (``reader request_id epoch``), from the side-channel thread: ``OK``, ``WAIT`` or ``GONE``."""
+        reader, _, rest = body.partition(" ")
+        request_id, _, epoch = rest.partition(" ")
+        if not reader or not request_id:
+            return b"ERR malformed pin"
+        return self._leases.pin(request_id, reader, epoch or None).value.encode()
 
     def add_notification(self, reader: str, message: bytes) -> None:
         """A READ notification that came over the side channel (from the side-channel thread)."""
@@ -64,11 +84,12 @@ class LeaseHolder:
         # Leases past their end expire before this step's events: a release or READ notification that came
         # after a lease's end is late (counted so), not the lease's outcome.
         self._leases.expire()
-        for reader, message in transports.poll_notifications() + _drain(self.notifications_in):
-            request_id, expected_reads = parse_read_notification(message)
-            self._lease_event(request_id, _LeaseEvent("read", reader, expected_reads, now))
-        for request_id in _drain(self.releases_in):
-            self._lease_event(request_id, _LeaseEvent("release", "", None, now))
+        for sender, message in transports.poll_notifications() + _drain(self.notifications_in):
+            request_id, expected_reads, reader = parse_read_notification(message)
+            self._lease_event(request_id, _LeaseEvent("read", reader or sender, expected_reads, now))
+        for body in _drain(self.releases_in):
+            request_id, reader = parse_release(body)
+            self._lease_event(request_id, _LeaseEvent("release", reader, None, now))
         for request_id, events in list(self._early.items()):
             if now - events[0].seen_at > self.lease_ttl_s:
                 del self._early[request_id]
@@ -78,17 +99,21 @@ class LeaseHolder:
         self._holding.difference_update(finished)
         return set(finished)
 
+    def tracked(self) -> int:
+        """How many request ids this rank keeps anything of (leases, early events; ended leases it remembers)."""
+        return len(self._holding) + len(self._early)
+
     def _lease_event(self, request_id: str, event: _LeaseEvent) -> None:
-        if request_id not in self._holding:
+        if request_id not in self._holding and not self._leases.has_ended(request_id):
             self._early.setdefault(request_id, []).append(event)
         else:
             self._apply_lease_event(request_id, event)
 
     def _apply_lease_event(self, request_id: str, event: _LeaseEvent) -> None:
         if event.what == "read":
-            self._leases.mark_read(request_id, event.reader, event.expected_reads)
+            self._leases.mark_read(request_id, event.reader or "", event.expected_reads)
         else:
-            self._leases.release(request_id)
+            self._leases.release(request_id, by=event.reader)
 
     def take_stats(self) -> PdserveKVStats:
         stats, self._stats = self._stats, PdserveKVStats()

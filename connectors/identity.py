@@ -20,7 +20,19 @@ from __future__ import annotations
 
 import hashlib
 import os
+import secrets
 from pathlib import Path
+
+ENGINE_EPOCH_ENV = "PDSERVE_ENGINE_EPOCH"
+"""One start of an engine: set by the engine actor before vLLM starts, so that its scheduler and every worker
+process agree; a process started without it draws its own."""
+
+
+def engine_epoch() -> str:
+    """This start of the engine (hex): signed into the KV parameters it issues and answered in its handshakes and
+    pins, so a reader never reads through a mapping of another start of the same engine id and port."""
+    return os.environ.setdefault(ENGINE_EPOCH_ENV, secrets.token_hex(8))
+
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 HEAD_BYTES = 64 * 1024

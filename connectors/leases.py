@@ -1,49 +1,52 @@
-"""The prefill engine's bookkeeping of KV blocks it keeps for a remote decode engine.
+"""The prefill side of KV ownership: a lease per request on the blocks kept for a remote decode engine.
 
 When a prefill request finishes with ``do_remote_decode``, the scheduler-side
 connector does not let vLLM free the request's KV blocks: it ``hold``s them in a
 ``LeaseTable`` until the decode side has read them (step 5 of "A request's
-path" in DESIGN.md). Three things end a lease:
+path" in DESIGN.md). A lease is one state machine (``docs/architecture.md``,
+"Who owns a KV block"); the reader's half is ``connectors.ownership.ReadRecord``::
 
-- every expected reader (each decode TP rank that reads this prefill rank)
-  reports its read, through a NIXL notification on the worker side
-  (``mark_read``). The notification (``read_notification``) carries how many
-  readers to expect: only the decode side knows its TP size, and the lease is
-  taken before any reader is known;
-- the proxy sends an explicit release for an abandoned request (``release``);
-- nobody comes before the lease's TTL runs out (``expire``), e.g. the client
-  left or the decode engine died.
+                         hold()
+                           |
+                           v
+       pin(r) -> OK   +--------+  release(), no pin           +----------+
+     +--------------> |  HELD  | ---------------------------> | RELEASED |
+     |                +--------+                              +----------+
+     |                  |    |   expiry at expires_at         +----------+
+     |                  |    +------------------------------> | EXPIRED  |
+     |                  v pin(r)                              +----------+
+     |           +------------+  the last expected READ       +----------+
+     +---------- | BEING_READ | ---------------------------> |   READ   |
+   read by r,    +------------+  notification, no pin left    +----------+
+   readers left    |   |   release(by=r), no pin left         RELEASED
+                   |   +----------------------------------->
+                   |  expiry at expires_at + grace            EXPIRED
+                   +---------------------------------------->
 
-A lease's life cycle::
+    READ, RELEASED, EXPIRED --take_finished()--> FREED: reported once to vLLM ("finished sending")
 
-                     hold()
-                       |
-                       v
-                   +--------+   mark_read() by the last expected reader   +----------+
-                   |  HELD  | ------------------------------------------> |   READ   |
-                   +--------+                                             +----------+
-                    |      |    release()                                 +----------+
-                    |      +--------------------------------------------> | RELEASED |
-                    |                                                     +----------+
-                    |           expire() at or after expires_at           +----------+
-                    +---------------------------------------------------> | EXPIRED  |
-                                                                          +----------+
+- ``pin(request, reader)``: a reader announces its READ over the sealed side
+  channel before it posts it, and posts only on ``PinAnswer.OK``. From then on
+  the blocks stay until that reader's READ notification or its own release
+  (``release(request, by=reader)``: its READ was aborted and drained), or
+  ``expires_at + grace`` if the reader is never heard of again. A release
+  that names no reader (the proxy's, which travels in a plaintext HTTP answer)
+  is refused while any reader holds a pin: nobody can free blocks under a READ
+  in flight. A pin for a lease not held yet is answered ``WAIT`` (the hold
+  comes with the prefill's next step); for one that ended, or from another
+  start of this engine (``epoch``), ``GONE``: the reader then recomputes.
+- A notification or release for a request not held is counted in
+  ``stats().late_notifications`` and ignored; it must never fail the thread
+  that delivers it.
 
-    READ, RELEASED, EXPIRED --take_finished()--> reported once to vLLM as "finished sending", then forgotten
-
-A lease that has left HELD is out of the table at once (``len``,
-``held_block_ids``) and waits only to be reported by ``take_finished``, which
-the connector's ``get_finished`` calls each step, after ``expire()``. A
-notification for a request no longer held (a read after expiry or release) is
-counted in ``stats().late_notifications`` and ignored: it must never fail the
-NIXL notification thread.
-
-Every method takes one lock, because NIXL notifications and the scheduler run
-on different threads. Time comes from an injectable monotonic ``clock``.
+Every method takes one lock: NIXL notifications, the side channel and the
+scheduler run on different threads. Time comes from an injectable monotonic
+``clock``.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import enum
 import heapq
@@ -62,6 +65,7 @@ __all__ = [
     "LeaseState",
     "LeaseStats",
     "LeaseTable",
+    "PinAnswer",
     "parse_read_notification",
     "read_notification",
 ]
@@ -70,35 +74,50 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_LEASE_TTL_S = 120.0
 READ_NOTIFICATION_PREFIX = b"PDRD "
+ENDED_KEPT = 65536
+"""How many ended leases the table remembers (for a lease's life at most): a late pin is answered GONE, not WAIT."""
 
 
-def read_notification(request_id: str, expected_reads: int) -> bytes:
-    """What a reader attaches to its READ of ``request_id``'s blocks: the id and how many readers the source expects."""
+def read_notification(request_id: str, expected_reads: int, reader: str = "") -> bytes:
+    """What a reader attaches to its READ of ``request_id``'s blocks: how many readers the source expects, who
+    read (``reader``, the name it pinned with: no spaces), and the request id."""
     if expected_reads < 1:
         raise LeaseError(f"request {request_id!r}: expected_reads must be at least 1, got {expected_reads}")
-    return READ_NOTIFICATION_PREFIX + f"{expected_reads} ".encode() + request_id.encode()
+    return READ_NOTIFICATION_PREFIX + f"{expected_reads} {reader or '-'} ".encode() + request_id.encode()
 
 
-def parse_read_notification(message: bytes) -> tuple[str, int | None]:
-    """``(request_id, expected_reads)`` of a READ notification.
+def parse_read_notification(message: bytes) -> tuple[str, int | None, str | None]:
+    """``(request_id, expected_reads, reader)`` of a READ notification.
 
-    A bare request id (a reader that does not say) gives None: the lease keeps
-    the count it was held with. Never raises: notifications come from peers.
+    A bare request id (a reader that does not say) gives None for both: the
+    lease keeps the count it was held with, and the transport's name of the
+    peer stands for the reader. Never raises: notifications come from peers.
     """
     if message.startswith(READ_NOTIFICATION_PREFIX):
-        count, separator, request_id = message[len(READ_NOTIFICATION_PREFIX) :].partition(b" ")
-        if separator and count.isdigit() and int(count) >= 1:
-            return request_id.decode(errors="replace"), int(count)
-    return message.decode(errors="replace"), None
+        count, separator, rest = message[len(READ_NOTIFICATION_PREFIX) :].partition(b" ")
+        reader, separator2, request_id = rest.partition(b" ")
+        if separator and separator2 and count.isdigit() and int(count) >= 1 and request_id:
+            name = reader.decode(errors="replace")
+            return request_id.decode(errors="replace"), int(count), None if name == "-" else name
+    return message.decode(errors="replace"), None, None
 
 
 class LeaseState(enum.Enum):
-    """Where a lease is in its life cycle; every state but HELD means the blocks may be freed."""
+    """Where a lease is in its life; HELD and BEING_READ keep the blocks, the others let them be freed."""
 
     HELD = "held"
+    BEING_READ = "being_read"
     READ = "read"
     RELEASED = "released"
     EXPIRED = "expired"
+
+
+class PinAnswer(enum.Enum):
+    """A holder's answer to a reader's pin: post the READ, ask again next step, or recompute."""
+
+    OK = "OK"
+    WAIT = "WAIT"
+    GONE = "GONE"
 
 
 @dataclasses.dataclass(slots=True)
@@ -111,6 +130,7 @@ class BlockLease:
     expires_at: float
     expected_reads: int = 1
     reads_done: set[Hashable] = dataclasses.field(default_factory=set)
+    pins: set[Hashable] = dataclasses.field(default_factory=set)
     state: LeaseState = LeaseState.HELD
 
 
@@ -123,11 +143,15 @@ class LeaseStats:
     released: int = 0
     expired: int = 0
     late_notifications: int = 0
+    pinned: int = 0
+    releases_refused: int = 0
 
 
 class LeaseTable:
     """Leases on KV blocks, keyed by request id; thread-safe.
 
+    ``grace_s`` is how long past its end a lease under a pin waits for its reader (to drain an aborted READ);
+    ``epoch`` names this start of the engine (a pin from parameters of another start is answered GONE);
     ``engine_id`` only labels log messages.
     """
 
@@ -137,18 +161,23 @@ class LeaseTable:
         *,
         clock: Callable[[], float] = time.monotonic,
         engine_id: str = "",
+        grace_s: float = 2.0,
+        epoch: str = "",
     ):
         self._default_ttl_s = _check_ttl(default_ttl_s)
         self._clock = clock
         self._engine_id = engine_id
+        self.grace_s = grace_s
+        self.epoch = epoch
         self._lock = threading.Lock()
         self._leases: dict[str, BlockLease] = {}
-        # (expires_at, sequence, lease): popped in expiry order; an entry whose
-        # lease already left the table is skipped, so nothing is removed eagerly.
+        # (deadline, sequence, lease): popped in deadline order; an entry whose lease already left the table is
+        # skipped, and one whose lease is pinned is pushed again at expires_at + grace.
         self._deadlines: list[tuple[float, int, BlockLease]] = []
         self._sequence = 0
         self._finished: dict[str, LeaseState] = {}  # insertion-ordered: reported in finishing order
-        self._held = self._read = self._released = self._expired = self._late = 0
+        self._ended: collections.OrderedDict[str, float] = collections.OrderedDict()  # id -> when it ended
+        self._counts = collections.Counter[str]()
 
     def hold(
         self,
@@ -179,19 +208,12 @@ class LeaseTable:
                     f"yet reported by take_finished (engine {self._engine_id!r}); it cannot be held again until then"
                 )
             now = self._clock()
-            lease = BlockLease(
-                request_id=request_id,
-                block_ids=blocks,
-                created_at=now,
-                expires_at=now + ttl,
-                expected_reads=expected_reads,
-            )
+            lease = BlockLease(request_id, blocks, now, now + ttl, expected_reads)
             self._leases[request_id] = lease
-            self._sequence += 1
-            heapq.heappush(self._deadlines, (lease.expires_at, self._sequence, lease))
-            self._held += 1
-            # A copy: the table's own lease changes under the lock, the caller's must not.
-            snapshot = dataclasses.replace(lease, reads_done=set())
+            self._ended.pop(request_id, None)
+            self._push_deadline(lease.expires_at, lease)
+            self._counts["held"] += 1
+            snapshot = dataclasses.replace(lease, reads_done=set(), pins=set())
         logger.debug(
             "request %s on engine %s: holding %d blocks for %d reader(s), %.1f s",
             request_id,
@@ -202,30 +224,51 @@ class LeaseTable:
         )
         return snapshot
 
+    def pin(self, request_id: str, reader_id: Hashable, epoch: str | None = None) -> PinAnswer:
+        """A reader is about to READ the request's blocks: OK (they stay until its READ or release), WAIT (not
+        held yet: ask again) or GONE (ended, or the parameters are of another start of this engine)."""
+        with self._lock:
+            if epoch is not None and self.epoch and epoch != self.epoch:
+                answer = PinAnswer.GONE
+            elif (lease := self._leases.get(request_id)) is not None:
+                if not lease.pins:
+                    self._counts["pinned"] += 1
+                lease.pins.add(reader_id)
+                lease.state = LeaseState.BEING_READ
+                answer = PinAnswer.OK
+            else:
+                self._forget_ended(self._clock())
+                answer = PinAnswer.GONE if request_id in self._ended or request_id in self._finished else PinAnswer.WAIT
+        if answer is PinAnswer.GONE:
+            logger.info("request %s on engine %s: pin by %r refused (gone)", request_id, self._engine_id, reader_id)
+        return answer
+
     def mark_read(self, request_id: str, reader_id: Hashable, expected_reads: int | None = None) -> bool:
-        """Record that ``reader_id`` read the request's blocks; True when it was the last expected reader.
+        """Record that ``reader_id`` read the request's blocks; True when that ended the lease.
 
         ``expected_reads``, when given, replaces the lease's count: the readers
-        say how many of them there are. A second notification from the same
-        reader changes nothing. A notification for a request not held
-        (unknown, expired, released, already read) is counted as late and ignored.
+        say how many of them there are. The lease ends READ once that many
+        distinct readers have read and no other reader holds a pin. A
+        notification for a request not held is counted as late and ignored.
         """
         if expected_reads is not None and expected_reads < 1:
             raise LeaseError(f"request {request_id!r}: expected_reads must be at least 1, got {expected_reads}")
         with self._lock:
             lease = self._leases.get(request_id)
             if lease is None:
-                self._late += 1
-                late = True
+                self._counts["late_notifications"] += 1
+                done, late = False, True
             else:
                 late = False
                 if expected_reads is not None:
                     lease.expected_reads = expected_reads
                 lease.reads_done.add(reader_id)
-                done = len(lease.reads_done) >= lease.expected_reads
+                lease.pins.discard(reader_id)
+                done = len(lease.reads_done) >= lease.expected_reads and not lease.pins
                 if done:
                     self._finish(lease, LeaseState.READ)
-                    self._read += 1
+                elif not lease.pins:
+                    lease.state = LeaseState.HELD
         if late:
             logger.info(
                 "request %s on engine %s: read notification from %r for no held lease (late or unknown); ignored",
@@ -233,47 +276,61 @@ class LeaseTable:
                 self._engine_id,
                 reader_id,
             )
-            return False
-        if done:
-            logger.debug(
-                "request %s on engine %s: read by every reader, blocks may be freed", request_id, self._engine_id
-            )
         return done
 
-    def release(self, request_id: str) -> bool:
-        """Free the request's blocks now (the proxy abandoned it); False if it holds no lease."""
+    def release(self, request_id: str, by: Hashable | None = None) -> bool:
+        """Nobody will read the request's blocks: free them (True), unless a READ may be in flight (False).
+
+        ``by`` names a reader giving up its own pin (its READ was aborted and drained); the lease ends once no
+        reader holds one. A release that names no reader (the proxy's) is refused while any reader does.
+        """
         with self._lock:
             lease = self._leases.get(request_id)
+            ended = False
             if lease is not None:
-                self._finish(lease, LeaseState.RELEASED)
-                self._released += 1
+                if by is not None:
+                    lease.pins.discard(by)
+                if lease.pins:
+                    if by is None:
+                        self._counts["releases_refused"] += 1
+                else:
+                    self._finish(lease, LeaseState.RELEASED)
+                    ended = True
         if lease is None:
             logger.debug("request %s on engine %s: release for no held lease; ignored", request_id, self._engine_id)
-            return False
-        logger.debug("request %s on engine %s: released, blocks may be freed", request_id, self._engine_id)
-        return True
+        elif not ended and by is None:
+            logger.warning(
+                "request %s on engine %s: release refused: a READ of its blocks may be in flight", request_id,
+                self._engine_id,
+            )  # fmt: skip
+        return ended
 
     def expire(self, now: float | None = None) -> list[str]:
-        """End every lease whose ``expires_at`` is at or before ``now`` (default: the clock); returns their ids."""
+        """End every lease past its end (``expires_at``; under a pin, ``expires_at + grace_s``); returns their ids."""
         expired: list[BlockLease] = []
         with self._lock:
             if now is None:
                 now = self._clock()
             while self._deadlines and self._deadlines[0][0] <= now:
-                _, _, lease = heapq.heappop(self._deadlines)
-                if self._leases.get(lease.request_id) is lease:
-                    self._finish(lease, LeaseState.EXPIRED)
-                    self._expired += 1
-                    expired.append(lease)
+                deadline, _, lease = heapq.heappop(self._deadlines)
+                if self._leases.get(lease.request_id) is not lease:
+                    continue
+                if lease.pins and deadline < lease.expires_at + self.grace_s:
+                    self._push_deadline(lease.expires_at + self.grace_s, lease)
+                    continue
+                self._finish(lease, LeaseState.EXPIRED)
+                expired.append(lease)
+            self._forget_ended(now)
         for lease in expired:
             logger.warning(
-                "request %s on engine %s: lease on %d blocks expired after %.1f s with %d of %d reads; freeing them",
+                "request %s on engine %s: lease on %d blocks expired after %.1f s with %d of %d reads%s; freeing them",
                 lease.request_id,
                 self._engine_id,
                 len(lease.block_ids),
-                lease.expires_at - lease.created_at,
+                now - lease.created_at,
                 len(lease.reads_done),
                 lease.expected_reads,
+                f" and {len(lease.pins)} reader(s) never heard of again" if lease.pins else "",
             )
         return [lease.request_id for lease in expired]
 
@@ -287,32 +344,60 @@ class LeaseTable:
             finished, self._finished = self._finished, {}
         return finished
 
+    def state_of(self, request_id: str) -> LeaseState | None:
+        """The lease's state while it is in the table or waits to be reported; None otherwise."""
+        with self._lock:
+            lease = self._leases.get(request_id)
+            return lease.state if lease is not None else self._finished.get(request_id)
+
+    def has_ended(self, request_id: str) -> bool:
+        """Whether the table remembers the request's lease as ended (an event for it now is late)."""
+        with self._lock:
+            return request_id in self._ended
+
     def held_block_ids(self) -> set[int]:
-        """Every block id still under a HELD lease."""
+        """Every block id still under a HELD or BEING_READ lease."""
         with self._lock:
             return {block_id for lease in self._leases.values() for block_id in lease.block_ids}
+
+    def pinned_block_ids(self) -> set[int]:
+        """Every block id a reader holds a pin on (a READ from it may be in flight)."""
+        with self._lock:
+            return {block_id for lease in self._leases.values() if lease.pins for block_id in lease.block_ids}
 
     def stats(self) -> LeaseStats:
         """A consistent snapshot of the counters."""
         with self._lock:
-            return LeaseStats(
-                held=self._held,
-                read=self._read,
-                released=self._released,
-                expired=self._expired,
-                late_notifications=self._late,
-            )
+            return LeaseStats(**{field.name: self._counts[field.name] for field in dataclasses.fields(LeaseStats)})
+
+    def tracked(self) -> int:
+        """How many request ids the table still keeps anything of (held, unreported, or remembered as ended)."""
+        with self._lock:
+            return len(self._leases) + len(self._finished) + len(self._ended)
 
     def __len__(self) -> int:
-        """How many leases are HELD."""
+        """How many leases keep their blocks (HELD or BEING_READ)."""
         with self._lock:
             return len(self._leases)
+
+    def _push_deadline(self, deadline: float, lease: BlockLease) -> None:
+        self._sequence += 1
+        heapq.heappush(self._deadlines, (deadline, self._sequence, lease))
 
     def _finish(self, lease: BlockLease, state: LeaseState) -> None:
         # Caller holds the lock. The deadline entry stays in the heap; expire() skips it.
         lease.state = state
         del self._leases[lease.request_id]
         self._finished[lease.request_id] = state
+        self._ended[lease.request_id] = self._clock()
+        self._counts[state.value] += 1
+        while len(self._ended) > ENDED_KEPT:
+            self._ended.popitem(last=False)
+
+    def _forget_ended(self, now: float) -> None:
+        # Caller holds the lock: an ended lease is remembered for a lease's life, long enough for any late pin.
+        while self._ended and next(iter(self._ended.values())) < now - self._default_ttl_s:
+            self._ended.popitem(last=False)
 
 
 def _check_ttl(ttl_s: float) -> float:

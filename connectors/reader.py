@@ -14,29 +14,29 @@ For each request the scheduler side asks to receive (``receive``):
    (``block_ranges.plan_peer_ranges``: its head slice, several remote blocks per
    local block when the remote block size is smaller). The request waits for
    its ranks without holding up the engine's step.
-3. One READ per remote rank, straight into the local cache, each notifying
-   ``read_notification(prefill request id, readers of that rank)`` -- through
-   the transport (NIXL), or over the side channel once the read is done (a
-   transport that cannot, CUDA IPC). Decode rank
-   0 also releases the prefill ranks nobody reads (replicas), so they free
-   their blocks at once.
+3. Each source rank is asked for a pin over its side channel (``ask_pin``):
+   the holder keeps the blocks for this reader until its READ notification or
+   its release, and refuses a release that names no reader meanwhile. Parameters
+   of another start of the prefill engine (``pdserve_epoch``) are answered GONE
+   and never read through an older mapping: a mapping belongs to one start.
+4. One READ per remote rank, straight into the local cache, each notifying
+   ``read_notification(prefill request id, readers of that rank, this reader)``
+   -- through the transport (NIXL), or over the side channel once the read is
+   done (a transport that cannot, CUDA IPC). Decode rank 0 also releases the
+   prefill ranks nobody reads (replicas), so they free their blocks at once.
 
-A READ must end while the prefill's lease on its blocks holds: after that the
-prefill engine may have given them to another request, and a READ of them
-would serve someone else's KV. The parameters say when the lease ends
-(``pdserve_expires``, MAC'd); a READ is posted only before ``expires -
-read_margin_s`` (the margin covers the two hosts' clocks), one still pending
-then is aborted, and one seen done only after it is not trusted: all three
-fail as ``expired`` and the prompt is recomputed. (The lease itself starts when
-the prefill's worker takes it, after the parameters were signed, so it ends
-no earlier than ``pdserve_expires``.)
+A READ must end while the prefill's lease on its blocks holds. The parameters
+say when the lease ends (``pdserve_expires``, MAC'd); a READ is posted only
+before ``expires - read_margin_s`` (the margin covers the two hosts' clocks),
+one still pending then is aborted, and one seen done only after it is not
+trusted: all three fail as ``expired`` and the prompt is recomputed.
 
-``poll`` polls the reads: a request whose READs are all DONE is finished; if
-one FAILED the others are aborted, the request is finished too, its local
-block ids go to ``take_load_errors`` so vLLM recomputes those tokens, and every
-prefill rank is told to release its blocks at once. Every load ends in a
-per-request report (``take_reports``), also kept for the proxy's report
-queries on the side channel (a stream's ``X-PDServe-KV``).
+Each request is one ``connectors.reads.ReadRecord`` (CHECKED, PINNING,
+READING, then DONE, or ABORTED and DRAINED): a failed or aborted load is
+reported to vLLM (its blocks recomputed) only once none of its READs can still
+land, and then every prefill rank is released in this reader's name. Every
+load ends in a per-request report (``take_reports``), also kept for the
+proxy's report queries on the side channel (a stream's ``X-PDServe-KV``).
 """
 
 from __future__ import annotations
@@ -53,35 +53,30 @@ from connectors.auth import KVAuth, Unauthenticated
 from connectors.block_ranges import KVRegions, PlaneRanges, plan_peer_ranges
 from connectors.errors import ConnectorError, HandshakeRejected, TopologyError, TransportError
 from connectors.handshake import HandshakeCache, HandshakeResponse
-from connectors.leases import read_notification
+from connectors.leases import PinAnswer, read_notification
 from connectors.metadata import ReceiveSpec
 from connectors.options import ConnectorSettings
-from connectors.side_channel import RecentReports, ReleaseSender, report_key, request_handshake
+from connectors.reads import ReadPhase, ReadRecord
+from connectors.side_channel import RecentReports, ReleaseSender, ask_pin, report_key, request_handshake
 from connectors.stats import PdserveKVStats, PdserveWorkerMeta
 from connectors.topology import KVTopology, reader_ranks, source_ranks
 from connectors.transport import common_transports, node_identity, where
-from connectors.transport.base import Transfer, TransferState
+from connectors.transport.base import Transfer
 from connectors.transport.group import WorkerTransports
 
-__all__ = ["KVReader", "peer_name"]
+__all__ = ["KVReader", "mapping_name", "peer_name"]
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
-class _Failure:
-    spec: ReceiveSpec
-    kind: str  # one of connectors.stats.FAILURE_KINDS
-    reason: str
-
-
-@dataclass(slots=True)
 class _Handshake:
-    """A handshake with one remote rank, running on the handshake pool."""
+    """A handshake with one remote rank for one start of it (``epoch``), running on the handshake pool."""
 
     engine_id: str
     tp_rank: int
     tp_size: int
+    epoch: str
     future: Future[HandshakeResponse]
 
 
@@ -94,23 +89,26 @@ class _SourceRank:
     transport: str
 
 
-@dataclass(slots=True)
-class _RequestReads:
-    """One request's READs, one per remote rank it reads, and the notifications owed to sources over their
-    side channels (``(endpoint, notification)``, for READs whose transport does not send them)."""
-
-    spec: ReceiveSpec
-    reads: list[Transfer]
-    notifications: list[tuple[str, bytes]]
-
-
 def peer_name(engine_id: str, tp_rank: int) -> str:
-    """The transport's name of a remote engine's rank."""
+    """The name of an engine's rank (a reader's name in pins, releases and READ notifications)."""
     return f"{engine_id}/rank{tp_rank}"
 
 
+def mapping_name(engine_id: str, tp_rank: int, epoch: str) -> str:
+    """The transport's name of one start of a remote rank: a mapping of another start is never used."""
+    return f"{peer_name(engine_id, tp_rank)}@{epoch}" if epoch else peer_name(engine_id, tp_rank)
+
+
+def _rank_of(name: str) -> str:
+    return name.rpartition("/rank")[2].partition("@")[0]
+
+
 class KVReader:
-    """The decode side of one TP rank; driven by the model runner's thread (``attach`` once caches exist)."""
+    """The decode side of one TP rank; driven by the model runner's thread (``attach`` once caches exist).
+
+    Each request is one ``connectors.reads.ReadRecord`` in ``_records`` from ``receive`` until it ends (DONE or
+    DRAINED) and is reported by ``poll``; nothing else is kept by request id.
+    """
 
     def __init__(self, engine_id: str, settings: ConnectorSettings, auth: KVAuth, answered: RecentReports) -> None:
         self.engine_id = engine_id
@@ -123,15 +121,14 @@ class KVReader:
         self._stats = PdserveKVStats()
         self._reports: dict[str, dict[str, Any]] = {}
         self._releases_out = ReleaseSender(engine_id, auth)
-        # remote ranks are keyed by peer_name(engine_id, rank)
+        # remote ranks are keyed by mapping_name(engine_id, rank, epoch)
         self._handshakes = HandshakeCache()
         self._handshake_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="pdserve-handshake")
         self._handshaking: dict[str, _Handshake] = {}
         self._peers: dict[str, _SourceRank] = {}
         self._peer_failures: dict[str, tuple[str, str]] = {}  # failed handshakes: (kind, reason)
-        self._waiting_for_peer: dict[str, tuple[ReceiveSpec, tuple[int, ...]]] = {}
-        self._reads: dict[str, _RequestReads] = {}
-        self._failed_now: list[_Failure] = []
+        self._records: dict[str, ReadRecord] = {}
+        self._pins: dict[tuple[str, str], Future[PinAnswer]] = {}  # (request id, source) -> its pin, asked
         self._load_error_block_ids: set[int] = set()
         self._faults = random.Random(settings.fault_injection.seed)
         self._clock = time.time  # wall clock: the prefill host's lease end is a unix time
@@ -141,63 +138,117 @@ class KVReader:
         self._transport, self._topology = transport, topology
         self._kernel_blocks_per_block = kernel_blocks_per_block
 
+    @property
+    def name(self) -> str:
+        """This rank's name in pins, releases and READ notifications."""
+        return peer_name(self.engine_id, self._require_topology().tp_rank)
+
+    def tracked(self) -> int:
+        """How many requests this rank keeps anything of (records, pins asked, reports not yet taken)."""
+        return len(self._records) + len(self._pins) + len(self._reports)
+
     def receive(self, spec: ReceiveSpec) -> None:
-        """Start loading ``spec``'s KV: handshakes as needed, then its READs (``poll`` follows them)."""
+        """Start loading ``spec``'s KV: handshakes as needed, then pins, then its READs (``poll`` follows them)."""
         self._require_transport()
         topology = self._require_topology()
         remote = spec.remote
-        if spec.failure:
-            self.fail(spec, "internal", f"the scheduler side could not plan the read: {spec.failure}")
-            return
-        if self._past_read_window(spec):
-            return
-        failure_rate = self.settings.fault_injection.read_failure_rate
-        if failure_rate and self._faults.random() < failure_rate:
-            self.fail(spec, "injected", f"fault injection (read_failure_rate={failure_rate})")
-            return
+        epoch = remote.pdserve_epoch or ""
         try:
             ranks = source_ranks(topology, remote.tp_size)
         except TopologyError as e:
-            self.fail(spec, "incompatible", f"cannot read from prefill TP {remote.tp_size}: {e}")
+            ranks, failure = (), ("incompatible", f"cannot read from prefill TP {remote.tp_size}: {e}")
+        else:
+            failure = None
+        record = ReadRecord(
+            spec,
+            tuple(mapping_name(remote.remote_engine_id, rank, epoch) for rank in ranks),
+            self._read_deadline(spec),
+            drain_timeout_s=self.settings.transfer_timeout_s,
+        )
+        self._records[spec.request_id] = record
+        failure_rate = self.settings.fault_injection.read_failure_rate
+        if spec.failure:
+            failure = ("internal", f"the scheduler side could not plan the read: {spec.failure}")
+        elif failure is None and self._clock() >= record.deadline:
+            failure = ("expired", f"the READ could not be posted {self.settings.read_margin_s:g} s before the end "
+                       "of the prefill's lease: its blocks may be another request's by then")  # fmt: skip
+        elif failure is None and failure_rate and self._faults.random() < failure_rate:
+            failure = ("injected", f"fault injection (read_failure_rate={failure_rate})")
+        if failure is not None:
+            record.fail(*failure, now=self._clock())
             return
         timeout_s = self.settings.handshake_timeout_s
-        for rank in ranks:
-            name = peer_name(remote.remote_engine_id, rank)
-            if name in self._peers or name in self._handshaking:
+        for rank, key in zip(ranks, record.sources, strict=True):
+            if key in self._peers or key in self._handshaking:
                 continue
-            self._peer_failures.pop(name, None)
+            self._peer_failures.pop(key, None)
             endpoint = remote.side_channel(rank)
             future = self._handshake_pool.submit(
-                self._handshakes.get_or_handshake,
-                remote.remote_engine_id,
-                lambda endpoint=endpoint: request_handshake(self.engine_id, topology, endpoint, self._auth, timeout_s),
-                rank,
+                self._handshake_with, remote.remote_engine_id, rank, epoch, endpoint, timeout_s
             )
-            self._handshaking[name] = _Handshake(remote.remote_engine_id, rank, remote.tp_size, future)
-        self._waiting_for_peer[spec.request_id] = (spec, ranks)
-        self._post_reads()
+            self._handshaking[key] = _Handshake(remote.remote_engine_id, rank, remote.tp_size, epoch, future)
+        self._advance()
 
-    def _post_reads(self) -> None:
-        """Connect finished handshakes, then post the READs of every request whose remote ranks are ready."""
-        for name, handshake in list(self._handshaking.items()):
+    def _handshake_with(
+        self, engine_id: str, rank: int, epoch: str, endpoint: str, timeout_s: float
+    ) -> HandshakeResponse:
+        """The handshake of ``engine_id``'s rank: the cached one if of start ``epoch``, else a fresh one."""
+        topology = self._require_topology()
+
+        def handshake() -> HandshakeResponse:
+            return request_handshake(self.engine_id, topology, endpoint, self._auth, timeout_s)
+
+        response = self._handshakes.get_or_handshake(engine_id, handshake, rank)
+        if epoch and response.epoch != epoch:  # the rank restarted since we cached it (or the params are old)
+            self._handshakes.invalidate(engine_id, rank)
+            response = self._handshakes.get_or_handshake(engine_id, handshake, rank)
+        return response
+
+    def _advance(self) -> None:
+        """Move every record as far as it can go now: handshakes, pins, posts, polls."""
+        for key, handshake in list(self._handshaking.items()):
             if handshake.future.done():
-                del self._handshaking[name]
-                self._connect_peer(name, handshake)
-        for request_id, (spec, ranks) in list(self._waiting_for_peer.items()):
-            names = [peer_name(spec.remote.remote_engine_id, rank) for rank in ranks]
-            if any(name in self._handshaking for name in names):
+                del self._handshaking[key]
+                self._connect_peer(key, handshake)
+        for (request_id, source), future in list(self._pins.items()):
+            if not future.done():
                 continue
-            del self._waiting_for_peer[request_id]
-            if self._past_read_window(spec):
+            del self._pins[(request_id, source)]
+            error = future.exception()
+            answer = None if error is not None else future.result()
+            record = self._records.get(request_id)
+            if record is None or record.ended:
+                if answer is PinAnswer.OK:  # granted after the load ended: give it back
+                    self._release_source(request_id, source, record)
                 continue
-            missing = [name for name in names if name not in self._peers]
-            if missing:
-                failure = self._peer_failures.get(missing[0], ("unreachable", f"no handshake with {missing[0]}"))
-                self.fail(spec, *failure)
-                continue
-            self._post_read(spec, names)
+            record.pin_answered(source, answer, str(error or ""))
+        now = self._clock()
+        for record in self._records.values():
+            if record.phase is ReadPhase.CHECKED:
+                if any(key in self._handshaking for key in record.sources):
+                    continue
+                missing = [key for key in record.sources if key not in self._peers]
+                if missing:
+                    failure = self._peer_failures.get(missing[0], ("unreachable", f"no handshake with {missing[0]}"))
+                    record.fail(*failure, now=now)
+                    continue
+                record.sources_known()
+            if record.phase is ReadPhase.PINNING:
+                for source in record.pins_to_ask():
+                    self._ask_pin(record, source)
+                if record.ready_to_post(now):
+                    self._post_read(record)
+            record.poll(now)
 
-    def _connect_peer(self, name: str, handshake: _Handshake) -> None:
+    def _ask_pin(self, record: ReadRecord, source: str) -> None:
+        params = record.spec.remote
+        endpoint = params.side_channel(int(_rank_of(source)))
+        self._pins[(record.request_id, source)] = self._handshake_pool.submit(
+            ask_pin, endpoint, self._auth, self.name, params.remote_request_id, params.pdserve_epoch or "",
+            self.settings.handshake_timeout_s,
+        )  # fmt: skip
+
+    def _connect_peer(self, key: str, handshake: _Handshake) -> None:
         future = handshake.future
         try:
             response = future.result()
@@ -205,22 +256,35 @@ class KVReader:
             if remote.tp_size != handshake.tp_size:
                 raise HandshakeRejected(
                     "incompatible",
-                    [f"{name} has TP size {remote.tp_size}, its kv_transfer_params said {handshake.tp_size}"],
+                    [f"{key} has TP size {remote.tp_size}, its kv_transfer_params said {handshake.tp_size}"],
                 )
+            if handshake.epoch and response.epoch != handshake.epoch:
+                self._peer_failures[key] = (
+                    "gone",
+                    f"{key}: that start of the engine is over (it answers as start {response.epoch or '?'})",
+                )
+                return
             local_topology = self._require_topology()
             ranges = plan_peer_ranges(local_topology, remote)
-            chosen = self._add_peer(name, response, ranges)
+            chosen = self._add_peer(key, response, ranges)
         except HandshakeRejected as e:
-            self._peer_failed(name, handshake, e.kind, f"handshake refused: {e}")
+            self._peer_failed(key, handshake, e.kind, f"handshake refused: {e}")
             return
         except Unauthenticated as e:
-            self._peer_failed(name, handshake, "unauthenticated", str(e))
+            self._peer_failed(key, handshake, "unauthenticated", str(e))
             return
         except ConnectorError as e:
-            self._peer_failed(name, handshake, "unreachable" if future.exception() else "incompatible", str(e))
+            self._peer_failed(key, handshake, "unreachable" if future.exception() else "incompatible", str(e))
             return
         readers = len(reader_ranks(remote.tp_rank, local_topology, remote))
-        self._peers[name] = _SourceRank(remote, readers, chosen)
+        self._peers[key] = _SourceRank(remote, readers, chosen)
+        self._drop_other_starts(key)
+
+    def _drop_other_starts(self, key: str) -> None:
+        """Remove the mappings of other starts of ``key``'s rank that no READ uses any more: never read again."""
+        rank = key.partition("@")[0]
+        for other in [name for name in self._peers if name != key and name.partition("@")[0] == rank]:
+            self._remove_peer_if_unused(other)
 
     def _add_peer(self, name: str, response: HandshakeResponse, ranges: PlaneRanges) -> str:
         """Add the peer to the best transport both sides have that can reach it; returns that transport's name."""
@@ -258,25 +322,23 @@ class KVReader:
         log = logger.error if kind in ("incompatible", "version") else logger.warning
         log("engine %s: cannot exchange KV with %s (%s): %s", self.engine_id, name, kind, reason)
 
-    def _post_read(self, spec: ReceiveSpec, names: list[str]) -> None:
+    def _post_read(self, record: ReadRecord) -> None:
+        spec, names = record.spec, record.sources
         remote = spec.remote
         transports = self._require_transport()
         reads: list[Transfer] = []
-        notifications: list[tuple[str, bytes]] = []
         try:
             for name in names:
                 source = self._peers[name]
                 transport = transports.get(source.transport)
                 local_ids, remote_ids = self._kernel_block_ids(spec, source.topology)
-                notify = read_notification(remote.remote_request_id, source.expected_reads)
+                notify = read_notification(remote.remote_request_id, source.expected_reads, self.name)
                 reads.append(transport.read_blocks(name, local_ids, remote_ids, notify=notify))
-                if not transport.notifies_source:
-                    notifications.append((remote.side_channel(source.topology.tp_rank), notify))
         except ConnectorError as e:
-            for read in reads:
-                read.abort("another READ of the request could not be posted")
-            self.fail(spec, "transport", str(e))
+            record.posted(reads)
+            record.fail("transport", str(e), self._clock())
             return
+        record.posted(reads)
         logger.debug(
             "request %s on engine %s: READs of %d blocks from %s posted",
             spec.request_id,
@@ -284,7 +346,6 @@ class KVReader:
             len(spec.local_block_ids),
             ", ".join(names),
         )
-        self._reads[spec.request_id] = _RequestReads(spec, reads, notifications)
         if self._require_topology().tp_rank == 0:
             self._release_unread_ranks(spec, self._peers[names[0]].topology)
 
@@ -294,7 +355,7 @@ class KVReader:
         params = spec.remote
         for rank in range(remote.tp_size):
             if not reader_ranks(rank, local, remote):
-                self._releases_out.release(params.side_channel(rank), params.remote_request_id)
+                self._releases_out.release(params.side_channel(rank), params.remote_request_id, self.name)
 
     def _kernel_block_ids(self, spec: ReceiveSpec, remote: KVTopology) -> tuple[list[int], list[int]]:
         """The request's local and remote blocks as the cache tensors count them, local ones trimmed to the read.
@@ -316,120 +377,129 @@ class KVReader:
         return local_ids[: -(-len(remote_ids) // ratio)], remote_ids
 
     def fail(self, spec: ReceiveSpec, kind: str, reason: str) -> None:
-        """Fail ``spec``'s load (reported by the next ``poll``; vLLM recomputes its prompt)."""
-        self._failed_now.append(_Failure(spec, kind, reason))
+        """Fail ``spec``'s load (reported by a later ``poll`` once no READ of it can land; vLLM recomputes)."""
+        record = self._records.get(spec.request_id)
+        if record is None:
+            record = self._records[spec.request_id] = ReadRecord(spec, (), self._read_deadline(spec))
+        record.fail(kind, reason, self._clock())
 
     def _read_deadline(self, spec: ReceiveSpec) -> float:
         """The wall-clock time by which ``spec``'s READs must be over (its lease's end less the margin)."""
         expires = spec.remote.pdserve_expires
         return float("inf") if expires is None else expires - self.settings.read_margin_s
 
-    def _past_read_window(self, spec: ReceiveSpec, what: str = "posted") -> bool:
-        """Fail ``spec`` as expired (True) if its READs can no longer end inside the prefill's lease."""
-        late_s = self._clock() - self._read_deadline(spec)
-        if late_s < 0:
-            return False
-        self.fail(
-            spec,
-            "expired",
-            f"the READ would be {what} {late_s:.1f} s past the end of the prefill's lease less "
-            f"{self.settings.read_margin_s:g} s: its blocks may be another request's by then",
-        )
-        return True
-
     def poll(self) -> tuple[set[str], set[str]]:
-        """``(finished_recving, failed_recving)`` since the last call; a failed load is in both."""
+        """``(finished_recving, failed_recving)`` since the last call; a failed load is in both.
+
+        A request is reported only when its record ended: DONE, or DRAINED (no READ of it can land any more).
+        """
         if self._transport is None:
             return set(), set()
-        self._post_reads()
+        self._advance()
         finished: set[str] = set()
-        for request_id, group in list(self._reads.items()):
-            states = [read.poll() for read in group.reads]
-            failed_read = next((read for read in group.reads if read.state is TransferState.FAILED), None)
-            spec = group.spec
-            if failed_read is None and TransferState.PENDING in states:
-                if self._past_read_window(spec, "pending"):
-                    del self._reads[request_id]
-                    for read in group.reads:
-                        read.abort("the prefill's lease on its blocks is ending")
-                continue
-            del self._reads[request_id]
-            if failed_read is None and self._past_read_window(spec, "seen done"):
-                continue  # done, but maybe after the blocks were freed: not trusted
-            if failed_read is not None:
-                for read in group.reads:
-                    read.abort(f"the READ from {failed_read.peer} failed")
-                self.fail(spec, "transport", f"KV read failed: {failed_read.failure_reason}")
-                self._forget_peer(failed_read.peer)
-                continue
-            finished.add(request_id)
-            self._notify_sources(group)
-            num_bytes = sum(read.num_bytes for read in group.reads)
-            elapsed_s = max((read.elapsed_s for read in group.reads), default=0.0)
-            transport = next((self._peers[read.peer].transport for read in group.reads if read.peer in self._peers), "")
-            self._stats.record_transfer(num_bytes, elapsed_s)
-            self._report(spec, {
-                "source": "transfer",
-                "bytes": num_bytes,
-                "transfer_ms": round(elapsed_s * 1e3, 3),
-                "remote_engine_id": spec.remote.remote_engine_id,
-                "remote_ranks": [read.peer.rpartition("/rank")[2] for read in group.reads],
-                "transport": transport,
-            })  # fmt: skip
-            logger.debug(
-                "request %s on engine %s: read %d bytes from %d rank(s) in %.1f ms",
-                request_id,
-                self.engine_id,
-                num_bytes,
-                len(group.reads),
-                elapsed_s * 1e3,
-            )
         failed: set[str] = set()
-        for failure in self._failed_now:
-            spec = failure.spec
-            failed.add(spec.request_id)
-            self._load_error_block_ids.update(spec.local_block_ids)
-            self._stats.record_failure(failure.kind)
-            self._report(spec, {
-                "source": "recomputed",
-                "reason": failure.kind,
-                "detail": failure.reason[:200],
-                "remote_engine_id": spec.remote.remote_engine_id,
-            })  # fmt: skip
-            # Nobody will read those blocks now: every prefill rank may free them at once.
-            params = spec.remote
-            for rank in range(max(1, params.tp_size)):
-                self._releases_out.release(params.side_channel(rank), params.remote_request_id)
-            logger.warning(
-                "request %s on engine %s: KV load from engine %s failed (%s), the prompt will be recomputed: %s",
+        for request_id, record in list(self._records.items()):
+            if not record.ended or any(key[0] == request_id for key in self._pins):
+                continue  # a pin still being asked: its answer decides whether a release is owed
+            del self._records[request_id]
+            finished.add(request_id)
+            if record.phase is ReadPhase.DONE:
+                self._loaded(record)
+            else:
+                failed.add(request_id)
+                self._failed(record)
+        return finished, failed
+
+    def _loaded(self, record: ReadRecord) -> None:
+        spec = record.spec
+        transports = self._require_transport()
+        for read in record.reads:
+            source = self._peers.get(read.peer)
+            if source is not None and not transports.get(source.transport).notifies_source:
+                notify = read_notification(spec.remote.remote_request_id, source.expected_reads, self.name)
+                self._releases_out.read_done(spec.remote.side_channel(source.topology.tp_rank), self.name, notify)
+        num_bytes = sum(read.num_bytes for read in record.reads)
+        elapsed_s = max((read.elapsed_s for read in record.reads), default=0.0)
+        transport = next((self._peers[read.peer].transport for read in record.reads if read.peer in self._peers), "")
+        self._stats.record_transfer(num_bytes, elapsed_s)
+        self._report(spec, {
+            "source": "transfer",
+            "bytes": num_bytes,
+            "transfer_ms": round(elapsed_s * 1e3, 3),
+            "remote_engine_id": spec.remote.remote_engine_id,
+            "remote_ranks": [_rank_of(read.peer) for read in record.reads],
+            "transport": transport,
+        })  # fmt: skip
+        logger.debug(
+            "request %s on engine %s: read %d bytes from %d rank(s) in %.1f ms",
+            spec.request_id,
+            self.engine_id,
+            num_bytes,
+            len(record.reads),
+            elapsed_s * 1e3,
+        )
+
+    def _failed(self, record: ReadRecord) -> None:
+        spec = record.spec
+        kind, reason = record.failure or ("internal", "the load ended without a result")
+        self._load_error_block_ids.update(spec.local_block_ids)
+        self._stats.record_failure(kind)
+        self._report(spec, {
+            "source": "recomputed",
+            "reason": kind,
+            "detail": reason[:200],
+            "remote_engine_id": spec.remote.remote_engine_id,
+        })  # fmt: skip
+        # Nobody here will read those blocks now: every prefill rank may free them (ours: our pin ends).
+        for rank in range(max(1, spec.remote.tp_size)):
+            self._release_source(spec.request_id, None, record, rank)
+        if record.undrained:
+            logger.error(
+                "request %s on engine %s: an aborted READ could not be confirmed drained within %.0f s; its "
+                "blocks go back to vLLM",
                 spec.request_id,
                 self.engine_id,
-                spec.remote.remote_engine_id,
-                failure.kind,
-                failure.reason,
+                record.drain_timeout_s,
             )
-        self._failed_now.clear()
-        return finished | failed, failed
+        logger.warning(
+            "request %s on engine %s: KV load from engine %s failed (%s), the prompt will be recomputed: %s",
+            spec.request_id,
+            self.engine_id,
+            spec.remote.remote_engine_id,
+            kind,
+            reason,
+        )
+        if record.failed_peer is not None:
+            self._forget_peer(record.failed_peer)
 
-    def _notify_sources(self, group: _RequestReads) -> None:
-        """Send the READ notifications the transports could not (over each source's side channel)."""
-        reader = peer_name(self.engine_id, self._require_topology().tp_rank)
-        for endpoint, notification in group.notifications:
-            self._releases_out.read_done(endpoint, reader, notification)
+    def _release_source(self, request_id: str, source: str | None, record: ReadRecord | None, rank: int = 0) -> None:
+        """Release, in our name, one prefill rank's blocks of a load that ended (``source``: the rank's mapping)."""
+        if record is None:
+            return
+        params = record.spec.remote
+        if source is not None:
+            rank = int(_rank_of(source))
+        self._releases_out.release(params.side_channel(rank), params.remote_request_id, self.name)
 
     def _forget_peer(self, name: str) -> None:
         """A read from ``name`` failed: that rank may have restarted, so handshake again next time."""
-        still_reading = any(
-            read.peer == name and read.state is TransferState.PENDING
-            for group in self._reads.values()
-            for read in group.reads
+        source = self._peers.get(name)
+        if source is not None and self._remove_peer_if_unused(name):
+            self._handshakes.invalidate(name.rpartition("/rank")[0], source.topology.tp_rank)
+
+    def _remove_peer_if_unused(self, name: str) -> bool:
+        """Drop ``name``'s mapping unless a READ that can still land uses it; True if dropped."""
+        in_use = any(
+            read.peer == name and record.phase in (ReadPhase.READING, ReadPhase.ABORTED)
+            for record in self._records.values()
+            for read in record.reads
         )
         source = self._peers.get(name)
-        if source is not None and not still_reading:
-            del self._peers[name]
-            engine_id = name.rpartition("/rank")[0]
-            self._handshakes.invalidate(engine_id, source.topology.tp_rank)
-            self._require_transport().get(source.transport).remove_peer(name)
+        if source is None or in_use:
+            return False
+        del self._peers[name]
+        self._require_transport().get(source.transport).remove_peer(name)
+        return True
 
     def take_load_errors(self) -> set[int]:
         block_ids, self._load_error_block_ids = self._load_error_block_ids, set()
@@ -452,10 +522,9 @@ class KVReader:
         return stats
 
     def shutdown(self) -> None:
-        for group in self._reads.values():
-            for read in group.reads:
-                read.abort("engine shutting down")
-        self._reads.clear()
+        for record in self._records.values():
+            record.fail("internal", "engine shutting down", self._clock())
+        self._records.clear()
         self._handshake_pool.shutdown(wait=False, cancel_futures=True)
         self._releases_out.close()
 

@@ -45,10 +45,12 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from connectors import wire
 from connectors.auth import EXPIRED_REASON, ConsumedParams, KVAuth, Unauthenticated
+from connectors.identity import engine_epoch
 from connectors.log_limit import LogLimiter
 from connectors.metadata import KVTransferParams, PdserveConnectorMetadata, ReceiveSpec
 from connectors.options import ConnectorSettings
@@ -76,29 +78,34 @@ class PdserveScheduler:
         self.engine_id = engine_id
         self.lease_ttl_s = settings.lease_ttl_s
         self._auth = KVAuth.from_env()
+        self.epoch = engine_epoch()
         self._consumed = ConsumedParams()
-        self._checked: dict[str, KVTransferParams | None] = {}  # decode requests' params, checked once
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
         self.block_size = vllm_config.cache_config.block_size
+        # One record per decode request that asked to load, from its first sight until request_finished.
+        self._decode: dict[str, _DecodeRecord] = {}
+        # One step's work for the workers, handed over and emptied by build_connector_meta.
         self._to_receive: dict[str, ReceiveSpec] = {}
         self._to_hold: dict[str, tuple[int, ...]] = {}
         self._to_report: dict[str, dict[str, Any]] = {}  # report_key -> a load decided here
-        self._loading_tokens: dict[str, int] = {}  # decode requests being loaded -> tokens to load
-        self._claimed_by: OrderedDict[str, str] = OrderedDict()  # MAC of params acted on -> the request
-        self._siblings: dict[str, str] = {}  # a sample of an n>1 request -> its sibling that reads the KV
-        self._shared_reports: dict[str, dict[str, Any]] = {}  # a finished reader's report, for its siblings
-        self._reports: dict[str, dict[str, Any]] = {}
+        self._claimed_by: OrderedDict[str, str] = OrderedDict()  # MAC of params acted on -> the request (bounded)
         self._stats = PdserveKVStats()
         self._releases = ReleaseSender(engine_id, self._auth)
         self._refusals = LogLimiter(logger)
+
+    def tracked(self) -> int:
+        """How many request ids this side keeps anything of (records, and work not yet handed to the workers)."""
+        return len(self._decode) + len(self._to_receive) + len(self._to_hold)
 
     # ------------------------------------------------------------ decode side
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         params = self._remote_prefill_params(request)
-        if (reader := self._siblings.get(request.request_id)) is not None:
+        record = self._decode.get(request.request_id)
+        if record is not None and record.reader is not None:
             # Until its sibling's read ends, ask again at the next step (None); then vLLM's prefix cache has it.
-            return (None, False) if reader in self._loading_tokens else (0, False)
+            reader = self._decode.get(record.reader)
+            return (None, False) if reader is not None and reader.loading_tokens else (0, False)
         if params is None or self._block_ratio(params) is None:
             return 0, False
         count = len(request.prompt_token_ids or ()) - num_computed_tokens
@@ -108,6 +115,8 @@ class PdserveScheduler:
         params = self._remote_prefill_params(request)
         if params is None:
             return
+        # From here the load (or the release of a load not needed) is the plan's: request_finished releases nothing.
+        self._decode[request.request_id].planned = True
         try:
             # One transfer per request: vLLM may call this again once the load is done.
             request.kv_transfer_params[wire.DO_REMOTE_PREFILL] = False
@@ -170,7 +179,7 @@ class PdserveScheduler:
             if block.block_hash is None and not block.is_null:
                 local_ids.append(block.block_id)
                 remote_ids.extend(params.remote_block_ids[first : first + ratio])
-        self._loading_tokens[request.request_id] = num_external_tokens
+        self._decode[request.request_id].loading_tokens = num_external_tokens
         self._to_receive[request.request_id] = ReceiveSpec(
             request_id=request.request_id,
             local_block_ids=tuple(local_ids),
@@ -189,56 +198,56 @@ class PdserveScheduler:
     def _report(self, request: Request, params: KVTransferParams, report: dict[str, Any]) -> None:
         """A load decided here, not by the workers: for the finished request's ``kv_transfer_params``, and
         through the next metadata to the workers, whose side channel answers the proxy's query for a stream."""
-        self._reports[request.request_id] = report
+        self._decode[request.request_id].report = report
         self._to_report[report_key(params.remote_engine_id, params.remote_request_id)] = report
 
     def _remote_prefill_params(self, request: Request) -> KVTransferParams | None:
         """The request's remote-prefill parameters if they ask to load, are well-formed and hold up; checked
-        once per request (the worker checks their lease again when it reads)."""
-        raw = request.kv_transfer_params
-        if not wire.asks_remote_prefill(raw):
+        once per request, when its record is made (the worker checks their lease again when it reads)."""
+        record = self._decode.get(request.request_id)
+        if record is not None:
+            return None if record.planned else record.params  # planned: loaded once, never again (preemption)
+        if not wire.asks_remote_prefill(request.kv_transfer_params):
             return None
-        if request.request_id in self._checked:
-            return self._checked[request.request_id]
-        params: KVTransferParams | None = None
+        record = self._decode[request.request_id] = _DecodeRecord()
+        raw = request.kv_transfer_params
         try:
             params = wire.parse_remote_prefill(raw)
             self._auth.check_params(raw, self.engine_id)
             mac = str(raw.get(wire.PDSERVE_MAC))
             if not self._consumed.claim(raw):
                 claimer, parent = self._claimed_by.get(mac), _parent(request.request_id)
-                if claimer is not None and parent is not None and _parent(claimer) == parent:
-                    self._siblings[request.request_id] = claimer
-                    self._checked[request.request_id] = None
+                if claimer in self._decode and parent is not None and _parent(claimer) == parent:
+                    record.reader = claimer
+                    self._decode[claimer].siblings += 1
                     return None
                 raise Unauthenticated("params", "already used (a replay)")
             self._claimed_by[mac] = request.request_id
             while len(self._claimed_by) > CLAIMS_KEPT:
                 self._claimed_by.popitem(last=False)
         except wire.InvalidTransferParams as e:
-            self._refuse(request, "malformed_params", str(e))
-            params = None
+            self._refuse(request, record, "malformed_params", str(e))
+            return None
         except Unauthenticated as e:
-            self._refuse(request, "params", e.reason, params)
-            params = None
-        self._checked[request.request_id] = params
+            self._refuse(request, record, "params", e.reason)
+            return None
+        record.params = params
         return params
 
-    def _refuse(self, request: Request, kind: str, reason_text: str, params: KVTransferParams | None = None) -> None:
+    def _refuse(self, request: Request, record: _DecodeRecord, kind: str, reason_text: str) -> None:
         """Refuse a request's parameters: it is computed here, nothing is released anywhere, it is counted."""
         self._stats.record_refused(kind)
         self._refusals.warning(
             kind,
-            "request %s on engine %s: refused kv_transfer_params%s, computing the prompt here: %s",
+            "request %s on engine %s: refused kv_transfer_params, computing the prompt here: %s",
             request.request_id,
             self.engine_id,
-            f" naming engine {params.remote_engine_id}" if params is not None else "",
             reason_text,
         )
         reason = "malformed" if kind == "malformed_params" else "unauthenticated"
         if kind == "params" and reason_text.startswith(EXPIRED_REASON):
             reason = "expired"  # genuine, but the prefill's lease on their blocks is over
-        self._reports[request.request_id] = {"source": "recomputed", "reason": reason}
+        record.report = {"source": "recomputed", "reason": reason}
 
     def _block_ratio(self, params: KVTransferParams) -> int | None:
         """Remote blocks per local block; None when the prefill's block size does not divide ours."""
@@ -259,12 +268,15 @@ class PdserveScheduler:
             # vLLM merges the ranks' reports of one step; ranks whose reads end in different steps
             # report in different steps, and their parts add up here.
             for request_id, report in meta.reports.items():
-                known = self._reports.get(request_id)
-                self._reports[request_id] = report if known is None else merge_reports(known, report)
+                if (record := self._decode.get(request_id)) is not None:
+                    record.report = report if record.report is None else merge_reports(record.report, report)
         for request_id in output.failed_recving or ():
-            self._stats.record_recomputed(self._loading_tokens.pop(request_id, 0))
+            if (record := self._decode.get(request_id)) is not None:
+                self._stats.record_recomputed(record.loading_tokens)
+                record.loading_tokens = 0
         for request_id in output.finished_recving or ():
-            self._loading_tokens.pop(request_id, None)
+            if (record := self._decode.get(request_id)) is not None:
+                record.loading_tokens = 0
 
     def take_stats(self) -> PdserveKVStats | None:
         if self._stats.is_empty():
@@ -311,6 +323,7 @@ class PdserveScheduler:
             wire.REMOTE_NUM_TOKENS: request.num_computed_tokens,
             wire.TP_SIZE: self.tp_size,
             wire.BLOCK_SIZE: self.block_size,
+            wire.PDSERVE_EPOCH: self.epoch,  # this start of the engine: a reader never reads another's mapping
             # For the proxy: send `message` to each endpoint if no decode engine will read these blocks.
             wire.PDSERVE_RELEASE: {
                 "endpoints": list(
@@ -338,31 +351,49 @@ class PdserveScheduler:
         return True, signed
 
     def _decode_finished(self, request: Request) -> dict[str, Any] | None:
-        """The ``kv_transfer_params`` a finished decode request returns: how its prompt KV got here."""
-        self._loading_tokens.pop(request.request_id, None)
-        self._checked.pop(request.request_id, None)
-        report = self._reports.pop(request.request_id, None)
-        if (reader := self._siblings.pop(request.request_id, None)) is not None:
-            report = self._reports.get(reader) or self._shared_reports.get(reader)
-            if reader not in self._siblings.values():
-                self._shared_reports.pop(reader, None)
-            return {wire.PDSERVE_KV: report} if report is not None else None
-        if report is not None and request.request_id in self._siblings.values():
-            self._shared_reports[request.request_id] = report
-        if report is None:
-            params = self._remote_prefill_params(request)
-            if params is None:
-                return None  # no P/D for this request
-            # Still flagged do_remote_prefill: it ended before it was ever scheduled here.
+        """The ``kv_transfer_params`` a finished decode request returns (how its prompt KV got here); its record
+        ends here, and a load neither planned nor done releases the prefill's blocks."""
+        record = self._decode.pop(request.request_id, None)
+        if record is None:
+            return None  # no P/D for this request
+        if record.reader is not None:
+            reader = self._decode.get(record.reader)
+            if reader is not None:
+                reader.siblings -= 1
+                record.report = reader.report
+        elif record.siblings:
+            for sibling in self._decode.values():
+                if sibling.reader == request.request_id:
+                    sibling.report, sibling.reader = record.report, None
+        elif record.report is None and record.params is not None and not record.planned:
+            # It ended before it was ever scheduled here (aborted, or refused at allocation).
             logger.info(
                 "request %s on engine %s ended before loading its KV; releasing its blocks on engine %s",
                 request.request_id,
                 self.engine_id,
-                params.remote_engine_id,
+                record.params.remote_engine_id,
             )
-            self._release(params)
-            report = {"source": "none", "reason": "finished before loading"}
-        return {wire.PDSERVE_KV: report}
+            self._release(record.params)
+            record.report = {"source": "none", "reason": "finished before loading"}
+        return {wire.PDSERVE_KV: record.report} if record.report is not None else None
+
+
+@dataclass(slots=True)
+class _DecodeRecord:
+    """A decode request that asked to load remote KV, from its first sight until ``request_finished``."""
+
+    params: KVTransferParams | None = None
+    """Its checked parameters; None when they were refused, or it is a sample reading through ``reader``."""
+    reader: str | None = None
+    """A sample of an n>1 request: its sibling that reads the KV."""
+    siblings: int = 0
+    """How many samples wait on this one's read."""
+    planned: bool = False
+    """The load was planned (a READ, or a release of what needs none): the worker or the plan releases."""
+    loading_tokens: int = 0
+    """Tokens a READ in flight loads (0 when none is)."""
+    report: dict[str, Any] | None = None
+    """How the prompt's KV got here."""
 
 
 CLAIMS_KEPT = 4096  # which request claimed the parameters acted on last: enough to tell siblings from replays

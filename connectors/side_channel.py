@@ -1,4 +1,4 @@
-"""The side channel: a ZMQ REP socket on every worker, REQ calls from decode workers and the proxy.
+"""The side channel: a TCP server on every worker; decode workers, the engine actor and the proxy ask it.
 
 Five kinds of message arrive:
 
@@ -36,43 +36,62 @@ Every message, both ways for a handshake, is sealed with the cluster's KV key
 Refusals are logged at most once per kind every 10 s (``connectors.log_limit``;
 the line says how many it left out), so junk cannot flood the log.
 
-No peer can stop or starve the server:
+No peer can stop or starve the server, nor make it hold more than a bound:
 
-- The socket refuses, before anything is read, a frame longer than
-  ``MAX_REQUEST_BYTES`` (``zmq.MAXMSGSIZE``: zmq drops that peer's connection;
-  nothing reaches the MAC, nothing is answered or counted). The largest request,
-  a handshake, is a few hundred bytes. The limit is per frame: zmq buffers a
-  message of many frames whole before the loop sees it.
-- The loop reads whole messages; one of several frames or an empty one is
-  refused (``message``) with a one-frame ``ERR`` reply.
+- A message is one frame (``connectors.framing``): an 8-byte header (magic and
+  version, body length) and the body. The server reads the header first and
+  drops the connection, unanswered, if the magic is wrong or the length is 0
+  or over ``MAX_REQUEST_BYTES`` (1 MiB): no byte of that body is read, nothing
+  reaches the MAC; it is counted (``message``). There are no multi-frame
+  messages: the frame count limit is one by construction.
+- One request at a time per connection: the server reads a connection's next
+  message only once it has sent the answer to the last one. It holds at most
+  ``MAX_CONNECTIONS`` (64) connections; one more takes the place of the
+  connection that has waited longest for (the rest of) its message, or is
+  closed if every connection waits for its answer to be taken. A connection
+  that takes over ``IO_TIMEOUT_S`` (5 s) to send a whole message (a slow
+  loris, an idle one) or to take its answer is dropped. So the request bytes
+  the server holds (``buffered_bytes``) never pass ``MAX_BUFFERED_BYTES`` =
+  ``MAX_CONNECTIONS`` x (8 + ``MAX_REQUEST_BYTES``), about 64 MiB.
+- Fairness: one thread serves every connection, and each turn of its loop
+  reads (at most 256 KiB, at most one message) or answers at most once per
+  connection; a ping on a connection of its own is answered within a turn or
+  two however fast another connection sends. The loop turns at least every
+  ``IDLE_TURN_S`` (1 s) and records when (``last_loop_at``), to tell a busy
+  thread from a dead one.
 - Any exception while answering (a bug, an ``on_release`` or ``on_report``
-  callback that raises) is logged and answered ``ERR internal``.
-- A socket in a bad state (a ``zmq.ZMQError`` other than the context's end) is
-  closed and bound anew on the same endpoint (``REBIND_ATTEMPTS`` tries,
-  ``REBIND_PAUSE_S`` apart).
+  callback that raises) is logged and answered ``ERR internal``; an error on
+  one connection drops that connection only.
+- A listening socket that fails (``accept`` raises) is closed and bound anew
+  on the same endpoint (``REBIND_ATTEMPTS`` tries, ``REBIND_PAUSE_S`` apart).
 
 The thread ends only at ``close()``; if it ever ends otherwise (the endpoint
 could not be bound again), it logs an ERROR and ``alive`` turns False. The
-client side (``_ask``) takes answers up to ``MAX_REPLY_BYTES``: a handshake
-answer (``handshake.MAX_MESSAGE_BYTES``) and its sealing.
+clients (``_ask`` here, ``proxy.release.ask``) use one TCP connection per
+request and read the answer's header first too: ``_ask`` takes answers up to
+``MAX_REPLY_BYTES``, a handshake answer (``handshake.MAX_MESSAGE_BYTES``) and
+its sealing.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import queue
 import secrets
+import selectors
+import socket
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
-
-import zmq
 
 from connectors.auth import LIVE_TTL_S, KVAuth, Unauthenticated
 from connectors.errors import HandshakeRejected, TransportError
+from connectors.framing import HEADER_BYTES, MAX_FRAME_BYTES, FrameReader, FramingError, frame, recv_frame
 from connectors.handshake import (
     MAX_MESSAGE_BYTES,
     HandshakeRequest,
@@ -81,15 +100,20 @@ from connectors.handshake import (
     decode_response,
     encode_request,
 )
+from connectors.leases import PinAnswer
 from connectors.log_limit import DEFAULT_INTERVAL_S, LogLimiter
 from connectors.topology import KVTopology
-from connectors.wire import tcp_endpoint
+from connectors.wire import parse_tcp_endpoint, tcp_endpoint
 
 __all__ = [
+    "MAX_BUFFERED_BYTES",
+    "MAX_CONNECTIONS",
     "MAX_REPLY_BYTES",
     "MAX_REQUEST_BYTES",
     "RecentReports",
     "RefusedMessages",
+    "ask_pin",
+    "pin_message",
     "ReleaseSender",
     "SideChannelServer",
     "ping",
@@ -107,20 +131,38 @@ _ERROR_PREFIX = b"ERR "
 NO_REPORT = b"NONE"
 RECENT_REPORTS = 4096
 _NONCE_BYTES = 16
-MAX_REQUEST_BYTES = 1 << 20
-"""The longest frame the server reads (``zmq.MAXMSGSIZE``); a handshake request, the largest, is a few hundred
-bytes (a topology and an engine id), so this leaves room for any model identity and request id."""
+MAX_REQUEST_BYTES = MAX_FRAME_BYTES
+"""The longest request the server reads (1 MiB); a handshake request, the largest, is a few hundred bytes (a
+topology and an engine id), so this leaves room for any model identity and request id."""
 _SEAL_BYTES = 1024
 """More than sealing adds to a body: magic, kind, expiry, MAC, a handshake's nonce, and the spaces between."""
 MAX_REPLY_BYTES = MAX_MESSAGE_BYTES + _SEAL_BYTES
 """The longest answer a client reads: a sealed handshake answer."""
+MAX_CONNECTIONS = 64
+"""The most connections the server holds open (read when one is accepted)."""
+MAX_BUFFERED_BYTES = MAX_CONNECTIONS * (HEADER_BYTES + MAX_REQUEST_BYTES)
+"""The most request bytes the server holds, all connections together: each holds at most one message."""
+IO_TIMEOUT_S = 5.0
+"""How long a connection may take to send a whole message, or to take its answer, before it is dropped."""
+IDLE_TURN_S = 1.0
+"""The longest the serving loop waits for something to happen: ``last_loop_at`` is never older on a live thread."""
+LISTEN_BACKLOG = 128
+_CHUNK_BYTES = 256 * 1024
+"""The most bytes read from one connection in one turn of the loop."""
+CONNECT_RETRY_S = 0.05
 REBIND_ATTEMPTS = 50
 REBIND_PAUSE_S = 0.1
 
 
-def release_message(auth: KVAuth, request_id: str, ttl_s: float = LIVE_TTL_S) -> bytes:
-    """A sealed release of ``request_id``'s blocks, valid for ``ttl_s``."""
-    return auth.seal(b"release", request_id.encode(), ttl_s)
+def release_message(auth: KVAuth, request_id: str, ttl_s: float = LIVE_TTL_S, by: str | None = None) -> bytes:
+    """A sealed release of ``request_id``'s blocks, valid for ``ttl_s``; ``by`` names the reader giving up its own
+    pin (a release that names none is refused while any reader holds a pin)."""
+    return auth.seal(b"release", (request_id if by is None else f"{request_id} {by}").encode(), ttl_s)
+
+
+def pin_message(auth: KVAuth, reader: str, request_id: str, epoch: str) -> bytes:
+    """A sealed pin: ``reader`` is about to READ ``request_id``'s blocks, as issued by start ``epoch``."""
+    return auth.seal(b"pin", f"{reader} {request_id} {epoch}".encode())
 
 
 def read_message(auth: KVAuth, reader: str, notification: bytes, ttl_s: float = LIVE_TTL_S) -> bytes:
@@ -178,6 +220,27 @@ class RecentReports:
             return self._reports.get(key)
 
 
+class _Listener:
+    """Marks the listening socket's registration in the selector."""
+
+
+class _Wake:
+    """Marks the wake-up socket's registration: ``close()`` writes to it."""
+
+
+@dataclass(slots=True, eq=False)
+class _Connection:
+    """One peer's connection: reading its next message (``reader``), or sending the answer to the last one."""
+
+    sock: socket.socket
+    since: float
+    """When it began to wait for its message, or for its answer to be taken (``time.monotonic()``)."""
+    reader: FrameReader | None
+    answer: memoryview | None = None
+    counted: int = 0
+    """Its bytes in the server's ``buffered_bytes``."""
+
+
 class SideChannelServer:
     """Answers handshakes, releases, report queries and pings on ``tcp://host:port`` from a daemon thread until
     ``close()``; no message, peer or callback ends that thread (see the module's docstring)."""
@@ -193,6 +256,7 @@ class SideChannelServer:
         on_release: Callable[[str], None] | None = None,
         answer_delay_s: float = 0.0,
         on_read: Callable[[str, bytes], None] | None = None,
+        on_pin: Callable[[str], bytes] | None = None,
         on_report: Callable[[str], bytes | None] | None = None,
         refusal_log_interval_s: float = DEFAULT_INTERVAL_S,
     ):
@@ -205,21 +269,28 @@ class SideChannelServer:
         self._response = response
         self._on_release = on_release
         self._on_read = on_read
+        self._on_pin = on_pin
         self._on_report = on_report
         self._answer_delay_s = answer_delay_s  # fault injection: a slow peer
         self._closing = threading.Event()
-        self._context = zmq.Context()
-        # close() wakes the thread through this pair: it sleeps until a message or that, never on a timer.
-        self._wake = self._context.socket(zmq.PAIR)
-        self._waker = self._context.socket(zmq.PAIR)
-        wake_endpoint = f"inproc://pdserve-side-channel-stop-{id(self)}"
-        self._wake.bind(wake_endpoint)
-        self._waker.connect(wake_endpoint)
+        self.last_loop_at = time.monotonic()
+        """When the serving loop last turned (``time.monotonic()``); it turns at least every ``IDLE_TURN_S``."""
+        self._connections: dict[socket.socket, _Connection] = {}
+        self._buffered = 0
+        self._buffered_high_water = 0
+        self._selector = selectors.DefaultSelector()
+        # close() wakes the thread through this pair, whatever it waits for
+        self._wake, self._waker = socket.socketpair()
+        self._wake.setblocking(False)
+        self._selector.register(self._wake, selectors.EVENT_READ, _Wake)
         try:
-            self._socket = self._bound_socket()
-        except zmq.ZMQError as e:
-            self._context.destroy(linger=0)
+            self._listener = self._bound_socket()
+        except (OSError, ValueError) as e:
+            self._selector.close()
+            self._wake.close()
+            self._waker.close()
             raise TransportError(f"engine {engine_id}: cannot bind the side channel on {self.endpoint}: {e}") from e
+        self._selector.register(self._listener, selectors.EVENT_READ, _Listener)
         self._thread = threading.Thread(target=self._serve, name=f"pdserve-side-channel-{port}", daemon=True)
         self._thread.start()
         logger.info("engine %s: handshake side channel listening on %s", engine_id, self.endpoint)
@@ -229,17 +300,32 @@ class SideChannelServer:
         """Whether the serving thread runs (it ends at ``close()``, or after logging why at ERROR)."""
         return self._thread.is_alive()
 
-    def _bound_socket(self) -> zmq.Socket:
-        socket = self._context.socket(zmq.REP)
-        socket.setsockopt(zmq.LINGER, 0)
-        # zmq drops a peer that sends a longer frame before reading it: junk never reaches the MAC.
-        socket.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
+    @property
+    def buffered_bytes(self) -> int:
+        """Bytes of requests read and not yet answered, all connections together: at most ``MAX_CONNECTIONS``
+        x (``HEADER_BYTES`` + ``MAX_REQUEST_BYTES``)."""
+        return self._buffered
+
+    @property
+    def buffered_high_water(self) -> int:
+        """The most ``buffered_bytes`` ever were."""
+        return self._buffered_high_water
+
+    def _bound_socket(self) -> socket.socket:
+        host, port = parse_tcp_endpoint(self.endpoint)
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        listener = socket.socket(family, kind, proto)
         try:
-            socket.bind(self.endpoint)
-        except zmq.ZMQError:
-            socket.close()
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind(address)
+            listener.listen(LISTEN_BACKLOG)
+            listener.setblocking(False)
+        except OSError:
+            listener.close()
             raise
-        return socket
+        return listener
 
     def _serve(self) -> None:
         error: Exception | None = None
@@ -248,8 +334,11 @@ class SideChannelServer:
         except Exception as e:  # noqa: BLE001 - the thread ends: logged below with its cause
             error = e
         finally:
-            self._socket.close()
+            for connection in list(self._connections.values()):
+                self._drop(connection)
+            self._listener.close()
             self._wake.close()
+            self._selector.close()
         if not self._closing.is_set():
             logger.error(
                 "engine %s: the side channel on %s stopped serving: handshakes, releases and report queries "
@@ -260,38 +349,142 @@ class SideChannelServer:
             )
 
     def _serve_until_closed(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._wake, zmq.POLLIN)
-        poller.register(self._socket, zmq.POLLIN)
+        """Each turn: at most one read (one message at most) or one answer sent per connection, then late
+        connections dropped, then new ones taken."""
         while True:
+            events = self._selector.select(self._wait_s())
+            self.last_loop_at = time.monotonic()
+            listener_ready = False
+            for key, mask in events:
+                if key.data is _Wake:
+                    return
+                if key.data is _Listener:
+                    listener_ready = True
+                elif mask & selectors.EVENT_READ:
+                    self._read(key.data)
+                else:
+                    self._send_answer(key.data)
+            self._drop_late(time.monotonic())
+            if not listener_ready:
+                continue
             try:
-                if self._wake in dict(poller.poll()):
-                    return
-                self._serve_one()
-            except zmq.Again:
-                continue  # woken without a whole message: wait again
-            except zmq.ZMQError as e:
-                if e.errno == zmq.ETERM:
-                    return
+                self._accept_new()
+            except OSError as e:
                 self._refusal_log.warning(
                     "socket", "engine %s: side-channel socket failed (%s); binding it anew", self.engine_id, e
                 )
-                poller.unregister(self._socket)
                 if not self._rebind():
                     return
-                poller.register(self._socket, zmq.POLLIN)
 
-    def _serve_one(self) -> None:
-        """Read one whole message and answer it; never blocks (the poller said a message is there)."""
-        frames = self._socket.recv_multipart(flags=zmq.NOBLOCK, copy=False)
-        self._socket.send(self._reply(frames), flags=zmq.NOBLOCK)
+    def _wait_s(self) -> float:
+        """Until the first connection's time is up, and never longer than ``IDLE_TURN_S``."""
+        if not self._connections:
+            return IDLE_TURN_S
+        first = min(connection.since for connection in self._connections.values())
+        return min(IDLE_TURN_S, max(0.0, first + IO_TIMEOUT_S - time.monotonic()))
 
-    def _reply(self, frames: list[zmq.Frame]) -> bytes:
-        if len(frames) != 1:
-            return self._refuse("message", f"not a sealed pdserve message ({len(frames)} frames)")
-        message = frames[0].bytes
-        if not message:
-            return self._refuse("message", "not a sealed pdserve message (empty)")
+    def _accept(self) -> tuple[socket.socket, Any]:
+        return self._listener.accept()
+
+    def _accept_new(self) -> None:
+        for _ in range(MAX_CONNECTIONS):
+            try:
+                sock, _ = self._accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except ConnectionAbortedError:
+                continue
+            sock.setblocking(False)
+            if len(self._connections) >= MAX_CONNECTIONS and not self._evict_oldest_waiting():
+                self._refusal_log.warning(
+                    "connections", "engine %s: %d side-channel connections wait for their answers to be taken; "
+                    "closed a new one", self.engine_id, len(self._connections),
+                )  # fmt: skip
+                sock.close()
+                continue
+            connection = _Connection(sock, time.monotonic(), FrameReader(MAX_REQUEST_BYTES))
+            self._connections[sock] = connection
+            self._selector.register(sock, selectors.EVENT_READ, connection)
+
+    def _evict_oldest_waiting(self) -> bool:
+        """Drop the connection that has waited longest for (the rest of) its message; False if none waits."""
+        waiting = [connection for connection in self._connections.values() if connection.reader is not None]
+        if not waiting:
+            return False
+        self._refusal_log.warning(
+            "connections", "engine %s: %d side-channel connections open; dropped the one waiting longest for its "
+            "message", self.engine_id, len(self._connections),
+        )  # fmt: skip
+        self._drop(min(waiting, key=lambda connection: connection.since))
+        return True
+
+    def _drop_late(self, now: float) -> None:
+        for connection in list(self._connections.values()):
+            if now - connection.since > IO_TIMEOUT_S:
+                what = "send its message" if connection.reader is not None else "take its answer"
+                self._refusal_log.warning(
+                    "slow", "engine %s: a side-channel peer did not %s within %.0f s; dropped it",
+                    self.engine_id, what, IO_TIMEOUT_S,
+                )  # fmt: skip
+                self._drop(connection)
+
+    def _read(self, connection: _Connection) -> None:
+        """Read what the connection has of its message; answer it once it is whole."""
+        reader = connection.reader
+        if reader is None:  # an answer is being sent: never registered for reading
+            return
+        try:
+            message = reader.read_from(connection.sock, _CHUNK_BYTES)
+        except (FramingError, EOFError, OSError) as e:
+            self._account(connection)  # what it read counts until the connection goes
+            if isinstance(e, FramingError):  # nothing of its body was read, and nothing is answered
+                self._refuse("message", str(e))
+            self._drop(connection)
+            return
+        self._account(connection)
+        if message is None:
+            return
+        connection.reader = None
+        self._account(connection)
+        connection.answer = memoryview(frame(self._reply(message)))
+        connection.since = time.monotonic()
+        self._selector.modify(connection.sock, selectors.EVENT_WRITE, connection)
+        self._send_answer(connection)
+
+    def _send_answer(self, connection: _Connection) -> None:
+        """Send what the socket takes of the answer; once it is all sent, read the connection's next message."""
+        if connection.answer is None:
+            return
+        try:
+            sent = connection.sock.send(connection.answer)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self._drop(connection)
+            return
+        connection.answer = connection.answer[sent:]
+        if connection.answer:
+            return
+        connection.answer = None
+        connection.reader = FrameReader(MAX_REQUEST_BYTES)
+        connection.since = time.monotonic()
+        self._selector.modify(connection.sock, selectors.EVENT_READ, connection)
+
+    def _account(self, connection: _Connection) -> None:
+        held = connection.reader.buffered if connection.reader is not None else 0
+        self._buffered += held - connection.counted
+        connection.counted = held
+        self._buffered_high_water = max(self._buffered_high_water, self._buffered)
+
+    def _drop(self, connection: _Connection) -> None:
+        if self._connections.pop(connection.sock, None) is None:
+            return
+        connection.reader = connection.answer = None
+        self._account(connection)
+        self._selector.unregister(connection.sock)
+        connection.sock.close()
+
+    def _reply(self, message: bytes) -> bytes:
         try:
             return self._answer(message)
         except Exception:  # noqa: BLE001 - a bug or a failing callback must not end the channel: logged, ERR
@@ -301,18 +494,21 @@ class SideChannelServer:
             return _ERROR_PREFIX + b"internal"
 
     def _rebind(self) -> bool:
-        """Close the socket and bind a new one on the same endpoint; False if ``close()`` came first."""
-        self._socket.close()
-        error: zmq.ZMQError | None = None
+        """Close the listening socket and bind a new one on the same endpoint; False if ``close()`` came first.
+        Open connections are kept."""
+        self._selector.unregister(self._listener)
+        self._listener.close()
+        error: OSError | None = None
         for _ in range(REBIND_ATTEMPTS):
             try:
-                self._socket = self._bound_socket()
-            except zmq.ZMQError as e:
+                self._listener = self._bound_socket()
+            except OSError as e:
                 error = e
             else:
+                self._selector.register(self._listener, selectors.EVENT_READ, _Listener)
                 logger.info("engine %s: the side channel listens on %s again", self.engine_id, self.endpoint)
                 return True
-            if self._wake.poll(int(REBIND_PAUSE_S * 1000)):
+            if self._closing.wait(REBIND_PAUSE_S):
                 return False
         raise TransportError(
             f"engine {self.engine_id}: cannot bind the side channel on {self.endpoint} again "
@@ -338,6 +534,10 @@ class SideChannelServer:
                 return _ERROR_PREFIX + b"malformed release"
             self._on_release(body.decode(errors="replace"))
             return b"OK"
+        if kind == b"pin":
+            if self._on_pin is None or not body:
+                return _ERROR_PREFIX + b"malformed pin"
+            return self._on_pin(body.decode(errors="replace"))
         if kind == b"read":
             reader, _, notification = body.partition(b" ")
             if self._on_read is None or not reader or not notification:
@@ -361,17 +561,14 @@ class SideChannelServer:
         return self._auth.seal(b"handshake-reply", nonce + b" " + self._response)
 
     def close(self) -> None:
-        if self._waker.closed:
+        if self._closing.is_set():
             return
         self._closing.set()
         if self._thread.is_alive():
-            try:
-                self._waker.send(b"", flags=zmq.NOBLOCK)
-            except zmq.Again:
-                pass  # a wake-up is already waiting
+            with contextlib.suppress(OSError):  # a wake-up already waits, or the thread closed its end
+                self._waker.send(b"\0")
         self._thread.join(timeout=2)
         self._waker.close()
-        self._context.term()
 
 
 def request_handshake(
@@ -406,19 +603,38 @@ def ping(endpoint: str, auth: KVAuth, timeout_s: float = 2.0) -> bool:
 
 
 def _ask(endpoint: str, message: bytes, timeout_s: float, failure: str) -> bytes:
-    socket = zmq.Context.instance().socket(zmq.REQ)
-    socket.setsockopt(zmq.LINGER, 0)
-    socket.setsockopt(zmq.RCVTIMEO, int(timeout_s * 1000))
-    socket.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
-    socket.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_BYTES)  # a peer that answers more is dropped: a timeout here
+    """One request-reply exchange on a connection of its own, all of it within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
     try:
-        socket.connect(endpoint)
-        socket.send(message)
-        return socket.recv()
-    except zmq.ZMQError as e:
-        raise TransportError(f"{failure}: {e}") from e
-    finally:
-        socket.close()
+        with _connect(endpoint, deadline) as sock:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.sendall(frame(message))
+            return recv_frame(sock, MAX_REPLY_BYTES, deadline)  # a longer answer is refused unread
+    except (OSError, ValueError) as e:  # FramingError is a ValueError; a timeout, an OSError
+        raise TransportError(f"{failure}: {e or type(e).__name__}") from e
+
+
+def ask_pin(endpoint: str, auth: KVAuth, reader: str, request_id: str, epoch: str, timeout_s: float = 5.0) -> PinAnswer:
+    """Pin ``request_id``'s blocks at the holder at ``endpoint`` for ``reader`` (``LeaseTable.pin``); raises
+    ``TransportError`` without an answer."""
+    reply = _ask(endpoint, pin_message(auth, reader, request_id, epoch), timeout_s, f"no pin answer from {endpoint}")
+    try:
+        return PinAnswer(reply.decode(errors="replace"))
+    except ValueError:
+        raise TransportError(f"pin at {endpoint} answered {reply[:80]!r}") from None
+
+
+def _connect(endpoint: str, deadline: float) -> socket.socket:
+    """A connection to ``endpoint``; a refused one is tried again every ``CONNECT_RETRY_S`` until ``deadline``
+    (a channel being bound anew, or not yet listening, as ZMQ's reconnects did)."""
+    host, port = parse_tcp_endpoint(endpoint)
+    while True:
+        try:
+            return socket.create_connection((host, port), timeout=max(deadline - time.monotonic(), 0.001))
+        except ConnectionRefusedError:
+            if time.monotonic() + CONNECT_RETRY_S >= deadline:
+                raise
+            time.sleep(CONNECT_RETRY_S)
 
 
 def send_release(endpoint: str, message: bytes, timeout_s: float = 2.0) -> bool:
@@ -447,8 +663,9 @@ class ReleaseSender:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
-    def release(self, endpoint: str, request_id: str) -> None:
-        self._send(endpoint, release_message(self._auth, request_id), "release", f"released request {request_id}")
+    def release(self, endpoint: str, request_id: str, by: str | None = None) -> None:
+        message = release_message(self._auth, request_id, by=by)
+        self._send(endpoint, message, "release", f"released request {request_id}")
 
     def read_done(self, endpoint: str, reader: str, notification: bytes) -> None:
         """Tell the source at ``endpoint`` that ``reader`` has read what ``notification`` names."""

@@ -62,6 +62,7 @@ FAILURE_KINDS = (
     "transport",
     "unauthenticated",
     "expired",
+    "gone",
     "internal",
 )
 REFUSED_KINDS = (
@@ -71,6 +72,7 @@ REFUSED_KINDS = (
     "report",
     "ping",
     "read",
+    "pin",
     "message",
     "params",
     "malformed_params",

@@ -100,6 +100,8 @@ PDSERVE_EXPIRES = "pdserve_expires"
 """Prefill side's: when the issued parameters stop being valid (the lease's end, unix seconds)."""
 PDSERVE_READER = "pdserve_reader"
 """The proxy's, to the prefill engine: the decode engine that will read; the prefill binds its parameters to it."""
+PDSERVE_EPOCH = "pdserve_epoch"
+"""Prefill side's: which start of the engine issued the parameters (``connectors.identity.engine_epoch``)."""
 PDSERVE_MAC = "pdserve_mac"
 """Prefill side's: the MAC over the parameters a decode engine acts on (``connectors.auth``)."""
 
@@ -121,6 +123,7 @@ _NAME = r"^[!-~]{1,256}$"
 """Engine and request ids: printable ASCII without spaces (``report_key`` joins two with a space)."""
 _HOST = r"^[A-Za-z0-9._:\-\[\]%]{1,255}$"
 _MAC = r"^[0-9a-f]{64}$"
+_EPOCH = r"^[0-9a-f]{1,64}$"
 
 
 class KVTransferParams(BaseModel):
@@ -145,6 +148,8 @@ class KVTransferParams(BaseModel):
     pdserve_expires: Annotated[float, Field(allow_inf_nan=False, strict=True)] | None = None
     """When the lease on these blocks ends at the earliest (unix s, the prefill host's clock)."""
     pdserve_reader: Annotated[StrictStr, Field(pattern=_NAME)] | None = None
+    pdserve_epoch: Annotated[StrictStr, Field(pattern=_EPOCH)] | None = None
+    """The start of the prefill engine that issued these (its mappings of another start are never read)."""
     pdserve_mac: Annotated[StrictStr, Field(pattern=_MAC)] | None = None
 
     @field_validator("remote_block_ids", mode="before")

@@ -28,7 +28,7 @@ from connectors.auth import KVAuth
 from connectors.errors import ConnectorError
 from connectors.handshake import HandshakeResponse, encode_response
 from connectors.holder import LeaseHolder
-from connectors.identity import model_identity
+from connectors.identity import engine_epoch, model_identity
 from connectors.metadata import PdserveConnectorMetadata
 from connectors.options import ConnectorSettings
 from connectors.reader import KVReader, peer_name
@@ -182,7 +182,8 @@ class PdserveWorker:
         self._kernel_blocks_per_block = 1
         self._answered = RecentReports()  # read by the side-channel thread
         self._reader = KVReader(engine_id, self.settings, self._auth, self._answered)
-        self._holder = LeaseHolder(engine_id, self.lease_ttl_s)
+        self.epoch = engine_epoch()
+        self._holder = LeaseHolder(engine_id, self.lease_ttl_s, grace_s=self.settings.read_margin_s, epoch=self.epoch)
         self._stats = PdserveKVStats()
 
     # ------------------------------------------------------------ registration
@@ -234,6 +235,7 @@ class PdserveWorker:
             transports=self._transport.names,
             payloads=payloads,
             node=node_identity(),
+            epoch=self.epoch,
         )
         self._reader.attach(self._transport, self._topology, self._kernel_blocks_per_block)
         self._server = SideChannelServer(
@@ -244,6 +246,7 @@ class PdserveWorker:
             encode_response(response),
             self._auth,
             on_release=self._holder.releases_in.put,
+            on_pin=self._holder.pin,
             on_read=self._holder.add_notification,
             on_report=self._answered.encoded,
             answer_delay_s=self.settings.fault_injection.handshake_delay_s,

@@ -550,8 +550,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         "up",
         help="start the cluster a spec describes",
         description="Start the cluster a spec describes. Its cluster secret is new, unless PDSERVE_CLUSTER_SECRET "
-        "or PDSERVE_CLUSTER_SECRET_FILE gives one (`pdserve secret PATH` makes one): the KV tier's entries are "
-        "MAC'd under a key derived from it, so give the same secret to keep a shared tier across `down` and `up`.",
+        "or PDSERVE_CLUSTER_SECRET_FILE gives one (`pdserve secret PATH` makes one). A KV tier keeps what it "
+        "stored across `down` and `up` whatever the secret: its entries are MAC'd under the tier's own key.",
     )
     up.add_argument("config")
     up.add_argument("--detach", "-d", action="store_true", help="return once ready; `pdserve down` stops it")

@@ -120,10 +120,9 @@ def secret_for_up(environ: Mapping[str, str] | None = None) -> ClusterSecret:
     """The secret of the cluster ``up`` starts: the one the caller's environment gives
     (``PDSERVE_CLUSTER_SECRET``, or the file ``PDSERVE_CLUSTER_SECRET_FILE`` names), else a new one.
 
-    The KV tier's MAC key is derived from it (``connectors.auth.tier_key``): clusters started with
-    the same secret accept each other's tier entries, and a cluster started with a new one refuses
-    (recomputes) every entry an earlier one stored. Give one (``pdserve secret PATH``) to keep a
-    shared tier across ``pdserve down`` and ``up``.
+    The KV tier does not depend on it: its entries are MAC'd under the tier's own key, kept in its
+    directory (``connectors.tier.key``), so a cluster started with a new secret loads what an earlier
+    one stored.
     """
     environ = os.environ if environ is None else environ
     if environ.get(SECRET_ENV, "").strip() or environ.get(SECRET_FILE_ENV, "").strip():

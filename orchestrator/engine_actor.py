@@ -45,6 +45,7 @@ from typing import Any
 import ray
 
 from connectors.auth import ENGINE_KEY_ENV, SECRET_ENV, ClusterSecret, engine_key
+from connectors.identity import ENGINE_EPOCH_ENV
 from connectors.private_files import make_private_dirs
 from connectors.tier import LAYOUT_ENV, REGION_ENV, region_file
 from orchestrator.engine_guard import guard
@@ -278,6 +279,9 @@ class EngineActor:
         self._shm_record = record_of(self.log_path)
         self._remove_shm_leftovers()
         os.environ[REGION_ENV] = f"{launch.engine_id}-{secrets.token_hex(4)}"
+        # This start of the engine, for its scheduler and every worker (KV parameters, handshakes, pins): a
+        # decode engine never reads through a mapping of an earlier start of this engine id and port.
+        os.environ[ENGINE_EPOCH_ENV] = secrets.token_hex(8)
         # where the engine core's tiers say how their entries are named, for the HTTP server's answers
         self._tier_layouts = self.log_path.with_name(self.log_path.name + ".tiers")
         os.environ[LAYOUT_ENV] = str(self._tier_layouts)

@@ -36,6 +36,9 @@ from proxy.config import EnvName, ProxyConfig, ProxySettings
 # Connector names a spec may use, mapped to the vLLM kv_transfer_config they need.
 CONNECTORS = ("vllm-nixl", "pdserve")
 
+VLLM_CPU_MAX_NUM_SEQS = 128
+"""vLLM's --max-num-seqs default for its OpenAI server on CPU, per TP rank (``EngineArgs``' CPU defaults)."""
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -313,7 +316,8 @@ class ClusterSpec(_Strict):
         return f"the pools differ in shape ({', '.join(differ)})" if differ else None
 
     def proxy_config(self) -> ProxyConfig:
-        """The settings of the cluster's proxy; it refuses what cannot fit ``engine.max_model_len``."""
+        """The settings of the cluster's proxy; it refuses what cannot fit ``engine.max_model_len``, and admits
+        as many requests as its ready engines run (``proxy.requests_per_engine``, else ``engine_max_num_seqs``)."""
         return ProxyConfig.of(
             self.proxy,
             model_name=self.model_name,
@@ -321,7 +325,20 @@ class ClusterSpec(_Strict):
             tier_pools=self.shared_tier_pools,
             engine_auth=True,
             bind_reader=self.connector == "pdserve",
+            requests_per_engine=self.proxy.requests_per_engine or self.engine_max_num_seqs(),
         )
+
+    def engine_max_num_seqs(self) -> int | None:
+        """How many requests one engine runs at once (vLLM's --max-num-seqs), as far as the spec tells:
+        ``engine.extra_args``, else vLLM's CPU default (per TP rank, of the pool with more ranks) on CPU. None on
+        GPUs, where vLLM's default depends on the GPU's memory (the proxy then takes the largest)."""
+        extra = self.engine.extra_args
+        value = str(extra.get("max_num_seqs", extra.get("max-num-seqs")))
+        if value.isdigit() and int(value) >= 1:  # (a flag vLLM will refuse, e.g. false: left to vLLM)
+            return int(value)
+        if self.device == "cpu":
+            return VLLM_CPU_MAX_NUM_SEQS * max(self.prefill.tensor_parallel_size, self.decode.tensor_parallel_size)
+        return None
 
     @model_validator(mode="after")
     def _check_model(self) -> ClusterSpec:

@@ -14,16 +14,19 @@ for the load-aware policies, ``/metrics`` polls (``proxy.load``). Routes:
 - ``/admin/engines...``: with an admin key only (``proxy.admin``).
 
 A completion request is checked in this order: API key (``proxy.auth``, 401),
-Content-Type, body size (``proxy.limits``, 413), the body (``proxy.bodies``,
-400/404), the context length when ``max_model_len`` is known (400), then it
-waits for a slot (``proxy.limits.AdmissionGate``, 429 when the queue is full)
-and runs, cancelled if its client goes away (``proxy.disconnect``).
+Content-Type, body size (``proxy.limits``, 413) and the time its body takes to
+come (408), the body (``proxy.bodies``, 400/404), the context length when
+``max_model_len`` is known (400), then it waits for a slot
+(``proxy.limits.AdmissionGate``: ``max_concurrent_requests``, or a limit that
+follows the pools' ready engines; 429 when the queue is full) and runs,
+cancelled if its client goes away (``proxy.disconnect``).
 
 ``proxy.routing.Router`` chooses each request's engines (``config.routing``),
 or serves it decode-only (no prefill leg). A prefill leg that fails
 (``UpstreamFailed``) is tried again on another prefill engine, up to
 ``config.prefill_retries`` times; an engine's 4xx is not. Every leg counts
-in its engine's ``in_flight`` while it runs, whatever ends it.
+in its engine's ``in_flight`` from the moment its engine is chosen until it
+ends, whatever ends it (a drain waits for a decode leg whose prefill still runs).
 
 Engines get the cluster's engine key (``engine_auth``), never a client's key
 unless ``forward_authorization`` says so (engines someone else started with

@@ -151,13 +151,37 @@ class ProxySettings(_Settings):
     max_body_bytes: int = Field(
         default=DEFAULT_MAX_BODY_BYTES, ge=1024, description="Longest request body the proxy reads; longer is 413."
     )
+    body_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="A request body not all received this long after its headers is refused (408; the "
+        "connection is closed).",
+    )
+    body_idle_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="A request body of which nothing more came for this long is refused (408), before "
+        "body_timeout_s passed.",
+    )
     max_concurrent_requests: int | None = Field(
-        default=None, ge=1, description="Completion requests under way at once, per proxy process (default: no limit)."
+        default=None,
+        ge=1,
+        description="Completion requests under way at once, per proxy process. Default: requests_per_engine for "
+        "every ready engine (healthy, not draining) of both pools, at least one engine's worth, recomputed "
+        "whenever an engine joins, leaves, drains, moves or is ejected.",
+    )
+    requests_per_engine: int | None = Field(
+        default=None,
+        ge=1,
+        description="What one engine runs at once (its vLLM --max-num-seqs), for the default "
+        "max_concurrent_requests. Default: in a cluster, engine.extra_args.max_num_seqs, else vLLM's CPU default "
+        "(128 per TP rank) on CPU; otherwise 1024, the most vLLM's default is (GPUs of 70 GiB or more).",
     )
     max_queued_requests: int = Field(
         default=1024,
         ge=0,
-        description="With max_concurrent_requests: how many more wait for a slot; past that, 429 with Retry-After.",
+        description="How many more requests wait for a slot once max_concurrent_requests run; past that, 429 "
+        "with Retry-After.",
     )
     api_key_env: tuple[EnvName, ...] = Field(
         default=(),

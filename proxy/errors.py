@@ -47,6 +47,13 @@ class RequestTooLarge(ProxyError):
     status, error_type, code = 413, "invalid_request_error", "request_too_large"
 
 
+class RequestTimeout(ProxyError):
+    """The client did not send its whole body in time (``proxy.limits.read_body``); the connection is closed
+    after the answer, as the rest of the body may still be on its way."""
+
+    status, error_type, code = 408, "invalid_request_error", "request_timeout"
+
+
 class ContextLengthExceeded(ProxyError):
     """The request cannot fit the model's context (OpenAI's ``context_length_exceeded``)."""
 

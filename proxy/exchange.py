@@ -9,11 +9,16 @@ the stream relay (``proxy.relay``). Its life:
 2. the parsed ``body`` and the ``engine_headers`` both legs send;
 3. ``routed``: the engines (``proxy.routing.Route``), which say the serving
    path (``X-PDServe-Path``, ``request.state.serving_path``); ``degrade`` when a
-   leg fails and the decode engine computes the prompt;
+   leg fails and the decode engine computes the prompt. Both engines count the
+   request in their ``in_flight`` from here on, so a drain (a role move, a
+   scale-down) issued while the prefill leg runs waits for the decode leg too;
+   each leg takes its engine's count over when it starts (``leg_starts``) and
+   ends it when it ends (``EngineState.end_leg``);
 4. ``kv``: the KV the prefill engine keeps for the request (``KVHandle``);
 5. ``close``, once, whatever ended it (an answer, an error, the client gone,
-   a stream's end): the KV nobody read is released, the admission slot given
-   back, the request counted.
+   a stream's end): the counts of legs routed but never started are given
+   back, the KV nobody read is released, the admission slot given back, the
+   request counted.
 
 ``KVHandle.release`` is the proxy's one KV release (``proxy.release``): it is
 idempotent and does nothing once a decode engine has the KV (``read``), so
@@ -31,6 +36,7 @@ from starlette.requests import Request
 
 from proxy.limits import AdmissionGate
 from proxy.metrics import DEFAULT_SERVING_PATH, ProxyMetrics
+from proxy.pool import EngineState
 from proxy.release import KVReleaser
 from proxy.routing import DEGRADED_REASONS, NO_DECODE_ENGINE, Route
 
@@ -81,7 +87,8 @@ class Exchange:
 
     __slots__ = (
         "request", "kind", "route", "request_id", "started", "reply_headers", "engine_headers", "body",
-        "engines", "serving_path", "kv", "gate", "_metrics", "_last_chunk", "_closed",
+        "engines", "serving_path", "kv", "gate", "_metrics", "_last_chunk", "_closed", "_prefill_routed",
+        "_decode_routed",
     )  # fmt: skip
 
     def __init__(self, request: Request, kind: str, route: str, metrics: ProxyMetrics) -> None:
@@ -99,10 +106,19 @@ class Exchange:
         self._metrics = metrics
         self._last_chunk = 0.0
         self._closed = False
+        self._prefill_routed: EngineState | None = None
+        self._decode_routed: EngineState | None = None
+        """The engines counted for a leg at routing whose leg has not started (``leg_starts``) yet."""
 
     def routed(self, engines: Route) -> None:
-        """The router chose ``engines``: the serving path they make, and the reply headers that say so."""
+        """The router chose ``engines``: each counts the request from now on; the serving path they make, and
+        the reply headers that say so."""
         self.engines = engines
+        engines.decode.start_leg()
+        self._decode_routed = engines.decode
+        if engines.prefill is not None:
+            engines.prefill.start_leg()
+            self._prefill_routed = engines.prefill
         if engines.prefill is not None:
             path = DISAGGREGATED
         else:
@@ -111,6 +127,25 @@ class Exchange:
                 self._metrics.degraded.labels(engines.reason).inc()
         self._serve_as(path, engines.reason)
         self.reply_headers["X-PDServe-Decode"] = engines.decode.engine_id
+
+    def leg_starts(self, engine: EngineState) -> None:
+        """A leg on ``engine`` starts: it takes over the count routing took there, or, on an engine routing did
+        not choose (a retry's), counts now. Whatever ends the leg ends the count (``EngineState.end_leg``)."""
+        if engine is self._decode_routed:
+            self._decode_routed = None
+        elif engine is self._prefill_routed:
+            self._prefill_routed = None
+        else:
+            engine.start_leg()
+
+    def _end_routed(self) -> None:
+        """Give back the counts of legs routed but never started (the request ended before them)."""
+        if self._prefill_routed is not None:
+            self._prefill_routed.end_leg()
+            self._prefill_routed = None
+        if self._decode_routed is not None:
+            self._decode_routed.end_leg()
+            self._decode_routed = None
 
     def degrade(self, reason: str) -> None:
         """A leg failed and the decode engine computes the prompt itself (``decode-only; reason=...``)."""
@@ -137,6 +172,7 @@ class Exchange:
         if self._closed:
             return
         self._closed = True
+        self._end_routed()
         self.kv.release()
         if self.gate is not None:
             self.gate.leave()

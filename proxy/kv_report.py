@@ -5,10 +5,10 @@ request (``source=transfer; bytes=...; transfer_ms=...``, or
 ``source=recomputed; reason=...``). In a JSON answer the report is in the
 response's ``kv_transfer_params["pdserve_kv"]`` (``kv_report``). A stream
 carries no ``kv_transfer_params`` (vLLM 0.32), so for a stream the proxy asks
-the decode engine's side channel (one ZMQ endpoint per TP rank, which the
-orchestrator gives the pool as the engine's ``kv_endpoints``) once the first
-chunk has come: the KV is loaded by then. What to send is the prefill
-engine's business: its ``kv_transfer_params`` carry a ``pdserve_report``
+the decode engine's side channel (``proxy.release.ask``; one ``tcp://host:port``
+per TP rank, which the orchestrator gives the pool as the engine's
+``kv_endpoints``) once the first chunk has come: the KV is loaded by then.
+What to send is the prefill engine's business: its ``kv_transfer_params`` carry a ``pdserve_report``
 message; each rank answers with its part of the report as JSON (bytes add
 up, the slowest rank's time counts, a recompute wins) or ``NONE``. No answer
 within ``REPORT_TIMEOUT_S`` leaves the header out; the stream is not held up longer.
@@ -21,8 +21,6 @@ import logging
 from typing import Any
 
 import orjson
-import zmq
-import zmq.asyncio
 
 from connectors import wire
 from proxy.release import ask
@@ -68,8 +66,7 @@ class KVReports:
     """Asks decode engines' side channels for a stream's KV report."""
 
     def __init__(self, timeout_s: float = REPORT_TIMEOUT_S) -> None:
-        self._context = zmq.asyncio.Context()
-        self._timeout_ms = max(1, int(timeout_s * 1000))
+        self._timeout_s = timeout_s
 
     async def query(self, endpoints: tuple[str, ...], kv_params: dict | None, request_id: str) -> str | None:
         """The ``X-PDServe-KV`` value for a stream whose decode engine answers on ``endpoints``, or None."""
@@ -77,7 +74,7 @@ class KVReports:
         if not endpoints or not isinstance(spec, dict) or not isinstance(message := spec.get("message"), str):
             return None
         answers = await asyncio.gather(
-            *(ask(self._context, endpoint, message.encode(), self._timeout_ms) for endpoint in endpoints),
+            *(ask(endpoint, message.encode(), self._timeout_s) for endpoint in endpoints),
             return_exceptions=True,
         )
         parts = []
@@ -94,10 +91,10 @@ class KVReports:
 
     def _why(self, answer: object) -> str:
         if answer is None:
-            return f"no answer in {self._timeout_ms} ms"
+            return f"no answer in {self._timeout_s * 1000:.0f} ms"
         if isinstance(answer, BaseException):
             return f"{type(answer).__name__}: {answer}"
         return repr(answer[:40]) if isinstance(answer, bytes) else repr(answer)
 
     def close(self) -> None:
-        self._context.term()
+        """Nothing to close: each query opens and closes its own connections."""

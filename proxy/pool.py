@@ -14,12 +14,20 @@ readmits it), whether it is draining, and the load it last reported on
 ``ready(role)`` is what routing chooses from: the engines that are healthy
 and not draining, as a tuple rebuilt only when something changes, so that
 reading it costs nothing per request. The policies of ``proxy.routing``
-choose among them; ``pick`` is plain round robin.
+choose among them; ``pick`` is plain round robin. Whoever follows the ready
+engines (the admission limit of ``proxy.limits``) is called when they change
+(``watch``).
+
+A request's legs count on their engines from the moment the router chose them
+(``proxy.exchange.Exchange.routed``), not only while each runs: a drain (a role
+move, a scale-down) that comes while a request's prefill leg runs sees its
+decode leg in that engine's ``in_flight``, and waits for it.
 """
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -64,7 +72,8 @@ class EngineState:
     kv_endpoints: tuple[str, ...] = ()
     """Its connector's side channel, one ZMQ endpoint per TP rank (``pdserve`` connector only)."""
     in_flight: int = 0
-    """Legs (prefill or decode calls) this proxy has under way on the engine."""
+    """Legs (prefill or decode calls) this proxy has routed to the engine and not yet ended: those under way, and
+    those of requests routed here whose earlier leg (the prefill) still runs."""
     healthy: bool = True
     draining: bool = False
     failures: int = 0
@@ -114,6 +123,7 @@ class EnginePool:
         self.targets: dict[str, int] = {}
         """Each pool's size as its cluster's controller wants it (its autoscaler or ``pdserve scale``), when
         there is one: ``/metrics`` says it beside the engines the pool has."""
+        self._watchers: list[Callable[[], None]] = []
 
     # --- membership (orchestrator, admin) --------------------------------------------------
 
@@ -173,6 +183,14 @@ class EnginePool:
         engine.healthy = healthy
         self._refresh(engine.role)
 
+    def watch(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` whenever the ready engines may have changed (membership, draining, health)."""
+        self._watchers.append(callback)
+
+    def unwatch(self, callback: Callable[[], None]) -> None:
+        if callback in self._watchers:
+            self._watchers.remove(callback)
+
     # --- reading ---------------------------------------------------------------------------
 
     def engine(self, engine_id: str) -> EngineState:
@@ -219,6 +237,8 @@ class EnginePool:
 
     def _refresh(self, role: str) -> None:
         self._ready[role] = tuple(e for e in self._roles[role] if e.healthy and not e.draining)
+        for callback in self._watchers:
+            callback()
 
 
 def no_healthy_engine(role: str) -> NoHealthyEngine:

@@ -9,8 +9,15 @@ on arrival and passed whole to each step; it carries what both legs need, the
 prefill's KV (``KVHandle``) and, at its ``close``, the request's end: the KV
 nobody read released, the admission slot given back, the request counted.
 ``serve`` closes it, or the ``RelayResponse`` of a stream when the stream ends
-(``proxy.relay``). Every leg counts in its engine's ``in_flight`` while it
-runs, whatever ends it.
+(``proxy.relay``). Every leg counts in its engine's ``in_flight`` from the
+moment the router chose the engine (so a drain waits for a decode leg whose
+prefill still runs) until the leg ends, whatever ends it; a retry's engine
+counts from the retry on.
+
+Every request waits for a slot of the ``AdmissionGate`` (``proxy.limits``):
+``max_concurrent_requests`` when set, else one that follows the pools'
+ready engines (``pool_limit``; the flow watches the pool between ``open`` and
+``close``).
 
 Engines are called with the cluster's engine key (``config.engine_auth``;
 ``connectors.auth``), or with the client's own ``Authorization`` only for
@@ -40,7 +47,7 @@ from proxy.errors import ClientGone, InvalidApiKey, InvalidRequest, ProxyError, 
 from proxy.exchange import DECODE_ONLY, DISAGGREGATED, PREFILL_ONLY, Exchange
 from proxy.health import HealthTracker
 from proxy.kv_report import KVReports, kv_report
-from proxy.limits import AdmissionGate, read_body
+from proxy.limits import DEFAULT_REQUESTS_PER_ENGINE, AdmissionGate, pool_limit, read_body
 from proxy.metrics import ProxyMetrics
 from proxy.pool import EngineState
 from proxy.relay import DecodeStream, RelayResponse
@@ -69,10 +76,11 @@ class TwoPhaseFlow:
         self.api_keys = api_keys
         self.checks_health = checks_health
         self.retries = config.prefill_retries
-        self.gate = (
-            AdmissionGate(config.max_concurrent_requests, config.max_queued_requests)
-            if config.max_concurrent_requests is not None
-            else None
+        self.requests_per_engine = config.requests_per_engine or DEFAULT_REQUESTS_PER_ENGINE
+        self.follows_pool = config.max_concurrent_requests is None  # else the user's limit stays
+        self.gate = AdmissionGate(
+            config.max_concurrent_requests or pool_limit(router.pool, self.requests_per_engine),
+            config.max_queued_requests,
         )
         self.engine_authorization = f"Bearer {load_engine_key()}" if config.engine_auth else None
         self.upstream: Upstream | None = None
@@ -84,8 +92,20 @@ class TwoPhaseFlow:
         self.upstream = Upstream(client, self.config.request_timeout_s, self.config.tier_lookup_timeout_s)
         self.releaser = KVReleaser()
         self.kv_reports = KVReports()
+        if self.follows_pool:
+            self.router.pool.watch(self.fit_gate)
+            self.fit_gate()
+
+    def fit_gate(self) -> None:
+        """Size the admission gate to the pools' ready engines (``pool_limit``)."""
+        limit = pool_limit(self.router.pool, self.requests_per_engine)
+        if limit != self.gate.max_running:
+            logger.info("admission: at most %d requests at once (%d per ready engine)", limit, self.requests_per_engine)
+            self.gate.resize(limit)
 
     async def close(self) -> None:
+        if self.follows_pool:
+            self.router.pool.unwatch(self.fit_gate)
         if self.releaser is not None:
             await self.releaser.close()
         if self.kv_reports is not None:
@@ -138,17 +158,19 @@ class TwoPhaseFlow:
         self.require_api_key(request)
         if "json" not in request.headers.get("content-type", "application/json"):
             raise InvalidRequest("Content-Type must be application/json")
+        config = self.config
         try:
-            raw = await read_body(request, self.config.max_body_bytes)
+            raw = await read_body(request, config.max_body_bytes, config.body_timeout_s, config.body_idle_timeout_s)
         except ClientDisconnect as e:
             raise ClientGone(f"request {exchange.request_id}: the client went away while sending its body") from e
         exchange.body = parse_request(raw, exchange.kind, self.config.model_name)
         if self.config.max_model_len is not None:
             check_context_length(exchange.body, self.config.max_model_len)
         async with cancel_on_disconnect(request, exchange.request_id):
-            if self.gate is not None:
-                await self.gate.enter()
-                exchange.gate = self.gate  # given back when the exchange closes
+            gate = self.gate
+            if not gate.admit():  # a slot at once, or wait in the queue (no coroutine when there is room)
+                await gate.enter()
+            exchange.gate = gate  # given back when the exchange closes
             answer = await self._two_legs(exchange)
             if isinstance(answer, DecodeStream):
                 return await self._relay(exchange, answer)
@@ -230,22 +252,28 @@ class TwoPhaseFlow:
         tried: list[EngineState] = []
         while True:
             exchange.reply_headers["X-PDServe-Prefill"] = engine.engine_id
+            exchange.leg_starts(engine)  # counted since routing (a retry's engine: from now)
             try:
-                with engine:
-                    kv_params = await self.upstream.prefill(engine, exchange, body)
+                kv_params = await self.upstream.prefill(engine, exchange, body)
+            except BaseException as e:
+                engine.end_leg()
+                if not isinstance(e, UpstreamFailed):
+                    raise
+                failure = e
+            else:
+                engine.end_leg()
                 engine.failures = 0
                 return kv_params
-            except UpstreamFailed as failure:
-                self._unreachable(engine, failure, exchange.request_id)
-                tried.append(engine)
-                retry = self.router.retry("prefill", engines.prefix, tried) if len(tried) <= self.retries else None
-                if retry is None:
-                    raise
-                logger.warning(
-                    "request %s: prefill engine %s failed; trying prefill engine %s",
-                    exchange.request_id, engine.engine_id, retry.engine_id,
-                )  # fmt: skip
-                engine = retry
+            self._unreachable(engine, failure, exchange.request_id)
+            tried.append(engine)
+            retry = self.router.retry("prefill", engines.prefix, tried) if len(tried) <= self.retries else None
+            if retry is None:
+                raise failure
+            logger.warning(
+                "request %s: prefill engine %s failed; trying prefill engine %s",
+                exchange.request_id, engine.engine_id, retry.engine_id,
+            )  # fmt: skip
+            engine = retry
 
     async def _open_decode(self, exchange: Exchange, engines: Route) -> tuple[EngineResponse, EngineState]:
         """Open the decode leg: the response and its engine (its leg started).
@@ -260,7 +288,7 @@ class TwoPhaseFlow:
         tried: list[EngineState] = []
         while True:
             exchange.reply_headers["X-PDServe-Decode"] = engine.engine_id
-            engine.start_leg()
+            exchange.leg_starts(engine)  # counted since routing, through the prefill leg (a retry's: from now)
             try:
                 response = await self.upstream.decode(engine, exchange, decode_body(exchange.body, exchange.kv.params))
                 return response, engine

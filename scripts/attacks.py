@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -26,13 +27,13 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-import zmq
-
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from connectors.auth import KVAuth, engine_key, read_secret_file  # noqa: E402
+from connectors.framing import MAX_FRAME_BYTES, FramingError, frame, recv_frame  # noqa: E402
+from connectors.wire import parse_tcp_endpoint  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
 KILLER = {"do_remote_prefill": True, "remote_engine_id": "p", "remote_request_id": "r", "remote_host": "127.0.0.1",
@@ -86,20 +87,17 @@ def next_kv(proxy_url: str) -> str:
     )
 
 
-def zmq_send(endpoint: str, frames: list[bytes], timeout_ms: int = 10_000) -> tuple[str, float]:
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.RCVTIMEO, timeout_ms)
+def side_channel_send(endpoint: str, data: bytes, timeout_ms: int = 10_000) -> tuple[str, float]:
+    """Send ``data`` (framed messages, or any bytes) to a side channel on a fresh connection; the first 40
+    characters of the first answer (or ``(no answer)``: dropped, or silent), and how long it took."""
     started = time.monotonic()
     try:
-        sock.connect(endpoint)
-        sock.send_multipart([b"", *frames])
-        answer = sock.recv_multipart()[1:]
-        return answer[0][:40].decode(errors="replace") if answer else "(empty)", time.monotonic() - started
-    except zmq.Again:
+        with socket.create_connection(parse_tcp_endpoint(endpoint), timeout=timeout_ms / 1000) as sock:
+            sock.sendall(data)
+            answer = recv_frame(sock, MAX_FRAME_BYTES, started + timeout_ms / 1000)
+        return answer[:40].decode(errors="replace"), time.monotonic() - started
+    except (OSError, FramingError):
         return "(no answer)", time.monotonic() - started
-    finally:
-        sock.close()
 
 
 def main() -> int:
@@ -145,15 +143,15 @@ def main() -> int:
     row("malformed kv_transfer_params with the engine key", str(code))
     code, _ = post(proxy + "/v1/chat/completions", chat("Hi", vllm_xargs={"kv_transfer_params": KILLER}))
     row("kv_transfer_params in vllm_xargs through the proxy", str(code))
-    answer, _ = zmq_send(prefill["kv_endpoints"][0], [b"a", b"b"])
+    answer, _ = side_channel_send(prefill["kv_endpoints"][0], frame(b"a") + frame(b"b"))
     row("two-frame message to a prefill side channel", answer)
     junk = b"PDS1 release 9999999999999 " + b"0" * 64 + b" " + b"x" * (256 << 20)
     kv = KVAuth(secret)
-    answer, took = zmq_send(prefill["kv_endpoints"][0], [junk], timeout_ms=30_000)
-    _, next_took = zmq_send(prefill["kv_endpoints"][0], [kv.seal(b"handshake", b"nonce junk")])
+    answer, took = side_channel_send(prefill["kv_endpoints"][0], frame(junk), timeout_ms=30_000)
+    _, next_took = side_channel_send(prefill["kv_endpoints"][0], frame(kv.seal(b"handshake", b"nonce junk")))
     got = "dropped unread" if answer == "(no answer)" else f"{answer} after {took:.2f} s"
     row("256 MiB well-framed junk to a side channel", f"{got}; the next message answered in {next_took * 1e3:.0f} ms")
-    answer, _ = zmq_send(prefill["kv_endpoints"][0], [kv.seal(b"handshake", b"nonce junk")])
+    answer, _ = side_channel_send(prefill["kv_endpoints"][0], frame(kv.seal(b"handshake", b"nonce junk")))
     row("sealed handshake with a junk payload", answer)
     if args.json:
         print(json.dumps(rows, indent=2))

@@ -10,6 +10,10 @@ beyond its ``fs`` tier, lives here:
   CUDA/XPU only).
 - ``connectors.tier.store``: the shared filesystem tier: MAC'd, private, crash-safe
   entries, bounded by bytes with LRU eviction, with metrics.
+- ``connectors.tier.key``: the filesystem tier's own MAC key, made once and kept in
+  its directory, readable only by its owner: the tier outlives the cluster.
+- ``connectors.tier.cleanup``: namespaces of older entry formats and keys, removed
+  when a tier opens.
 - ``connectors.tier.held``: how many of a request's prompt tokens the filesystem
   tiers hold, answered by the engine's HTTP server for the proxy's routing.
 """

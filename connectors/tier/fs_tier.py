@@ -8,10 +8,14 @@ into place, private (0600 in 0700 directories), bounded by ``max_bytes`` with LR
 eviction. What vLLM's tier lacks and this one adds: refusal of torn, corrupt or
 foreign entries (deleted and recomputed), eviction, and the metrics below.
 
-The MAC key is derived from the cluster secret in the engine's environment
-(``connectors.auth.tier_key``, ``load_secret``): engines of one cluster share
-entries; a cluster started with another secret recomputes what an earlier one
-stored (``pdserve up`` takes a secret the caller gives, to keep the tier).
+**The tier outlives its cluster and trusts only its owner.** The MAC key is the
+tier's own (``connectors.tier.key``): random, made by the first engine that opens
+the directory, kept there in ``pdserve-kv-tier.key`` (0600 in the 0700 root), read
+by every engine that opens it. A cluster started again, with a new cluster secret,
+loads what the one before it stored; an entry written or altered by anyone who
+cannot read the key file (anyone but the directory's owner) is refused and its
+blocks are computed again. Namespaces of older entry formats and keys are removed
+when the tier opens (``connectors.tier.cleanup``), and logged.
 
 **A directory the tier cannot trust fails the engine's start.** ``root_dir`` (and
 the namespace directory in it) must be this user's own and writable by no one
@@ -20,15 +24,16 @@ and vLLM's engine start fails with it (the engine's log says why). Not a tier
 quietly left off: the user asked for it, a cluster without it only looks slow
 (every prompt computed), and a directory others can write is a setting to fix,
 not to serve around. A directory the tier creates is 0700; one that exists and is
-ours but readable by others is narrowed to 0700.
+ours but readable by others is narrowed to 0700. A key file that is not a regular
+file of this user's that only it may read (0600) fails the start the same way.
 
 Configured as a secondary tier of ``PdserveTierSpec``::
 
     {"type": "PdserveFsTier", "module_path": "connectors.tier.fs_tier",
      "root_dir": "/shared/kv", "max_bytes": 8589934592}
 
-``root_dir`` gets one directory per entry format and engine layout
-(``pdserve-v2-cpu-<bytes per chunk>``), inside which ``FileMapper`` adds the
+``root_dir`` gets one directory per entry format, key and engine layout
+(``pdserve-v3-<key id>-cpu-<bytes per chunk>``), inside which ``FileMapper`` adds the
 model, dtype, block size and layer names: a key is the chained hash of the
 prompt's token blocks under that namespace, so the same tokens of another
 model, dtype or layout never meet.
@@ -58,9 +63,10 @@ from vllm.v1.kv_offload.tiering.base import JobId, TransferJob
 from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager, FsAsyncLookupManager
 from vllm.v1.kv_offload.tiering.fs.thread_pool import DualQueueThreadPool
 
-from connectors.auth import load_secret, tier_key
 from connectors.private_files import private_dir
+from connectors.tier.cleanup import remove_stale
 from connectors.tier.held import write_layout
+from connectors.tier.key import load_tier_key
 from connectors.tier.store import VERSION, EntryStore
 
 if TYPE_CHECKING:
@@ -88,9 +94,9 @@ class TIER_METRICS:  # noqa: N801 - a namespace of metric names, like vLLM's *Me
     ENTRIES = "pdserve:kv_tier_entries"
 
 
-def namespace(block_bytes: int) -> str:
-    """The directory of one entry format and engine layout: ``pdserve-v2-cpu-<bytes per chunk>``."""
-    return f"pdserve-v{VERSION}-{current_platform.device_type or 'unknown'}-{block_bytes}"
+def namespace(block_bytes: int, key_id: str) -> str:
+    """The directory of one entry format, key and engine layout: ``pdserve-v3-<key id>-cpu-<bytes per chunk>``."""
+    return f"pdserve-v{VERSION}-{key_id}-{current_platform.device_type or 'unknown'}-{block_bytes}"
 
 
 class _CountingLookup(FsAsyncLookupManager):
@@ -152,16 +158,19 @@ class PdserveFsTier(FileSystemTierManager):
         self._load_progress: dict[JobId, int] = {}
         self._block_size = self.block_size_bytes
         self._use_o_direct = False
-        # Before any file is opened or named: a directory it cannot trust, or no secret, fails the start (docstring).
-        root = private_dir(Path(root_dir), f"KV tier {self.name!r} directory") / namespace(self._block_size)
-        key = tier_key(load_secret())
+        # Before any entry is opened or named: a directory or key file it cannot trust fails the start (docstring).
+        what = f"KV tier {self.name!r}"
+        base = private_dir(Path(root_dir), f"{what} directory")
+        key = load_tier_key(base, what)
+        root = base / namespace(self._block_size, key.key_id)
+        remove_stale(base, key.key_id, what)
         self.file_mapper = FileMapper.from_offloading_spec(
             root_dir=str(root),
             offloading_spec=offloading_spec,
             blocks_per_file=offloading_spec.blocks_per_chunk,
             parallel_agnostic=True,
         )
-        self.entries = EntryStore(root, int(max_bytes), key=key, fsync=bool(fsync), rescan_s=float(rescan_s))
+        self.entries = EntryStore(root, int(max_bytes), key=key.entry_key, fsync=bool(fsync), rescan_s=float(rescan_s))
         # for the engine's HTTP server, which answers the proxy what this tier holds (connectors.tier.held)
         write_layout(self.name, self.file_mapper.base_path, self.file_mapper.rank, offloading_spec)
         self._pool = DualQueueThreadPool(
@@ -170,7 +179,11 @@ class PdserveFsTier(FileSystemTierManager):
         self._lookup_manager = _CountingLookup(self, self.tier_type, bool(async_lookup))
         self._reported = {"hits": 0, "misses": 0}
         self._load_seconds: list[float] = []
-        logger.info("KV tier %r at %s: up to %d bytes", self.name, root, int(max_bytes))
+        entries, used = self.entries.usage()
+        logger.info(
+            "KV tier %r at %s: up to %d bytes, %d entries (%d bytes) there; its key: %s",
+            self.name, root, int(max_bytes), entries, used, key.path,
+        )  # fmt: skip
 
     # --- transfers (run on the pool's threads) ------------------------------------------------
 

@@ -2,17 +2,20 @@
 
 An entry is a 48-byte header and the chunk's bytes::
 
-    magic "PDKV" | version u16 (2) | reserved u16 | payload length u64 | HMAC-SHA256 (32 bytes)
+    magic "PDKV" | version u16 (3) | reserved u16 | payload length u64 | HMAC-SHA256 (32 bytes)
 
-- **Only entries this cluster wrote are loaded.** The MAC is HMAC-SHA256, under
-  the tier key (``connectors.auth.tier_key``: derived from the cluster secret,
-  a label of its own), of the header's first 16 bytes, the entry's name (its
-  path under the store's root, with the root's own name: a valid entry moved to
-  another key's name is refused) and the payload. An entry written under
-  another secret (another cluster, a cluster started again with a new secret),
-  altered, torn, or of an older format (version 1 carried an unkeyed CRC-32,
-  which anyone who can write the directory could forge) is refused like a
-  corrupt one. HMAC-SHA256 rather than keyed BLAKE2b: with SHA extensions it
+- **Only entries made with the tier's key are loaded.** The MAC is HMAC-SHA256,
+  under the tier's own key (``connectors.tier.key``: random, kept in the tier's
+  directory, readable only by its owner; it outlives every cluster that uses the
+  directory), of the header's first 16 bytes, the entry's name (its path under
+  the store's root, with the root's own name: a valid entry moved to another
+  key's name is refused) and the payload. An entry written with another key
+  (another tier directory's, a key file since replaced), altered, torn, or of an
+  older format (version 2 was MAC'd under a key of the cluster secret, new at
+  every ``pdserve up``; version 1 carried an unkeyed CRC-32, which anyone who can
+  write the directory could forge) is refused like a corrupt one. The namespaces
+  of older formats and keys are removed when the tier opens
+  (``connectors.tier.cleanup``). HMAC-SHA256 rather than keyed BLAKE2b: with SHA extensions it
   is twice as fast here (1.5 GiB/s against 0.77 GiB/s on 1-16 MiB; CRC-32:
   3.5 GiB/s), and OpenSSL releases the GIL while it hashes, as zlib does.
 - **A reader never sees a half-written entry.** A writer writes a temporary file
@@ -65,8 +68,9 @@ __all__ = [
 ]
 
 MAGIC = b"PDKV"
-VERSION = 2
-"""The entry format: 2 is MAC'd (1 was CRC-32'd); it also names the tier's namespace directory."""
+VERSION = 3
+"""The entry format: 3 is MAC'd under the tier's own key (2 under a key of the cluster secret, 1 CRC-32'd);
+it also names the tier's namespace directory."""
 HEADER = struct.Struct("<4sHHQ32s")  # 48 bytes
 _SIGNED = struct.Struct("<4sHHQ")  # the header's fields the MAC covers (all but the MAC)
 _MIN_KEY_BYTES = 16
@@ -148,7 +152,7 @@ def read_entry(path: Path, out: memoryview, *, key: bytes, name: str) -> int:
         if magic != MAGIC or version != VERSION or length != len(out):
             reason = f"bad header (magic {magic!r}, version {version}, length {length})"
         elif not hmac.compare_digest(mac, entry_mac(key, name, length, out)):
-            reason = "wrong MAC: altered, or written under another cluster secret"
+            reason = "wrong MAC: altered, or written with another tier key"
     if reason is not None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)

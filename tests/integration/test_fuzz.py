@@ -1,9 +1,9 @@
-"""Our own fuzz suite against the shared cluster of our connector (real engines, real NIXL, real HTTP and ZMQ).
+"""Our own fuzz suite against the shared cluster of our connector (real engines, real NIXL, real HTTP and TCP).
 
 What anyone on the network can send an engine is thrown at it: every route of the engine's real route table
 without the key, transfer parameters of every wrong type through every route a client (the proxy) or a peer
-(an engine's own HTTP routes, with the key) reaches, and random, multi-frame, empty, oversized, replayed and
-cross-engine messages at the side channels. Each test ends where a user would look: both engines alive with
+(an engine's own HTTP routes, with the key) reaches, and random, empty, oversized, wrong-magic, half-sent,
+replayed and cross-engine messages at the side channels. Each test ends where a user would look: both engines alive with
 the same process ids, their side channels answering, and the next request's KV moved over the wire
 (``X-PDServe-KV: source=transfer``).
 """
@@ -19,12 +19,13 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-import zmq
 
 from connectors import wire
 from connectors.auth import KVAuth, read_secret_file
+from connectors.framing import frame
 from connectors.side_channel import ping
 from tests.integration.conftest import Cluster, http_json, kv_report, metric_values
+from tests.unit.test_side_channel import dropped_unanswered, exchange, header
 
 pytestmark = [pytest.mark.integration, pytest.mark.parametrize("cluster", ["pdserve"], indirect=True)]
 
@@ -152,22 +153,12 @@ def test_transfer_params_of_every_wrong_type_through_every_route_never_hurt_an_e
     assert_cluster_whole(cluster, before)
 
 
-def raw(endpoint: str, frames: list[bytes], timeout_ms: int = 5000) -> list[bytes] | None:
-    """Send ``frames`` as one message from a fresh DEALER (as any host could); the answer, or None."""
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.RCVTIMEO, timeout_ms)
-    try:
-        sock.connect(endpoint)
-        sock.send_multipart([b"", *frames])
-        return sock.recv_multipart()[1:]
-    except zmq.Again:
-        return None
-    finally:
-        sock.close()
+def raw(endpoint: str, message: bytes, timeout_ms: int = 5000) -> bytes | None:
+    """Send ``message`` framed, on a fresh connection (as any host could); the answer, or None."""
+    return exchange(endpoint, frame(message), timeout_ms)
 
 
-def test_side_channels_outlive_random_multipart_huge_replayed_and_cross_engine_messages(cluster: Cluster) -> None:
+def test_side_channels_outlive_random_empty_huge_unframed_replayed_and_cross_engine_messages(cluster: Cluster) -> None:
     before = pids(cluster)
     auth = kv_auth(cluster)
     prefill, decode = cluster.engine("prefill"), cluster.engine("decode")
@@ -175,20 +166,21 @@ def test_side_channels_outlive_random_multipart_huge_replayed_and_cross_engine_m
     for engine in (prefill, decode):
         endpoint = engine["kv_endpoints"][0]
         for _ in range(150):
-            frames = [rng.randbytes(rng.choice([0, 1, 7, 64, 4096])) for _ in range(rng.choice([1, 1, 2, 5]))]
-            answer = raw(endpoint, frames)
-            assert answer is not None and answer[0].startswith(b"ERR "), (frames, answer)
-        assert raw(endpoint, [b""])[0].startswith(b"ERR ")  # an empty message: answered, not fatal
-        assert raw(endpoint, [b"x" * (8 << 20)], timeout_ms=2000) is None  # over the limit: dropped unread
-        assert raw(endpoint, [b"PDS1 release 9999999999999 " + b"0" * 64 + b" " + b"x" * (4 << 20)],
-                   timeout_ms=2000) is None  # fmt: skip
+            message = rng.randbytes(rng.choice([1, 7, 64, 4096]))
+            answer = raw(endpoint, message)
+            assert answer is not None and answer.startswith(b"ERR "), (message[:16], answer)
+        # what the channel does not take is dropped at its header, unanswered and unread
+        assert dropped_unanswered(endpoint, header(0))  # an empty message
+        assert dropped_unanswered(endpoint, header(8 << 20) + bytes(1 << 20))  # over the limit
+        assert dropped_unanswered(endpoint, b"PDS1 release 9999999999999 " + b"0" * 64 + b" " + b"x" * (4 << 20))
+        assert dropped_unanswered(endpoint, header(100) + b"x" * 10, half_close=True)  # half a message
         sealed_ping = auth.seal(b"ping", b"")
-        assert raw(endpoint, [sealed_ping]) == [b"OK"] and raw(endpoint, [sealed_ping]) == [b"OK"]  # a replay
+        assert raw(endpoint, sealed_ping) == b"OK" and raw(endpoint, sealed_ping) == b"OK"  # a replay
         # what another engine's side channel would answer is no request here
-        assert raw(endpoint, [auth.seal(b"handshake-reply", b"nonce payload")])[0].startswith(b"ERR ")
-        assert raw(endpoint, [auth.seal(b"handshake", b"nonce junk")])[0].startswith(b"ERR malformed")
-        assert raw(endpoint, [auth.seal(b"report", b"prefill-0 no-such-request")]) == [b"NONE"]
-        assert raw(endpoint, [auth.seal(b"release", b"no-such-request")]) == [b"OK"]  # nothing to free
+        assert raw(endpoint, auth.seal(b"handshake-reply", b"nonce payload")).startswith(b"ERR ")
+        assert raw(endpoint, auth.seal(b"handshake", b"nonce junk")).startswith(b"ERR malformed")
+        assert raw(endpoint, auth.seal(b"report", b"prefill-0 no-such-request")) == b"NONE"
+        assert raw(endpoint, auth.seal(b"release", b"no-such-request")) == b"OK"  # nothing to free
     assert_cluster_whole(cluster, before)
 
 
@@ -205,5 +197,5 @@ def test_a_release_replayed_changes_nothing(cluster: Cluster) -> None:
     assert status == 200
     release = issued["kv_transfer_params"][wire.PDSERVE_RELEASE]["message"].encode()
     for _ in range(3):
-        assert raw(prefill["kv_endpoints"][0], [release]) == [b"OK"]
+        assert raw(prefill["kv_endpoints"][0], release) == b"OK"
     assert_cluster_whole(cluster, before)

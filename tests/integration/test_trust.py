@@ -4,7 +4,7 @@
 - A decode engine acts only on transfer parameters a prefill engine of this cluster issued, for it, once,
   before they expire: forged, altered, expired, replayed or someone else's parameters make it compute
   the prompt itself (same greedy answer), and it never connects to the peer they name.
-- A side channel answers nobody without the secret: raw ZMQ handshakes, releases and report queries
+- A side channel answers nobody without the secret: raw handshakes, releases and report queries
   are refused, counted in ``pdserve:kv_refused_total``, and change nothing.
 - SIGKILL of the only prefill engine under load (8 clients): no request fails beyond those in flight at
   the kill; the rest are served decode-only, and disaggregated serving returns with the engine.
@@ -24,11 +24,12 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-import zmq
 
 from connectors import wire
 from connectors.auth import KVAuth, read_secret_file
+from connectors.framing import FramingError, recv_frame
 from connectors.handshake import HandshakeRequest, encode_request
+from connectors.side_channel import MAX_REQUEST_BYTES
 from tests.integration.conftest import Cluster, http_json, metric_values
 from tests.unit.test_side_channel import ask
 
@@ -182,14 +183,21 @@ def test_a_handshake_that_times_out_is_recomputed_within_the_timeout(cluster: Cl
 
     The parameters name an engine the decode engine has not met: it keeps one connection per remote
     engine rank, and a known engine's blocks would be read over it whatever address they named."""
-    context = zmq.Context.instance()
-    silent = context.socket(zmq.REP)  # takes the handshake, never answers
-    silent.setsockopt(zmq.LINGER, 0)
-    port = silent.bind_to_random_port("tcp://127.0.0.1")
-    # The handshake is read as it arrives: once the decode engine gives up and closes its socket, ZeroMQ may
-    # drop a message still unread in that connection's pipe (a poll after the answer once found none).
+    silent = socket.create_server(("127.0.0.1", 0))  # takes the handshake, never answers
+    silent.settimeout(60)
+    port = silent.getsockname()[1]
     arrived = threading.Event()
-    listener = threading.Thread(target=lambda: silent.poll(60_000) and arrived.set(), daemon=True)
+    held: list[socket.socket] = []
+
+    def take_the_handshake() -> None:
+        try:
+            held.append(silent.accept()[0])
+            if recv_frame(held[0], MAX_REQUEST_BYTES, time.monotonic() + 60):
+                arrived.set()
+        except (OSError, FramingError):
+            pass
+
+    listener = threading.Thread(target=take_the_handshake, daemon=True)
     listener.start()
     prompt = "Name a planet of the solar system."
     try:
@@ -206,6 +214,8 @@ def test_a_handshake_that_times_out_is_recomputed_within_the_timeout(cluster: Cl
     finally:
         listener.join(timeout=65)
         silent.close()
+        for sock in held:
+            sock.close()
     # The lease the real prefill holds for the unread blocks ends with the cluster's own release.
     assert ask(cluster.engine("prefill")["kv_endpoints"][0], issued[wire.PDSERVE_RELEASE]["message"].encode()) == b"OK"
 

@@ -23,10 +23,9 @@ import httpx
 import pytest
 import uvicorn
 import yaml
-import zmq
-import zmq.asyncio
 
 from connectors.auth import SECRET_ENV, SECRET_FILE_ENV, ClusterSecret
+from connectors.framing import MAX_FRAME_BYTES, FramingError, frame, read_frame
 from orchestrator.models import DEMO_MODEL_NAME, KNOWN_MODELS
 from proxy.app import create_app
 from proxy.pool import Endpoint, EnginePool
@@ -292,30 +291,46 @@ async def make_client(make_proxy) -> AsyncIterator[Callable[..., Awaitable[httpx
 
 
 class SideChannel:
-    """An engine's KV side channel (a real ZMQ REP socket): keeps every message and answers ``answer``
-    (a prefill's release: OK); with ``answer=None`` it never answers."""
+    """An engine's KV side channel (a real TCP server speaking ``connectors.framing``): keeps every message
+    and answers ``answer`` (a prefill's release: OK); with ``answer=None`` it never answers."""
 
     def __init__(self, answer: bytes | None = b"OK") -> None:
-        self.context = zmq.asyncio.Context()
-        self.socket = self.context.socket(zmq.REP)
-        port = self.socket.bind_to_random_port("tcp://127.0.0.1")
-        self.endpoint = f"tcp://127.0.0.1:{port}"
+        self._listener = socket.socket()
+        self._listener.bind(("127.0.0.1", 0))
+        self._listener.listen()  # connections wait in the backlog until the server below takes them
+        self.endpoint = f"tcp://127.0.0.1:{self._listener.getsockname()[1]}"
         self.answer = answer
         self.messages: list[bytes] = []
+        self._connections: set[asyncio.Task] = set()
         self.task = asyncio.get_running_loop().create_task(self._serve())
 
     async def _serve(self) -> None:
-        while True:
-            self.messages.append(await self.socket.recv())
-            if self.answer is None:
-                await asyncio.Event().wait()
-            await self.socket.send(self.answer)
+        server = await asyncio.start_server(self._connection, sock=self._listener)
+        async with server:
+            await server.serve_forever()
+
+    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        self._connections.add(task)
+        try:
+            while True:
+                self.messages.append(await read_frame(reader, MAX_FRAME_BYTES))
+                if self.answer is None:
+                    await asyncio.Event().wait()
+                writer.write(frame(self.answer))
+                await writer.drain()
+        except (FramingError, OSError):
+            pass  # the client closed its connection
+        finally:
+            self._connections.discard(task)
+            writer.close()
 
     async def close(self) -> None:
-        self.task.cancel()
-        await asyncio.gather(self.task, return_exceptions=True)
-        self.socket.close(linger=0)
-        self.context.term()
+        tasks = [self.task, *self._connections]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._listener.close()
 
 
 @pytest.fixture

@@ -79,7 +79,7 @@ def test_decode_loads_every_prompt_token_not_computed_locally(scheduler):
 
     assert scheduler.get_num_new_matched_tokens(request, 0) == (300, True)
     assert scheduler.get_num_new_matched_tokens(request, 128) == (172, True)
-    assert scheduler.get_num_new_matched_tokens(FakeRequest(), 0) == (0, False)
+    assert scheduler.get_num_new_matched_tokens(FakeRequest(request_id="req-2"), 0) == (0, False)
 
 
 def test_local_blocks_pair_with_remote_blocks_by_position_skipping_prefix_hits(scheduler):
@@ -110,6 +110,7 @@ def test_prefill_keeps_the_blocks_and_says_where_they_are(scheduler):
         remote_num_tokens=300,
         block_size=BLOCK_SIZE,
         pdserve_expires=params["pdserve_expires"],
+        pdserve_epoch=scheduler.epoch,
         pdserve_mac=params["pdserve_mac"],
     )
     assert scheduler.build_connector_meta().reqs_to_hold == {"req-1": (7, 8, 9)}
@@ -251,7 +252,7 @@ def test_the_samples_of_an_n_request_wait_for_one_read_and_report_it(scheduler, 
     finished = [scheduler.request_finished(r, [3, 4])[1] for r in (siblings[0], reader, siblings[1])]
     expected = {"pdserve_kv": report} if outcome == "finished_recving" else None
     assert finished == [expected] * 3
-    assert scheduler._siblings == {} and scheduler._shared_reports == {}
+    assert scheduler.tracked() == 0  # every record ended with its request
 
 
 def test_the_same_parameters_in_a_request_of_another_parent_are_a_replay(scheduler):

@@ -26,7 +26,7 @@ from connectors.auth import KVAuth  # noqa: E402
 from connectors.block_ranges import KVRegions  # noqa: E402
 from connectors.errors import ConnectorError  # noqa: E402
 from connectors.handshake import HandshakeResponse  # noqa: E402
-from connectors.leases import read_notification  # noqa: E402
+from connectors.leases import PinAnswer, read_notification  # noqa: E402
 from connectors.metadata import KVTransferParams, PdserveConnectorMetadata, ReceiveSpec  # noqa: E402
 from connectors.side_channel import RefusedMessages, report_key  # noqa: E402
 from connectors.topology import KVLayout, KVTopology  # noqa: E402
@@ -105,7 +105,7 @@ class FakeReleases:
         self.sent: list[tuple[int, str]] = []
         self.reads: list[tuple[int, str, bytes]] = []
 
-    def release(self, endpoint: str, request_id: str) -> None:
+    def release(self, endpoint: str, request_id: str, by: str | None = None) -> None:
         self.sent.append((parse_tcp_endpoint(endpoint)[1], request_id))
 
     def read_done(self, endpoint: str, reader: str, notification: bytes) -> None:
@@ -133,6 +133,12 @@ class FakePrefill:
     asked: list[int] = field(default_factory=list)
     transports: tuple[str, ...] = (NIXL,)
     node: str = ""
+    pins: list[tuple[int, str, str]] = field(default_factory=list)
+    pin_answer: PinAnswer = PinAnswer.OK
+
+    def ask_pin(self, endpoint: str, auth: KVAuth, reader: str, request_id: str, epoch: str, timeout_s: float):
+        self.pins.append((parse_tcp_endpoint(endpoint)[1], reader, request_id))
+        return self.pin_answer
 
     def request_handshake(
         self, engine_id: str, local: KVTopology, endpoint: str, auth: KVAuth, timeout_s: float
@@ -189,6 +195,7 @@ def fakes(monkeypatch: pytest.MonkeyPatch) -> Fakes:
     monkeypatch.setattr(worker_module, "SideChannelServer", FakeServer)
     monkeypatch.setattr(reader_module, "ReleaseSender", releases)
     monkeypatch.setattr(reader_module, "request_handshake", made.prefill.request_handshake)
+    monkeypatch.setattr(reader_module, "ask_pin", made.prefill.ask_pin)
     return made
 
 
@@ -270,8 +277,8 @@ def test_one_decode_rank_reads_each_prefill_rank_and_handshakes_once_per_rank(
     assert set(transport.peers) == {"prefill/rank0", "prefill/rank1"}
     assert [(peer, local, remote, notify) for peer, local, remote, notify, _ in transport.reads[:2]] == [
         # three prefill blocks of 16 tokens fill two decode blocks of 32
-        ("prefill/rank0", [5, 9], [1, 2, 3], read_notification("p-r1", 1)),
-        ("prefill/rank1", [5, 9], [1, 2, 3], read_notification("p-r1", 1)),
+        ("prefill/rank0", [5, 9], [1, 2, 3], read_notification("p-r1", 1, "decode/rank0")),
+        ("prefill/rank1", [5, 9], [1, 2, 3], read_notification("p-r1", 1, "decode/rank0")),
     ]
     for *_, read in transport.reads:
         read.state = TransferState.DONE
@@ -332,7 +339,9 @@ def test_two_decode_ranks_tell_the_one_prefill_rank_to_expect_two_reads(
     for rank in (0, 1):
         worker = make_worker(tp_size=2, tp_rank=rank)
         receive(worker, fakes.transports[rank], spec("r1", 1, (5,), (1, 2)), reads=1)
-    assert [transport.reads[0][3] for transport in fakes.transports] == [read_notification("p-r1", 2)] * 2
+    assert [transport.reads[0][3] for transport in fakes.transports] == [
+        read_notification("p-r1", 2, f"decode/rank{rank}") for rank in (0, 1)
+    ]
 
 
 def worker_with_both_transports(
@@ -358,7 +367,7 @@ def test_a_peer_on_this_node_is_read_by_cuda_ipc_which_tells_the_source_over_the
     assert (set(ipc.peers), set(nixl.peers)) == ({"prefill/rank0"}, set())
     assert worker.take_reports().reports["r1"]["transport"] == CUDA_IPC
     # CUDA IPC has no message back: the reader sends the READ notification itself, as this rank
-    assert fakes.releases[0].reads == [(PREFILL_PORT, "decode/rank0", read_notification("p-r1", 1))]
+    assert fakes.releases[0].reads == [(PREFILL_PORT, "decode/rank0", read_notification("p-r1", 1, "decode/rank0"))]
 
 
 def test_a_peer_whose_gpu_this_process_cannot_see_is_read_over_nixl(fakes: Fakes, make_worker: WorkerFactory) -> None:

@@ -3,7 +3,7 @@ when no decode engine read it, whichever way the request ends; the exchange itse
 
 The first tests hold a ``KVHandle`` and an ``Exchange`` with a releaser that records what it is asked; the
 rest send requests through the proxy to stub engines and read the release messages the prefill engine's
-side channel (a real ZMQ socket, ``side_channel`` in conftest.py) receives.
+side channel (a real TCP server, ``side_channel`` in conftest.py) receives.
 """
 
 from __future__ import annotations

@@ -101,15 +101,16 @@ def test_readers_say_how_many_of_them_to_expect(table: LeaseTable):
 @pytest.mark.parametrize(
     ("message", "parsed"),
     [
-        (read_notification("req-1", 2), ("req-1", 2)),
-        (read_notification("id with spaces", 1), ("id with spaces", 1)),
-        (b"req-1", ("req-1", None)),  # a reader that does not say: the lease's own count
-        (b"PDRD x req-1", ("PDRD x req-1", None)),
-        (b"PDRD 0 req-1", ("PDRD 0 req-1", None)),
-        (b"\xff\xfe", ("\ufffd\ufffd", None)),
+        (read_notification("req-1", 2), ("req-1", 2, None)),
+        (read_notification("req-1", 2, "decode/rank0"), ("req-1", 2, "decode/rank0")),
+        (read_notification("id with spaces", 1), ("id with spaces", 1, None)),
+        (b"req-1", ("req-1", None, None)),  # a reader that does not say: the lease's own count
+        (b"PDRD x r req-1", ("PDRD x r req-1", None, None)),
+        (b"PDRD 0 r req-1", ("PDRD 0 r req-1", None, None)),
+        (b"\xff\xfe", ("\ufffd\ufffd", None, None)),
     ],
 )
-def test_read_notifications_round_trip_and_never_raise(message: bytes, parsed: tuple[str, int | None]):
+def test_read_notifications_round_trip_and_never_raise(message: bytes, parsed: tuple[str, int | None, str | None]):
     assert parse_read_notification(message) == parsed
 
 

@@ -156,3 +156,21 @@ async def test_a_leg_ends_when_it_is_cancelled(pool):
     with pytest.raises(asyncio.CancelledError):
         await task
     assert engine.in_flight == 0
+
+
+def test_watchers_hear_of_every_change_to_the_ready_engines_until_they_stop_watching(pool):
+    seen: list[tuple[int, int]] = []
+
+    def watcher() -> None:
+        seen.append((len(pool.ready("prefill")), len(pool.ready("decode"))))
+
+    pool.watch(watcher)
+    pool.drain("decode-0")
+    pool.add("decode", Endpoint("decode-0", "http://127.0.0.1:8100"))
+    pool.set_healthy(pool.engine("prefill-1"), False)
+    pool.remove("decode-1")
+    pool.set_endpoints("prefill", endpoints("prefill", 3))
+    pool.unwatch(watcher)
+    pool.drain("decode-0")
+
+    assert seen == [(2, 1), (2, 2), (1, 2), (1, 1), (2, 1)]  # prefill-1 stays ejected: 2 of 3 ready

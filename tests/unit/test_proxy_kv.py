@@ -2,7 +2,7 @@
 
 Stub engines play a prefill engine that offers a release endpoint (as the
 ``pdserve`` connector does) and a decode engine that reports its KV load; a
-real ZMQ REP socket plays the prefill engine's side channel (``side_channel`` in conftest.py),
+real TCP server plays the prefill engine's side channel (``side_channel`` in conftest.py),
 and one per TP rank the decode engine's (``report_ranks``), which a stream's report comes from.
 """
 
