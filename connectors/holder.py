@@ -53,6 +53,7 @@ class LeaseHolder:
         self._holding: set[str] = set()
         self._early: dict[str, list[_LeaseEvent]] = {}
         self._stats = PdserveKVStats()
+        self._counted = self._leases.stats()
         self.releases_in: queue.SimpleQueue[str] = queue.SimpleQueue()
         self.notifications_in: queue.SimpleQueue[tuple[str, bytes]] = queue.SimpleQueue()
 
@@ -96,6 +97,10 @@ class LeaseHolder:
         finished = self._leases.take_finished_with_state()
         for state in finished.values():
             self._stats.record_lease(_LEASE_OUTCOMES[state])
+        counts = self._leases.stats()
+        self._stats.record_lease("pinned", counts.pinned - self._counted.pinned)
+        self._stats.record_lease("release_refused", counts.releases_refused - self._counted.releases_refused)
+        self._counted = counts
         self._holding.difference_update(finished)
         return set(finished)
 

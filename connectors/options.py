@@ -37,6 +37,12 @@ class FaultInjection(_Strict):
     handshake_delay_s: float = Field(
         default=0.0, ge=0, description="Seconds a prefill engine waits before answering each handshake."
     )
+    read_hold_s: float = Field(
+        default=0.0,
+        ge=0,
+        description="Seconds a decode engine keeps each landed KV read before it takes it (a slow read: what "
+        "happens meanwhile, a release, a restart, is what tests look at).",
+    )
     seed: int | None = Field(default=None, description="Seed of the failure draw (default: random).")
 
 

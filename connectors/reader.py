@@ -339,6 +339,7 @@ class KVReader:
             record.fail("transport", str(e), self._clock())
             return
         record.posted(reads)
+        record.hold_until = self._clock() + self.settings.fault_injection.read_hold_s
         logger.debug(
             "request %s on engine %s: READs of %d blocks from %s posted",
             spec.request_id,

@@ -80,6 +80,8 @@ class ReadRecord:
     failure: tuple[str, str] | None = None
     """``(kind, reason)`` once the load failed (``connectors.stats.FAILURE_KINDS``)."""
     aborted_at: float | None = None
+    hold_until: float = 0.0
+    """Fault injection (``read_hold_s``): landed READs are not taken before this time."""
     failed_peer: str | None = None
     """The source whose READ failed (it may have restarted: handshake with it again)."""
     undrained: bool = False
@@ -162,7 +164,7 @@ class ReadRecord:
             if failed is not None:
                 self.failed_peer = failed.peer
                 self.fail("transport", f"KV read failed: {failed.failure_reason}", now)
-            elif TransferState.PENDING not in states:
+            elif TransferState.PENDING not in states and now >= self.hold_until:
                 if now < self.deadline:
                     self._move(ReadPhase.DONE)
                 else:  # landed, but maybe after the source's blocks were freed: not trusted

@@ -23,7 +23,8 @@ Metrics (label ``kind`` / ``outcome`` as listed):
   version, malformed, transport, unauthenticated, expired (the READ could not end before the
   prefill's lease: the blocks may be another request's by then), internal (our connector raised;
   the request is recomputed, the engine lives on)
-- ``pdserve:kv_leases_total{outcome}`` — prefill leases that ended read, released or expired
+- ``pdserve:kv_leases_total{outcome}`` — prefill leases that ended read, released or expired; and two events
+  on the way: ``pinned`` (a reader announced its READ), ``release_refused`` (a release under a pin)
 - ``pdserve:kv_recomputed_tokens_total`` — prompt tokens a decode engine recomputed after a failed load
 - ``pdserve:kv_refused_total{kind}`` — what failed the cluster's authentication: side-channel messages
   (handshake, handshake-reply, release, report, message: not framed as ours) and transfer parameters
@@ -77,7 +78,9 @@ REFUSED_KINDS = (
     "params",
     "malformed_params",
 )
-LEASE_OUTCOMES = ("read", "released", "expired")
+LEASE_OUTCOMES = ("read", "released", "expired", "pinned", "release_refused")
+"""How leases ended (read, released, expired), and two events on the way: a reader pinned one, a release that
+named no reader was refused under a pin."""
 
 # Buckets: a few KiB over shared memory takes well under a millisecond; a 4k-token
 # prompt of a big model over TCP can take seconds.
@@ -199,7 +202,7 @@ class PdservePromMetrics(KVConnectorPromMetrics):
             "kind", FAILURE_KINDS, "pdserve:kv_transfer_failures", "KV loads that failed, by kind (then recomputed)."
         )
         self.leases = per_engine_and(
-            "outcome", LEASE_OUTCOMES, "pdserve:kv_leases", "Prefill KV leases that ended, by outcome."
+            "outcome", LEASE_OUTCOMES, "pdserve:kv_leases", "Prefill KV leases that ended, by outcome; pins and refused releases."
         )
         self.refused = per_engine_and(
             "kind",

@@ -7,19 +7,31 @@ It proves that a failed read is recomputed with the same greedy answer, that
 blocks nobody reads are released at once (by the decode engine after a
 failed read, by the proxy after a failed decode leg) or freed at lease
 expiry, and that all of it shows in the engines' ``pdserve:kv_*`` metrics and
-the ``X-PDServe-KV`` header. It starts after the shared cluster is stopped:
-the machine has cores for one cluster.
+the ``X-PDServe-KV`` header; that a release (the proxy's message, which travels in
+plaintext) sent while a decode engine reads the blocks is refused and the READ
+served; and that a hostile side-channel client (a 1 GiB announcement, a hundred
+connections of 1 MiB, a flood of junk) costs the engine a bounded amount of memory
+and no request. It starts after the shared cluster is stopped: the machine has
+cores for one cluster.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import socket
+import threading
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 
+from connectors.framing import MAGIC, frame
+from connectors.side_channel import send_release
+from connectors.wire import parse_tcp_endpoint
 from tests.integration.conftest import (
     engine_headers,
     http_json,
@@ -27,6 +39,7 @@ from tests.integration.conftest import (
     kv_report,
     metric_values,
     own_cluster,
+    run_pdserve,
 )
 
 pytestmark = [pytest.mark.integration, pytest.mark.after_cluster]
@@ -51,7 +64,8 @@ SPEC = {
     "connector_options": {
         "lease_ttl_s": LEASE_TTL_S,
         "handshake_timeout_s": 5,
-        "fault_injection": {"read_failure_rate": 0.5, "handshake_delay_s": 1.0, "seed": 1},
+        # read_hold_s: each landed READ is taken 1 s late, so a release or a flood can come while it is read
+        "fault_injection": {"read_failure_rate": 0.5, "handshake_delay_s": 1.0, "read_hold_s": 1.0, "seed": 1},
     },
     "proxy": {"port": 21000},
     "prefill": {"replicas": 1, "cpu_cores": 1, "port": 21100, "kv_port": 17600},
@@ -175,9 +189,11 @@ def test_blocks_nobody_reads_are_freed_when_the_lease_expires(pdserve_cluster: d
     assert eventually(lambda: lease_deltas(prefill_url, before), expected, timeout_s=LEASE_TTL_S + 20) == expected
 
 
-def lease_deltas(prefill_url: str, before: dict[str, float]) -> dict[str, float]:
+def lease_deltas(
+    prefill_url: str, before: dict[str, float], outcomes: Iterable[str] = ("read", "released", "expired")
+) -> dict[str, float]:
     after = metric_values(prefill_url, LEASES, "outcome")
-    return {outcome: after.get(outcome, 0) - before.get(outcome, 0) for outcome in ("read", "released", "expired")}
+    return {outcome: after.get(outcome, 0) - before.get(outcome, 0) for outcome in outcomes}
 
 
 def test_the_spec_selected_our_connector_with_its_faults(pdserve_cluster: dict) -> None:
@@ -187,3 +203,105 @@ def test_the_spec_selected_our_connector_with_its_faults(pdserve_cluster: dict) 
     assert "PdserveConnector" in logs
     assert "handshake side channel listening" in logs
     assert "fault injection (read_failure_rate=0.5)" in logs
+
+
+def test_a_release_sent_while_the_kv_is_being_read_is_refused_and_the_read_served(pdserve_cluster: dict) -> None:
+    """The test plays the proxy: prefill, then the decode leg, and while the decode engine reads (a pin counted
+    on the prefill engine, the READ held 1 s), the prefill's own release message. Before pins the release freed
+    the blocks under the READ; now it is refused, the lease ends read, and the answer is the one engine's."""
+    prefill_url = engine_url(pdserve_cluster, "prefill")
+    expected = {"read": 1, "released": 0, "expired": 0, "release_refused": 1}
+    for prompt in PROMPTS:  # half the reads fail by injection (then nothing is pinned): until one is read
+        before = metric_values(prefill_url, LEASES, "outcome")
+        alone, body, pinned = release_while_reading(pdserve_cluster, chat(prompt, temperature=0, max_tokens=16))
+        assert body["choices"][0]["message"]["content"] == alone["choices"][0]["message"]["content"]
+        source = body["kv_transfer_params"]["pdserve_kv"]["source"]
+        if not pinned:
+            assert source == "recomputed", body
+            continue
+        assert source == "transfer", body
+        after = eventually(lambda before=before: lease_deltas(prefill_url, before, expected), expected)
+        assert after == expected
+        return
+    pytest.fail("no READ of the prompts was pinned (every one failed by injection?)")
+
+
+def release_while_reading(cluster: dict, request: dict) -> tuple[dict, dict, bool]:
+    """``(answer of the prefill engine alone, the decode leg's answer, whether the release went under a pin)``."""
+    prefill_url, decode_url = engine_url(cluster, "prefill"), engine_url(cluster, "decode")
+    headers = headers_of(cluster)
+    status, _, alone = http_json(prefill_url + "/v1/chat/completions", request, headers=headers)
+    assert status == 200, alone
+    prefill_leg = dict(request, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+    status, _, prefilled = http_json(prefill_url + "/v1/chat/completions", prefill_leg, headers=headers)
+    assert status == 200, prefilled
+    params = prefilled["kv_transfer_params"]
+    pins_before = metric_values(prefill_url, LEASES, "outcome").get("pinned", 0)
+    answer: list[tuple[int, dict]] = []
+    decode_leg = dict(request, kv_transfer_params=params)
+
+    def decode() -> None:
+        status, _, body = http_json(decode_url + "/v1/chat/completions", decode_leg, headers=headers)
+        answer.append((status, body))
+
+    thread = threading.Thread(target=decode)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not answer and time.monotonic() < deadline:
+        if metric_values(prefill_url, LEASES, "outcome").get("pinned", 0) > pins_before:
+            break
+        time.sleep(0.05)
+    pinned = not answer
+    if pinned:  # the READ is in flight (or landed, and held by the fault): the proxy's release now
+        release = params["pdserve_release"]
+        assert all(send_release(endpoint, release["message"].encode()) for endpoint in release["endpoints"])
+    thread.join(timeout=120)
+    status, body = answer[0]
+    assert status == 200, body
+    return alone, body, pinned
+
+
+def test_a_hostile_side_channel_client_costs_bounded_memory_and_no_request(pdserve_cluster: dict) -> None:
+    """Unauthenticated: a 1 GiB announcement, 100 connections each announcing 1 MiB and trickling it, 3 s of
+    junk frames. The engine's process tree grows by less than the channel's bound (64 connections of 1 MiB)
+    plus slack, no engine restarts, and the next request is read over the wire with the one engine's answer."""
+    prefill = next(e for e in pdserve_cluster["engines"] if e["role"] == "prefill")
+    host, port = parse_tcp_endpoint(prefill["kv_endpoints"][0])
+
+    def tree_rss() -> int:
+        root = psutil.Process(prefill["pid"])
+        return sum(p.memory_info().rss for p in [root, *root.children(recursive=True)])
+
+    rss_before = tree_rss()
+    giant = socket.create_connection((host, port), timeout=5)
+    giant.sendall(MAGIC + (1 << 30).to_bytes(4, "big") + b"x" * 65536)
+    trickling = []
+    for _ in range(100):
+        connection = socket.create_connection((host, port), timeout=5)
+        trickling.append(connection)
+        try:  # all but the last byte; the server drops connections past its cap (then this one's send fails)
+            connection.sendall(MAGIC + (1 << 20).to_bytes(4, "big") + b"y" * ((1 << 20) - 1))
+        except OSError:
+            pass
+    peak = tree_rss()
+    deadline = time.monotonic() + 3
+    while time.monotonic() < deadline:
+        with socket.create_connection((host, port), timeout=5) as junk:
+            junk.sendall(frame(b"not sealed " * 100))
+            junk.settimeout(5)
+            assert junk.recv(4096)  # answered (ERR), not ignored
+        peak = max(peak, tree_rss())
+    for connection in [giant, *trickling]:
+        connection.close()
+    growth_mib = (peak - rss_before) / 2**20
+    print(f"hostile side-channel client: the prefill engine's tree grew {growth_mib:.0f} MiB at most")
+    assert growth_mib < 64 + 64, growth_mib
+
+    status, headers, body = http_json(
+        pdserve_cluster["proxy_url"] + "/v1/chat/completions", chat(PROMPTS[3], temperature=0, max_tokens=8)
+    )
+    assert status == 200, body
+    engines = {e["engine_id"]: e["pid"] for e in pdserve_cluster["engines"]}
+    now = run_pdserve("status", "--json", env=dict(os.environ, PDSERVE_STATE_DIR=pdserve_cluster["state_dir"]))
+    status_now = {e["engine_id"]: e["pid"] for e in json.loads(now.stdout)["engines"]}
+    assert status_now == engines  # no engine restarted

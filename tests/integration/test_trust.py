@@ -30,7 +30,7 @@ from connectors.auth import KVAuth, read_secret_file
 from connectors.framing import FramingError, recv_frame
 from connectors.handshake import HandshakeRequest, encode_request
 from connectors.side_channel import MAX_REQUEST_BYTES
-from tests.integration.conftest import Cluster, http_json, metric_values
+from tests.integration.conftest import Cluster, http_json, kv_report, metric_values
 from tests.unit.test_side_channel import ask
 
 pytestmark = [pytest.mark.integration, pytest.mark.parametrize("cluster", ["pdserve"], indirect=True)]
@@ -411,6 +411,9 @@ def test_killing_the_only_prefill_engine_under_load_fails_only_what_was_in_fligh
             break
         time.sleep(1)
     assert status == 200 and path_of(headers) == "disaggregated"
+    # The restarted engine is a new start (epoch) under the same id and port: the decode engine handshakes with
+    # it again before its first READ, never reading through the old start's mapping (which failed, recomputed).
+    assert kv_report(headers)["source"] == "transfer", kv_report(headers)
 
 
 def path_of(headers: dict) -> str:

@@ -133,12 +133,14 @@ class FakePrefill:
     asked: list[int] = field(default_factory=list)
     transports: tuple[str, ...] = (NIXL,)
     node: str = ""
+    epoch: str = ""
     pins: list[tuple[int, str, str]] = field(default_factory=list)
-    pin_answer: PinAnswer = PinAnswer.OK
+    pin_answers: list[PinAnswer] = field(default_factory=list)
+    """Answers to the next pins, in order; then OK."""
 
     def ask_pin(self, endpoint: str, auth: KVAuth, reader: str, request_id: str, epoch: str, timeout_s: float):
         self.pins.append((parse_tcp_endpoint(endpoint)[1], reader, request_id))
-        return self.pin_answer
+        return self.pin_answers.pop(0) if self.pin_answers else PinAnswer.OK
 
     def request_handshake(
         self, engine_id: str, local: KVTopology, endpoint: str, auth: KVAuth, timeout_s: float
@@ -159,6 +161,7 @@ class FakePrefill:
             transports=self.transports,
             payloads={name: name.encode() for name in self.transports if name != NIXL},
             node=self.node,
+            epoch=self.epoch,
         )
 
 
@@ -237,6 +240,7 @@ def spec(
     remote_ids: tuple[int, ...],
     expires: float | None = None,
     failure: str = "",
+    epoch: str | None = None,
 ) -> ReceiveSpec:
     """A request of 100 tokens on a prefill engine with ``tp_size`` ranks and blocks of 16, whose lease ends at
     ``expires`` (unix s; None: never)."""
@@ -250,6 +254,7 @@ def spec(
         tp_size=tp_size,
         block_size=16,
         pdserve_expires=expires,
+        pdserve_epoch=epoch,
     )
     return ReceiveSpec(request_id, local_ids, params, remote_ids, failure=failure)
 
@@ -631,3 +636,88 @@ def test_an_exception_while_starting_one_read_fails_only_that_request(
     receive(worker, transport, spec("good", 1, (5,), (2,)), reads=1)  # the next request reads as ever
     transport.reads[0][-1].state = TransferState.DONE
     assert worker.transfer_results()[1:] == ({"good"}, set())
+
+
+# ---------------------------------------------------------------- pins, drains, starts of the prefill engine
+
+
+def step_until(worker: PdserveWorker, done: Callable[[tuple[set[str], set[str]]], bool]) -> tuple[set[str], set[str]]:
+    """Step the worker until ``done((finished, failed))`` (handshakes and pins run on threads)."""
+    for _ in range(5000):
+        _, finished, failed = worker.transfer_results()
+        if done((finished, failed)):
+            return finished, failed
+        time.sleep(0.001)
+    raise AssertionError("the worker never got there")
+
+
+def test_a_pin_answered_gone_fails_the_load_without_a_read(fakes: Fakes, make_worker: WorkerFactory) -> None:
+    fakes.prefill.tp_size = 1
+    fakes.prefill.pin_answers = [PinAnswer.GONE]
+    worker = make_worker(tp_size=1, tp_rank=0)
+    [transport] = fakes.transports
+    worker.start_load_kv(PdserveConnectorMetadata(reqs_to_receive=[spec("r1", 1, (5,), (1,))]))
+
+    finished, failed = step_until(worker, lambda result: bool(result[0]))
+
+    assert finished == failed == {"r1"} and transport.reads == []
+    assert worker.take_reports().reports["r1"]["reason"] == "gone"
+    assert fakes.releases[0].sent == [(PREFILL_PORT, "p-r1")]  # in our name: ends nothing we did not pin
+
+
+def test_a_pin_answered_wait_is_asked_again_until_the_lease_is_held(fakes: Fakes, make_worker: WorkerFactory) -> None:
+    fakes.prefill.tp_size = 1
+    fakes.prefill.pin_answers = [PinAnswer.WAIT, PinAnswer.WAIT]
+    worker = make_worker(tp_size=1, tp_rank=0)
+    [transport] = fakes.transports
+    receive(worker, transport, spec("r1", 1, (5,), (1,)), reads=1)
+
+    assert [request for *_, request in fakes.prefill.pins] == ["p-r1"] * 3
+
+
+def test_an_aborted_read_is_reported_only_once_it_cannot_land(fakes: Fakes, make_worker: WorkerFactory) -> None:
+    """A NIXL READ that could not be cancelled may still write into the local blocks: vLLM gets them back (the
+    load reported failed) only when the transport says it drained."""
+    worker = make_worker(tp_size=1, tp_rank=0)
+    [transport] = fakes.transports
+    receive(worker, transport, spec("r1", 2, (5, 9), (1, 2, 3)), reads=2)
+    first, second = (read for *_, read in transport.reads)
+    second.drained = False  # aborted below, but its bytes may still land
+    first.state, first.failure_reason = TransferState.FAILED, "peer reset"
+
+    for _ in range(3):
+        assert worker.transfer_results()[1:] == (set(), set())
+    assert second.state is TransferState.FAILED and worker.get_block_ids_with_load_errors() == set()
+    second.drained = True
+    _, finished, failed = worker.transfer_results()
+    assert finished == failed == {"r1"} and worker.get_block_ids_with_load_errors() == {5, 9}
+
+
+def test_parameters_of_a_new_start_handshake_again_and_the_old_mapping_is_dropped(
+    fakes: Fakes, make_worker: WorkerFactory
+) -> None:
+    fakes.prefill.tp_size, fakes.prefill.epoch = 1, "e1"
+    worker = make_worker(tp_size=1, tp_rank=0)
+    [transport] = fakes.transports
+    receive(worker, transport, spec("r1", 1, (5,), (1,), epoch="e1"), reads=1)
+    transport.reads[0][-1].state = TransferState.DONE
+    assert step_until(worker, lambda result: bool(result[0]))[0] == {"r1"}
+
+    fakes.prefill.epoch = "e2"  # the prefill engine restarted under the same id and port
+    receive(worker, transport, spec("r2", 1, (6,), (2,), epoch="e2"), reads=2)
+
+    assert fakes.prefill.asked == [PREFILL_PORT, PREFILL_PORT]  # handshaken again, not taken from the cache
+    assert [peer for peer, *_ in transport.reads] == ["prefill/rank0@e1", "prefill/rank0@e2"]
+    assert transport.removed == ["prefill/rank0@e1"] and set(transport.peers) == {"prefill/rank0@e2"}
+
+
+def test_parameters_of_a_start_that_is_over_are_never_read(fakes: Fakes, make_worker: WorkerFactory) -> None:
+    fakes.prefill.tp_size, fakes.prefill.epoch = 1, "e2"
+    worker = make_worker(tp_size=1, tp_rank=0)
+    [transport] = fakes.transports
+    worker.start_load_kv(PdserveConnectorMetadata(reqs_to_receive=[spec("r1", 1, (5,), (1,), epoch="e1")]))
+
+    finished, failed = step_until(worker, lambda result: bool(result[0]))
+
+    assert finished == failed == {"r1"} and transport.reads == [] and transport.peers == {}
+    assert worker.take_reports().reports["r1"]["reason"] == "gone"

@@ -16,6 +16,7 @@ from connectors.leases import (
     LeaseState,
     LeaseStats,
     LeaseTable,
+    PinAnswer,
     parse_read_notification,
     read_notification,
 )
@@ -356,3 +357,67 @@ def test_concurrent_reads_releases_and_expiry_free_every_lease_exactly_once(cloc
     stats = table.stats()
     assert stats.read + stats.released + stats.expired == stats.held == len(request_ids)
     assert stats.expired >= 200
+
+
+# ---------------------------------------------------------------- pins: a READ in flight keeps its blocks
+
+
+def pinned_table(clock: FakeClock) -> LeaseTable:
+    table = LeaseTable(10.0, clock=clock, grace_s=2.0, epoch="e1")
+    table.hold("r1", (1, 2))
+    return table
+
+
+def test_a_pin_answers_ok_for_a_held_lease_wait_before_it_and_gone_after_it(clock: FakeClock):
+    table = LeaseTable(10.0, clock=clock, epoch="e1")
+    assert table.pin("r1", "decode/rank0", "e1") is PinAnswer.WAIT  # the hold comes with the next step
+    table.hold("r1", (1, 2))
+    assert table.pin("r1", "decode/rank0", "e1") is PinAnswer.OK
+    assert table.state_of("r1") is LeaseState.BEING_READ
+    assert table.mark_read("r1", "decode/rank0", 1) is True
+    assert table.pin("r1", "decode/rank1", "e1") is PinAnswer.GONE  # ended: the reader recomputes
+
+
+def test_a_pin_from_parameters_of_another_start_is_gone(clock: FakeClock):
+    table = pinned_table(clock)
+    assert table.pin("r1", "decode/rank0", "e0") is PinAnswer.GONE
+    assert table.state_of("r1") is LeaseState.HELD
+
+
+def test_a_release_that_names_no_reader_is_refused_under_a_pin(clock: FakeClock):
+    table = pinned_table(clock)
+    table.pin("r1", "decode/rank0", "e1")
+
+    assert table.release("r1") is False  # the proxy's: a READ may be in flight
+    assert table.held_block_ids() == table.pinned_block_ids() == {1, 2}
+    assert table.stats().releases_refused == 1
+    assert table.mark_read("r1", "decode/rank0", 1) is True
+    assert table.take_finished_with_state() == {"r1": LeaseState.READ}
+
+
+def test_a_readers_own_release_ends_its_pin_and_the_lease_once_no_pin_is_left(clock: FakeClock):
+    table = pinned_table(clock)
+    table.pin("r1", "decode/rank0", "e1")
+    table.pin("r1", "decode/rank1", "e1")
+
+    assert table.release("r1", by="decode/rank0") is False  # rank 1 still reads
+    assert table.release("r1", by="decode/rank1") is True
+    assert table.take_finished_with_state() == {"r1": LeaseState.RELEASED}
+
+
+def test_a_read_of_one_reader_does_not_end_a_lease_another_still_reads(clock: FakeClock):
+    table = pinned_table(clock)
+    table.pin("r1", "decode/rank0", "e1")
+    table.pin("r1", "decode/rank1", "e1")
+    assert table.mark_read("r1", "decode/rank0", 1) is False  # expected 1, but rank 1's READ may still land
+    assert table.mark_read("r1", "decode/rank1", 1) is True
+
+
+def test_a_pinned_lease_waits_the_grace_past_its_end_for_a_reader_never_heard_of_again(clock: FakeClock):
+    table = pinned_table(clock)
+    table.pin("r1", "decode/rank0", "e1")
+    clock.advance(10.0)
+    assert table.expire() == []  # a READ aborted at the lease's end less the margin may still be draining
+    clock.advance(2.0)
+    assert table.expire() == ["r1"]
+    assert table.take_finished_with_state() == {"r1": LeaseState.EXPIRED}
