@@ -40,8 +40,8 @@ class FaultInjection(_Strict):
     read_hold_s: float = Field(
         default=0.0,
         ge=0,
-        description="Seconds a decode engine keeps each landed KV read before it takes it (a slow read: what "
-        "happens meanwhile, a release, a restart, is what tests look at).",
+        description="Seconds a decode engine waits between pinning a prefill engine's blocks and posting its KV "
+        "read (a slow read: what happens meanwhile, a release, a flood, is what tests look at).",
     )
     seed: int | None = Field(default=None, description="Seed of the failure draw (default: random).")
 

@@ -164,6 +164,7 @@ class KVReader:
             tuple(mapping_name(remote.remote_engine_id, rank, epoch) for rank in ranks),
             self._read_deadline(spec),
             drain_timeout_s=self.settings.transfer_timeout_s,
+            hold_s=self.settings.fault_injection.read_hold_s,
         )
         self._records[spec.request_id] = record
         failure_rate = self.settings.fault_injection.read_failure_rate
@@ -339,7 +340,6 @@ class KVReader:
             record.fail("transport", str(e), self._clock())
             return
         record.posted(reads)
-        record.hold_until = self._clock() + self.settings.fault_injection.read_hold_s
         logger.debug(
             "request %s on engine %s: READs of %d blocks from %s posted",
             spec.request_id,

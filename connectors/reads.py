@@ -80,8 +80,9 @@ class ReadRecord:
     failure: tuple[str, str] | None = None
     """``(kind, reason)`` once the load failed (``connectors.stats.FAILURE_KINDS``)."""
     aborted_at: float | None = None
-    hold_until: float = 0.0
-    """Fault injection (``read_hold_s``): landed READs are not taken before this time."""
+    hold_s: float = 0.0
+    """Fault injection (``read_hold_s``): how long the READs wait, pinned, before they are posted."""
+    hold_until: float | None = None
     failed_peer: str | None = None
     """The source whose READ failed (it may have restarted: handshake with it again)."""
     undrained: bool = False
@@ -136,7 +137,11 @@ class ReadRecord:
         if now >= self.deadline:
             self.fail("expired", "the READ could not be posted before the end of the prefill's lease less the margin")
             return False
-        return self.granted.issuperset(self.sources)
+        if not self.granted.issuperset(self.sources):
+            return False
+        if self.hold_until is None:
+            self.hold_until = now + self.hold_s
+        return now >= self.hold_until
 
     def posted(self, reads: Sequence[Transfer]) -> None:
         self.reads = list(reads)
@@ -164,7 +169,7 @@ class ReadRecord:
             if failed is not None:
                 self.failed_peer = failed.peer
                 self.fail("transport", f"KV read failed: {failed.failure_reason}", now)
-            elif TransferState.PENDING not in states and now >= self.hold_until:
+            elif TransferState.PENDING not in states:
                 if now < self.deadline:
                     self._move(ReadPhase.DONE)
                 else:  # landed, but maybe after the source's blocks were freed: not trusted

@@ -202,7 +202,10 @@ class PdservePromMetrics(KVConnectorPromMetrics):
             "kind", FAILURE_KINDS, "pdserve:kv_transfer_failures", "KV loads that failed, by kind (then recomputed)."
         )
         self.leases = per_engine_and(
-            "outcome", LEASE_OUTCOMES, "pdserve:kv_leases", "Prefill KV leases that ended, by outcome; pins and refused releases."
+            "outcome",
+            LEASE_OUTCOMES,
+            "pdserve:kv_leases",
+            "Prefill KV leases that ended, by outcome; pins and refused releases.",
         )
         self.refused = per_engine_and(
             "kind",

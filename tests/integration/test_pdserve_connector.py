@@ -64,7 +64,7 @@ SPEC = {
     "connector_options": {
         "lease_ttl_s": LEASE_TTL_S,
         "handshake_timeout_s": 5,
-        # read_hold_s: each landed READ is taken 1 s late, so a release or a flood can come while it is read
+        # read_hold_s: each READ is posted 1 s after its pin, so a release or a flood can come while it is read
         "fault_injection": {"read_failure_rate": 0.5, "handshake_delay_s": 1.0, "read_hold_s": 1.0, "seed": 1},
     },
     "proxy": {"port": 21000},
@@ -207,8 +207,9 @@ def test_the_spec_selected_our_connector_with_its_faults(pdserve_cluster: dict) 
 
 def test_a_release_sent_while_the_kv_is_being_read_is_refused_and_the_read_served(pdserve_cluster: dict) -> None:
     """The test plays the proxy: prefill, then the decode leg, and while the decode engine reads (a pin counted
-    on the prefill engine, the READ held 1 s), the prefill's own release message. Before pins the release freed
-    the blocks under the READ; now it is refused, the lease ends read, and the answer is the one engine's."""
+    on the prefill engine, the READ posted 1 s after it), the prefill's own release message. Before pins the
+    release freed the blocks under the READ; now it is refused, the lease ends read, and the answer is the one
+    engine's."""
     prefill_url = engine_url(pdserve_cluster, "prefill")
     expected = {"read": 1, "released": 0, "expired": 0, "release_refused": 1}
     for prompt in PROMPTS:  # half the reads fail by injection (then nothing is pinned): until one is read
