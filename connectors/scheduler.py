@@ -217,9 +217,10 @@ class PdserveScheduler:
             mac = str(raw.get(wire.PDSERVE_MAC))
             if not self._consumed.claim(raw):
                 claimer, parent = self._claimed_by.get(mac), _parent(request.request_id)
-                if claimer in self._decode and parent is not None and _parent(claimer) == parent:
-                    record.reader = claimer
-                    self._decode[claimer].siblings += 1
+                if claimer is not None and parent is not None and _parent(claimer) == parent:
+                    if (reader := self._decode.get(claimer)) is not None:  # else it ended: vLLM's cache has it
+                        record.reader = claimer
+                        reader.siblings += 1
                     return None
                 raise Unauthenticated("params", "already used (a replay)")
             self._claimed_by[mac] = request.request_id

@@ -400,3 +400,19 @@ def test_genuine_parameters_whose_lease_is_over_are_recomputed_as_expired(schedu
         False,
         {"pdserve_kv": {"source": "recomputed", "reason": "expired"}},
     )
+
+
+def test_a_sample_first_seen_after_its_reader_ended_is_no_replay(scheduler):
+    """vLLM may schedule a sample of an n>1 request only after the sample that read the KV finished: its
+    prompt is then in vLLM's prefix cache, and its parameters are its parent's, not a replay."""
+    params = signed()
+    reader, late = (FakeRequest(request_id=f"{i}_chatcmpl-y-2a", kv_transfer_params=dict(params)) for i in range(2))
+    assert scheduler.get_num_new_matched_tokens(reader, 0) == (300, True)
+    scheduler.update_state_after_alloc(reader, fake_blocks((3, False), (4, False), (5, False)), 300)
+    scheduler.build_connector_meta()
+    scheduler.request_finished(reader, [3, 4, 5])
+
+    assert scheduler.get_num_new_matched_tokens(late, 0) == (0, False)
+    assert refused_params(scheduler) == 0
+    scheduler.request_finished(late, [3, 4])
+    assert scheduler.tracked() == 0
