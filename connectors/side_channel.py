@@ -106,17 +106,21 @@ from connectors.topology import KVTopology
 from connectors.wire import parse_tcp_endpoint, tcp_endpoint
 
 __all__ = [
+    "ANSWERED",
+    "BUSY",
     "MAX_BUFFERED_BYTES",
     "MAX_CONNECTIONS",
     "MAX_REPLY_BYTES",
     "MAX_REQUEST_BYTES",
+    "SILENT",
     "RecentReports",
     "RefusedMessages",
-    "ask_pin",
-    "pin_message",
     "ReleaseSender",
     "SideChannelServer",
+    "ask_pin",
+    "pin_message",
     "ping",
+    "probe",
     "read_message",
     "release_message",
     "report_key",
@@ -600,6 +604,25 @@ def request_handshake(
 def ping(endpoint: str, auth: KVAuth, timeout_s: float = 2.0) -> bool:
     """Whether the side channel at ``endpoint`` answers a sealed ping within ``timeout_s`` (it serves, with our key)."""
     return _answered_ok(endpoint, auth.seal(b"ping", b""), timeout_s, "ping", logging.DEBUG)
+
+
+ANSWERED, BUSY, SILENT = "answered", "busy", "silent"
+
+
+def probe(endpoint: str, auth: KVAuth, timeout_s: float = 2.0) -> str:
+    """How the side channel at ``endpoint`` takes a sealed ping: ``ANSWERED``; ``BUSY`` (it closed our connection
+    unanswered: its loop turns, but it holds as many connections as it takes, a flood); ``SILENT`` (refused, or
+    no answer in ``timeout_s``: a thread that is gone or stuck). A watchdog restarts only the silent."""
+    deadline = time.monotonic() + timeout_s
+    try:
+        with _connect(endpoint, deadline) as sock:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.sendall(frame(auth.seal(b"ping", b"")))
+            return ANSWERED if recv_frame(sock, MAX_REPLY_BYTES, deadline) == b"OK" else SILENT
+    except (FramingError, ConnectionResetError, BrokenPipeError):
+        return BUSY
+    except (OSError, ValueError):
+        return SILENT
 
 
 def _ask(endpoint: str, message: bytes, timeout_s: float, failure: str) -> bytes:

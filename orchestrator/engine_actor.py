@@ -450,13 +450,15 @@ class EngineActor:
         """Ping every TP rank's side channel; restart the engine (exit: Ray restarts the actor) when it has
         not answered ``SIDE_CHANNEL_DEAD_AFTER`` times in a row."""
         from connectors.auth import KVAuth
-        from connectors.side_channel import ping
+        from connectors.side_channel import SILENT, probe
 
         auth = KVAuth.from_env()
         endpoints = self.launch.kv_endpoints
         while True:
             await asyncio.sleep(SIDE_CHANNEL_PROBE_S)
-            silent = [e for e in endpoints if not await asyncio.to_thread(ping, e, auth, SIDE_CHANNEL_PING_TIMEOUT_S)]
+            # A channel that closes our connection unanswered is flooded, not dead: only silence counts.
+            answers = [await asyncio.to_thread(probe, e, auth, SIDE_CHANNEL_PING_TIMEOUT_S) for e in endpoints]
+            silent = [e for e, answer in zip(endpoints, answers, strict=True) if answer == SILENT]
             self._side_channel_missed = self._side_channel_missed + 1 if silent else 0
             if silent:
                 logger.error(

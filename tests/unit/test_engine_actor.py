@@ -205,19 +205,20 @@ class _Engine:
 
 def test_an_engine_whose_side_channel_stops_answering_says_so_then_restarts(monkeypatch) -> None:
     """The actor pings its side channels: /health turns 503 at the second missed probe, and the process exits
-    (Ray restarts the actor, the controller starts vLLM again) at the fourth; an answer resets the count."""
+    (Ray restarts the actor, the controller starts vLLM again) at the fourth; an answer resets the count, and a
+    channel that closes the probe's connection unanswered (flooded: its loop turns) counts as no miss."""
     from connectors import side_channel
     from orchestrator import engine_actor as module
     from tests.unit.conftest import TEST_SECRET
 
-    answers = iter([False, True, False, False, False, False])
+    answers = iter(["silent", "answered", "silent", "busy", "silent", "silent", "silent", "silent"])
     seen: list[tuple[int, bool]] = []
     actor = module.EngineActor.__new__(module.EngineActor)
     actor.launch = SimpleNamespace(engine_id="prefill-0", kv_endpoints=("tcp://127.0.0.1:1",))
     actor._side_channel_missed = 0
     monkeypatch.setenv("PDSERVE_CLUSTER_SECRET", TEST_SECRET.reveal())
     monkeypatch.setattr(module, "SIDE_CHANNEL_PROBE_S", 0.0)
-    monkeypatch.setattr(side_channel, "ping", lambda endpoint, auth, timeout_s: next(answers))
+    monkeypatch.setattr(side_channel, "probe", lambda endpoint, auth, timeout_s: next(answers))
 
     class Exited(BaseException):
         pass
@@ -240,6 +241,6 @@ def test_an_engine_whose_side_channel_stops_answering_says_so_then_restarts(monk
 
     with pytest.raises(Exited):
         asyncio.run(watch())
-    # (missed so far, /health) before each probe: a miss, an answer, then four misses in a row
-    assert seen == [(0, True), (1, True), (0, True), (1, True), (2, False), (3, False)]
+    # (missed so far, /health) before each probe: a miss, an answer, a miss, a flood (busy), then four misses
+    assert seen == [(0, True), (1, True), (0, True), (1, True), (0, True), (1, True), (2, False), (3, False)]
     assert asyncio.run(actor._healthy(_Engine(dead=True))) is False

@@ -712,6 +712,7 @@ def test_a_connection_beyond_the_cap_is_closed_while_every_one_waits_for_its_ans
         answering = lambda: [c for c in list(channel._connections.values()) if c.answer is not None]  # noqa: E731
         assert eventually(lambda: len(answering()) == 2, 5)
         assert dropped_unanswered(channel.endpoint, frame(AUTH.seal(b"ping", b"")))
+        assert side_channel.probe(channel.endpoint, AUTH, 0.5) == side_channel.BUSY  # flooded, not dead
         assert eventually(lambda: ping(channel.endpoint, AUTH, timeout_s=0.5), 5)  # they timed out
         assert channel.refused.take() == {}
     finally:
@@ -803,3 +804,17 @@ def eventually(condition: Any, timeout_s: float = 3.0) -> bool:
             return False
         time.sleep(0.02)
     return True
+
+
+def test_a_probe_tells_a_serving_channel_from_a_gone_or_stuck_one() -> None:
+    """The engine's watchdog restarts only a silent channel: one that refuses connections (its thread and socket
+    gone) or takes them without ever answering (stuck); a flooded one closes them (``BUSY``, above)."""
+    channel = SideChannelServer("prefill-0", "127.0.0.1", free_port(), topology(), b"r", AUTH)
+    assert side_channel.probe(channel.endpoint, AUTH, 1.0) == side_channel.ANSWERED
+    channel.close()
+    assert side_channel.probe(channel.endpoint, AUTH, 0.3) == side_channel.SILENT  # refused
+    with socket.socket() as stuck:  # listens (the kernel accepts), never reads nor answers
+        stuck.bind(("127.0.0.1", 0))
+        stuck.listen(8)
+        endpoint = f"tcp://127.0.0.1:{stuck.getsockname()[1]}"
+        assert side_channel.probe(endpoint, AUTH, 0.3) == side_channel.SILENT
