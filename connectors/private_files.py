@@ -107,12 +107,8 @@ def private_dir(path: str | os.PathLike[str], what: str) -> Path:
         raise UnsafeDirectory(f"{what} {path}: cannot be used: {e.strerror or e}") from e
     if not stat.S_ISDIR(st.st_mode):
         raise UnsafeDirectory(f"{what} {path}: not a directory")
-    uid = os.geteuid()
-    if st.st_uid != uid:
-        raise UnsafeDirectory(
-            f"{what} {path}: owned by uid {st.st_uid}, not this user (uid {uid}): another user could read, "
-            "replace or delete what is kept there; use a directory of this user's own"
-        )
+    _require_ours(st, what, path, "another user could read, replace or delete what is kept there; use a directory "
+                  "of this user's own")  # fmt: skip
     if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         raise UnsafeDirectory(
             f"{what} {path}: writable by its group or by everyone (mode {stat.S_IMODE(st.st_mode):o}): others "
@@ -208,12 +204,7 @@ def read_private(path: str | os.PathLike[str], what: str, max_bytes: int = 4096)
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise UnsafeDirectory(f"{what} {path}: not a regular file")
-        uid = os.geteuid()
-        if st.st_uid != uid:
-            raise UnsafeDirectory(
-                f"{what} {path}: owned by uid {st.st_uid}, not this user (uid {uid}): another user wrote it, or "
-                "can replace it; remove it"
-            )
+        _require_ours(st, what, path, "another user wrote it, or can replace it; remove it")
         if st.st_mode & 0o077:
             raise UnsafeDirectory(
                 f"{what} {path}: its group or everyone may read or write it (mode {stat.S_IMODE(st.st_mode):o}, "
@@ -223,3 +214,10 @@ def read_private(path: str | os.PathLike[str], what: str, max_bytes: int = 4096)
         return os.read(fd, max_bytes)
     finally:
         os.close(fd)
+
+
+def _require_ours(st: os.stat_result, what: str, path: Path | str, consequence: str) -> None:
+    """``UnsafeDirectory`` unless this user owns what ``st`` describes; ``consequence`` says why it matters."""
+    uid = os.geteuid()
+    if st.st_uid != uid:
+        raise UnsafeDirectory(f"{what} {path}: owned by uid {st.st_uid}, not this user (uid {uid}): {consequence}")
