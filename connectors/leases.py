@@ -231,8 +231,8 @@ class LeaseTable:
             if epoch is not None and self.epoch and epoch != self.epoch:
                 answer = PinAnswer.GONE
             elif (lease := self._leases.get(request_id)) is not None:
-                if not lease.pins:
-                    self._counts["pinned"] += 1
+                if reader_id not in lease.pins:
+                    self._counts["pinned"] += 1  # pins granted, one per reader
                 lease.pins.add(reader_id)
                 lease.state = LeaseState.BEING_READ
                 answer = PinAnswer.OK

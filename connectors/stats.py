@@ -24,7 +24,8 @@ Metrics (label ``kind`` / ``outcome`` as listed):
   prefill's lease: the blocks may be another request's by then), internal (our connector raised;
   the request is recomputed, the engine lives on)
 - ``pdserve:kv_leases_total{outcome}`` — prefill leases that ended read, released or expired; and two events
-  on the way: ``pinned`` (a reader announced its READ), ``release_refused`` (a release under a pin)
+  on the way: ``pinned`` (a reader announced its READ: one per reader), ``release_refused`` (a release under
+  a pin)
 - ``pdserve:kv_recomputed_tokens_total`` — prompt tokens a decode engine recomputed after a failed load
 - ``pdserve:kv_refused_total{kind}`` — what failed the cluster's authentication: side-channel messages
   (handshake, handshake-reply, release, report, message: not framed as ours) and transfer parameters

@@ -12,8 +12,8 @@ with the prefill ranks it needs, and READs straight into its cache.
 
 Checked: every decode cache equals the reference (its heads of the sequence
 in its blocks, nothing else touched), and every prefill rank ends its lease:
-READ once each of its readers has read (a rank read by two decode ranks
-waits for both), RELEASED for replicas nobody reads.
+pinned, then READ once each of its readers has read (a rank read by two
+decode ranks waits for both), RELEASED for replicas nobody reads.
 """
 
 from __future__ import annotations
@@ -308,7 +308,10 @@ def test_decode_ranks_read_their_heads_into_cpu_caches_and_every_prefill_rank_en
         assert report["bytes"] == NUM_LAYERS * num_remote_blocks * len(heads) * 2 * case.prefill_block * HEAD_DIM * 2
 
     lease_ends = prefill.wait_lease_ends(case.prefill_tp)
-    assert lease_ends == {rank: {"read" if count else "released": 1} for rank, count in enumerate(case.readers)}
+    # a rank that is read was pinned first, by each of its readers; a replica nobody reads never is
+    assert lease_ends == {
+        rank: {"read": 1, "pinned": count} if count else {"released": 1} for rank, count in enumerate(case.readers)
+    }
 
 
 def test_a_prefill_rank_read_by_two_decode_ranks_frees_its_blocks_only_after_both(start_prefill, start_decode) -> None:
@@ -322,4 +325,4 @@ def test_a_prefill_rank_read_by_two_decode_ranks_frees_its_blocks_only_after_bot
     assert prefill.lease_ends == {}, "the prefill rank freed its blocks after one of two reads"
 
     receive(second, spec)
-    assert prefill.wait_lease_ends(1) == {0: {"read": 1}}
+    assert prefill.wait_lease_ends(1) == {0: {"read": 1, "pinned": 2}}
