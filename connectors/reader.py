@@ -54,7 +54,7 @@ from connectors.block_ranges import KVRegions, PlaneRanges, plan_peer_ranges
 from connectors.errors import ConnectorError, HandshakeRejected, TopologyError, TransportError
 from connectors.handshake import HandshakeCache, HandshakeResponse
 from connectors.leases import PinAnswer, read_notification
-from connectors.metadata import ReceiveSpec
+from connectors.metadata import KVTransferParams, ReceiveSpec
 from connectors.options import ConnectorSettings
 from connectors.reads import ReadPhase, ReadRecord
 from connectors.side_channel import RecentReports, ReleaseSender, ask_pin, report_key, request_handshake
@@ -219,8 +219,8 @@ class KVReader:
             answer = None if error is not None else future.result()
             record = self._records.get(request_id)
             if record is None or record.ended:
-                if answer is PinAnswer.OK:  # granted after the load ended: give it back
-                    self._release_source(request_id, source, record)
+                if answer is PinAnswer.OK and record is not None:  # granted after the load ended: give it back
+                    self._release_rank(record.spec.remote, int(_rank_of(source)))
                 continue
             record.pin_answered(source, answer, str(error or ""))
         now = self._clock()
@@ -356,7 +356,7 @@ class KVReader:
         params = spec.remote
         for rank in range(remote.tp_size):
             if not reader_ranks(rank, local, remote):
-                self._releases_out.release(params.side_channel(rank), params.remote_request_id, self.name)
+                self._release_rank(params, rank)
 
     def _kernel_block_ids(self, spec: ReceiveSpec, remote: KVTopology) -> tuple[list[int], list[int]]:
         """The request's local and remote blocks as the cache tensors count them, local ones trimmed to the read.
@@ -453,7 +453,7 @@ class KVReader:
         })  # fmt: skip
         # Nobody here will read those blocks now: every prefill rank may free them (ours: our pin ends).
         for rank in range(max(1, spec.remote.tp_size)):
-            self._release_source(spec.request_id, None, record, rank)
+            self._release_rank(spec.remote, rank)
         if record.undrained:
             logger.error(
                 "request %s on engine %s: an aborted READ could not be confirmed drained within %.0f s; its "
@@ -473,13 +473,8 @@ class KVReader:
         if record.failed_peer is not None:
             self._forget_peer(record.failed_peer)
 
-    def _release_source(self, request_id: str, source: str | None, record: ReadRecord | None, rank: int = 0) -> None:
-        """Release, in our name, one prefill rank's blocks of a load that ended (``source``: the rank's mapping)."""
-        if record is None:
-            return
-        params = record.spec.remote
-        if source is not None:
-            rank = int(_rank_of(source))
+    def _release_rank(self, params: KVTransferParams, rank: int) -> None:
+        """Release, in this reader's name, prefill rank ``rank``'s blocks of ``params`` (ends only our pin there)."""
         self._releases_out.release(params.side_channel(rank), params.remote_request_id, self.name)
 
     def _forget_peer(self, name: str) -> None:

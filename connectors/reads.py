@@ -120,9 +120,7 @@ class ReadRecord:
         """A source's answer to our pin (None: no answer, ``reason`` says why)."""
         self.asking.discard(source)
         if self.phase is not ReadPhase.PINNING:
-            if answer is PinAnswer.OK:
-                self.granted.add(source)  # owed a release at the end
-            return
+            return  # the load already ended: the caller gives a late OK back
         if answer is PinAnswer.OK:
             self.granted.add(source)
         elif answer is PinAnswer.GONE:

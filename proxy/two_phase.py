@@ -255,15 +255,13 @@ class TwoPhaseFlow:
             exchange.leg_starts(engine)  # counted since routing (a retry's engine: from now)
             try:
                 kv_params = await self.upstream.prefill(engine, exchange, body)
-            except BaseException as e:
-                engine.end_leg()
-                if not isinstance(e, UpstreamFailed):
-                    raise
+            except UpstreamFailed as e:
                 failure = e
             else:
-                engine.end_leg()
                 engine.failures = 0
                 return kv_params
+            finally:
+                engine.end_leg()
             self._unreachable(engine, failure, exchange.request_id)
             tried.append(engine)
             retry = self.router.retry("prefill", engines.prefix, tried) if len(tried) <= self.retries else None

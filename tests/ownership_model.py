@@ -57,16 +57,16 @@ class Knobs:
 
 
 class ScriptedTransfer:
-    """A READ whose fate the checker decides: it lands, fails, or (aborted) lands late or drains."""
+    """A READ whose fate the checker decides: it lands, fails, or (aborted) lands late or drains. An abort never
+    cancels it by itself (NIXL may not cancel a READ in flight): ``drain`` or ``land`` ends it."""
 
-    def __init__(self, peer: str, can_cancel: bool) -> None:
+    def __init__(self, peer: str) -> None:
         self.peer = peer
         self.num_bytes = 1
         self.elapsed_s = 0.0
         self.state = TransferState.PENDING
         self.failure_reason: str | None = None
         self.in_flight = True  # bytes may still land
-        self.can_cancel = can_cancel
 
     @property
     def drained(self) -> bool:
@@ -78,8 +78,6 @@ class ScriptedTransfer:
     def abort(self, reason: str = "aborted") -> None:
         if self.state is TransferState.PENDING:
             self.state, self.failure_reason = TransferState.FAILED, reason
-            if self.can_cancel:
-                self.in_flight = False
 
 
 @dataclasses.dataclass
@@ -210,7 +208,7 @@ class World:
         if r.mapping_epoch != self.epoch:
             self.violations.append(f"other-start: {r.name} READ through a mapping of {r.mapping_epoch}, "
                                    f"the engine runs {self.epoch}")  # fmt: skip
-        r.transfer = ScriptedTransfer("prefill/rank0", can_cancel=False)  # NIXL may not cancel a READ in flight
+        r.transfer = ScriptedTransfer("prefill/rank0")
         r.posted_version = r.src_version if r.issued_epoch == self.epoch else -2
         r.doomed = r.issued_epoch != self.epoch or r.mapping_epoch != self.epoch
         r.record.posted([r.transfer])
@@ -283,8 +281,12 @@ class World:
 
     def restart(self) -> None:
         for r in self.requests.values():
-            if r.issued_epoch == self.epoch:
-                self._free_source(r) if not (r.transfer and r.transfer.in_flight) else self._lost_source(r)
+            if r.issued_epoch != self.epoch:
+                continue
+            if r.transfer is not None and r.transfer.in_flight:
+                self._lost_source(r)
+            else:
+                self._free_source(r)
         self.epoch = "e2"
         self.table = self._table()
 
