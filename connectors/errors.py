@@ -69,8 +69,3 @@ HANDSHAKE_REJECTION_KINDS = ("version", "incompatible", "malformed")
 
 class LeaseError(ConnectorError, ValueError):
     """A KV block lease cannot be taken as asked: the request already holds one, or a count or TTL is out of range."""
-
-
-class UnsafeDirectory(ConnectorError):
-    """A directory pdserve would keep private data in (a KV tier's) is not this user's own, or others may
-    write into it; the message names the directory and why."""

@@ -2,7 +2,7 @@
 
     magic (4 bytes, ``MAGIC``: "pdserve frame", version 1) | body length (4 bytes, big-endian) | body
 
-Both ways the same: a request (a sealed message, ``connectors.auth``) and its answer. Whoever reads a frame
+Both ways the same: a request (a sealed message, ``contract.auth``) and its answer. Whoever reads a frame
 reads its header first and checks it against its own limit before it reads, or allocates, a byte of the
 body (``body_length``): a wrong magic, a zero length or one over the limit is a ``FramingError``, and the
 reader drops the connection. There are no multi-frame messages, so a message is at most one frame.
@@ -10,7 +10,7 @@ reader drops the connection. There are no multi-frame messages, so a message is 
 The server (``connectors.side_channel``) reads frames from non-blocking sockets a chunk at a time
 (``FrameReader``); its clients read a whole answer from a blocking socket (``recv_frame``: the decode
 workers' and the engine actor's) or an asyncio stream (``read_frame``: the proxy's). Plain stdlib, so the
-proxy imports it as it imports ``connectors.wire``.
+proxy imports it as it imports ``contract.wire``.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@
   ``side_channel.report_key``: the worker keeps them for the proxy's report
   queries, as it keeps the reports of its own READs.
 
-``KVTransferParams`` (``connectors.wire``, re-exported here) is the checked
+``KVTransferParams`` (``contract.wire``, re-exported here) is the checked
 ``kv_transfer_params`` a decode request carries (the ones our prefill side
 returned, passed on by the proxy).
 """
@@ -24,11 +24,11 @@ returned, passed on by the proxy).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-from connectors.wire import KVTransferParams
+from contract.kv_report import KVReport
+from contract.wire import KVTransferParams
 
 __all__ = ["KVTransferParams", "PdserveConnectorMetadata", "ReceiveSpec"]
 
@@ -51,4 +51,4 @@ class PdserveConnectorMetadata(KVConnectorMetadata):
 
     reqs_to_receive: list[ReceiveSpec] = field(default_factory=list)
     reqs_to_hold: dict[str, tuple[int, ...]] = field(default_factory=dict)
-    reports: dict[str, dict[str, Any]] = field(default_factory=dict)
+    reports: dict[str, KVReport] = field(default_factory=dict)

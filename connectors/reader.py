@@ -47,9 +47,7 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
 
-from connectors.auth import KVAuth, Unauthenticated
 from connectors.block_ranges import KVRegions, PlaneRanges, plan_peer_ranges
 from connectors.errors import ConnectorError, HandshakeRejected, TopologyError, TransportError
 from connectors.handshake import HandshakeCache, HandshakeResponse
@@ -63,6 +61,8 @@ from connectors.topology import KVTopology, reader_ranks, source_ranks
 from connectors.transport import common_transports, node_identity, where
 from connectors.transport.base import Transfer
 from connectors.transport.group import WorkerTransports
+from contract.auth import KVAuth, Unauthenticated
+from contract.kv_report import KVReport
 
 __all__ = ["KVReader", "mapping_name", "peer_name"]
 
@@ -99,8 +99,8 @@ def mapping_name(engine_id: str, tp_rank: int, epoch: str) -> str:
     return f"{peer_name(engine_id, tp_rank)}@{epoch}" if epoch else peer_name(engine_id, tp_rank)
 
 
-def _rank_of(name: str) -> str:
-    return name.rpartition("/rank")[2].partition("@")[0]
+def _rank_of(name: str) -> int:
+    return int(name.rpartition("/rank")[2].partition("@")[0])
 
 
 class KVReader:
@@ -119,7 +119,7 @@ class KVReader:
         self._topology: KVTopology | None = None
         self._kernel_blocks_per_block = 1
         self._stats = PdserveKVStats()
-        self._reports: dict[str, dict[str, Any]] = {}
+        self._reports: dict[str, KVReport] = {}
         self._releases_out = ReleaseSender(engine_id, auth)
         # remote ranks are keyed by mapping_name(engine_id, rank, epoch)
         self._handshakes = HandshakeCache()
@@ -423,14 +423,9 @@ class KVReader:
         elapsed_s = max((read.elapsed_s for read in record.reads), default=0.0)
         transport = next((self._peers[read.peer].transport for read in record.reads if read.peer in self._peers), "")
         self._stats.record_transfer(num_bytes, elapsed_s)
-        self._report(spec, {
-            "source": "transfer",
-            "bytes": num_bytes,
-            "transfer_ms": round(elapsed_s * 1e3, 3),
-            "remote_engine_id": spec.remote.remote_engine_id,
-            "remote_ranks": [_rank_of(read.peer) for read in record.reads],
-            "transport": transport,
-        })  # fmt: skip
+        ranks = [_rank_of(read.peer) for read in record.reads]
+        self._report(spec, KVReport.transfer(num_bytes, round(elapsed_s * 1e3, 3), transport,
+                                             spec.remote.remote_engine_id, ranks))  # fmt: skip
         logger.debug(
             "request %s on engine %s: read %d bytes from %d rank(s) in %.1f ms",
             spec.request_id,
@@ -445,12 +440,7 @@ class KVReader:
         kind, reason = record.failure or ("internal", "the load ended without a result")
         self._load_error_block_ids.update(spec.local_block_ids)
         self._stats.record_failure(kind)
-        self._report(spec, {
-            "source": "recomputed",
-            "reason": kind,
-            "detail": reason[:200],
-            "remote_engine_id": spec.remote.remote_engine_id,
-        })  # fmt: skip
+        self._report(spec, KVReport.recomputed(kind, reason, spec.remote.remote_engine_id))
         # Nobody here will read those blocks now: every prefill rank may free them (ours: our pin ends).
         for rank in range(max(1, spec.remote.tp_size)):
             self._release_rank(spec.remote, rank)
@@ -501,7 +491,7 @@ class KVReader:
         block_ids, self._load_error_block_ids = self._load_error_block_ids, set()
         return block_ids
 
-    def _report(self, spec: ReceiveSpec, report: dict[str, Any]) -> None:
+    def _report(self, spec: ReceiveSpec, report: KVReport) -> None:
         """How ``spec``'s KV got here: for the scheduler side (the request's ``kv_transfer_params``) and for
         the proxy, which asks the side channel for it when a stream starts (a stream has no ``kv_transfer_params``)."""
         self._reports[spec.request_id] = report

@@ -32,7 +32,7 @@ A request's life, seen from here:
   (``{i}_{parent}``, vLLM's fan-out) with the same parameters. The first one scheduled reads the KV; its
   siblings wait for that read, and then find the prompt in vLLM's prefix cache. Its parameters are not a
   replay for them, and they report the reader's load.
-- Trust (``connectors.auth``): the prefill side MACs what it issues (with the
+- Trust (``contract.auth``): the prefill side MACs what it issues (with the
   lease's end, and the decode engine the proxy named); the decode side acts on
   parameters only if their MAC holds, they have not expired, they name this
   engine (when they name one) and it has not used them before. Anything else
@@ -48,14 +48,15 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from connectors import wire
-from connectors.auth import EXPIRED_REASON, ConsumedParams, KVAuth, Unauthenticated
 from connectors.identity import engine_epoch
 from connectors.log_limit import LogLimiter
 from connectors.metadata import KVTransferParams, PdserveConnectorMetadata, ReceiveSpec
 from connectors.options import ConnectorSettings
 from connectors.side_channel import ReleaseSender, release_message, report_key, report_message
-from connectors.stats import PdserveKVStats, PdserveWorkerMeta, merge_reports
+from connectors.stats import PdserveKVStats, PdserveWorkerMeta
+from contract import wire
+from contract.auth import EXPIRED_REASON, ConsumedParams, KVAuth, Unauthenticated
+from contract.kv_report import KVReport
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -87,7 +88,7 @@ class PdserveScheduler:
         # One step's work for the workers, handed over and emptied by build_connector_meta.
         self._to_receive: dict[str, ReceiveSpec] = {}
         self._to_hold: dict[str, tuple[int, ...]] = {}
-        self._to_report: dict[str, dict[str, Any]] = {}  # report_key -> a load decided here
+        self._to_report: dict[str, KVReport] = {}  # report_key -> a load decided here
         self._claimed_by: OrderedDict[str, str] = OrderedDict()  # MAC of params acted on -> the request (bounded)
         self._stats = PdserveKVStats()
         self._releases = ReleaseSender(engine_id, self._auth)
@@ -147,12 +148,8 @@ class PdserveScheduler:
                 self.block_size,
             )
             self._stats.record_failure("incompatible")
-            self._report(request, params, {
-                "source": "recomputed",
-                "reason": "incompatible",
-                "detail": f"prefill block size {params.block_size}, decode block size {self.block_size}",
-                "remote_engine_id": params.remote_engine_id,
-            })  # fmt: skip
+            detail = f"prefill block size {params.block_size}, decode block size {self.block_size}"
+            self._report(request, params, KVReport.recomputed("incompatible", detail, params.remote_engine_id))
             self._release(params)
             return
         if num_external_tokens == 0:
@@ -162,7 +159,7 @@ class PdserveScheduler:
                 self.engine_id,
                 params.remote_engine_id,
             )
-            self._report(request, params, {"source": "local_prefix_cache", "bytes": 0, "transfer_ms": 0.0})
+            self._report(request, params, KVReport("local_prefix_cache", bytes=0, transfer_ms=0.0))
             self._release(params)
             return
         if len(blocks.blocks) != 1:
@@ -195,7 +192,7 @@ class PdserveScheduler:
             params.remote_engine_id,
         )
 
-    def _report(self, request: Request, params: KVTransferParams, report: dict[str, Any]) -> None:
+    def _report(self, request: Request, params: KVTransferParams, report: KVReport) -> None:
         """A load decided here, not by the workers: for the finished request's ``kv_transfer_params``, and
         through the next metadata to the workers, whose side channel answers the proxy's query for a stream."""
         self._decode[request.request_id].report = report
@@ -248,7 +245,7 @@ class PdserveScheduler:
         reason = "malformed" if kind == "malformed_params" else "unauthenticated"
         if kind == "params" and reason_text.startswith(EXPIRED_REASON):
             reason = "expired"  # genuine, but the prefill's lease on their blocks is over
-        record.report = {"source": "recomputed", "reason": reason}
+        record.report = KVReport.recomputed(reason)
 
     def _block_ratio(self, params: KVTransferParams) -> int | None:
         """Remote blocks per local block; None when the prefill's block size does not divide ours."""
@@ -270,7 +267,7 @@ class PdserveScheduler:
             # report in different steps, and their parts add up here.
             for request_id, report in meta.reports.items():
                 if (record := self._decode.get(request_id)) is not None:
-                    record.report = report if record.report is None else merge_reports(record.report, report)
+                    record.report = report if record.report is None else record.report.merge(report)
         for request_id in output.failed_recving or ():
             if (record := self._decode.get(request_id)) is not None:
                 self._stats.record_recomputed(record.loading_tokens)
@@ -375,8 +372,8 @@ class PdserveScheduler:
                 record.params.remote_engine_id,
             )
             self._release(record.params)
-            record.report = {"source": "none", "reason": "finished before loading"}
-        return {wire.PDSERVE_KV: record.report} if record.report is not None else None
+            record.report = KVReport("none", reason="finished before loading")
+        return {wire.PDSERVE_KV: record.report.as_dict()} if record.report is not None else None
 
 
 @dataclass(slots=True)
@@ -393,7 +390,7 @@ class _DecodeRecord:
     """The load was planned (a READ, or a release of what needs none): the worker or the plan releases."""
     loading_tokens: int = 0
     """Tokens a READ in flight loads (0 when none is)."""
-    report: dict[str, Any] | None = None
+    report: KVReport | None = None
     """How the prompt's KV got here."""
 
 

@@ -30,7 +30,7 @@ Five kinds of message arrive:
   and shares our key.
 
 Every message, both ways for a handshake, is sealed with the cluster's KV key
-(``connectors.auth``): the server answers a message it cannot open with
+(``contract.auth``): the server answers a message it cannot open with
 ``ERR unauthenticated <reason>``, does nothing else for it, and counts it
 (``refused``, by kind; ``pdserve:kv_refused_total`` on ``/metrics``).
 Refusals are logged at most once per kind every 10 s (``connectors.log_limit``;
@@ -89,7 +89,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from connectors.auth import LIVE_TTL_S, KVAuth, Unauthenticated
 from connectors.errors import HandshakeRejected, TransportError
 from connectors.framing import HEADER_BYTES, MAX_FRAME_BYTES, FrameReader, FramingError, frame, recv_frame
 from connectors.handshake import (
@@ -103,7 +102,9 @@ from connectors.handshake import (
 from connectors.leases import PinAnswer
 from connectors.log_limit import DEFAULT_INTERVAL_S, LogLimiter
 from connectors.topology import KVTopology
-from connectors.wire import parse_tcp_endpoint, tcp_endpoint
+from contract.auth import LIVE_TTL_S, KVAuth, Unauthenticated
+from contract.kv_report import KVReport
+from contract.wire import parse_tcp_endpoint, tcp_endpoint
 
 __all__ = [
     "ANSWERED",
@@ -212,8 +213,8 @@ class RecentReports:
         self._reports: OrderedDict[str, bytes] = OrderedDict()
         self._lock = threading.Lock()
 
-    def add(self, key: str, report: dict[str, Any]) -> None:
-        encoded = json.dumps(report, separators=(",", ":")).encode()
+    def add(self, key: str, report: KVReport) -> None:
+        encoded = json.dumps(report.as_dict(), separators=(",", ":")).encode()
         with self._lock:
             self._reports[key] = encoded
             if len(self._reports) > self._limit:

@@ -42,6 +42,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerM
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.v1.metrics.utils import create_metric_per_engine
 
+from contract.kv_report import KVReport
+
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
@@ -52,7 +54,6 @@ __all__ = [
     "PdserveKVStats",
     "PdservePromMetrics",
     "PdserveWorkerMeta",
-    "merge_reports",
 ]
 
 FAILURE_KINDS = (
@@ -238,27 +239,16 @@ class PdservePromMetrics(KVConnectorPromMetrics):
             self.recomputed[engine_idx].inc(tokens)
 
 
-def merge_reports(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, Any]:
-    """One request's report from two TP ranks: bytes add up, the slowest rank's time counts, a failure wins."""
-    merged = dict(ours)
-    merged["bytes"] = ours.get("bytes", 0) + theirs.get("bytes", 0)
-    merged["transfer_ms"] = max(ours.get("transfer_ms", 0.0), theirs.get("transfer_ms", 0.0))
-    if theirs.get("source") == "recomputed":
-        merged["source"] = "recomputed"
-        merged["reason"] = theirs.get("reason", ours.get("reason"))
-    return merged
-
-
 @dataclasses.dataclass
 class PdserveWorkerMeta(KVConnectorWorkerMetadata):
     """Per-request load reports of one step, worker -> scheduler side (keyed by request id)."""
 
-    reports: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    reports: dict[str, KVReport] = dataclasses.field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> PdserveWorkerMeta:
         if not isinstance(other, PdserveWorkerMeta):
             raise TypeError(f"cannot aggregate PdserveWorkerMeta with {type(other).__name__}")
         for request_id, report in other.reports.items():
             mine = self.reports.get(request_id)
-            self.reports[request_id] = report if mine is None else merge_reports(mine, report)
+            self.reports[request_id] = report if mine is None else mine.merge(report)
         return self

@@ -40,7 +40,7 @@ What vLLM 0.32 does around a connector (learnt while building this one):
   harmless default (no load, nothing held, no results); the sides refuse a
   single request where they can (``scheduler.update_state_after_alloc``,
   ``worker.start_load_kv``). Bad input (``kv_transfer_params``) is refused
-  before it is used (``connectors.wire.parse_remote_prefill``).
+  before it is used (``contract.wire.parse_remote_prefill``).
 """
 
 from __future__ import annotations

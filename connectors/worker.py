@@ -24,7 +24,6 @@ import json
 import logging
 from typing import TYPE_CHECKING, Any
 
-from connectors.auth import KVAuth
 from connectors.errors import ConnectorError
 from connectors.handshake import HandshakeResponse, encode_response
 from connectors.holder import LeaseHolder
@@ -37,6 +36,7 @@ from connectors.stats import PdserveKVStats, PdserveWorkerMeta
 from connectors.topology import KVLayout, KVTopology
 from connectors.transport import NIXL, make_transport, node_identity
 from connectors.transport.group import TransportFactory, WorkerTransports
+from contract.auth import KVAuth
 
 if TYPE_CHECKING:
     import torch

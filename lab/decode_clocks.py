@@ -20,7 +20,7 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from connectors.auth import engine_key  # noqa: E402
+from contract.auth import engine_key  # noqa: E402
 from orchestrator import cluster  # noqa: E402
 from orchestrator.autoscale import profiler  # noqa: E402
 

@@ -35,6 +35,7 @@ from collections.abc import Iterator
 from dataclasses import fields
 from pathlib import Path
 
+from contract.headers import PATH as PATH_HEADER
 from orchestrator.autoscale import traces
 from orchestrator.autoscale.profile import EngineLimits, Grid1D, Grid2D, PerformanceProfile
 from orchestrator.autoscale.traces import TraceRequest
@@ -100,7 +101,7 @@ def replay(proxy_url: str, model: str, trace: list[TraceRequest], headers: dict[
         stamps = []
         try:
             with urllib.request.urlopen(http, timeout=900) as response:
-                path = response.headers.get("X-PDServe-Path", "")
+                path = response.headers.get(PATH_HEADER, "")
                 for raw in response:
                     line = raw.decode().strip()
                     if line.startswith("data: {") and json.loads(line[6:]).get("choices"):

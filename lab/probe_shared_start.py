@@ -51,7 +51,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from connectors.auth import engine_key  # noqa: E402
+from contract.auth import engine_key  # noqa: E402
 from lab.validate_simulator import spec_copy  # noqa: E402
 from orchestrator.cluster import load_cluster_secret  # noqa: E402
 from scripts.bench_latency import make_prompt, pdserve, stream_tokens  # noqa: E402

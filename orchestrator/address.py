@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import socket
 
-from connectors.wire import LISTEN_ALL
+from contract.wire import LISTEN_ALL
 
 
 class AddressError(RuntimeError):

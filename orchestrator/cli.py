@@ -69,7 +69,7 @@ def _usage_hint(status: dict[str, Any]) -> str:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    from connectors.wire import url_host
+    from contract.wire import url_host
     from orchestrator.launch import plan_engines
     from orchestrator.placement import assign, host_plan
     from orchestrator.spec import ClusterSpec
@@ -288,7 +288,7 @@ def cmd_proxy(args: argparse.Namespace) -> int:
     )
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from connectors.auth import PROXY_ENGINE_KEY_ENV, PROXY_ENGINE_KEY_FILE_ENV, SECRET_ENV, SECRET_FILE_ENV
+    from contract.auth import PROXY_ENGINE_KEY_ENV, PROXY_ENGINE_KEY_FILE_ENV, SECRET_ENV, SECRET_FILE_ENV
 
     try:
         settings = proxy_settings(args)
@@ -356,8 +356,8 @@ def cmd_schema(args: argparse.Namespace) -> int:
 
 def cmd_secret(args: argparse.Namespace) -> int:
     """Make a cluster secret file (mode 0600), or keep the one there; never prints the secret."""
-    from connectors.auth import ENGINE_KEY_ENV, MissingSecret, engine_key, new_secret, read_secret_file, write_secret
-    from connectors.private_files import write_private
+    from contract.auth import ENGINE_KEY_ENV, MissingSecret, engine_key, new_secret, read_secret_file, write_secret
+    from contract.private_files import write_private
 
     path = Path(args.path)
     if path.exists():
@@ -484,7 +484,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
                 f"the running cluster {running[0]!r} (model {running[1]!r}, connector {running[2]}) is not the one "
                 f"{args.config} describes; `pdserve down` it first"
             )
-        from connectors.auth import engine_key
+        from contract.auth import engine_key
         from orchestrator.cluster import load_cluster_secret
 
         endpoints = profiler.ClusterEndpoints.from_status(status, engine_key(load_cluster_secret()))

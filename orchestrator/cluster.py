@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import psutil
 
-from connectors.auth import (
+from contract.auth import (
     SECRET_ENV,
     SECRET_FILE_ENV,
     ClusterSecret,
@@ -46,8 +46,8 @@ from connectors.auth import (
     read_secret_file,
     write_secret,
 )
-from connectors.private_files import make_private_dirs, open_private, write_private
-from connectors.wire import http_url
+from contract.private_files import make_private_dirs, open_private, write_private
+from contract.wire import http_url
 from orchestrator import placement, shm
 from orchestrator.control import ControlClient, ControlError, new_token, token_digest
 from orchestrator.errors import ClusterNotRunning, PdserveError

@@ -107,7 +107,7 @@ POOL_FIELDS: dict[str, tuple[type, ...]] = {
 def cluster_status(controller: Any, nodes: list[Any] | None) -> dict[str, Any]:
     """The document ``GET /v1/status`` answers (``STATUS_FIELDS``): the controller's state, and ``nodes``
     (``placement.Node``, Ray's; None when the GCS did not answer) with the engines on each."""
-    from connectors.wire import ROLES
+    from contract.wire import ROLES
     from orchestrator.engine_record import engine_status
 
     spec, records = controller.spec, list(controller.engines.values())

@@ -42,8 +42,8 @@ from typing import Any
 import ray
 from ray.exceptions import ActorDiedError, RayActorError, RayTaskError
 
-from connectors.auth import ClusterSecret, new_secret
-from connectors.wire import ROLES, http_url
+from contract.auth import ClusterSecret, new_secret
+from contract.wire import ROLES, http_url
 from orchestrator.autoscale.actuator import Autoscaler
 from orchestrator.autoscale.profile import PerformanceProfile
 from orchestrator.autoscale.rules import (

@@ -44,10 +44,10 @@ from typing import Any
 
 import ray
 
-from connectors.auth import ENGINE_KEY_ENV, SECRET_ENV, ClusterSecret, engine_key
 from connectors.identity import ENGINE_EPOCH_ENV
-from connectors.private_files import make_private_dirs
 from connectors.tier import LAYOUT_ENV, REGION_ENV, region_file
+from contract.auth import ENGINE_KEY_ENV, SECRET_ENV, ClusterSecret, engine_key
+from contract.private_files import make_private_dirs
 from orchestrator.engine_guard import guard
 from orchestrator.errors import EngineStartError
 from orchestrator.launch import EngineLaunch
@@ -449,8 +449,8 @@ class EngineActor:
     async def _watch_side_channel(self) -> None:
         """Ping every TP rank's side channel; restart the engine (exit: Ray restarts the actor) when it has
         not answered ``SIDE_CHANNEL_DEAD_AFTER`` times in a row."""
-        from connectors.auth import KVAuth
         from connectors.side_channel import SILENT, probe
+        from contract.auth import KVAuth
 
         auth = KVAuth.from_env()
         endpoints = self.launch.kv_endpoints

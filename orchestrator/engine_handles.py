@@ -18,7 +18,7 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from connectors.auth import ClusterSecret, EngineKey
+from contract.auth import ClusterSecret, EngineKey
 from orchestrator.engine_actor import ENGINE_ACTOR_GROUPS, EngineActor
 from orchestrator.launch import EngineLaunch
 from orchestrator.placement import Node, control_placement

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from connectors.private_files import write_private
+from contract.private_files import write_private
 
 logger = logging.getLogger("orchestrator.controller")
 

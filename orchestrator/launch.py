@@ -23,9 +23,9 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from connectors import wire
 from connectors.tier import TIER_HASH_ALGO
-from connectors.wire import LISTEN_ALL, ROLES, http_url, side_channel_endpoints
+from contract import wire
+from contract.wire import LISTEN_ALL, ROLES, http_url, side_channel_endpoints
 from orchestrator import placement
 from orchestrator.models import resolve_dtype, resolve_model
 from orchestrator.placement import Placement, engine_placement
@@ -62,7 +62,7 @@ class EngineLaunch:
 
     @property
     def kv_endpoints(self) -> tuple[str, ...]:
-        """Its connector's side channel, one endpoint per TP rank (``connectors.wire``)."""
+        """Its connector's side channel, one endpoint per TP rank (``contract.wire``)."""
         if self.host is None:
             raise ValueError(f"engine {self.engine_id} has not resolved its address yet")
         return side_channel_endpoints(self.host, self.kv_port, self.tp_size)

@@ -7,7 +7,7 @@ import os
 import sys
 from pathlib import Path
 
-from connectors.private_files import make_private_dirs, open_private
+from contract.private_files import make_private_dirs, open_private
 
 
 def redirect_output(log_path: str | os.PathLike[str]) -> None:

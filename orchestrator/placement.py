@@ -27,7 +27,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from connectors.wire import ROLES
+from contract.wire import ROLES
 
 if TYPE_CHECKING:  # the spec checks its resources with this module's planning
     from orchestrator.spec import ClusterSpec, NodeSelectorSpec

@@ -21,7 +21,7 @@ from typing import Any
 
 from ray.exceptions import RayActorError
 
-from connectors.wire import ROLES
+from contract.wire import ROLES
 from orchestrator.autoscale.actuator import AUTOSCALER_REASON
 from orchestrator.autoscale.rules import (
     MOVING,

@@ -26,8 +26,8 @@ from collections.abc import Generator
 
 import uvicorn
 
-from connectors.auth import PROXY_ENGINE_KEY_ENV, SECRET_ENV, SECRET_FILE_ENV, EngineKey
-from connectors.wire import LISTEN_ALL, http_url
+from contract.auth import PROXY_ENGINE_KEY_ENV, SECRET_ENV, SECRET_FILE_ENV, EngineKey
+from contract.wire import LISTEN_ALL, http_url
 from orchestrator.logs import redirect_output
 from proxy.app import ProxyConfig, create_app
 from proxy.pool import Endpoint, EnginePool

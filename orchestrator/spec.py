@@ -25,7 +25,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from connectors.options import ConnectorOptions
-from connectors.wire import ROLES
+from contract.wire import ROLES
 from orchestrator import placement
 from orchestrator.autoscale.config import AutoscalingConfig
 from orchestrator.errors import FieldError, SpecError, read_mapping

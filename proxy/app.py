@@ -72,7 +72,7 @@ from fastapi.responses import Response
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from connectors.wire import ROLES
+from contract.wire import ROLES
 from proxy.admin import PUBLIC_ENGINE_FIELDS, admin_key_of, admin_router, parse_networks
 from proxy.auth import KeyCheck, load_keys
 from proxy.config import ProxyConfig

@@ -19,7 +19,7 @@ import re
 from collections.abc import Iterable
 from pathlib import Path
 
-from connectors import auth as cluster_auth
+from contract import auth as cluster_auth
 from proxy.errors import ProxyConfigError
 
 __all__ = ["ENV_NAME", "KeyCheck", "bearer_token", "load_engine_key", "load_keys"]
@@ -53,7 +53,7 @@ def load_keys(env_names: Iterable[str] = (), file: str | None = None) -> tuple[b
 
 
 def load_engine_key() -> str:
-    """The engines' key from this process's environment (``connectors.auth.load_engine_key``): the key itself
+    """The engines' key from this process's environment (``contract.auth.load_engine_key``): the key itself
     (``PDSERVE_ENGINE_KEY``, what the cluster's proxy actor is given: never the cluster secret), a file of it,
     or else derived from the cluster secret (a proxy started by hand with ``--cluster-secret-file``).
     ``ProxyConfigError`` naming where it is looked for if there is none."""

@@ -20,7 +20,7 @@ from typing import Any
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
 
-from connectors import wire
+from contract import wire
 from proxy.errors import ContextLengthExceeded, InvalidRequest, ModelNotFound
 
 __all__ = [

@@ -20,11 +20,12 @@ from pydantic_core import PydanticCustomError
 
 from proxy.auth import ENV_NAME
 from proxy.engine_client import CONNECT_TIMEOUT_S
+from proxy.policies import REGISTRY
 
 __all__ = ["DEFAULT_MAX_BODY_BYTES", "POLICIES", "ProxyConfig", "ProxySettings", "RoutingConfig"]
 
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
-POLICIES = ("round_robin", "least_loaded", "prefix_aware")
+POLICIES = tuple(REGISTRY)
 Policy = Literal[POLICIES]  # type: ignore[valid-type]
 
 
@@ -73,7 +74,7 @@ class RoutingConfig(_Settings):
     @property
     def needs_load(self) -> bool:
         """Whether a policy reads the engines' reported load (so ``/metrics`` is worth polling)."""
-        return any(p != "round_robin" for p in (self.prefill, self.decode))
+        return any(REGISTRY[p].needs_load for p in (self.prefill, self.decode))
 
 
 class ProxySettings(_Settings):
@@ -227,7 +228,7 @@ class ProxyConfig(ProxySettings):
     engine_auth: bool = Field(
         default=False,
         description="Send the engines the cluster's engine key, instead of any client's: PDSERVE_ENGINE_KEY, a "
-        "file of it (PDSERVE_ENGINE_KEY_FILE), or derived from the cluster secret (connectors.auth.load_engine_key).",
+        "file of it (PDSERVE_ENGINE_KEY_FILE), or derived from the cluster secret (contract.auth.load_engine_key).",
     )
     bind_reader: bool = Field(
         default=False,

@@ -34,6 +34,7 @@ from typing import Any
 
 from starlette.requests import Request
 
+from contract import headers
 from proxy.limits import AdmissionGate
 from proxy.metrics import DEFAULT_SERVING_PATH, ProxyMetrics
 from proxy.pool import EngineState
@@ -126,7 +127,7 @@ class Exchange:
             if engines.reason in DEGRADED_REASONS:
                 self._metrics.degraded.labels(engines.reason).inc()
         self._serve_as(path, engines.reason)
-        self.reply_headers["X-PDServe-Decode"] = engines.decode.engine_id
+        self.reply_headers[headers.DECODE] = engines.decode.engine_id
 
     def leg_starts(self, engine: EngineState) -> None:
         """A leg on ``engine`` starts: it takes over the count routing took there, or, on an engine routing did
@@ -150,12 +151,12 @@ class Exchange:
     def degrade(self, reason: str) -> None:
         """A leg failed and the decode engine computes the prompt itself (``decode-only; reason=...``)."""
         self._metrics.degraded.labels(reason).inc()
-        self.reply_headers.pop("X-PDServe-Prefill", None)
+        self.reply_headers.pop(headers.PREFILL, None)
         self._serve_as(DECODE_ONLY, reason)
 
     def _serve_as(self, path: str, reason: str | None) -> None:
         self.serving_path = self.request.state.serving_path = path
-        self.reply_headers["X-PDServe-Path"] = f"{path}; reason={reason}" if reason else path
+        self.reply_headers[headers.PATH] = f"{path}; reason={reason}" if reason else path
 
     def chunk_relayed(self) -> None:
         """A stream's chunk went to the client: time to first chunk, or between chunks."""

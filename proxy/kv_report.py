@@ -9,8 +9,8 @@ the decode engine's side channel (``proxy.release.ask``; one ``tcp://host:port``
 per TP rank, which the orchestrator gives the pool as the engine's
 ``kv_endpoints``) once the first chunk has come: the KV is loaded by then.
 What to send is the prefill engine's business: its ``kv_transfer_params`` carry a ``pdserve_report``
-message; each rank answers with its part of the report as JSON (bytes add
-up, the slowest rank's time counts, a recompute wins) or ``NONE``. No answer
+message; each rank answers with its part of the report as JSON or ``NONE``,
+and the parts are merged by ``KVReport.merge``. No answer
 within ``REPORT_TIMEOUT_S`` leaves the header out; the stream is not held up longer.
 """
 
@@ -18,25 +18,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
 
 import orjson
 
-from connectors import wire
+from contract import wire
+from contract.kv_report import KVReport
 from proxy.release import ask
 
-__all__ = ["KVReports", "format_report", "kv_report"]
+__all__ = ["KVReports", "kv_report"]
 
 logger = logging.getLogger(__name__)
 
 REPORT_TIMEOUT_S = 0.25
-HEADER_KEYS = ("source", "bytes", "transfer_ms", "transport", "reason", "remote_engine_id")
 _REPORT_KEY = f'"{wire.PDSERVE_KV}"'.encode()
-
-
-def format_report(report: dict[str, Any]) -> str:
-    """The header's value: ``key=value`` pairs of the report's known, non-empty fields."""
-    return "; ".join(f"{key}={report[key]}" for key in HEADER_KEYS if report.get(key) not in (None, ""))
 
 
 def kv_report(payload: bytes) -> str | None:
@@ -44,22 +38,10 @@ def kv_report(payload: bytes) -> str | None:
     if _REPORT_KEY not in payload:
         return None
     try:
-        report = orjson.loads(payload)[wire.KV_TRANSFER_PARAMS][wire.PDSERVE_KV]
+        report = KVReport.from_dict(orjson.loads(payload)[wire.KV_TRANSFER_PARAMS][wire.PDSERVE_KV])
     except (orjson.JSONDecodeError, KeyError, TypeError):
         return None
-    return format_report(report) if isinstance(report, dict) else None
-
-
-def merge_ranks(reports: list[dict[str, Any]]) -> dict[str, Any]:
-    """One request's report from every decode rank's part."""
-    merged = dict(reports[0])
-    merged["bytes"] = sum(int(part.get("bytes") or 0) for part in reports)
-    merged["transfer_ms"] = max(float(part.get("transfer_ms") or 0.0) for part in reports)
-    if recomputed := next((part for part in reports if part.get("source") == "recomputed"), None):
-        merged = recomputed | {"bytes": merged["bytes"], "transfer_ms": merged["transfer_ms"]}
-    if merged["source"] == "recomputed" and not merged["bytes"]:
-        del merged["bytes"], merged["transfer_ms"]
-    return merged
+    return report.header() if report is not None else None
 
 
 class KVReports:
@@ -80,14 +62,14 @@ class KVReports:
         parts = []
         for endpoint, answer in zip(endpoints, answers, strict=True):
             try:
-                part = orjson.loads(answer) if isinstance(answer, bytes) else None
+                part = KVReport.from_dict(orjson.loads(answer)) if isinstance(answer, bytes) else None
             except orjson.JSONDecodeError:
                 part = None
-            if not isinstance(part, dict):
+            if part is None:
                 logger.info("request %s: no KV report from %s (%s)", request_id, endpoint, self._why(answer))
                 return None
             parts.append(part)
-        return format_report(merge_ranks(parts))
+        return KVReport.merge_all(parts).header()
 
     def _why(self, answer: object) -> str:
         if answer is None:

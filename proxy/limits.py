@@ -39,7 +39,7 @@ from typing import Any
 
 from starlette.requests import ClientDisconnect, Request
 
-from connectors.wire import ROLES
+from contract.wire import ROLES
 from proxy.errors import RequestTimeout, RequestTooLarge, TooManyRequests
 from proxy.pool import EnginePool
 from proxy.server import DISCONNECT_HOOK

@@ -31,13 +31,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from connectors.wire import ROLES, TCP_ENDPOINT_PATTERN
+from contract.wire import ROLES, TCP_ENDPOINT_PATTERN
 from proxy.errors import NoHealthyEngine, UnknownEngine
 
 __all__ = ["KV_ENDPOINT_PATTERN", "ROLES", "Endpoint", "EnginePool", "EngineState", "endpoint_hosts", "url_host"]
 
 KV_ENDPOINT_PATTERN = TCP_ENDPOINT_PATTERN
-"""One TP rank's side channel of the ``pdserve`` connector (``connectors.wire.side_channel_endpoint``)."""
+"""One TP rank's side channel of the ``pdserve`` connector (``contract.wire.side_channel_endpoint``)."""
 
 
 def url_host(url: str) -> str | None:

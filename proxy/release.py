@@ -22,8 +22,8 @@ import logging
 import socket
 from typing import Any
 
-from connectors import wire
 from connectors.framing import MAX_FRAME_BYTES, frame, read_frame
+from contract import wire
 
 logger = logging.getLogger(__name__)
 

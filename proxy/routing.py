@@ -3,21 +3,9 @@
 ``Router.route(body, kind)`` runs once per request. It picks a decode engine
 with the decode pool's policy, decides whether the request skips the prefill
 leg (decode-only), and if not picks a prefill engine with the prefill pool's
-policy. The policies are small classes with one method,
-``pick(engines, prefix) -> engine``, over the pool's ready engines
-(``EnginePool.ready``); they do no I/O:
-
-- ``round_robin``: in turn. The default; it costs a counter per request.
-- ``least_loaded``: the lowest ``EngineState.load`` (this proxy's legs on the
-  engine, its queue and KV cache use from ``/metrics``); ties go in turn.
-- ``prefix_aware``: the engine that was last sent the longest prefix of this
-  prompt, which likely still holds its KV (vLLM's prefix cache), unless it is
-  overloaded next to the least loaded engine; otherwise the least loaded.
-
-Prefixes are chained hashes of fixed-size blocks of the prompt
-(``prefix_hashes``): hash *i* covers blocks 0..*i*, so one hash names the
-whole prefix up to that block. ``PrefixIndex`` keeps, for the most recent
-hashes (LRU, bounded), the engine last sent them.
+policy, one of ``proxy.policies.REGISTRY`` (``round_robin``, ``least_loaded``,
+``prefix_aware``; each says whether it needs the engines' load and the
+prompt's prefix hashes, ``prefix_hashes``).
 
 Decode-only: a prompt estimated shorter than ``decode_only_below_tokens``
 (``estimate_prompt_tokens``) gains little from a remote prefill and goes to
@@ -37,7 +25,6 @@ request is routed as without a tier.
 
 from __future__ import annotations
 
-import collections
 import itertools
 import sys
 from collections.abc import Sequence
@@ -45,124 +32,12 @@ from typing import Any, NamedTuple
 
 import orjson
 
-from proxy.config import POLICIES, ProxyConfig, RoutingConfig
+from proxy.config import ProxyConfig
+from proxy.policies import PrefixIndex, make_policy
 from proxy.pool import EnginePool, EngineState, no_healthy_engine
 
 CHARS_PER_TOKEN = 4
 """The token estimate without a tokenizer: about 4 characters a token for English text with BPE vocabularies."""
-
-
-# --- policies -------------------------------------------------------------------------------
-
-
-class RoundRobin:
-    __slots__ = ("_counter",)
-
-    def __init__(self) -> None:
-        self._counter = itertools.count()
-
-    def pick(self, engines: Sequence[EngineState], prefix: tuple[int, ...] = (), shared_depth: int = 0) -> EngineState:
-        return engines[next(self._counter) % len(engines)]
-
-
-class LeastLoaded:
-    __slots__ = ("_counter",)
-
-    def __init__(self) -> None:
-        self._counter = itertools.count()
-
-    def pick(self, engines: Sequence[EngineState], prefix: tuple[int, ...] = (), shared_depth: int = 0) -> EngineState:
-        return least_loaded(engines, next(self._counter))
-
-
-def least_loaded(engines: Sequence[EngineState], turn: int = 0) -> EngineState:
-    """The engine with the lowest load; among equals, the first from position ``turn`` on (so ties rotate)."""
-    count = len(engines)
-    best = engines[turn % count]
-    best_load = best.load
-    for step in range(1, count):
-        engine = engines[(turn + step) % count]
-        load = engine.load
-        if load < best_load:
-            best, best_load = engine, load
-    return best
-
-
-class PrefixIndex:
-    """Which engine was last sent each prefix (chained block hash); the most recent ``capacity`` hashes."""
-
-    __slots__ = ("capacity", "_owners")
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self._owners: collections.OrderedDict[int, str] = collections.OrderedDict()
-
-    def __len__(self) -> int:
-        return len(self._owners)
-
-    def longest(self, prefix: tuple[int, ...], engines: Sequence[EngineState]) -> tuple[EngineState | None, int]:
-        """The engine among ``engines`` last sent the longest part of ``prefix``, and that part's block count."""
-        owners = self._owners
-        for depth in range(len(prefix), 0, -1):
-            owner = owners.get(prefix[depth - 1])
-            if owner is not None:
-                for engine in engines:
-                    if engine.engine_id == owner:
-                        return engine, depth
-        return None, 0
-
-    def blocks_sent(self, prefix: tuple[int, ...], engine_id: str) -> int:
-        """How many leading blocks of ``prefix`` were last sent to ``engine_id``."""
-        owners = self._owners
-        for depth in range(len(prefix), 0, -1):
-            if owners.get(prefix[depth - 1]) == engine_id:
-                return depth
-        return 0
-
-    def record(self, prefix: tuple[int, ...], engine_id: str) -> None:
-        owners = self._owners
-        for block_hash in prefix:
-            owners[block_hash] = engine_id
-            owners.move_to_end(block_hash)
-        while len(owners) > self.capacity:
-            owners.popitem(last=False)
-
-
-class PrefixAware:
-    """The engine holding the longest prefix, unless overloaded; else the least loaded. Records its choice."""
-
-    __slots__ = ("index", "overload_factor", "_counter")
-
-    def __init__(self, capacity: int, overload_factor: float) -> None:
-        self.index = PrefixIndex(capacity)
-        self.overload_factor = overload_factor
-        self._counter = itertools.count()
-
-    def pick(self, engines: Sequence[EngineState], prefix: tuple[int, ...] = (), shared_depth: int = 0) -> EngineState:
-        chosen = self.choose(engines, prefix, shared_depth)
-        if prefix:
-            self.index.record(prefix, chosen.engine_id)
-        return chosen
-
-    def choose(self, engines: Sequence[EngineState], prefix: tuple[int, ...], shared_depth: int = 0) -> EngineState:
-        """``pick`` without recording the choice. ``shared_depth``: leading blocks of ``prefix`` that every engine
-        can load (a shared KV tier holds them); a holder of no more than that has nothing to offer over the least
-        loaded engine."""
-        least = least_loaded(engines, next(self._counter))
-        holder, depth = self.index.longest(prefix, engines) if prefix else (None, 0)
-        if holder is not None and depth > shared_depth and holder.load + 1 <= self.overload_factor * (least.load + 1):
-            return holder
-        return least
-
-
-def make_policy(name: str, routing: RoutingConfig) -> RoundRobin | LeastLoaded | PrefixAware:
-    if name == "round_robin":
-        return RoundRobin()
-    if name == "least_loaded":
-        return LeastLoaded()
-    if name == "prefix_aware":
-        return PrefixAware(routing.prefix_cache_size, routing.prefix_overload_factor)
-    raise ValueError(f"unknown routing policy {name!r}; expected one of {POLICIES}")
 
 
 # --- the router -----------------------------------------------------------------------------
@@ -216,20 +91,18 @@ class Router:
         self.prefill_policy = make_policy(routing.prefill, routing)
         self.decode_policy = make_policy(routing.decode, routing)
         # What the decode engines were sent, for decode_only_if_cached.
-        self.decode_index: PrefixIndex | None = None
-        if isinstance(self.decode_policy, PrefixAware):
-            self.decode_index = self.decode_policy.index
-        elif config.decode_only_if_cached:
+        self.decode_index: PrefixIndex | None = self.decode_policy.index
+        if self.decode_index is None and config.decode_only_if_cached:
             self.decode_index = PrefixIndex(routing.prefix_cache_size)
-        self._uses_prefix = isinstance(self.prefill_policy, PrefixAware) or self.decode_index is not None
+        self._uses_prefix = self.prefill_policy.needs_prefix or self.decode_index is not None
         self._decode_only_below = config.decode_only_below_tokens
         self._cached_fraction = config.decode_only_cached_fraction
         tiers = config.tier_pools
         # Whether routing reads the shared tier: a decision that a tier's contents change.
         self._asks_tier = bool(tiers) and (
             (config.decode_only_if_cached and "decode" in tiers)
-            or (isinstance(self.prefill_policy, PrefixAware) and "prefill" in tiers)
-            or (isinstance(self.decode_policy, PrefixAware) and "decode" in tiers)
+            or (self.prefill_policy.needs_prefix and "prefill" in tiers)
+            or (self.decode_policy.needs_prefix and "decode" in tiers)
         )
         self._tier_turn = itertools.count()
 
@@ -265,13 +138,7 @@ class Router:
         if self.decode_index is None:
             decode = self.decode_policy.pick(engines, prefix)
         else:
-            policy = self.decode_policy
-            shared = in_tier if "decode" in tiers else 0
-            decode = (
-                policy.choose(engines, prefix, shared)
-                if isinstance(policy, PrefixAware)
-                else policy.pick(engines, prefix)
-            )
+            decode = self.decode_policy.choose(engines, prefix, in_tier if "decode" in tiers else 0)
             if prefix:
                 sent = self.decode_index.blocks_sent(prefix, decode.engine_id)
                 self.decode_index.record(prefix, decode.engine_id)

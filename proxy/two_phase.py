@@ -20,7 +20,7 @@ ready engines (``pool_limit``; the flow watches the pool between ``open`` and
 ``close``).
 
 Engines are called with the cluster's engine key (``config.engine_auth``;
-``connectors.auth``), or with the client's own ``Authorization`` only for
+``contract.auth``), or with the client's own ``Authorization`` only for
 engines someone else started with ``--api-key`` (``forward_authorization``).
 The prefill engine is told which decode engine will read its KV
 (``config.bind_reader``): it binds the transfer parameters it issues to that
@@ -37,7 +37,7 @@ from fastapi import Request
 from fastapi.responses import Response
 from starlette.requests import ClientDisconnect
 
-from connectors import wire
+from contract import headers, wire
 from proxy.auth import KeyCheck, bearer_token, load_engine_key
 from proxy.bodies import check_context_length, decode_body, parse_request, prefill_body
 from proxy.config import ProxyConfig
@@ -204,7 +204,7 @@ class TwoPhaseFlow:
         engine.failures = 0
         exchange.kv.read()
         if report := kv_report(payload):
-            exchange.reply_headers["X-PDServe-KV"] = report
+            exchange.reply_headers[headers.KV] = report
         return Response(payload, media_type="application/json", headers=exchange.reply_headers)
 
     async def _route(self, exchange: Exchange) -> Route:
@@ -240,7 +240,7 @@ class TwoPhaseFlow:
             logger.warning(
                 "request %s: prefill engine %s returned no kv_transfer_params; decode engine %s "
                 "will compute the prompt itself",
-                exchange.request_id, exchange.reply_headers["X-PDServe-Prefill"], engines.decode.engine_id,
+                exchange.request_id, exchange.reply_headers[headers.PREFILL], engines.decode.engine_id,
             )  # fmt: skip
 
     async def _prefill(self, exchange: Exchange, engines: Route) -> dict | None:
@@ -251,7 +251,7 @@ class TwoPhaseFlow:
         engine: EngineState = engines.prefill
         tried: list[EngineState] = []
         while True:
-            exchange.reply_headers["X-PDServe-Prefill"] = engine.engine_id
+            exchange.reply_headers[headers.PREFILL] = engine.engine_id
             exchange.leg_starts(engine)  # counted since routing (a retry's engine: from now)
             try:
                 kv_params = await self.upstream.prefill(engine, exchange, body)
@@ -285,7 +285,7 @@ class TwoPhaseFlow:
         engine = engines.decode
         tried: list[EngineState] = []
         while True:
-            exchange.reply_headers["X-PDServe-Decode"] = engine.engine_id
+            exchange.reply_headers[headers.DECODE] = engine.engine_id
             exchange.leg_starts(engine)  # counted since routing, through the prefill leg (a retry's: from now)
             try:
                 response = await self.upstream.decode(engine, exchange, decode_body(exchange.body, exchange.kv.params))
@@ -323,7 +323,7 @@ class TwoPhaseFlow:
                 if await stream.first() is not None:
                     asked = time.perf_counter()
                     if report := await self.kv_reports.query(engine.kv_endpoints, kv_params, exchange.request_id):
-                        exchange.reply_headers["X-PDServe-KV"] = report
+                        exchange.reply_headers[headers.KV] = report
                     if logger.isEnabledFor(logging.DEBUG):
                         logger.debug(
                             "request %s: KV report from decode engine %s in %.2f ms",

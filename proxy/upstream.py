@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import orjson
 
-from connectors import wire
+from contract import wire
 from proxy.engine_client import EngineClient, EngineResponse
 from proxy.errors import EngineConnectionError, UpstreamFailed, error_body
 from proxy.routing import TierHeld

@@ -31,9 +31,10 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from connectors.auth import KVAuth, engine_key, read_secret_file  # noqa: E402
 from connectors.framing import MAX_FRAME_BYTES, FramingError, frame, recv_frame  # noqa: E402
-from connectors.wire import parse_tcp_endpoint  # noqa: E402
+from contract.auth import KVAuth, engine_key, read_secret_file  # noqa: E402
+from contract.headers import KV as KV_HEADER  # noqa: E402
+from contract.wire import parse_tcp_endpoint  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
 KILLER = {"do_remote_prefill": True, "remote_engine_id": "p", "remote_request_id": "r", "remote_host": "127.0.0.1",
@@ -81,7 +82,7 @@ def pids(env: dict[str, str]) -> dict[str, int]:
 def next_kv(proxy_url: str) -> str:
     """How the next request's prompt KV got to the decode engine (``X-PDServe-KV``)."""
     code, headers = post(proxy_url + "/v1/chat/completions", chat("Say hello."))
-    value = {k.lower(): v for k, v in headers.items()}.get("x-pdserve-kv", "")
+    value = {k.lower(): v for k, v in headers.items()}.get(KV_HEADER.lower(), "")
     return f"{code} {value.split(';')[0] if value else '-'}" + (
         f" ({value.split('reason=')[1].split(';')[0]})" if "reason=" in value else ""
     )

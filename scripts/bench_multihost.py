@@ -39,6 +39,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from contract.headers import KV as KV_HEADER  # noqa: E402
 from scripts.bench_latency import make_prompt  # noqa: E402
 from tests import testbed as hosts  # noqa: E402
 
@@ -68,7 +69,7 @@ def stream(url: str, model: str, prompt: str) -> dict:
     started = time.perf_counter()
     ttft = None
     with urllib.request.urlopen(request, timeout=600) as response:
-        header = response.headers.get("X-PDServe-KV", "")
+        header = response.headers.get(KV_HEADER, "")
         for raw in response:
             line = raw.decode().strip()
             if ttft is None and line.startswith("data: {") and '"text"' in line:

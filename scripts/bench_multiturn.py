@@ -46,6 +46,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from contract.headers import PATH as PATH_HEADER
 from scripts.bench_latency import pdserve  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
@@ -102,7 +103,7 @@ def stream_chat(proxy_url: str, messages: list[dict], max_tokens: int) -> tuple[
     )
     start, ttft, parts, prompt_tokens = time.perf_counter(), None, [], 0
     with urllib.request.urlopen(request, timeout=900) as response:
-        path = response.headers.get("X-PDServe-Path", "")
+        path = response.headers.get(PATH_HEADER, "")
         for raw in response:
             line = raw.decode().strip()
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -241,7 +242,7 @@ def main() -> None:
     os.environ.setdefault("PDSERVE_STATE_DIR", str(workdir / "state"))  # a cluster of this script's own
     # One cluster secret for every `pdserve up` of the run: the tier's MAC key is derived from it, so a
     # cluster started again (tier-restart) accepts what the one before it stored.
-    from connectors.auth import SECRET_ENV, SECRET_FILE_ENV, new_secret, write_secret
+    from contract.auth import SECRET_ENV, SECRET_FILE_ENV, new_secret, write_secret
 
     if not (os.environ.get(SECRET_ENV) or os.environ.get(SECRET_FILE_ENV)):
         write_secret(workdir / "cluster-secret", new_secret())

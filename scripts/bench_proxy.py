@@ -305,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
             processes[name] = stack.enter_context(started(name, base, log_dir, repo=checkout))
             targets.append(name)
         if not args.no_auth:
-            from connectors.auth import new_secret, write_secret
+            from contract.auth import new_secret, write_secret
 
             write_secret(log_dir / "cluster-secret", new_secret())
             os.environ["PDSERVE_BENCH_CLIENT_KEY"] = CLIENT_KEY

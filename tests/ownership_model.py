@@ -35,7 +35,7 @@ from connectors.leases import LeaseTable
 from connectors.metadata import ReceiveSpec
 from connectors.reads import ReadPhase, ReadRecord
 from connectors.transport.base import TransferState
-from connectors.wire import KVTransferParams
+from contract.wire import KVTransferParams
 
 TTL, MARGIN, GRACE = 2, 1, 1
 END = TTL + GRACE

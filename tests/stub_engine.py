@@ -61,7 +61,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from connectors import wire
+from contract import wire
 
 __all__ = ["Behaviour", "ReceivedRequest", "StubEngine", "answer_text", "error_body"]
 

@@ -63,11 +63,11 @@ from vllm.v1.kv_offload.tiering.base import JobId, TransferJob
 from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager, FsAsyncLookupManager
 from vllm.v1.kv_offload.tiering.fs.thread_pool import DualQueueThreadPool
 
-from connectors.private_files import private_dir
 from connectors.tier.cleanup import remove_stale
 from connectors.tier.held import write_layout
 from connectors.tier.key import load_tier_key
 from connectors.tier.store import VERSION, EntryStore
+from contract.private_files import private_dir
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats

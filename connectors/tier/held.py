@@ -32,9 +32,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from connectors import wire
-from connectors.private_files import make_private_dirs, write_private
 from connectors.tier import LAYOUT_ENV
+from contract import wire
+from contract.private_files import make_private_dirs, write_private
 
 __all__ = ["TierLayout", "add_route", "block_hashes", "held_tokens", "read_layouts", "write_layout"]
 

@@ -48,8 +48,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from connectors.errors import UnsafeDirectory
-from connectors.private_files import read_private, write_private_once
+from contract.errors import UnsafeDirectory
+from contract.private_files import read_private, write_private_once
 
 __all__ = ["KEY_FILE", "TierKey", "load_tier_key"]
 

@@ -30,7 +30,7 @@ An entry is a 48-byte header and the chunk's bytes::
   crashed writer are removed when the store opens.
 - **Private.** Entries are created 0600 and directories 0700: a chunk's KV is its
   prompt. The store's root must be this user's own and writable by no one else
-  (``connectors.private_files.private_dir``: ``UnsafeDirectory`` otherwise).
+  (``contract.private_files.private_dir``: ``UnsafeDirectory`` otherwise).
 - **Bounded by bytes, least recently used first.** ``LruIndex`` knows the
   entries' sizes and last use; the store evicts the oldest when an entry pushes
   it over its budget, and rebuilds the index from the directory (by last access
@@ -54,7 +54,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from connectors.private_files import FILE_MODE, make_private_dirs, private_dir
+from contract.private_files import FILE_MODE, make_private_dirs, private_dir
 
 __all__ = [
     "ENTRY_SUFFIX",

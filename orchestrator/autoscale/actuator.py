@@ -47,7 +47,7 @@ from typing import Any
 
 import aiohttp
 
-from connectors.wire import ROLES
+from contract.wire import ROLES
 from orchestrator.autoscale.config import AutoscalingConfig
 from orchestrator.autoscale.policy import AutoscalePolicy, ClusterObservation, PoolObservation, ScalingDecision
 from orchestrator.autoscale.profile import PerformanceProfile

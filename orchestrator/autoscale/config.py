@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from connectors.wire import ROLES
+from contract.wire import ROLES
 from orchestrator.errors import FieldError
 
 

@@ -79,7 +79,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from connectors.wire import ROLES
+from contract.wire import ROLES
 from orchestrator.autoscale.config import AutoscalingConfig, PoolLimits
 from orchestrator.autoscale.profile import PerformanceProfile
 

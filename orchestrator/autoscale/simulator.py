@@ -47,10 +47,11 @@ idle and takeable, while the targets and the engines kept warm fit ``max_engines
 (as the controller's ``_retire``). Engine-hours count every engine from start to stop,
 starting, draining and kept warm included.
 The proxy's routing policy of each pool (``routing``, the spec's ``proxy.routing``):
-``round_robin`` sends requests to the serving engines in turn, ``least_loaded`` and
-``prefix_aware`` to the lowest of the proxy's score (its legs on the engine plus vLLM's
-waiting gauge, plus KV use on decode), ties going round as the proxy's do; prefixes
-are not modelled.
+each policy is modelled as its entry of ``proxy.policies.REGISTRY`` says (``simulated_as``):
+in turn (``round_robin``), or to the lowest of the proxy's score (its legs on the engine plus
+vLLM's waiting gauge, plus KV use on decode), ties going round as the proxy's do
+(``least_loaded``, and ``prefix_aware``: prefixes are not modelled); a policy the registry
+gives no model is refused by name.
 
 Engines that share CPU cores (``cores``: each engine's cores by id, ``prefill-0``
 ..., as ``orchestrator.launch`` pins them; a CPU cluster with
@@ -96,6 +97,7 @@ from orchestrator.autoscale.rules import (
     warm_to_stop,
 )
 from orchestrator.autoscale.traces import TraceRequest
+from proxy.policies import simulated_as
 
 logger = logging.getLogger(__name__)
 
@@ -318,8 +320,9 @@ class Simulator:
         if first_decision_s is not None and not 0 < first_decision_s <= interval_s:
             raise ValueError(f"first_decision_s must be in (0, interval_s] (got {first_decision_s})")
         self.first_decision_s = interval_s if first_decision_s is None else first_decision_s
-        # The proxy's policy per pool (proxy.routing): round_robin in turn, the others to the least loaded.
-        self._in_turn = tuple(policy == "round_robin" for policy in routing)
+        # The proxy's policy per pool, as its registry says the simulator models it (proxy.policies): in turn,
+        # or the least loaded; a policy it cannot model is refused by name.
+        self._in_turn = tuple(simulated_as(policy) == "in_turn" for policy in routing)
         self._turns = (itertools.count(), itertools.count())  # the proxy's pick counter per pool
         self._serving: list[list | None] = [None, None]  # each pool's serving engines, kept by _pick
         self.profile, self.policy, self.targets = profile, policy, targets

@@ -142,7 +142,7 @@ def own_cluster(root: Path, spec: dict) -> Iterator[dict]:
 def engine_headers(state_dir: str | Path) -> dict[str, str]:
     """What a caller of a cluster's engines must send: the engine key derived from the cluster's secret,
     which ``pdserve up`` left in its state directory (only the proxy and tests call engines)."""
-    from connectors.auth import engine_key, read_secret_file
+    from contract.auth import engine_key, read_secret_file
 
     return {"Authorization": f"Bearer {engine_key(read_secret_file(Path(state_dir) / 'cluster-secret'))}"}
 

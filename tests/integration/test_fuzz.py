@@ -20,10 +20,10 @@ from pathlib import Path
 
 import pytest
 
-from connectors import wire
-from connectors.auth import KVAuth, read_secret_file
 from connectors.framing import frame
 from connectors.side_channel import ping
+from contract import wire
+from contract.auth import KVAuth, read_secret_file
 from tests.integration.conftest import Cluster, http_json, kv_report, metric_values
 from tests.unit.test_side_channel import dropped_unanswered, exchange, header
 

@@ -27,12 +27,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from connectors import wire
-from connectors.auth import SECRET_ENV, SECRET_FILE_ENV, read_secret_file
 from connectors.tier import TIER_HASH_ALGO
 from connectors.tier.held import TierLayout, block_hashes
 from connectors.tier.key import load_tier_key
 from connectors.tier.store import HEADER, read_entry
+from contract import wire
+from contract.auth import SECRET_ENV, SECRET_FILE_ENV, read_secret_file
 from orchestrator.shm import SHM_DIR
 from tests.integration.conftest import HERE, engine_headers, http_json, own_cluster
 

@@ -31,9 +31,9 @@ import torch
 pytest.importorskip("vllm")
 pytest.importorskip("nixl")
 
-from connectors.auth import SECRET_ENV, new_secret  # noqa: E402
 from connectors.metadata import KVTransferParams, PdserveConnectorMetadata, ReceiveSpec  # noqa: E402
 from connectors.worker import PdserveWorker  # noqa: E402
+from contract.auth import SECRET_ENV, new_secret  # noqa: E402
 from tests.integration.test_nixl_transport import stop  # noqa: E402
 from tests.kv_reference import cache_shape, noise_cache, padded, rank_heads, write_tokens  # noqa: E402
 

@@ -22,7 +22,7 @@ import psutil
 import pytest
 import yaml
 
-from connectors import wire
+from contract import wire
 from tests.integration.conftest import HERE, engine_headers, http_json, own_cluster, run_pdserve
 
 pytestmark = [pytest.mark.integration, pytest.mark.after_cluster]

@@ -25,11 +25,11 @@ from pathlib import Path
 
 import pytest
 
-from connectors import wire
-from connectors.auth import KVAuth, read_secret_file
 from connectors.framing import FramingError, recv_frame
 from connectors.handshake import HandshakeRequest, encode_request
 from connectors.side_channel import MAX_REQUEST_BYTES
+from contract import wire
+from contract.auth import KVAuth, read_secret_file
 from tests.integration.conftest import Cluster, http_json, kv_report, metric_values
 from tests.unit.test_side_channel import ask
 
@@ -347,7 +347,7 @@ def test_a_side_channel_refuses_and_counts_a_client_without_the_secret(cluster: 
 
 
 def _write_other_secret(cluster: Cluster) -> Path:
-    from connectors.auth import new_secret, write_secret
+    from contract.auth import new_secret, write_secret
 
     path = Path(cluster.env["PDSERVE_STATE_DIR"]) / "another-clusters-secret"
     write_secret(path, new_secret())

@@ -24,8 +24,8 @@ import pytest
 import uvicorn
 import yaml
 
-from connectors.auth import SECRET_ENV, SECRET_FILE_ENV, ClusterSecret
 from connectors.framing import MAX_FRAME_BYTES, FramingError, frame, read_frame
+from contract.auth import SECRET_ENV, SECRET_FILE_ENV, ClusterSecret
 from orchestrator.models import DEMO_MODEL_NAME, KNOWN_MODELS
 from proxy.app import create_app
 from proxy.pool import Endpoint, EnginePool

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -14,12 +15,13 @@ pytest.importorskip("vllm")
 from vllm.v1.outputs import KVConnectorOutput  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
-from connectors import wire  # noqa: E402
-from connectors.auth import KVAuth  # noqa: E402
 from connectors.metadata import KVTransferParams  # noqa: E402
 from connectors.scheduler import PdserveScheduler  # noqa: E402
 from connectors.side_channel import report_key  # noqa: E402
 from connectors.stats import PdserveWorkerMeta  # noqa: E402
+from contract import wire  # noqa: E402
+from contract.auth import KVAuth  # noqa: E402
+from contract.kv_report import KVReport  # noqa: E402
 from tests.unit.conftest import TEST_SECRET  # noqa: E402
 
 
@@ -206,7 +208,7 @@ def test_a_prefill_block_size_that_does_not_divide_ours_is_computed_locally(sche
     meta = scheduler.build_connector_meta()
     assert meta.reqs_to_receive == []
     # the workers learn it too: a stream's report query is answered by them
-    assert meta.reports[report_key("prefill-engine", "req-on-prefill")]["reason"] == "incompatible"
+    assert meta.reports[report_key("prefill-engine", "req-on-prefill")].reason == "incompatible"
     _, params = scheduler.request_finished(FakeRequest(kv_transfer_params=request.kv_transfer_params), [3])
     assert params["pdserve_kv"]["reason"] == "incompatible"
 
@@ -218,9 +220,9 @@ def test_a_local_prefix_hit_of_the_whole_prompt_is_reported_without_a_read(sched
 
     meta = scheduler.build_connector_meta()
     assert meta.reqs_to_receive == []
-    assert meta.reports == {report_key("prefill-engine", "req-on-prefill"): {
-        "source": "local_prefix_cache", "bytes": 0, "transfer_ms": 0.0,
-    }}  # fmt: skip
+    assert meta.reports == {
+        report_key("prefill-engine", "req-on-prefill"): KVReport("local_prefix_cache", bytes=0, transfer_ms=0.0)
+    }
     assert scheduler.build_connector_meta().reports == {}  # handed on once
     _, params = scheduler.request_finished(FakeRequest(kv_transfer_params=request.kv_transfer_params), [3])
     assert params["pdserve_kv"]["source"] == "local_prefix_cache"
@@ -239,7 +241,7 @@ def test_the_samples_of_an_n_request_wait_for_one_read_and_report_it(scheduler, 
     scheduler.update_state_after_alloc(reader, fake_blocks((3, False), (4, False), (5, False)), 300)
     assert [scheduler.get_num_new_matched_tokens(s, 0) for s in siblings] == [(None, False)] * 2
     assert [spec.request_id for spec in scheduler.build_connector_meta().reqs_to_receive] == [reader.request_id]
-    report = {"source": "transfer", "bytes": 1000, "transfer_ms": 2.0, "remote_engine_id": "prefill-engine"}
+    report = KVReport("transfer", bytes=1000, transfer_ms=2.0, remote_engine_id="prefill-engine")
     meta = PdserveWorkerMeta({reader.request_id: report} if outcome == "finished_recving" else {})
     scheduler.update_connector_output(
         KVConnectorOutput(**{outcome: {reader.request_id}}, kv_connector_worker_meta=meta)
@@ -250,7 +252,7 @@ def test_the_samples_of_an_n_request_wait_for_one_read_and_report_it(scheduler, 
     assert scheduler.build_connector_meta().reqs_to_receive == []
     assert refused_params(scheduler) == 0
     finished = [scheduler.request_finished(r, [3, 4])[1] for r in (siblings[0], reader, siblings[1])]
-    expected = {"pdserve_kv": report} if outcome == "finished_recving" else None
+    expected = {"pdserve_kv": report.as_dict()} if outcome == "finished_recving" else None
     assert finished == [expected] * 3
     assert scheduler.tracked() == 0  # every record ended with its request
 
@@ -269,9 +271,9 @@ def test_the_same_parameters_in_a_request_of_another_parent_are_a_replay(schedul
 def test_the_ranks_reports_of_one_load_add_up_when_they_come_in_different_steps(scheduler):
     request = FakeRequest(kv_transfer_params=signed())
     scheduler.update_state_after_alloc(request, fake_blocks((3, False), (4, False), (5, False)), 300)
-    part = {"source": "transfer", "bytes": 1000, "transfer_ms": 2.0, "remote_engine_id": "prefill-engine"}
+    part = KVReport("transfer", bytes=1000, transfer_ms=2.0, remote_engine_id="prefill-engine")
 
-    for rank_part, finished in ((part, set()), (part | {"transfer_ms": 3.5}, {"req-1"})):
+    for rank_part, finished in ((part, set()), (dataclasses.replace(part, transfer_ms=3.5), {"req-1"})):
         scheduler.update_connector_output(
             KVConnectorOutput(
                 finished_recving=finished, kv_connector_worker_meta=PdserveWorkerMeta({"req-1": rank_part})
@@ -279,7 +281,7 @@ def test_the_ranks_reports_of_one_load_add_up_when_they_come_in_different_steps(
         )
     _, params = scheduler.request_finished(FakeRequest(kv_transfer_params=request.kv_transfer_params), [3, 4, 5])
 
-    assert params["pdserve_kv"] == part | {"bytes": 2000, "transfer_ms": 3.5}
+    assert params["pdserve_kv"] == part.as_dict() | {"bytes": 2000, "transfer_ms": 3.5}
 
 
 def test_an_aborted_prefill_frees_its_blocks_at_once(scheduler):

@@ -22,7 +22,6 @@ pytest.importorskip("vllm")
 
 from connectors import reader as reader_module  # noqa: E402
 from connectors import worker as worker_module  # noqa: E402
-from connectors.auth import KVAuth  # noqa: E402
 from connectors.block_ranges import KVRegions  # noqa: E402
 from connectors.errors import ConnectorError  # noqa: E402
 from connectors.handshake import HandshakeResponse  # noqa: E402
@@ -33,8 +32,10 @@ from connectors.topology import KVLayout, KVTopology  # noqa: E402
 from connectors.transport import CUDA_IPC, NIXL, make_transport, node_identity  # noqa: E402
 from connectors.transport.base import KVTransport, TransferState, cache_regions  # noqa: E402
 from connectors.transport.fake import InMemoryTransfer  # noqa: E402
-from connectors.wire import parse_tcp_endpoint  # noqa: E402
 from connectors.worker import PdserveWorker, describe_kv_cache, engine_model_identity  # noqa: E402
+from contract.auth import KVAuth  # noqa: E402
+from contract.kv_report import KVReport  # noqa: E402
+from contract.wire import parse_tcp_endpoint  # noqa: E402
 from tests.kv_reference import cache_shape, vllm_view  # noqa: E402
 
 HEAD_DIM = 8
@@ -290,10 +291,10 @@ def test_one_decode_rank_reads_each_prefill_rank_and_handshakes_once_per_rank(
     _, finished, failed = worker.transfer_results()
     assert (finished, failed) == ({"r1", "r2"}, set())
     report = worker.take_reports().reports["r1"]
-    assert (report["source"], report["remote_ranks"], report["bytes"]) == ("transfer", ["0", "1"], 6)
-    assert report["transport"] == "nixl"  # both sides offer only NIXL: the choice, said per request
+    assert (report.source, report.remote_ranks, report.bytes) == ("transfer", (0, 1), 6)
+    assert report.transport == "nixl"  # both sides offer only NIXL: the choice, said per request
     # the proxy asks the side channel with the prefill's ids (a stream's X-PDServe-KV)
-    assert json.loads(worker._server.on_report(report_key("prefill", "p-r1"))) == report
+    assert json.loads(worker._server.on_report(report_key("prefill", "p-r1"))) == report.as_dict()
     assert worker._server.on_report(report_key("prefill", "r1")) is None
     assert fakes.releases[0].sent == []
 
@@ -314,14 +315,14 @@ def test_a_failed_read_from_one_rank_aborts_the_others_and_releases_every_rank(
     assert worker.get_block_ids_with_load_errors() == {5, 9}
     assert sorted(fakes.releases[0].sent) == [(PREFILL_PORT, "p-r1"), (PREFILL_PORT + 1, "p-r1")]
     assert transport.removed == ["prefill/rank0"]  # that rank may have restarted: handshake again next time
-    assert "peer reset" in worker.take_reports().reports["r1"]["detail"]
+    assert "peer reset" in worker.take_reports().reports["r1"].detail
     assert json.loads(worker._server.on_report(report_key("prefill", "p-r1")))["source"] == "recomputed"
 
 
 def test_loads_the_scheduler_side_decided_are_answered_to_the_proxy_too(make_worker: WorkerFactory) -> None:
     worker = make_worker(tp_size=1, tp_rank=0)
     key = report_key("prefill", "p-r7")
-    worker.start_load_kv(PdserveConnectorMetadata(reports={key: {"source": "local_prefix_cache", "bytes": 0}}))
+    worker.start_load_kv(PdserveConnectorMetadata(reports={key: KVReport("local_prefix_cache", bytes=0)}))
 
     assert json.loads(worker._server.on_report(key)) == {"source": "local_prefix_cache", "bytes": 0}
 
@@ -370,7 +371,7 @@ def test_a_peer_on_this_node_is_read_by_cuda_ipc_which_tells_the_source_over_the
 
     assert worker.transfer_results()[1] == {"r1"}
     assert (set(ipc.peers), set(nixl.peers)) == ({"prefill/rank0"}, set())
-    assert worker.take_reports().reports["r1"]["transport"] == CUDA_IPC
+    assert worker.take_reports().reports["r1"].transport == CUDA_IPC
     # CUDA IPC has no message back: the reader sends the READ notification itself, as this rank
     assert fakes.releases[0].reads == [(PREFILL_PORT, "decode/rank0", read_notification("p-r1", 1, "decode/rank0"))]
 
@@ -382,7 +383,7 @@ def test_a_peer_whose_gpu_this_process_cannot_see_is_read_over_nixl(fakes: Fakes
 
     assert worker.transfer_results()[1] == {"r1"}
     assert (set(ipc.peers), set(nixl.peers)) == (set(), {"prefill/rank0"})
-    assert worker.take_reports().reports["r1"]["transport"] == NIXL
+    assert worker.take_reports().reports["r1"].transport == NIXL
     assert fakes.releases[0].reads == []  # NIXL notifies the source itself
 
 
@@ -425,7 +426,7 @@ def test_a_prefill_tp_size_that_cannot_pair_fails_the_load_as_incompatible(
     _, finished, failed = worker.transfer_results()
 
     assert finished == failed == {"r1"}
-    assert worker.take_reports().reports["r1"]["reason"] == "incompatible"
+    assert worker.take_reports().reports["r1"].reason == "incompatible"
     assert fakes.prefill.asked == []
 
 
@@ -443,8 +444,8 @@ def test_a_prefill_that_offers_no_transport_we_have_fails_the_load_as_incompatib
 
     assert finished == failed == {"r1"}
     report = worker.take_reports().reports["r1"]
-    assert report["reason"] == "incompatible"
-    assert "no KV transport reaches prefill/rank0 (other-node): we have nixl, it offers nccl" in report["detail"]
+    assert report.reason == "incompatible"
+    assert "no KV transport reaches prefill/rank0 (other-node): we have nixl, it offers nccl" in report.detail
 
 
 # ---------------------------------------------------------------- cache shapes
@@ -546,7 +547,7 @@ def test_params_whose_lease_ends_within_the_margin_are_recomputed_without_a_read
     assert finished == failed == {"r1"}
     assert transport.reads == [] and fakes.prefill.asked == []  # no connection made at all
     assert worker.get_block_ids_with_load_errors() == {5}
-    assert worker.take_reports().reports["r1"]["reason"] == "expired"
+    assert worker.take_reports().reports["r1"].reason == "expired"
     assert worker.take_stats().data["failures"] == {"expired": 1}
 
 
@@ -572,7 +573,7 @@ def test_a_read_still_pending_when_the_lease_ends_is_aborted_and_recomputed(
 
     assert finished == failed == {"r1"}
     assert read.state is TransferState.FAILED  # aborted: nothing may land in blocks vLLM recomputes
-    assert "pending" in worker.take_reports().reports["r1"]["detail"]
+    assert "pending" in worker.take_reports().reports["r1"].detail
 
 
 def test_a_read_seen_done_only_after_the_window_is_not_trusted(fakes: Fakes, make_worker: WorkerFactory) -> None:
@@ -584,7 +585,7 @@ def test_a_read_seen_done_only_after_the_window_is_not_trusted(fakes: Fakes, mak
 
     assert finished == failed == {"r1"}
     assert worker.get_block_ids_with_load_errors() == {5}
-    assert worker.take_reports().reports["r1"]["source"] == "recomputed"
+    assert worker.take_reports().reports["r1"].source == "recomputed"
 
 
 def test_a_read_done_inside_the_window_is_served(fakes: Fakes, make_worker: WorkerFactory) -> None:
@@ -597,7 +598,7 @@ def test_a_read_done_inside_the_window_is_served(fakes: Fakes, make_worker: Work
     _, finished, failed = worker.transfer_results()
 
     assert (finished, failed) == ({"r1"}, set())
-    assert worker.take_reports().reports["r1"]["source"] == "transfer"
+    assert worker.take_reports().reports["r1"].source == "transfer"
 
 
 def test_a_read_the_scheduler_side_could_not_plan_fails_without_touching_the_engine(
@@ -611,7 +612,7 @@ def test_a_read_the_scheduler_side_could_not_plan_fails_without_touching_the_eng
     _, finished, failed = worker.transfer_results()
 
     assert finished == failed == {"r1"}
-    assert worker.take_reports().reports["r1"]["reason"] == "internal"
+    assert worker.take_reports().reports["r1"].reason == "internal"
 
 
 def test_an_exception_while_starting_one_read_fails_only_that_request(
@@ -631,7 +632,7 @@ def test_an_exception_while_starting_one_read_fails_only_that_request(
     worker.start_load_kv(PdserveConnectorMetadata(reqs_to_receive=[spec("bad", 1, (4,), (1,))]))
     _, finished, failed = worker.transfer_results()
     assert finished == failed == {"bad"}
-    assert worker.take_reports().reports["bad"]["reason"] == "internal"
+    assert worker.take_reports().reports["bad"].reason == "internal"
 
     receive(worker, transport, spec("good", 1, (5,), (2,)), reads=1)  # the next request reads as ever
     transport.reads[0][-1].state = TransferState.DONE
@@ -661,7 +662,7 @@ def test_a_pin_answered_gone_fails_the_load_without_a_read(fakes: Fakes, make_wo
     finished, failed = step_until(worker, lambda result: bool(result[0]))
 
     assert finished == failed == {"r1"} and transport.reads == []
-    assert worker.take_reports().reports["r1"]["reason"] == "gone"
+    assert worker.take_reports().reports["r1"].reason == "gone"
     assert fakes.releases[0].sent == [(PREFILL_PORT, "p-r1")]  # in our name: ends nothing we did not pin
 
 
@@ -720,4 +721,4 @@ def test_parameters_of_a_start_that_is_over_are_never_read(fakes: Fakes, make_wo
     finished, failed = step_until(worker, lambda result: bool(result[0]))
 
     assert finished == failed == {"r1"} and transport.reads == [] and transport.peers == {}
-    assert worker.take_reports().reports["r1"]["reason"] == "gone"
+    assert worker.take_reports().reports["r1"].reason == "gone"

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import yaml
 
-from connectors.wire import ROLES
+from contract.wire import ROLES
 from orchestrator import placement
 from orchestrator.cli import build_parser
 from orchestrator.launch import plan_engines

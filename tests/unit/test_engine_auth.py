@@ -9,7 +9,7 @@ import asyncio
 import pytest
 from aiohttp import web
 
-from connectors.auth import PROXY_ENGINE_KEY_ENV, PROXY_ENGINE_KEY_FILE_ENV, SECRET_ENV, engine_key
+from contract.auth import PROXY_ENGINE_KEY_ENV, PROXY_ENGINE_KEY_FILE_ENV, SECRET_ENV, engine_key
 from proxy.app import ProxyConfig, create_app
 from proxy.auth import load_engine_key
 from proxy.errors import ProxyConfigError

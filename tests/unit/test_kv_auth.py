@@ -1,4 +1,4 @@
-"""The cluster secret and what it authenticates (``connectors.auth``): sealed side-channel messages and
+"""The cluster secret and what it authenticates (``contract.auth``): sealed side-channel messages and
 MAC'd transfer parameters. Property-based where the claim is "any change is refused"."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from connectors import wire
-from connectors.auth import (
+from contract import wire
+from contract.auth import (
     MACED_FIELDS,
     MAX_MESSAGE_TTL_S,
     SECRET_ENV,

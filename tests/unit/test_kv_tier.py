@@ -30,9 +30,6 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.file_mapper import FileMapper
 from vllm.v1.kv_offload.tiering.base import TransferJob
 
-from connectors.auth import SECRET_ENV, new_secret
-from connectors.errors import UnsafeDirectory
-from connectors.private_files import private_dir
 from connectors.tier.cleanup import KEY_TMP_AGE_S, Removed, remove_stale
 from connectors.tier.fs_tier import PdserveFsTier, _CountingLookup, namespace
 from connectors.tier.key import KEY_FILE, encode_key, load_tier_key
@@ -47,6 +44,9 @@ from connectors.tier.store import (
     read_entry,
     write_entry,
 )
+from contract.auth import SECRET_ENV, new_secret
+from contract.errors import UnsafeDirectory
+from contract.private_files import private_dir
 
 BLOCK = 4096
 

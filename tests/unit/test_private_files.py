@@ -1,4 +1,4 @@
-"""Files pdserve writes are private: 0600 files, 0700 directories, whatever the umask (``connectors.private_files``),
+"""Files pdserve writes are private: 0600 files, 0700 directories, whatever the umask (``contract.private_files``),
 and the places that write them: logs, the controller's snapshot, the state directory. The KV tier's entries and
 its directory are checked in ``test_kv_tier.py``, the tiers' layouts in ``test_tier_held.py``."""
 
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from connectors.errors import UnsafeDirectory
-from connectors.private_files import make_private_dirs, open_private, private_dir, write_private
+from contract.errors import UnsafeDirectory
+from contract.private_files import make_private_dirs, open_private, private_dir, write_private
 from orchestrator import cluster
 from orchestrator.event_log import SNAPSHOT_NAME, EventLog
 from tests.unit.conftest import REPO_ROOT

@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from connectors.auth import PROXY_ENGINE_KEY_ENV, SECRET_ENV, SECRET_FILE_ENV, ClusterSecret, EngineKey, engine_key
+from contract.auth import PROXY_ENGINE_KEY_ENV, SECRET_ENV, SECRET_FILE_ENV, ClusterSecret, EngineKey, engine_key
 from orchestrator import engine_handles, proxy_actor
 from orchestrator.controller import ClusterController
 from orchestrator.proxy_actor import ProxyActor

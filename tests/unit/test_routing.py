@@ -5,12 +5,9 @@ from __future__ import annotations
 import pytest
 
 from proxy.errors import NoHealthyEngine
+from proxy.policies import LeastLoaded, PrefixAware, PrefixIndex, RoundRobin
 from proxy.pool import Endpoint, EnginePool, EngineState
 from proxy.routing import (
-    LeastLoaded,
-    PrefixAware,
-    PrefixIndex,
-    RoundRobin,
     Router,
     TierHeld,
     estimate_prompt_tokens,

@@ -10,6 +10,7 @@ keeps, a slow loris, a flood).
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import logging
@@ -25,7 +26,6 @@ from typing import Any
 import pytest
 
 import connectors.side_channel as side_channel
-from connectors.auth import KINDS, ClusterSecret, KVAuth, Unauthenticated
 from connectors.errors import TransportError
 from connectors.framing import HEADER_BYTES, MAGIC, MAX_FRAME_BYTES, FramingError, frame, recv_frame
 from connectors.handshake import HandshakeRequest, encode_request, encode_response
@@ -45,14 +45,16 @@ from connectors.side_channel import (
     request_handshake,
     send_release,
 )
-from connectors.wire import parse_tcp_endpoint
+from contract.auth import KINDS, ClusterSecret, KVAuth, Unauthenticated
+from contract.kv_report import KVReport
+from contract.wire import parse_tcp_endpoint
 from orchestrator.cluster import context_switches
 from tests.unit.conftest import TEST_SECRET
 from tests.unit.test_handshake import response, topology
 
 pytestmark = pytest.mark.timeout(15)
 
-REPORT = {"source": "transfer", "bytes": 4096, "transfer_ms": 0.5, "remote_engine_id": "prefill-0"}
+REPORT = KVReport("transfer", bytes=4096, transfer_ms=0.5, remote_engine_id="prefill-0")
 AUTH = KVAuth(TEST_SECRET)
 STRANGER = KVAuth(ClusterSecret("a-secret-this-cluster-never-had-000000"))
 
@@ -86,7 +88,7 @@ def test_a_report_query_gets_the_ranks_report_as_json(server) -> None:
     channel, reports, _ = server
     reports.add(report_key("prefill-0", "req-1"), REPORT)
 
-    assert json.loads(ask(channel.endpoint, report_message(AUTH, "prefill-0", "req-1"))) == REPORT
+    assert json.loads(ask(channel.endpoint, report_message(AUTH, "prefill-0", "req-1"))) == REPORT.as_dict()
     # another prefill engine's request of the same id is another request
     assert ask(channel.endpoint, report_message(AUTH, "prefill-1", "req-1")) == b"NONE"
 
@@ -94,7 +96,7 @@ def test_a_report_query_gets_the_ranks_report_as_json(server) -> None:
 def test_only_the_last_reports_are_kept(server) -> None:
     channel, reports, _ = server
     for request_id in ("a", "b", "c"):
-        reports.add(report_key("prefill-0", request_id), REPORT | {"bytes": len(request_id)})
+        reports.add(report_key("prefill-0", request_id), dataclasses.replace(REPORT, bytes=len(request_id)))
 
     assert ask(channel.endpoint, report_message(AUTH, "prefill-0", "a")) == b"NONE"
     assert json.loads(ask(channel.endpoint, report_message(AUTH, "prefill-0", "c")))["bytes"] == 1
@@ -148,13 +150,13 @@ def test_a_client_without_the_secret_is_refused_and_counted(server) -> None:
         for message in messages:
             reply = ask(channel.endpoint, message)
             assert reply.startswith(b"ERR unauthenticated"), reply
-            assert json.dumps(REPORT).encode() not in reply
+            assert json.dumps(REPORT.as_dict()).encode() not in reply
     assert released == []
     counted = channel.refused.take()
     assert counted == {"message": 3, "handshake": 1, "release": 1, "report": 1}, counted
     assert channel.refused.take() == {}  # taken once, by the engine's stats
     # ...and the server still answers the cluster.
-    assert json.loads(ask(channel.endpoint, report_message(AUTH, "prefill-0", "req-1"))) == REPORT
+    assert json.loads(ask(channel.endpoint, report_message(AUTH, "prefill-0", "req-1"))) == REPORT.as_dict()
 
 
 def test_an_expired_release_is_refused(server) -> None:
@@ -238,7 +240,10 @@ async def test_the_proxys_client_asks_the_side_channel_in_the_same_frames(server
     reports.add(report_key("prefill-0", "req-1"), REPORT)
     assert await proxy_ask(channel.endpoint, release_message(AUTH, "req-5"), 2.0) == b"OK"
     assert released == ["req-5"]
-    assert json.loads(await proxy_ask(channel.endpoint, report_message(AUTH, "prefill-0", "req-1"), 2.0)) == REPORT
+    assert (
+        json.loads(await proxy_ask(channel.endpoint, report_message(AUTH, "prefill-0", "req-1"), 2.0))
+        == REPORT.as_dict()
+    )
     with socket.create_server(("127.0.0.1", 0)) as silent:  # connections wait in its backlog, unanswered
         started = time.monotonic()
         assert await proxy_ask(f"tcp://127.0.0.1:{silent.getsockname()[1]}", b"x", 0.3) is None

@@ -327,7 +327,7 @@ def test_an_engine_kept_warm_gives_its_room_to_a_scale_up_of_the_other_pool():
 
 
 def test_least_loaded_routes_as_the_proxy_scores_engines_and_rotates_ties():
-    """The proxy's least_loaded (``proxy.routing.least_loaded``): the fewest of its legs on an engine plus the
+    """The proxy's least_loaded (``proxy.policies.least_loaded``): the fewest of its legs on an engine plus the
     engine's waiting gauge (and, for decode, its KV use), ties going round. Two idle prefill engines share
     the calm minutes' requests; the simulator used to give every tie to the first (the cluster's calm
     minutes split ~55/45 while it sent ~75 % to prefill-0)."""

@@ -21,7 +21,7 @@ import openai
 import psutil
 import pytest
 
-from connectors.auth import SECRET_ENV, engine_key
+from contract.auth import SECRET_ENV, engine_key
 from proxy.config import ProxyConfig
 from proxy.server import listen_socket
 from proxy.standalone import (

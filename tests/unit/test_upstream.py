@@ -13,7 +13,7 @@ from typing import Any
 import orjson
 import pytest
 
-from connectors import wire
+from contract import wire
 from proxy.errors import EngineConnectionError, UpstreamFailed
 from proxy.pool import Endpoint
 from proxy.routing import TierHeld

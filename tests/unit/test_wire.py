@@ -1,4 +1,4 @@
-"""connectors.wire: the one endpoint formula and the wire keys every package uses."""
+"""contract.wire: the one endpoint formula and the wire keys every package uses."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from connectors import wire
+from contract import wire
 
 
 def test_rank_r_of_an_engine_listens_on_kv_port_plus_r():
@@ -40,7 +40,7 @@ def test_the_prefill_request_asks_to_keep_kv_for_a_decode_engine():
 
 def test_importable_without_vllm_ray_or_zmq():
     code = (
-        "import sys, connectors.wire, proxy.pool\n"
+        "import sys, contract.wire, proxy.pool\n"
         "bad = [m for m in ('vllm', 'ray', 'zmq', 'torch') if m in sys.modules]\n"
         "assert not bad, bad"
     )

@@ -103,7 +103,7 @@ PDSERVE_READER = "pdserve_reader"
 PDSERVE_EPOCH = "pdserve_epoch"
 """Prefill side's: which start of the engine issued the parameters (``connectors.identity.engine_epoch``)."""
 PDSERVE_MAC = "pdserve_mac"
-"""Prefill side's: the MAC over the parameters a decode engine acts on (``connectors.auth``)."""
+"""Prefill side's: the MAC over the parameters a decode engine acts on (``contract.auth``)."""
 
 REMOTE_PREFILL_REQUIRED = (REMOTE_ENGINE_ID, REMOTE_REQUEST_ID, REMOTE_HOST, REMOTE_PORT, REMOTE_BLOCK_IDS)
 """What a decode request's params must carry to load remote KV."""
@@ -129,7 +129,7 @@ _EPOCH = r"^[0-9a-f]{1,64}$"
 class KVTransferParams(BaseModel):
     """Where a request's prompt KV lies on a prefill engine, as our prefill side issued it: the decode side's
     parse of ``kv_transfer_params``, every field checked for type and range. Extra keys (the proxy's
-    ``pdserve_release``, ``pdserve_report``) are ignored here; the MAC (``connectors.auth.check_params``)
+    ``pdserve_release``, ``pdserve_report``) are ignored here; the MAC (``contract.auth.check_params``)
     covers the raw fields a decode engine acts on."""
 
     model_config = ConfigDict(frozen=True, extra="ignore")

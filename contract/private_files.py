@@ -35,7 +35,7 @@ import secrets
 import stat
 from pathlib import Path
 
-from connectors.errors import UnsafeDirectory
+from contract.errors import UnsafeDirectory
 
 __all__ = [
     "DIR_MODE",

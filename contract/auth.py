@@ -52,9 +52,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from connectors import wire
-from connectors.errors import ConnectorError
-from connectors.private_files import make_private_dirs, write_private
+from contract import wire
+from contract.errors import ContractError
+from contract.private_files import make_private_dirs, write_private
 
 __all__ = [
     "LIVE_TTL_S",
@@ -103,11 +103,11 @@ EXPIRED_REASON = "expired"
 """How ``check_params`` starts its reason for genuine parameters whose lease is over."""
 
 
-class MissingSecret(ConnectorError):
+class MissingSecret(ContractError):
     """No cluster secret where one is needed; the message says where it is looked for."""
 
 
-class Unauthenticated(ConnectorError):
+class Unauthenticated(ContractError):
     """A message or transfer parameters failed authentication; ``kind`` labels what was refused."""
 
     def __init__(self, kind: str, reason: str):
