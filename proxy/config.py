@@ -20,7 +20,7 @@ from pydantic_core import PydanticCustomError
 
 from proxy.auth import ENV_NAME
 from proxy.engine_client import CONNECT_TIMEOUT_S
-from proxy.policies import REGISTRY
+from proxy.policies import REGISTRY, describe
 
 __all__ = ["DEFAULT_MAX_BODY_BYTES", "POLICIES", "ProxyConfig", "ProxySettings", "RoutingConfig"]
 
@@ -51,10 +51,7 @@ class RoutingConfig(_Settings):
 
     prefill: Policy = Field(
         default="round_robin",
-        description="Policy choosing prefill engines: round_robin, least_loaded (fewest of the proxy's requests "
-        "plus the engine's vllm:num_requests_waiting and vllm:kv_cache_usage_perc from its /metrics) or "
-        "prefix_aware (the engine last sent the longest prefix of the prompt, unless overloaded; else the least "
-        "loaded).",
+        description=f"Policy choosing prefill engines: {describe()}.",
     )
     decode: Policy = Field(default="round_robin", description="Policy choosing decode engines (the same).")
     prefix_block_chars: int = Field(

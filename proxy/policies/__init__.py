@@ -32,6 +32,7 @@ __all__ = [
     "PrefixIndex",
     "RoundRobin",
     "RoutingPolicy",
+    "describe",
     "least_loaded",
     "make_policy",
     "simulated_as",
@@ -47,6 +48,8 @@ class RoutingPolicy(Protocol):
     """Reads the prompt's prefix hashes (and ``shared_depth``: what a shared KV tier holds of them)."""
     simulated_as: ClassVar[str | None]
     """How ``orchestrator.autoscale.simulator`` models it: ``"in_turn"``, ``"least_loaded"``, or None (refused)."""
+    summary: ClassVar[str]
+    """What it picks, in a few words (the configuration reference lists the choices with it)."""
     index: PrefixIndex | None
     """The prefixes it was sent, by engine, if it keeps them (the router reuses it for ``decode_only_if_cached``)."""
 
@@ -69,6 +72,11 @@ REGISTRY: dict[str, type[RoutingPolicy]] = {
     "least_loaded": LeastLoaded,
     "prefix_aware": PrefixAware,
 }
+
+
+def describe() -> str:
+    """The choices, each with its summary, for the config's description."""
+    return ", ".join(f"{name} ({policy.summary})" for name, policy in REGISTRY.items())
 
 
 def make_policy(name: str, routing: RoutingConfig) -> RoutingPolicy:

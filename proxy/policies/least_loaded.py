@@ -30,6 +30,10 @@ class LeastLoaded:
     needs_load: ClassVar[bool] = True
     needs_prefix: ClassVar[bool] = False
     simulated_as: ClassVar[str | None] = "least_loaded"
+    summary: ClassVar[str] = (
+        "fewest of the proxy's requests plus the engine's vllm:num_requests_waiting and vllm:kv_cache_usage_perc "
+        "from its /metrics"
+    )
     index = None
 
     def __init__(self) -> None:

@@ -68,6 +68,9 @@ class PrefixAware:
     needs_load: ClassVar[bool] = True
     needs_prefix: ClassVar[bool] = True
     simulated_as: ClassVar[str | None] = "least_loaded"
+    summary: ClassVar[str] = (
+        "the engine last sent the longest prefix of the prompt, unless overloaded; else the least loaded"
+    )
 
     def __init__(self, capacity: int, overload_factor: float) -> None:
         self.index = PrefixIndex(capacity)

@@ -16,6 +16,7 @@ class RoundRobin:
     needs_load: ClassVar[bool] = False
     needs_prefix: ClassVar[bool] = False
     simulated_as: ClassVar[str | None] = "in_turn"
+    summary: ClassVar[str] = "in turn"
     index = None
 
     def __init__(self) -> None:

@@ -45,7 +45,7 @@ def test_the_config_offers_exactly_the_registry():
 @pytest.mark.parametrize("name", list(policies.REGISTRY))
 def test_every_policy_says_what_it_needs_and_how_it_is_simulated(name):
     policy = policies.make_policy(name, proxy_config().routing)
-    assert isinstance(policy.needs_load, bool) and isinstance(policy.needs_prefix, bool)
+    assert isinstance(policy.needs_load, bool) and isinstance(policy.needs_prefix, bool) and policy.summary
     assert policies.simulated_as(name) in ("in_turn", "least_loaded")
     assert (policy.index is not None) == policy.needs_prefix
     engines = tuple(EngineState(f"prefill-{i}", f"http://127.0.0.1:{8100 + i}", "prefill") for i in range(3))
