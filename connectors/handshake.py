@@ -2,8 +2,8 @@
 
 Before a decode engine's connector reads KV from a prefill engine, it sends a
 ``HandshakeRequest`` (its engine id and ``KVTopology``); the prefill side
-answers with a ``HandshakeResponse`` (its topology, NIXL agent metadata and
-where its KV caches live). This module only turns those messages into bytes
+answers with a ``HandshakeResponse`` (its topology, each transport's payload,
+NIXL's agent metadata among them, and where its KV caches live). This module only turns those messages into bytes
 and back; the socket that carries them lives elsewhere.
 
 Every message is a fixed header followed by a payload::
@@ -17,18 +17,14 @@ the payload, followed by the pairwise rules of ``check_compatible`` (TP sizes,
 block sizes). Anything that is not a well-formed message is kind
 ``"malformed"``; no input makes a decoder raise anything else.
 
-The payload is msgpack (msgspec) when msgspec is installed, JSON otherwise;
-the codec byte says which, so a JSON-only peer can still read a JSON message.
+The payload is msgpack (msgspec, which vLLM ships); the codec byte leaves room
+for another encoding in a later protocol version.
 ``HandshakeCache`` keeps accepted responses so a decode engine handshakes once per remote rank.
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
 import dataclasses
-import enum
-import json
 import re
 import struct
 import threading
@@ -36,14 +32,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from connectors.errors import HandshakeRejected, TopologyError, TopologyMismatch
 from connectors.topology import KVTopology, check_compatible, compatibility_hash, incompatibilities
-from connectors.transport import NIXL, TRANSPORTS
-
-try:  # msgspec comes with vLLM; without it the handshake falls back to JSON
-    import msgspec
-except ImportError:  # pragma: no cover - exercised only where msgspec is missing
-    msgspec = None
+from connectors.transport import TRANSPORTS
 
 __all__ = [
     "MAGIC",
@@ -52,17 +45,16 @@ __all__ = [
     "HandshakeCache",
     "HandshakeRequest",
     "HandshakeResponse",
-    "PayloadCodec",
     "decode_request",
     "decode_response",
-    "default_codec",
     "encode_request",
     "encode_response",
 ]
 
 MAGIC = b"PDKV"
 # Bump when the header or payload fields change; peers on another version are refused before decoding.
-PROTOCOL_VERSION = 1
+# 2: NIXL's agent metadata travels in ``payloads`` like every transport's; msgpack only.
+PROTOCOL_VERSION = 2
 # A response carries per-layer addresses and NIXL metadata: kilobytes. The cap
 # keeps a garbage length or a hostile peer from making us decode gigabytes.
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
@@ -75,16 +67,8 @@ _TOPOLOGY_TEXT = ("layout", "dtype", "model_identity")
 _MAX_ADDRESS = 2**64
 
 
-class PayloadCodec(enum.IntEnum):
-    """How the payload after the header is encoded (the header's codec byte)."""
-
-    MSGPACK = 1
-    JSON = 2
-
-
-def default_codec() -> PayloadCodec:
-    """msgpack where msgspec is installed, JSON otherwise."""
-    return PayloadCodec.MSGPACK if msgspec is not None else PayloadCodec.JSON
+MSGPACK = 1
+"""The header's codec byte: the payload is msgpack."""
 
 
 def _checked_hash(value: str, topology: KVTopology) -> str:
@@ -121,14 +105,13 @@ class HandshakeResponse:
 
     engine_id: str
     topology: KVTopology
-    agent_metadata: bytes
     kv_caches_base_addr: tuple[int, ...]
     block_len: int
     num_blocks: int
     transports: tuple[str, ...] = ("nixl",)
     """The transports this rank can serve reads over (``connectors.transport``)."""
     payloads: Mapping[str, bytes] = dataclasses.field(default_factory=dict)
-    """What a reader needs per transport other than NIXL (whose payload is ``agent_metadata``)."""
+    """What a reader needs per transport (NIXL: the agent's metadata)."""
     epoch: str = ""
     """This start of the engine (``connectors.identity.engine_epoch``): a reader's mapping belongs to one start."""
     node: str = ""
@@ -145,39 +128,32 @@ class HandshakeResponse:
 
     def payload_for(self, transport: str) -> bytes:
         """The source's handshake payload for ``transport`` (empty if it sent none)."""
-        return self.agent_metadata if transport == NIXL else self.payloads.get(transport, b"")
+        return self.payloads.get(transport, b"")
 
 
 # ---------------------------------------------------------------- encoding
 
 
-def encode_request(request: HandshakeRequest, codec: PayloadCodec | None = None) -> bytes:
+def encode_request(request: HandshakeRequest) -> bytes:
     """``request`` as header + payload bytes."""
     payload = {"engine_id": request.engine_id, "topology": _topology_to_wire(request.topology)}
-    return _encode(request.protocol_version, request.compatibility_hash, payload, codec)
+    return _encode(request.protocol_version, request.compatibility_hash, payload)
 
 
-def encode_response(response: HandshakeResponse, codec: PayloadCodec | None = None) -> bytes:
+def encode_response(response: HandshakeResponse) -> bytes:
     """``response`` as header + payload bytes."""
-    codec = default_codec() if codec is None else PayloadCodec(codec)
-    metadata = bytes(response.agent_metadata)
     payload = {
         "engine_id": response.engine_id,
         "topology": _topology_to_wire(response.topology),
-        # JSON has no bytes type
-        "agent_metadata": metadata if codec is PayloadCodec.MSGPACK else base64.b64encode(metadata).decode(),
         "kv_caches_base_addr": list(response.kv_caches_base_addr),
         "block_len": response.block_len,
         "num_blocks": response.num_blocks,
         "transports": list(response.transports),
-        "payloads": {
-            name: data if codec is PayloadCodec.MSGPACK else base64.b64encode(data).decode()
-            for name, data in response.payloads.items()
-        },
+        "payloads": {name: bytes(data) for name, data in response.payloads.items()},
         "node": response.node,
         "epoch": response.epoch,
     }
-    return _encode(response.protocol_version, response.compatibility_hash, payload, codec)
+    return _encode(response.protocol_version, response.compatibility_hash, payload)
 
 
 def _topology_to_wire(topology: KVTopology) -> dict[str, Any]:
@@ -186,15 +162,8 @@ def _topology_to_wire(topology: KVTopology) -> dict[str, Any]:
     return wire
 
 
-def _encode(version: int, hash_hex: str, payload: dict[str, Any], codec: PayloadCodec | None) -> bytes:
-    codec = default_codec() if codec is None else PayloadCodec(codec)
-    if codec is PayloadCodec.MSGPACK:
-        if msgspec is None:
-            raise ValueError("the msgpack payload codec needs msgspec, which is not installed")
-        body = msgspec.msgpack.encode(payload)
-    else:
-        body = json.dumps(payload, separators=(",", ":")).encode()
-    message = _HEADER.pack(MAGIC, version, bytes.fromhex(hash_hex), codec) + body
+def _encode(version: int, hash_hex: str, payload: dict[str, Any]) -> bytes:
+    message = _HEADER.pack(MAGIC, version, bytes.fromhex(hash_hex), MSGPACK) + msgspec.msgpack.encode(payload)
     if len(message) > MAX_MESSAGE_BYTES:
         raise ValueError(f"handshake message of {len(message)} bytes exceeds the {MAX_MESSAGE_BYTES}-byte cap")
     return message
@@ -214,7 +183,7 @@ def decode_request(data: bytes | bytearray | memoryview, local_topology: KVTopol
     expected_hash = compatibility_hash(local_topology)
     if hash_hex != expected_hash:
         _reject_hash(hash_hex, expected_hash, body, codec, lambda remote: incompatibilities(remote, local_topology))
-    payload = _decode_payload(body, _checked_codec(codec))
+    payload = _decode_payload(body, codec)
     request = HandshakeRequest(
         engine_id=_str_field(payload, "engine_id"),
         topology=_topology_field(payload),
@@ -234,7 +203,6 @@ def decode_response(data: bytes | bytearray | memoryview, local_topology: KVTopo
     expected_hash = compatibility_hash(local_topology)
     if hash_hex != expected_hash:
         _reject_hash(hash_hex, expected_hash, body, codec, lambda remote: incompatibilities(local_topology, remote))
-    codec = _checked_codec(codec)
     payload = _decode_payload(body, codec)
     addresses = payload.get("kv_caches_base_addr")
     if not isinstance(addresses, list) or not all(_is_int(a) and 0 <= a < _MAX_ADDRESS for a in addresses):
@@ -242,12 +210,11 @@ def decode_response(data: bytes | bytearray | memoryview, local_topology: KVTopo
     response = HandshakeResponse(
         engine_id=_str_field(payload, "engine_id"),
         topology=_topology_field(payload),
-        agent_metadata=_bytes_field(payload, "agent_metadata", codec),
         kv_caches_base_addr=tuple(addresses),
         block_len=_int_field(payload, "block_len", minimum=1),
         num_blocks=_int_field(payload, "num_blocks", minimum=1),
         transports=_transports_field(payload),
-        payloads=_payloads_field(payload, codec),
+        payloads=_payloads_field(payload),
         node=str(payload.get("node") or ""),
         epoch=str(payload.get("epoch") or "")[:64],
         compatibility_hash=hash_hex,
@@ -281,27 +248,14 @@ def _check_header(data: object, what: str) -> tuple[str, int, memoryview]:
     return raw_hash.hex(), codec, view[_HEADER.size :]
 
 
-def _checked_codec(codec: int) -> PayloadCodec:
-    try:
-        codec = PayloadCodec(codec)
-    except ValueError:
-        raise _malformed(f"unknown payload codec {codec}") from None
-    if codec is PayloadCodec.MSGPACK and msgspec is None:
-        raise _malformed("payload is msgpack but msgspec is not installed here")
-    return codec
-
-
-def _decode_payload(body: memoryview, codec: PayloadCodec) -> dict[str, Any]:
+def _decode_payload(body: memoryview, codec: int) -> dict[str, Any]:
     """The payload as plain Python values; bad bytes become ``HandshakeRejected('malformed')``."""
-    decode_errors: tuple[type[Exception], ...] = (ValueError, RecursionError)
+    if codec != MSGPACK:
+        raise _malformed(f"unknown payload codec {codec}")
     try:
-        if codec is PayloadCodec.MSGPACK:
-            decode_errors += (msgspec.DecodeError,)
-            payload = msgspec.msgpack.decode(body)
-        else:
-            payload = json.loads(bytes(body))
-    except decode_errors as e:
-        raise _malformed(f"payload does not decode as {codec.name.lower()}: {e}") from e
+        payload = msgspec.msgpack.decode(body)
+    except (msgspec.DecodeError, ValueError, RecursionError) as e:
+        raise _malformed(f"payload does not decode as msgpack: {e}") from e
     if not isinstance(payload, dict):
         raise _malformed(f"payload is a {type(payload).__name__}, expected a map")
     return payload
@@ -317,7 +271,7 @@ def _reject_hash(
     """Raise the ``"incompatible"`` rejection for a hash mismatch, naming the fields when the payload decodes."""
     reasons: list[str] = []
     try:
-        reasons = reasons_for(_topology_field(_decode_payload(body, _checked_codec(codec))))
+        reasons = reasons_for(_topology_field(_decode_payload(body, codec)))
     except HandshakeRejected:
         pass  # a peer on another compatibility schema may send a payload we cannot read
     if not reasons:
@@ -346,19 +300,23 @@ def _int_field(payload: dict[str, Any], name: str, *, minimum: int) -> int:
 
 
 def _transports_field(payload: dict[str, Any]) -> tuple[str, ...]:
-    """The offered transports; a peer that does not say offers NIXL only (as every peer before the field)."""
-    offered = payload.get("transports", ["nixl"])
+    """The offered transports."""
+    offered = payload.get("transports")
     if not isinstance(offered, list) or not offered or not all(isinstance(name, str) for name in offered):
         raise _malformed("transports must be a non-empty list of names")
     return tuple(offered)
 
 
-def _payloads_field(payload: dict[str, Any], codec: PayloadCodec) -> dict[str, bytes]:
-    """Per-transport payloads: a map from known transport names to bytes (none from older peers)."""
-    value = payload.get("payloads", {})
-    if not isinstance(value, dict) or not all(name in TRANSPORTS for name in value):
+def _payloads_field(payload: dict[str, Any]) -> dict[str, bytes]:
+    """Per-transport payloads: a map from known transport names to bytes."""
+    value = payload.get("payloads")
+    if (
+        not isinstance(value, dict)
+        or not all(name in TRANSPORTS for name in value)
+        or not all(isinstance(data, bytes) for data in value.values())
+    ):
         raise _malformed(f"payloads must be a map from transport names ({', '.join(TRANSPORTS)}) to bytes")
-    return {name: _bytes_field(value, name, codec) for name in value}
+    return dict(value)
 
 
 def _str_field(payload: dict[str, Any], name: str) -> str:
@@ -366,18 +324,6 @@ def _str_field(payload: dict[str, Any], name: str) -> str:
     if not isinstance(value, str) or not value:
         raise _malformed(f"{name} must be a non-empty string, got {value!r:.80}")
     return value
-
-
-def _bytes_field(payload: dict[str, Any], name: str, codec: PayloadCodec) -> bytes:
-    value = payload.get(name)
-    if codec is PayloadCodec.MSGPACK and isinstance(value, bytes):
-        return value
-    if codec is PayloadCodec.JSON and isinstance(value, str):
-        try:
-            return base64.b64decode(value, validate=True)
-        except binascii.Error:
-            pass
-    raise _malformed(f"{name} must be {'bytes' if codec is PayloadCodec.MSGPACK else 'base64 text'}")
 
 
 def _topology_field(payload: dict[str, Any]) -> KVTopology:

@@ -34,7 +34,7 @@ from connectors.reader import KVReader, peer_name
 from connectors.side_channel import RecentReports, SideChannelServer
 from connectors.stats import PdserveKVStats, PdserveWorkerMeta
 from connectors.topology import KVLayout, KVTopology
-from connectors.transport import NIXL, make_transport, node_identity
+from connectors.transport import make_transport, node_identity
 from connectors.transport.group import TransportFactory, WorkerTransports
 from contract.auth import KVAuth
 
@@ -224,16 +224,14 @@ class PdserveWorker:
         regions = self._transport.register_kv_caches(
             kv_caches, self._topology.block_plane_bytes, planes_per_layer=planes
         )
-        payloads = self._transport.payloads()
         response = HandshakeResponse(
             engine_id=self.engine_id,
             topology=self._topology,
-            agent_metadata=payloads.pop(NIXL, b""),
             kv_caches_base_addr=regions.region_addrs,
             block_len=regions.block_len_bytes,
             num_blocks=regions.num_blocks,
             transports=self._transport.names,
-            payloads=payloads,
+            payloads=self._transport.payloads(),
             node=node_identity(),
             epoch=self.epoch,
         )

@@ -87,8 +87,6 @@ class HealthMonitor(EngineSweep):
     async def visit(self, engine: EngineState) -> bool:
         return await self.probe(engine)
 
-    probe_all = EngineSweep.sweep
-
     async def probe(self, engine: EngineState) -> bool:
         """Probe the engine's ``/health`` once and tell the tracker; True if it answered 2xx in time."""
         try:

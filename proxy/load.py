@@ -63,8 +63,6 @@ class LoadPoller(EngineSweep):
     async def visit(self, engine: EngineState) -> bool:
         return await self.poll(engine)
 
-    poll_all = EngineSweep.sweep
-
     async def poll(self, engine: EngineState) -> bool:
         try:
             async with asyncio.timeout(self.timeout_s):

@@ -8,12 +8,12 @@ gathers them device to device from the caches of another process whose GPU
 this one sees (engines on the GPUs of one node), ``fake.InMemoryTransport``
 copies them between tensors of one process (unit tests of the code above the
 seam). ``make_transport`` builds one by name (``FACTORIES``); a worker holds
-its transports in a ``group.WorkerTransports``. NCCL is not here yet.
+its transports in a ``group.WorkerTransports``.
 
 ``choose_transport`` picks, for one pair of peers, the first transport both
-offer in the order that suits where they are (``Where``): the same process
-group, the same node, or different nodes. Each side offers what it can run
-(``OFFERED``: what is importable and fits its memory); the prefill side's
+offer in the order that suits where they are (``Where``): the same node, or
+different nodes. Each side offers what it can run
+(``WorkerTransports``: what its settings name and it can build); the prefill side's
 offer travels in its handshake answer, and the decode side says which it
 chose in every request's report (``transport=...`` in ``X-PDServe-KV``).
 When the first common transport cannot reach the peer after all (its GPU is
@@ -49,8 +49,8 @@ __all__ = [
     "where",
 ]
 
-NIXL, CUDA_IPC, NCCL, IN_MEMORY = "nixl", "cuda-ipc", "nccl", "in-memory"
-TRANSPORTS = (NIXL, CUDA_IPC, NCCL, IN_MEMORY)
+NIXL, CUDA_IPC, IN_MEMORY = "nixl", "cuda-ipc", "in-memory"
+TRANSPORTS = (NIXL, CUDA_IPC, IN_MEMORY)
 # What a worker builds unless its settings say otherwise: CUDA IPC where its caches are on a GPU (it
 # stands aside on CPU caches), NIXL everywhere.
 DEFAULT_TRANSPORTS = (CUDA_IPC, NIXL)
@@ -59,24 +59,20 @@ DEFAULT_TRANSPORTS = (CUDA_IPC, NIXL)
 class Where(enum.StrEnum):
     """Where two peers are, seen from the reader."""
 
-    SAME_PROCESS_GROUP = "same-process-group"
     SAME_NODE = "same-node"
     OTHER_NODE = "other-node"
 
 
 PREFERENCE: dict[Where, tuple[str, ...]] = {
     # GPUs of one node: a device-to-device copy beats any network path.
-    Where.SAME_PROCESS_GROUP: (CUDA_IPC, NCCL, NIXL, IN_MEMORY),
     Where.SAME_NODE: (CUDA_IPC, NIXL, IN_MEMORY),
-    # Across nodes: NIXL (RDMA where UCX finds it), NCCL where there is no RDMA.
-    Where.OTHER_NODE: (NIXL, NCCL),
+    # Across nodes: NIXL (RDMA where UCX finds it).
+    Where.OTHER_NODE: (NIXL,),
 }
 
 
-def where(local_node: str, remote_node: str, same_process_group: bool = False) -> Where:
+def where(local_node: str, remote_node: str) -> Where:
     """Where a peer on ``remote_node`` is from ``local_node`` (node ids as the handshake carries them)."""
-    if same_process_group:
-        return Where.SAME_PROCESS_GROUP
     return Where.SAME_NODE if local_node and local_node == remote_node else Where.OTHER_NODE
 
 

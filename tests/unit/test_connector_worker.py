@@ -29,7 +29,7 @@ from connectors.leases import PinAnswer, read_notification  # noqa: E402
 from connectors.metadata import KVTransferParams, PdserveConnectorMetadata, ReceiveSpec  # noqa: E402
 from connectors.side_channel import RefusedMessages, report_key  # noqa: E402
 from connectors.topology import KVLayout, KVTopology  # noqa: E402
-from connectors.transport import CUDA_IPC, NIXL, make_transport, node_identity  # noqa: E402
+from connectors.transport import CUDA_IPC, NIXL, TRANSPORTS, make_transport, node_identity  # noqa: E402
 from connectors.transport.base import KVTransport, TransferState, cache_regions  # noqa: E402
 from connectors.transport.fake import InMemoryTransfer  # noqa: E402
 from connectors.worker import PdserveWorker, describe_kv_cache, engine_model_identity  # noqa: E402
@@ -155,12 +155,13 @@ class FakePrefill:
         return HandshakeResponse(
             engine_id="prefill",
             topology=remote,
-            agent_metadata=b"agent",
             kv_caches_base_addr=(0,) * NUM_LAYERS,
             block_len=remote.block_plane_bytes,
             num_blocks=NUM_BLOCKS,
             transports=self.transports,
-            payloads={name: name.encode() for name in self.transports if name != NIXL},
+            payloads={
+                name: b"agent" if name == NIXL else name.encode() for name in self.transports if name in TRANSPORTS
+            },
             node=self.node,
             epoch=self.epoch,
         )
@@ -433,7 +434,7 @@ def test_a_prefill_tp_size_that_cannot_pair_fails_the_load_as_incompatible(
 def test_a_prefill_that_offers_no_transport_we_have_fails_the_load_as_incompatible(
     fakes: Fakes, make_worker: WorkerFactory
 ) -> None:
-    fakes.prefill.tp_size, fakes.prefill.transports = 1, ("nccl",)
+    fakes.prefill.tp_size, fakes.prefill.transports = 1, ("verbs",)  # a transport this build has not
     worker = make_worker(tp_size=1, tp_rank=0)
     worker.start_load_kv(PdserveConnectorMetadata(reqs_to_receive=[spec("r1", 1, (5,), (1, 2))]))
     for _ in range(5000):
@@ -445,7 +446,7 @@ def test_a_prefill_that_offers_no_transport_we_have_fails_the_load_as_incompatib
     assert finished == failed == {"r1"}
     report = worker.take_reports().reports["r1"]
     assert report.reason == "incompatible"
-    assert "no KV transport reaches prefill/rank0 (other-node): we have nixl, it offers nccl" in report.detail
+    assert "no KV transport reaches prefill/rank0 (other-node): we have nixl, it offers verbs" in report.detail
 
 
 # ---------------------------------------------------------------- cache shapes

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import pickle
 import struct
 import threading
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
 import pytest
 
 from connectors import handshake
@@ -21,7 +21,6 @@ from connectors.handshake import (
     HandshakeCache,
     HandshakeRequest,
     HandshakeResponse,
-    PayloadCodec,
     decode_request,
     decode_response,
     encode_request,
@@ -30,7 +29,6 @@ from connectors.handshake import (
 from connectors.topology import KVTopology, compatibility_hash
 from tests.unit.kv_factories import topology_factory
 
-CODECS = [PayloadCodec.MSGPACK, PayloadCodec.JSON]
 HEADER_SIZE = 4 + 2 + 32 + 1
 
 
@@ -45,17 +43,13 @@ def response(**overrides: Any) -> HandshakeResponse:
     fields: dict[str, Any] = dict(
         engine_id="prefill-0",
         topology=topology(),
-        agent_metadata=b"\x00nixl-agent\xff" * 3,
+        transports=("nixl",),
+        payloads={"nixl": b"\x00nixl-agent\xff" * 3},
         kv_caches_base_addr=(0x7F00_0000_0000, 0x7F00_0010_0000, 2**64 - 1, 0),
         block_len=16 * 4 * 64 * 2,
         num_blocks=1000,
     )
     return HandshakeResponse(**(fields | overrides))
-
-
-@pytest.fixture(params=CODECS, ids=lambda c: c.name.lower())
-def codec(request: pytest.FixtureRequest) -> PayloadCodec:
-    return request.param
 
 
 def rejection(decode: Callable[[bytes, KVTopology], object], data: Any, local: KVTopology) -> HandshakeRejected:
@@ -67,39 +61,39 @@ def rejection(decode: Callable[[bytes, KVTopology], object], data: Any, local: K
 # ---------------------------------------------------------------- round trips
 
 
-def test_request_round_trip(codec: PayloadCodec) -> None:
+def test_request_round_trip() -> None:
     sent = request(topology=topology(tp_size=4, tp_rank=3, layout="NHD"))
-    received = decode_request(encode_request(sent, codec), topology())
+    received = decode_request(encode_request(sent), topology())
     assert received == sent
     assert received.compatibility_hash == compatibility_hash(sent.topology)
     assert received.protocol_version == PROTOCOL_VERSION
 
 
-def test_response_round_trip(codec: PayloadCodec) -> None:
+def test_response_round_trip() -> None:
     sent = response()
-    received = decode_response(encode_response(sent, codec), topology(tp_size=4, tp_rank=1, block_size=32))
+    received = decode_response(encode_response(sent), topology(tp_size=4, tp_rank=1, block_size=32))
     assert received == sent
-    assert received.agent_metadata == sent.agent_metadata
+    assert received.payload_for("nixl") == b"\x00nixl-agent\xff" * 3
     assert received.kv_caches_base_addr == sent.kv_caches_base_addr
 
 
-def test_each_transport_payload_travels_with_the_response(codec: PayloadCodec) -> None:
-    sent = response(transports=("cuda-ipc", "nixl"), payloads={"cuda-ipc": b'{"version": 1}'})
-    received = decode_response(encode_response(sent, codec), topology(tp_size=4, tp_rank=1, block_size=32))
+def test_each_transport_payload_travels_with_the_response() -> None:
+    sent = response(transports=("cuda-ipc", "nixl"), payloads={"cuda-ipc": b'{"version": 1}', "nixl": b"agent"})
+    received = decode_response(encode_response(sent), topology(tp_size=4, tp_rank=1, block_size=32))
     assert received.payload_for("cuda-ipc") == b'{"version": 1}'
-    assert received.payload_for("nixl") == sent.agent_metadata
+    assert received.payload_for("nixl") == b"agent"
     assert received.payload_for("in-memory") == b""
 
 
-def test_header_layout_is_checkable_without_the_payload(codec: PayloadCodec) -> None:
+def test_header_layout_is_checkable_without_the_payload() -> None:
     sent = request()
-    data = encode_request(sent, codec)
+    data = encode_request(sent)
     magic, version, raw_hash, codec_id = struct.unpack_from(">4sH32sB", data)
     assert (magic, version, raw_hash.hex(), codec_id) == (
         MAGIC,
         PROTOCOL_VERSION,
         compatibility_hash(sent.topology),
-        codec,
+        handshake.MSGPACK,
     )
 
 
@@ -117,11 +111,11 @@ def test_bad_local_hash_is_refused_at_construction() -> None:
 
 @pytest.mark.parametrize("version", [0, PROTOCOL_VERSION + 1, 65535])
 @pytest.mark.parametrize("kind", ["request", "response"])
-def test_other_protocol_version_is_rejected(kind: str, version: int, codec: PayloadCodec) -> None:
+def test_other_protocol_version_is_rejected(kind: str, version: int) -> None:
     if kind == "request":
-        data, decode = encode_request(request(protocol_version=version), codec), decode_request
+        data, decode = encode_request(request(protocol_version=version)), decode_request
     else:
-        data, decode = encode_response(response(protocol_version=version), codec), decode_response
+        data, decode = encode_response(response(protocol_version=version)), decode_response
     error = rejection(decode, data, topology())
     assert error.kind == "version"
     assert error.reasons == [f"protocol version {version}, expected {PROTOCOL_VERSION}"]
@@ -164,10 +158,8 @@ def test_hash_mismatch_falls_back_when_the_payload_cannot_be_decoded(monkeypatch
     ("field", "local_value", "remote_value"),
     [("dtype", "float16", "bfloat16"), ("head_dim", 64, 128), ("num_layers", 4, 32), ("total_num_kv_heads", 8, 16)],
 )
-def test_hash_mismatch_names_the_differing_field(
-    field: str, local_value: Any, remote_value: Any, codec: PayloadCodec
-) -> None:
-    data = encode_response(response(topology=topology(**{field: remote_value})), codec)
+def test_hash_mismatch_names_the_differing_field(field: str, local_value: Any, remote_value: Any) -> None:
+    data = encode_response(response(topology=topology(**{field: remote_value})))
     error = rejection(decode_response, data, topology(**{field: local_value}))
     assert error.kind == "incompatible"
     assert error.reasons == [f"{field} differs: local {local_value}, remote {remote_value}"]
@@ -181,9 +173,9 @@ def test_hash_mismatch_without_a_field_difference_says_the_hash_differs() -> Non
     assert error.reasons[0].startswith("compatibility hash differs")
 
 
-def test_tp_sizes_that_do_not_divide_are_rejected_after_decoding(codec: PayloadCodec) -> None:
+def test_tp_sizes_that_do_not_divide_are_rejected_after_decoding() -> None:
     local = topology(tp_size=2, total_num_kv_heads=12)
-    data = encode_response(response(topology=topology(tp_size=3, total_num_kv_heads=12)), codec)
+    data = encode_response(response(topology=topology(tp_size=3, total_num_kv_heads=12)))
     error = rejection(decode_response, data, local)
     assert error.kind == "incompatible"
     assert error.reasons == ["tp sizes do not divide one another: local 2, remote 3"]
@@ -228,18 +220,18 @@ def _valid() -> bytes:
     return encode_response(response())
 
 
-def _with_payload(payload: bytes, codec: PayloadCodec = PayloadCodec.JSON) -> bytes:
+def _with_payload(payload: bytes, codec: int = handshake.MSGPACK) -> bytes:
     return _valid()[: HEADER_SIZE - 1] + bytes([codec]) + payload
 
 
-def _json_response_payload(**changes: Any) -> bytes:
-    wire = json.loads(encode_response(response(), PayloadCodec.JSON)[HEADER_SIZE:])
+def _response_payload(**changes: Any) -> bytes:
+    wire = msgspec.msgpack.decode(encode_response(response())[HEADER_SIZE:])
     for key, value in changes.items():
         if value is None:
             del wire[key]
         else:
             wire[key] = value
-    return _with_payload(json.dumps(wire).encode())
+    return _with_payload(msgspec.msgpack.encode(wire))
 
 
 MALFORMED: dict[str, Callable[[], Any]] = {
@@ -253,24 +245,25 @@ MALFORMED: dict[str, Callable[[], Any]] = {
     "http request": lambda: b"GET / HTTP/1.1\r\n\r\n",
     "not bytes": lambda: "PDKV",
     "none": lambda: None,
-    "unknown codec": lambda: _with_payload(b"{}", codec=99),  # type: ignore[arg-type]
-    "payload is a list": lambda: _with_payload(b"[1, 2]"),
-    "payload is garbage msgpack": lambda: _with_payload(b"\xc1\xc1\xc1", PayloadCodec.MSGPACK),
-    "deeply nested msgpack": lambda: _with_payload(b"\x91" * 1_000_000, PayloadCodec.MSGPACK),
-    "deeply nested json": lambda: _with_payload(b"[" * 100_000 + b"]" * 100_000),
-    "missing engine id": lambda: _json_response_payload(engine_id=None),
-    "negative block_len": lambda: _json_response_payload(block_len=-1),
-    "bool num_blocks": lambda: _json_response_payload(num_blocks=True),
-    "address over 64 bits": lambda: _json_response_payload(kv_caches_base_addr=[2**64]),
-    "metadata not base64": lambda: _json_response_payload(agent_metadata="%%%"),
-    "payloads not a map": lambda: _json_response_payload(payloads=["cuda-ipc"]),
-    "payload of an unknown transport": lambda: _json_response_payload(payloads={"rdma-magic": ""}),
-    "payload not base64": lambda: _json_response_payload(payloads={"cuda-ipc": "%%%"}),
-    "topology missing field": lambda: _json_response_payload(topology={"tp_size": 2}),
-    "topology invalid": lambda: _json_response_payload(
+    "unknown codec": lambda: _with_payload(b"{}", codec=99),
+    "the JSON codec of protocol 1": lambda: _with_payload(b'{"engine_id": "prefill-0"}', codec=2),
+    "payload is a list": lambda: _with_payload(msgspec.msgpack.encode([1, 2])),
+    "payload is garbage msgpack": lambda: _with_payload(b"\xc1\xc1\xc1"),
+    "deeply nested msgpack": lambda: _with_payload(b"\x91" * 1_000_000),
+    "missing engine id": lambda: _response_payload(engine_id=None),
+    "negative block_len": lambda: _response_payload(block_len=-1),
+    "bool num_blocks": lambda: _response_payload(num_blocks=True),
+    "negative address": lambda: _response_payload(kv_caches_base_addr=[-1]),
+    "no payloads": lambda: _response_payload(payloads=None),
+    "no transports": lambda: _response_payload(transports=None),
+    "payloads not a map": lambda: _response_payload(payloads=["cuda-ipc"]),
+    "payload of an unknown transport": lambda: _response_payload(payloads={"rdma-magic": ""}),
+    "payload not bytes": lambda: _response_payload(payloads={"cuda-ipc": "%%%"}),
+    "topology missing field": lambda: _response_payload(topology={"tp_size": 2}),
+    "topology invalid": lambda: _response_payload(
         topology=dict(_TOPOLOGY_WIRE, tp_rank=5),
     ),
-    "topology string for int": lambda: _json_response_payload(topology=dict(_TOPOLOGY_WIRE, head_dim="64")),
+    "topology string for int": lambda: _response_payload(topology=dict(_TOPOLOGY_WIRE, head_dim="64")),
 }
 _TOPOLOGY_WIRE = {f.name: getattr(topology(), f.name) for f in dataclasses.fields(KVTopology)} | {"layout": "HND"}
 
@@ -279,11 +272,12 @@ _TOPOLOGY_WIRE = {f.name: getattr(topology(), f.name) for f in dataclasses.field
 RESPONSE_ONLY = {
     "negative block_len",
     "bool num_blocks",
-    "address over 64 bits",
-    "metadata not base64",
+    "negative address",
+    "no payloads",
+    "no transports",
     "payloads not a map",
     "payload of an unknown transport",
-    "payload not base64",
+    "payload not bytes",
 }
 
 
@@ -307,7 +301,7 @@ def test_oversized_message_is_rejected_before_decoding(monkeypatch: pytest.Monke
 
 def test_oversized_message_is_refused_when_encoding() -> None:
     with pytest.raises(ValueError, match="exceeds"):
-        encode_response(response(agent_metadata=b"\x00" * MAX_MESSAGE_BYTES))
+        encode_response(response(payloads={"nixl": b"\x00" * MAX_MESSAGE_BYTES}))
 
 
 def test_memoryview_and_bytearray_inputs_are_accepted() -> None:
@@ -423,38 +417,17 @@ def test_cache_is_consistent_under_threads(cache: HandshakeCache) -> None:
     assert len(cache) == len(engine_ids)
 
 
-def test_without_msgspec_json_is_used_and_msgpack_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    msgpack_message = encode_response(response(), PayloadCodec.MSGPACK)
-    monkeypatch.setattr(handshake, "msgspec", None)
-    json_message = encode_response(response())
-    assert json_message[HEADER_SIZE - 1] == PayloadCodec.JSON
-    assert decode_response(json_message, topology()) == response()
-    error = rejection(decode_response, msgpack_message, topology())
-    assert error.kind == "malformed"
-    assert "msgspec is not installed" in error.reasons[0]
-
-
-def test_a_response_carries_the_transports_and_node_of_its_rank(codec: PayloadCodec) -> None:
+def test_a_response_carries_the_transports_and_node_of_its_rank() -> None:
     sent = response(transports=("cuda-ipc", "nixl"), node="boot-1/4026531840")
-    got = decode_response(encode_response(sent, codec), topology())
+    got = decode_response(encode_response(sent), topology())
     assert (got.transports, got.node) == (("cuda-ipc", "nixl"), "boot-1/4026531840")
 
 
-def test_a_response_without_transports_offers_nixl_and_a_bad_offer_is_malformed(monkeypatch) -> None:
-    import connectors.handshake as handshake
-
+def test_an_empty_offer_of_transports_is_malformed(monkeypatch) -> None:
     real_encode = handshake._encode
 
-    def without(version, hash_hex, payload, codec):
-        payload.pop("transports", None)
-        payload.pop("node", None)
-        return real_encode(version, hash_hex, payload, codec)
-
-    monkeypatch.setattr(handshake, "_encode", without)
-    assert decode_response(encode_response(response()), topology()).transports == ("nixl",)
-
-    def bad(version, hash_hex, payload, codec):
-        return real_encode(version, hash_hex, payload | {"transports": []}, codec)
+    def bad(version, hash_hex, payload):
+        return real_encode(version, hash_hex, payload | {"transports": []})
 
     monkeypatch.setattr(handshake, "_encode", bad)
     with pytest.raises(HandshakeRejected, match="transports must be a non-empty list"):

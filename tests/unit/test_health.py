@@ -92,15 +92,15 @@ async def test_an_engine_that_stops_answering_health_is_ejected_then_readmitted(
 async def test_an_engine_that_is_down_is_ejected_and_readmitted_when_it_is_back(pool, monitor, decode_engine):
     engine = decode_state(pool)
     await decode_engine.stop()
-    await monitor.probe_all()
-    await monitor.probe_all()
-    await monitor.probe_all()
+    await monitor.sweep()
+    await monitor.sweep()
+    await monitor.sweep()
     assert not engine.healthy
     assert pool.engine("prefill-0").healthy  # its neighbour answered every probe
 
     await decode_engine.start()
-    await monitor.probe_all()
-    await monitor.probe_all()
+    await monitor.sweep()
+    await monitor.sweep()
     assert engine.healthy
 
 
@@ -145,7 +145,7 @@ def test_parse_engine_load_without_vllm_gauges_is_none():
 async def test_load_poller_stores_what_each_engine_reports(pool, engine_client, prefill_engine, decode_engine):
     decode_engine.waiting, decode_engine.kv_cache_usage = 4, 0.75
     poller = LoadPoller(pool, engine_client, interval_s=1, timeout_s=0.5)
-    await poller.poll_all()
+    await poller.sweep()
 
     decode = decode_state(pool)
     assert (decode.waiting, decode.kv_cache_usage) == (4.0, 0.75)
@@ -159,7 +159,7 @@ async def test_load_poller_stores_what_each_engine_reports(pool, engine_client, 
 
 async def test_monitor_probes_every_engine_of_both_roles(pool, monitor, make_engine, prefill_engine, decode_engine):
     pool.set_endpoints("decode", [*pool.endpoints("decode"), endpoint(await make_engine("decode-1"))])
-    await monitor.probe_all()
+    await monitor.sweep()
 
     assert prefill_engine.health_probes == decode_engine.health_probes == 1
     assert all(e.healthy for e in pool.engines())
