@@ -13,7 +13,7 @@
   decode engine's READ notification arrives (or the lease expires).
 - ``reports``: decode side. Loads the scheduler side decided without a READ
   (a local prefix-cache hit, a block size that does not pair), by
-  ``side_channel.report_key``: the worker keeps them for the proxy's report
+  ``side_messages.report_key``: the worker keeps them for the proxy's report
   queries, as it keeps the reports of its own READs.
 
 ``KVTransferParams`` (``contract.wire``, re-exported here) is the checked

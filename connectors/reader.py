@@ -55,7 +55,9 @@ from connectors.leases import PinAnswer, read_notification
 from connectors.metadata import KVTransferParams, ReceiveSpec
 from connectors.options import ConnectorSettings
 from connectors.reads import ReadPhase, ReadRecord
-from connectors.side_channel import RecentReports, ReleaseSender, ask_pin, report_key, request_handshake
+from connectors.side_channel import RecentReports
+from connectors.side_client import ReleaseSender, ask_pin, request_handshake
+from connectors.side_messages import report_key
 from connectors.stats import PdserveKVStats, PdserveWorkerMeta
 from connectors.topology import KVTopology, reader_ranks, source_ranks
 from connectors.transport import common_transports, node_identity, where

@@ -52,7 +52,8 @@ from connectors.identity import engine_epoch
 from connectors.log_limit import LogLimiter
 from connectors.metadata import KVTransferParams, PdserveConnectorMetadata, ReceiveSpec
 from connectors.options import ConnectorSettings
-from connectors.side_channel import ReleaseSender, release_message, report_key, report_message
+from connectors.side_client import ReleaseSender
+from connectors.side_messages import release_message, report_key, report_message
 from connectors.stats import PdserveKVStats, PdserveWorkerMeta
 from contract import wire
 from contract.auth import EXPIRED_REASON, ConsumedParams, KVAuth, Unauthenticated

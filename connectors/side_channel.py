@@ -1,4 +1,4 @@
-"""The side channel: a TCP server on every worker; decode workers, the engine actor and the proxy ask it.
+"""The side channel's server: one on every worker; decode workers, the engine actor and the proxy ask it.
 
 Five kinds of message arrive:
 
@@ -26,7 +26,7 @@ Five kinds of message arrive:
   not tell the source itself (CUDA IPC): that rank has read the request's
   blocks; the server hands ``(reader, notification)`` to ``on_read`` -- the
   lease counts it as NIXL's notifications -- and answers ``OK``.
-- A ping (``ping()``): answered ``OK``; it says the rank's channel is serving
+- A ping (``side_client.ping``): answered ``OK``; it says the rank's channel is serving
   and shares our key.
 
 Every message, both ways for a handshake, is sealed with the cluster's KV key
@@ -67,10 +67,9 @@ No peer can stop or starve the server, nor make it hold more than a bound:
 
 The thread ends only at ``close()``; if it ever ends otherwise (the endpoint
 could not be bound again), it logs an ERROR and ``alive`` turns False. The
-clients (``_ask`` here, ``proxy.release.ask``) use one TCP connection per
-request and read the answer's header first too: ``_ask`` takes answers up to
-``MAX_REPLY_BYTES``, a handshake answer (``handshake.MAX_MESSAGE_BYTES``) and
-its sealing.
+messages are made in ``connectors.side_messages``; the clients
+(``connectors.side_client``, ``proxy.release.ask``) use one TCP connection per
+request and read the answer's header first too.
 """
 
 from __future__ import annotations
@@ -78,8 +77,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import queue
-import secrets
 import selectors
 import socket
 import threading
@@ -90,59 +87,28 @@ from dataclasses import dataclass
 from typing import Any
 
 from connectors.errors import HandshakeRejected, TransportError
-from connectors.framing import HEADER_BYTES, MAX_FRAME_BYTES, FrameReader, FramingError, frame, recv_frame
+from connectors.framing import HEADER_BYTES, FrameReader, FramingError, frame
 from connectors.handshake import (
-    MAX_MESSAGE_BYTES,
-    HandshakeRequest,
-    HandshakeResponse,
     decode_request,
-    decode_response,
-    encode_request,
 )
-from connectors.leases import PinAnswer
 from connectors.log_limit import DEFAULT_INTERVAL_S, LogLimiter
+from connectors.side_messages import ERROR_PREFIX, MAX_REQUEST_BYTES, NO_REPORT
 from connectors.topology import KVTopology
-from contract.auth import LIVE_TTL_S, KVAuth, Unauthenticated
+from contract.auth import KVAuth, Unauthenticated
 from contract.kv_report import KVReport
 from contract.wire import parse_tcp_endpoint, tcp_endpoint
 
 __all__ = [
-    "ANSWERED",
-    "BUSY",
     "MAX_BUFFERED_BYTES",
     "MAX_CONNECTIONS",
-    "MAX_REPLY_BYTES",
-    "MAX_REQUEST_BYTES",
-    "SILENT",
     "RecentReports",
     "RefusedMessages",
-    "ReleaseSender",
     "SideChannelServer",
-    "ask_pin",
-    "pin_message",
-    "ping",
-    "probe",
-    "read_message",
-    "release_message",
-    "report_key",
-    "report_message",
-    "request_handshake",
-    "send_release",
 ]
 
 logger = logging.getLogger(__name__)
 
-_ERROR_PREFIX = b"ERR "
-NO_REPORT = b"NONE"
 RECENT_REPORTS = 4096
-_NONCE_BYTES = 16
-MAX_REQUEST_BYTES = MAX_FRAME_BYTES
-"""The longest request the server reads (1 MiB); a handshake request, the largest, is a few hundred bytes (a
-topology and an engine id), so this leaves room for any model identity and request id."""
-_SEAL_BYTES = 1024
-"""More than sealing adds to a body: magic, kind, expiry, MAC, a handshake's nonce, and the spaces between."""
-MAX_REPLY_BYTES = MAX_MESSAGE_BYTES + _SEAL_BYTES
-"""The longest answer a client reads: a sealed handshake answer."""
 MAX_CONNECTIONS = 64
 """The most connections the server holds open (read when one is accepted)."""
 MAX_BUFFERED_BYTES = MAX_CONNECTIONS * (HEADER_BYTES + MAX_REQUEST_BYTES)
@@ -154,36 +120,8 @@ IDLE_TURN_S = 1.0
 LISTEN_BACKLOG = 128
 _CHUNK_BYTES = 256 * 1024
 """The most bytes read from one connection in one turn of the loop."""
-CONNECT_RETRY_S = 0.05
 REBIND_ATTEMPTS = 50
 REBIND_PAUSE_S = 0.1
-
-
-def release_message(auth: KVAuth, request_id: str, ttl_s: float = LIVE_TTL_S, by: str | None = None) -> bytes:
-    """A sealed release of ``request_id``'s blocks, valid for ``ttl_s``; ``by`` names the reader giving up its own
-    pin (a release that names none is refused while any reader holds a pin)."""
-    return auth.seal(b"release", (request_id if by is None else f"{request_id} {by}").encode(), ttl_s)
-
-
-def pin_message(auth: KVAuth, reader: str, request_id: str, epoch: str) -> bytes:
-    """A sealed pin: ``reader`` is about to READ ``request_id``'s blocks, as issued by start ``epoch``."""
-    return auth.seal(b"pin", f"{reader} {request_id} {epoch}".encode())
-
-
-def read_message(auth: KVAuth, reader: str, notification: bytes, ttl_s: float = LIVE_TTL_S) -> bytes:
-    """A sealed READ notification: ``reader`` (no spaces) has read what ``notification`` names."""
-    return auth.seal(b"read", reader.encode() + b" " + notification, ttl_s)
-
-
-def report_key(remote_engine_id: str, remote_request_id: str) -> str:
-    """What the proxy asks a decode rank for: the prefill engine's id and its request id, from the
-    prefill's ``kv_transfer_params`` (the decode engine's own request id is not the proxy's to know)."""
-    return f"{remote_engine_id} {remote_request_id}"
-
-
-def report_message(auth: KVAuth, remote_engine_id: str, remote_request_id: str, ttl_s: float = LIVE_TTL_S) -> bytes:
-    """A sealed report query, valid for ``ttl_s``."""
-    return auth.seal(b"report", report_key(remote_engine_id, remote_request_id).encode(), ttl_s)
 
 
 class RefusedMessages:
@@ -496,7 +434,7 @@ class SideChannelServer:
             self._refusal_log.error(
                 "internal", "engine %s: a side-channel message failed", self.engine_id, exc_info=True
             )
-            return _ERROR_PREFIX + b"internal"
+            return ERROR_PREFIX + b"internal"
 
     def _rebind(self) -> bool:
         """Close the listening socket and bind a new one on the same endpoint; False if ``close()`` came first.
@@ -525,7 +463,7 @@ class SideChannelServer:
         self._refusal_log.warning(
             kind, "engine %s: refused a side-channel %s message: %s", self.engine_id, kind, reason
         )
-        return _ERROR_PREFIX + b"unauthenticated " + reason.encode()
+        return ERROR_PREFIX + b"unauthenticated " + reason.encode()
 
     def _answer(self, message: bytes) -> bytes:
         try:
@@ -536,30 +474,30 @@ class SideChannelServer:
             return b"OK"
         if kind == b"release":
             if self._on_release is None or not body:
-                return _ERROR_PREFIX + b"malformed release"
+                return ERROR_PREFIX + b"malformed release"
             self._on_release(body.decode(errors="replace"))
             return b"OK"
         if kind == b"pin":
             if self._on_pin is None or not body:
-                return _ERROR_PREFIX + b"malformed pin"
+                return ERROR_PREFIX + b"malformed pin"
             return self._on_pin(body.decode(errors="replace"))
         if kind == b"read":
             reader, _, notification = body.partition(b" ")
             if self._on_read is None or not reader or not notification:
-                return _ERROR_PREFIX + b"malformed read"
+                return ERROR_PREFIX + b"malformed read"
             self._on_read(reader.decode(errors="replace"), notification)
             return b"OK"
         if kind == b"report":
             report = self._on_report(body.decode(errors="replace")) if self._on_report is not None else None
             return report or NO_REPORT
         if kind != b"handshake":
-            return _ERROR_PREFIX + b"malformed unexpected message kind"
+            return ERROR_PREFIX + b"malformed unexpected message kind"
         nonce, _, handshake = body.partition(b" ")
         try:
             request = decode_request(handshake, self._topology)
         except HandshakeRejected as e:
             self._refusal_log.warning(f"handshake {e.kind}", "engine %s: refused a handshake: %s", self.engine_id, e)
-            return _ERROR_PREFIX + e.kind.encode() + b" " + str(e).encode()
+            return ERROR_PREFIX + e.kind.encode() + b" " + str(e).encode()
         logger.info("engine %s: handshake from engine %s", self.engine_id, request.engine_id)
         if self._answer_delay_s:
             time.sleep(self._answer_delay_s)
@@ -574,141 +512,3 @@ class SideChannelServer:
                 self._waker.send(b"\0")
         self._thread.join(timeout=2)
         self._waker.close()
-
-
-def request_handshake(
-    engine_id: str, topology: KVTopology, endpoint: str, auth: KVAuth, timeout_s: float = 5.0
-) -> HandshakeResponse:
-    """Ask the prefill worker rank at ``endpoint`` (``tcp://host:port``) for its handshake response;
-    raise on timeout, refusal, or an answer not sealed for this very request."""
-    nonce = secrets.token_hex(_NONCE_BYTES).encode()
-    handshake = encode_request(HandshakeRequest(engine_id=engine_id, topology=topology))
-    message = auth.seal(b"handshake", nonce + b" " + handshake)
-    reply = _ask(endpoint, message, timeout_s, f"engine {engine_id}: no handshake answer from {endpoint}")
-    if reply.startswith(_ERROR_PREFIX):
-        kind, _, reason = reply[len(_ERROR_PREFIX) :].decode(errors="replace").partition(" ")
-        if kind == "unauthenticated":
-            raise Unauthenticated("handshake", f"{endpoint} refused ours: {reason}")
-        if kind == "internal":
-            raise TransportError(f"engine {engine_id}: {endpoint} failed to answer the handshake (ERR internal)")
-        raise HandshakeRejected(kind if kind in ("version", "incompatible", "malformed") else "malformed", [reason])
-    try:
-        kind, body = auth.open(reply)
-    except Unauthenticated as e:
-        raise Unauthenticated("handshake-reply", f"from {endpoint}: {e.reason}") from e
-    echoed, _, response = body.partition(b" ")
-    if kind != b"handshake-reply" or not secrets.compare_digest(echoed, nonce):
-        raise Unauthenticated("handshake-reply", f"from {endpoint}: not the answer to this handshake")
-    return decode_response(response, topology)
-
-
-def ping(endpoint: str, auth: KVAuth, timeout_s: float = 2.0) -> bool:
-    """Whether the side channel at ``endpoint`` answers a sealed ping within ``timeout_s`` (it serves, with our key)."""
-    return _answered_ok(endpoint, auth.seal(b"ping", b""), timeout_s, "ping", logging.DEBUG)
-
-
-ANSWERED, BUSY, SILENT = "answered", "busy", "silent"
-
-
-def probe(endpoint: str, auth: KVAuth, timeout_s: float = 2.0) -> str:
-    """How the side channel at ``endpoint`` takes a sealed ping: ``ANSWERED``; ``BUSY`` (it closed our connection
-    unanswered: its loop turns, but it holds as many connections as it takes, a flood); ``SILENT`` (refused, or
-    no answer in ``timeout_s``: a thread that is gone or stuck). A watchdog restarts only the silent."""
-    deadline = time.monotonic() + timeout_s
-    try:
-        with _connect(endpoint, deadline) as sock:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.sendall(frame(auth.seal(b"ping", b"")))
-            return ANSWERED if recv_frame(sock, MAX_REPLY_BYTES, deadline) == b"OK" else SILENT
-    except (FramingError, ConnectionResetError, BrokenPipeError):
-        return BUSY
-    except (OSError, ValueError):
-        return SILENT
-
-
-def _ask(endpoint: str, message: bytes, timeout_s: float, failure: str) -> bytes:
-    """One request-reply exchange on a connection of its own, all of it within ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    try:
-        with _connect(endpoint, deadline) as sock:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.sendall(frame(message))
-            return recv_frame(sock, MAX_REPLY_BYTES, deadline)  # a longer answer is refused unread
-    except (OSError, ValueError) as e:  # FramingError is a ValueError; a timeout, an OSError
-        raise TransportError(f"{failure}: {e or type(e).__name__}") from e
-
-
-def ask_pin(endpoint: str, auth: KVAuth, reader: str, request_id: str, epoch: str, timeout_s: float = 5.0) -> PinAnswer:
-    """Pin ``request_id``'s blocks at the holder at ``endpoint`` for ``reader`` (``LeaseTable.pin``); raises
-    ``TransportError`` without an answer."""
-    reply = _ask(endpoint, pin_message(auth, reader, request_id, epoch), timeout_s, f"no pin answer from {endpoint}")
-    try:
-        return PinAnswer(reply.decode(errors="replace"))
-    except ValueError:
-        raise TransportError(f"pin at {endpoint} answered {reply[:80]!r}") from None
-
-
-def _connect(endpoint: str, deadline: float) -> socket.socket:
-    """A connection to ``endpoint``; a refused one is tried again every ``CONNECT_RETRY_S`` until ``deadline``
-    (a channel being bound anew, or not yet listening, as ZMQ's reconnects did)."""
-    host, port = parse_tcp_endpoint(endpoint)
-    while True:
-        try:
-            return socket.create_connection((host, port), timeout=max(deadline - time.monotonic(), 0.001))
-        except ConnectionRefusedError:
-            if time.monotonic() + CONNECT_RETRY_S >= deadline:
-                raise
-            time.sleep(CONNECT_RETRY_S)
-
-
-def send_release(endpoint: str, message: bytes, timeout_s: float = 2.0) -> bool:
-    """Send a sealed release (``release_message``) to the worker at ``endpoint``; False if it did not take it."""
-    return _answered_ok(endpoint, message, timeout_s, "release", logging.WARNING)
-
-
-def _answered_ok(endpoint: str, message: bytes, timeout_s: float, what: str, log_level: int) -> bool:
-    """Whether ``endpoint`` answers ``message`` with ``OK``; a failure to get an answer is logged at ``log_level``."""
-    try:
-        return _ask(endpoint, message, timeout_s, f"{what} not answered") == b"OK"
-    except TransportError as e:
-        logger.log(log_level, "%s at %s: %s", what, endpoint, e)
-        return False
-
-
-class ReleaseSender:
-    """Sends releases and READ notifications from a daemon thread, so the engine's step never waits on a peer
-    that may be gone."""
-
-    def __init__(self, engine_id: str, auth: KVAuth, timeout_s: float = 2.0):
-        self.engine_id = engine_id
-        self._auth = auth
-        self._timeout_s = timeout_s
-        self._queue: queue.SimpleQueue[tuple[str, bytes, str, str] | None] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
-
-    def release(self, endpoint: str, request_id: str, by: str | None = None) -> None:
-        message = release_message(self._auth, request_id, by=by)
-        self._send(endpoint, message, "release", f"released request {request_id}")
-
-    def read_done(self, endpoint: str, reader: str, notification: bytes) -> None:
-        """Tell the source at ``endpoint`` that ``reader`` has read what ``notification`` names."""
-        self._send(endpoint, read_message(self._auth, reader, notification), "read", f"read {notification!r}")
-
-    def _send(self, endpoint: str, message: bytes, kind: str, what: str) -> None:
-        with self._lock:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="pdserve-release", daemon=True)
-                self._thread.start()
-        self._queue.put((endpoint, message, kind, what))
-
-    def _run(self) -> None:
-        while (item := self._queue.get()) is not None:
-            endpoint, message, kind, what = item
-            if _answered_ok(endpoint, message, self._timeout_s, kind, logging.WARNING):
-                logger.debug("engine %s: %s at %s", self.engine_id, what, endpoint)
-
-    def close(self) -> None:
-        if self._thread is not None:
-            self._queue.put(None)
-            self._thread.join(timeout=self._timeout_s + 1)

@@ -449,7 +449,7 @@ class EngineActor:
     async def _watch_side_channel(self) -> None:
         """Ping every TP rank's side channel; restart the engine (exit: Ray restarts the actor) when it has
         not answered ``SIDE_CHANNEL_DEAD_AFTER`` times in a row."""
-        from connectors.side_channel import SILENT, probe
+        from connectors.side_client import SILENT, probe
         from contract.auth import KVAuth
 
         auth = KVAuth.from_env()

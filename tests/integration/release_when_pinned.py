@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from connectors.side_channel import send_release
+from connectors.side_client import send_release
 from tests.integration.conftest import metric_values
 
 LEASES = "pdserve:kv_leases_total"

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from connectors.framing import frame
-from connectors.side_channel import ping
+from connectors.side_client import ping
 from contract import wire
 from contract.auth import KVAuth, read_secret_file
 from tests.integration.conftest import Cluster, http_json, kv_report, metric_values

@@ -27,7 +27,7 @@ import pytest
 
 from connectors.framing import FramingError, recv_frame
 from connectors.handshake import HandshakeRequest, encode_request
-from connectors.side_channel import MAX_REQUEST_BYTES
+from connectors.side_messages import MAX_REQUEST_BYTES
 from contract import wire
 from contract.auth import KVAuth, read_secret_file
 from tests.integration.conftest import Cluster, http_json, kv_report, metric_values

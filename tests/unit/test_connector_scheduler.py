@@ -17,7 +17,7 @@ from vllm.v1.request import RequestStatus  # noqa: E402
 
 from connectors.metadata import KVTransferParams  # noqa: E402
 from connectors.scheduler import PdserveScheduler  # noqa: E402
-from connectors.side_channel import report_key  # noqa: E402
+from connectors.side_messages import report_key  # noqa: E402
 from connectors.stats import PdserveWorkerMeta  # noqa: E402
 from contract import wire  # noqa: E402
 from contract.auth import KVAuth  # noqa: E402

@@ -27,7 +27,8 @@ from connectors.errors import ConnectorError  # noqa: E402
 from connectors.handshake import HandshakeResponse  # noqa: E402
 from connectors.leases import PinAnswer, read_notification  # noqa: E402
 from connectors.metadata import KVTransferParams, PdserveConnectorMetadata, ReceiveSpec  # noqa: E402
-from connectors.side_channel import RefusedMessages, report_key  # noqa: E402
+from connectors.side_channel import RefusedMessages  # noqa: E402
+from connectors.side_messages import report_key  # noqa: E402
 from connectors.topology import KVLayout, KVTopology  # noqa: E402
 from connectors.transport import CUDA_IPC, NIXL, TRANSPORTS, make_transport, node_identity  # noqa: E402
 from connectors.transport.base import KVTransport, TransferState, cache_regions  # noqa: E402

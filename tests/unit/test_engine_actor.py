@@ -207,7 +207,7 @@ def test_an_engine_whose_side_channel_stops_answering_says_so_then_restarts(monk
     """The actor pings its side channels: /health turns 503 at the second missed probe, and the process exits
     (Ray restarts the actor, the controller starts vLLM again) at the fourth; an answer resets the count, and a
     channel that closes the probe's connection unanswered (flooded: its loop turns) counts as no miss."""
-    from connectors import side_channel
+    from connectors import side_client
     from orchestrator import engine_actor as module
     from tests.unit.conftest import TEST_SECRET
 
@@ -218,7 +218,7 @@ def test_an_engine_whose_side_channel_stops_answering_says_so_then_restarts(monk
     actor._side_channel_missed = 0
     monkeypatch.setenv("PDSERVE_CLUSTER_SECRET", TEST_SECRET.reveal())
     monkeypatch.setattr(module, "SIDE_CHANNEL_PROBE_S", 0.0)
-    monkeypatch.setattr(side_channel, "probe", lambda endpoint, auth, timeout_s: next(answers))
+    monkeypatch.setattr(side_client, "probe", lambda endpoint, auth, timeout_s: next(answers))
 
     class Exited(BaseException):
         pass

@@ -26,24 +26,20 @@ from typing import Any
 import pytest
 
 import connectors.side_channel as side_channel
+import connectors.side_client as side_client
 from connectors.errors import TransportError
 from connectors.framing import HEADER_BYTES, MAGIC, MAX_FRAME_BYTES, FramingError, frame, recv_frame
 from connectors.handshake import HandshakeRequest, encode_request, encode_response
 from connectors.leases import read_notification
-from connectors.side_channel import (
-    MAX_BUFFERED_BYTES,
-    MAX_CONNECTIONS,
+from connectors.side_channel import MAX_BUFFERED_BYTES, MAX_CONNECTIONS, RecentReports, SideChannelServer
+from connectors.side_client import ping, request_handshake, send_release
+from connectors.side_messages import (
     MAX_REPLY_BYTES,
     MAX_REQUEST_BYTES,
-    RecentReports,
-    SideChannelServer,
-    ping,
     read_message,
     release_message,
     report_key,
     report_message,
-    request_handshake,
-    send_release,
 )
 from contract.auth import KINDS, ClusterSecret, KVAuth, Unauthenticated
 from contract.kv_report import KVReport
@@ -717,7 +713,7 @@ def test_a_connection_beyond_the_cap_is_closed_while_every_one_waits_for_its_ans
         answering = lambda: [c for c in list(channel._connections.values()) if c.answer is not None]  # noqa: E731
         assert eventually(lambda: len(answering()) == 2, 5)
         assert dropped_unanswered(channel.endpoint, frame(AUTH.seal(b"ping", b"")))
-        assert side_channel.probe(channel.endpoint, AUTH, 0.5) == side_channel.BUSY  # flooded, not dead
+        assert side_client.probe(channel.endpoint, AUTH, 0.5) == side_client.BUSY  # flooded, not dead
         assert eventually(lambda: ping(channel.endpoint, AUTH, timeout_s=0.5), 5)  # they timed out
         assert channel.refused.take() == {}
     finally:
@@ -815,11 +811,11 @@ def test_a_probe_tells_a_serving_channel_from_a_gone_or_stuck_one() -> None:
     """The engine's watchdog restarts only a silent channel: one that refuses connections (its thread and socket
     gone) or takes them without ever answering (stuck); a flooded one closes them (``BUSY``, above)."""
     channel = SideChannelServer("prefill-0", "127.0.0.1", free_port(), topology(), b"r", AUTH)
-    assert side_channel.probe(channel.endpoint, AUTH, 1.0) == side_channel.ANSWERED
+    assert side_client.probe(channel.endpoint, AUTH, 1.0) == side_client.ANSWERED
     channel.close()
-    assert side_channel.probe(channel.endpoint, AUTH, 0.3) == side_channel.SILENT  # refused
+    assert side_client.probe(channel.endpoint, AUTH, 0.3) == side_client.SILENT  # refused
     with socket.socket() as stuck:  # listens (the kernel accepts), never reads nor answers
         stuck.bind(("127.0.0.1", 0))
         stuck.listen(8)
         endpoint = f"tcp://127.0.0.1:{stuck.getsockname()[1]}"
-        assert side_channel.probe(endpoint, AUTH, 0.3) == side_channel.SILENT
+        assert side_client.probe(endpoint, AUTH, 0.3) == side_client.SILENT
