@@ -24,7 +24,7 @@ import json
 import logging
 from typing import TYPE_CHECKING, Any
 
-from connectors.errors import ConnectorError
+from connectors.cache_layout import describe_kv_cache
 from connectors.handshake import HandshakeResponse, encode_response
 from connectors.holder import LeaseHolder
 from connectors.identity import engine_epoch, model_identity
@@ -33,7 +33,7 @@ from connectors.options import ConnectorSettings
 from connectors.reader import KVReader, peer_name
 from connectors.side_channel import RecentReports, SideChannelServer
 from connectors.stats import PdserveKVStats, PdserveWorkerMeta
-from connectors.topology import KVLayout, KVTopology
+from connectors.topology import KVTopology
 from connectors.transport import make_transport, node_identity
 from connectors.transport.group import TransportFactory, WorkerTransports
 from contract.auth import KVAuth
@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-__all__ = ["PdserveWorker", "check_servable", "describe_kv_cache", "engine_model_identity", "peer_name"]
+__all__ = ["PdserveWorker", "check_servable", "engine_model_identity", "peer_name"]
 
 logger = logging.getLogger(__name__)
 
@@ -69,91 +69,6 @@ def engine_model_identity(model_config: Any) -> str:
         if not k.startswith("_") and k != "transformers_version"
     }
     return model_identity(model_config.model, json.dumps(config, sort_keys=True, default=str), model_config.revision)
-
-
-def describe_kv_cache(
-    cache: torch.Tensor, num_heads: int, head_dim: int, *, use_mla: bool = False, device_type: str | None = None
-) -> tuple[KVLayout, int, int]:
-    """``(layout, block_size, planes_per_layer)`` of one layer's vLLM KV cache tensor on this rank.
-
-    ``num_heads`` counts the rank's KV heads and ``head_dim`` is vLLM's head
-    size (MLA's latent: kv_lora_rank + qk_rope_head_dim). What vLLM hands us:
-
-    - vLLM 0.32, every backend: ``[num_blocks, heads, block_size, 2 * head_dim]``,
-      whose strides say its KVCacheLayout. The shape does not say where K and V
-      are: GPU kernels take the two halves of the last dim (HN2D for LBHNC, NH2D
-      for LBNHC), the CPU backend the two halves of each head's ``2 * block_size``
-      rows (H2ND). So the device decides: ``device_type``, by default the cache's.
-    - older vLLM: FlashAttention's ``[2, num_blocks, block_size, heads, head_dim]``
-      (K and V planes apart, NHD or HND by strides) and FlashInfer's
-      ``[num_blocks, 2, block_size, heads, head_dim]`` (2NHD or 2HND by strides;
-      with 2 blocks it would read as FlashAttention's, but no engine has so few).
-    - MLA (``use_mla``): ``[num_blocks, 1, block_size, head_dim]`` in vLLM 0.32,
-      ``[num_blocks, block_size, head_dim]`` before.
-
-    Transports cut regions and blocks by address, so each block plane must be
-    dense and blocks outermost: ``ConnectorError`` names the layout otherwise
-    (vLLM's LHBNC, the cross-layer BLHNC, BLNHC, BHLNC), as for an unknown shape.
-    """
-    shape, device = tuple(cache.shape), device_type or cache.device.type
-    if device not in ("cpu", "cuda"):
-        raise ConnectorError(f"KV cache on device {device!r}: the pdserve connector reads caches on cpu or cuda")
-    # Each candidate: (layout, the cache's dims outermost first in memory); token_dim counts a block's tokens.
-    candidates: tuple[tuple[KVLayout, tuple[int, ...]], ...] = ()
-    if use_mla:
-        if len(shape) == 4 and shape[1] == 1 and shape[3] == head_dim:
-            candidates, token_dim = ((KVLayout.MLA, (0, 1, 2, 3)),), 2
-        elif len(shape) == 3 and shape[2] == head_dim:
-            candidates, token_dim = ((KVLayout.MLA, (0, 1, 2)),), 1
-        held = f"an MLA latent of size {head_dim}"
-        expected = f"[num_blocks, 1, block_size, {head_dim}] or [num_blocks, block_size, {head_dim}]"
-    else:
-        if len(shape) == 4 and shape[1] == num_heads and shape[3] == 2 * head_dim:
-            if device == "cpu":
-                candidates = ((KVLayout.H2ND, (0, 1, 2, 3)),)
-            else:
-                candidates = ((KVLayout.HN2D, (0, 1, 2, 3)), (KVLayout.NH2D, (0, 2, 1, 3)))
-            token_dim = 2
-        elif len(shape) == 5 and shape[0] == 2 and shape[3] == num_heads and shape[4] == head_dim:
-            candidates, token_dim = ((KVLayout.NHD, (0, 1, 2, 3, 4)), (KVLayout.HND, (0, 1, 3, 2, 4))), 2
-        elif len(shape) == 5 and shape[0] == 2 and shape[2] == num_heads and shape[4] == head_dim:
-            candidates, token_dim = ((KVLayout.HND, (0, 1, 2, 3, 4)), (KVLayout.NHD, (0, 1, 3, 2, 4))), 3
-        elif len(shape) == 5 and shape[1] == 2 and shape[3] == num_heads and shape[4] == head_dim:
-            candidates, token_dim = ((KVLayout.KV_NHD, (0, 1, 2, 3, 4)), (KVLayout.KV_HND, (0, 1, 3, 2, 4))), 2
-        held = f"{num_heads} KV heads of size {head_dim} on this rank"
-        expected = (
-            "[num_blocks, heads, block_size, 2*head_dim] (vLLM 0.32), [2, num_blocks, block_size, heads, head_dim] "
-            "(FlashAttention) or [num_blocks, 2, block_size, heads, head_dim] (FlashInfer)"
-        )
-    if not candidates:
-        raise ConnectorError(f"unsupported KV cache shape {shape} for {held}; expected {expected}")
-    for layout, memory_order in candidates:
-        if _dense_in_order(cache, memory_order):
-            return layout, shape[token_dim], layout.planes_per_layer
-    raise ConnectorError(
-        f"unsupported KV cache layout: a cache {shape} with strides {cache.stride()} keeps {_misplaced(cache)}; "
-        "the pdserve connector reads caches whose blocks are outermost and dense: vLLM's KV cache layouts LBHNC "
-        "and LBNHC (VLLM_KV_CACHE_LAYOUT; LBHNC on CPU), older vLLM's FlashAttention and FlashInfer caches"
-    )
-
-
-def _dense_in_order(cache: torch.Tensor, memory_order: tuple[int, ...]) -> bool:
-    """Whether ``cache`` is one dense span whose dims, outermost first, are ``memory_order`` (size-1 dims anywhere)."""
-    stride = 1
-    for dim in reversed(memory_order):
-        if cache.shape[dim] > 1 and cache.stride(dim) != stride:
-            return False
-        stride *= cache.shape[dim]
-    return True
-
-
-def _misplaced(cache: torch.Tensor) -> str:
-    """What a cache whose blocks are not outermost and dense does instead, in vLLM's names where we know them."""
-    if cache.dim() == 4 and cache.shape[1] > 1 and cache.stride(1) > cache.stride(0):
-        return "heads outside blocks (vLLM's LHBNC)"
-    if cache.stride(0) > cache[0].numel():
-        return "the blocks of several layers in one tensor (vLLM's cross-layer BLHNC, BLNHC or BHLNC)"
-    return "its rows in an order this connector does not know"
 
 
 class PdserveWorker:

@@ -225,7 +225,7 @@ def stop_ray_head(temp_dir: str, address: str) -> None:
                     roots.append(proc)
         if not roots:
             break
-        terminate_trees(roots, stage=_ray_stop_stage)
+        terminateprocess_trees(roots, stage=_ray_stop_stage)
     # its sockets, its session's logs: nothing runs there now (the engines' and pdserve's logs are in the state dir)
     home = Path(temp_dir).parent
     shutil.rmtree(home if home.name.startswith(RAY_HOME_PREFIX) else temp_dir, ignore_errors=True)
@@ -240,7 +240,7 @@ def _ray_stop_stage(proc: psutil.Process) -> int:
     return 0
 
 
-def terminate_trees(roots: list[psutil.Process], stage: Callable[[psutil.Process], int] | None = None) -> None:
+def terminateprocess_trees(roots: list[psutil.Process], stage: Callable[[psutil.Process], int] | None = None) -> None:
     """Stop ``roots`` and their descendants: SIGTERM, then SIGKILL for what outlives ``STOP_GRACE_S``; a stage
     at a time in ``stage``'s order, if given."""
     procs: dict[int, psutil.Process] = {}
@@ -586,7 +586,7 @@ def down() -> list[str]:
         current = client.status()
         # Whole trees, taken now: once the controller has stopped an engine
         # actor, its EngineCore and workers are no longer its children.
-        engine_procs = _trees([e["pid"] for e in current["engines"] if e.get("pid")])
+        engine_procs = process_trees([e["pid"] for e in current["engines"] if e.get("pid")])
         shm_files = shm.mapped(p.pid for p in engine_procs)
         client.shutdown()
         done.append(f"stopped cluster {state.name!r} ({len(current['engines'])} engines and the proxy)")
@@ -600,7 +600,7 @@ def down() -> list[str]:
     if state.started_ray and state.ray_temp_dir:
         stop_ray_head(state.ray_temp_dir, state.ray_address)
         done.append("stopped the local Ray head")
-    terminate_trees(engine_procs)
+    terminateprocess_trees(engine_procs)
     # what engines that did not exit cleanly left in /dev/shm (each stopping engine removes its own too)
     if removed := shm.remove_unheld(shm_files):
         done.append(f"removed {len(removed)} shared-memory file(s) the engines left in /dev/shm")
@@ -634,7 +634,7 @@ def _kill_actors(state: ClusterState) -> list[str]:
         return [f"Ray at {state.ray_address} not reachable ({type(e).__name__})"]
 
 
-def _trees(pids: list[int]) -> list[psutil.Process]:
+def process_trees(pids: list[int]) -> list[psutil.Process]:
     """The processes ``pids`` and all their descendants, as they are now."""
     procs = []
     for pid in pids:
@@ -642,59 +642,6 @@ def _trees(pids: list[int]) -> list[psutil.Process]:
             root = psutil.Process(pid)
             procs += [root, *root.children(recursive=True)]
     return procs
-
-
-@dataclass(frozen=True, slots=True)
-class IdleUse:
-    """What a process tree used while idle: CPU (in cores: 1.0 is one core busy), its busiest thread
-    (``process name/thread name``) and that thread's share, and wake-ups (context switches) per second,
-    which unlike CPU time do not depend on how fast the machine is that day."""
-
-    cpu: float
-    busiest_thread: str
-    busiest_thread_cpu: float
-    wakeups_per_s: float
-
-
-def context_switches(task: Path) -> int:
-    """Voluntary and involuntary context switches so far of the thread at ``task`` (``/proc/<pid>/task/<tid>``):
-    how often it woke."""
-    status = (task / "status").read_text().splitlines()
-    return sum(int(line.split()[1]) for line in status if "ctxt_switches" in line)
-
-
-def _thread_times(pid: int) -> dict[tuple[int, int], tuple[str, float, int]]:
-    """Every thread of ``pid``'s process tree now: its name, CPU seconds and context switches so far."""
-    table = {}
-    for proc in _trees([pid]):
-        with contextlib.suppress(psutil.Error, OSError):  # a process or thread that ended meanwhile
-            name = proc.name()
-            for thread in proc.threads():
-                task = Path(f"/proc/{proc.pid}/task/{thread.id}")
-                comm = (task / "comm").read_text().strip()
-                table[(proc.pid, thread.id)] = (
-                    f"{name}/{comm}",
-                    thread.user_time + thread.system_time,
-                    context_switches(task),
-                )
-    return table
-
-
-def idle_use(pids: list[int], seconds: float) -> dict[int, IdleUse]:
-    """Each process tree's use over ``seconds`` of wall time (an engine's: the Ray actor, vLLM's engine
-    core, their threads), by ``/proc`` accounting; threads that start meanwhile count from zero."""
-    before = {pid: _thread_times(pid) for pid in pids}
-    started = time.monotonic()
-    time.sleep(seconds)
-    wall = time.monotonic() - started
-    use = {}
-    for pid in pids:
-        after = _thread_times(pid)
-        cpu = {key: (name, used - before[pid].get(key, (name, 0.0, 0))[1]) for key, (name, used, _) in after.items()}
-        busiest_name, busiest = max(cpu.values(), key=lambda entry: entry[1], default=("", 0.0))
-        switches = sum(n - before[pid].get(key, ("", 0.0, 0))[2] for key, (_, _, n) in after.items())
-        use[pid] = IdleUse(sum(used for _, used in cpu.values()) / wall, busiest_name, busiest / wall, switches / wall)
-    return use
 
 
 def install_stop_signals() -> None:

@@ -37,7 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from orchestrator.cluster import idle_use  # noqa: E402
+from lab.cpu_use import idle_use  # noqa: E402
 from orchestrator.launch import plan_engines  # noqa: E402
 from orchestrator.spec import ClusterSpec  # noqa: E402
 

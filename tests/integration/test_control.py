@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.cluster import idle_use
+from lab.cpu_use import idle_use
 from orchestrator.control import STATUS_SCHEMA, schema_problems
 from tests.integration.conftest import Cluster, http_json, run_pdserve
 

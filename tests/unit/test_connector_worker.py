@@ -23,6 +23,7 @@ pytest.importorskip("vllm")
 from connectors import reader as reader_module  # noqa: E402
 from connectors import worker as worker_module  # noqa: E402
 from connectors.block_ranges import KVRegions  # noqa: E402
+from connectors.cache_layout import describe_kv_cache  # noqa: E402
 from connectors.errors import ConnectorError  # noqa: E402
 from connectors.handshake import HandshakeResponse  # noqa: E402
 from connectors.leases import PinAnswer, read_notification  # noqa: E402
@@ -33,7 +34,7 @@ from connectors.topology import KVLayout, KVTopology  # noqa: E402
 from connectors.transport import CUDA_IPC, NIXL, TRANSPORTS, make_transport, node_identity  # noqa: E402
 from connectors.transport.base import KVTransport, TransferState, cache_regions  # noqa: E402
 from connectors.transport.fake import InMemoryTransfer  # noqa: E402
-from connectors.worker import PdserveWorker, describe_kv_cache, engine_model_identity  # noqa: E402
+from connectors.worker import PdserveWorker, engine_model_identity  # noqa: E402
 from contract.auth import KVAuth  # noqa: E402
 from contract.kv_report import KVReport  # noqa: E402
 from contract.wire import parse_tcp_endpoint  # noqa: E402
