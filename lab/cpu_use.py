@@ -12,7 +12,7 @@ from pathlib import Path
 
 import psutil
 
-from orchestrator.cluster import process_trees
+from orchestrator.ray_head import process_trees
 
 __all__ = ["IdleUse", "context_switches", "idle_use"]
 

@@ -21,7 +21,7 @@ import aiohttp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from contract.auth import engine_key  # noqa: E402
-from orchestrator import cluster  # noqa: E402
+from orchestrator import cluster, state  # noqa: E402
 from orchestrator.autoscale import profiler  # noqa: E402
 
 
@@ -30,7 +30,7 @@ def per_token_ms(reading: tuple[float, float] | None) -> str:
 
 
 async def measure(points: list[tuple[int, int, int]], runs: int) -> None:
-    endpoints = profiler.ClusterEndpoints.from_status(cluster.status(), engine_key(cluster.load_cluster_secret()))
+    endpoints = profiler.ClusterEndpoints.from_status(cluster.status(), engine_key(state.load_cluster_secret()))
     headers = {"Authorization": f"Bearer {endpoints.engine_key}"}
     async with aiohttp.ClientSession(headers=headers) as session:
         http = profiler._Http(session)

@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from contract.auth import engine_key  # noqa: E402
 from lab.validate_simulator import spec_copy  # noqa: E402
-from orchestrator import cluster  # noqa: E402
+from orchestrator import cluster, state  # noqa: E402
 from orchestrator.autoscale import profiler  # noqa: E402
 from scripts.bench_latency import pdserve  # noqa: E402
 
@@ -66,7 +66,7 @@ class Prefill:
 
 
 async def connect(session_body) -> None:  # noqa: ANN001 - a coroutine taking (http, ep, Prefill)
-    ep = profiler.ClusterEndpoints.from_status(cluster.status(), engine_key(cluster.load_cluster_secret()))
+    ep = profiler.ClusterEndpoints.from_status(cluster.status(), engine_key(state.load_cluster_secret()))
     headers = {"Authorization": f"Bearer {ep.engine_key}"}
     async with aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=900)) as session:
         http = profiler._Http(session)

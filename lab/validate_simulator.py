@@ -125,7 +125,7 @@ class EngineSampler:
     the same status, the autoscaler's ``decisions`` by time (the controller keeps only its last 20)."""
 
     def __init__(self, interval_s: float) -> None:
-        from orchestrator.cluster import ClusterState
+        from orchestrator.state import ClusterState
 
         self.interval_s, self.rows, self._client = interval_s, [], ClusterState.load().client()
         self.decisions: dict[float, dict] = {}

@@ -79,7 +79,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     _print(f"{args.config}: valid: cluster {spec.name!r}, model {spec.model_name!r}, connector {spec.connector}")
     placed = None
     if args.ray_address:
-        from orchestrator.cluster import cluster_nodes
+        from orchestrator.ray_head import cluster_nodes
 
         nodes = cluster_nodes(args.ray_address)
         _print(f"  placed on the Ray cluster at {args.ray_address} ({sum(n.alive for n in nodes)} alive nodes):")
@@ -485,7 +485,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
                 f"{args.config} describes; `pdserve down` it first"
             )
         from contract.auth import engine_key
-        from orchestrator.cluster import load_cluster_secret
+        from orchestrator.state import load_cluster_secret
 
         endpoints = profiler.ClusterEndpoints.from_status(status, engine_key(load_cluster_secret()))
         engines = f"{endpoints.prefill_url} (prefill), {endpoints.decode_url} (decode), {endpoints.proxy_url} (proxy)"

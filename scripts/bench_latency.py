@@ -33,7 +33,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from contract.auth import engine_key  # noqa: E402
-from orchestrator.cluster import load_cluster_secret  # noqa: E402
+from orchestrator.state import load_cluster_secret  # noqa: E402
 
 PDSERVE = [sys.executable, "-m", "orchestrator.cli"]
 ENGINE_HEADERS: dict[str, dict[str, str]] = {}

@@ -299,7 +299,7 @@ def set_decode_pool(cluster: Cluster, name: str, endpoints: list[tuple]) -> None
     (Ray reads its auth mode once per process: this one may have imported Ray already)."""
     script = (
         "import json, sys\n"
-        "from orchestrator.cluster import ClusterState, ray_connection\n"
+        "from orchestrator.state import ClusterState\nfrom orchestrator.ray_head import ray_connection\n"
         "with ray_connection(ClusterState.load()) as ray:\n"
         "    proxy = ray.get_actor(sys.argv[1] + '-proxy')\n"
         "    pool = [(engine, url, tuple(kv)) for engine, url, kv in json.loads(sys.argv[2])]\n"

@@ -167,7 +167,7 @@ def test_up_takes_the_secret_it_is_given_so_a_shared_kv_tier_outlives_the_cluste
     """The KV tier's MAC key is derived from the cluster secret: a cluster given the same secret again accepts
     what the one before it stored; one with a new secret would recompute it all."""
     from contract.auth import SECRET_ENV, SECRET_FILE_ENV, ClusterSecret, new_secret, tier_key, write_secret
-    from orchestrator.cluster import secret_for_up
+    from orchestrator.state import secret_for_up
 
     given = new_secret()
     write_secret(tmp_path / "cluster-secret", given)

@@ -11,7 +11,6 @@ from typing import Any
 
 import pytest
 
-from orchestrator.cluster import ClusterState
 from orchestrator.control import (
     STATUS_SCHEMA,
     ControlClient,
@@ -23,6 +22,7 @@ from orchestrator.control import (
 )
 from orchestrator.control_server import ControlServer
 from orchestrator.errors import ClusterNotRunning
+from orchestrator.state import ClusterState
 
 
 def status_document() -> dict[str, Any]:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import psutil
 
-from orchestrator import cluster
+from orchestrator import ray_head
 
 # Notes when SIGTERM reached it, then exits; or, with "stubborn", ignores SIGTERM.
 CHILD = """
@@ -36,17 +36,17 @@ def start(tmp_path: Path, name: str, how: str = "polite") -> tuple[psutil.Proces
 def test_a_later_stage_is_signalled_only_once_the_earlier_one_is_gone(tmp_path, monkeypatch):
     first, first_note = start(tmp_path, "first")
     last, last_note = start(tmp_path, "last")
-    monkeypatch.setattr(cluster, "STOP_GRACE_S", 5.0)
-    cluster.terminate_trees([last, first], stage=lambda p: 1 if p.pid == last.pid else 0)
+    monkeypatch.setattr(ray_head, "STOP_GRACE_S", 5.0)
+    ray_head.terminate_trees([last, first], stage=lambda p: 1 if p.pid == last.pid else 0)
     assert not first.is_running() and not last.is_running()
     assert float(first_note.read_text()) <= float(last_note.read_text())
 
 
 def test_what_ignores_sigterm_is_killed_after_the_grace(tmp_path, monkeypatch):
     stubborn, note = start(tmp_path, "stubborn", "stubborn")
-    monkeypatch.setattr(cluster, "STOP_GRACE_S", 0.5)
+    monkeypatch.setattr(ray_head, "STOP_GRACE_S", 0.5)
     started = time.monotonic()
-    cluster.terminate_trees([stubborn])
+    ray_head.terminate_trees([stubborn])
     assert not stubborn.is_running() and not note.exists()
     assert time.monotonic() - started < 5
 
@@ -59,5 +59,5 @@ def test_the_gcs_is_the_last_stage_of_a_ray_head():
         def name(self) -> str:
             return self._name
 
-    stages = {name: cluster._ray_stop_stage(Named(name)) for name in ("raylet", "python3", "gcs_server")}
+    stages = {name: ray_head._ray_stop_stage(Named(name)) for name in ("raylet", "python3", "gcs_server")}
     assert stages["gcs_server"] > stages["raylet"] == stages["python3"]
