@@ -303,9 +303,9 @@ def test_decode_ranks_read_their_heads_into_cpu_caches_and_every_prefill_rank_en
             expected = expected_decode_cache(case, rank, original, layer)
             assert torch.equal(cache, expected), f"decode rank {rank}, layer {layer}"
         report = reports[rank]
-        assert report["source"] == "transfer"
+        assert report.source == "transfer"
         num_remote_blocks = len(prefill_block_ids(case))
-        assert report["bytes"] == NUM_LAYERS * num_remote_blocks * len(heads) * 2 * case.prefill_block * HEAD_DIM * 2
+        assert report.bytes == NUM_LAYERS * num_remote_blocks * len(heads) * 2 * case.prefill_block * HEAD_DIM * 2
 
     lease_ends = prefill.wait_lease_ends(case.prefill_tp)
     # a rank that is read was pinned first, by each of its readers; a replica nobody reads never is
