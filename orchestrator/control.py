@@ -110,24 +110,25 @@ def cluster_status(controller: Any, nodes: list[Any] | None) -> dict[str, Any]:
     from contract.wire import ROLES
     from orchestrator.engine_record import engine_status
 
-    spec, records = controller.spec, list(controller.engines.values())
+    pools = controller.pools
+    spec, records = pools.spec, list(pools.engines.values())
     return {
         "schema": STATUS_SCHEMA,
         "name": spec.name,
         "model": spec.model_name,
         "connector": spec.connector,
-        "phase": controller.phase,
+        "phase": pools.phase,
         "error": controller.error,
-        "proxy_url": controller.proxy_url,
+        "proxy_url": controller.proxy.url,
         "started_at": controller.started_at,
         "ready_s": controller.ready_s,
-        "log_dir": str(controller.log_dir),
+        "log_dir": str(pools.log_dir),
         "controller": {"pid": os.getpid(), "restarts": controller.restarts, "api_url": controller.api.url},
         "engines": [engine_status(r) for r in records],
         "hosts": _hosts(nodes or [], records),
         "pools": {
             role: {
-                "target": controller.targets[role],
+                "target": pools.targets[role],
                 "max": spec.max_replicas(role),
                 "ready": sum(r.state == "ready" for r in records if r.role == role),
                 "moving": sum(r.state == "moving" for r in records if r.role == role),
@@ -136,7 +137,7 @@ def cluster_status(controller: Any, nodes: list[Any] | None) -> dict[str, Any]:
             for role in ROLES
         },
         "autoscaler": controller.autoscaler.status() if controller.autoscaler is not None else None,
-        "moves": list(controller.moves),
+        "moves": list(pools.moves),
         "events": controller.log.events,
     }
 

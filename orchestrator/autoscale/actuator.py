@@ -248,7 +248,7 @@ class Autoscaler:
     """The loop: the controller hands it how to list engines and how to scale; it does the rest.
 
     ``engines()`` returns ``(engine_id, role, state, url)`` of every engine the
-    controller has; ``scale(targets, reason)`` is ``ClusterController.scale``.
+    controller has; ``scale(targets, reason)`` is ``PoolChanges.scale`` (moves allowed, engines kept warm).
     """
 
     def __init__(

@@ -15,6 +15,7 @@ from orchestrator.control import cluster_status, schema_problems
 from orchestrator.engine_record import EngineRecord, replica
 from orchestrator.event_log import SNAPSHOT_NAME, EventLog
 from orchestrator.placement import HEAD_RESOURCE, Node
+from orchestrator.pools import Pools
 from orchestrator.spec import ClusterSpec
 from tests.unit.conftest import spec_dict
 from tests.unit.proxy_requests import wait_until
@@ -89,10 +90,11 @@ def test_the_status_document_is_the_documented_schema():
     spec = ClusterSpec.model_validate(spec_dict())
     engines = {r.engine_id: r for r in pool("ready", "draining")}
     engines["prefill-0"].host = "10.0.0.1"
+    pools = Pools(spec, {}, Path("/tmp/logs"), {"prefill": 2, "decode": 1}, engines, phase="ready")
     controller = SimpleNamespace(
-        spec=spec, engines=engines, phase="ready", error=None, proxy_url="http://127.0.0.1:8000", started_at=1.0,
-        ready_s=2.0, log_dir=Path("/tmp/logs"), restarts=0, api=SimpleNamespace(url="http://127.0.0.1:9"),
-        targets={"prefill": 2, "decode": 1}, autoscaler=None, log=SimpleNamespace(events=[]), moves=[],
+        pools=pools, error=None, proxy=SimpleNamespace(url="http://127.0.0.1:8000"), started_at=1.0,
+        ready_s=2.0, restarts=0, api=SimpleNamespace(url="http://127.0.0.1:9"), autoscaler=None,
+        log=SimpleNamespace(events=[]),
     )  # fmt: skip
     nodes = [
         Node("a", "10.0.0.1", {"ray.io/node-id": "a", "pool": "p"}, {HEAD_RESOURCE: 1.0}, alive=False),
@@ -153,25 +155,26 @@ class _DeadActor:
 async def test_a_watched_engine_that_dies_leaves_the_pool_and_a_retired_one_stays_retired():
     from ray.exceptions import RayActorError
 
-    from tests.unit.test_keep_warm import controller
+    from orchestrator.supervision import EngineSupervisor
+    from tests.unit.controller_factories import Events, Tasks, pools
 
-    c = controller()
     published: list[str] = []
 
-    async def publish(role: str) -> None:
-        published.append(role)
+    class Publisher:
+        async def publish(self, role: str) -> None:
+            published.append(role)
 
-    c._publish = publish  # type: ignore[method-assign]
-    ready = c.engines["prefill-0"] = EngineRecord("prefill-0", "prefill", state="ready")
+    c = EngineSupervisor(pools(), None, Publisher(), Events(), Tasks())  # type: ignore[arg-type]
+    ready = c.pools.engines["prefill-0"] = EngineRecord("prefill-0", "prefill", state="ready")
     ready.handle = _DeadActor(RayActorError())
-    await c._check_engine(ready)
+    await c._check(ready)
     assert ready.state == "restarting" and published == ["prefill"]
     assert c.events == ["prefill-0 stopped answering (RayActorError); out of the pool"]
 
-    draining = c.engines["prefill-1"] = EngineRecord("prefill-1", "prefill", state="ready")
+    draining = c.pools.engines["prefill-1"] = EngineRecord("prefill-1", "prefill", state="ready")
     draining.handle = _DeadActor(RayActorError())
     draining.handle.dies.clear()
-    call = asyncio.create_task(c._check_engine(draining))
+    call = asyncio.create_task(c._check(draining))
     await asyncio.sleep(0.01)  # the watch is under way
     draining.state = "draining"  # retired meanwhile: its actor is killed
     draining.handle.dies.set()

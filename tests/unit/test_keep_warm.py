@@ -1,6 +1,6 @@
 """The controller's engines kept warm (``autoscaling.keep_warm_s``): how long, and when the budget needs their room.
 
-The controller's own methods on a controller without Ray (no engines start or stop here); the real path, a
+``PoolChanges`` without Ray (``tests/unit/controller_factories.py``) (no engines start or stop here); the real path, a
 scale-down kept warm and taken back on a running cluster, is ``tests/integration/test_autoscale.py``.
 """
 
@@ -9,30 +9,17 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from pathlib import Path
 
 from orchestrator.control import ENGINE_FIELDS
-from orchestrator.controller import ClusterController
 from orchestrator.engine_record import EngineRecord, engine_status
-from orchestrator.spec import ClusterSpec
-
-CONFIG = Path(__file__).resolve().parents[2] / "configs" / "local-cpu-autoscale.yaml"  # max_engines 3
-
-
-def controller() -> ClusterController:
-    c = ClusterController.__new__(ClusterController)
-    c.spec = ClusterSpec.from_file(CONFIG)
-    c.targets = {"prefill": 1, "decode": 1}
-    c.engines = {}
-    c.events = []
-    c._event = lambda message: c.events.append(message)  # type: ignore[method-assign]
-    return c
+from orchestrator.pool_changes import PoolChanges
+from tests.unit.controller_factories import pool_changes as controller
 
 
-def warm(c: ClusterController, engine_id: str, since: float) -> EngineRecord:
+def warm(c: PoolChanges, engine_id: str, since: float) -> EngineRecord:
     record = EngineRecord(engine_id, engine_id.split("-")[0], state="draining")
     record.warm_since, record.warm_cut = since, asyncio.Event()
-    c.engines[engine_id] = record
+    c.pools.engines[engine_id] = record
     return record
 
 
@@ -43,7 +30,7 @@ async def test_engines_are_kept_warm_only_in_the_budget_the_targets_leave():
     assert c._warm() == [old, new] and c._warm_room() == -1
     c._fit_warm()  # one too many: the longest-warm gives its room
     assert old.warm_cut.is_set() and not new.warm_cut.is_set()
-    c.targets["decode"] = 2  # a scale-up of the other pool needs the last one's room too
+    c.pools.targets["decode"] = 2  # a scale-up of the other pool needs the last one's room too
     c._fit_warm()
     assert new.warm_cut.is_set() and c._warm() == []
 
@@ -59,10 +46,10 @@ async def test_a_warm_engine_waits_keep_warm_s_unless_its_room_is_needed():
     assert record.warm_since is None and record.warm_cut is None
 
     c.events.clear()
-    c.engines["prefill-1"] = record
+    c.pools.engines["prefill-1"] = record
     task = asyncio.create_task(c._keep_warm(record, 60))
     await asyncio.sleep(0.05)
-    c.targets["prefill"] = 2  # the budget: 2 + 1 targets, and it
+    c.pools.targets["prefill"] = 2  # the budget: 2 + 1 targets, and it
     c._fit_warm()
     await asyncio.wait_for(task, 5)
     assert c.events[-1] == "prefill-1 no longer kept warm: autoscaling.max_engines needs its room"

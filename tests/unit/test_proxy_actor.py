@@ -15,13 +15,15 @@ import pytest
 
 from contract.auth import PROXY_ENGINE_KEY_ENV, SECRET_ENV, SECRET_FILE_ENV, ClusterSecret, EngineKey, engine_key
 from orchestrator import engine_handles, proxy_actor
-from orchestrator.controller import ClusterController
+from orchestrator.pools import Pools
 from orchestrator.proxy_actor import ProxyActor
+from orchestrator.proxy_link import ProxyLink
 from orchestrator.spec import ClusterSpec
 from proxy.app import ProxyConfig
 from proxy.server import listen_socket
 from tests.stub_engine import answer_text
 from tests.unit.conftest import TEST_SECRET, spec_dict
+from tests.unit.controller_factories import Events
 
 pytestmark = pytest.mark.timeout(20)
 
@@ -159,15 +161,16 @@ async def test_the_controller_hands_the_proxy_actor_the_engine_key_alone(monkeyp
             return SimpleNamespace(start=SimpleNamespace(remote=started))
 
     monkeypatch.setattr(engine_handles.ray, "remote", lambda cls: ProxyClass())
-    c = ClusterController.__new__(ClusterController)
-    c.spec = ClusterSpec.model_validate(spec_dict())
-    c.handles = engine_handles.EngineHandles(c.spec, TEST_SECRET, tmp_path)
-    c.log_dir, c.events, c.proxy_url = tmp_path, [], "http://0.0.0.0:8000"
-    c._event = lambda message: c.events.append(message)  # type: ignore[method-assign]
-    await c._start_proxy()
+    spec = ClusterSpec.model_validate(spec_dict())
+    link = ProxyLink(
+        Pools(spec, {}, tmp_path, {"prefill": 1, "decode": 1}),
+        engine_handles.EngineHandles(spec, TEST_SECRET, tmp_path),
+        Events(),
+    )
+    await link.start()
 
     [args] = given
     assert not any(type(arg) is ClusterSecret for arg in args)  # an EngineKey, from which no other key derives
     assert TEST_SECRET.reveal() not in repr(args)
     assert args[-1] == EngineKey.of(TEST_SECRET)
-    assert c.proxy_url == "http://127.0.0.1:8000"
+    assert link.url == "http://127.0.0.1:8000"

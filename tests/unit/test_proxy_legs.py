@@ -212,7 +212,7 @@ async def test_after_many_requests_ending_every_way_at_once_every_count_is_zero(
 
 async def wait_drained(pool, engine_id: str, role: str, poll_s: float = 0.02) -> float:
     """What the controller does before it moves or stops a draining engine: wait until the proxy has
-    nothing in flight on it (``orchestrator.pool_scaling._busy``). When it ended (``time.monotonic``)."""
+    nothing in flight on it (``orchestrator.pool_changes.PoolChanges._busy``). When it ended (``time.monotonic``)."""
     while any(e["engine_id"] == engine_id and e["in_flight"] for e in pool.snapshot()[role]):
         await asyncio.sleep(poll_s)
     return time.monotonic()
