@@ -54,14 +54,11 @@ def model_flags(model: type[BaseModel], prefix: tuple[str, ...] = ()) -> list[Mo
 def add_model_flags(
     parser: argparse.ArgumentParser | argparse._ArgumentGroup,
     model: type[BaseModel],
-    aliases: dict[str, tuple[str, ...]] | None = None,
 ) -> list[ModelFlag]:
-    """A flag for each setting of ``model``; ``aliases`` maps a dotted field to further option strings."""
-    aliases = aliases or {}
+    """A flag for each setting of ``model``."""
     flags = model_flags(model)
     for flag in flags:
-        names = (flag.name, *aliases.get(".".join(flag.path), ()))
-        parser.add_argument(*names, dest=flag.dest, default=argparse.SUPPRESS, **_argument(flag))
+        parser.add_argument(flag.name, dest=flag.dest, default=argparse.SUPPRESS, **_argument(flag))
     return flags
 
 

@@ -21,7 +21,7 @@ report messages of the requests it serves. So an admin may add an engine only
 on a host of the cluster: one of the hosts of the engines the orchestrator or
 the command line gave the pool (``EnginePool.cluster_hosts``), or an address
 in ``ProxyConfig.admin_engine_networks`` (CIDRs: ``pdserve proxy
---admin-engine-network 10.0.0.0/16``). That holds for its URL and for every
+--admin-engine-networks 10.0.0.0/16``). That holds for its URL and for every
 side-channel endpoint. A host name matches only a cluster host of the same
 name; networks match only IP addresses as written (a name could later resolve
 anywhere). Anything else is refused (400, ``param`` ``url`` or

@@ -229,7 +229,7 @@ def test_phases_are_said_in_seconds_since_the_engine_was_asked_for():
 
 
 def test_up_on_a_terminal_redraws_a_line_with_each_starting_engines_phase(capsys):
-    from orchestrator.cli import _EventPrinter
+    from orchestrator.cli.cluster import EventPrinter
 
     status = {
         "engines": [
@@ -238,14 +238,14 @@ def test_up_on_a_terminal_redraws_a_line_with_each_starting_engines_phase(capsys
             {"engine_id": "decode-1", "state": "ready", "phases": []},
         ]
     }
-    live = _EventPrinter(live=True)
+    live = EventPrinter(live=True)
     live.status(status)
     live({"t": live.t0 + 1, "message": "prefill-0: KV cache allocated (+13.0s)"})
     out = capsys.readouterr().out
     assert "starting: prefill-0: weights loaded; decode-0: asked for" in out
     assert "\r\033[K[   1.0s] prefill-0: KV cache allocated (+13.0s)\n" in out  # the live line erased first
 
-    plain = _EventPrinter(live=False)
+    plain = EventPrinter(live=False)
     plain.status(status)
     plain({"t": plain.t0, "message": "cluster ready"})
     assert capsys.readouterr().out == "[   0.0s] cluster ready\n"  # lines only

@@ -272,8 +272,8 @@ async def test_an_api_key_variable_that_is_not_set_is_an_error(unused_url):
 
 
 async def test_an_admin_engine_network_that_is_not_one_is_an_error(unused_url):
-    args = ("--prefill", unused_url, "--decode", unused_url, "--model", "m", "--admin-engine-network", "10.0.0.0/8")
-    process = await run_cli(*args, "--admin-engine-network", "ten-dot-something", "--port", "0")
+    args = ("--prefill", unused_url, "--decode", unused_url, "--model", "m", "--admin-engine-networks", "10.0.0.0/8")
+    process = await run_cli(*args, "--admin-engine-networks", "ten-dot-something", "--port", "0")
     out, err = await asyncio.wait_for(process.communicate(), START_TIMEOUT_S)
 
     assert process.returncode == 1
@@ -327,11 +327,12 @@ def test_prefill_and_decode_are_required(capsys):
 
 
 def test_routing_flags():
-    from orchestrator.cli import build_parser, proxy_settings
+    from orchestrator.cli import build_parser
+    from orchestrator.cli.proxy import proxy_settings
 
     args = build_parser().parse_args(
         ["proxy", "--prefill", "http://p:1", "--decode", "http://d:1"]
-        + ["--prefill-policy", "prefix_aware", "--routing-decode", "least_loaded", "--decode-only-below-tokens", "64"]
+        + ["--routing-prefill", "prefix_aware", "--routing-decode", "least_loaded", "--decode-only-below-tokens", "64"]
         + ["--decode-only-if-cached", "--prefill-retries", "2", "--health-interval-s", "0", "--unhealthy-after", "4"]
         + ["--decode-retries", "0", "--no-degrade"]
     )
@@ -350,7 +351,7 @@ def test_routing_flags():
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--prefill-policy", "random"], "invalid choice: 'random'"),
+        (["--routing-prefill", "random"], "invalid choice: 'random'"),
         (
             ["--decode-only-below-tokens", "-1"],
             "--decode-only-below-tokens: Input should be greater than or equal to 0",
