@@ -75,7 +75,6 @@ __all__ = [
     "load_engine_key",
     "load_secret",
     "new_secret",
-    "tier_key",
     "write_secret",
 ]
 
@@ -97,7 +96,6 @@ MAX_MESSAGE_TTL_S = 24 * 3600.0
 _MIN_SECRET_BYTES = 16
 _ENGINE_KEY_LABEL = b"pdserve engine api key v1"
 _KV_KEY_LABEL = b"pdserve kv plane v1"
-_TIER_KEY_LABEL = b"pdserve kv tier v1"
 _MAC_HEX = 64
 EXPIRED_REASON = "expired"
 """How ``check_params`` starts its reason for genuine parameters whose lease is over."""
@@ -336,9 +334,3 @@ def load_engine_key(environ: Mapping[str, str] | None = None) -> str:
         f"(`pdserve secret FILE --engine-key-file OUT` writes one), or give the cluster secret ({SECRET_ENV}, "
         f"or {SECRET_FILE_ENV} to a file holding it) to derive it from"
     )
-
-
-def tier_key(secret: ClusterSecret) -> bytes:
-    """What MAC'd the KV tier's entries of format 2 (before the tier kept a key of its own, ``connectors.tier.key``):
-    no longer used by the tier. Kept only for ``tests/unit/test_cli.py``, which still names it; remove both."""
-    return _derive(secret, _TIER_KEY_LABEL)

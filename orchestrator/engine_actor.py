@@ -21,20 +21,17 @@ Failure handling:
 Its HTTP server answers only the cluster (``orchestrator.engine_guard``): the
 engine key on every route but ``/health`` and ``/metrics``.
 
-vLLM is imported only here, inside the methods that need it.
+vLLM is imported only here and in ``orchestrator.engine_server``, inside the functions that need it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import datetime
 import logging
 import os
-import re
 import secrets
 import shutil
-import socket
 import sys
 import tempfile
 import threading
@@ -49,39 +46,20 @@ from connectors.tier import LAYOUT_ENV, REGION_ENV, region_file
 from contract.auth import ENGINE_KEY_ENV, SECRET_ENV, ClusterSecret, engine_key
 from contract.private_files import make_private_dirs
 from orchestrator.engine_guard import guard
+from orchestrator.engine_log import START_PHASES, error_excerpt, logged_at
+from orchestrator.engine_processes import end_children, parse_cores, pin_process_tree
+from orchestrator.engine_server import engine_in_placement_group, listen_socket, node_address, once_a_second
 from orchestrator.errors import EngineStartError
 from orchestrator.launch import EngineLaunch
 from orchestrator.logs import redirect_output
-from orchestrator.paths import compile_cache_dir, engine_temp_dir
-from orchestrator.shm import (
-    is_resource_tracker,
-    mapped,
-    read_record,
-    record_of,
-    remove_unheld,
-    stop_resource_tracker,
-)
-from proxy.server import listen_socket as proxy_listen_socket
+from orchestrator.paths import compile_cache_dir, engine_temp_dir, fresh_temp_dir
+from orchestrator.shm import ShmRecord, is_resource_tracker, stop_resource_tracker
 
 logger = logging.getLogger(__name__)
 
 WATCHDOG_INTERVAL_S = 1.0
 WATCH_STEP_S = 1.0  # how often a watch (``EngineActor.watch``) looks at the state, inside the actor
 PHASE_READ_S = 0.5  # how often a start reads vLLM's new log lines for its phases
-START_PHASES = (
-    ("actor placed", None),
-    ("vLLM imported", None),
-    ("engine core started", "Initializing a V1 LLM engine"),
-    ("weights loaded", "Loading weights took"),
-    ("KV cache allocated", "KV cache size:"),
-    ("warmed up", "init engine (profile, create kv cache, warmup model) took"),
-    ("ready", None),
-)
-"""The phases of an engine's start, in order, and the line of vLLM's log that ends each one (None: the actor
-itself notes it). A phase vLLM does not log (a version that words it otherwise) is left out, never guessed."""
-SHM_NOTE_INTERVAL_S = 2.0
-"""While an engine starts, how often it notes the /dev/shm files its processes hold."""
-SERVER_TICK_S = 1.0
 SIDE_CHANNEL_PROBE_S = 5.0
 SIDE_CHANNEL_PING_TIMEOUT_S = 5.0
 SIDE_CHANNEL_UNHEALTHY_AFTER = 2
@@ -94,156 +72,6 @@ CONTROL_GROUP = "control"
 PROGRESS_GROUP = "progress"  # ``progress``: answered while vLLM's start holds the main loop
 ENGINE_ACTOR_GROUPS = {CONTROL_GROUP: 1, PROGRESS_GROUP: 1}
 STOP_KILL_AFTER_S = 10.0  # a start's processes that outlive SIGTERM this long are killed
-_QUIET_LINE = re.compile(r"\b(INFO|DEBUG)\b")
-_ERROR_LINE = re.compile(r"(Error|Exception|error:|Traceback|raise |failed)", re.IGNORECASE)
-
-
-def parse_cores(cpu_bind: str) -> set[int]:
-    """``'0-1|4'`` (vLLM's VLLM_CPU_OMP_THREADS_BIND) -> ``{0, 1, 4}``."""
-    cores: set[int] = set()
-    for part in cpu_bind.replace("|", ",").split(","):
-        first, _, last = part.partition("-")
-        cores.update(range(int(first), int(last or first) + 1))
-    return cores
-
-
-def _end_children(kill: bool) -> None:
-    """Terminate (``kill``: kill) this process's descendants, all but Python's resource tracker (it removes
-    what they registered once they are gone)."""
-    import psutil
-
-    with contextlib.suppress(psutil.Error):
-        for child in psutil.Process(os.getpid()).children(recursive=True):
-            if not is_resource_tracker(child):
-                with contextlib.suppress(psutil.Error):
-                    child.kill() if kill else child.terminate()
-
-
-def pin_process_tree(pid: int, cores: set[int]) -> int:
-    """Confine every thread of ``pid`` and its descendants to ``cores``; return threads pinned.
-
-    vLLM's NixlConnector on CPU moves its worker thread to the last core of each
-    NUMA node (to keep KV transfers off the model's cores). On a small machine that
-    puts the model of every engine on one shared core; this puts each engine back
-    on its own cores.
-    """
-    import psutil
-
-    pinned = 0
-    root = psutil.Process(pid)
-    for proc in [root, *root.children(recursive=True)]:
-        try:
-            threads = proc.threads()
-        except psutil.Error:
-            continue
-        for thread in threads:
-            with contextlib.suppress(OSError):
-                os.sched_setaffinity(thread.id, cores)
-                pinned += 1
-    return pinned
-
-
-def _once_a_second(server: type) -> type:
-    """``server`` (a uvicorn ``Server`` class) waking once a second instead of ten times, and at once on ``exit()``.
-
-    uvicorn's main loop wakes every 0.1 s to see whether it should exit and, every tenth time, to renew its
-    ``Date`` header. In an idle engine each wake-up must take the GIL from Ray's main thread, which takes it
-    a hundred times a second to check for signals (README, "Idle engines"). Every tick is now the header's
-    tick; the only other check, exiting, is woken directly.
-    """
-
-    class OnceASecond(server):
-        def exit(self) -> None:
-            self.should_exit = True
-            if (wake := getattr(self, "_wake", None)) is not None:
-                wake.set()
-
-        async def main_loop(self) -> None:
-            self._wake = asyncio.Event()
-            tick = 0
-            while not await self.on_tick(tick * 10):  # uvicorn renews the header when ``counter % 10 == 0``
-                tick += 1
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), SERVER_TICK_S)
-
-    return OnceASecond
-
-
-def listen_socket(host: str, port: int) -> socket.socket:
-    """A bound, listening TCP socket for vLLM's uvicorn, created with IPPROTO_TCP.
-
-    asyncio turns Nagle's algorithm off (TCP_NODELAY) only on sockets whose
-    ``proto`` is IPPROTO_TCP; vLLM's helper makes them with proto 0, and on the
-    default event loop every small response then waits ~40 ms for a delayed ACK.
-    The proxy's sockets are made the same way (``proxy.server.listen_socket``).
-    """
-    sock = proxy_listen_socket(host, port)
-    sock.listen(2048)
-    return sock
-
-
-_LOGGED_AT = re.compile(r"\b(\d\d)-(\d\d) (\d\d):(\d\d):(\d\d)\b")
-
-
-def _logged_at(line: str) -> float | None:
-    """When vLLM logged ``line`` (its ``MM-DD hh:mm:ss`` stamp, local time, this year), or None (then: now)."""
-    if (m := _LOGGED_AT.search(line)) is None:
-        return None
-    with contextlib.suppress(ValueError):
-        month, day, hour, minute, second = map(int, m.groups())
-        return datetime.datetime(datetime.date.today().year, month, day, hour, minute, second).timestamp()
-    return None
-
-
-def error_excerpt(log_text: str, exc: BaseException | None = None, max_lines: int = 12) -> str:
-    """vLLM's own words about why an engine failed: the last error lines of its log."""
-    lines = [line.rstrip() for line in log_text.splitlines()[-400:]]
-    picked = [
-        line for line in lines if _ERROR_LINE.search(line) and not _QUIET_LINE.search(line) and "Traceback" not in line
-    ]
-    excerpt = list(dict.fromkeys(picked))[-max_lines:]
-    if exc is not None:
-        summary = f"{type(exc).__name__}: {exc}"
-        if summary not in excerpt:
-            excerpt.append(summary)
-    return "\n".join(excerpt) or "(the engine's log holds no error line)"
-
-
-@contextlib.asynccontextmanager
-async def _engine_in_placement_group(args: Any) -> Any:
-    """vLLM's engine for a GPU engine actor: its TP workers go into this actor's placement group.
-
-    vLLM's engine core runs in a child process, where Ray's "current placement group" is unknown;
-    vLLM takes one from ``parallel_config.placement_group`` instead (as Ray Serve LLM hands it).
-    Otherwise as vLLM's own ``build_async_engine_client``.
-    """
-    import ray
-    from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.usage.usage_lib import UsageContext
-    from vllm.v1.engine.async_llm import AsyncLLM
-
-    engine_args = AsyncEngineArgs.from_cli_args(args)
-    config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
-    config.parallel_config.placement_group = ray.util.get_current_placement_group()
-    engine = AsyncLLM.from_vllm_config(
-        vllm_config=config,
-        usage_context=UsageContext.OPENAI_API_SERVER,
-        enable_log_requests=engine_args.enable_log_requests,
-        disable_log_stats=engine_args.disable_log_stats,
-    )
-    try:
-        yield engine
-    finally:
-        engine.shutdown()
-
-
-def _node_address(interface: str | None) -> str:
-    """The address other hosts reach this engine at (its Ray node IP, or ``interface``'s)."""
-    import ray
-
-    from orchestrator.address import advertised_address
-
-    return advertised_address(interface, ray.util.get_node_ip_address())
 
 
 class EngineActor:
@@ -253,7 +81,7 @@ class EngineActor:
         self, launch: EngineLaunch, log_path: str, interface: str | None = None, secret: ClusterSecret | None = None
     ) -> None:
         if launch.host is None or launch.bind:
-            launch = launch.on_host(launch.host or _node_address(interface), launch.bind)
+            launch = launch.on_host(launch.host or node_address(interface), launch.bind)
         self.launch = launch
         self.log_path = Path(log_path)
         self.state = "idle"
@@ -276,7 +104,7 @@ class EngineActor:
         # What vLLM's processes leave in /dev/shm when they do not exit cleanly, noted while they run;
         # a record left by an earlier run of this engine (Ray restarted the actor after a crash) is
         # cleaned up now.
-        self._shm_record = record_of(self.log_path)
+        self._shm = ShmRecord(self.log_path)
         self._remove_shm_leftovers()
         os.environ[REGION_ENV] = f"{launch.engine_id}-{secrets.token_hex(4)}"
         # This start of the engine, for its scheduler and every worker (KV parameters, handshakes, pins): a
@@ -350,7 +178,7 @@ class EngineActor:
             for line in lines:
                 for name, said in START_PHASES:
                     if said is not None and said in line:
-                        self._phase(name, _logged_at(line))
+                        self._phase(name, logged_at(line))
 
     async def start(self) -> dict[str, Any]:
         """Start vLLM (or wait for the start under way: a restarted controller asks again); its ``info()``."""
@@ -369,7 +197,7 @@ class EngineActor:
     async def _start(self) -> None:
         started = time.monotonic()
         logger.info("engine %s: starting vLLM (%s)", self.launch.engine_id, " ".join(self.launch.vllm_args))
-        noting = asyncio.create_task(self._note_shm_while_starting())
+        noting = asyncio.create_task(self._shm.note_while_starting())
         try:
             await self._start_vllm()
         except BaseException as e:  # noqa: BLE001 - any failure, reported with vLLM's words
@@ -387,7 +215,7 @@ class EngineActor:
             logger.info("engine %s: %d threads pinned to cores %s", self.launch.engine_id, pinned, self.launch.cpu_bind)
         self.load_s = time.monotonic() - started
         self._remove_shm_leftovers(this_start_too=False)  # what a crashed start's children still held at first
-        self._note_shm()
+        self._shm.note()
         self._phase("ready")
         self.state = "ready"
         logger.info("engine %s ready at %s in %.1fs", self.launch.engine_id, self.url, self.load_s)
@@ -407,12 +235,12 @@ class EngineActor:
         args = make_arg_parser(FlexibleArgumentParser()).parse_args(self.launch.vllm_args)
         validate_parsed_serve_args(args)
         shutil.rmtree(self._tier_layouts, ignore_errors=True)  # this start's tiers write theirs again
-        self._fresh_temp_dir()
+        fresh_temp_dir(self._temp_dir)
         # Bind before loading the model so that a taken port fails in a second, not a minute.
         sock = listen_socket(args.host, args.port)
         self._stack = contextlib.AsyncExitStack()
         self._stack.callback(sock.close)
-        engine = _engine_in_placement_group(args) if self.launch.placement.bundles else build_async_engine_client(args)
+        engine = engine_in_placement_group(args) if self.launch.placement.bundles else build_async_engine_client(args)
         engine_client = await self._stack.enter_async_context(engine)
         supported_tasks = await engine_client.get_supported_tasks()
         app = build_app(args, supported_tasks, engine_client.model_config)
@@ -424,7 +252,7 @@ class EngineActor:
             access_log=False,
             timeout_keep_alive=30,
         )
-        self._server = _once_a_second(NoSignalServer)(config)
+        self._server = once_a_second(NoSignalServer)(config)
         app.state.server = self._server
         serve = asyncio.create_task(self._server.serve(sockets=[sock]))
         while not self._server.started:
@@ -498,60 +326,19 @@ class EngineActor:
         # fails, and it cleans up after itself on the main loop as after any failed start.
         started = time.monotonic()
         while self.state == "starting" and time.monotonic() - started < 6 * STOP_KILL_AFTER_S:
-            await asyncio.to_thread(_end_children, time.monotonic() - started > STOP_KILL_AFTER_S)
+            await asyncio.to_thread(end_children, time.monotonic() - started > STOP_KILL_AFTER_S)
             await asyncio.sleep(0.2)
         await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._close(), loop))
         self.state = "idle"
 
-    def _note_shm(self) -> None:
-        """Add the /dev/shm files this engine's processes hold now to its record."""
-        import psutil
-
-        with contextlib.suppress(psutil.Error, OSError):
-            pids = [os.getpid(), *(p.pid for p in psutil.Process(os.getpid()).children(recursive=True))]
-            held = {str(path) for path in mapped(pids)} | set(self._recorded_shm())
-            self._shm_record.write_text("".join(f"{path}\n" for path in sorted(held)))
-
-    def _recorded_shm(self) -> list[str]:
-        return read_record(self._shm_record)
-
-    async def _note_shm_while_starting(self) -> None:
-        """Note the start's /dev/shm files as they appear. An engine stopped or killed while it starts (the
-        autoscaler shrinking a pool during a scale-up) never reaches ready, where they used to be noted
-        first: its message queues (``psm_*``, 160-250 MB each) and semaphores were left behind."""
-        while True:
-            await asyncio.sleep(SHM_NOTE_INTERVAL_S)
-            self._note_shm()
-
     def _remove_shm_leftovers(self, this_start_too: bool = True) -> None:
-        """Remove the recorded /dev/shm files (and, when this start is over, its tier region) that no process
-        holds. Those still held stay in the record for the next look: after a crash, the dead engine's
-        children can outlive it by a moment, holding its files when the restarted actor first looks, so the
-        engine looks again once it is ready. (The semaphores a whole suite run used to leave were never in
-        the record at all: their mappings show another name; ``orchestrator.shm`` now finds them by inode.)
-        """
-        recorded = self._recorded_shm()
-        if this_start_too:
-            region = os.environ.get(REGION_ENV)  # unset before the first start
-            candidates = [*recorded, *([region_file(region)] if region else [])]
-            remove_unheld((Path(path) for path in candidates), ignore=os.getpid())  # this actor is done with them
-        else:  # this start's files are in use, and none of them is in the record yet
-            remove_unheld(Path(path) for path in recorded)
-        if left := [path for path in recorded if Path(path).exists()]:
-            self._shm_record.write_text("".join(f"{path}\n" for path in left))
-        else:
-            self._shm_record.unlink(missing_ok=True)
-
-    def _fresh_temp_dir(self) -> None:
-        """This engine's temp dir, empty (a crashed start's files go) and private."""
-        shutil.rmtree(self._temp_dir, ignore_errors=True)
-        self._temp_dir.mkdir(mode=0o700)
-        tempfile.tempdir = str(self._temp_dir)
+        region = os.environ.get(REGION_ENV)  # unset before the first start
+        self._shm.remove_leftovers(Path(region_file(region)) if region and this_start_too else None, this_start_too)
 
     async def _close(self) -> None:
         import psutil
 
-        self._note_shm()
+        self._shm.note()
         if self._server is not None:
             self._server.exit()
         for task in self._tasks:

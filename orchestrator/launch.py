@@ -24,13 +24,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from connectors.tier import TIER_HASH_ALGO
+from connectors.vllm_plugin import CALM_NIXL_ENV, FORK_WORKERS_ENV
 from contract import wire
 from contract.wire import LISTEN_ALL, ROLES, http_url, side_channel_endpoints
 from orchestrator import placement
 from orchestrator.models import resolve_dtype, resolve_model
 from orchestrator.placement import Placement, engine_placement
 from orchestrator.spec import ClusterSpec
-from orchestrator.vllm_plugin import CALM_NIXL_ENV, FORK_WORKERS_ENV
 
 LOCAL_HOST = "127.0.0.1"
 GIB = 1 << 30
@@ -307,7 +307,7 @@ def plan_engines(spec: ClusterSpec, host: str | None = LOCAL_HOST) -> list[Engin
             if spec.device == "cpu":
                 env["VLLM_CPU_OMP_THREADS_BIND"] = bindings[engine_id]
                 env["VLLM_CPU_KVCACHE_SPACE"] = str(spec.engine.kv_cache_gib)
-                # orchestrator.vllm_plugin: the engine core forks its workers; vLLM's NIXL thread sleeps (it
+                # connectors.vllm_plugin: the engine core forks its workers; vLLM's NIXL thread sleeps (it
                 # would spin the engine's core). engine.env may turn either off ("0").
                 env.setdefault(FORK_WORKERS_ENV, "1")
                 if spec.connector == "vllm-nixl":

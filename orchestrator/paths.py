@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -32,3 +33,10 @@ def engine_temp_dir(log_path: Path) -> Path:
     system's temp dir, since vLLM puts Unix sockets in it (their paths have a limit of about 100 bytes)."""
     digest = hashlib.sha1(str(log_path.resolve()).encode()).hexdigest()[:12]
     return Path(tempfile.gettempdir()) / f"pdserve-engine-{os.getuid()}-{digest}"
+
+
+def fresh_temp_dir(temp_dir: Path) -> None:
+    """An engine's temp dir, empty (a crashed start's files go) and private; this process's temp dir too."""
+    shutil.rmtree(temp_dir, ignore_errors=True)
+    temp_dir.mkdir(mode=0o700)
+    tempfile.tempdir = str(temp_dir)

@@ -14,6 +14,7 @@ process on the machine holds any more. Files in sub-directories (the node tier's
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -27,6 +28,8 @@ logger = logging.getLogger(__name__)
 SHM_DIR = Path("/dev/shm")
 RECORD_SUFFIX = ".shm"
 """An engine's record of its files, beside its log: ``prefill-0.log.shm``, one path a line."""
+NOTE_INTERVAL_S = 2.0
+"""While an engine starts, how often it notes the /dev/shm files its processes hold."""
 
 
 def record_of(log_path: Path) -> Path:
@@ -126,3 +129,47 @@ def remove_unheld(paths: Iterable[Path], ignore: int | None = None) -> list[Path
     if removed:
         logger.info("removed %d shared-memory file(s) no process holds: %s", len(removed), ", ".join(map(str, removed)))
     return removed
+
+
+class ShmRecord:
+    """An engine actor's record of the /dev/shm files its processes hold (``record_of`` its log), noted while
+    they run and removed once no process holds them."""
+
+    def __init__(self, log_path: Path) -> None:
+        self.path = record_of(log_path)
+
+    def recorded(self) -> list[str]:
+        return read_record(self.path)
+
+    def note(self) -> None:
+        """Add the /dev/shm files this process and its descendants hold now to the record."""
+        with contextlib.suppress(psutil.Error, OSError):
+            pids = [os.getpid(), *(p.pid for p in psutil.Process(os.getpid()).children(recursive=True))]
+            held = {str(path) for path in mapped(pids)} | set(self.recorded())
+            self.path.write_text("".join(f"{path}\n" for path in sorted(held)))
+
+    async def note_while_starting(self) -> None:
+        """Note a start's /dev/shm files as they appear. An engine stopped or killed while it starts (the
+        autoscaler shrinking a pool during a scale-up) never reaches ready, where they used to be noted
+        first: its message queues (``psm_*``, 160-250 MB each) and semaphores were left behind."""
+        while True:
+            await asyncio.sleep(NOTE_INTERVAL_S)
+            self.note()
+
+    def remove_leftovers(self, region: Path | None = None, this_start_too: bool = True) -> None:
+        """Remove the recorded /dev/shm files (and, when this start is over, its tier ``region``) that no process
+        holds. Those still held stay in the record for the next look: after a crash, the dead engine's
+        children can outlive it by a moment, holding its files when the restarted actor first looks, so the
+        engine looks again once it is ready. (The semaphores a whole suite run used to leave were never in
+        the record at all: their mappings show another name; ``_held`` finds them by inode.)
+        """
+        recorded = self.recorded()
+        if this_start_too:
+            candidates = [*recorded, *([region] if region else [])]
+            remove_unheld((Path(path) for path in candidates), ignore=os.getpid())  # this actor is done with them
+        else:  # this start's files are in use, and none of them is in the record yet
+            remove_unheld(Path(path) for path in recorded)
+        if left := [path for path in recorded if Path(path).exists()]:
+            self.path.write_text("".join(f"{path}\n" for path in left))
+        else:
+            self.path.unlink(missing_ok=True)

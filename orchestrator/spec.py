@@ -179,7 +179,7 @@ class EngineSpec(_Strict):
         description="Environment of every engine process, e.g. {UCX_TLS: tcp} or {UCX_NET_DEVICES: mlx5_0:1}; "
         "pdserve's own settings (core binding, KV cache size) win. On CPU, PDSERVE_FORK_WORKERS: '0' makes "
         "vLLM's engine core spawn its worker instead of forking it, and with connector vllm-nixl "
-        "PDSERVE_CALM_NIXL: '0' leaves vLLM's NIXL progress thread spinning (orchestrator.vllm_plugin). With "
+        "PDSERVE_CALM_NIXL: '0' leaves vLLM's NIXL progress thread spinning (connectors.vllm_plugin). With "
         "enforce_eager, TORCHDYNAMO_DISABLE: '0' lets vLLM torch.compile its sampler helpers (an engine's first "
         "logprobs request then compiles for seconds).",
     )

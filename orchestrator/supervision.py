@@ -20,8 +20,8 @@ from typing import Any
 from ray.exceptions import ActorDiedError, RayActorError, RayTaskError
 
 from orchestrator.autoscale.rules import MOVING
-from orchestrator.engine_actor import error_excerpt
 from orchestrator.engine_handles import EngineHandles
+from orchestrator.engine_log import error_excerpt
 from orchestrator.engine_record import EngineRecord, first_line, take_info, take_phases
 from orchestrator.errors import EngineStartError
 from orchestrator.pools import MONITOR_INTERVAL_S, PROBE_TIMEOUT_S, Events, Pools, Publisher, Tasks

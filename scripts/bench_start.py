@@ -1,4 +1,4 @@
-"""An engine's start, phase by phase: pdserve's (the engine core forks its worker, ``orchestrator.vllm_plugin``)
+"""An engine's start, phase by phase: pdserve's (the engine core forks its worker, ``connectors.vllm_plugin``)
 against vLLM's spawn as it is from a Ray actor (``engine.env: {PDSERVE_FORK_WORKERS: "0"}``), in one run.
 
 Each round starts the cluster of ``--config`` once per mode (the order alternates), with ``pdserve up
@@ -26,7 +26,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from orchestrator.vllm_plugin import CALM_NIXL_ENV, FORK_WORKERS_ENV  # noqa: E402
+from connectors.vllm_plugin import CALM_NIXL_ENV, FORK_WORKERS_ENV  # noqa: E402
 
 PDSERVE = [sys.executable, "-m", "orchestrator.cli"]
 MODES = {

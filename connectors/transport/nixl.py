@@ -188,7 +188,7 @@ class WakeEvery:
 
 def wake_every_agent(wake_us: int = DEFAULT_PROGRESS_WAKE_US) -> bool:
     """Every NIXL agent this process builds from now on gets a progress thread that sleeps between UCX events,
-    waking at least every ``wake_us``: vLLM's NixlConnector's too (``orchestrator.vllm_plugin``), which no
+    waking at least every ``wake_us``: vLLM's NixlConnector's too (``connectors.vllm_plugin``), which no
     setting of vLLM's reaches. False where NIXL is not installed or its API has no ``nixlBind``."""
     try:
         api, _ = _import_nixl()

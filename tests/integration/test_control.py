@@ -42,7 +42,7 @@ IDLE_THREAD_BOUND = 0.10
 
 
 # Both connectors: vLLM's NixlConnector builds a NIXL agent whose progress thread never sleeps; on CPU pdserve
-# gives it the sleeping thread ours has (orchestrator.vllm_plugin).
+# gives it the sleeping thread ours has (connectors.vllm_plugin).
 def test_idle_engines_use_a_few_percent_of_a_core_and_no_thread_spins(cluster: Cluster) -> None:
     engines = {e["pid"]: e["engine_id"] for e in cluster.refresh()["engines"]}
     for pid, use in idle_use(list(engines), IDLE_S).items():

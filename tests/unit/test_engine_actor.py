@@ -15,14 +15,10 @@ import httpx
 import pytest
 import uvicorn
 
-from orchestrator.engine_actor import (
-    _once_a_second,
-    error_excerpt,
-    listen_socket,
-    parse_cores,
-    pin_process_tree,
-)
 from orchestrator.engine_guard import OPEN_PATHS, guard
+from orchestrator.engine_log import error_excerpt
+from orchestrator.engine_processes import parse_cores, pin_process_tree
+from orchestrator.engine_server import listen_socket, once_a_second
 
 
 @pytest.mark.parametrize(
@@ -165,7 +161,7 @@ def test_a_websocket_without_the_key_is_closed_before_vllm_sees_it() -> None:
 def test_the_engines_http_server_ticks_once_a_second_and_exits_at_once() -> None:
     async def run() -> tuple[int, float, httpx.Response]:
         sock = listen_socket("127.0.0.1", 0)
-        server = _once_a_second(uvicorn.Server)(uvicorn.Config(_vllm_app, log_level="warning", lifespan="off"))
+        server = once_a_second(uvicorn.Server)(uvicorn.Config(_vllm_app, log_level="warning", lifespan="off"))
         ticks = 0
         on_tick = server.on_tick
 

@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 import yaml
 
+from connectors.vllm_plugin import CALM_NIXL_ENV, FORK_WORKERS_ENV
 from orchestrator.errors import SpecError
 from orchestrator.launch import EngineLaunch, _core_ranges, flag_args, kv_transfer_config, plan_engines
 from orchestrator.spec import ClusterSpec
-from orchestrator.vllm_plugin import CALM_NIXL_ENV, FORK_WORKERS_ENV
 
 
 @pytest.fixture
@@ -129,7 +129,7 @@ def test_cpu_engine_env(plan):
     assert engine.env["VLLM_CPU_KVCACHE_SPACE"] == "3"
     assert engine.env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5700"
     assert engine.env["VLLM_USAGE_STATS_DISABLED"] == "1"
-    assert engine.env[FORK_WORKERS_ENV] == "1"  # its engine core forks its worker (orchestrator.vllm_plugin)
+    assert engine.env[FORK_WORKERS_ENV] == "1"  # its engine core forks its worker (connectors.vllm_plugin)
     assert CALM_NIXL_ENV not in engine.env  # our connector's NIXL thread sleeps already
     assert all(isinstance(value, str) for value in engine.env.values())
 

@@ -12,9 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import engine_actor
-from orchestrator.engine_actor import EngineActor
-from orchestrator.shm import SHM_DIR, mapped, record_of, recorded_in, remove_unheld
+from orchestrator import shm
+from orchestrator.shm import SHM_DIR, ShmRecord, mapped, record_of, recorded_in, remove_unheld
 
 HOLD = """
 import mmap, os, sys, time
@@ -119,47 +118,34 @@ os._exit(0)                              # as Ray ends an actor: no finalizers
     assert not (SHM_DIR / ("sem." + name.lstrip("/"))).exists()
 
 
-class _Actor:
-    """The engine actor's record of its /dev/shm files (and its temp dir), without the rest of the actor."""
-
-    _recorded_shm = EngineActor._recorded_shm
-    _remove_shm_leftovers = EngineActor._remove_shm_leftovers
-    _note_shm = EngineActor._note_shm
-    _note_shm_while_starting = EngineActor._note_shm_while_starting
-    _fresh_temp_dir = EngineActor._fresh_temp_dir
-
-    def __init__(self, record: Path) -> None:
-        self._shm_record = record
-
-
 def test_a_restarted_engine_removes_its_last_lifes_files_once_their_last_holder_is_gone(shm_name, tmp_path):
-    actor = _Actor(tmp_path / "prefill-0.log.shm")
-    actor._shm_record.write_text(f"{shm_name}\n")
+    record = ShmRecord(tmp_path / "prefill-0.log")
+    record.path.write_text(f"{shm_name}\n")
     straggler = hold(shm_name, "map")  # a child of the killed engine, not gone yet
     try:
-        actor._remove_shm_leftovers()  # the restarted actor's first look
+        record.remove_leftovers()  # the restarted actor's first look
         assert shm_name.exists()
-        assert actor._recorded_shm() == [str(shm_name)]  # kept for the next look
+        assert record.recorded() == [str(shm_name)]  # kept for the next look
     finally:
         straggler.kill()
         straggler.wait()
-    actor._remove_shm_leftovers(this_start_too=False)  # the look once it is ready
+    record.remove_leftovers(this_start_too=False)  # the look once it is ready
     assert not shm_name.exists()
-    assert not actor._shm_record.exists()
+    assert not record.path.exists()
 
 
 async def test_an_engine_notes_its_files_while_it_starts(shm_name, tmp_path, monkeypatch):
     """Stopped or killed before it is ready (a scale-down during a scale-up), it still left a record."""
-    monkeypatch.setattr(engine_actor, "SHM_NOTE_INTERVAL_S", 0.05)
-    actor = _Actor(record_of(tmp_path / "prefill-1.log"))
-    noting = asyncio.create_task(actor._note_shm_while_starting())
+    monkeypatch.setattr(shm, "NOTE_INTERVAL_S", 0.05)
+    record = ShmRecord(tmp_path / "prefill-1.log")
+    noting = asyncio.create_task(record.note_while_starting())
     child = hold(shm_name, "map")  # vLLM's processes, made during the start
     try:
         for _ in range(100):
             await asyncio.sleep(0.05)
-            if str(shm_name) in actor._recorded_shm():
+            if str(shm_name) in record.recorded():
                 break
-        assert str(shm_name) in actor._recorded_shm()
+        assert str(shm_name) in record.recorded()
     finally:
         noting.cancel()
         child.kill()
@@ -182,27 +168,26 @@ def test_an_engines_temp_dir_is_private_emptied_at_each_start_and_removed_by_dow
     import tempfile
 
     from orchestrator.cluster import remove_engine_temp_dirs
-    from orchestrator.paths import engine_temp_dir
+    from orchestrator.paths import engine_temp_dir, fresh_temp_dir
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
     (tmp_path / "tmp").mkdir()
     logs = tmp_path / "logs"
     logs.mkdir()
-    actor = _Actor(record_of(logs / "prefill-0.log"))
-    actor._temp_dir = engine_temp_dir(logs / "prefill-0.log")
-    actor._temp_dir.mkdir()
-    (actor._temp_dir / "socket-of-a-crashed-start").touch()
-    actor._fresh_temp_dir()
-    assert tempfile.tempdir == str(actor._temp_dir)  # this process's temp files go there too while it serves
-    assert list(actor._temp_dir.iterdir()) == [] and actor._temp_dir.stat().st_mode & 0o777 == 0o700
-    (actor._temp_dir / "vllm_dist_x").touch()
+    temp_dir = engine_temp_dir(logs / "prefill-0.log")
+    temp_dir.mkdir()
+    (temp_dir / "socket-of-a-crashed-start").touch()
+    fresh_temp_dir(temp_dir)
+    assert tempfile.tempdir == str(temp_dir)  # this process's temp files go there too while it serves
+    assert list(temp_dir.iterdir()) == [] and temp_dir.stat().st_mode & 0o777 == 0o700
+    (temp_dir / "vllm_dist_x").touch()
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))  # pdserve down's process
     other = engine_temp_dir(tmp_path / "elsewhere" / "decode-0.log")  # another cluster's engine
     other.mkdir()
     for log in ("prefill-0.log", "proxy.log"):
         (logs / log).touch()
     remove_engine_temp_dirs(logs)
-    assert not actor._temp_dir.exists() and other.exists()
+    assert not temp_dir.exists() and other.exists()
 
 
 def test_compiled_kernels_are_kept_outside_the_temp_dir_each_start_empties(tmp_path, monkeypatch):

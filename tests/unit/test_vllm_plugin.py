@@ -9,8 +9,8 @@ import types
 
 import pytest
 
-from orchestrator import vllm_plugin
-from orchestrator.vllm_plugin import FORK_WORKERS_ENV
+from connectors import vllm_plugin
+from connectors.vllm_plugin import FORK_WORKERS_ENV
 
 METHOD = "VLLM_WORKER_MULTIPROC_METHOD"
 
@@ -45,9 +45,9 @@ def test_vllm_finds_the_plugin_and_it_imports_only_the_standard_library() -> Non
     from importlib.metadata import entry_points
 
     (ours,) = [p for p in entry_points(group="vllm.general_plugins") if p.name == "pdserve"]
-    assert ours.value == "orchestrator.vllm_plugin:register"
+    assert ours.value == "connectors.vllm_plugin:register"
     loaded = subprocess.run(
-        [sys.executable, "-c", "import sys, orchestrator.vllm_plugin as p; p.register(); print(sorted(sys.modules))"],
+        [sys.executable, "-c", "import sys, connectors.vllm_plugin as p; p.register(); print(sorted(sys.modules))"],
         capture_output=True, text=True, check=True,
     )  # fmt: skip
     modules = set(eval(loaded.stdout))  # noqa: S307 - our own child's list of names
@@ -60,7 +60,7 @@ def test_with_vllms_nixl_connector_its_agents_get_a_progress_thread_that_sleeps(
     child = (
         "import os; os.environ['PDSERVE_CALM_NIXL'] = '1'\n"
         "from nixl import _api\n"
-        "import orchestrator.vllm_plugin as p; p.register(); p.register()\n"
+        "import connectors.vllm_plugin as p; p.register(); p.register()\n"
         "from connectors.transport.nixl import WakeEvery\n"
         "bind = _api.nixlBind\n"
         "assert isinstance(bind, WakeEvery) and not isinstance(bind._bindings, WakeEvery), bind\n"
