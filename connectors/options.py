@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from connectors.transport import DEFAULT_TRANSPORTS
+from connectors.transport import CONFIGURABLE, DEFAULT_TRANSPORTS
 
 __all__ = ["ConnectorOptions", "ConnectorSettings", "FaultInjection"]
 
@@ -63,7 +63,7 @@ class ConnectorOptions(_Strict):
         "clocks of two hosts may differ); one that cannot is recomputed, never served from blocks that may be "
         "another request's.",
     )
-    transports: tuple[Literal["cuda-ipc", "nixl"], ...] = Field(
+    transports: tuple[Literal[CONFIGURABLE], ...] = Field(  # type: ignore[valid-type]
         default=DEFAULT_TRANSPORTS,
         min_length=1,
         description="KV transports engines serve and read over, best first: cuda-ipc moves KV device to device "

@@ -22,16 +22,16 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repository's packages
 
-from lab.autoscale_study import (  # noqa: E402
+from lab.study import (  # noqa: E402
     COLD_START,
     GENERALIZATION,
     STUDY_FAMILIES,
     TUNING_SEEDS,
-    _summary,
     load,
     make_trace,
     meets,
     static_key,
+    summary_of,
 )
 from orchestrator.autoscale.runner import simulate_spec  # noqa: E402
 
@@ -53,9 +53,9 @@ def screen_one(
     """One tuning trace: the autoscaler with moves, and the fixed split (unless ``fixed`` has its run)."""
     spec, profile = load(overrides)
     trace = make_trace(family, screen_mix(family, mix), seed)
-    fixed = fixed or _summary(simulate_spec(spec, profile, trace, against))
+    fixed = fixed or summary_of(simulate_spec(spec, profile, trace, against))
     start = None if family in COLD_START else against
-    auto = _summary(simulate_spec(spec, profile, trace, None, start=start, moves=True))
+    auto = summary_of(simulate_spec(spec, profile, trace, None, start=start, moves=True))
     ratio = auto["goodput_per_engine_hour"] / fixed["goodput_per_engine_hour"]
     points = 100 * (auto["slo_attainment"] - fixed["slo_attainment"])
     met = meets(family, ratio, points)

@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from contract.auth import engine_key  # noqa: E402
 from orchestrator import cluster, state  # noqa: E402
 from orchestrator.autoscale import profiler  # noqa: E402
+from orchestrator.autoscale.profiler_http import ClusterEndpoints, Http, RandomPrompts  # noqa: E402
 
 
 def per_token_ms(reading: tuple[float, float] | None) -> str:
@@ -30,12 +31,12 @@ def per_token_ms(reading: tuple[float, float] | None) -> str:
 
 
 async def measure(points: list[tuple[int, int, int]], runs: int) -> None:
-    endpoints = profiler.ClusterEndpoints.from_status(cluster.status(), engine_key(state.load_cluster_secret()))
+    endpoints = ClusterEndpoints.from_status(cluster.status(), engine_key(state.load_cluster_secret()))
     headers = {"Authorization": f"Bearer {endpoints.engine_key}"}
     async with aiohttp.ClientSession(headers=headers) as session:
-        http = profiler._Http(session)
+        http = Http(session)
         url, model = endpoints.decode_url, endpoints.model
-        prompts = await profiler.RandomPrompts.from_engine(http, url, model)
+        prompts = await RandomPrompts.from_engine(http, url, model)
         await http.stream(url, {"model": model, "prompt": prompts(16), "max_tokens": 4, "ignore_eos": True})
         print("batch  context  tokens  steps  engine ms  client ms")
         for batch, context, tokens in points:

@@ -38,10 +38,11 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from contract.auth import engine_key  # noqa: E402
-from lab.validate_simulator import spec_copy  # noqa: E402
 from orchestrator import cluster, state  # noqa: E402
-from orchestrator.autoscale import profiler  # noqa: E402
-from scripts.bench_latency import pdserve  # noqa: E402
+from orchestrator.autoscale.profiler_http import ClusterEndpoints, Http, RandomPrompts  # noqa: E402
+from orchestrator.autoscale.profiler_readings import PREFILL_SAMPLES, PREFILL_TIME  # noqa: E402
+from testlib.cluster_client import pdserve  # noqa: E402
+from testlib.specs import spec_copy  # noqa: E402
 
 WARM_S = 15.0  # streams run this long before the passes are timed
 WINDOW_S = 15.0  # --other-core: decode-0's steps are timed this long, alone and beside a computing prefill-0
@@ -50,31 +51,31 @@ WINDOW_S = 15.0  # --other-core: decode-0's steps are timed this long, alone and
 class Prefill:
     """Prefill times of fresh ``tokens``-token prompts sent straight to the cluster's first prefill engine."""
 
-    def __init__(self, http: profiler._Http, ep: profiler.ClusterEndpoints, prompts: profiler.RandomPrompts) -> None:
+    def __init__(self, http: Http, ep: ClusterEndpoints, prompts: RandomPrompts) -> None:
         self.http, self.ep, self.prompts = http, ep, prompts
 
     async def one(self, tokens: int) -> float:
-        count = profiler.PREFILL_TIME + "_count"
-        before = await self.http.samples(self.ep.prefill_url, profiler.PREFILL_SAMPLES)
+        count = PREFILL_TIME + "_count"
+        before = await self.http.samples(self.ep.prefill_url, PREFILL_SAMPLES)
         body = {"model": self.ep.model, "prompt": self.prompts(tokens), "max_tokens": 1}
         await self.http.post(self.ep.prefill_url, "/v1/completions", body)
-        after = await self.http.wait_for(self.ep.prefill_url, profiler.PREFILL_SAMPLES, count, before[count] + 1)
-        return after[profiler.PREFILL_TIME + "_sum"] - before[profiler.PREFILL_TIME + "_sum"]
+        after = await self.http.wait_for(self.ep.prefill_url, PREFILL_SAMPLES, count, before[count] + 1)
+        return after[PREFILL_TIME + "_sum"] - before[PREFILL_TIME + "_sum"]
 
     async def median(self, tokens: int, repeats: int) -> float:
         return statistics.median([await self.one(tokens) for _ in range(repeats)])
 
 
 async def connect(session_body) -> None:  # noqa: ANN001 - a coroutine taking (http, ep, Prefill)
-    ep = profiler.ClusterEndpoints.from_status(cluster.status(), engine_key(state.load_cluster_secret()))
+    ep = ClusterEndpoints.from_status(cluster.status(), engine_key(state.load_cluster_secret()))
     headers = {"Authorization": f"Bearer {ep.engine_key}"}
     async with aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=900)) as session:
-        http = profiler._Http(session)
-        prompts = await profiler.RandomPrompts.from_engine(http, ep.prefill_url, ep.model)
+        http = Http(session)
+        prompts = await RandomPrompts.from_engine(http, ep.prefill_url, ep.model)
         await session_body(http, ep, Prefill(http, ep, prompts))
 
 
-async def beside_streams(http: profiler._Http, ep: profiler.ClusterEndpoints, prefill: Prefill, args) -> None:  # noqa: ANN001
+async def beside_streams(http: Http, ep: ClusterEndpoints, prefill: Prefill, args) -> None:  # noqa: ANN001
     print(f"idle: {await prefill.median(args.tokens, args.repeats):.3f} s", flush=True)
     for n in args.streams:
         stop = asyncio.Event()
@@ -92,7 +93,7 @@ async def beside_streams(http: profiler._Http, ep: profiler.ClusterEndpoints, pr
     print(f"idle again: {await prefill.median(args.tokens, args.repeats):.3f} s", flush=True)
 
 
-async def beside_a_start(http: profiler._Http, ep: profiler.ClusterEndpoints, prefill: Prefill, args) -> None:  # noqa: ANN001
+async def beside_a_start(http: Http, ep: ClusterEndpoints, prefill: Prefill, args) -> None:  # noqa: ANN001
     print(f"idle: {await prefill.median(args.tokens, args.repeats):.3f} s", flush=True)
     began = time.monotonic()
     scaling = asyncio.create_task(asyncio.to_thread(pdserve, "scale", "prefill=2"))
@@ -123,7 +124,7 @@ def gaps_ms(streams: list[list[tuple[float, int]]], start: float, end: float) ->
     return round(statistics.median(gaps), 1) if gaps else float("nan")
 
 
-async def other_core(http: profiler._Http, ep: profiler.ClusterEndpoints, prefill: Prefill, args) -> None:  # noqa: ANN001
+async def other_core(http: Http, ep: ClusterEndpoints, prefill: Prefill, args) -> None:  # noqa: ANN001
     alone = [await prefill.median(args.tokens, args.repeats)]
     stop, done = asyncio.Event(), []
 

@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import ray  # noqa: E402
 
-from lab.cpu_use import idle_use  # noqa: E402
+from testlib.cpu_use import idle_use  # noqa: E402
 
 
 @ray.remote

@@ -52,9 +52,9 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from contract.auth import engine_key  # noqa: E402
-from lab.validate_simulator import spec_copy  # noqa: E402
 from orchestrator.state import load_cluster_secret  # noqa: E402
-from scripts.bench_latency import make_prompt, pdserve, stream_tokens  # noqa: E402
+from testlib.cluster_client import make_prompt, pdserve, stream_tokens  # noqa: E402
+from testlib.specs import spec_copy  # noqa: E402
 
 READY = re.compile(r"prefill-1 ready in ([0-9.]+)s")
 PHASE_S = 30.0  # each steady phase lasts this long

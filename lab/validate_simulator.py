@@ -3,7 +3,7 @@
 The cluster of ``--config`` is started (``pdserve up --detach``) and, unless
 ``--profile`` names one, profiled (``pdserve profile``: the simulator's model of
 these engines as fast as they run today). Each trace is replayed against its
-proxy in real time (``lab.fidelity.replay``: streamed
+proxy in real time (``testlib.fidelity.replay``: streamed
 completions of random token ids, no prefix cache help, exactly
 ``output_tokens`` tokens), and the cluster is stopped. The same trace then goes
 through ``pdserve simulate``'s model of that cluster (the profile, the spec's pool
@@ -50,11 +50,18 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-import yaml
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repository's packages
 
-from lab.fidelity import (  # noqa: E402
+from orchestrator.autoscale import traces  # noqa: E402
+from orchestrator.autoscale.policy import AutoscalePolicy, StaticPolicy  # noqa: E402
+from orchestrator.autoscale.profile import PerformanceProfile, load_profile  # noqa: E402
+from orchestrator.autoscale.runner import shared_cores, simulate_spec  # noqa: E402
+from orchestrator.autoscale.sim_model import EVEN_SHARE, SharedCore, SimulationResult, SloTargets  # noqa: E402
+from orchestrator.autoscale.simulator import simulate  # noqa: E402
+from orchestrator.engine_metrics import scrape  # noqa: E402
+from orchestrator.spec import ClusterSpec  # noqa: E402
+from testlib.cluster_client import pdserve  # noqa: E402
+from testlib.fidelity import (  # noqa: E402
     TOLERANCE,
     compare,
     mean_profile,
@@ -63,14 +70,7 @@ from lab.fidelity import (  # noqa: E402
     replay_apart,
     within,
 )
-from orchestrator.autoscale import traces  # noqa: E402
-from orchestrator.autoscale.policy import AutoscalePolicy, StaticPolicy  # noqa: E402
-from orchestrator.autoscale.profile import PerformanceProfile, load_profile  # noqa: E402
-from orchestrator.autoscale.runner import shared_cores, simulate_spec  # noqa: E402
-from orchestrator.autoscale.simulator import EVEN_SHARE, SharedCore, SimulationResult, SloTargets, simulate  # noqa: E402
-from orchestrator.engine_metrics import scrape  # noqa: E402
-from orchestrator.spec import ClusterSpec  # noqa: E402
-from scripts.bench_latency import pdserve  # noqa: E402
+from testlib.specs import spec_copy  # noqa: E402
 
 # Arrival rate as a share of what the spec's prefill pool computes (by the profile, one prompt per pass).
 LOADS = {"light": 0.2, "near saturation": 0.8, "overloaded": 1.2}
@@ -89,21 +89,6 @@ def load_trace(name: str, capacity_rps: float, duration_s: float, seed: int) -> 
         return rate, trace
     rate = LOADS[name] * capacity_rps
     return rate, traces.poisson(rate, duration_s, MIX, seed=seed)
-
-
-def spec_copy(config: str, **autoscaling: object) -> str:
-    """A temporary copy of the spec file at ``config`` with its ``autoscaling`` section dropped
-    (``autoscaling=None``) or some of its fields replaced; its path."""
-    with open(config) as f:
-        raw = yaml.safe_load(f)
-    if "autoscaling" in autoscaling and autoscaling["autoscaling"] is None:
-        raw.pop("autoscaling", None)
-    else:
-        raw["autoscaling"] = raw.get("autoscaling", {}) | autoscaling
-    fd, path = tempfile.mkstemp(suffix=".yaml", prefix="validate-simulator-")
-    with os.fdopen(fd, "w") as f:
-        yaml.safe_dump(raw, f)
-    return path
 
 
 ENGINE_SAMPLES = {  # what --sample-engines reads off each engine's /metrics (summed over label sets)
@@ -576,7 +561,7 @@ def main() -> None:
             f"{engine}:{','.join(str(c) for _, c in sorted(cs))}" for engine, cs in (shared_cores(spec) or {}).items()
         ),
         "loads": {},
-        # when the replaying client got no CPU (lab.fidelity.client_stalls): seconds into the replay, how long
+        # when the replaying client got no CPU (testlib.fidelity.client_stalls): seconds into the replay, how long
         "client_stalls_s": [[round(start - replay_start, 1), round(end - start, 2)] for start, end in stalls],
     }
     if after is not None:

@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 from orchestrator.models import resolve_model  # noqa: E402
 from orchestrator.spec import ClusterSpec  # noqa: E402
-from scripts.bench_control import plain_vllm  # noqa: E402
+from testlib.plain_vllm import plain_vllm  # noqa: E402
 
 AIPERF_VERSION = "0.13.0"
 AIPERF_VENV = ROOT / ".venv-aiperf"

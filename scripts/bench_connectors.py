@@ -43,9 +43,11 @@ import time
 from pathlib import Path
 
 import yaml
-from bench_latency import make_prompt, pdserve, stream_completion
 
-from orchestrator.engine_metrics import TRANSFER_METRICS, scrape
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from orchestrator.engine_metrics import TRANSFER_METRICS, scrape  # noqa: E402
+from testlib.cluster_client import make_prompt, pdserve, stream_completion  # noqa: E402
 
 OUTPUT_TOKENS = 8
 PHASE_METRIC = "vllm:time_to_first_token_seconds"

@@ -35,12 +35,12 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repository's packages
 
-from lab.fidelity import replay  # noqa: E402
 from orchestrator.autoscale.profile import load_profile  # noqa: E402
 from orchestrator.autoscale.runner import simulate_spec  # noqa: E402
 from orchestrator.autoscale.traces import TraceRequest  # noqa: E402
 from orchestrator.spec import ClusterSpec  # noqa: E402
-from scripts.bench_latency import pdserve  # noqa: E402
+from testlib.cluster_client import pdserve  # noqa: E402
+from testlib.fidelity import replay  # noqa: E402
 
 SHORT_PROMPT, SHORT_OUTPUT = 32, 8
 

@@ -7,7 +7,7 @@ engines, cores and prompts:
   shared memory (what a single machine gets);
 - ``one-host-tcp``: the same with ``UCX_TLS=tcp`` (the transport the bed uses,
   without the hosts);
-- ``three-hosts``: the test bed (``tests/testbed``: head, prefill, decode as
+- ``three-hosts``: the test bed (``testlib/testbed``: head, prefill, decode as
   network namespaces on a bridge), KV crossing the bridge over TCP.
 
 For each, ``--rounds`` streamed completions per prompt size (``--tokens``),
@@ -40,8 +40,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from contract.headers import KV as KV_HEADER  # noqa: E402
-from scripts.bench_latency import make_prompt  # noqa: E402
-from tests import testbed as hosts  # noqa: E402
+from testlib import testbed as hosts  # noqa: E402
+from testlib.cluster_client import make_prompt  # noqa: E402
 
 PDSERVE = [sys.executable, "-m", "orchestrator.cli"]
 SPEC = ROOT / "configs" / "multi-host-cpu.yaml"

@@ -29,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from contract import wire  # noqa: E402
 from contract.auth import engine_key  # noqa: E402
 from orchestrator.state import load_cluster_secret  # noqa: E402
-from scripts.bench_latency import pdserve  # noqa: E402
-from scripts.bench_multiturn import MODEL, conversations, down, stream_chat, up  # noqa: E402
+from testlib.cluster_client import pdserve  # noqa: E402
+from testlib.multiturn import MODEL, conversations, down, stream_chat, up  # noqa: E402
 
 
 def post(url: str, body: dict, headers: dict[str, str]) -> tuple[float, dict]:

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from connectors.transport.base import KVTransport
 
 __all__ = [
+    "CONFIGURABLE",
     "CUDA_IPC",
     "DEFAULT_TRANSPORTS",
     "FACTORIES",
@@ -51,6 +52,8 @@ __all__ = [
 
 NIXL, CUDA_IPC, IN_MEMORY = "nixl", "cuda-ipc", "in-memory"
 TRANSPORTS = (NIXL, CUDA_IPC, IN_MEMORY)
+CONFIGURABLE = (CUDA_IPC, NIXL)
+"""What ``connector.transports`` may name (the in-memory transport is for unit tests only)."""
 # What a worker builds unless its settings say otherwise: CUDA IPC where its caches are on a GPU (it
 # stands aside on CPU caches), NIXL everywhere.
 DEFAULT_TRANSPORTS = (CUDA_IPC, NIXL)

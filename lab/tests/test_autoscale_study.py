@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from lab import autoscale_study as study
+from lab import study as definitions
 from orchestrator.autoscale.policy import ClusterObservation, PoolObservation
 from orchestrator.autoscale.traces import TraceRequest
 
@@ -17,13 +18,13 @@ def test_the_split_search_finds_the_peak_of_a_rise_then_fall_in_few_runs() -> No
             runs.append(p)
             return -abs(p - peak)
 
-        assert study.search_split(64, score) == peak
+        assert definitions.search_split(64, score) == peak
         assert len(set(runs)) <= 8 + 6 + 4  # of 63
 
 
 def test_a_flat_top_picks_the_split_nearest_the_middle() -> None:
-    assert study.search_split(64, lambda p: min(p, 40)) == 40
-    assert study.search_split(64, lambda p: 1.0) == 32
+    assert definitions.search_split(64, lambda p: min(p, 40)) == 40
+    assert definitions.search_split(64, lambda p: 1.0) == 32
 
 
 def test_a_search_near_a_split_refines_around_it_only() -> None:
@@ -33,7 +34,7 @@ def test_a_search_near_a_split_refines_around_it_only() -> None:
         runs.append(p)
         return -abs(p - 33)
 
-    assert study.search_split(49, score, near=31) == 33
+    assert definitions.search_split(49, score, near=31) == 33
     assert min(runs) >= 31 - 6 and max(runs) <= 31 + 6 + 3  # no scan of every 8th split
     assert len(set(runs)) <= 7 + 6
 
@@ -80,18 +81,18 @@ def test_the_bounds_summary_averages_over_seeds_and_counts_an_oracles_misses() -
 
 
 def test_calibration_tuning_evaluation_and_generalization_seeds_are_disjoint() -> None:
-    roles = [{study.CALIBRATION_SEED}, *map(set, (study.TUNING_SEEDS, study.EVALUATION_SEEDS))]
-    roles.append(set(study.GENERALIZATION_SEEDS))
+    roles = [{definitions.CALIBRATION_SEED}, *map(set, (definitions.TUNING_SEEDS, definitions.EVALUATION_SEEDS))]
+    roles.append(set(definitions.GENERALIZATION_SEEDS))
     assert all(a.isdisjoint(b) for i, a in enumerate(roles) for b in roles[i + 1 :])
-    study_rates = {(f, m) for f in study.STUDY_FAMILIES for m in study.MIX_NAMES}
-    assert set(study.RATES) == study_rates | {(f, "tail") for f in study.GENERALIZATION}
+    study_rates = {(f, m) for f in definitions.STUDY_FAMILIES for m in definitions.MIX_NAMES}
+    assert set(definitions.RATES) == study_rates | {(f, "tail") for f in definitions.GENERALIZATION}
 
 
 def test_each_family_is_judged_against_its_own_target() -> None:
-    assert study.meets("steady", 0.98, -1.0) and not study.meets("steady", 1.5, -1.1)
-    assert study.meets("diurnal", 1.3, -5.0) and not study.meets("diurnal", 1.29, 0.0)
-    assert study.meets("bursty", 1.0, -4.9) and not study.meets("bursty", 0.99, 0.0)
-    assert study.meets("swing-fast", 1.0, -5.0) and not study.meets("cold-start", 0.9, 0.0)
+    assert definitions.meets("steady", 0.98, -1.0) and not definitions.meets("steady", 1.5, -1.1)
+    assert definitions.meets("diurnal", 1.3, -5.0) and not definitions.meets("diurnal", 1.29, 0.0)
+    assert definitions.meets("bursty", 1.0, -4.9) and not definitions.meets("bursty", 0.99, 0.0)
+    assert definitions.meets("swing-fast", 1.0, -5.0) and not definitions.meets("cold-start", 0.9, 0.0)
 
 
 def test_the_table_sets_the_autoscaler_with_moves_beside_it_without() -> None:
@@ -107,7 +108,7 @@ def test_the_table_sets_the_autoscaler_with_moves_beside_it_without() -> None:
 
 
 def test_the_generalization_shapes_are_what_they_say() -> None:
-    swing = study.make_trace("swing-fast", "tail", 1, rate=40.0)
+    swing = definitions.make_trace("swing-fast", "tail", 1, rate=40.0)
     trough, peak = (sum(1 for r in swing if start <= r.t < start + 120) for start in (0, 840))
     assert 6 * trough < peak < 9 * trough  # 8x from the trough to the peak 15 min later
     prompts = sorted(r.prompt_tokens for r in swing)
@@ -182,22 +183,24 @@ def test_the_smallest_fleet_that_holds_the_slo_is_the_last_before_it_misses_then
 
 
 def test_set_overrides_only_the_autoscalers_knobs_and_validates_them() -> None:
-    spec, _ = study.load({"burst_memory_s": 3600.0, "burst_guard": 1.0})
+    spec, _ = definitions.load({"burst_memory_s": 3600.0, "burst_guard": 1.0})
     assert (spec.autoscaling.burst_memory_s, spec.autoscaling.burst_guard) == (3600.0, 1.0)
     for wrong in ({"max_engines": 32.0}, {"targets": 1.0}, {"nonsense": 1.0}):
         with pytest.raises(ValueError, match="not one of the autoscaler's knobs"):
-            study.load(wrong)
+            definitions.load(wrong)
     with pytest.raises(ValueError, match="less than or equal to 1"):
-        study.load({"burst_guard": 3.0})
+        definitions.load({"burst_guard": 3.0})
 
 
 def test_the_screen_compares_the_autoscaler_with_the_fixed_split_and_reuses_its_run(monkeypatch) -> None:
     from lab import autoscale_screen as screen
 
-    short = study.make_trace("steady", "chat", 1)[:600]  # ~9 s of the hour: the arithmetic, not the load
+    short = definitions.make_trace("steady", "chat", 1)[:600]  # ~9 s of the hour: the arithmetic, not the load
     monkeypatch.setattr(screen, "make_trace", lambda family, mix, seed: short)
     row = screen.screen_one("steady", 1, (46, 18), {}, None)
-    assert row["fixed"]["requests"] == 600 and row["met"] == study.meets("steady", row["ratio"], row["slo_points"])
+    assert row["fixed"]["requests"] == 600 and row["met"] == definitions.meets(
+        "steady", row["ratio"], row["slo_points"]
+    )
     # Given the fixed split's run (the cache), only the autoscaler runs, and the comparison is with it.
     again = screen.screen_one("steady", 1, (46, 18), {}, {**row["fixed"], "goodput_per_engine_hour": 1.0})
     assert again["ratio"] == pytest.approx(row["ratio"] * row["fixed"]["goodput_per_engine_hour"])

@@ -1,4 +1,4 @@
-"""lab/fidelity.py: the cluster-against-simulator comparison (its replay runs in
+"""testlib/fidelity.py: the cluster-against-simulator comparison (its replay runs in
 tests/integration/test_profile.py) and the mean of the profiles before and after a replay
 (tests: test_validate_simulator.py)."""
 
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from lab import fidelity
 from orchestrator.autoscale import traces
+from testlib import fidelity
 from tests.unit.test_simulator import make_profile
 
 

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from lab import validate_simulator
-from lab.fidelity import mean_profile
-from orchestrator.autoscale.simulator import EVEN_SHARE, RequestRecord, SharedCore
+from orchestrator.autoscale.sim_model import EVEN_SHARE, RequestRecord, SharedCore
 from orchestrator.autoscale.traces import TraceRequest
+from testlib.fidelity import mean_profile
 from tests.unit.test_simulator import make_profile
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from orchestrator.autoscale.simulator import SimulationResult
+from orchestrator.autoscale.sim_model import SimulationResult
 from orchestrator.errors import PdserveError
 
 __all__ = ["PlotUnavailable", "plot_result", "require_matplotlib"]

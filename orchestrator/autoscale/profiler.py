@@ -76,423 +76,56 @@ so the prefix cache never helps; prefill checks it on ``vllm:prefix_cache_hits``
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import json
 import logging
 import os
 import platform
-import random
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
 
 import aiohttp
 
 from orchestrator.autoscale.profile import EngineLimits, Grid1D, Grid2D, PerformanceProfile
-from orchestrator.engine_metrics import TRANSFER_METRICS, info_labels, sum_samples
+from orchestrator.autoscale.profiler_grid import DEFAULT_GRID, ProfileGrid
+from orchestrator.autoscale.profiler_http import ClusterEndpoints, Http, RandomPrompts, samples_delta
+from orchestrator.autoscale.profiler_readings import (
+    CACHE_INFO,
+    DECODE_SAMPLES,
+    DECODE_TIME,
+    GENERATED,
+    PREFILL_SAMPLES,
+    PREFILL_TIME,
+    PREFIX_HITS,
+    QUEUE_TIME,
+    STEPS,
+    DecodeRun,
+    TransferSample,
+    batch_limits,
+    decoding_span,
+    handoff_seconds,
+    kv_capacity_tokens,
+    transfer_table,
+)
+from orchestrator.engine_metrics import TRANSFER_METRICS, info_labels
 from orchestrator.errors import ProfilingError
 from orchestrator.spec import ClusterSpec
 
-__all__ = [
-    "DEFAULT_GRID",
-    "QUICK_GRID",
-    "ClusterEndpoints",
-    "ProfileGrid",
-    "RandomPrompts",
-    "decoding_span",
-    "batch_limits",
-    "format_profile",
-    "grid_with",
-    "kv_capacity_tokens",
-    "measure",
-    "handoff_seconds",
-    "transfer_table",
-]
+__all__ = ["decode_run", "format_profile", "measure"]
 
 logger = logging.getLogger(__name__)
 
-CPU_DEFAULT_MAX_NUM_SEQS = 128
-CPU_DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
-"""vLLM's defaults for an OpenAI API server on CPU, per TP rank (``EngineArgs.get_batch_defaults``)."""
-
-PREFILL_TIME = "vllm:request_prefill_time_seconds"
-QUEUE_TIME = "vllm:request_queue_time_seconds"
-PREFIX_HITS = "vllm:prefix_cache_hits_total"
-CACHE_INFO = "vllm:cache_config_info"
-PREFILL_SAMPLES = (PREFILL_TIME + "_sum", PREFILL_TIME + "_count", QUEUE_TIME + "_sum", PREFIX_HITS)
-DECODE_TIME = "vllm:request_decode_time_seconds"
-GENERATED = "vllm:request_generation_tokens"
-STEPS = "vllm:iteration_tokens_total_count"
-"""Engine steps that produced tokens (one observation per step's outputs)."""
-DECODE_SAMPLES = (DECODE_TIME + "_sum", DECODE_TIME + "_count", GENERATED + "_sum", STEPS)
 MAX_EXTRA_SHARE = 0.5
 """A batch whose request took longer than queue + prefill time + this share of the prefill time took more than one
 pass (a second pass of the same sequences would add a whole prefill time)."""
 BLOCKER_LEAD_S = 0.05
 """How long after the blocker's request the batch's is sent: long enough for the blocker's pass to start."""
 ATTEMPTS_PER_REPEAT = 5
-MIN_CLIENT_SHARE = 0.5
-"""A client's reading of the decode step under this share of the engine's own decode time per token (which its
-steps of fewer sequences lower a little, and a prompt's pass among them raises) read tokens together."""
-METRICS_WAIT_S = 15.0
-"""How long an engine's histograms may lag behind its HTTP answer (vLLM records them after it)."""
 REQUEST_TIMEOUT_S = 900.0
-SAMPLE_TEXT = (
-    "The river carried old leaves past the mill while children counted boats and the baker sang about rain "
-    "over the hills, where a lighthouse keeper wrote letters to a friend across the sea. Seven quick zebras "
-    "jumped; a violin, two maps, forty apples and one purple umbrella waited in the station at midnight. "
-    "Engineers measured voltage, pressure, latency and throughput; poets preferred moonlight, velvet, "
-    "thunder, copper bells, orchards, glaciers and the smell of bread."
-)
-"""Text whose tokens make the pool random prompts are drawn from: many distinct words, no markup."""
-MIN_DISTINCT_IDS = 32
-
-
-@dataclass(slots=True, frozen=True)
-class ProfileGrid:
-    """What to measure. Prefill passes never exceed ``max_num_batched_tokens`` (a longer prompt is
-    chunked into several passes, which is not a point of the table); the defaults fit the CPU demo
-    (SmolLM2-135M on one core per engine) in about eight minutes. Prefill batches go to 8: a loaded
-    engine packs that many prompts into a pass, and on CPU a pass of 8 x 256 tokens is much cheaper than
-    one of 2048 (attention grows with each sequence's square); a table that stops at 2 made the simulator
-    clamp there and overstate a busy engine's passes 2-3x. Decode batches go to 32: in bursts the demo's
-    decode engine ran 30-60 streams, whose steps a table that stopped at 8 extrapolated from 4-8."""
-
-    prefill_tokens: tuple[int, ...] = (64, 256, 1024, 2048)
-    prefill_batch: tuple[int, ...] = (1, 2, 4, 8)
-    decode_batch: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
-    decode_context: tuple[int, ...] = (128, 512)
-    transfer_tokens: tuple[int, ...] = (256, 1024, 2048)
-    repeats: int = 2
-    decode_tokens: int = 24
-
-    def check(self, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, disagg_from: int) -> None:
-        """Raise ``ProfilingError`` naming the option whose values the engines cannot measure."""
-        axes = {
-            "--prefill-tokens": self.prefill_tokens,
-            "--prefill-batch": self.prefill_batch,
-            "--decode-batch": self.decode_batch,
-            "--decode-context": self.decode_context,
-            "--transfer-tokens": self.transfer_tokens,
-        }
-        for option, values in axes.items():
-            if not values or any(v < 1 for v in values) or list(values) != sorted(set(values)):
-                raise ProfilingError(f"{option}: must be increasing positive numbers (got {list(values)})")
-        if self.repeats < 1 or self.decode_tokens < 3:
-            raise ProfilingError(f"--repeats must be >= 1, --decode-tokens >= 3 ({self.repeats}, {self.decode_tokens})")
-        if self.prefill_tokens[-1] > max_num_batched_tokens:
-            raise ProfilingError(
-                f"--prefill-tokens: {self.prefill_tokens[-1]} exceeds the engines' max_num_batched_tokens "
-                f"({max_num_batched_tokens}): such a prefill is several passes, not one"
-            )
-        if self.prefill_tokens[0] < self.prefill_batch[-1]:
-            raise ProfilingError(
-                f"--prefill-tokens: {self.prefill_tokens[0]} tokens cannot be split into "
-                f"{self.prefill_batch[-1]} sequences (--prefill-batch)"
-            )
-        if self.prefill_tokens[-1] // self.prefill_batch[0] >= max_model_len:
-            raise ProfilingError(f"--prefill-tokens: {self.prefill_tokens[-1]} exceeds max_model_len {max_model_len}")
-        if self.decode_batch[-1] > max_num_seqs:
-            raise ProfilingError(f"--decode-batch: {self.decode_batch[-1]} exceeds max_num_seqs {max_num_seqs}")
-        if self.decode_context[-1] + self.decode_tokens > max_model_len:
-            raise ProfilingError(
-                f"--decode-context: {self.decode_context[-1]} + {self.decode_tokens} output tokens exceed "
-                f"max_model_len {max_model_len}"
-            )
-        if self.transfer_tokens[-1] + 2 > max_model_len:
-            raise ProfilingError(f"--transfer-tokens: {self.transfer_tokens[-1]} exceeds max_model_len {max_model_len}")
-        if self.transfer_tokens[0] < disagg_from:
-            raise ProfilingError(
-                f"--transfer-tokens: {self.transfer_tokens[0]} is below proxy.decode_only_below_tokens "
-                f"({disagg_from}): the proxy would serve it without a KV transfer"
-            )
-
-
-DEFAULT_GRID = ProfileGrid()
-QUICK_GRID = ProfileGrid(
-    prefill_tokens=(64, 256, 1024),
-    prefill_batch=(1, 2),
-    decode_batch=(1, 4),
-    decode_context=(128, 512),
-    transfer_tokens=(256, 1024),
-    repeats=1,
-    decode_tokens=16,
-)
-"""A smoke run: every table gets values, in about a third of the default's time."""
-
-
-@dataclass(slots=True, frozen=True)
-class ClusterEndpoints:
-    """The engines and proxy of a running cluster, as ``pdserve status --json`` lists them."""
-
-    name: str
-    model: str
-    connector: str
-    proxy_url: str
-    prefill_url: str
-    decode_url: str
-    startup_s: float
-    startup_phases: tuple[tuple[str, float], ...] = ()
-    """When each phase of the engines' starts ended, seconds since the engine was asked for (mean over them)."""
-    engine_key: str = field(default="", repr=False)
-    """The cluster's engine key: the profiler calls the engines' ``/v1`` routes itself (never printed)."""
-    prefill_pool: tuple[str, ...] = ()
-    """Every ready prefill engine (``prefill_url`` first): a request through the proxy may land on any."""
-    decode_pool: tuple[str, ...] = ()
-    """Every ready decode engine (``decode_url`` first)."""
-
-    @classmethod
-    def from_status(cls, status: dict[str, Any], engine_key: str = "") -> ClusterEndpoints:
-        ready = [e for e in status["engines"] if e["state"] == "ready" and e.get("url")]
-        urls = {}
-        for role in ("prefill", "decode"):
-            engines = [e for e in ready if e["role"] == role]
-            if not engines:
-                states = ", ".join(f"{e['engine_id']} {e['state']}" for e in status["engines"])
-                raise ProfilingError(f"cluster {status['name']!r} has no ready {role} engine ({states})")
-            urls[role] = tuple(e["url"] for e in engines)
-        loads = [e["load_s"] for e in ready if e.get("load_s")]
-        phases: dict[str, list[float]] = {}
-        for engine in ready:
-            for phase in engine.get("phases") or []:
-                phases.setdefault(phase["phase"], []).append(phase["s"])
-        return cls(
-            name=status["name"],
-            model=status["model"],
-            connector=status["connector"],
-            proxy_url=status["proxy_url"],
-            prefill_url=urls["prefill"][0],
-            decode_url=urls["decode"][0],
-            startup_s=round(statistics.mean(loads), 1) if loads else 0.0,
-            startup_phases=tuple((name, round(statistics.mean(s), 1)) for name, s in phases.items()),
-            engine_key=engine_key,
-            prefill_pool=urls["prefill"],
-            decode_pool=urls["decode"],
-        )
-
-
-def batch_limits(spec: ClusterSpec) -> tuple[int, int]:
-    """(max_num_seqs of a decode engine, max_num_batched_tokens of a prefill engine) as they run."""
-
-    def setting(name: str, role: str, cpu_default: int) -> int:
-        extra = spec.engine.extra_args
-        value = extra.get(name, extra.get(name.replace("_", "-")))
-        if value is not None:
-            return int(value)
-        if spec.device != "cpu":
-            raise ProfilingError(
-                f"engine.extra_args.{name}: must be set for device {spec.device!r}: vLLM's default there depends "
-                "on the GPU, and the engines do not export it"
-            )
-        return cpu_default * spec.pool(role).tensor_parallel_size
-
-    return (
-        setting("max_num_seqs", "decode", CPU_DEFAULT_MAX_NUM_SEQS),
-        setting("max_num_batched_tokens", "prefill", CPU_DEFAULT_MAX_NUM_BATCHED_TOKENS),
-    )
-
-
-def kv_capacity_tokens(labels: dict[str, str] | None, url: str) -> int:
-    """Tokens of KV cache one engine holds, from the labels of its ``vllm:cache_config_info``."""
-    if labels is None:
-        raise ProfilingError(f"{url}/metrics: no {CACHE_INFO}: cannot read the engine's KV capacity")
-    size = labels.get("kv_cache_size_tokens", "None")
-    if size != "None":
-        return int(float(size))
-    blocks, block_size = labels.get("num_gpu_blocks", "None"), labels.get("block_size", "None")
-    if blocks == "None" or block_size == "None":
-        raise ProfilingError(f"{url}/metrics: {CACHE_INFO} has neither kv_cache_size_tokens nor num_gpu_blocks")
-    return int(blocks) * int(block_size)
-
-
-def decoding_span(streams: list[list[tuple[float, int]]]) -> tuple[float, int]:
-    """Seconds and tokens of every stream while all streams were decoding, summed over streams.
-
-    A stream is its chunks as ``(arrival time, tokens generated so far)``, the first one
-    carrying the first token. The window opens at the last stream's first token (every
-    prompt computed) and closes at the first stream's last token (one has finished); a
-    stream counts from its first chunk in the window to its last.
-    """
-    if any(not s for s in streams):
-        return 0.0, 0
-    start, end = max(s[0][0] for s in streams), min(s[-1][0] for s in streams)
-    seconds, tokens = 0.0, 0
-    for stream in streams:
-        inside = [(t, n) for t, n in stream if start <= t <= end]
-        if len(inside) >= 2:
-            seconds += inside[-1][0] - inside[0][0]
-            tokens += inside[-1][1] - inside[0][1]
-    return seconds, tokens
-
-
-@dataclass(slots=True, frozen=True)
-class TransferSample:
-    prompt_tokens: int
-    seconds: float
-    nbytes: float
-    ttft_s: float = 0.0  # the client's, through the proxy
-    prefill_s: float = 0.0  # the prefill engine's queue + prefill time for it
-
-
-def handoff_seconds(samples: list[TransferSample], decode_step: Callable[[int], float]) -> float:
-    """The hand-off's fixed cost: the median over requests of what their TTFT through the proxy spent beyond
-    the prefill engine's queue + pass, the KV transfer and one decode step (``decode_step(prompt_tokens)``).
-
-    It is HTTP to and from both engines, the proxy's work, and the decode engine's scheduling of a
-    request whose KV arrives from elsewhere (it waits a step for the load to start and one for it to
-    finish). On the CPU demo it was about 0.15-0.25 s, which a simulator without it lacked at light load.
-    """
-    extra = [s.ttft_s - s.prefill_s - s.seconds - decode_step(s.prompt_tokens) for s in samples]
-    return round(max(0.0, statistics.median(extra)), 4) if extra else 0.0
-
-
-def transfer_table(samples: list[TransferSample]) -> tuple[list[float], list[float], int]:
-    """(bytes axis, seconds, kv_bytes_per_token) from single-request transfer samples.
-
-    Samples of one prompt length give one point (their medians); lengths whose KV fills
-    the same number of blocks move the same bytes and merge into one point, so the
-    bytes axis increases strictly as the profile format requires.
-    """
-    if not samples or any(s.nbytes <= 0 for s in samples):
-        raise ProfilingError("no KV transfer moved any bytes: the connector's bytes counter did not grow")
-    by_bytes: dict[float, list[TransferSample]] = {}
-    for length in sorted({s.prompt_tokens for s in samples}):
-        of_length = [s for s in samples if s.prompt_tokens == length]
-        nbytes = statistics.median(s.nbytes for s in of_length)
-        by_bytes.setdefault(nbytes, []).extend(of_length)
-    axis = sorted(by_bytes)
-    seconds = [round(statistics.median(s.seconds for s in by_bytes[b]), 6) for b in axis]
-    per_token = sum(s.nbytes for s in samples) / sum(s.prompt_tokens for s in samples)
-    return axis, seconds, round(per_token)
-
-
-class RandomPrompts:
-    """Fresh token-id prompts, ids drawn at random from those the model's tokenizer gave for ``SAMPLE_TEXT``."""
-
-    def __init__(self, token_ids: list[int], seed: int | None = None) -> None:
-        self.token_ids = sorted(set(token_ids))
-        self.rng = random.Random(seed)
-
-    def __call__(self, length: int) -> list[int]:
-        return self.rng.choices(self.token_ids, k=length)
-
-    @classmethod
-    async def from_engine(cls, http: _Http, url: str, model: str, seed: int | None = None) -> RandomPrompts:
-        answer = await http.post(url, "/tokenize", {"model": model, "prompt": SAMPLE_TEXT, "add_special_tokens": False})
-        ids = answer.get("tokens")
-        if not isinstance(ids, list) or len(set(ids)) < MIN_DISTINCT_IDS:
-            raise ProfilingError(
-                f"{url}/tokenize: expected at least {MIN_DISTINCT_IDS} distinct token ids, got {ids!r}"
-            )
-        return cls(ids, seed)
-
-
-class _Http:
-    """The profiler's one HTTP session: JSON posts, SSE streams and ``/metrics`` scrapes."""
-
-    def __init__(self, session: aiohttp.ClientSession) -> None:
-        self.session = session
-
-    async def post(self, url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        try:
-            async with self.session.post(url + path, json=body) as response:
-                text = await response.text()
-        except (aiohttp.ClientError, TimeoutError) as e:
-            raise ProfilingError(f"{url}{path}: {type(e).__name__}: {e}") from e
-        if response.status != 200:
-            raise ProfilingError(f"{url}{path}: HTTP {response.status}: {text[:500]}")
-        return json.loads(text)
-
-    async def stream(self, url: str, body: dict[str, Any]) -> list[tuple[float, int]]:
-        """POST a streaming completion of one prompt; its chunks as (arrival time, tokens so far)."""
-        return (await self.streams(url, body))[0]
-
-    async def streams(self, url: str, body: dict[str, Any]) -> list[list[tuple[float, int]]]:
-        """POST a streaming completion; each choice's chunks (one choice per prompt) as (arrival time, tokens so
-        far), in the choices' order."""
-        body = body | {"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
-        choices: dict[int, list[tuple[float, int]]] = {}
-        try:
-            async with self.session.post(url + "/v1/completions", json=body) as response:
-                if response.status != 200:
-                    raise ProfilingError(
-                        f"{url}/v1/completions: HTTP {response.status}: {(await response.text())[:500]}"
-                    )
-                async for raw in response.content:
-                    line = raw.decode().strip()
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    event = json.loads(line[6:])
-                    if not event.get("choices"):
-                        continue  # the closing usage-only chunk
-                    chunks = choices.setdefault(event["choices"][0].get("index", 0), [])
-                    usage = event.get("usage") or {}  # continuous usage: the choice's own tokens so far
-                    count = usage.get("completion_tokens", (chunks[-1][1] if chunks else 0) + 1)
-                    chunks.append((time.perf_counter(), count))
-        except (aiohttp.ClientError, TimeoutError) as e:
-            raise ProfilingError(f"{url}/v1/completions: {type(e).__name__}: {e}") from e
-        return [choices[i] for i in sorted(choices)] or [[]]
-
-    async def metrics(self, url: str) -> str:
-        try:
-            async with self.session.get(url + "/metrics") as response:
-                if response.status != 200:
-                    raise ProfilingError(f"{url}/metrics: HTTP {response.status}")
-                return await response.text()
-        except (aiohttp.ClientError, TimeoutError) as e:
-            raise ProfilingError(f"{url}/metrics: {type(e).__name__}: {e}") from e
-
-    async def samples(self, url: str, names: tuple[str, ...]) -> dict[str, float]:
-        return sum_samples(await self.metrics(url), names)
-
-    async def wait_for(self, url: str, names: tuple[str, ...], count_name: str, at_least: float) -> dict[str, float]:
-        """Scrape until ``count_name`` reaches ``at_least``: vLLM records a request after answering it."""
-        _, samples = await self._first_to_reach({url: at_least}, names, count_name)
-        return samples
-
-    async def pool_samples(self, urls: tuple[str, ...], names: tuple[str, ...]) -> dict[str, dict[str, float]]:
-        return {url: await self.samples(url, names) for url in urls}
-
-    async def wait_for_one(
-        self, before: dict[str, dict[str, float]], names: tuple[str, ...], count_name: str
-    ) -> dict[str, float]:
-        """The rise of ``names`` on whichever engine of a pool (``before``: its samples by URL) has recorded
-        one more ``count_name`` since: the one the proxy sent a request to."""
-        floors = {url: was[count_name] + 1 for url, was in before.items()}
-        url, samples = await self._first_to_reach(floors, names, count_name)
-        return _delta(samples, before[url])
-
-    async def _first_to_reach(
-        self, at_least: dict[str, float], names: tuple[str, ...], count_name: str
-    ) -> tuple[str, dict[str, float]]:
-        """Scrape the engines at ``at_least``'s URLs in turn until one's ``count_name`` reaches its value there."""
-        deadline = time.monotonic() + METRICS_WAIT_S
-        while True:
-            seen = {}
-            for url, floor in at_least.items():
-                seen[url] = samples = await self.samples(url, names)
-                if samples[count_name] >= floor:
-                    return url, samples
-            if time.monotonic() > deadline:
-                raise ProfilingError(
-                    "; ".join(
-                        f"{url}/metrics: {count_name} is {seen[url][count_name]:g}, expected {floor:g}"
-                        for url, floor in at_least.items()
-                    )
-                    + f" {METRICS_WAIT_S:g}s after the requests were answered"
-                )
-            await asyncio.sleep(0.1)
-
-
-def _delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
-    return {name: after[name] - before[name] for name in after}
 
 
 async def _prefill_point(
-    http: _Http, url: str, model: str, prompts: RandomPrompts, tokens: int, batch: int, grid: ProfileGrid
+    http: Http, url: str, model: str, prompts: RandomPrompts, tokens: int, batch: int, grid: ProfileGrid
 ) -> float:
     """Median prefill time of one pass of ``batch`` sequences of ``tokens // batch`` tokens.
 
@@ -528,7 +161,7 @@ async def _prefill_point(
         if batch > 1 and before[count] != start[count] + 1:  # recorded with the batch's: cannot tell them apart
             logger.info("prefill at %s: the blocker's and the batch's times were recorded together", url)
             continue
-        delta = _delta(await http.wait_for(url, PREFILL_SAMPLES, count, before[count] + batch), before)
+        delta = samples_delta(await http.wait_for(url, PREFILL_SAMPLES, count, before[count] + batch), before)
         if delta[PREFIX_HITS] > 0:
             raise ProfilingError(f"{url}: {delta[PREFIX_HITS]:g} prompt tokens hit the prefix cache")
         prefill_s, queue_s = delta[PREFILL_TIME + "_sum"] / batch, delta[QUEUE_TIME + "_sum"] / batch
@@ -548,41 +181,8 @@ async def _prefill_point(
     )
 
 
-@dataclass(slots=True, frozen=True)
-class DecodeRun:
-    """One run of a decode point: the engine's steps, whether they were one pass of the batch, and both clocks'
-    (seconds, tokens): the engine's decode time over its tokens after the first (steps of fewer sequences, or
-    with a prompt's pass, included when not one pass), and the client's while all decoded."""
-
-    steps: float
-    one_pass: bool
-    engine_clock: tuple[float, float]
-    client: tuple[float, int]
-
-    @property
-    def engine(self) -> tuple[float, float] | None:
-        """The engine's clock when the batch's prompts shared one pass (every sequence decoded in its steps)."""
-        return self.engine_clock if self.one_pass and self.engine_clock[1] > 0 else None
-
-    @property
-    def engine_step(self) -> float:
-        seconds, tokens = self.engine_clock
-        return seconds / tokens if tokens > 0 else 0.0
-
-    @property
-    def reading(self) -> tuple[float, float] | None:
-        """The engine's clock when the batch shared one pass; else the client's, unless its tokens were read
-        together (a step under ``MIN_CLIENT_SHARE`` of the engine's: the front end or client was descheduled)."""
-        if (engine := self.engine) is not None:
-            return engine
-        seconds, tokens = self.client
-        if tokens > 0 and seconds >= MIN_CLIENT_SHARE * self.engine_step * tokens > 0:
-            return self.client
-        return None
-
-
 async def decode_run(
-    http: _Http, url: str, model: str, prompts: RandomPrompts, batch: int, context: int, decode_tokens: int
+    http: Http, url: str, model: str, prompts: RandomPrompts, batch: int, context: int, decode_tokens: int
 ) -> DecodeRun:
     """``batch`` streams of ``context`` prompt tokens and ``decode_tokens`` output tokens, behind a blocker's pass
     when there are several (module docstring, 2.)."""
@@ -598,14 +198,14 @@ async def decode_run(
     if blocker is not None:
         await blocker
         requests += 1
-    delta = _delta(await http.wait_for(url, DECODE_SAMPLES, count, before[count] + requests), before)
+    delta = samples_delta(await http.wait_for(url, DECODE_SAMPLES, count, before[count] + requests), before)
     one_pass = delta[STEPS] in (decode_tokens, decode_tokens + requests - batch)
     engine_tokens = delta[GENERATED + "_sum"] - requests  # the blocker's one token adds no decode time
     return DecodeRun(delta[STEPS], one_pass, (delta[DECODE_TIME + "_sum"], engine_tokens), decoding_span(streams))
 
 
 async def _decode_point(
-    http: _Http, url: str, model: str, prompts: RandomPrompts, batch: int, context: int, grid: ProfileGrid
+    http: Http, url: str, model: str, prompts: RandomPrompts, batch: int, context: int, grid: ProfileGrid
 ) -> float:
     """Decode step of ``batch`` sequences of ``context`` prompt tokens: seconds per token over ``repeats`` runs,
     on the engine's clock when the batch prefilled in one pass, else on the client's (module docstring).
@@ -640,7 +240,7 @@ async def _decode_point(
 
 
 async def _transfer_samples(
-    http: _Http, endpoints: ClusterEndpoints, prompts: RandomPrompts, grid: ProfileGrid
+    http: Http, endpoints: ClusterEndpoints, prompts: RandomPrompts, grid: ProfileGrid
 ) -> list[TransferSample]:
     if endpoints.connector not in TRANSFER_METRICS:
         raise ProfilingError(f"connector {endpoints.connector!r}: no known transfer metrics")
@@ -709,7 +309,7 @@ async def measure(
     timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
     headers = {"Authorization": f"Bearer {endpoints.engine_key}"} if endpoints.engine_key else None
     async with aiohttp.ClientSession(timeout=timeout, headers=headers) as session:
-        http = _Http(session)
+        http = Http(session)
         model, prefill_url, decode_url = endpoints.model, endpoints.prefill_url, endpoints.decode_url
         prompts = await RandomPrompts.from_engine(http, prefill_url, model, seed)
         capacity = kv_capacity_tokens(info_labels(await http.metrics(decode_url), CACHE_INFO), decode_url)
@@ -810,9 +410,3 @@ def format_profile(profile: PerformanceProfile) -> list[str]:
         + f"; hand-off beyond it {1000 * e.handoff_s:.1f} ms"
     )
     return lines
-
-
-def grid_with(base: ProfileGrid, **overrides: Any) -> ProfileGrid:
-    """``base`` with the options the user gave (``None``: keep ``base``'s)."""
-    given = {k: (tuple(v) if isinstance(v, list) else v) for k, v in overrides.items() if v is not None}
-    return dataclasses.replace(base, **given)

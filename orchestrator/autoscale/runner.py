@@ -14,7 +14,8 @@ from pathlib import Path
 from orchestrator import placement
 from orchestrator.autoscale.policy import AutoscalePolicy, StaticPolicy
 from orchestrator.autoscale.profile import PerformanceProfile, load_profile
-from orchestrator.autoscale.simulator import EVEN_SHARE, Policy, SharedCore, SimulationResult, SloTargets, simulate
+from orchestrator.autoscale.sim_model import EVEN_SHARE, Policy, SharedCore, SimulationResult, SloTargets
+from orchestrator.autoscale.simulator import simulate
 from orchestrator.autoscale.traces import TraceRequest
 from orchestrator.errors import PdserveError
 from orchestrator.spec import ClusterSpec

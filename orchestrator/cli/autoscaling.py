@@ -115,11 +115,14 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from orchestrator import cluster
     from orchestrator.autoscale import profiler
     from orchestrator.autoscale.profile import load_profile
+    from orchestrator.autoscale.profiler_grid import DEFAULT_GRID, QUICK_GRID, grid_with
+    from orchestrator.autoscale.profiler_http import ClusterEndpoints
+    from orchestrator.autoscale.profiler_readings import batch_limits
     from orchestrator.spec import ClusterSpec
 
     spec = ClusterSpec.from_file(args.config)
-    grid = profiler.grid_with(
-        profiler.QUICK_GRID if args.quick else profiler.DEFAULT_GRID,
+    grid = grid_with(
+        QUICK_GRID if args.quick else DEFAULT_GRID,
         prefill_tokens=args.prefill_tokens,
         prefill_batch=args.prefill_batch,
         decode_batch=args.decode_batch,
@@ -128,7 +131,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
         repeats=args.repeats,
         decode_tokens=args.decode_tokens,
     )
-    grid.check(*profiler.batch_limits(spec), spec.engine.max_model_len, spec.proxy.decode_only_below_tokens)
+    grid.check(*batch_limits(spec), spec.engine.max_model_len, spec.proxy.decode_only_below_tokens)
     out = Path(args.out) if args.out else default_profile_path(args.config, spec.name)
     started_here = False
     try:
@@ -147,7 +150,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
         from contract.auth import engine_key
         from orchestrator.state import load_cluster_secret
 
-        endpoints = profiler.ClusterEndpoints.from_status(status, engine_key(load_cluster_secret()))
+        endpoints = ClusterEndpoints.from_status(status, engine_key(load_cluster_secret()))
         engines = f"{endpoints.prefill_url} (prefill), {endpoints.decode_url} (decode), {endpoints.proxy_url} (proxy)"
         say(f"pdserve profile: measuring {engines}")
         profile = asyncio.run(
@@ -203,7 +206,7 @@ def _add_profile_parser(commands: Any, with_args: bool) -> None:
     profile.set_defaults(func=cmd_profile)
     if not with_args:
         return
-    from orchestrator.autoscale.profiler import DEFAULT_GRID, QUICK_GRID
+    from orchestrator.autoscale.profiler_grid import DEFAULT_GRID, QUICK_GRID
 
     profile.add_argument("config", help="cluster spec (the engines' settings come from it)")
     profile.add_argument("--out", metavar="FILE", help="where to write (default: profiles/NAME.yaml beside CONFIG)")

@@ -1,6 +1,6 @@
 """CudaIpcTransport between two processes on one GPU: every byte of scattered blocks lands where it should.
 
-The source process of ``scripts/bench_cuda_ipc.py`` (FlashAttention-layout
+The source process of ``testlib/cuda_ipc_blocks.py`` (FlashAttention-layout
 caches filled from a seed) serves; this process maps its caches and reads
 64 and 256 MiB of scattered blocks with each gather, then a head slice into
 caches of another layout (a decode rank of TP 2 reading a prefill of TP 1),
@@ -21,7 +21,7 @@ from connectors.topology import KVTopology  # noqa: E402
 from connectors.transport import CUDA_IPC  # noqa: E402
 from connectors.transport.base import TransferState  # noqa: E402
 from connectors.transport.cuda_ipc import CudaIpcTransport  # noqa: E402
-from scripts import bench_cuda_ipc as bench  # noqa: E402
+from testlib import cuda_ipc_blocks as bench  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -108,9 +108,9 @@ THREE_HOSTS = ("head", "prefill", "decode")
 
 @pytest.fixture(scope="session")
 def three_hosts() -> Iterator[dict]:
-    """The multi-host test bed (tests/testbed): head, prefill and decode namespace hosts, a Ray node
+    """The multi-host test bed (testlib/testbed): head, prefill and decode namespace hosts, a Ray node
     each; shared by the tests that use it (they run last, ``tests/conftest.py``), always torn down."""
-    from tests import testbed as hosts
+    from testlib import testbed as hosts
 
     try:
         yield hosts.up(THREE_HOSTS, ray_env=FAST_HEALTH_CHECKS, fresh=True, timeout_s=180)

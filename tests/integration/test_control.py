@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from lab.cpu_use import idle_use
 from orchestrator.control import STATUS_SCHEMA, schema_problems
+from testlib.cpu_use import idle_use
 from tests.integration.conftest import Cluster, http_json, run_pdserve
 
 pytestmark = pytest.mark.integration

@@ -1,6 +1,6 @@
 """The GPU configs placed on a real Ray cluster of logical GPUs (no GPU needed).
 
-Five namespace hosts (tests/testbed): a head, two prefill and two decode hosts of 8 logical GPUs
+Five namespace hosts (testlib/testbed): a head, two prefill and two decode hosts of 8 logical GPUs
 each (`ray start --num-gpus 8`). `pdserve validate --ray-address` places configs/gpu-multinode.yaml
 and configs/gpu-1node.yaml on them, and Ray itself creates each engine's placement group as the
 controller asks for it: every bundle on a host of the engine's pool, all of an engine's TP ranks on

@@ -1,4 +1,4 @@
-"""The multi-host test bed (``tests/testbed``, CLI ``scripts/hosts.py``): three network namespaces on a bridge, one
+"""The multi-host test bed (``testlib/testbed``, CLI ``scripts/hosts.py``): three network namespaces on a bridge, one
 Ray node each.
 
 On the suite's shared bed (fixture ``three_hosts``: ``up(fresh=True)`` replaces a bed left running), checks from a
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from tests import testbed as hosts
+from testlib import testbed as hosts
 from tests.integration.conftest import FAST_HEALTH_CHECKS, THREE_HOSTS
 
 pytestmark = [

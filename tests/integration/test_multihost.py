@@ -1,4 +1,4 @@
-"""P/D across hosts: the three-host test bed (tests/testbed: network namespaces on a bridge,
+"""P/D across hosts: the three-host test bed (testlib/testbed: network namespaces on a bridge,
 198.18.0.10-12, one Ray node each), configs/multi-host-cpu.yaml started from the head host.
 
 What a user of a multi-host cluster sees: engines on the hosts their pools name, serving at those
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests import testbed as hosts
+from testlib import testbed as hosts
 from tests.integration.conftest import CLI_TIMEOUT_S, PDSERVE, UP_TIMEOUT_S, engine_headers, http_json, kv_report
 
 ROOT = Path(__file__).resolve().parents[2]

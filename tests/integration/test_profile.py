@@ -15,7 +15,7 @@ for part of the run. The client also stalls: in the full suite a process in the 
 that sleeps 20 ms at a time waited 1-5 s in the run queue every few seconds while the cluster
 served, and the replay's streams paused 1.2-2.8 s at those moments (TTFT p90 2.2-2.7 s against
 0.9-1.2 s simulated, on the CI run of 2026-11-29 and here on 2026-12-01). The comparison keeps
-the requests clear of those stalls (``lab.fidelity.client_stalls``), at least half of them, and
+the requests clear of those stalls (``testlib.fidelity.client_stalls``), at least half of them, and
 the replay runs in a session of its own (``replay_apart``), where no such wait was seen.
 
 It runs on the shared cluster of our connector (the default, whose profile
@@ -33,11 +33,12 @@ from pathlib import Path
 
 import pytest
 
-from lab.fidelity import TOLERANCE, compare, prefill_capacity_rps, replay_apart, undisturbed, within
 from orchestrator.autoscale import traces
 from orchestrator.autoscale.policy import StaticPolicy
 from orchestrator.autoscale.profile import load_profile
-from orchestrator.autoscale.simulator import SloTargets, simulate
+from orchestrator.autoscale.sim_model import SloTargets
+from orchestrator.autoscale.simulator import simulate
+from testlib.fidelity import TOLERANCE, compare, prefill_capacity_rps, replay_apart, undisturbed, within
 from tests.integration.conftest import Cluster, run_pdserve
 
 pytestmark = [pytest.mark.integration, pytest.mark.parametrize("cluster", ["pdserve"], indirect=True)]

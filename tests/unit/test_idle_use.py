@@ -1,4 +1,4 @@
-"""``lab.cpu_use.idle_use``: a process tree's CPU, busiest thread and wake-ups, by ``/proc``
+"""``testlib.cpu_use.idle_use``: a process tree's CPU, busiest thread and wake-ups, by ``/proc``
 accounting, on real child processes (the idle-engine test and ``scripts/bench_control.py`` read it)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import time
 
 import psutil
 
-from lab.cpu_use import IdleUse, idle_use
+from testlib.cpu_use import IdleUse, idle_use
 
 CHILD = """
 import os, subprocess, threading, time

@@ -20,7 +20,16 @@ from aiohttp import web
 
 from orchestrator.autoscale import profiler
 from orchestrator.autoscale.profile import load_profile
-from orchestrator.autoscale.profiler import ClusterEndpoints, ProfileGrid, TransferSample
+from orchestrator.autoscale.profiler_grid import DEFAULT_GRID, QUICK_GRID, ProfileGrid
+from orchestrator.autoscale.profiler_http import ClusterEndpoints, Http, RandomPrompts
+from orchestrator.autoscale.profiler_readings import (
+    TransferSample,
+    batch_limits,
+    decoding_span,
+    handoff_seconds,
+    kv_capacity_tokens,
+    transfer_table,
+)
 from orchestrator.cli import main
 from orchestrator.errors import ProfilingError
 from orchestrator.spec import ClusterSpec
@@ -222,9 +231,9 @@ async def test_the_decode_step_is_read_on_the_engines_clock_when_the_batch_prefi
     """A front end (or client) descheduled for a whole decode hands the client every token at once: on the
     client's clock the step was ~0 (CI: the simulator's ITL of 0). The engine's clock is not fooled."""
     fake.stalled = stalled
-    http = profiler._Http(aiohttp.ClientSession())
+    http = Http(aiohttp.ClientSession())
     try:
-        prompts = profiler.RandomPrompts(list(range(100, 400)), seed=1)
+        prompts = RandomPrompts(list(range(100, 400)), seed=1)
         for batch in (1, 4):
             step = await profiler._decode_point(http, decode_engine.url, "m", prompts, batch, 128, SMALL_GRID)
             assert step == pytest.approx(decode_step_s(batch, 128), rel=0.3)
@@ -240,9 +249,9 @@ async def test_a_batch_that_took_several_passes_is_read_on_the_clients_clock(
 ):
     """Its first sequences decoded beside the others' prefill: the engine's decode time holds prefill passes."""
     fake.extra_steps = 1
-    http = profiler._Http(aiohttp.ClientSession())
+    http = Http(aiohttp.ClientSession())
     try:
-        prompts = profiler.RandomPrompts(list(range(100, 400)), seed=1)
+        prompts = RandomPrompts(list(range(100, 400)), seed=1)
         with caplog.at_level("INFO", logger=profiler.logger.name):
             step = await profiler._decode_point(http, decode_engine.url, "m", prompts, 4, 128, SMALL_GRID)
         assert step == pytest.approx(decode_step_s(4, 128), rel=0.3)
@@ -256,9 +265,9 @@ async def test_a_run_neither_clock_can_read_is_made_again(
 ):
     """Several passes (not the engine's clock) and every token read at the end (not the client's): on the CI
     machine the API server waits for the core its engine computes on. Measured again, then given up."""
-    http = profiler._Http(aiohttp.ClientSession())
+    http = Http(aiohttp.ClientSession())
     try:
-        prompts = profiler.RandomPrompts(list(range(100, 400)), seed=1)
+        prompts = RandomPrompts(list(range(100, 400)), seed=1)
         fake.unreadable_runs = 1
         with caplog.at_level("INFO", logger=profiler.logger.name):
             step = await profiler._decode_point(http, decode_engine.url, "m", prompts, 2, 128, SMALL_GRID)
@@ -282,9 +291,9 @@ def test_decoding_span_only_while_every_stream_decodes():
         [(0.3, 1), (0.5, 2), (0.7, 3)],
     ]
     # window [0.3, 0.6]: stream 0 from 0.4 (5 tokens) to 0.6 (7), stream 1 from 0.3 (1) to 0.5 (2)
-    seconds, tokens = profiler.decoding_span(streams)
+    seconds, tokens = decoding_span(streams)
     assert (round(seconds, 6), tokens) == (0.4, 3)
-    assert profiler.decoding_span([[(0.0, 1), (0.1, 2)], [(0.5, 1)]]) == (0.0, 0)  # never both decoding
+    assert decoding_span([[(0.0, 1), (0.1, 2)], [(0.5, 1)]]) == (0.0, 0)  # never both decoding
 
 
 def test_decoding_span_is_not_fooled_by_tokens_read_together():
@@ -293,7 +302,7 @@ def test_decoding_span_is_not_fooled_by_tokens_read_together():
     for an engine decoding at 115 ms a token)."""
     steps = [0.1 * i for i in range(8)]
     bunched = [(t if i in (0, 7) else 0.6 + 1e-4 * i, i + 1) for i, t in enumerate(steps)]  # steps 1-6 read at 0.6
-    seconds, tokens = profiler.decoding_span([bunched])
+    seconds, tokens = decoding_span([bunched])
     assert round(seconds / tokens, 6) == 0.1
 
 
@@ -303,9 +312,9 @@ def test_handoff_is_what_ttft_spends_beyond_prefill_transfer_and_one_step():
         TransferSample(256, 0.05, 1e6, ttft_s=0.95, prefill_s=0.5),
         TransferSample(1024, 0.05, 4e6, ttft_s=0.90, prefill_s=0.5),
     ]
-    assert profiler.handoff_seconds(samples, lambda tokens: 0.1) == pytest.approx(0.25)
+    assert handoff_seconds(samples, lambda tokens: 0.1) == pytest.approx(0.25)
     # A faster TTFT than its parts (clock skew, a descheduled scrape) never makes the hand-off negative.
-    assert profiler.handoff_seconds([TransferSample(256, 0.05, 1e6, ttft_s=0.1, prefill_s=0.5)], lambda t: 0.1) == 0
+    assert handoff_seconds([TransferSample(256, 0.05, 1e6, ttft_s=0.1, prefill_s=0.5)], lambda t: 0.1) == 0
 
 
 def test_transfer_table_merges_equal_bytes_and_weighs_tokens():
@@ -315,25 +324,25 @@ def test_transfer_table_merges_equal_bytes_and_weighs_tokens():
         TransferSample(120, 0.011, 128_000),  # same block count as 100: same bytes, one point
         TransferSample(1024, 0.050, 1_024_000),
     ]
-    nbytes, seconds, per_token = profiler.transfer_table(samples)
+    nbytes, seconds, per_token = transfer_table(samples)
     assert nbytes == [128_000, 1_024_000]
     assert seconds == [0.011, 0.05]
     assert per_token == round((3 * 128_000 + 1_024_000) / (100 + 100 + 120 + 1024))
     with pytest.raises(ProfilingError, match="bytes counter did not grow"):
-        profiler.transfer_table([TransferSample(256, 0.01, 0.0)])
+        transfer_table([TransferSample(256, 0.01, 0.0)])
 
 
 def test_kv_capacity_from_cache_config_info():
-    assert profiler.kv_capacity_tokens({"kv_cache_size_tokens": "23296", "block_size": "128"}, "u") == 23296
-    assert profiler.kv_capacity_tokens({"kv_cache_size_tokens": "None", "num_gpu_blocks": "182",
-                                        "block_size": "128"}, "u") == 182 * 128  # fmt: skip
+    assert kv_capacity_tokens({"kv_cache_size_tokens": "23296", "block_size": "128"}, "u") == 23296
+    assert kv_capacity_tokens({"kv_cache_size_tokens": "None", "num_gpu_blocks": "182",
+                               "block_size": "128"}, "u") == 182 * 128  # fmt: skip
     with pytest.raises(ProfilingError, match=r"http://e:1/metrics: no vllm:cache_config_info"):
-        profiler.kv_capacity_tokens(None, "http://e:1")
+        kv_capacity_tokens(None, "http://e:1")
 
 
 def test_batch_limits_from_spec_or_vllm_cpu_defaults(write_spec, make_spec):
     def limits(**overrides) -> tuple[int, int]:
-        return profiler.batch_limits(ClusterSpec.from_file(write_spec(make_spec(**overrides))))
+        return batch_limits(ClusterSpec.from_file(write_spec(make_spec(**overrides))))
 
     assert limits() == (128, 2048)
     assert limits(prefill={"tensor_parallel_size": 2}) == (128, 4096)  # per rank, on the prefill pool
@@ -344,8 +353,8 @@ def test_batch_limits_from_spec_or_vllm_cpu_defaults(write_spec, make_spec):
 
 def test_grid_check_names_the_option():
     check = dict(max_num_seqs=128, max_num_batched_tokens=2048, max_model_len=4096, disagg_from=0)
-    profiler.DEFAULT_GRID.check(**check)
-    profiler.QUICK_GRID.check(**check)
+    DEFAULT_GRID.check(**check)
+    QUICK_GRID.check(**check)
     with pytest.raises(ProfilingError, match=r"--prefill-tokens: 4096 exceeds the engines' max_num_batched_tokens"):
         ProfileGrid(prefill_tokens=(256, 4096)).check(**check)
     with pytest.raises(ProfilingError, match=r"--decode-batch: must be increasing"):
@@ -408,7 +417,7 @@ async def test_a_request_through_the_proxy_is_read_on_whichever_engine_of_the_po
     endpoints = ClusterEndpoints.from_status(status)
     assert endpoints.prefill_pool == tuple(e.url for e in engines) and endpoints.prefill_url == engines[0].url
     names = ("vllm:request_prefill_time_seconds_count",)
-    http = profiler._Http(aiohttp.ClientSession())
+    http = Http(aiohttp.ClientSession())
     try:
         before = await http.pool_samples(endpoints.prefill_pool, names)
         counts["prefill-1"] += 1  # the proxy sent it to prefill-1

@@ -44,7 +44,7 @@ from connectors.side_messages import (
 from contract.auth import KINDS, ClusterSecret, KVAuth, Unauthenticated
 from contract.kv_report import KVReport
 from contract.wire import parse_tcp_endpoint
-from lab.cpu_use import context_switches
+from testlib.cpu_use import context_switches
 from tests.unit.conftest import TEST_SECRET
 from tests.unit.test_handshake import response, topology
 

@@ -21,7 +21,9 @@ from orchestrator.autoscale import traces
 from orchestrator.autoscale.policy import ClusterObservation, ScalingDecision, StaticPolicy
 from orchestrator.autoscale.profile import EngineLimits, Grid1D, Grid2D, PerformanceProfile
 from orchestrator.autoscale.rules import new_replicas, retirement_order, take_back_order, warm_room, warm_to_stop
-from orchestrator.autoscale.simulator import SPIN_S, SharedCore, SimulationResult, Simulator, SloTargets, simulate
+from orchestrator.autoscale.sim_cores import SPIN_S
+from orchestrator.autoscale.sim_model import SharedCore, SimulationResult, SloTargets
+from orchestrator.autoscale.simulator import Simulator, simulate
 from orchestrator.autoscale.traces import TraceRequest
 
 TARGETS = SloTargets(ttft_s=1e9, itl_s=1e9)

@@ -1,4 +1,4 @@
-"""The namespace test bed's pure parts (``tests/testbed``) and its command line (``scripts/hosts.py``): host specs,
+"""The namespace test bed's pure parts (``testlib/testbed``) and its command line (``scripts/hosts.py``): host specs,
 the flags ``up`` turns into the library's arguments, the errors; nothing here makes a namespace or starts Ray."""
 
 from __future__ import annotations
@@ -10,10 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from scripts import hosts as cli
-from tests import testbed
-
-CLI = Path(cli.__file__)
+from testlib import testbed
+from testlib.testbed import cli
+from testlib.testbed.config import CLI  # scripts/hosts.py
 
 
 def test_default_hosts_names_addresses_labels() -> None:

@@ -10,10 +10,10 @@ import sys
 import time
 from pathlib import Path
 
-from tests.testbed.config import HEAD_PORT, REPO, STATE_DIR, HostsError
-from tests.testbed.netns import run
-from tests.testbed.procs import cmdline, netns_pids
-from tests.testbed.state import exec_argv, require_state
+from testlib.testbed.config import HEAD_PORT, REPO, STATE_DIR, HostsError
+from testlib.testbed.netns import run
+from testlib.testbed.procs import cmdline, netns_pids
+from testlib.testbed.state import exec_argv, require_state
 
 
 def venv_bin() -> Path:

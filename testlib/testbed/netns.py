@@ -11,7 +11,7 @@ import re
 import shutil
 import subprocess
 
-from tests.testbed.config import BRIDGE, BRIDGE_IP, HOST_PREFIX, NAME_RE, PREFIX_LEN, VETH_PREFIX, HostsError
+from testlib.testbed.config import BRIDGE, BRIDGE_IP, HOST_PREFIX, NAME_RE, PREFIX_LEN, VETH_PREFIX, HostsError
 
 
 def run(argv: list[str], *, check: bool = True, timeout: float = 30, **kwargs) -> subprocess.CompletedProcess:

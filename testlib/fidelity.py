@@ -149,11 +149,11 @@ def replay_apart(
     """``replay`` in a process of a session of its own, and the stalls (``client_stalls``) seen in that session."""
     job = {"proxy_url": proxy_url, "model": model, "trace": [dataclasses.astuple(r) for r in trace], "headers": headers}
     done = subprocess.run(
-        [sys.executable, "-m", "lab.fidelity"],
+        [sys.executable, "-m", "testlib.fidelity"],
         input=json.dumps(job),
         capture_output=True,
         text=True,
-        cwd=Path(__file__).resolve().parents[1],  # the repository: lab, orchestrator
+        cwd=Path(__file__).resolve().parents[1],  # the repository: testlib, orchestrator
         start_new_session=True,
         check=False,
     )

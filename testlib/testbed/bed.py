@@ -9,7 +9,7 @@ import secrets
 import time
 from pathlib import Path
 
-from tests.testbed.config import (
+from testlib.testbed.config import (
     BRIDGE,
     BRIDGE_IP,
     DEFAULT_CPUS,
@@ -22,10 +22,10 @@ from tests.testbed.config import (
     HostsError,
     host_specs,
 )
-from tests.testbed.netns import bridge_exists, check_root, make_network, namespaces, remove_network
-from tests.testbed.procs import cmdline, netns_pids, stop_processes
-from tests.testbed.ray_nodes import nodes, processes_up, start_nodes, venv_bin, wait_nodes
-from tests.testbed.state import clean_state_dir, client_env, host_of, load_state, require_state, state_path
+from testlib.testbed.netns import bridge_exists, check_root, make_network, namespaces, remove_network
+from testlib.testbed.procs import cmdline, netns_pids, stop_processes
+from testlib.testbed.ray_nodes import nodes, processes_up, start_nodes, venv_bin, wait_nodes
+from testlib.testbed.state import clean_state_dir, client_env, host_of, load_state, require_state, state_path
 
 
 def up(

@@ -31,12 +31,12 @@ to ~3 s. ``up`` and ``down`` run in the root namespace (the bridge is there); th
 Modules, one role each: ``config`` (names, addresses, host specs), ``netns`` (namespaces, bridge, veths),
 ``procs`` (the processes in a namespace, stopping them), ``state`` (the running bed's state file, client env,
 ``exec_argv``), ``ray_nodes`` (``ray start`` per host, the GCS node table), ``bed`` (up, down, kill, restart,
-status). ``scripts/hosts.py`` is its command line. Use it as ``from tests import testbed as hosts``.
+status). ``scripts/hosts.py`` is its command line. Use it as ``from testlib import testbed as hosts``.
 Needs root, iproute2 and Ray in the project's virtualenv; stdlib only.
 """
 
-from tests.testbed.bed import down, info, kill_host, restart_host, status, up
-from tests.testbed.config import (
+from testlib.testbed.bed import down, info, kill_host, restart_host, status, up
+from testlib.testbed.config import (
     BRIDGE,
     BRIDGE_IP,
     DEFAULT_CPUS,
@@ -50,10 +50,10 @@ from tests.testbed.config import (
     default_labels,
     host_specs,
 )
-from tests.testbed.netns import namespaces
-from tests.testbed.procs import netns_pids
-from tests.testbed.ray_nodes import nodes, wait_nodes
-from tests.testbed.state import client_env, exec_argv, load_state
+from testlib.testbed.netns import namespaces
+from testlib.testbed.procs import netns_pids
+from testlib.testbed.ray_nodes import nodes, wait_nodes
+from testlib.testbed.state import client_env, exec_argv, load_state
 
 __all__ = [
     "BRIDGE",

@@ -8,8 +8,8 @@ import signal
 import time
 from pathlib import Path
 
-from tests.testbed.config import KILL_WAIT_S, HostsError
-from tests.testbed.netns import ip
+from testlib.testbed.config import KILL_WAIT_S, HostsError
+from testlib.testbed.netns import ip
 
 
 def netns_pids(netns: str) -> list[int]:

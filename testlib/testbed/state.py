@@ -6,7 +6,7 @@ import json
 import shutil
 from pathlib import Path
 
-from tests.testbed.config import CLI, HOST_PREFIX, STATE_DIR, HostsError
+from testlib.testbed.config import CLI, HOST_PREFIX, STATE_DIR, HostsError
 
 
 def state_path() -> Path:
