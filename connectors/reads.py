@@ -21,7 +21,7 @@ its pin there.
 
 A record is pure bookkeeping: no I/O, time passed in, transfers given. The
 worker (``connectors.reader.KVReader``) does the handshakes, pins and posts;
-``tests/unit/test_ownership_model.py`` explores every interleaving of the
+``tests/unit/connectors/test_ownership_model.py`` explores every interleaving of the
 events on both machines.
 """
 

@@ -33,7 +33,7 @@ milliseconds) before it reports FAILED, so a failed read never writes into
 blocks vLLM has since reused.
 
 Nothing here imports torch or Triton at module level: the payload's checks
-and the move arithmetic run on any machine (``tests/unit/test_cuda_ipc.py``).
+and the move arithmetic run on any machine (``tests/unit/connectors/test_cuda_ipc.py``).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ read in one launch. ``copy_moves_torch`` is the stock fallback: one
 ``index_copy_`` per pair of regions. Nothing here maps memory: the regions'
 addresses and views come from the transport (``connectors.transport.cuda_ipc``).
 Torch and Triton are imported only where used: the arithmetic runs anywhere
-(``tests/unit/test_cuda_ipc.py``).
+(``tests/unit/connectors/test_cuda_ipc.py``).
 """
 
 from __future__ import annotations

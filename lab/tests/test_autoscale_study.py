@@ -1,4 +1,5 @@
-"""lab/autoscale_study.py: its split search and its seeds (the simulations themselves: tests/unit/test_simulator.py)."""
+"""lab/autoscale_study.py: its split search and its seeds (the simulations themselves:
+tests/unit/orchestrator/autoscale/test_simulator.py)."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ import pytest
 
 from orchestrator.autoscale import traces
 from testlib import fidelity
-from tests.unit.test_simulator import make_profile
+from testlib.profiles import make_profile
 
 
 def test_fidelity_compares_quantiles_and_judges_the_tolerance():

@@ -12,7 +12,7 @@ from lab import validate_simulator
 from orchestrator.autoscale.sim_model import EVEN_SHARE, RequestRecord, SharedCore
 from orchestrator.autoscale.traces import TraceRequest
 from testlib.fidelity import mean_profile
-from tests.unit.test_simulator import make_profile
+from testlib.profiles import make_profile
 
 
 def test_the_probes_slowdowns_are_read_and_a_file_without_them_is_named(tmp_path: Path) -> None:

@@ -31,7 +31,7 @@ from connectors.side_messages import MAX_REQUEST_BYTES
 from contract import wire
 from contract.auth import KVAuth, read_secret_file
 from tests.integration.conftest import Cluster, http_json, kv_report, metric_values
-from tests.unit.test_side_channel import ask
+from tests.unit.connectors.test_side_channel import ask
 
 pytestmark = [pytest.mark.integration, pytest.mark.parametrize("cluster", ["pdserve"], indirect=True)]
 

@@ -46,7 +46,7 @@ from contract.kv_report import KVReport
 from contract.wire import parse_tcp_endpoint
 from testlib.cpu_use import context_switches
 from tests.unit.conftest import TEST_SECRET
-from tests.unit.test_handshake import response, topology
+from tests.unit.connectors.test_handshake import response, topology
 
 pytestmark = pytest.mark.timeout(15)
 

@@ -11,49 +11,20 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-import random
 from pathlib import Path
 
 import pytest
 
 from orchestrator.autoscale import simulator as simulator_module
 from orchestrator.autoscale import traces
-from orchestrator.autoscale.policy import ClusterObservation, ScalingDecision, StaticPolicy
-from orchestrator.autoscale.profile import EngineLimits, Grid1D, Grid2D, PerformanceProfile
+from orchestrator.autoscale.policy import StaticPolicy
+from orchestrator.autoscale.profile import EngineLimits, Grid1D, Grid2D
 from orchestrator.autoscale.rules import new_replicas, retirement_order, take_back_order, warm_room, warm_to_stop
 from orchestrator.autoscale.sim_cores import SPIN_S
 from orchestrator.autoscale.sim_model import SharedCore, SimulationResult, SloTargets
 from orchestrator.autoscale.simulator import Simulator, simulate
 from orchestrator.autoscale.traces import TraceRequest
-
-TARGETS = SloTargets(ttft_s=1e9, itl_s=1e9)
-INSTANT = 1e-6
-
-
-def make_profile(
-    prefill_s_per_token: float = 0.001,
-    decode_step: tuple[float, float] = (INSTANT, INSTANT),
-    max_num_seqs: int = 1,
-    startup_s: float = 0.0,
-) -> PerformanceProfile:
-    """Prefill time = tokens x ``prefill_s_per_token``; decode step = a + b x (batch - 1); free transfers."""
-    a, b = decode_step
-    return PerformanceProfile(
-        name="test",
-        provenance="test",
-        engine=EngineLimits(max_num_seqs, 10**9, 10**9, 1, startup_s),
-        prefill=Grid2D([1.0, 1e6], [1.0, 2.0], [[prefill_s_per_token] * 2, [1e6 * prefill_s_per_token] * 2]),
-        decode=Grid2D([1.0, 1e6], [1.0, 2.0], [[a, a], [a + b * (1e6 - 1), a + b * (1e6 - 1)]]),
-        transfer=Grid1D([1.0, 2.0], [0.0, 0.0]),
-    )
-
-
-def poisson_trace(rate: float, n: int, prompt, output=lambda rng: 1, seed: int = 7) -> list[TraceRequest]:
-    rng, t, out = random.Random(seed), 0.0, []
-    for _ in range(n):
-        t += rng.expovariate(rate)
-        out.append(TraceRequest(t, prompt(rng), output(rng)))
-    return out
+from testlib.profiles import INSTANT, TARGETS, Script, make_profile, poisson_trace
 
 
 def mean(values) -> float:
@@ -166,25 +137,12 @@ def test_same_seed_same_result_other_seed_other_result():
     assert traces.diurnal(1, 5, 600, period_s=600, seed=4) == traces.diurnal(1, 5, 600, period_s=600, seed=4)
 
 
-class _Script:
-    """A policy that asks for the sizes it is given, one per decision."""
-
-    def __init__(self, sizes: list[tuple[int, int]]) -> None:
-        self.sizes = sizes
-        self.seen: list[ClusterObservation] = []
-
-    def decide(self, obs: ClusterObservation) -> ScalingDecision:
-        self.seen.append(obs)
-        prefill, decode = self.sizes[min(len(self.seen) - 1, len(self.sizes) - 1)]
-        return ScalingDecision(obs.t, prefill, decode)
-
-
 def test_the_policy_sees_the_prefill_queue_as_vllms_waiting_gauge_shows_it():
     # Three 1000-token prompts (10 s each alone) arrive at once.
     trace = [TraceRequest(0.0, 1000, 1) for _ in range(3)]
     seen = {}
     for seqs in (1, 100):
-        policy = _Script([(1, 1)])
+        policy = Script([(1, 1)])
         profile = make_profile(prefill_s_per_token=0.01, max_num_seqs=seqs)
         Simulator(profile, policy, TARGETS, (1, 1), interval_s=5.0).run(trace)
         seen[seqs] = [(round(o.t), o.prefill.queue_depth, o.prefill.queued_tokens) for o in policy.seen[:4]]
@@ -198,7 +156,7 @@ def test_the_policy_sees_the_prefill_queue_as_vllms_waiting_gauge_shows_it():
 def test_the_policy_sees_a_request_whose_kv_loads_as_waiting_for_decode_as_vllms_gauge_does():
     base = make_profile(prefill_s_per_token=INSTANT, decode_step=(0.1, 0.0), max_num_seqs=100)
     profile = dataclasses.replace(base, engine=dataclasses.replace(base.engine, handoff_s=12.0))
-    policy = _Script([(1, 1)])
+    policy = Script([(1, 1)])
     Simulator(profile, policy, TARGETS, (1, 1), interval_s=5.0).run([TraceRequest(1.0, 10, 100)])
     # vLLM's scheduler keeps a request in its waiting queue until its KV is in (at 13 s); it runs until 23 s.
     seen = [(round(o.t), o.decode.queue_depth, o.decode.running) for o in policy.seen[:4]]
@@ -208,18 +166,18 @@ def test_the_policy_sees_a_request_whose_kv_loads_as_waiting_for_decode_as_vllms
 def test_the_first_decision_comes_where_the_controllers_clock_ticks_into_the_trace():
     trace = poisson_trace(1.0, 30, prompt=lambda rng: 10)
     for first, times in ((None, [5, 10, 15]), (2.0, [2, 7, 12])):
-        policy = _Script([(1, 1)])
+        policy = Script([(1, 1)])
         Simulator(make_profile(), policy, TARGETS, (1, 1), interval_s=5.0, first_decision_s=first).run(trace)
         assert [round(obs.t, 6) for obs in policy.seen[:3]] == times
     for bad in (0.0, 5.5):
         with pytest.raises(ValueError, match="first_decision_s must be in"):
-            Simulator(make_profile(), _Script([(1, 1)]), TARGETS, (1, 1), interval_s=5.0, first_decision_s=bad)
+            Simulator(make_profile(), Script([(1, 1)]), TARGETS, (1, 1), interval_s=5.0, first_decision_s=bad)
 
 
 def test_the_policy_sees_the_mean_lengths_as_a_clusters_counters_give_them():
     # A 1000-token prompt arrives at 1 s; its pass takes 10 s. vLLM counts its prompt tokens (and the
     # autoscaler its mean) when the prefill finishes, and its output tokens as they are generated (below).
-    policy = _Script([(1, 1)])
+    policy = Script([(1, 1)])
     profile = make_profile(prefill_s_per_token=0.01)
     Simulator(profile, policy, TARGETS, (1, 1), interval_s=5.0).run([TraceRequest(1.0, 1000, 3)])
     seen = [(round(o.t), o.arrival_rate_rps, o.mean_prompt_tokens, o.mean_output_tokens) for o in policy.seen[:3]]
@@ -231,7 +189,7 @@ def test_the_mean_output_counts_the_tokens_generated_in_the_window_as_vllms_coun
     # divides its growth over a window by the requests finished in it. Steps of 0.1 s: A (120 tokens) runs
     # 0-12 s, B (20) 0-2 s, C (30) 6-9 s. Counted at the finish alone, the first window would read 20.
     profile = make_profile(prefill_s_per_token=INSTANT, decode_step=(0.1, 0.0), max_num_seqs=100)
-    policy = _Script([(1, 1)])
+    policy = Script([(1, 1)])
     trace = [TraceRequest(0.0, 10, 120), TraceRequest(0.0, 10, 20), TraceRequest(6.0, 10, 30)]
     Simulator(profile, policy, TARGETS, (1, 1), interval_s=5.0).run(trace)
     means = [o.mean_output_tokens for o in policy.seen[:3]]
@@ -240,7 +198,7 @@ def test_the_mean_output_counts_the_tokens_generated_in_the_window_as_vllms_coun
 
 
 def test_new_engines_serve_only_after_their_startup_time():
-    policy = _Script([(3, 1)])
+    policy = Script([(3, 1)])
     trace = poisson_trace(0.5, 200, prompt=lambda rng: 1000)
     result = simulate(make_profile(startup_s=45.0), policy, trace, TARGETS, (1, 1), interval_s=10.0)
 
@@ -255,7 +213,7 @@ def test_removed_engines_finish_their_requests_before_stopping():
     # Long decodes (300 tokens x 0.1 s): the decode engine removed at t=10 still has requests running.
     profile = make_profile(prefill_s_per_token=INSTANT, decode_step=(0.1, 0.0), max_num_seqs=1000)
     trace = poisson_trace(2.0, 100, prompt=lambda rng: 10, output=lambda rng: 300)
-    policy = _Script([(1, 1)])
+    policy = Script([(1, 1)])
     result = simulate(profile, policy, trace, TARGETS, (1, 2), interval_s=10.0)
 
     assert len(result.records) == len(trace)
@@ -272,7 +230,7 @@ def test_scaling_follows_the_controllers_rules():
     profile = make_profile(prefill_s_per_token=INSTANT, decode_step=(0.1, 0.0), max_num_seqs=1000, startup_s=30.0)
     trace = poisson_trace(2.0, 100, prompt=lambda rng: 10, output=lambda rng: 300)
     # t=10: decode 2 -> 1 (decode-1 drains, busy for 30 s); t=20: 3 (decode-1 back, decode-2 starts)
-    policy = _Script([(1, 1), (1, 3)])
+    policy = Script([(1, 1), (1, 3)])
     sim = Simulator(profile, policy, TARGETS, (1, 2), interval_s=10.0)
     sim.run(trace)
 
@@ -283,11 +241,11 @@ def test_scaling_follows_the_controllers_rules():
     assert [(e.replica, e.state.value) for e in sim.decode] == [(0, "serving"), (1, "serving"), (2, "serving")]
 
 
-def _kept_warm(sizes: list[tuple[int, int]], keep_warm_s: float, max_engines: int) -> tuple[Simulator, _Script, float]:
+def _kept_warm(sizes: list[tuple[int, int]], keep_warm_s: float, max_engines: int) -> tuple[Simulator, Script, float]:
     """Short decodes (10 tokens x 0.1 s) at 2 req/s for 100 s, decisions every 10 s, a 30-s start-up."""
     profile = make_profile(prefill_s_per_token=INSTANT, decode_step=(0.1, 0.0), max_num_seqs=1000, startup_s=30.0)
     trace = poisson_trace(2.0, 100, prompt=lambda rng: 10, output=lambda rng: 10)
-    policy = _Script(sizes)
+    policy = Script(sizes)
     sim = Simulator(profile, policy, TARGETS, (1, 2), interval_s=10.0, keep_warm_s=keep_warm_s, max_engines=max_engines)
     result = sim.run(trace)
     return sim, policy, result.engine_hours
@@ -333,7 +291,7 @@ def test_least_loaded_routes_as_the_proxy_scores_engines_and_rotates_ties():
     engine's waiting gauge (and, for decode, its KV use), ties going round. Two idle prefill engines share
     the calm minutes' requests; the simulator used to give every tie to the first (the cluster's calm
     minutes split ~55/45 while it sent ~75 % to prefill-0)."""
-    sim = Simulator(make_profile(), _Script([(2, 2)]), TARGETS, (2, 2), routing=("least_loaded", "least_loaded"))
+    sim = Simulator(make_profile(), Script([(2, 2)]), TARGETS, (2, 2), routing=("least_loaded", "least_loaded"))
     prefill_loads, decode_loads = simulator_module._prefill_loads, sim._decode_loads
     assert [sim._pick(sim.prefill, 0, prefill_loads).replica for _ in range(4)] == [0, 1, 0, 1]
     busy = sim.prefill[0]
@@ -477,12 +435,12 @@ def test_an_engine_on_its_own_core_slows_by_the_host_factor_while_one_elsewhere_
     assert b.ttft_s == pytest.approx(6.0 + 0.03)
 
 
-def start_beside_busy_decode(shared: SharedCore) -> tuple[_Script, SimulationResult]:
+def start_beside_busy_decode(shared: SharedCore) -> tuple[Script, SimulationResult]:
     """decode-0 steps one request for 100 s (1000 tokens of 0.1 s); at t=10 prefill-1 (a 30-s start-up)
     starts on decode-0's core. The policy (what it saw) and the result."""
     profile = make_profile(prefill_s_per_token=INSTANT, decode_step=(0.1, 0.0), max_num_seqs=100, startup_s=30.0)
     cores = {"prefill-0": frozenset({0}), "decode-0": frozenset({1}), "prefill-1": frozenset({1})}
-    policy = _Script([(2, 1)])
+    policy = Script([(2, 1)])
     sim = Simulator(profile, policy, TARGETS, (1, 1), interval_s=10.0, cores=cores, shared=shared)
     return policy, sim.run([TraceRequest(0.0, 10, 1000)])
 
@@ -529,7 +487,7 @@ def test_the_spec_gives_the_simulator_its_shared_cores(tmp_path: Path) -> None:
     from orchestrator.autoscale.runner import shared_cores
     from orchestrator.spec import ClusterSpec
 
-    configs = Path(__file__).resolve().parents[2] / "configs"
+    configs = Path(__file__).resolve().parents[4] / "configs"
     raw = yaml.safe_load((configs / "local-cpu-autoscale.yaml").read_text())
     raw["autoscaling"]["profile"] = str(configs / raw["autoscaling"]["profile"])
     raw["resources"]["cpus"] = 2
@@ -549,7 +507,6 @@ def test_the_spec_gives_the_simulator_its_shared_cores(tmp_path: Path) -> None:
 
 
 def test_profile_holds_a_falling_last_segment_flat_above_the_grid() -> None:
-    from orchestrator.autoscale.profile import Grid2D
 
     # measured: 2 sequences of 1024 tokens take less than 1 of 2048 (attention is quadratic)
     grid = Grid2D(rows=[1024.0, 2048.0], cols=[1.0, 2.0], seconds=[[5.9, 4.2], [13.1, 8.9]])

@@ -19,9 +19,9 @@ from proxy.pool import EnginePool, EngineState
 from proxy.routing import NO_DECODE_ENGINE, PREFILL_FAILED, SHORT_PROMPT, Route
 from tests.stub_engine import Behaviour
 from tests.unit.conftest import released
+from tests.unit.proxy.test_disconnect import PATIENT_S, leave_once
 from tests.unit.proxy_factories import make_exchange
 from tests.unit.proxy_requests import CHAT, CHAT_PATH
-from tests.unit.test_disconnect import PATIENT_S, leave_once
 
 pytestmark = pytest.mark.timeout(15)
 

@@ -334,7 +334,7 @@ def test_engines_opening_a_new_tier_at_once_agree_on_its_key(tmp_path: Path) -> 
         "while not os.path.exists(sys.argv[2]): time.sleep(0.001)\n"
         "print(load_tier_key(Path(sys.argv[1])).key_id)\n"
     )
-    repo = Path(__file__).resolve().parents[2]
+    repo = Path(__file__).resolve().parents[3]
     engines = [
         subprocess.Popen([sys.executable, "-c", code, str(root), str(go)], stdout=subprocess.PIPE, text=True, cwd=repo)
         for _ in range(6)
@@ -690,7 +690,9 @@ def test_same_tokens_same_key_in_another_process_too(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    code = "from tests.unit.test_kv_tier import chain_keys; print(chain_keys(list(range(100, 116)))[-1].hex())"
+    code = (
+        "from tests.unit.connectors.test_kv_tier import chain_keys; print(chain_keys(list(range(100, 116)))[-1].hex())"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=Path.cwd())
     assert out.stdout.strip() == chain_keys(tokens)[-1].hex()
 

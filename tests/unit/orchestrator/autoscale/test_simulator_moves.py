@@ -13,7 +13,7 @@ import yaml
 from orchestrator.autoscale.profile import DEFAULT_MOVE_S, PerformanceProfile, ProfileError, load_profile
 from orchestrator.autoscale.simulator import Simulator
 from orchestrator.autoscale.traces import TraceRequest
-from tests.unit.test_simulator import INSTANT, TARGETS, _Script, make_profile, poisson_trace
+from testlib.profiles import INSTANT, TARGETS, Script, make_profile, poisson_trace
 
 MOVE_S = 2.0
 
@@ -24,8 +24,8 @@ def moving_profile(startup_s: float = 30.0, handoff_s: float = 0.0) -> Performan
     return dataclasses.replace(base, engine=dataclasses.replace(base.engine, move_s=MOVE_S, handoff_s=handoff_s))
 
 
-def run(sizes, initial, trace, moves=True, **kwargs) -> tuple[Simulator, _Script]:
-    policy = _Script(sizes)
+def run(sizes, initial, trace, moves=True, **kwargs) -> tuple[Simulator, Script]:
+    policy = Script(sizes)
     sim = Simulator(kwargs.pop("profile", moving_profile()), policy, TARGETS, initial, interval_s=10.0, moves=moves)
     sim.run(trace)
     return sim, policy
@@ -35,7 +35,7 @@ def short_requests() -> list[TraceRequest]:
     return poisson_trace(2.0, 200, prompt=lambda rng: 10, output=lambda rng: 10)
 
 
-def by_t(policy: _Script, role: str) -> dict[int, tuple[int, int]]:
+def by_t(policy: Script, role: str) -> dict[int, tuple[int, int]]:
     return {round(o.t): (o.pool(role).replicas, o.pool(role).starting) for o in policy.seen}
 
 
@@ -116,7 +116,7 @@ def test_only_ready_engines_move_and_the_rest_of_a_change_is_starts():
 
 
 def test_a_profile_without_move_s_reads_the_default_and_a_negative_one_is_refused(tmp_path: Path):
-    shipped = Path(__file__).resolve().parents[2] / "configs/profiles/example-gpu.yaml"
+    shipped = Path(__file__).resolve().parents[4] / "configs/profiles/example-gpu.yaml"
     raw = yaml.safe_load(shipped.read_text())
     assert "move_s" not in raw["engine"]
     assert load_profile(shipped).engine.move_s == DEFAULT_MOVE_S == 0.1
@@ -137,7 +137,7 @@ def test_a_growing_pool_moves_in_the_other_pools_kept_warm_engine_before_it_star
     # t=10: prefill 2 -> 1 (prefill-1 drains, kept warm); t=20: decode 1 -> 2 in a decision of its own. As the
     # controller does (rules.resize_plan's others), the warm prefill-1 moves in instead of a 30-s start.
     for moves, decode_at_30 in ((True, (2, 0)), (False, (1, 1))):
-        policy = _Script([(1, 1), (1, 2)])
+        policy = Script([(1, 1), (1, 2)])
         sim = Simulator(moving_profile(), policy, TARGETS, (2, 1), interval_s=10.0, moves=moves, keep_warm_s=60,
                         max_engines=4)  # fmt: skip
         sim.run(short_requests())

@@ -11,8 +11,8 @@ from orchestrator.autoscale.simulator import Simulator
 from proxy import policies
 from proxy.config import POLICIES
 from proxy.pool import EngineState
+from testlib.profiles import TARGETS, Script, make_profile
 from tests.unit.proxy_factories import proxy_config
-from tests.unit.test_simulator import TARGETS, _Script, make_profile
 
 
 class Newest:
@@ -63,4 +63,4 @@ def test_a_policy_added_to_the_registry_routes_and_the_simulator_refuses_it_by_n
     engines = tuple(EngineState(f"prefill-{i}", f"http://127.0.0.1:{8100 + i}", "prefill") for i in range(3))
     assert policies.make_policy("newest", proxy_config().routing).pick(engines).engine_id == "prefill-2"
     with pytest.raises(ValueError, match="does not model routing policy 'newest'"):
-        Simulator(make_profile(), _Script([(1, 1)]), TARGETS, (1, 1), routing=("newest", "least_loaded"))
+        Simulator(make_profile(), Script([(1, 1)]), TARGETS, (1, 1), routing=("newest", "least_loaded"))

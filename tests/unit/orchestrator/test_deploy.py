@@ -21,7 +21,7 @@ from orchestrator.models import KNOWN_MODELS
 from orchestrator.placement import HEAD_RESOURCE, Node, assign, engine_placement, host_plan
 from orchestrator.spec import ClusterSpec
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 GPU_1NODE = REPO_ROOT / "configs" / "gpu-1node.yaml"
 GPU_MULTINODE = REPO_ROOT / "configs" / "gpu-multinode.yaml"
 KUBERAY = REPO_ROOT / "deploy" / "kuberay"

@@ -364,7 +364,7 @@ def test_shared_cores_wrap_around_the_machine(plan, prefill, decode, expected):
 
 
 def test_engines_that_start_with_the_cluster_get_their_own_cores_before_those_it_may_add(tmp_path: Path):
-    configs = Path(__file__).resolve().parents[2] / "configs"
+    configs = Path(__file__).resolve().parents[3] / "configs"
     raw = yaml.safe_load((configs / "local-cpu-autoscale.yaml").read_text())
     raw["autoscaling"]["profile"] = str(configs / raw["autoscaling"]["profile"])
     raw["resources"]["cpus"] = 2  # the 2-core machine it is written for

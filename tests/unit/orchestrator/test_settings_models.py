@@ -15,7 +15,7 @@ from orchestrator.model_flags import model_flags
 from orchestrator.spec import ClusterSpec, ProxySpec
 from proxy.config import ProxySettings
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 ENGINES = ["proxy", "--prefill", "http://p:1", "--decode", "http://d:1"]
 
 

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from contract.kv_report import KVReport
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 PROJECT_PACKAGES = ("connectors", "orchestrator", "proxy", "lab", "scripts", "tests")
 
 

@@ -16,6 +16,7 @@ from fastapi import Request
 from proxy.app import create_app
 from tests.stub_engine import Behaviour, answer_text
 from tests.unit.conftest import PROXY_MODEL, ProxyServer, endpoint, released
+from tests.unit.proxy.test_metrics import scrape
 from tests.unit.proxy_factories import proxy_config
 from tests.unit.proxy_requests import (
     CHAT,
@@ -26,7 +27,6 @@ from tests.unit.proxy_requests import (
     streamed_text,
     wait_until,
 )
-from tests.unit.test_metrics import scrape
 
 pytestmark = pytest.mark.timeout(20)
 

@@ -531,7 +531,7 @@ def test_autoscaling_section_loads_with_defaults(load):
 
 
 def test_shipped_autoscaling_sim_spec_loads():
-    spec = ClusterSpec.from_file(Path(__file__).resolve().parents[2] / "configs" / "autoscaling-sim.yaml")
+    spec = ClusterSpec.from_file(Path(__file__).resolve().parents[3] / "configs" / "autoscaling-sim.yaml")
 
     assert spec.autoscaling.max_engines == 64
     assert spec.profile_path("configs/autoscaling-sim.yaml") == Path("configs/profiles/example-gpu.yaml")

@@ -23,7 +23,7 @@ from vllm.v1.request import RequestStatus  # noqa: E402
 
 from connectors.holder import LeaseHolder  # noqa: E402
 from connectors.leases import PinAnswer  # noqa: E402
-from tests.unit.test_connector_scheduler import FakeRequest, fake_blocks, make_scheduler, signed  # noqa: E402
+from tests.unit.connectors.test_connector_scheduler import FakeRequest, fake_blocks, make_scheduler, signed  # noqa: E402
 
 
 @pytest.mark.parametrize(
