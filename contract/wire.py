@@ -76,6 +76,19 @@ def parse_tcp_endpoint(endpoint: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+# --- the OpenAI API the proxy serves and the engines answer ----------------------------------
+CHAT_PATH = "/v1/chat/completions"
+COMPLETIONS_PATH = "/v1/completions"
+RESPONSES_PATH = "/v1/responses"
+GENERATION_PATHS = {"chat": CHAT_PATH, "completion": COMPLETIONS_PATH, "responses": RESPONSES_PATH}
+"""The request kinds served through prefill and decode (the proxy's two-phase flow), by their path."""
+MODELS_PATH = "/v1/models"
+TOKENIZE_PATH = "/tokenize"
+DETOKENIZE_PATH = "/detokenize"
+ENGINE_ONLY_PATHS = (TOKENIZE_PATH, DETOKENIZE_PATH)
+"""Served by one ready engine of the model, no KV moved (vLLM's own routes, relayed as they answer)."""
+
+
 # --- kv_transfer_params ---------------------------------------------------------------------
 KV_TRANSFER_PARAMS = "kv_transfer_params"
 """The request/response field vLLM carries connector parameters in."""

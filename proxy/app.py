@@ -5,9 +5,13 @@
 and the background tasks that use it: ``/health`` probes (``proxy.health``) and,
 for the load-aware policies, ``/metrics`` polls (``proxy.load``). Routes:
 
-- ``POST /v1/chat/completions``, ``POST /v1/completions`` (streaming and not):
-  the two-phase flow (``proxy.two_phase.TwoPhaseFlow``; one ``proxy.exchange.Exchange``
-  per request; request bodies: ``proxy.bodies``; engine calls: ``proxy.upstream``).
+- ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/responses`` (streaming and not;
+  ``wire.GENERATION_PATHS``): the two-phase flow (``proxy.two_phase.TwoPhaseFlow``; one
+  ``proxy.exchange.Exchange`` per request; request bodies: ``proxy.bodies``; engine calls: ``proxy.upstream``).
+  The Responses API's ``previous_response_id`` and ``background`` are refused (400): they need the memory of
+  the one engine that made a response (``bodies.STATEFUL_RESPONSES``).
+- ``POST /tokenize``, ``POST /detokenize`` (``wire.ENGINE_ONLY_PATHS``): one ready engine of either pool,
+  in turn; its answer as it came.
 - ``GET /v1/models``: the one served model.
 - ``GET /health``: 200 while both pools have a ready engine (healthy, not draining), else 503 (no key needed).
 - ``GET /metrics``: Prometheus metrics (``proxy.metrics``; no key needed).
@@ -72,6 +76,7 @@ from fastapi.responses import Response
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from contract import wire
 from contract.wire import ROLES
 from proxy.admin import PUBLIC_ENGINE_FIELDS, admin_key_of, admin_router, parse_networks
 from proxy.auth import KeyCheck, load_keys
@@ -146,17 +151,13 @@ def create_app(config: ProxyConfig, pool: EnginePool | None = None) -> FastAPI:
     # The fast path (``DirectRoute``) or FastAPI's own routing (``config.fast_path``: false).
     completions_api = APIRouter(route_class=DirectRoute if config.fast_path else APIRoute)
 
-    @completions_api.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await flow.serve(request, "chat", "/v1/chat/completions")
-
-    @completions_api.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await flow.serve(request, "completion", "/v1/completions")
-
+    for kind, path in wire.GENERATION_PATHS.items():
+        completions_api.add_api_route(path, _generation(flow, kind, path), methods=["POST"], name=kind)
+    for path in wire.ENGINE_ONLY_PATHS:
+        completions_api.add_api_route(path, _engine_only(flow, path), methods=["POST"], name=path.strip("/"))
     app.include_router(completions_api)
 
-    @app.get("/v1/models")
+    @app.get(wire.MODELS_PATH)
     async def models(request: Request) -> Response:
         flow.require_api_key(request)
         listing = {
@@ -191,6 +192,20 @@ def create_app(config: ProxyConfig, pool: EnginePool | None = None) -> FastAPI:
         app.include_router(admin_router(pool, admin_keys, admin_networks))
 
     return app
+
+
+def _generation(flow: TwoPhaseFlow, kind: str, path: str) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+    async def endpoint(request: Request) -> Response:
+        return await flow.serve(request, kind, path)
+
+    return endpoint
+
+
+def _engine_only(flow: TwoPhaseFlow, path: str) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+    async def endpoint(request: Request) -> Response:
+        return await flow.serve_engine_only(request, path)
+
+    return endpoint
 
 
 class DirectRoute(APIRoute):

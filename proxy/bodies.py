@@ -26,10 +26,14 @@ from proxy.errors import ContextLengthExceeded, InvalidRequest, ModelNotFound
 __all__ = [
     "PREFILL_KV_PARAMS",
     "REQUEST_MODELS",
+    "STATEFUL_RESPONSES",
     "ChatRequest",
     "CompletionRequest",
+    "ResponsesRequest",
+    "chat_messages",
     "check_context_length",
     "decode_body",
+    "parse_object",
     "parse_request",
     "prefill_body",
 ]
@@ -59,20 +63,51 @@ class CompletionRequest(_Request):
     prompt: str | list[str] | list[int] | list[list[int]]
 
 
-REQUEST_MODELS: dict[str, type[_Request]] = {"chat": ChatRequest, "completion": CompletionRequest}
+class ResponsesRequest(BaseModel):
+    """``POST /v1/responses``: OpenAI's Responses API, as vLLM serves it."""
+
+    model_config = ConfigDict(extra="allow", strict=False)
+    model: str = Field(min_length=1)
+    stream: StrictBool | None = False
+    input: str | list[dict[str, Any]] = Field(min_length=1)
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    background: StrictBool | None = False
 
 
-def parse_request(raw: bytes, kind: str, model_name: str) -> dict[str, Any]:
-    """Validate a request body; return it as a dict (unknown fields kept)."""
+REQUEST_MODELS: dict[str, type[BaseModel]] = {
+    "chat": ChatRequest,
+    "completion": CompletionRequest,
+    "responses": ResponsesRequest,
+}
+STATEFUL_RESPONSES = {
+    "previous_response_id": "a response is kept only by the engine that made it (vLLM stores responses in that "
+    "process's memory, and by default not at all), and the next request may go to any engine: send the "
+    "conversation so far in `input` instead",
+    "background": "a background response is fetched later from the engine that runs it, which the proxy does "
+    "not track: send the request without `background`",
+}
+"""What the Responses API asks of one engine's memory, refused through P/D: the field and why."""
+
+
+def parse_object(raw: bytes) -> dict[str, Any]:
+    """A request body that must be a JSON object (400 otherwise)."""
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as e:
         raise InvalidRequest(f"request body is not valid JSON: {e}") from e
     if not isinstance(body, dict):
         raise InvalidRequest("request body must be a JSON object")
+    return body
+
+
+def parse_request(raw: bytes, kind: str, model_name: str) -> dict[str, Any]:
+    """Validate a request body; return it as a dict (unknown fields kept)."""
+    body = parse_object(raw)
     if not _plainly_valid(body, kind):
         _validate(body, kind)
     _refuse_transfer_fields(body)
+    if kind == "responses":
+        _refuse_stateful(body)
     if body["model"] != model_name:
         raise ModelNotFound(
             f"The model `{body['model']}` does not exist; this server serves `{model_name}`", param="model"
@@ -102,6 +137,34 @@ def _refuse_transfer_fields(body: dict[str, Any]) -> None:
             )
 
 
+TEXT_PARTS = ("text", "input_text", "output_text")
+"""Content parts that are text: chat's, and the Responses API's."""
+
+
+def chat_messages(body: dict[str, Any], kind: str) -> list[dict[str, Any]]:
+    """A chat or Responses API request's conversation as chat messages (``role``, ``content``), for routing: the
+    Responses API's ``instructions`` first, as the system message, then its ``input`` (a string: one user
+    message; items: each message item, and any other item as a message of its JSON)."""
+    if kind == "chat":
+        return body["messages"]
+    messages = [{"role": "system", "content": body["instructions"]}] if body.get("instructions") else []
+    given = body["input"]
+    if isinstance(given, str):
+        return [*messages, {"role": "user", "content": given}]
+    for item in given:
+        if isinstance(item, dict) and "role" in item:
+            messages.append({"role": item["role"], "content": item.get("content")})
+        else:
+            messages.append({"role": "item", "content": [item]})
+    return messages
+
+
+def _refuse_stateful(body: dict[str, Any]) -> None:
+    for name, why in STATEFUL_RESPONSES.items():
+        if body.get(name):
+            raise InvalidRequest(f"{name} is not supported by pdserve's prefill/decode: {why}", param=name)
+
+
 def _validate(body: dict[str, Any], kind: str) -> None:
     try:
         REQUEST_MODELS[kind].model_validate(body)
@@ -119,7 +182,7 @@ def _plainly_valid(body: dict[str, Any], kind: str) -> bool:
     goes to pydantic, which decides and words the error.
     """
     model = body.get("model")
-    if type(model) is not str or not model:
+    if type(model) is not str or not model or kind == "responses":
         return False
     stream = body.get("stream")
     if stream is not None and type(stream) is not bool:
@@ -173,15 +236,13 @@ def check_context_length(body: dict[str, Any], max_model_len: int) -> None:
         prompt_tokens = max(len(p) for p in prompt)
     else:
         counted, prompt_tokens = False, 1  # text: at least one token
-    completion = body.get("max_completion_tokens") or body.get("max_tokens")
+    limit = next((n for n in ("max_completion_tokens", "max_tokens", "max_output_tokens") if body.get(n)), "max_tokens")
+    completion = body.get(limit)
     completion_tokens = completion if type(completion) is int else 0
     if prompt_tokens + completion_tokens <= max_model_len:
         return
-    where = "messages" if "messages" in body else "prompt"
-    if prompt_tokens > max_model_len:
-        param = where
-    else:
-        param = "max_completion_tokens" if body.get("max_completion_tokens") else "max_tokens"
+    where = next((w for w in ("messages", "input") if w in body), "prompt")
+    param = where if prompt_tokens > max_model_len else limit
     requested = prompt_tokens + completion_tokens
     raise ContextLengthExceeded(
         f"This model's maximum context length is {max_model_len} tokens. However, you requested "
@@ -191,9 +252,13 @@ def check_context_length(body: dict[str, Any], max_model_len: int) -> None:
     )
 
 
-def prefill_body(body: dict[str, Any], reader: str | None = None) -> dict[str, Any]:
+def prefill_body(body: dict[str, Any], reader: str | None = None, kind: str = "chat") -> dict[str, Any]:
     """The prefill leg: one token, no stream; ``reader``, the decode engine that will read its KV, if known."""
     kv_params = dict(PREFILL_KV_PARAMS, **{wire.PDSERVE_READER: reader}) if reader else dict(PREFILL_KV_PARAMS)
+    if kind == "responses":  # its own names; one token, not stored
+        request = dict(body, max_output_tokens=1, stream=False, store=False, **{wire.KV_TRANSFER_PARAMS: kv_params})
+        request.pop("stream_options", None)
+        return request
     request = dict(body, max_tokens=1, stream=False, n=1, **{wire.KV_TRANSFER_PARAMS: kv_params})
     if "max_completion_tokens" in request:
         request["max_completion_tokens"] = 1

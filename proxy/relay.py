@@ -14,7 +14,7 @@ never finds its own slot still taken.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
@@ -23,7 +23,7 @@ from proxy.engine_client import EngineResponse
 from proxy.exchange import Exchange
 from proxy.pool import EngineState
 
-__all__ = ["DecodeStream", "RelayResponse"]
+__all__ = ["DecodeStream", "RelayResponse", "responses_generated"]
 
 logger = logging.getLogger(__name__)
 
@@ -35,30 +35,42 @@ class DecodeStream:
     before the response's headers went out) runs no ``finally``.
     """
 
-    __slots__ = ("engine", "_chunks", "_response", "_exchange", "_started", "_closed", "_pending")
+    __slots__ = ("engine", "_chunks", "_response", "_exchange", "_started", "_closed", "_pending", "_generated")
 
     def __init__(
-        self, chunks: AsyncIterator[bytes], response: EngineResponse, engine: EngineState, exchange: Exchange
+        self,
+        chunks: AsyncIterator[bytes],
+        response: EngineResponse,
+        engine: EngineState,
+        exchange: Exchange,
+        generated: Callable[[bytes], bool] | None = None,
     ) -> None:
         self._chunks, self._response, self.engine, self._exchange = chunks, response, engine, exchange
         self._started = self._closed = False
-        self._pending: bytes | None = None
+        self._pending: list[bytes] = []
+        # Whether a chunk shows the engine generating (so it has loaded the KV): any chunk of a chat or a
+        # completion; for the Responses API, an event past response.created and response.in_progress.
+        self._generated = generated or _any_chunk
 
     def __aiter__(self) -> DecodeStream:
         return self
 
     async def first(self) -> bytes | None:
-        """Wait for the first chunk and keep it for the response; None if the stream ended without one."""
-        try:
-            self._pending = await self.__anext__()
-        except StopAsyncIteration:
-            return None
-        return self._pending
+        """Wait for the first generated chunk, keeping what came for the response; None if the stream ended
+        without one."""
+        while not self._started:
+            try:
+                self._pending.append(await self._next())
+            except StopAsyncIteration:
+                return None
+        return self._pending[-1]
 
     async def __anext__(self) -> bytes:
-        if self._pending is not None:
-            chunk, self._pending = self._pending, None
-            return chunk
+        if self._pending:
+            return self._pending.pop(0)
+        return await self._next()
+
+    async def _next(self) -> bytes:
         try:
             chunk = await anext(self._chunks)
         except StopAsyncIteration:
@@ -68,10 +80,11 @@ class DecodeStream:
         except BaseException:  # a failure or a cancellation
             await self.aclose()
             raise
-        if not self._started:
+        if not self._started and self._generated(chunk):
             self._started = True
             self._exchange.kv.read()
-        self._exchange.chunk_relayed()
+        if self._started:
+            self._exchange.chunk_relayed()
         return chunk
 
     async def aclose(self) -> None:
@@ -88,6 +101,21 @@ class DecodeStream:
                     "request %s: decode engine %s's stream ended before its first chunk",
                     self._exchange.request_id, self.engine.engine_id,
                 )  # fmt: skip
+
+
+def _any_chunk(chunk: bytes) -> bool:
+    return True
+
+
+_RESPONSES_PREAMBLE = (b"response.created", b"response.in_progress")
+
+
+def responses_generated(chunk: bytes) -> bool:
+    """A Responses API stream's chunk holds an event past the preamble vLLM sends before the engine has run
+    (``response.created``, ``response.in_progress``)."""
+    return any(
+        line.startswith(b"event: ") and line[7:].strip() not in _RESPONSES_PREAMBLE for line in chunk.split(b"\n")
+    )
 
 
 class RelayResponse(StreamingResponse):

@@ -32,6 +32,8 @@ from typing import Any, NamedTuple
 
 import orjson
 
+from contract import wire
+from proxy.bodies import TEXT_PARTS, chat_messages
 from proxy.config import ProxyConfig
 from proxy.policies import PrefixIndex, make_policy
 from proxy.pool import EnginePool, EngineState, no_healthy_engine
@@ -105,11 +107,12 @@ class Router:
             or (self.decode_policy.needs_prefix and "decode" in tiers)
         )
         self._tier_turn = itertools.count()
+        self._any_turn = itertools.count()
 
     def asks_tier(self, body: dict[str, Any], kind: str) -> bool:
         """Whether ``route`` would use what the shared tier holds of this prompt (``TierHeld``): routing reads
         the tier, and the prompt is long enough for one prefix block and to be disaggregated."""
-        if not self._asks_tier:
+        if not self._asks_tier or kind not in wire.TIER_HELD_KINDS:  # the Responses API: routed without the tier
             return False
         tokens = estimate_prompt_tokens(body, kind)
         return tokens * CHARS_PER_TOKEN >= self.routing.prefix_block_chars and tokens >= self._decode_only_below
@@ -162,6 +165,13 @@ class Router:
         policy = self.prefill_policy if role == "prefill" else self.decode_policy
         return policy.pick(engines, prefix) if engines else None
 
+    def any_engine(self) -> EngineState:
+        """A ready engine of either pool, in turn (a request no KV moves for: ``wire.ENGINE_ONLY_PATHS``)."""
+        engines = (*self.pool.ready("decode"), *self.pool.ready("prefill"))
+        if not engines:
+            raise no_healthy_engine("prefill or decode")
+        return engines[next(self._any_turn) % len(engines)]
+
     def _ready(self, role: str) -> tuple[EngineState, ...]:
         engines = self.pool.ready(role)
         if not engines:
@@ -195,10 +205,10 @@ def prefix_hashes(body: dict[str, Any], kind: str, block_chars: int, max_blocks:
 
 
 def _prompt_for_prefix(body: dict[str, Any], kind: str, limit: int) -> str | list[int]:
-    if kind == "chat":
+    if kind != "completion":
         parts: list[str] = []
         length = 0
-        for message in body["messages"]:
+        for message in chat_messages(body, kind):
             part = f"{message.get('role')}\x1f{_content_text(message.get('content'))}\x1e"
             parts.append(part)
             length += len(part)
@@ -229,15 +239,15 @@ def estimate_prompt_tokens(body: dict[str, Any], kind: str) -> int:
     template's few tokens. A batch counts all its prompts. A chat with a part that
     is not text (an image, audio) counts as long: never decode-only.
     """
-    if kind == "chat":
+    if kind != "completion":
         chars = 0
-        for message in body["messages"]:
+        for message in chat_messages(body, kind):
             content = message.get("content")
             if isinstance(content, str):
                 chars += len(content)
             elif isinstance(content, list):
                 for part in content:
-                    if not (isinstance(part, dict) and part.get("type") == "text"):
+                    if not (isinstance(part, dict) and part.get("type") in TEXT_PARTS):
                         return sys.maxsize
                     chars += len(str(part.get("text") or ""))
         return -(-chars // CHARS_PER_TOKEN)

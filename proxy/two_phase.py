@@ -39,18 +39,26 @@ from starlette.requests import ClientDisconnect
 
 from contract import headers, wire
 from proxy.auth import KeyCheck, bearer_token, load_engine_key
-from proxy.bodies import check_context_length, decode_body, parse_request, prefill_body
+from proxy.bodies import check_context_length, decode_body, parse_object, parse_request, prefill_body
 from proxy.config import ProxyConfig
 from proxy.disconnect import cancel_on_disconnect
 from proxy.engine_client import EngineClient, EngineResponse
-from proxy.errors import ClientGone, InvalidApiKey, InvalidRequest, ProxyError, UpstreamFailed, error_response
+from proxy.errors import (
+    ClientGone,
+    InvalidApiKey,
+    InvalidRequest,
+    ModelNotFound,
+    ProxyError,
+    UpstreamFailed,
+    error_response,
+)
 from proxy.exchange import DECODE_ONLY, DISAGGREGATED, PREFILL_ONLY, Exchange
 from proxy.health import HealthTracker
 from proxy.kv_report import KVReports, kv_report
 from proxy.limits import DEFAULT_REQUESTS_PER_ENGINE, AdmissionGate, pool_limit, read_body
 from proxy.metrics import ProxyMetrics
 from proxy.pool import EngineState
-from proxy.relay import DecodeStream, RelayResponse
+from proxy.relay import DecodeStream, RelayResponse, responses_generated
 from proxy.release import KVReleaser
 from proxy.routing import DECODE_FAILED, PREFILL_FAILED, Route, Router
 from proxy.upstream import EngineRejected, Upstream
@@ -153,16 +161,54 @@ class TwoPhaseFlow:
         except ClientGone as e:
             return Response(status_code=e.status)  # sent to nobody; counted
 
-    async def _answer(self, exchange: Exchange) -> Response:
+    async def serve_engine_only(self, request: Request, route: str) -> Response:
+        """A request no KV moves for (``wire.ENGINE_ONLY_PATHS``: ``/tokenize``, ``/detokenize``): the client's
+        body, checked as any (key, size, JSON, model), to one ready engine of either pool; its answer as it came."""
+        exchange = Exchange(request, "engine", route, self.metrics)
+        response: Response | None = None
+        try:
+            response = await self._respond_engine_only(exchange)
+            return response
+        finally:
+            exchange.close(response.status_code if response is not None else None)
+
+    async def _respond_engine_only(self, exchange: Exchange) -> Response:
+        assert self.upstream is not None, "the flow is not open"
+        try:
+            raw = await self._body(exchange)
+            body = parse_object(raw)
+            if (model := body.get("model")) is not None and model != self.config.model_name:
+                raise ModelNotFound(
+                    f"The model `{model}` does not exist; this server serves `{self.config.model_name}`",
+                    param="model",
+                )
+            exchange.engine_headers = self.engine_headers(exchange)
+            engine = self.router.any_engine()
+            exchange.reply_headers[headers.DECODE if engine.role == "decode" else headers.PREFILL] = engine.engine_id
+            async with cancel_on_disconnect(exchange.request, exchange.request_id):
+                status, payload = await self.upstream.call(engine, exchange, raw)
+        except ProxyError as e:
+            e.headers = exchange.reply_headers | e.headers
+            return error_response(e)
+        except ClientGone as e:
+            return Response(status_code=e.status)
+        return Response(payload, status_code=status, media_type="application/json", headers=exchange.reply_headers)
+
+    async def _body(self, exchange: Exchange) -> bytes:
+        """The client's body, once its key and Content-Type are checked, within the size and time limits."""
         request = exchange.request
         self.require_api_key(request)
         if "json" not in request.headers.get("content-type", "application/json"):
             raise InvalidRequest("Content-Type must be application/json")
         config = self.config
         try:
-            raw = await read_body(request, config.max_body_bytes, config.body_timeout_s, config.body_idle_timeout_s)
+            return await read_body(request, config.max_body_bytes, config.body_timeout_s, config.body_idle_timeout_s)
         except ClientDisconnect as e:
             raise ClientGone(f"request {exchange.request_id}: the client went away while sending its body") from e
+
+    async def _answer(self, exchange: Exchange) -> Response:
+        request = exchange.request
+        raw = await self._body(exchange)
         exchange.body = parse_request(raw, exchange.kind, self.config.model_name)
         if self.config.max_model_len is not None:
             check_context_length(exchange.body, self.config.max_model_len)
@@ -193,7 +239,8 @@ class TwoPhaseFlow:
                 1000 * (decode_started - prefill_started), 1000 * (time.perf_counter() - decode_started),
             )  # fmt: skip
         if exchange.body.get("stream"):
-            return DecodeStream(self.upstream.stream(response, engine, exchange), response, engine, exchange)
+            generated = responses_generated if exchange.kind == "responses" else None
+            return DecodeStream(self.upstream.stream(response, engine, exchange), response, engine, exchange, generated)
         try:
             payload = await self.upstream.read_all(response, engine, exchange)
         except UpstreamFailed as failure:
@@ -247,7 +294,7 @@ class TwoPhaseFlow:
         """The prefill leg, tried again on other engines if it fails (nothing has reached the client yet)."""
         assert self.upstream is not None and engines.prefill is not None
         reader = engines.decode.engine_id if self.config.bind_reader else None
-        body = prefill_body(exchange.body, reader)
+        body = prefill_body(exchange.body, reader, exchange.kind)
         engine: EngineState = engines.prefill
         tried: list[EngineState] = []
         while True:

@@ -90,6 +90,21 @@ class Upstream:
             raise EngineRejected(response.status, payload)
         return response
 
+    async def call(self, engine: EngineAddress, exchange: Exchange, raw: bytes) -> tuple[int, bytes]:
+        """One call to ``engine`` at the exchange's route with the client's body as it came: the status and
+        the answer (an engine-only route, ``wire.ENGINE_ONLY_PATHS``)."""
+        url, request_id = engine.url + exchange.route, exchange.request_id
+        try:
+            response = await self.client.post(url, raw, exchange.engine_headers, self.timeout_s)
+            payload = await response.read(self.timeout_s)
+        except (EngineConnectionError, TimeoutError) as e:
+            raise _engine_failed(engine, exchange.route.lstrip("/"), request_id, e) from e
+        if response.status >= 500 or response.status == 401:
+            raise _engine_failed(
+                engine, exchange.route.lstrip("/"), request_id, _engine_status(response.status, payload)
+            )
+        return response.status, payload
+
     async def read_all(self, response: EngineResponse, engine: EngineAddress, exchange: Exchange) -> bytes:
         """The decode engine's whole JSON answer."""
         try:
@@ -104,7 +119,12 @@ class Upstream:
                 yield chunk
         except (EngineConnectionError, TimeoutError) as e:
             failure = _engine_failed(engine, "decode", exchange.request_id, e)
-            yield b"data: " + orjson.dumps(failure.body()) + b"\n\n"
+            if exchange.kind == "responses":  # the Responses API's error event
+                error = failure.body()["error"]
+                event = {"type": "error", "code": error.get("code"), "message": error["message"], "param": None}
+                yield b"event: error\ndata: " + orjson.dumps(event) + b"\n\n"
+            else:
+                yield b"data: " + orjson.dumps(failure.body()) + b"\n\n"
         finally:
             response.release()
 

@@ -201,6 +201,8 @@ class StubEngine:
         app = web.Application()
         app.router.add_post("/v1/chat/completions", self._handle)
         app.router.add_post("/v1/completions", self._handle)
+        app.router.add_post(wire.RESPONSES_PATH, self._handle)
+        app.router.add_post(wire.DETOKENIZE_PATH, self._detokenize)
         app.router.add_get("/health", self._health)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/metrics", self._metrics)
@@ -286,6 +288,10 @@ class StubEngine:
         tokens = [100 + i for i, _ in enumerate(str(body.get("prompt", "")).split())]
         return _json({"count": len(tokens), "max_model_len": 4096, "tokens": tokens, "token_strs": None})
 
+    async def _detokenize(self, request: web.Request) -> web.Response:
+        body = orjson.loads(await request.read())
+        return _json({"prompt": " ".join(f"w{t}" for t in body.get("tokens", []))})
+
     async def _tier_held(self, request: web.Request) -> web.Response:
         body = orjson.loads(await request.read())
         self.tier_lookups.append({"kind": request.query.get("kind"), "body": body})
@@ -341,6 +347,7 @@ class StubEngine:
 
         request_id = received.headers.get("x-request-id") or f"stub-{self.name}-{next(self._ids)}"
         chat = request.path.endswith("/chat/completions")
+        responses = request.path == wire.RESPONSES_PATH
         if received.is_prefill:
             kv_params = None if behaviour is Behaviour.NO_KV else self._kv_transfer_params(request_id)
             received.answered_kv_transfer_params = kv_params
@@ -349,9 +356,27 @@ class StubEngine:
             kv_params = {"pdserve_kv": self.kv_report} if self.kv_report and received.kv_transfer_params else None
             words, finish = _limit(answer_text(self.name, received.kv_transfer_params is not None), body)
         n = body["n"] if isinstance(body.get("n"), int) and body["n"] > 0 else 1
+        if responses and not streaming:
+            return _json(_response(request_id, body, words, kv_params))
+        if responses:
+            return await self._send_events(request, _response_events(request_id, body, words))
         if not streaming:
             return _json(_completion(chat, request_id, body, words, finish, n, kv_params))
         return await self._stream(request, chat, request_id, body, words, finish, n)
+
+    async def _send_events(self, request: web.Request, events: list[dict[str, Any]]) -> web.StreamResponse:
+        """A Responses API stream: ``event:`` and ``data:`` lines, no ``[DONE]``."""
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        for number, event in enumerate(events):
+            if number == CHUNKS_BEFORE_DROP + 2 and self.behaviour is Behaviour.DROP:  # after its preamble
+                _abort(request)
+                return response
+            if number > 2 and self.token_delay_s:
+                await asyncio.sleep(self.token_delay_s)
+            await response.write(f"event: {event['type']}\ndata: ".encode() + orjson.dumps(event) + b"\n\n")
+        await response.write_eof()
+        return response
 
     async def _stream(
         self, request: web.Request, chat: bool, request_id: str, body: dict, words: list[str], finish: str, n: int
@@ -406,10 +431,12 @@ def _validate(path: str, body: Any) -> str | None:
     """The few checks of vLLM's that matter to a proxy; a message for a 400, or None."""
     if not isinstance(body, dict):
         return "request body must be a JSON object"
-    required = "messages" if path.endswith("/chat/completions") else "prompt"
+    required = (
+        "messages" if path.endswith("/chat/completions") else "input" if path == wire.RESPONSES_PATH else "prompt"
+    )
     if body.get(required) is None:
         return f"Field required: {required}"
-    max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
+    max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or body.get("max_output_tokens")
     if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
         return f"max_tokens must be at least 1, got {max_tokens}."
     min_tokens = body.get("min_tokens") or 0
@@ -423,7 +450,7 @@ def _validate(path: str, body: Any) -> str | None:
 def _limit(text: str, body: dict) -> tuple[list[str], str]:
     """The words of ``text`` cut to the request's max tokens (one word a token), and the finish reason."""
     words = text.split(" ")
-    max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
+    max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or body.get("max_output_tokens")
     if max_tokens is not None and max_tokens < len(words):
         return words[:max_tokens], "length"
     return words, "stop"
@@ -489,6 +516,52 @@ def _chunks(chat: bool, request_id: str, body: dict, words: list[str], finish: s
     if (body.get("stream_options") or {}).get("include_usage"):
         chunks.append(header | {"choices": [], "usage": _usage(words, n)})
     return chunks
+
+
+def _response(request_id: str, body: dict, words: list[str], kv: dict | None, status: str = "completed") -> dict:
+    """A Responses API answer (``POST /v1/responses``), as vLLM's ``ResponsesResponse``."""
+    text = " ".join(words)
+    message = {
+        "type": "message", "id": f"msg_{request_id}", "role": "assistant", "status": status,
+        "content": [{"type": "output_text", "text": text, "annotations": []}] if status == "completed" else [],
+    }  # fmt: skip
+    return {
+        "id": f"resp_{request_id}",
+        "object": "response",
+        "created_at": int(time.time()),
+        "model": body.get("model"),
+        "status": status,
+        "output": [message] if status == "completed" else [],
+        "usage": {"input_tokens": 2, "output_tokens": len(words), "total_tokens": 2 + len(words)},
+        "kv_transfer_params": kv,
+    }
+
+
+def _response_events(request_id: str, body: dict, words: list[str]) -> list[dict[str, Any]]:
+    """A streamed Responses API answer's events, in vLLM's order: the preamble it sends before the engine ran
+    (created, in progress), the message's item and part, a delta per word, their ends, completed."""
+    started = _response(request_id, body, [], None, status="in_progress")
+    item = {"type": "message", "id": f"msg_{request_id}", "role": "assistant", "status": "in_progress", "content": []}
+    text = " ".join(words)
+    part = {"type": "output_text", "text": "", "annotations": []}
+    where = {"item_id": item["id"], "output_index": 0, "content_index": 0}
+    events: list[dict[str, Any]] = [
+        {"type": "response.created", "response": started},
+        {"type": "response.in_progress", "response": started},
+        {"type": "response.output_item.added", "output_index": 0, "item": item},
+        {"type": "response.content_part.added", **where, "part": part},
+    ]
+    events += [
+        {"type": "response.output_text.delta", **where, "delta": word if i == 0 else " " + word}
+        for i, word in enumerate(words)
+    ]
+    events += [
+        {"type": "response.output_text.done", **where, "text": text},
+        {"type": "response.content_part.done", **where, "part": part | {"text": text}},
+        {"type": "response.output_item.done", "output_index": 0, "item": item | {"status": "completed"}},
+        {"type": "response.completed", "response": _response(request_id, body, words, None)},
+    ]
+    return [event | {"sequence_number": n} for n, event in enumerate(events)]
 
 
 def _json(payload: Any, status: int = 200) -> web.Response:
