@@ -293,6 +293,14 @@ def plan_engines(spec: ClusterSpec, host: str | None = LOCAL_HOST) -> list[Engin
             ]  # fmt: skip
             if spec.engine.enforce_eager:
                 args.append("--enforce-eager")
+            if spec.engine.tool_call_parser is not None:  # both pools: the decode engine parses what it generates
+                args += ["--enable-auto-tool-choice", "--tool-call-parser", spec.engine.tool_call_parser]
+            if adapters := spec.engine.lora_adapters:  # both pools: the KV of an adapter's prompt is the adapter's
+                args += ["--enable-lora", "--max-loras", str(spec.engine.max_loras)]
+                args += ["--max-lora-rank", str(spec.engine.max_lora_rank)]
+                args += ["--lora-modules", *(f"{name}={path}" for name, path in adapters.items())]
+            if spec.engine.chat_template is not None:  # both pools render the prompt alike, or their KV differs
+                args += ["--chat-template", spec.engine.chat_template]
             if spec.kv_tier is not None:
                 # block hashes name the tier's entries: every engine must compute the same ones
                 args += ["--prefix-caching-hash-algo", TIER_HASH_ALGO]

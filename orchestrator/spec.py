@@ -58,6 +58,7 @@ LABEL_KEY = rf"^({_DNS}(\.{_DNS})*/)?[A-Za-z0-9]([-A-Za-z0-9_.]{{0,61}}[A-Za-z0-
 """A Kubernetes-style label key, as Ray node labels take them (``pdserve.io/pool``)."""
 LabelKey = Annotated[str, Field(pattern=LABEL_KEY)]
 LabelValue = Annotated[str, Field(pattern=r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$")]
+AdapterName = Annotated[str, Field(pattern=r"^[A-Za-z0-9][-A-Za-z0-9_.:/]{0,127}$")]
 """A Kubernetes-style label value: at most 63 of [A-Za-z0-9_.-], alphanumeric at both ends, or empty."""
 PG_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
 
@@ -168,6 +169,33 @@ class EngineSpec(_Strict):
         gt=0,
         description="An engine being scaled away gets this long to finish its requests (and, prefill, to have "
         "its KV read) before it is stopped anyway.",
+    )
+    tool_call_parser: str | None = Field(
+        default=None,
+        min_length=1,
+        description="vLLM's tool-call parser for the model (e.g. hermes, llama3_json, mistral, qwen3_xml): both "
+        "pools get --enable-auto-tool-choice --tool-call-parser, which every tool_choice but none needs (auto, "
+        "required, a named function). Unset: requests with tools are refused by the engines (400).",
+    )
+    chat_template: str | None = Field(
+        default=None,
+        min_length=1,
+        description="A chat template for both pools where the model's own does not render tools (vLLM "
+        "--chat-template): a file on every engine host, or the template itself.",
+    )
+    lora_adapters: dict[AdapterName, str] = Field(
+        default_factory=dict,
+        description="LoRA adapters both pools load at start: name -> its directory (PEFT format) on every engine "
+        "host. A request whose model is an adapter's name is prefilled and decoded with it; /v1/models lists them.",
+    )
+    max_loras: int = Field(
+        default=1,
+        ge=1,
+        description="Adapters an engine applies at once (vLLM --max-loras); with fewer than lora_adapters, the proxy "
+        "keeps each adapter's requests on the same engines of a pool.",
+    )
+    max_lora_rank: int = Field(
+        default=16, ge=1, description="The largest rank of lora_adapters (vLLM --max-lora-rank)."
     )
     extra_args: dict[str, Any] = Field(
         default_factory=dict,
@@ -321,6 +349,8 @@ class ClusterSpec(_Strict):
         return ProxyConfig.of(
             self.proxy,
             model_name=self.model_name,
+            adapters=tuple(self.engine.lora_adapters),
+            max_loras=self.engine.max_loras,
             max_model_len=self.engine.max_model_len,
             tier_pools=self.shared_tier_pools,
             engine_auth=True,

@@ -160,10 +160,9 @@ def create_app(config: ProxyConfig, pool: EnginePool | None = None) -> FastAPI:
     @app.get(wire.MODELS_PATH)
     async def models(request: Request) -> Response:
         flow.require_api_key(request)
-        listing = {
-            "object": "list",
-            "data": [{"id": config.model_name, "object": "model", "created": created, "owned_by": "pdserve"}],
-        }
+        base = {"id": config.model_name, "object": "model", "created": created, "owned_by": "pdserve"}
+        adapters = [base | {"id": name, "parent": config.model_name} for name in config.adapters]
+        listing = {"object": "list", "data": [base, *adapters]}
         return Response(orjson.dumps(listing), media_type="application/json")
 
     @app.get("/health")

@@ -32,6 +32,7 @@ __all__ = [
     "ResponsesRequest",
     "chat_messages",
     "check_context_length",
+    "check_model",
     "decode_body",
     "parse_object",
     "parse_request",
@@ -100,19 +101,24 @@ def parse_object(raw: bytes) -> dict[str, Any]:
     return body
 
 
-def parse_request(raw: bytes, kind: str, model_name: str) -> dict[str, Any]:
-    """Validate a request body; return it as a dict (unknown fields kept)."""
+def parse_request(raw: bytes, kind: str, model_name: str, adapters: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Validate a request body; return it as a dict (unknown fields kept). Its model is ``model_name`` or one
+    of its LoRA ``adapters``."""
     body = parse_object(raw)
     if not _plainly_valid(body, kind):
         _validate(body, kind)
     _refuse_transfer_fields(body)
     if kind == "responses":
         _refuse_stateful(body)
-    if body["model"] != model_name:
-        raise ModelNotFound(
-            f"The model `{body['model']}` does not exist; this server serves `{model_name}`", param="model"
-        )
+    check_model(body.get("model"), model_name, adapters)
     return body
+
+
+def check_model(model: object, model_name: str, adapters: tuple[str, ...] = ()) -> None:
+    """``ModelNotFound`` (404) unless ``model`` is the served model or one of its adapters."""
+    if model != model_name and model not in adapters:
+        served = ", ".join(f"`{name}`" for name in (model_name, *adapters))
+        raise ModelNotFound(f"The model `{model}` does not exist; this server serves {served}", param="model")
 
 
 def _refuse_transfer_fields(body: dict[str, Any]) -> None:

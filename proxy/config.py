@@ -217,6 +217,15 @@ class ProxyConfig(ProxySettings):
     """What one proxy app is built from: the user's settings and what its cluster (or command line) decides."""
 
     model_name: str = Field(description="The model's name clients use in 'model'.")
+    adapters: tuple[str, ...] = Field(
+        default=(), description="The LoRA adapters the engines load: a request may name one as its model."
+    )
+    max_loras: int = Field(
+        default=1,
+        ge=1,
+        description="Adapters an engine applies at once: with fewer than adapters, each adapter's "
+        "requests stay on the same engines of a pool (``proxy.routing``).",
+    )
     max_model_len: int | None = Field(
         default=None,
         ge=1,

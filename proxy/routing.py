@@ -25,7 +25,9 @@ request is routed as without a tier.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+import math
 import sys
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -108,6 +110,8 @@ class Router:
         )
         self._tier_turn = itertools.count()
         self._any_turn = itertools.count()
+        # Engines hold fewer adapters than the cluster serves: an adapter's requests stay on engines of its own.
+        self._keeps_adapters = config.max_loras < len(config.adapters)
 
     def asks_tier(self, body: dict[str, Any], kind: str) -> bool:
         """Whether ``route`` would use what the shared tier holds of this prompt (``TierHeld``): routing reads
@@ -133,7 +137,8 @@ class Router:
         )
         in_tier = held.depth(body, kind, self.routing.prefix_block_chars, len(prefix)) if held and prefix else 0
         tiers = self.config.tier_pools
-        engines = self.pool.ready("decode")
+        adapter = body["model"] if self._keeps_adapters and body["model"] in self.config.adapters else None
+        engines = self._holding(self.pool.ready("decode"), adapter)
         if not engines:
             if not self.config.degrade:
                 raise no_healthy_engine("decode")
@@ -151,13 +156,19 @@ class Router:
                     return Route(None, decode, prefix, CACHED)
         if self._decode_only_below and estimate_prompt_tokens(body, kind) < self._decode_only_below:
             return Route(None, decode, prefix, SHORT_PROMPT)
-        engines = self.pool.ready("prefill")
+        engines = self._holding(self.pool.ready("prefill"), adapter)
         if engines:
             shared = in_tier if "prefill" in tiers else 0
             return Route(self.prefill_policy.pick(engines, prefix, shared), decode, prefix)
         if not self.config.degrade:
             raise no_healthy_engine("prefill")
         return Route(None, decode, prefix, NO_PREFILL_ENGINE)
+
+    def _holding(self, engines: tuple[EngineState, ...], adapter: str | None) -> tuple[EngineState, ...]:
+        """The engines that serve ``adapter``'s requests (all, for the base model): ``adapter_engines``."""
+        if adapter is None:
+            return engines
+        return adapter_engines(engines, adapter, self.config.max_loras, len(self.config.adapters))
 
     def retry(self, role: str, prefix: tuple[int, ...], tried: Sequence[EngineState]) -> EngineState | None:
         """A ready engine of ``role``'s pool not in ``tried`` (chosen by the pool's policy), or None."""
@@ -179,6 +190,23 @@ class Router:
         return engines
 
 
+def adapter_engines(
+    engines: tuple[EngineState, ...], adapter: str, max_loras: int, adapters: int
+) -> tuple[EngineState, ...]:
+    """The engines of a pool that serve one LoRA adapter's requests when each holds ``max_loras`` of ``adapters``:
+    its share of the pool (``len(engines) * max_loras / adapters``, at least one), by rendezvous hashing of
+    (adapter, engine id). An adapter keeps its engines while the pool stays, and only the adapters of an engine
+    that joins or leaves move, so an engine rarely swaps an adapter in."""
+    share = max(1, math.ceil(len(engines) * max_loras / adapters))
+    if share >= len(engines):
+        return engines
+
+    def rank(engine: EngineState) -> bytes:
+        return hashlib.blake2b(f"{adapter}\0{engine.engine_id}".encode(), digest_size=8).digest()
+
+    return tuple(sorted(engines, key=rank, reverse=True)[:share])
+
+
 # --- what a prompt is -----------------------------------------------------------------------
 
 
@@ -196,7 +224,7 @@ def prefix_hashes(body: dict[str, Any], kind: str, block_chars: int, max_blocks:
     size = block_chars if isinstance(prompt, str) else max(1, block_chars // CHARS_PER_TOKEN)
     count = min(len(prompt) // size, max_blocks)
     hashes = []
-    chained = 0
+    chained = hash(body.get("model"))  # a prefix cached for one adapter (or model) is not another's
     for start in range(0, count * size, size):
         block = prompt[start : start + size]
         chained = hash((chained, block if isinstance(block, str) else tuple(block)))

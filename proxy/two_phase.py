@@ -39,7 +39,14 @@ from starlette.requests import ClientDisconnect
 
 from contract import headers, wire
 from proxy.auth import KeyCheck, bearer_token, load_engine_key
-from proxy.bodies import check_context_length, decode_body, parse_object, parse_request, prefill_body
+from proxy.bodies import (
+    check_context_length,
+    check_model,
+    decode_body,
+    parse_object,
+    parse_request,
+    prefill_body,
+)
 from proxy.config import ProxyConfig
 from proxy.disconnect import cancel_on_disconnect
 from proxy.engine_client import EngineClient, EngineResponse
@@ -47,7 +54,6 @@ from proxy.errors import (
     ClientGone,
     InvalidApiKey,
     InvalidRequest,
-    ModelNotFound,
     ProxyError,
     UpstreamFailed,
     error_response,
@@ -177,11 +183,8 @@ class TwoPhaseFlow:
         try:
             raw = await self._body(exchange)
             body = parse_object(raw)
-            if (model := body.get("model")) is not None and model != self.config.model_name:
-                raise ModelNotFound(
-                    f"The model `{model}` does not exist; this server serves `{self.config.model_name}`",
-                    param="model",
-                )
+            if (model := body.get("model")) is not None:
+                check_model(model, self.config.model_name, self.config.adapters)
             exchange.engine_headers = self.engine_headers(exchange)
             engine = self.router.any_engine()
             exchange.reply_headers[headers.DECODE if engine.role == "decode" else headers.PREFILL] = engine.engine_id
@@ -209,7 +212,7 @@ class TwoPhaseFlow:
     async def _answer(self, exchange: Exchange) -> Response:
         request = exchange.request
         raw = await self._body(exchange)
-        exchange.body = parse_request(raw, exchange.kind, self.config.model_name)
+        exchange.body = parse_request(raw, exchange.kind, self.config.model_name, self.config.adapters)
         if self.config.max_model_len is not None:
             check_context_length(exchange.body, self.config.max_model_len)
         async with cancel_on_disconnect(request, exchange.request_id):

@@ -42,6 +42,10 @@ def run_pdserve(*args: str, env: dict[str, str], timeout: float = CLI_TIMEOUT_S)
     )
 
 
+ADAPTER = "smollm2-random-lora"
+"""The LoRA adapter of the shared pdserve cluster: random weights (``testlib.lora``), so its answers differ."""
+
+
 @dataclass
 class Cluster:
     env: dict[str, str]
@@ -88,6 +92,12 @@ def pdserve_env(state_dir: Path) -> dict[str, str]:
 def cluster(request: pytest.FixtureRequest, pdserve_env: dict[str, str], state_dir: Path) -> Cluster:
     connector = request.param
     spec = yaml.safe_load((HERE / "cluster.yaml").read_text()) | {"connector": connector}
+    if connector == "pdserve":  # a LoRA adapter both pools load (test_parity.py)
+        from orchestrator.models import resolve_model
+        from testlib.lora import make_adapter
+
+        adapter = make_adapter(resolve_model(spec["model"]), state_dir / "adapters" / ADAPTER)
+        spec["engine"]["lora_adapters"] = {ADAPTER: str(adapter)}
     spec_path = state_dir / f"cluster-{connector}.yaml"
     spec_path.write_text(yaml.safe_dump(spec))
     result = run_pdserve("up", str(spec_path), "--detach", env=pdserve_env, timeout=UP_TIMEOUT_S)
