@@ -157,7 +157,8 @@ def test_chat_answers_equal_one_engine_alone(both, case: str) -> None:
     assert_same(pd, alone)
     if case in ("tool named", "tool required"):  # the choice forces a call: one came, its arguments are JSON
         [call] = pd["choices"][0]["message"]["tool_calls"]
-        assert call["function"]["name"] == "get_weather" and "city" in json.loads(call["function"]["arguments"])
+        assert call["function"]["name"] == "get_weather"
+        json.loads(call["function"]["arguments"])  # whatever a 135M model fills in, it is JSON
     if case == "json schema":
         assert set(json.loads(pd["choices"][0]["message"]["content"])) >= {"city", "population"}
 
@@ -212,7 +213,8 @@ def test_streams_equal_one_engine_alone(both, case: str) -> None:
     assert pd["usage"] is not None or "tool" in case
     if "tool" in case:  # the call's deltas arrived whole through the relay: they join into one JSON call
         [call] = pd["choices"][0]["tool_calls"].values()
-        assert call["name"] == "get_weather" and "city" in json.loads(call["arguments"])
+        assert call["name"] == "get_weather"
+        json.loads(call["arguments"])
 
 
 def openai_clients(both: dict) -> dict[str, openai.OpenAI]:
@@ -244,8 +246,8 @@ def test_a_response_through_pd_moved_its_kv(cluster: Cluster) -> None:
         cluster.proxy_url + wire.RESPONSES_PATH, {"model": MODEL, "input": LONG_PROMPT[:1500], "max_output_tokens": 4}
     )
     assert status == 200, answer
-    assert headers["X-PDServe-Path"] == "disaggregated"
-    assert "source=transfer" in headers["X-PDServe-KV"], headers["X-PDServe-KV"]
+    assert {k.lower(): v for k, v in headers.items()}["x-pdserve-path"] == "disaggregated"
+    assert kv_report(headers)["source"] == "transfer", headers
 
 
 def test_tokenize_and_detokenize_answer_as_the_engine_does(both) -> None:
@@ -274,7 +276,7 @@ def test_an_adapters_answer_through_pd_equals_one_engine_alone_and_differs_from_
     status, headers, _ = http_json(
         cluster.proxy_url + wire.CHAT_PATH, {"model": ADAPTER, "messages": ASK, "max_tokens": 2}
     )
-    assert status == 200 and headers["X-PDServe-Path"] == "disaggregated"
+    assert status == 200 and {k.lower(): v for k, v in headers.items()}["x-pdserve-path"] == "disaggregated"
     assert kv_report(headers)["source"] in ("transfer", "recomputed")
     unknown, _, error = http_json(cluster.proxy_url + wire.CHAT_PATH, {"model": "no-such-adapter", "messages": ASK})
     assert unknown == 404 and error["error"]["code"] == "model_not_found"
