@@ -1,7 +1,7 @@
 """API keys and the admin routes (``proxy.auth``, ``proxy.admin``) as a client meets them.
 
-With keys configured (environment variables or a file), completion requests
-and ``/v1/models`` need ``Authorization: Bearer <key>`` (else 401
+With keys configured (environment variables or a file), completion and
+Responses API requests, ``/tokenize``, ``/detokenize`` and ``/v1/models`` need ``Authorization: Bearer <key>`` (else 401
 ``invalid_api_key``); ``/health`` and ``/metrics`` stay open. The admin
 routes exist only with an admin key, and only an admin key opens them.
 """
@@ -13,6 +13,7 @@ from pathlib import Path
 import pydantic
 import pytest
 
+from contract import wire
 from proxy.app import ProxyConfig, create_app
 from proxy.auth import KeyCheck, bearer_token, load_keys
 from proxy.errors import ProxyConfigError
@@ -37,20 +38,30 @@ def bearer(key: str) -> dict[str, str]:
 # --- API keys ---------------------------------------------------------------------------
 
 
+ROUTES = {
+    CHAT_PATH: CHAT,
+    wire.RESPONSES_PATH: {"model": CHAT["model"], "input": "Hi"},
+    wire.TOKENIZE_PATH: {"prompt": "Hi"},
+    wire.DETOKENIZE_PATH: {"tokens": [1]},
+}
+"""Every route a client key opens that reaches an engine (``/v1/models``: ``test_models_needs_a_key_but_...``)."""
+
+
+@pytest.mark.parametrize("path", list(ROUTES))
 @pytest.mark.parametrize(
     "headers",
     [{}, bearer("sk-wrong"), bearer(KEY + "x"), {"Authorization": KEY}, bearer(ADMIN_KEY)],
     ids=["none", "wrong", "longer", "no-scheme", "admin-key"],
 )
-async def test_a_request_without_a_valid_key_is_401(make_client, prefill_engine, headers):
+async def test_a_request_without_a_valid_key_is_401(make_client, prefill_engine, decode_engine, headers, path):
     client = await make_client(api_key_env=("PD_KEY",), admin_key_env=("PD_ADMIN_KEY",))
 
-    response = await client.post(CHAT_PATH, json=CHAT, headers=headers | {"X-Request-Id": "nokey-1"})
+    response = await client.post(path, json=ROUTES[path], headers=headers | {"X-Request-Id": "nokey-1"})
 
     error = assert_openai_error(response, 401, error_type="invalid_request_error", code="invalid_api_key")
     assert KEY not in error["message"]
     assert response.headers["x-request-id"] == "nokey-1"
-    assert prefill_engine.requests == []
+    assert prefill_engine.requests == decode_engine.requests == []
 
 
 @pytest.mark.parametrize("key", [KEY, OTHER_KEY])
