@@ -101,8 +101,9 @@ def model_name_from_engines(
     wait_s: float,
     on_wait: Callable[[list[str]], None] | None = None,
     engine_key: str | None = None,
-) -> str:
-    """The model every engine in ``urls`` serves, from their ``/v1/models``.
+) -> tuple[str, ...]:
+    """The model every engine in ``urls`` serves, then the LoRA adapters they serve it with, from their
+    ``/v1/models`` (an adapter is listed with the model as its ``parent``).
 
     Engines that do not answer yet are asked again every second, for up to
     ``wait_s``; ``on_wait(missing)`` is called once when some have to be
@@ -110,7 +111,7 @@ def model_name_from_engines(
     engines disagree.
     """
     deadline = time.monotonic() + wait_s
-    served: dict[str, str] = {}
+    served: dict[str, tuple[str, ...]] = {}
     problems: dict[str, str] = {}
     told = False
     while True:
@@ -134,7 +135,7 @@ def model_name_from_engines(
         raise StandaloneError(f"no model name from {len(missing)} engine(s) within {wait_s:g} s ({why}); use --model")
     names = set(served.values())
     if len(names) > 1:
-        listing = ", ".join(f"{url} serves {name!r}" for url, name in served.items())
+        listing = ", ".join(f"{url} serves {', '.join(map(repr, models))}" for url, models in served.items())
         raise StandaloneError(f"the engines serve different models: {listing}")
     return names.pop()
 
@@ -143,8 +144,8 @@ class _NotServing(Exception):
     pass
 
 
-def _served_model(url: str, engine_key: str | None = None) -> str:
-    """The first model of ``url``'s ``/v1/models`` (vLLM lists its served model name first)."""
+def _served_model(url: str, engine_key: str | None = None) -> tuple[str, ...]:
+    """The first model of ``url``'s ``/v1/models`` (vLLM lists its served model name first), then its adapters."""
     request = urllib.request.Request(url + "/v1/models")
     if engine_key is not None:
         request.add_header("Authorization", f"Bearer {engine_key}")
@@ -159,6 +160,8 @@ def _served_model(url: str, engine_key: str | None = None) -> str:
     except ValueError as e:
         raise _NotServing(f"/v1/models is not JSON ({e})") from e
     try:
-        return str(listing["data"][0]["id"])
-    except (KeyError, IndexError, TypeError) as e:
+        base = str(listing["data"][0]["id"])
+        adapters = [str(m["id"]) for m in listing["data"][1:] if m.get("parent") == base]
+    except (KeyError, IndexError, TypeError, AttributeError) as e:
         raise _NotServing("/v1/models lists no model") from e
+    return (base, *adapters)

@@ -149,6 +149,8 @@ class StubEngine:
     """Keep every request in ``requests``; a long benchmark may turn it off."""
     model_name: str = "stub-model"
     """The model ``GET /v1/models`` lists, as ``vllm serve --served-model-name`` would."""
+    adapters: tuple[str, ...] = ()
+    """LoRA adapters ``GET /v1/models`` lists after the model (``parent``: it), as ``--lora-modules`` would."""
     side_channel_port: int = 5600
     """``remote_port`` in the ``kv_transfer_params`` a prefill answers with."""
     release_endpoint: str | None = None
@@ -305,7 +307,10 @@ class StubEngine:
         if self.behaviour is Behaviour.ERROR_500:
             return _json(error_body(f"{self.name}: engine core died", "InternalServerError", 500), 500)
         model = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "vllm", "root": self.model_name}
-        return _json({"object": "list", "data": [model]})
+        adapters = [
+            model | {"id": name, "root": f"/adapters/{name}", "parent": self.model_name} for name in self.adapters
+        ]
+        return _json({"object": "list", "data": [model, *adapters]})
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         raw = await request.read()

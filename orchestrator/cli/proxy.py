@@ -82,19 +82,29 @@ def cmd_proxy(args: argparse.Namespace) -> int:
         prefill = [normalize_url(url) for url in args.prefill]
         decode = [normalize_url(url) for url in args.decode]
         decode_kv = parse_kv_endpoints(args.decode_kv, len(decode))
-        model = args.model or model_name_from_engines(
-            prefill + decode,
-            args.wait_s,
-            engine_key=load_engine_key() if engine_auth else None,
-            on_wait=lambda missing: say(
-                f"pdserve proxy: waiting up to {args.wait_s:g}s for {', '.join(missing)} to answer /v1/models "
-                "(--model skips this)"
-            ),
+        model, *adapters = (
+            (args.model,)
+            if args.model
+            else model_name_from_engines(
+                prefill + decode,
+                args.wait_s,
+                engine_key=load_engine_key() if engine_auth else None,
+                on_wait=lambda missing: say(
+                    f"pdserve proxy: waiting up to {args.wait_s:g}s for {', '.join(missing)} to answer /v1/models "
+                    "(--model skips this)"
+                ),
+            )
         )
     except StandaloneError as e:
         print(f"pdserve proxy: {e}", file=sys.stderr)
         return 1
-    config = ProxyConfig.of(settings, model_name=model, engine_auth=engine_auth, max_model_len=args.max_model_len)
+    config = ProxyConfig.of(
+        settings,
+        model_name=model,
+        adapters=tuple(adapters),
+        engine_auth=engine_auth,
+        max_model_len=args.max_model_len,
+    )
     try:  # here, not only in each worker: a key that cannot be read stops the command with its reason
         load_keys(config.api_key_env, config.api_key_file)
         load_keys(config.admin_key_env, config.admin_key_file)

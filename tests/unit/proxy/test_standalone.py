@@ -486,8 +486,13 @@ async def test_model_name_waits_for_an_engine_that_is_starting(make_engine):
     await wait_until(lambda: waited, 10)  # it found the engine down and waits for it
     await starting.start()
 
-    assert await lookup == "smol"
+    assert await lookup == ("smol",)
     assert waited == [[starting.url]]
+
+
+async def test_the_adapters_the_engines_serve_are_served_too(make_engine):
+    engines = [await make_engine(name, model_name="smol", adapters=("pirate",)) for name in ("prefill-0", "decode-0")]
+    assert await asyncio.to_thread(model_name_from_engines, [e.url for e in engines], 1.0) == ("smol", "pirate")
 
 
 async def test_model_name_from_an_engine_that_answers_500_is_an_error(make_engine):
