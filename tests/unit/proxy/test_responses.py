@@ -176,3 +176,48 @@ async def test_tokenize_needs_the_api_key_like_every_route(make_client, monkeypa
     allowed = await client.post(wire.TOKENIZE_PATH, json={"prompt": "hi"}, headers={"authorization": "Bearer sk-good"})
     assert_openai_error(refused, 401, error_type="invalid_request_error", code="invalid_api_key")
     assert allowed.status_code == 200
+
+
+async def test_a_decode_engine_dying_mid_response_ends_the_stream_with_the_apis_error_event(client, decode_engine):
+    from tests.stub_engine import Behaviour
+
+    decode_engine.behaviour = Behaviour.DROP
+    async with client.stream("POST", wire.RESPONSES_PATH, json=RESPONSE | {"stream": True}) as response:
+        text = (await response.aread()).decode()
+
+    assert response.status_code == 200  # the headers went out with the preamble
+    events = events_of(text)
+    assert [name for name, _ in events[:2]] == ["response.created", "response.in_progress"]
+    name, error = events[-1]
+    assert name == "error" and error["type"] == "error" and error["code"] == "engine_failed"
+    assert "decode engine decode-0" in error["message"]
+
+
+async def test_a_responses_kv_counts_as_read_only_past_the_preamble():
+    """vLLM sends the preamble before the decode engine ran: a stream that ends there read no KV, so its exchange
+    releases the prefill's (``Exchange.close``); the first event past it marks the KV read."""
+    from types import SimpleNamespace
+
+    from proxy.relay import DecodeStream
+
+    reads: list[str] = []
+    exchange = SimpleNamespace(
+        kv=SimpleNamespace(read=lambda: reads.append("read")), chunk_relayed=lambda: None, request_id="r-1"
+    )
+    exchange.close = lambda status: None
+    engine = SimpleNamespace(end_leg=lambda: None, engine_id="decode-0")
+    preamble = [b"event: response.created\ndata: {}\n\n", b"event: response.in_progress\ndata: {}\n\n"]
+
+    async def chunks(items):
+        for item in items:
+            yield item
+
+    response = SimpleNamespace(release=lambda: None)
+    cut = DecodeStream(chunks(preamble), response, engine, exchange, responses_generated)
+    assert await cut.first() is None and reads == []  # ended in its preamble: nothing read
+    assert [chunk async for chunk in cut] == preamble  # what came is still relayed
+
+    delta = b'event: response.output_text.delta\ndata: {"delta": "Hi"}\n\n'
+    whole = DecodeStream(chunks([*preamble, delta]), response, engine, exchange, responses_generated)
+    assert await whole.first() == delta and reads == ["read"]
+    assert [chunk async for chunk in whole] == [*preamble, delta]
