@@ -13,7 +13,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from tests.integration.conftest import Cluster, kv_report
+from tests.integration.conftest import ADAPTER, Cluster, kv_report
 
 # What the OpenAI client sees is the proxy's doing, whatever connector moves the KV: on our connector's
 # shared cluster only (vLLM's NixlConnector spins its engines' cores, and doubles this file's time).
@@ -91,7 +91,7 @@ def test_errors_are_the_clients_exceptions(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as too_long:
         client.completions.create(model=MODEL, prompt="hi " * 5000, max_tokens=4)
     assert "context" in too_long.value.message.lower()
-    assert [m.id for m in client.models.list()] == [MODEL]
+    assert [m.id for m in client.models.list()] == [MODEL, ADAPTER]  # the cluster's LoRA adapter after the model
 
 
 def test_a_client_cannot_tell_the_engines_where_to_read_kv(client: openai.OpenAI) -> None:

@@ -19,7 +19,15 @@ import psutil
 import pytest
 
 from orchestrator import shm
-from tests.integration.conftest import Cluster, http_json, http_stream, kv_report, metric_values, run_pdserve
+from tests.integration.conftest import (
+    ADAPTER,
+    Cluster,
+    http_json,
+    http_stream,
+    kv_report,
+    metric_values,
+    run_pdserve,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -140,7 +148,8 @@ def test_bad_requests_get_openai_errors(cluster: Cluster) -> None:
     status, _, body = http_json(cluster.proxy_url + "/v1/completions", {"model": MODEL, "prompt": "hi " * 5000})
     assert status == 400 and "context" in body["error"]["message"].lower()
     status, _, body = http_json(cluster.proxy_url + "/v1/models")
-    assert status == 200 and [m["id"] for m in body["data"]] == [MODEL]
+    adapters = [ADAPTER] if cluster.connector == "pdserve" else []  # the pdserve cluster's LoRA adapter
+    assert status == 200 and [m["id"] for m in body["data"]] == [MODEL, *adapters]
 
 
 @pytest.mark.teardown_check
