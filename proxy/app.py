@@ -12,7 +12,7 @@ for the load-aware policies, ``/metrics`` polls (``proxy.load``). Routes:
   the one engine that made a response (``bodies.STATEFUL_RESPONSES``).
 - ``POST /tokenize``, ``POST /detokenize`` (``wire.ENGINE_ONLY_PATHS``): one ready engine of either pool,
   in turn; its answer as it came.
-- ``GET /v1/models``: the one served model.
+- ``GET /v1/models``: the served model, then its LoRA adapters (``parent``: the model).
 - ``GET /health``: 200 while both pools have a ready engine (healthy, not draining), else 503 (no key needed).
 - ``GET /metrics``: Prometheus metrics (``proxy.metrics``; no key needed).
 - ``/admin/engines...``: with an admin key only (``proxy.admin``).
