@@ -8,14 +8,10 @@ hold *rows*, one per (K or V, head, token), each ``head_dim`` elements long
 layout's business (``_row_positions``), with ``B`` tokens per block and ``H``
 heads on the rank::
 
-    NHD   planes K, V   row (kv, h, t) in plane kv at (t * H + h) * row_bytes
-    HND   planes K, V   row (kv, h, t) in plane kv at (h * B + t) * row_bytes
-    H2ND  one plane     row (kv, h, t) at ((h * 2 + kv) * B + t) * row_bytes   (vLLM's CPU cache)
-    2NHD  one plane     row (kv, h, t) at ((kv * B + t) * H + h) * row_bytes   (FlashInfer, older vLLM)
-    2HND  one plane     row (kv, h, t) at ((kv * H + h) * B + t) * row_bytes   (FlashInfer, HND strides)
-    HN2D  one plane     row (kv, h, t) at ((h * B + t) * 2 + kv) * row_bytes   (vLLM 0.32 on GPU, LBHNC)
-    NH2D  one plane     row (kv, h, t) at ((t * H + h) * 2 + kv) * row_bytes   (vLLM 0.32 on GPU, LBNHC)
-    MLA   one plane     row (0, 0, t) at t * row_bytes
+    H2ND  row (kv, h, t) at ((h * 2 + kv) * B + t) * row_bytes   (vLLM's CPU cache)
+    HN2D  row (kv, h, t) at ((h * B + t) * 2 + kv) * row_bytes   (vLLM 0.32 on GPU, LBHNC)
+    NH2D  row (kv, h, t) at ((t * H + h) * 2 + kv) * row_bytes   (vLLM 0.32 on GPU, LBNHC)
+    MLA   row (0, 0, t) at t * row_bytes
 
 With a remote block size ``Br`` smaller than the local ``Bl`` (``ratio = Bl / Br``),
 the remote blocks of a group fill a local block in token order: the j-th fills
@@ -27,17 +23,16 @@ the same for every sub-block, only their local offsets move. What that gives
 per remote block and layer, for a slice of n of the remote rank's heads:
 
 - the same layout on both sides, all the remote rank's heads, ratio 1: one run
-  per plane -- whole blocks;
-- H2ND, HN2D, HND or 2HND on both sides, ratio 1: one run per K/V plane pair
-  (H2ND, HN2D) or K/V (HND, 2HND) -- a head slice is contiguous;
-- ratio > 1, head-major layouts (HND, H2ND, 2HND, HN2D): one run per head
-  (and K/V unless HN2D), ``Br`` tokens long;
-- token-major layouts (NHD, 2NHD, NH2D): whole planes (per K/V) at any ratio
-  with all the heads, one run per token (and K/V unless NH2D) with a partial
-  head slice: the heads interleave;
+  per block -- whole blocks;
+- H2ND or HN2D on both sides, ratio 1: one run -- a head slice is contiguous,
+  K and V with it;
+- ratio > 1, head-major layouts (H2ND, HN2D): one run per head (and K/V for
+  H2ND), ``Br`` tokens long;
+- the token-major layout (NH2D): whole blocks at any ratio with all the
+  heads, one run per token with a partial head slice: the heads interleave;
 - MLA: one run, its rows are tokens;
-- layouts that order rows differently: down to one run per row (HND from
-  HN2D: K and V alternate remotely and lie in two planes locally).
+- layouts that order rows differently: down to one run per row (H2ND from
+  HN2D: K and V alternate remotely and lie apart locally).
 
 Descriptors follow from runs and a side's ``KVRegions``. The remote list has
 one row per (layer, remote block, run), the local list one per (layer, local
@@ -74,7 +69,7 @@ class KVRegions:
     """Where an engine's registered KV caches lie, as a peer needs them to prepare reads.
 
     ``region_addrs`` holds one base address per (layer, plane) region, layer
-    by layer (K before V when they are apart); each region is ``num_blocks``
+    by layer (plane 0 first when a layer has two); each region is ``num_blocks``
     block planes of ``block_len_bytes``. Plain data: picklable, and cheap to
     send through a side channel.
     """
@@ -92,7 +87,7 @@ class KVRegions:
 
     @property
     def planes_per_layer(self) -> int:
-        """Regions per layer: 2 when K and V are apart, 1 when they share a plane (or MLA)."""
+        """Regions per layer: 1 for every layout vLLM 0.32 hands over, 2 for caches registered as two planes."""
         return len(self.region_addrs) // max(1, len(self.layer_names))
 
     def descriptors(self) -> np.ndarray:
@@ -145,16 +140,8 @@ def _row_positions(
     blocks, heads = topology.block_size, topology.num_heads
     one_plane = np.zeros_like(kv)
     match topology.layout:
-        case KVLayout.NHD:
-            return kv, (token * heads + head) * row_bytes
-        case KVLayout.HND:
-            return kv, (head * blocks + token) * row_bytes
         case KVLayout.H2ND:
             return one_plane, ((head * 2 + kv) * blocks + token) * row_bytes
-        case KVLayout.KV_NHD:
-            return one_plane, ((kv * blocks + token) * heads + head) * row_bytes
-        case KVLayout.KV_HND:
-            return one_plane, ((kv * heads + head) * blocks + token) * row_bytes
         case KVLayout.HN2D:
             return one_plane, ((head * blocks + token) * 2 + kv) * row_bytes
         case KVLayout.NH2D:

@@ -1,4 +1,4 @@
-"""Which of vLLM's KV cache layouts a cache tensor is: its ``KVLayout``, block size and planes per layer.
+"""Which of vLLM 0.32's KV cache layouts a cache tensor is: its ``KVLayout`` and block size.
 
 vLLM hands each layer's cache to the connector as a tensor; its shape and strides (and the device: the CPU
 backend keeps K and V apart within each head) tell the layout, which ``connectors.topology.KVTopology`` then
@@ -20,67 +20,54 @@ __all__ = ["describe_kv_cache"]
 
 def describe_kv_cache(
     cache: torch.Tensor, num_heads: int, head_dim: int, *, use_mla: bool = False, device_type: str | None = None
-) -> tuple[KVLayout, int, int]:
-    """``(layout, block_size, planes_per_layer)`` of one layer's vLLM KV cache tensor on this rank.
+) -> tuple[KVLayout, int]:
+    """``(layout, block_size)`` of one layer's vLLM KV cache tensor on this rank.
 
     ``num_heads`` counts the rank's KV heads and ``head_dim`` is vLLM's head
-    size (MLA's latent: kv_lora_rank + qk_rope_head_dim). What vLLM hands us:
+    size (MLA's latent: kv_lora_rank + qk_rope_head_dim). What vLLM 0.32 hands us:
 
-    - vLLM 0.32, every backend: ``[num_blocks, heads, block_size, 2 * head_dim]``,
-      whose strides say its KVCacheLayout. The shape does not say where K and V
-      are: GPU kernels take the two halves of the last dim (HN2D for LBHNC, NH2D
-      for LBNHC), the CPU backend the two halves of each head's ``2 * block_size``
+    - every backend: ``[num_blocks, heads, block_size, 2 * head_dim]``, whose
+      strides say its KVCacheLayout. The shape does not say where K and V are:
+      GPU kernels take the two halves of the last dim (HN2D for LBHNC, NH2D for
+      LBNHC), the CPU backend the two halves of each head's ``2 * block_size``
       rows (H2ND). So the device decides: ``device_type``, by default the cache's.
-    - older vLLM: FlashAttention's ``[2, num_blocks, block_size, heads, head_dim]``
-      (K and V planes apart, NHD or HND by strides) and FlashInfer's
-      ``[num_blocks, 2, block_size, heads, head_dim]`` (2NHD or 2HND by strides;
-      with 2 blocks it would read as FlashAttention's, but no engine has so few).
-    - MLA (``use_mla``): ``[num_blocks, 1, block_size, head_dim]`` in vLLM 0.32,
-      ``[num_blocks, block_size, head_dim]`` before.
+    - MLA (``use_mla``): ``[num_blocks, 1, block_size, head_dim]``.
 
-    Transports cut regions and blocks by address, so each block plane must be
-    dense and blocks outermost: ``ConnectorError`` names the layout otherwise
-    (vLLM's LHBNC, the cross-layer BLHNC, BLNHC, BHLNC), as for an unknown shape.
+    Any other shape (those of older vLLM among them) is refused with a
+    ``ConnectorError`` naming the shape expected. Transports cut blocks by
+    address, so each block must be dense and blocks outermost: ``ConnectorError``
+    names the layout otherwise (vLLM's LHBNC, the cross-layer BLHNC, BLNHC, BHLNC).
     """
     shape, device = tuple(cache.shape), device_type or cache.device.type
     if device not in ("cpu", "cuda"):
         raise ConnectorError(f"KV cache on device {device!r}: the pdserve connector reads caches on cpu or cuda")
-    # Each candidate: (layout, the cache's dims outermost first in memory); token_dim counts a block's tokens.
+    # Each candidate: (layout, the cache's dims outermost first in memory); dim 2 counts a block's tokens.
     candidates: tuple[tuple[KVLayout, tuple[int, ...]], ...] = ()
     if use_mla:
         if len(shape) == 4 and shape[1] == 1 and shape[3] == head_dim:
-            candidates, token_dim = ((KVLayout.MLA, (0, 1, 2, 3)),), 2
-        elif len(shape) == 3 and shape[2] == head_dim:
-            candidates, token_dim = ((KVLayout.MLA, (0, 1, 2)),), 1
+            candidates = ((KVLayout.MLA, (0, 1, 2, 3)),)
         held = f"an MLA latent of size {head_dim}"
-        expected = f"[num_blocks, 1, block_size, {head_dim}] or [num_blocks, block_size, {head_dim}]"
+        expected = f"[num_blocks, 1, block_size, {head_dim}] (vLLM 0.32)"
     else:
         if len(shape) == 4 and shape[1] == num_heads and shape[3] == 2 * head_dim:
             if device == "cpu":
                 candidates = ((KVLayout.H2ND, (0, 1, 2, 3)),)
             else:
                 candidates = ((KVLayout.HN2D, (0, 1, 2, 3)), (KVLayout.NH2D, (0, 2, 1, 3)))
-            token_dim = 2
-        elif len(shape) == 5 and shape[0] == 2 and shape[3] == num_heads and shape[4] == head_dim:
-            candidates, token_dim = ((KVLayout.NHD, (0, 1, 2, 3, 4)), (KVLayout.HND, (0, 1, 3, 2, 4))), 2
-        elif len(shape) == 5 and shape[0] == 2 and shape[2] == num_heads and shape[4] == head_dim:
-            candidates, token_dim = ((KVLayout.HND, (0, 1, 2, 3, 4)), (KVLayout.NHD, (0, 1, 3, 2, 4))), 3
-        elif len(shape) == 5 and shape[1] == 2 and shape[3] == num_heads and shape[4] == head_dim:
-            candidates, token_dim = ((KVLayout.KV_NHD, (0, 1, 2, 3, 4)), (KVLayout.KV_HND, (0, 1, 3, 2, 4))), 2
         held = f"{num_heads} KV heads of size {head_dim} on this rank"
         expected = (
-            "[num_blocks, heads, block_size, 2*head_dim] (vLLM 0.32), [2, num_blocks, block_size, heads, head_dim] "
-            "(FlashAttention) or [num_blocks, 2, block_size, heads, head_dim] (FlashInfer)"
+            f"[num_blocks, {num_heads}, block_size, {2 * head_dim}] "
+            "(vLLM 0.32's [num_blocks, heads, block_size, 2*head_dim])"
         )
     if not candidates:
         raise ConnectorError(f"unsupported KV cache shape {shape} for {held}; expected {expected}")
     for layout, memory_order in candidates:
         if _dense_in_order(cache, memory_order):
-            return layout, shape[token_dim], layout.planes_per_layer
+            return layout, shape[2]
     raise ConnectorError(
         f"unsupported KV cache layout: a cache {shape} with strides {cache.stride()} keeps {_misplaced(cache)}; "
         "the pdserve connector reads caches whose blocks are outermost and dense: vLLM's KV cache layouts LBHNC "
-        "and LBNHC (VLLM_KV_CACHE_LAYOUT; LBHNC on CPU), older vLLM's FlashAttention and FlashInfer caches"
+        "and LBNHC (VLLM_KV_CACHE_LAYOUT; LBHNC on CPU)"
     )
 
 

@@ -1,13 +1,12 @@
 """KV-cache topology of one engine rank, and the arithmetic that pairs a reader with a source.
 
 Every TP rank of an engine keeps, per layer, a paged KV cache holding the KV
-heads of its shard, ``block_size`` tokens per block. Per block, vLLM keeps K
-and V in two planes apart (``[2, num_blocks, ...]``, FlashAttention in older
-vLLM) or in one plane, whose dims ``KVLayout`` names outermost first:
-FlashInfer's in older vLLM, vLLM 0.32's on every GPU backend (K and V halves of
-a ``2 * head_dim`` last dim), vLLM's CPU cache (K then V per head), or MLA's
-one latent per token (no K/V split, the same on every TP rank: one KV head,
-replicated). ``KVTopology`` describes that for one rank.
+heads of its shard, ``block_size`` tokens per block. vLLM 0.32 keeps each
+block of a layer in one plane, whose dims ``KVLayout`` names outermost first:
+its GPU backends' (K and V halves of a ``2 * head_dim`` last dim), its CPU
+cache's (K then V per head), or MLA's one latent per token (no K/V split, the
+same on every TP rank: one KV head, replicated). ``KVTopology`` describes that
+for one rank.
 The reading side is called *local* (decode, in pull mode) and the side whose
 blocks are read *remote* (prefill). Before a local rank reads a request's KV:
 
@@ -58,8 +57,9 @@ __all__ = [
 # Bump when the rules of what can exchange KV change: peers on different
 # schemas then fail the hash check instead of misreading each other's blocks.
 # 2: H2ND (vLLM's CPU cache) and reads across TP and block sizes in the data path.
-# 4: FlashInfer's one-plane layouts (2NHD, 2HND), vLLM 0.32's GPU caches (HN2D, NH2D) and MLA.
-COMPATIBILITY_SCHEMA = 4
+# 4: vLLM 0.32's GPU caches (HN2D, NH2D) and MLA.
+# 5: only vLLM 0.32's layouts (H2ND, HN2D, NH2D, MLA); those of older vLLM are gone.
+COMPATIBILITY_SCHEMA = 5
 
 # Bytes per element of the KV cache dtypes we know; names as torch spells them
 # (``str(tensor.dtype)`` without the ``torch.`` prefix) or as vLLM's cache_dtype.
@@ -81,38 +81,29 @@ ELEMENT_SIZES: dict[str, int] = {
 
 
 class KVLayout(enum.StrEnum):
-    """Order of the dims inside one block plane (one block of one layer's K, V, or both), outermost first.
+    """Order of the dims inside one block plane (one block of one layer: its K and V, or latents), outermost first.
 
     ``N`` counts the block's tokens, ``H`` the rank's KV heads, ``D`` a head's
-    elements, ``2`` K then V. Python names cannot start with a digit: the member
-    of ``"2NHD"`` is ``KV_NHD``. Where each row lies: ``connectors.block_ranges``.
+    elements, ``2`` K then V. These are the layouts vLLM 0.32 hands the
+    connector. Where each row lies: ``connectors.block_ranges``.
     """
 
-    NHD = "NHD"  # K and V planes apart, each [block_size, num_heads, head_dim]: token-major
-    HND = "HND"  # K and V planes apart, each [num_heads, block_size, head_dim]: a head slice is contiguous
-    H2ND = "H2ND"  # one plane [num_heads, 2, block_size, head_dim]: vLLM's CPU cache
-    KV_NHD = "2NHD"  # one plane [2, block_size, num_heads, head_dim]: FlashInfer in older vLLM
-    KV_HND = "2HND"  # one plane [2, num_heads, block_size, head_dim]: FlashInfer with HND strides in older vLLM
-    HN2D = "HN2D"  # one plane [num_heads, block_size, 2 * head_dim]: vLLM 0.32 on GPU, KVCacheLayout.LBHNC
-    NH2D = "NH2D"  # one plane [block_size, num_heads, 2 * head_dim]: vLLM 0.32 on GPU, KVCacheLayout.LBNHC
-    MLA = "MLA"  # one plane [block_size, latent_dim]: one latent per token, no K/V (DeepSeek-style MLA)
+    H2ND = "H2ND"  # [num_heads, 2, block_size, head_dim]: vLLM's CPU cache, a head slice is contiguous
+    HN2D = "HN2D"  # [num_heads, block_size, 2 * head_dim]: vLLM 0.32 on GPU, KVCacheLayout.LBHNC: head-major
+    NH2D = "NH2D"  # [block_size, num_heads, 2 * head_dim]: vLLM 0.32 on GPU, KVCacheLayout.LBNHC: token-major
+    MLA = "MLA"  # [block_size, latent_dim]: one latent per token, no K/V (DeepSeek-style MLA)
 
     @property
     def kv_components(self) -> int:
         """Rows per (head, token): 2 (K and V), or 1 for MLA's latent."""
         return 1 if self is KVLayout.MLA else 2
 
-    @property
-    def planes_per_layer(self) -> int:
-        """Block planes per block and layer: 2 when K and V are apart (NHD, HND), 1 when a block is one plane."""
-        return 2 if self in (KVLayout.NHD, KVLayout.HND) else 1
-
 
 @dataclass(frozen=True, slots=True)
 class KVTopology:
     """One TP rank's KV cache geometry, as exchanged in the handshake.
 
-    ``layout`` and ``dtype`` accept plain strings (``"HND"``, ``"torch.bfloat16"``)
+    ``layout`` and ``dtype`` accept plain strings (``"HN2D"``, ``"torch.bfloat16"``)
     and are normalised; an inconsistent topology raises ``InvalidTopology``.
     An MLA cache counts as one KV head (``total_num_kv_heads`` 1), which every
     rank holds: vLLM replicates it, whatever the model's ``num_key_value_heads``.
@@ -177,13 +168,14 @@ class KVTopology:
 
     @property
     def planes_per_layer(self) -> int:
-        return self.layout.planes_per_layer
+        """Block planes per block and layer, as the transports count regions: 1, every layout keeps a block's
+        K and V (or its latents) in one plane."""
+        return 1
 
     @property
     def block_plane_bytes(self) -> int:
-        """Bytes of one block plane for one layer on this rank (K or V when apart; all its rows otherwise)."""
-        rows_per_token = self.kv_components // self.planes_per_layer * self.num_heads
-        return rows_per_token * self.block_size * self.head_dim * self.element_size
+        """Bytes of one block plane for one layer on this rank: all its rows, K and V (or the latent)."""
+        return self.kv_components * self.num_heads * self.block_size * self.head_dim * self.element_size
 
     def head_start(self, rank: int | None = None) -> int:
         """First global KV head held by ``rank`` (default: this rank)."""

@@ -116,8 +116,8 @@ class PdserveWorker:
         use_mla = bool(getattr(model_config, "use_mla", False))
         total_heads = 1 if use_mla else model_config.get_total_num_kv_heads()
         head_dim = model_config.get_head_size()
-        layout, block_size, planes = describe_kv_cache(first, max(1, total_heads // tp_size), head_dim, use_mla=use_mla)
-        tensor_blocks = first.shape[1] if planes == 2 else first.shape[0]
+        layout, block_size = describe_kv_cache(first, max(1, total_heads // tp_size), head_dim, use_mla=use_mla)
+        tensor_blocks = first.shape[0]  # blocks outermost, as describe_kv_cache checked
         # vLLM's block ids are logical; a kernel may cut each into several physical blocks.
         logical_blocks = self._kv_cache_config.num_blocks
         if logical_blocks and tensor_blocks % logical_blocks == 0:
@@ -137,7 +137,7 @@ class PdserveWorker:
             self.engine_id, self.settings.transports, self.settings.transfer_timeout_s, self._transport_factory
         )
         regions = self._transport.register_kv_caches(
-            kv_caches, self._topology.block_plane_bytes, planes_per_layer=planes
+            kv_caches, self._topology.block_plane_bytes, planes_per_layer=self._topology.planes_per_layer
         )
         response = HandshakeResponse(
             engine_id=self.engine_id,

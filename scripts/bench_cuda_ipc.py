@@ -1,11 +1,11 @@
 """KV reads by CUDA IPC between two processes on one GPU, against a same-process device copy and NIXL over VRAM.
 
-A spawned *source* process fills FlashAttention-layout caches (``--layers`` x
-``[2, --blocks, --block-size, --heads, --head-dim]`` bf16 on ``cuda:0``) from a
-seed and registers them with ``CudaIpcTransport`` (and ``NixlKVTransport``
-when NIXL imports). This process registers caches of its own and, for each
-size in ``--sizes-mib``, reads that many bytes of randomly chosen source
-blocks into other random local blocks:
+A spawned *source* process fills caches in vLLM 0.32's GPU layout HN2D
+(``--layers`` x ``[--blocks, heads, block_size, 2 * head_dim]`` bf16 on
+``cuda:0``, one plane per block and layer) from a seed and registers them with
+``CudaIpcTransport`` (and ``NixlKVTransport`` when NIXL imports). This process
+registers caches of its own and, for each size in ``--sizes-mib``, reads that
+many bytes of randomly chosen source blocks into other random local blocks:
 
 * ``cuda-ipc (triton)``: ``read_blocks`` + ``wait``, the one-launch gather;
 * ``cuda-ipc (torch)``: the same with the stock gather (one ``index_copy_`` per pair of regions);
@@ -131,10 +131,10 @@ def same_process_gather(
     from connectors.transport.gather import TritonGather, run_table
 
     src = caches(geometry, SOURCE_SEED)
-    src_regions = cache_regions(src, geometry.plane_bytes, 2, "bench")
-    dst_regions = cache_regions(local, geometry.plane_bytes, 2, "bench")
+    src_regions = cache_regions(src, geometry.plane_bytes, 1, "bench")
+    dst_regions = cache_regions(local, geometry.plane_bytes, 1, "bench")
     table = run_table(
-        whole_plane_ranges(2, geometry.plane_bytes),
+        whole_plane_ranges(1, geometry.plane_bytes),
         dst_regions,
         src_regions,
         np.asarray(dst_regions.region_addrs, dtype=np.int64),
@@ -162,7 +162,7 @@ def sweep(source: Source, local: dict[str, torch.Tensor], geometry: Geometry, si
     results = []
     for chunk, warps, hints in SWEEP:
         transport = CudaIpcTransport("decode-sweep", copy="triton", triton_chunk=chunk, triton_warps=warps)
-        transport.register_kv_caches(local, geometry.plane_bytes, planes_per_layer=2)
+        transport.register_kv_caches(local, geometry.plane_bytes, planes_per_layer=1)
         transport.add_peer("prefill", payload, regions)
         transport.read_blocks("prefill", [0], [0]).wait()
         transport._gather.hints &= hints  # noqa: SLF001 - a benchmark's choice of the kernel's variant
@@ -205,7 +205,7 @@ def measure(
         if with_nixl:
             readers["nixl"] = make_transport(NIXL, "decode-nixl", 120.0)
         for way, transport in readers.items():
-            transport.register_kv_caches(local, geometry.plane_bytes, planes_per_layer=2)
+            transport.register_kv_caches(local, geometry.plane_bytes, planes_per_layer=1)
             payload, regions = source.offers[NIXL if way == "nixl" else CUDA_IPC]
             transport.add_peer("prefill", payload, regions)
         for size_mib in sizes_mib:

@@ -46,7 +46,7 @@ from contract.auth import SECRET_ENV, KVAuth  # noqa: E402
 def serve(port: int) -> None:
     """The server process: a side channel on ``port``; ``stats`` on stdin prints its counters, EOF ends it."""
     topology = KVTopology(
-        tp_size=1, tp_rank=0, total_num_kv_heads=4, block_size=16, layout="HND", head_dim=64,
+        tp_size=1, tp_rank=0, total_num_kv_heads=4, block_size=16, layout="HN2D", head_dim=64,
         dtype="torch.bfloat16", num_layers=2,
     )  # fmt: skip
     channel = SideChannelServer("flood-target", "127.0.0.1", port, topology, b"{}", KVAuth.from_env())

@@ -1,6 +1,7 @@
-"""KV caches on one GPU for the CUDA IPC bench and GPU tests: a spawned *source* process fills FlashAttention-layout
-caches from a seed and serves them over the transports named; block ids of a given size, picked at random; and a
-byte-for-byte check of blocks read against the source's content, regenerated from the seed."""
+"""KV caches on one GPU for the CUDA IPC bench and GPU tests: a spawned *source* process fills caches in vLLM 0.32's
+GPU layout HN2D (each layer ``[blocks, heads, block_size, 2 * head_dim]`` bf16, one plane per block) from a seed
+and serves them over the transports named; block ids of a given size, picked at random; and a byte-for-byte check
+of blocks read against the source's content, regenerated from the seed."""
 
 from __future__ import annotations
 
@@ -29,16 +30,18 @@ class Geometry:
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return (2, self.blocks, self.block_size, self.heads, self.head_dim)
+        """One layer's cache, HN2D (vLLM 0.32 on GPU, LBHNC): blocks outermost, K and V the halves of the last dim."""
+        return (self.blocks, self.heads, self.block_size, 2 * self.head_dim)
 
     @property
     def plane_bytes(self) -> int:
-        return self.block_size * self.heads * self.head_dim * 2  # bf16
+        """Bytes of one block of one layer, K and V: its one plane."""
+        return self.heads * self.block_size * 2 * self.head_dim * 2  # bf16
 
     @property
     def block_bytes(self) -> int:
         """Bytes of one block, every layer, K and V: what a read moves per block."""
-        return 2 * self.layers * self.plane_bytes
+        return self.layers * self.plane_bytes
 
 
 def layer_cache(geometry: Geometry, layer: int, seed: int | None) -> torch.Tensor:
@@ -60,7 +63,7 @@ def run_source(conn, geometry: Geometry, names: tuple[str, ...]) -> None:
     served = {}
     for name in names:
         transport = make_transport(name, f"prefill-{name}", 60.0)
-        transport.register_kv_caches(source, geometry.plane_bytes, planes_per_layer=2)
+        transport.register_kv_caches(source, geometry.plane_bytes, planes_per_layer=1)
         served[name] = transport
     conn.send({name: (t.handshake_payload(), t.kv_regions()) for name, t in served.items()})
     while not (conn.poll(0.01) and conn.recv() == "stop"):
@@ -118,8 +121,8 @@ def check_blocks(
     local_index = torch.tensor(local_ids, device="cuda")
     remote_index = torch.tensor(remote_ids, device="cuda")
     for layer, (name, cache) in enumerate(local.items()):
-        expected = layer_cache(geometry, layer, SOURCE_SEED).index_select(1, remote_index)
-        if not torch.equal(cache.index_select(1, local_index).view(torch.int16), expected.view(torch.int16)):
+        expected = layer_cache(geometry, layer, SOURCE_SEED).index_select(0, remote_index)
+        if not torch.equal(cache.index_select(0, local_index).view(torch.int16), expected.view(torch.int16)):
             wrong.append(name)
         del expected
     return wrong

@@ -7,20 +7,16 @@ compare with what these helpers say the reading rank's cache must hold.
 
 A cache is allocated in memory order (``cache_shape``); ``vllm_view`` is the
 tensor vLLM hands the connector for it, and the tokens are read from that as
-vLLM's attention backends read them (``_token_view``). Layouts, one layer's
-cache in memory order, and what vLLM hands:
+vLLM's attention backends read them (``_token_view``). vLLM 0.32's layouts, one
+layer's cache in memory order, and what vLLM hands:
 
-- ``NHD``:  ``[2, num_blocks, block_size, heads, head_dim]``: FlashAttention, older vLLM
-- ``HND``:  ``[2, num_blocks, heads, block_size, head_dim]``, handed as ``[2, num_blocks, block_size, heads, head_dim]``
 - ``H2ND``: ``[num_blocks, heads, block_size, 2 * head_dim]``, vLLM's CPU cache: per
   block and head, the K rows of every token, then the V rows.
-- ``2NHD``: ``[num_blocks, 2, block_size, heads, head_dim]``: FlashInfer, older vLLM
-- ``2HND``: ``[num_blocks, 2, heads, block_size, head_dim]``, handed as ``[num_blocks, 2, block_size, heads, head_dim]``
 - ``HN2D``: ``[num_blocks, heads, block_size, 2 * head_dim]``: vLLM 0.32 on GPU (LBHNC), K and V the
   halves of the last dim
 - ``NH2D``: ``[num_blocks, block_size, heads, 2 * head_dim]`` (LBNHC), handed as ``[num_blocks, heads, block_size,
   2 * head_dim]``
-- ``MLA``:  ``[num_blocks, block_size, latent]``, handed by vLLM 0.32 as ``[num_blocks, 1, block_size, latent]``
+- ``MLA``:  ``[num_blocks, 1, block_size, latent]``: one latent per token, in one head slot
 """
 
 from __future__ import annotations
@@ -41,36 +37,24 @@ def rank_heads(tp_size: int, rank: int, total_heads: int) -> list[int]:
 def cache_shape(layout: str, num_blocks: int, block_size: int, heads: int, head_dim: int) -> tuple[int, ...]:
     """One layer's cache in memory order."""
     shapes = {
-        "NHD": (2, num_blocks, block_size, heads, head_dim),
-        "HND": (2, num_blocks, heads, block_size, head_dim),
         "H2ND": (num_blocks, heads, block_size, 2 * head_dim),
-        "2NHD": (num_blocks, 2, block_size, heads, head_dim),
-        "2HND": (num_blocks, 2, heads, block_size, head_dim),
         "HN2D": (num_blocks, heads, block_size, 2 * head_dim),
         "NH2D": (num_blocks, block_size, heads, 2 * head_dim),
-        "MLA": (num_blocks, block_size, head_dim),
+        "MLA": (num_blocks, 1, block_size, head_dim),
     }
     return shapes[layout]
 
 
 def vllm_view(cache: torch.Tensor, layout: str) -> torch.Tensor:
     """The tensor vLLM hands the connector for ``cache`` (allocated as ``cache_shape`` says): a view."""
-    if layout in ("HND", "2HND"):
-        return cache.transpose(2, 3)  # [..., block_size, heads, head_dim] with HND strides
     if layout == "NH2D":
         return cache.transpose(1, 2)  # [num_blocks, heads, block_size, 2 * head_dim] with LBNHC strides
-    if layout == "MLA":
-        return cache.unsqueeze(1)  # one head slot
     return cache
 
 
 def _token_view(cache: torch.Tensor, layout: str, head_dim: int) -> torch.Tensor:
     """``cache`` as ``[kv, num_blocks, block_size, heads, head_dim]``; a view: writes reach ``cache``."""
     handed = vllm_view(cache, layout)
-    if layout in ("NHD", "HND"):
-        return handed
-    if layout in ("2NHD", "2HND"):
-        return handed.transpose(0, 1)
     if layout == "H2ND":
         # vLLM's CPU backend: per (block, head), [2 * block_size, head_dim] rows, chunked in two: K's first
         num_blocks, heads, block_size, _ = handed.shape

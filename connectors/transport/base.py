@@ -139,11 +139,11 @@ def cache_regions(
 ) -> KVRegions:
     """The block-plane regions of ``caches`` (one tensor per layer), checked to be cut by address.
 
-    A cache is ``[2, num_blocks, ...]`` (K and V planes apart) or
-    ``[num_blocks, ...]`` (one plane per block: vLLM's CPU cache, MLA), dense
+    A cache is ``[num_blocks, ...]`` (one plane per block: every layout vLLM
+    0.32 hands over) or ``[2, num_blocks, ...]`` (two planes per block), dense
     in memory, on CPU or one CUDA device; every layer has the same shape.
-    ``planes_per_layer`` (2 or 1) says which; by default a leading dim of 2
-    means K and V apart. ``TransportError`` naming the layer otherwise.
+    ``planes_per_layer`` (1 or 2) says which; by default a leading dim of 2
+    means two planes. ``TransportError`` naming the layer otherwise.
     """
     if not caches or block_len_bytes <= 0:
         raise TransportError(f"engine {owner}: need >= 1 cache and block_len_bytes > 0")
@@ -219,7 +219,8 @@ def checked_ranges(peer: str, local: KVRegions, regions: KVRegions, ranges: Plan
 def _is_dense(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` covers exactly ``numel`` elements from its data pointer: contiguous in some dim order.
 
-    vLLM hands GPU caches as permuted views of contiguous memory (an HND cache seen as NHD).
+    vLLM hands GPU caches as permuted views of contiguous memory (an NH2D cache seen as
+    ``[num_blocks, heads, block_size, 2 * head_dim]``).
     """
     dims = sorted((stride, size) for stride, size in zip(tensor.stride(), tensor.shape, strict=True) if size > 1)
     expected = 1

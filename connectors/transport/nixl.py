@@ -72,8 +72,8 @@ __all__ = ["KVRead", "KVRegions", "NixlKVTransport", "TransferState"]
 logger = logging.getLogger(__name__)
 
 DEFAULT_TRANSFER_TIMEOUT_S = 30.0
-# Upper bound on one prepared descriptor list. NHD caches read by head slice
-# need one run per token (or per token and head across layouts): this fails
+# Upper bound on one prepared descriptor list. Token-major (NH2D) caches read
+# by head slice need one run per token (or per row across layouts): this fails
 # add_peer with a clear reason instead of preparing gigabytes of descriptors.
 DEFAULT_MAX_DESCRIPTORS = 1 << 24
 # How often NIXL's progress thread wakes when no UCX event woke it (NIXL rounds up to whole ms).
@@ -287,11 +287,11 @@ class NixlKVTransport:
     ) -> KVRegions:
         """Register every layer's cache; returns ``kv_regions()``.
 
-        A cache is ``[2, num_blocks, ...]`` (K and V planes apart) or
-        ``[num_blocks, ...]`` (one plane per block: vLLM's CPU cache, MLA),
-        dense in memory, on CPU or one CUDA device; every layer has the same
-        shape. ``planes_per_layer`` (2 or 1) says which; by default a leading
-        dim of 2 means K and V apart.
+        A cache is ``[num_blocks, ...]`` (one plane per block: every layout
+        vLLM 0.32 hands over) or ``[2, num_blocks, ...]`` (two planes per
+        block), dense in memory, on CPU or one CUDA device; every layer has the
+        same shape. ``planes_per_layer`` (1 or 2) says which; by default a
+        leading dim of 2 means two planes.
         """
         if self._regions is not None:
             raise TransportError(f"engine {self.engine_id}: KV caches are already registered")
@@ -384,7 +384,8 @@ class NixlKVTransport:
         }
         problems = [
             f"{count} {side} descriptors exceed the limit of {self.max_descriptors} "
-            f"({ranges.num_runs} runs per block and layer: an NHD cache read by head slice; prefer HND)"
+            f"({ranges.num_runs} runs per block and layer: a token-major NH2D cache read by head slice; "
+            "prefer HN2D)"
             for side, count in counts.items()
             if count > self.max_descriptors
         ]

@@ -1,10 +1,10 @@
 """CudaIpcTransport between two processes on one GPU: every byte of scattered blocks lands where it should.
 
-The source process of ``testlib/cuda_ipc_blocks.py`` (FlashAttention-layout
-caches filled from a seed) serves; this process maps its caches and reads
-64 and 256 MiB of scattered blocks with each gather, then a head slice into
-caches of another layout (a decode rank of TP 2 reading a prefill of TP 1),
-and compares with the source's content regenerated from the seed.
+The source process of ``testlib/cuda_ipc_blocks.py`` (caches in vLLM 0.32's
+GPU layout HN2D, filled from a seed) serves; this process maps its caches and
+reads 64 and 256 MiB of scattered blocks with each gather, then a head slice
+into caches of another layout (an NH2D decode rank of TP 2 reading a prefill of
+TP 1), and compares with the source's content regenerated from the seed.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def source() -> Iterator[bench.Source]:
 
 def reader(source: bench.Source, copy: str, caches: dict[str, torch.Tensor], ranges=None) -> CudaIpcTransport:
     transport = CudaIpcTransport("decode-0", copy=copy)
-    transport.register_kv_caches(caches, next(iter(caches.values()))[0, 0].nbytes, planes_per_layer=2)
+    transport.register_kv_caches(caches, next(iter(caches.values()))[0].nbytes, planes_per_layer=1)
     payload, regions = source.offers[CUDA_IPC]
     assert transport.cannot_read(payload) is None
     transport.add_peer("prefill/rank0", payload, regions, ranges)
@@ -57,29 +57,32 @@ def test_scattered_blocks_arrive_byte_for_byte(source: bench.Source, copy: str, 
     assert read.num_bytes == len(local_ids) * GEOMETRY.block_bytes == size_mib << 20
     assert bench.check_blocks(GEOMETRY, local, local_ids, remote_ids) == []
     untouched = sorted(set(range(GEOMETRY.blocks)) - set(local_ids))[:64]
-    assert all(cache[:, untouched].count_nonzero() == 0 for cache in local.values())
+    assert all(cache[untouched].count_nonzero() == 0 for cache in local.values())
     transport.close()
 
 
 @pytest.mark.parametrize("copy", ["triton", "torch"])
 def test_a_head_slice_lands_in_another_layout(source: bench.Source, copy: str):
-    """Decode rank 1 of TP 2, HND, reads heads 4-7 of the TP 1 NHD source: one run per token and head."""
+    """Decode rank 1 of TP 2, NH2D (token-major), reads heads 4-7 of the TP 1 HN2D (head-major) source: one run
+    per token and head, K and V of the head together."""
     g = GEOMETRY
     topology = dict(total_num_kv_heads=g.heads, block_size=g.block_size, head_dim=g.head_dim, dtype="bfloat16")
-    remote = KVTopology(tp_size=1, tp_rank=0, layout="NHD", num_layers=g.layers, **topology)
-    local = KVTopology(tp_size=2, tp_rank=1, layout="HND", num_layers=g.layers, **topology)
-    hnd = {  # memory [2, blocks, heads, block_size, head_dim]
+    remote = KVTopology(tp_size=1, tp_rank=0, layout="HN2D", num_layers=g.layers, **topology)
+    local = KVTopology(tp_size=2, tp_rank=1, layout="NH2D", num_layers=g.layers, **topology)
+    ranges = plan_peer_ranges(local, remote)
+    assert ranges.num_runs == g.block_size * g.heads // 2
+    nh2d = {  # memory [blocks, block_size, heads, 2 * head_dim], handed as vLLM does: [blocks, heads, block_size, 2D]
         f"layer.{i}": torch.zeros(
-            2, g.blocks, g.heads // 2, g.block_size, g.head_dim, dtype=torch.bfloat16, device="cuda"
-        )
+            g.blocks, g.block_size, g.heads // 2, 2 * g.head_dim, dtype=torch.bfloat16, device="cuda"
+        ).transpose(1, 2)
         for i in range(g.layers)
     }
-    transport = reader(source, copy, hnd, plan_peer_ranges(local, remote))
+    transport = reader(source, copy, nh2d, ranges)
     local_ids, remote_ids = bench.pick_blocks(g, 16, seed=3)
     assert transport.read_blocks("prefill/rank0", local_ids, remote_ids).wait() is TransferState.DONE
-    for layer, cache in enumerate(hnd.values()):
-        expected = bench.layer_cache(g, layer, bench.SOURCE_SEED)[:, remote_ids][:, :, :, g.heads // 2 :]
-        got = cache[:, local_ids].transpose(2, 3)
+    for layer, cache in enumerate(nh2d.values()):
+        expected = bench.layer_cache(g, layer, bench.SOURCE_SEED)[remote_ids][:, g.heads // 2 :]
+        got = cache[local_ids]  # [blocks, heads, block_size, 2D] on both sides
         assert torch.equal(got.view(torch.int16), expected.view(torch.int16)), layer
     transport.close()
 
@@ -87,7 +90,7 @@ def test_a_head_slice_lands_in_another_layout(source: bench.Source, copy: str):
 def test_a_region_outside_the_export_is_refused(source: bench.Source):
     local = bench.caches(bench.Geometry(layers=GEOMETRY.layers, blocks=4), None)
     transport = CudaIpcTransport("decode-0")
-    transport.register_kv_caches(local, GEOMETRY.plane_bytes, planes_per_layer=2)
+    transport.register_kv_caches(local, GEOMETRY.plane_bytes, planes_per_layer=1)
     payload, regions = source.offers[CUDA_IPC]
     shifted = type(regions)(
         regions.layer_names,
@@ -114,4 +117,4 @@ def test_a_removed_peer_is_unmapped(source: bench.Source):
 def plan_peer_ranges_whole(regions):
     from connectors.block_ranges import whole_plane_ranges
 
-    return whole_plane_ranges(2, regions.block_len_bytes)
+    return whole_plane_ranges(1, regions.block_len_bytes)

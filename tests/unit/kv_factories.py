@@ -12,7 +12,7 @@ BASE_FIELDS: dict[str, Any] = {
     "tp_rank": 0,
     "total_num_kv_heads": 4,
     "block_size": 16,
-    "layout": "NHD",
+    "layout": "HN2D",
     "head_dim": 4,
     "dtype": "bfloat16",
     "num_layers": 2,

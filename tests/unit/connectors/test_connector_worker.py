@@ -455,19 +455,20 @@ def test_a_prefill_that_offers_no_transport_we_have_fails_the_load_as_incompatib
 
 
 @pytest.mark.parametrize(
-    ("shape", "permute", "expected"),
+    ("memory", "permute", "device", "expected"),
     [
-        ((10, 2, 16, 2 * HEAD_DIM), None, (KVLayout.H2ND, 16, 1)),  # vLLM's CPU cache
-        ((2, 10, 16, 2, HEAD_DIM), None, (KVLayout.NHD, 16, 2)),
-        ((2, 10, 2, 16, HEAD_DIM), (0, 1, 3, 2, 4), (KVLayout.HND, 16, 2)),  # HND memory seen as NHD
-        ((2, 10, 2, 16, HEAD_DIM), None, (KVLayout.HND, 16, 2)),
+        ((10, 2, 16, 2 * HEAD_DIM), None, "cpu", (KVLayout.H2ND, 16)),  # vLLM's CPU cache
+        ((10, 2, 16, 2 * HEAD_DIM), None, "cuda", (KVLayout.HN2D, 16)),  # LBHNC
+        ((10, 16, 2, 2 * HEAD_DIM), (0, 2, 1, 3), "cuda", (KVLayout.NH2D, 16)),  # LBNHC memory, handed as LBHNC
     ],
 )
-def test_describe_kv_cache(shape: tuple[int, ...], permute: tuple[int, ...] | None, expected: tuple) -> None:
-    cache = torch.zeros(shape)
+def test_describe_kv_cache(
+    memory: tuple[int, ...], permute: tuple[int, ...] | None, device: str, expected: tuple
+) -> None:
+    cache = torch.zeros(memory)
     if permute is not None:
         cache = cache.permute(*permute)
-    assert describe_kv_cache(cache, 2, HEAD_DIM) == expected
+    assert describe_kv_cache(cache, 2, HEAD_DIM, device_type=device) == expected
 
 
 def test_describe_kv_cache_refuses_other_shapes() -> None:
@@ -477,17 +478,45 @@ def test_describe_kv_cache_refuses_other_shapes() -> None:
         describe_kv_cache(torch.zeros(10, 1, 16, 2 * HEAD_DIM), 1, HEAD_DIM, use_mla=True)
 
 
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize(
+    "shape",
+    [
+        (2, 10, 16, 2, HEAD_DIM),  # K and V planes apart, [2, num_blocks, block_size, heads, head_dim] (older vLLM)
+        (10, 2, 16, 2, HEAD_DIM),  # [num_blocks, 2, block_size, heads, head_dim] (older vLLM)
+    ],
+)
+def test_describe_kv_cache_refuses_the_caches_of_older_vllm_naming_the_shape_expected(
+    shape: tuple[int, ...], device: str
+) -> None:
+    with pytest.raises(ConnectorError) as info:
+        describe_kv_cache(torch.zeros(shape), 2, HEAD_DIM, device_type=device)
+    assert str(info.value) == (
+        f"unsupported KV cache shape {shape} for 2 KV heads of size {HEAD_DIM} on this rank; expected "
+        f"[num_blocks, 2, block_size, {2 * HEAD_DIM}] (vLLM 0.32's [num_blocks, heads, block_size, 2*head_dim])"
+    )
+
+
+def test_describe_kv_cache_refuses_older_mla_caches() -> None:
+    with pytest.raises(ConnectorError) as info:
+        describe_kv_cache(torch.zeros(10, 16, HEAD_DIM), 1, HEAD_DIM, use_mla=True)
+    assert str(info.value) == (
+        f"unsupported KV cache shape (10, 16, {HEAD_DIM}) for an MLA latent of size {HEAD_DIM}; expected "
+        f"[num_blocks, 1, block_size, {HEAD_DIM}] (vLLM 0.32)"
+    )
+
+
 @pytest.mark.parametrize("layout", list(KVLayout))
 def test_describe_kv_cache_reads_each_layout_as_vllm_hands_it(layout: KVLayout) -> None:
-    # On GPU, vLLM 0.32 hands [num_blocks, heads, block_size, 2 * head_dim] views and FlashInfer (older vLLM)
-    # [num_blocks, 2, block_size, heads, head_dim]; HND memory order shows only in the strides.
+    # vLLM 0.32 hands [num_blocks, heads, block_size, 2 * head_dim] views (MLA: [num_blocks, 1, block_size,
+    # latent]); NH2D (LBNHC) memory order shows only in the strides, H2ND only in the device.
     heads = 1 if layout is KVLayout.MLA else 2
     cache = torch.zeros(cache_shape(layout, 10, 16, heads, HEAD_DIM), dtype=torch.float16)
     handed = vllm_view(cache, layout)
     device = "cpu" if layout is KVLayout.H2ND else "cuda"
     described = describe_kv_cache(handed, heads, HEAD_DIM, use_mla=layout is KVLayout.MLA, device_type=device)
     topology = KVTopology(1, 0, heads, 16, layout, HEAD_DIM, "float16", 1)
-    assert described == (layout, 16, topology.planes_per_layer)
+    assert described == (layout, 16)
     # ... and the transports cut that tensor into the topology's block planes.
     regions = cache_regions({"layer.0": handed}, topology.block_plane_bytes, topology.planes_per_layer, "engine")
     assert regions.num_blocks == 10
@@ -501,15 +530,11 @@ def test_an_mla_engine_counts_its_latent_as_one_head_on_every_rank(make_worker: 
     assert topology.block_plane_bytes == 32 * HEAD_DIM * 2  # one bf16 latent per token
 
 
-def test_describe_kv_cache_reads_older_mla_caches() -> None:
-    assert describe_kv_cache(torch.zeros(10, 16, HEAD_DIM), 1, HEAD_DIM, use_mla=True) == (KVLayout.MLA, 16, 1)
-
-
 def test_the_device_decides_where_k_and_v_are_in_vllm_032_caches() -> None:
     # One shape, two splits: the CPU backend's halves of each head's rows, GPU kernels' halves of the last dim.
     cache = torch.zeros(10, 2, 16, 2 * HEAD_DIM)
-    assert describe_kv_cache(cache, 2, HEAD_DIM) == (KVLayout.H2ND, 16, 1)
-    assert describe_kv_cache(cache, 2, HEAD_DIM, device_type="cuda") == (KVLayout.HN2D, 16, 1)
+    assert describe_kv_cache(cache, 2, HEAD_DIM) == (KVLayout.H2ND, 16)
+    assert describe_kv_cache(cache, 2, HEAD_DIM, device_type="cuda") == (KVLayout.HN2D, 16)
     with pytest.raises(ConnectorError, match="KV cache on device 'xpu': the pdserve connector reads caches on cpu"):
         describe_kv_cache(cache, 2, HEAD_DIM, device_type="xpu")
 

@@ -3,8 +3,8 @@
 The moves of a read (``plan_moves``) and the stock gather (``copy_moves_torch``)
 run here on CPU tensors: for every layout pair and TP split they must land
 exactly the bytes the in-memory transport lands (the NIXL descriptors, which
-``test_block_ranges`` checks against the torch reference), and for the
-FlashAttention layout exactly the reference's tokens. The mapping itself and
+``test_block_ranges`` checks against the torch reference), and for vLLM
+0.32's head-major GPU layout (HN2D) exactly the reference's tokens. The mapping itself and
 the Triton gather need a GPU: ``tests/gpu/test_cuda_ipc.py``.
 """
 
@@ -101,7 +101,7 @@ def test_without_a_gpu_cuda_ipc_cannot_read_and_stands_aside():
     assert "not visible" in transport.cannot_read(payload())
     assert "JSON" in transport.cannot_read(b"junk")
     with pytest.raises(TransportError, match="CUDA caches only"):
-        transport.register_kv_caches({"layer.0": torch.zeros(2, 4, 16)}, 64)
+        transport.register_kv_caches({"layer.0": torch.zeros(4, 16)}, 64, planes_per_layer=1)
     with pytest.raises(TransportError, match="copy must be"):
         CudaIpcTransport("decode-0", copy="memcpy")
 
@@ -119,8 +119,8 @@ def test_cuda_ipc_is_preferred_on_one_node_and_nixl_between_nodes():
 
 def test_a_worker_on_cpu_caches_serves_what_can_serve_them():
     transports = WorkerTransports("prefill-0", (CUDA_IPC, IN_MEMORY))
-    caches = {f"layer.{i}": torch.zeros(2, 4, 16) for i in range(2)}
-    transports.register_kv_caches(caches, 64, planes_per_layer=2)
+    caches = {f"layer.{i}": torch.zeros(4, 16) for i in range(2)}  # 4 blocks of 64 bytes
+    transports.register_kv_caches(caches, 64, planes_per_layer=1)
     assert transports.names == (IN_MEMORY,)
     assert set(transports.payloads()) == {IN_MEMORY}
     with pytest.raises(TransportError, match="not serving"):
@@ -130,7 +130,7 @@ def test_a_worker_on_cpu_caches_serves_what_can_serve_them():
     with pytest.raises(
         TransportError, match="no KV transport can serve its caches: cuda-ipc: CUDA IPC moves CUDA caches only"
     ):
-        alone.register_kv_caches(caches, 64, planes_per_layer=2)
+        alone.register_kv_caches(caches, 64, planes_per_layer=1)
 
 
 # ---------------------------------------------------------------- the moves
@@ -160,11 +160,12 @@ def layer_caches(layout: str, heads: int, block_size: int, seed: int | None) -> 
 
 CASES = [
     # (local layout, remote layout, local TP, remote TP, heads, local block size, remote block size)
-    ("NHD", "NHD", 1, 1, 4, 16, 16),
-    ("NHD", "HND", 2, 1, 4, 16, 16),
-    ("HND", "NHD", 1, 2, 4, 16, 8),
-    ("H2ND", "NHD", 2, 4, 4, 16, 16),
-    ("NHD", "H2ND", 4, 2, 2, 16, 8),
+    ("NH2D", "NH2D", 1, 1, 4, 16, 16),
+    ("NH2D", "HN2D", 2, 1, 4, 16, 16),
+    ("HN2D", "NH2D", 1, 2, 4, 16, 8),
+    ("HN2D", "HN2D", 2, 1, 4, 16, 8),
+    ("H2ND", "NH2D", 2, 4, 4, 16, 16),
+    ("NH2D", "H2ND", 4, 2, 2, 16, 8),
 ]
 
 
@@ -207,29 +208,30 @@ def test_the_stock_gather_lands_the_bytes_the_descriptor_transport_lands(
         assert by_gather[name].abs().sum() > 0
 
 
-def test_a_flashattention_read_lands_the_reference_tokens():
-    """Two prefill ranks of 2 heads each into one decode rank of 4: the reference says where every token goes."""
+def test_a_head_major_read_lands_the_reference_tokens():
+    """Two prefill ranks of 2 heads each into one decode rank of 4, HN2D (vLLM 0.32 on GPU, LBHNC) on both sides:
+    the reference says where every token goes."""
     heads, block_size = 4, 16
-    local = make_topology(tp_size=1, total_num_kv_heads=heads, block_size=block_size)
-    decode = layer_caches("NHD", heads, block_size, seed=None)
-    local_regions, dst = cpu_views(decode, 2, local.block_plane_bytes)
+    local = make_topology(tp_size=1, total_num_kv_heads=heads, block_size=block_size, layout="HN2D")
+    decode = layer_caches("HN2D", heads, block_size, seed=None)
+    local_regions, dst = cpu_views(decode, 1, local.block_plane_bytes)
     tokens = torch.randn(NUM_LAYERS, 2, 2 * block_size, heads, HEAD_DIM, generator=torch.Generator().manual_seed(3))
     for rank in range(2):
-        remote = make_topology(tp_size=2, tp_rank=rank, total_num_kv_heads=heads, block_size=block_size)
-        prefill = layer_caches("NHD", 2, block_size, seed=None)
+        remote = make_topology(tp_size=2, tp_rank=rank, total_num_kv_heads=heads, block_size=block_size, layout="HN2D")
+        prefill = layer_caches("HN2D", 2, block_size, seed=None)
         for layer, cache in enumerate(prefill.values()):
-            write_tokens(cache, "NHD", [6, 8], tokens[layer][:, :, rank_heads(2, rank, heads)])
-        remote_regions, src = cpu_views(prefill, 2, remote.block_plane_bytes)
+            write_tokens(cache, "HN2D", [6, 8], tokens[layer][:, :, rank_heads(2, rank, heads)])
+        remote_regions, src = cpu_views(prefill, 1, remote.block_plane_bytes)
         moves = plan_moves(plan_peer_ranges(local, remote), local_regions, remote_regions, [3, 10], [6, 8])
         copy_moves_torch(moves, src, dst)
     for layer, cache in enumerate(decode.values()):
-        assert torch.equal(read_tokens(cache, "NHD", [3, 10], HEAD_DIM), tokens[layer])
+        assert torch.equal(read_tokens(cache, "HN2D", [3, 10], HEAD_DIM), tokens[layer])
 
 
 def test_moves_refuse_block_ids_outside_either_cache():
-    topology = make_topology()
-    caches = layer_caches("NHD", 4, 16, seed=None)
-    regions, _ = cpu_views(caches, 2, topology.block_plane_bytes)
+    topology = make_topology(layout="HN2D")
+    caches = layer_caches("HN2D", 4, 16, seed=None)
+    regions, _ = cpu_views(caches, 1, topology.block_plane_bytes)
     ranges = plan_peer_ranges(topology, topology)
     with pytest.raises(BlockMappingError, match="remote block ids"):
         plan_moves(ranges, regions, regions, [0], [NUM_BLOCKS])
@@ -238,14 +240,14 @@ def test_moves_refuse_block_ids_outside_either_cache():
 
 
 def test_moves_of_whole_planes_are_one_run_per_layer_plane_and_block():
-    topology = make_topology()
-    caches = layer_caches("NHD", 4, 16, seed=None)
-    regions, _ = cpu_views(caches, 2, topology.block_plane_bytes)
+    topology = make_topology(layout="NH2D")
+    caches = layer_caches("NH2D", 4, 16, seed=None)
+    regions, _ = cpu_views(caches, 1, topology.block_plane_bytes)
     moves = plan_moves(plan_peer_ranges(topology, topology), regions, regions, [1, 2, 3], [4, 5, 6])
-    assert len(moves.lengths) == NUM_LAYERS * 2 * 3
+    assert len(moves.lengths) == NUM_LAYERS * 3
     assert set(moves.lengths.tolist()) == {topology.block_plane_bytes}
     assert moves.row_bytes == topology.block_plane_bytes  # whole planes: one row each
-    np.testing.assert_array_equal(np.unique(moves.src_regions), np.arange(2 * NUM_LAYERS))
+    np.testing.assert_array_equal(np.unique(moves.src_regions), np.arange(NUM_LAYERS))
 
 
 @pytest.mark.parametrize("local_layout, remote_layout, local_tp, remote_tp, heads, local_bs, remote_bs", CASES)

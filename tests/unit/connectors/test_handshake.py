@@ -32,7 +32,7 @@ from tests.unit.kv_factories import topology_factory
 HEADER_SIZE = 4 + 2 + 32 + 1
 
 
-topology = topology_factory(tp_size=2, total_num_kv_heads=8, layout="HND", head_dim=64, dtype="float16", num_layers=4)
+topology = topology_factory(tp_size=2, total_num_kv_heads=8, layout="HN2D", head_dim=64, dtype="float16", num_layers=4)
 
 
 def request(**overrides: Any) -> HandshakeRequest:
@@ -62,7 +62,7 @@ def rejection(decode: Callable[[bytes, KVTopology], object], data: Any, local: K
 
 
 def test_request_round_trip() -> None:
-    sent = request(topology=topology(tp_size=4, tp_rank=3, layout="NHD"))
+    sent = request(topology=topology(tp_size=4, tp_rank=3, layout="NH2D"))
     received = decode_request(encode_request(sent), topology())
     assert received == sent
     assert received.compatibility_hash == compatibility_hash(sent.topology)
@@ -265,7 +265,7 @@ MALFORMED: dict[str, Callable[[], Any]] = {
     ),
     "topology string for int": lambda: _response_payload(topology=dict(_TOPOLOGY_WIRE, head_dim="64")),
 }
-_TOPOLOGY_WIRE = {f.name: getattr(topology(), f.name) for f in dataclasses.fields(KVTopology)} | {"layout": "HND"}
+_TOPOLOGY_WIRE = {f.name: getattr(topology(), f.name) for f in dataclasses.fields(KVTopology)} | {"layout": "HN2D"}
 
 
 # fields only a response carries: a request decoder ignores them

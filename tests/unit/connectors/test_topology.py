@@ -87,10 +87,10 @@ def test_reader_ranks_counts_who_reads_each_source(
 
 
 def test_topology_derived_sizes(make_topology: TopologyFactory) -> None:
-    topology = make_topology(tp_size=8, tp_rank=5, total_num_kv_heads=2, dtype="torch.float32", layout="HND")
+    topology = make_topology(tp_size=8, tp_rank=5, total_num_kv_heads=2, dtype="torch.float32", layout="NH2D")
     assert (topology.num_heads, topology.head_start(), topology.is_replicated) == (1, 1, True)
-    assert (topology.dtype, topology.element_size, topology.layout) == ("float32", 4, "HND")
-    assert topology.block_plane_bytes == 16 * 1 * HEAD_DIM * 4
+    assert (topology.dtype, topology.element_size, topology.layout) == ("float32", 4, "NH2D")
+    assert topology.block_plane_bytes == 2 * 16 * 1 * HEAD_DIM * 4  # K and V of 16 tokens of one head
 
 
 @pytest.mark.parametrize("layout", list(KVLayout))
@@ -102,8 +102,8 @@ def test_block_planes_cut_the_reference_cache_into_blocks(
         num_heads = 1  # one latent per token, on every rank
     topology = make_topology(layout=layout, tp_size=tp_size, total_num_kv_heads=num_heads, dtype="float16")
     shape = cache_shape(layout, 10, topology.block_size, topology.num_heads, HEAD_DIM)
-    assert topology.planes_per_layer * 10 * topology.block_plane_bytes == math.prod(shape) * 2
-    assert topology.planes_per_layer == (2 if layout in ("NHD", "HND") else 1)
+    assert topology.planes_per_layer == 1
+    assert 10 * topology.block_plane_bytes == math.prod(shape) * 2
     assert topology.kv_components == (1 if layout is KVLayout.MLA else 2)
 
 
@@ -121,7 +121,7 @@ def test_block_planes_cut_the_reference_cache_into_blocks(
             "tp_size 6 is not a multiple of total_num_kv_heads 4, so heads cannot be replicated evenly",
         ),
         ({"block_size": 0, "head_dim": -1}, "block_size must be >= 1, got 0; head_dim must be >= 1, got -1"),
-        ({"layout": "HDN"}, "unknown layout 'HDN'; expected one of NHD, HND, H2ND, 2NHD, 2HND, HN2D, NH2D, MLA"),
+        ({"layout": "HDN"}, "unknown layout 'HDN'; expected one of H2ND, HN2D, NH2D, MLA"),
         (
             {"layout": "MLA", "total_num_kv_heads": 128},
             "an MLA cache holds one latent per token: total_num_kv_heads must be 1, got 128",
@@ -194,16 +194,16 @@ def test_block_size_ratio() -> None:
 
 
 def test_layouts_and_sizes_that_differ_are_compatible(make_topology: TopologyFactory) -> None:
-    local = make_topology(tp_size=4, tp_rank=3, block_size=64, layout="HND")
+    local = make_topology(tp_size=4, tp_rank=3, block_size=64, layout="NH2D")
     assert incompatibilities(local, make_topology(tp_size=2, block_size=16)) == []
-    for layout in ("2NHD", "2HND", "HN2D", "NH2D", "H2ND"):
+    for layout in ("HN2D", "NH2D", "H2ND"):
         assert incompatibilities(local, make_topology(tp_size=2, block_size=16, layout=layout)) == []
 
 
 def test_mla_pairs_only_with_mla(make_topology: TopologyFactory) -> None:
     mla = make_topology(layout="MLA", total_num_kv_heads=1, tp_size=4, tp_rank=3)
-    one_head = make_topology(layout="NHD", total_num_kv_heads=1)
-    reason = "MLA KV (one latent per token) pairs only with MLA KV: local layout MLA, remote layout NHD"
+    one_head = make_topology(layout="HN2D", total_num_kv_heads=1)
+    reason = "MLA KV (one latent per token) pairs only with MLA KV: local layout MLA, remote layout HN2D"
     assert incompatibilities(mla, one_head) == [reason]
     assert compatibility_hash(mla) != compatibility_hash(one_head)
     # vLLM replicates the latents on every rank: one source per reader, whatever the TP sizes.
@@ -228,12 +228,12 @@ def test_compatibility_hash_ignores_what_may_differ(make_topology: TopologyFacto
     # Stable across processes and Python versions: a digest of canonical JSON, not hash().
     encoded = (
         b'{"dtype":"bfloat16","head_dim":4,"kv_components":2,'
-        b'"layouts":["2HND","2NHD","H2ND","HN2D","HND","MLA","NH2D","NHD"],"model_identity":"","num_layers":2,'
-        b'"schema":4,"total_num_kv_heads":4}'
+        b'"layouts":["H2ND","HN2D","MLA","NH2D"],"model_identity":"","num_layers":2,'
+        b'"schema":5,"total_num_kv_heads":4}'
     )
     assert base == hashlib.sha256(encoded).hexdigest()
     same = [
-        make_topology(tp_size=4, tp_rank=2, block_size=64, layout="HND"),
+        make_topology(tp_size=4, tp_rank=2, block_size=64, layout="H2ND"),
         make_topology(layout="NH2D"),
         make_topology(dtype="torch.bfloat16"),
     ]

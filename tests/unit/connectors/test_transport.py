@@ -79,14 +79,12 @@ def caches(case: Case, tp: int, rank: int, block: int, layout: str, seed: int) -
     return {f"layer.{i}": noise_cache(shape, DTYPE, generator) for i in range(NUM_LAYERS)}
 
 
-def block_len(cache: torch.Tensor, layout: str) -> tuple[int, int]:
-    """(bytes of one block plane, planes per layer)."""
-    planes = 1 if layout == "H2ND" else 2
-    num_blocks = cache.shape[0] if planes == 1 else cache.shape[1]
-    return cache.numel() * cache.element_size() // (planes * num_blocks), planes
+def block_len(cache: torch.Tensor) -> tuple[int, int]:
+    """(bytes of one block plane, planes per layer): every layout keeps a block in one plane, blocks outermost."""
+    return cache.numel() * cache.element_size() // cache.shape[0], 1
 
 
-@pytest.mark.parametrize("layout", ["HND", "NHD", "H2ND"])
+@pytest.mark.parametrize("layout", ["HN2D", "NH2D", "H2ND"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_reads_are_byte_exact_across_tp_sizes_block_sizes_and_layouts(case: Case, layout: str) -> None:
     kv = [torch.randn(2, NUM_TOKENS, case.heads, HEAD_DIM, generator=torch.Generator().manual_seed(i)).to(DTYPE)
@@ -100,7 +98,7 @@ def test_reads_are_byte_exact_across_tp_sizes_block_sizes_and_layouts(case: Case
         for name, cache in zip(layers, layers.values(), strict=True):
             write_tokens(cache, layout, prefill_ids, kv[int(name.split(".")[1])][:, :, heads])
         transport = InMemoryTransport(f"prefill-r{rank}")
-        length, planes = block_len(next(iter(layers.values())), layout)
+        length, planes = block_len(next(iter(layers.values())))
         regions = transport.register_kv_caches(layers, length, planes_per_layer=planes)
         sources.append((transport, regions, layers))
     for rank in range(case.decode_tp):
@@ -108,7 +106,7 @@ def test_reads_are_byte_exact_across_tp_sizes_block_sizes_and_layouts(case: Case
         layers = caches(case, case.decode_tp, rank, case.decode_block, layout, seed=200 + rank)
         reader = InMemoryTransport(f"decode-r{rank}")
         assert isinstance(reader, KVTransport)
-        length, planes = block_len(next(iter(layers.values())), layout)
+        length, planes = block_len(next(iter(layers.values())))
         reader.register_kv_caches(layers, length, planes_per_layer=planes)
         for source in source_ranks(local, case.prefill_tp):
             transport, regions, _ = sources[source]
@@ -128,10 +126,10 @@ def test_reads_are_byte_exact_across_tp_sizes_block_sizes_and_layouts(case: Case
 def test_a_read_fails_instead_of_hanging_and_bad_input_is_refused() -> None:
     case = CASES[0]
     source, reader = InMemoryTransport("p"), InMemoryTransport("d")
-    layers = caches(case, 1, 0, 16, "HND", 1)
-    length, planes = block_len(next(iter(layers.values())), "HND")
+    layers = caches(case, 1, 0, 16, "HN2D", 1)
+    length, planes = block_len(next(iter(layers.values())))
     regions = source.register_kv_caches(layers, length, planes_per_layer=planes)
-    reader.register_kv_caches(caches(case, 1, 0, 16, "HND", 2), length, planes_per_layer=planes)
+    reader.register_kv_caches(caches(case, 1, 0, 16, "HN2D", 2), length, planes_per_layer=planes)
     with pytest.raises(TransportError, match="unknown peer"):
         reader.read_blocks("p", [0], [0])
     reader.add_peer("p", source.handshake_payload(), regions)
