@@ -44,7 +44,7 @@ WEATHER = {
         },
     },
 }
-LONG_PROMPT = " ".join(f"Item {i}: the river ran past mill number {i} in the valley." for i in range(200))
+LONG_PROMPT = " ".join(f"Item {i}: the river ran past mill number {i} in the valley." for i in range(140))
 SCHEMA = {
     "type": "object",
     "properties": {"city": {"type": "string"}, "population": {"type": "integer"}},
@@ -52,8 +52,8 @@ SCHEMA = {
 }
 
 CHAT_CASES: dict[str, dict[str, Any]] = {
-    "greedy": {"temperature": 0, "max_tokens": 24},
-    "seeded sampling": {"temperature": 0.9, "top_p": 0.9, "seed": 1234, "max_tokens": 24},
+    "greedy": {"temperature": 0, "max_tokens": 16},
+    "seeded sampling": {"temperature": 0.9, "top_p": 0.9, "seed": 1234, "max_tokens": 16},
     "n and seed": {"n": 3, "temperature": 1.0, "seed": 7, "max_tokens": 12},
     "logprobs": {"temperature": 0, "max_tokens": 8, "logprobs": True, "top_logprobs": 3},
     "json schema": {
@@ -227,7 +227,7 @@ def openai_clients(both: dict) -> dict[str, openai.OpenAI]:
 
 def test_the_responses_api_equals_one_engine_alone_streamed_and_not(both) -> None:
     clients = openai_clients(both)
-    asked = {"model": MODEL, "input": "Tell me about Paris.", "instructions": "Be brief.", "max_output_tokens": 24}
+    asked = {"model": MODEL, "input": "Tell me about Paris.", "instructions": "Be brief.", "max_output_tokens": 12}
     whole = {name: client.responses.create(**asked, temperature=0) for name, client in clients.items()}
     assert whole["pd"].output_text and whole["pd"].output_text == whole["alone"].output_text
     assert whole["pd"].usage.model_dump() == whole["alone"].usage.model_dump()
