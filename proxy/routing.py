@@ -123,8 +123,7 @@ class Router:
 
     def tier_engine(self) -> EngineState | None:
         """The engine to ask what the shared tier holds: a ready engine of the tier's pools, in turn."""
-        engines = [e for role in self.config.tier_pools for e in self.pool.ready(role)]
-        return engines[next(self._tier_turn) % len(engines)] if engines else None
+        return self._in_turn(self.config.tier_pools, self._tier_turn)
 
     def route(self, body: dict[str, Any], kind: str, held: TierHeld | None = None) -> Route:
         """The request's engines (``Route``). With ``degrade``, a pool without a ready engine is skipped:
@@ -178,10 +177,15 @@ class Router:
 
     def any_engine(self) -> EngineState:
         """A ready engine of either pool, in turn (a request no KV moves for: ``wire.ENGINE_ONLY_PATHS``)."""
-        engines = (*self.pool.ready("decode"), *self.pool.ready("prefill"))
-        if not engines:
+        engine = self._in_turn(("decode", "prefill"), self._any_turn)
+        if engine is None:
             raise no_healthy_engine("prefill or decode")
-        return engines[next(self._any_turn) % len(engines)]
+        return engine
+
+    def _in_turn(self, roles: Sequence[str], turn: itertools.count) -> EngineState | None:
+        """The next of the ready engines of ``roles``' pools by ``turn`` (None when there is none)."""
+        engines = [e for role in roles for e in self.pool.ready(role)]
+        return engines[next(turn) % len(engines)] if engines else None
 
     def _ready(self, role: str) -> tuple[EngineState, ...]:
         engines = self.pool.ready(role)

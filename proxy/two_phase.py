@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Awaitable, Callable
 
 import orjson
 from fastapi import Request
@@ -148,16 +149,16 @@ class TwoPhaseFlow:
         exchange = Exchange(request, kind, route, self.metrics)
         response: Response | None = None
         try:
-            response = await self._respond(exchange)
+            response = await self._respond(exchange, self._answer)
             return response
         finally:
             if not isinstance(response, RelayResponse):  # a stream closes its exchange when it ends
                 exchange.close(response.status_code if response is not None else None)
 
-    async def _respond(self, exchange: Exchange) -> Response:
-        """The answer, or the error it became."""
+    async def _respond(self, exchange: Exchange, answer: Callable[[Exchange], Awaitable[Response]]) -> Response:
+        """``answer``'s response, or the error it became."""
         try:
-            return await self._answer(exchange)
+            return await answer(exchange)
         except ProxyError as e:
             e.headers = exchange.reply_headers | e.headers
             return error_response(e)
@@ -173,28 +174,21 @@ class TwoPhaseFlow:
         exchange = Exchange(request, "engine", route, self.metrics)
         response: Response | None = None
         try:
-            response = await self._respond_engine_only(exchange)
+            response = await self._respond(exchange, self._engine_only)
             return response
         finally:
             exchange.close(response.status_code if response is not None else None)
 
-    async def _respond_engine_only(self, exchange: Exchange) -> Response:
+    async def _engine_only(self, exchange: Exchange) -> Response:
         assert self.upstream is not None, "the flow is not open"
-        try:
-            raw = await self._body(exchange)
-            body = parse_object(raw)
-            if (model := body.get("model")) is not None:
-                check_model(model, self.config.model_name, self.config.adapters)
-            exchange.engine_headers = self.engine_headers(exchange)
-            engine = self.router.any_engine()
-            exchange.reply_headers[headers.DECODE if engine.role == "decode" else headers.PREFILL] = engine.engine_id
-            async with cancel_on_disconnect(exchange.request, exchange.request_id):
-                status, payload = await self.upstream.call(engine, exchange, raw)
-        except ProxyError as e:
-            e.headers = exchange.reply_headers | e.headers
-            return error_response(e)
-        except ClientGone as e:
-            return Response(status_code=e.status)
+        raw = await self._body(exchange)
+        if (model := parse_object(raw).get("model")) is not None:
+            check_model(model, self.config.model_name, self.config.adapters)
+        exchange.engine_headers = self.engine_headers(exchange)
+        engine = self.router.any_engine()
+        exchange.reply_headers[headers.DECODE if engine.role == "decode" else headers.PREFILL] = engine.engine_id
+        async with cancel_on_disconnect(exchange.request, exchange.request_id):
+            status, payload = await self.upstream.call(engine, exchange, raw)
         return Response(payload, status_code=status, media_type="application/json", headers=exchange.reply_headers)
 
     async def _body(self, exchange: Exchange) -> bytes:

@@ -63,7 +63,7 @@ class Upstream:
         except (EngineConnectionError, TimeoutError) as e:
             raise _engine_failed(engine, "prefill", request_id, e) from e
         status = response.status
-        if status >= 500 or status == 401:
+        if _engine_fault(status):
             raise _engine_failed(engine, "prefill", request_id, _engine_status(status, payload))
         if status >= 400:
             raise EngineRejected(status, payload)
@@ -85,7 +85,7 @@ class Upstream:
                 payload = await response.read(self.timeout_s)
             except (EngineConnectionError, TimeoutError) as e:
                 raise _engine_failed(engine, "decode", request_id, e) from e
-            if response.status >= 500 or response.status == 401:
+            if _engine_fault(response.status):
                 raise _engine_failed(engine, "decode", request_id, _engine_status(response.status, payload))
             raise EngineRejected(response.status, payload)
         return response
@@ -93,16 +93,14 @@ class Upstream:
     async def call(self, engine: EngineAddress, exchange: Exchange, raw: bytes) -> tuple[int, bytes]:
         """One call to ``engine`` at the exchange's route with the client's body as it came: the status and
         the answer (an engine-only route, ``wire.ENGINE_ONLY_PATHS``)."""
-        url, request_id = engine.url + exchange.route, exchange.request_id
+        url, request_id, phase = engine.url + exchange.route, exchange.request_id, exchange.route.lstrip("/")
         try:
             response = await self.client.post(url, raw, exchange.engine_headers, self.timeout_s)
             payload = await response.read(self.timeout_s)
         except (EngineConnectionError, TimeoutError) as e:
-            raise _engine_failed(engine, exchange.route.lstrip("/"), request_id, e) from e
-        if response.status >= 500 or response.status == 401:
-            raise _engine_failed(
-                engine, exchange.route.lstrip("/"), request_id, _engine_status(response.status, payload)
-            )
+            raise _engine_failed(engine, phase, request_id, e) from e
+        if _engine_fault(response.status):
+            raise _engine_failed(engine, phase, request_id, _engine_status(response.status, payload))
         return response.status, payload
 
     async def read_all(self, response: EngineResponse, engine: EngineAddress, exchange: Exchange) -> bytes:
@@ -166,6 +164,12 @@ def _engine_status(status: int, payload: bytes) -> str:
     if status == 401:  # the proxy's own key, not the client's: the client must not see a 401
         return "HTTP 401: the engine refused the proxy's engine key (is it of another cluster's secret?)"
     return f"HTTP {status}: {payload[:200]!r}"
+
+
+def _engine_fault(status: int) -> bool:
+    """An engine's answer that is the engine's failure, not the client's: a 5xx, or a 401 (the cluster's engine
+    key refused: the engine is not the cluster's, or its key is not ours)."""
+    return status >= 500 or status == 401
 
 
 def _engine_failed(engine: EngineAddress, phase: str, request_id: str, cause: object) -> UpstreamFailed:
