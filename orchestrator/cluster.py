@@ -79,7 +79,7 @@ def up(
     from orchestrator.spec import ClusterSpec
 
     spec = ClusterSpec.from_file(config)
-    profile = autoscaling_profile(spec, config)  # read and checked before anything starts
+    profile = autoscaling_profiles(spec, config)  # read and checked before anything starts
     with _starting_lock():
         state, status = _start(spec, config, on_event, profile, on_status)
     if follow is not None:
@@ -118,7 +118,7 @@ def _start(
     spec: ClusterSpec,
     config: str,
     on_event: Callable[[dict[str, Any]], None],
-    profile: dict | None,
+    profile: dict[str, dict[str, Any]],
     on_status: Callable[[dict[str, Any]], None] | None = None,
 ) -> tuple[ClusterState, dict[str, Any]]:
     with contextlib.suppress(ClusterNotRunning):
@@ -155,6 +155,12 @@ def _start(
         raise
 
 
+def autoscaling_profiles(spec: ClusterSpec, config: str) -> dict[str, dict[str, Any]]:
+    """Each model's ``autoscaling.profile`` that is set (``autoscaling_profile``), by its served name."""
+    profiles = {view.model_name: autoscaling_profile(view, config) for view in spec.views()}
+    return {name: profile for name, profile in profiles.items() if profile is not None}
+
+
 def autoscaling_profile(spec: ClusterSpec, config: str) -> dict[str, Any] | None:
     """The spec's ``autoscaling.profile``, loaded and checked (as a dict, for the controller actor); None if unset."""
     from orchestrator.autoscale.profile import ProfileError, load_profile
@@ -172,7 +178,7 @@ def _bring_up(
     state: ClusterState,
     spec: ClusterSpec,
     on_event: Callable[[dict[str, Any]], None],
-    profile: dict | None,
+    profile: dict[str, dict[str, Any]],
     on_status: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict:
     """Create the controller (the one Ray call), record its API and token, then follow it over HTTP."""
@@ -233,11 +239,17 @@ def status() -> dict[str, Any]:
 
 
 def scale(
-    targets: dict[str, int], on_event: Callable[[dict[str, Any]], None], wait: bool = True, timeout_s: float = 1800
+    targets: dict[str, int],
+    on_event: Callable[[dict[str, Any]], None],
+    wait: bool = True,
+    timeout_s: float = 1800,
+    model: str | None = None,
 ) -> dict[str, Any]:
-    """Ask the controller to resize pools; with ``wait``, follow its events until every pool in
-    ``targets`` has that many ready engines and none draining. Return the last status."""
-    return _change(lambda client: client.scale(targets), "scale", targets, on_event, wait, timeout_s)
+    """Ask the controller to resize pools (of ``model``: its served name or key; None: the only one); with
+    ``wait``, follow its events until every pool in ``targets`` has that many ready engines and none draining.
+    Return the last status."""
+    return _change(lambda client: client.scale(targets, model=model), "scale", targets, on_event, wait, timeout_s,
+                   model=model)  # fmt: skip
 
 
 def move(
@@ -247,21 +259,22 @@ def move(
     on_event: Callable[[dict[str, Any]], None],
     wait: bool = True,
     timeout_s: float = 1800,
+    model: str | None = None,
 ) -> dict[str, Any]:
-    """Ask the controller to move ``count`` ready engines from pool ``source`` to ``destination``; with
-    ``wait``, follow its events until both pools have their new sizes ready. Return the last status."""
+    """Ask the controller to move ``count`` ready engines (of ``model``) from pool ``source`` to ``destination``;
+    with ``wait``, follow its events until both pools have their new sizes ready. Return the last status."""
     answer: dict[str, Any] = {}
     before: list[dict[str, Any]] = []
 
     def call(client: Any) -> None:
         before.extend(client.status().get("moves", []))
-        answer.update(client.move(source, destination, count))
+        answer.update(client.move(source, destination, count, model=model))
 
     def arrived(status: dict[str, Any]) -> bool:  # each moved engine serves in its new pool (its move is done)
         moved = {m["engine_id"] for m in status.get("moves", []) if m not in before}
         return moved >= set(answer.get("plan", {}).get("move", {}).get(f"{source}->{destination}", []))
 
-    status = _change(call, "move engines", None, on_event, wait, timeout_s, arrived)
+    status = _change(call, "move engines", None, on_event, wait, timeout_s, arrived, model)
     return status | {"plan": answer.get("plan", {})}
 
 
@@ -273,9 +286,11 @@ def _change(
     wait: bool,
     timeout_s: float,
     done_when: Callable[[dict[str, Any]], bool] = lambda status: True,
+    model: str | None = None,
 ) -> dict[str, Any]:
     """Make a change of the pools (``call``) and follow its events until the pools in ``targets`` (None: the
-    controller's targets of both) have that many ready engines, none draining or moving, and ``done_when``."""
+    controller's targets of both) of ``model`` have that many ready engines, none draining or moving, and
+    ``done_when``."""
     client = ClusterState.load().client()
     seen = len(client.status()["events"])
     try:
@@ -288,13 +303,17 @@ def _change(
         for event in status["events"][seen:]:
             on_event(event)
         seen = len(status["events"])
-        pools = status["pools"]
+        pools = model_pools(status, model)
         wanted = targets or {role: pool["target"] for role, pool in pools.items()}
         done = done_when(status) and all(
             pools[r]["ready"] == n and not pools[r]["draining"] and not pools[r].get("moving")
             for r, n in wanted.items()
         )
-        failed = [e["engine_id"] for e in status["engines"] if e["state"] == "failed" and e["role"] in wanted]
+        failed = [
+            e["engine_id"]
+            for e in status["engines"]
+            if e["state"] == "failed" and e["role"] in wanted and model in (None, e["model"], _key(status, e))
+        ]
         if not wait or done:
             return status
         if failed:
@@ -306,6 +325,17 @@ def _change(
         if time.monotonic() > deadline:
             raise PdserveError(f"pools did not reach {wanted} within {timeout_s:g}s")
         time.sleep(0.5)
+
+
+def model_pools(status: dict[str, Any], model: str | None) -> dict[str, Any]:
+    """The pools of ``model`` (its served name or key) in ``pdserve status``; None: of every model."""
+    if model is None:
+        return status["pools"]
+    return next(m["pools"] for m in status.get("models", []) if model in (m["name"], m["key"]))
+
+
+def _key(status: dict[str, Any], engine: dict[str, Any]) -> str | None:
+    return next((m["key"] for m in status.get("models", []) if m["name"] == engine.get("model")), None)
 
 
 def down() -> list[str]:

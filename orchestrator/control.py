@@ -66,12 +66,14 @@ STATUS_FIELDS: dict[str, tuple[type, ...]] = {
     "pools": (dict,),  # role -> target, max, ready, draining
     "engines": (list,),  # ENGINE_FIELDS each
     "hosts": (list,),  # HOST_FIELDS each: the Ray cluster's nodes
-    "autoscaler": (dict, type(None)),  # interval_s, decisions, changes; None when off
+    "autoscaler": (dict, type(None)),  # interval_s, decisions, changes; None when off (several models: in models)
+    "models": (list,),  # MODEL_FIELDS each, one per model the cluster serves
     "moves": (list,),  # the last moves done: {engine_id, from, to, at, finishing_s, switch_s}
     "events": (list,),  # {"t": unix time, "message": str}, oldest first
 }
 ENGINE_FIELDS: dict[str, tuple[type, ...]] = {
     "engine_id": (str,),
+    "model": (str,),  # the served name of its model
     "role": (str,),  # prefill | decode
     "state": (str,),  # pending | starting | ready | moving | draining | restarting | failed | stopped
     "moving_from": (str, type(None)),  # moving: the pool whose work it finishes; it then serves in its role
@@ -95,6 +97,12 @@ HOST_FIELDS: dict[str, tuple[type, ...]] = {
     "labels": (dict,),  # the node's own labels (Ray's ray.io/* left out)
     "engines": (list,),  # engine ids whose address is this host's
 }
+MODEL_FIELDS: dict[str, tuple[type, ...]] = {
+    "name": (str,),  # the served name clients send as 'model'
+    "key": (str,),  # the prefix of its engines' ids ("" in a cluster of one model)
+    "pools": (dict,),  # role -> POOL_FIELDS, of this model's engines
+    "autoscaler": (dict, type(None)),
+}
 POOL_FIELDS: dict[str, tuple[type, ...]] = {
     "target": (int,),
     "max": (int,),
@@ -106,39 +114,58 @@ POOL_FIELDS: dict[str, tuple[type, ...]] = {
 
 def cluster_status(controller: Any, nodes: list[Any] | None) -> dict[str, Any]:
     """The document ``GET /v1/status`` answers (``STATUS_FIELDS``): the controller's state, and ``nodes``
-    (``placement.Node``, Ray's; None when the GCS did not answer) with the engines on each."""
+    (``placement.Node``, Ray's; None when the GCS did not answer) with the engines on each. ``pools`` counts
+    every model's engines; ``models`` has each model's pools (and autoscaler) apart."""
     from contract.wire import ROLES
     from orchestrator.engine_record import engine_status
 
-    pools = controller.pools
-    spec, records = pools.spec, list(pools.engines.values())
+    spec, records = controller.spec, controller.records()
+    models = [
+        {
+            "name": name,
+            "key": group.pools.spec.key,
+            "pools": _pools(group.pools),
+            "autoscaler": group.autoscaler.status() if group.autoscaler is not None else None,
+        }
+        for name, group in controller.groups.items()
+    ]
+    pools = {role: {f: sum(m["pools"][role][f] for m in models) for f in POOL_FIELDS} for role in ROLES}
     return {
         "schema": STATUS_SCHEMA,
         "name": spec.name,
         "model": spec.model_name,
         "connector": spec.connector,
-        "phase": pools.phase,
+        "phase": controller.phase,
         "error": controller.error,
         "proxy_url": controller.proxy.url,
         "started_at": controller.started_at,
         "ready_s": controller.ready_s,
-        "log_dir": str(pools.log_dir),
+        "log_dir": str(controller.log_dir),
         "controller": {"pid": os.getpid(), "restarts": controller.restarts, "api_url": controller.api.url},
         "engines": [engine_status(r) for r in records],
         "hosts": _hosts(nodes or [], records),
-        "pools": {
-            role: {
-                "target": pools.targets[role],
-                "max": spec.max_replicas(role),
-                "ready": sum(r.state == "ready" for r in records if r.role == role),
-                "moving": sum(r.state == "moving" for r in records if r.role == role),
-                "draining": sum(r.state == "draining" for r in records if r.role == role),
-            }
-            for role in ROLES
-        },
-        "autoscaler": controller.autoscaler.status() if controller.autoscaler is not None else None,
-        "moves": list(pools.moves),
+        "pools": pools,
+        "autoscaler": models[0]["autoscaler"] if len(models) == 1 else None,
+        "models": models,
+        "moves": sorted((m for g in controller.groups.values() for m in g.pools.moves), key=lambda m: m.get("at", 0)),
         "events": controller.log.events,
+    }
+
+
+def _pools(pools: Any) -> dict[str, dict[str, int]]:
+    """Each role's POOL_FIELDS of one model's ``Pools``."""
+    from contract.wire import ROLES
+
+    records = list(pools.engines.values())
+    return {
+        role: {
+            "target": pools.targets[role],
+            "max": pools.spec.max_replicas(role),
+            "ready": sum(r.state == "ready" for r in records if r.role == role),
+            "moving": sum(r.state == "moving" for r in records if r.role == role),
+            "draining": sum(r.state == "draining" for r in records if r.role == role),
+        }
+        for role in ROLES
     }
 
 
@@ -169,6 +196,8 @@ def schema_problems(status: dict[str, Any]) -> list[str]:
         problems += _field_problems(f"engines.{i}.", engine, ENGINE_FIELDS)
     for role, pool in (status.get("pools") or {}).items():
         problems += _field_problems(f"pools.{role}.", pool, POOL_FIELDS)
+    for i, model in enumerate(status.get("models") or []):
+        problems += _field_problems(f"models.{i}.", model, MODEL_FIELDS)
     for i, host in enumerate(status.get("hosts") or []):
         problems += _field_problems(f"hosts.{i}.", host, HOST_FIELDS)
     return problems
@@ -215,11 +244,14 @@ class ControlClient:
     def status(self) -> dict[str, Any]:
         return self._call("GET", STATUS_PATH)
 
-    def scale(self, targets: dict[str, int], reason: str = "by hand") -> dict[str, Any]:
-        return self._call("POST", SCALE_PATH, {"targets": targets, "reason": reason})
+    def scale(self, targets: dict[str, int], reason: str = "by hand", model: str | None = None) -> dict[str, Any]:
+        return self._call("POST", SCALE_PATH, {"targets": targets, "reason": reason, "model": model})
 
-    def move(self, source: str, destination: str, count: int = 1, reason: str = "by hand") -> dict[str, Any]:
-        return self._call("POST", MOVE_PATH, {"from": source, "to": destination, "count": count, "reason": reason})
+    def move(
+        self, source: str, destination: str, count: int = 1, reason: str = "by hand", model: str | None = None
+    ) -> dict[str, Any]:
+        body = {"from": source, "to": destination, "count": count, "reason": reason, "model": model}
+        return self._call("POST", MOVE_PATH, body)
 
     def shutdown(self, timeout_s: float = 180.0) -> dict[str, Any]:
         return self._call("POST", SHUTDOWN_PATH, {}, timeout_s=timeout_s)

@@ -26,9 +26,13 @@ class Controlled(Protocol):
 
     async def status(self) -> dict[str, Any]: ...
 
-    async def scale(self, targets: dict[str, int], reason: str = "by hand") -> dict[str, Any]: ...
+    async def scale(
+        self, targets: dict[str, int], reason: str = "by hand", model: str | None = None
+    ) -> dict[str, Any]: ...
 
-    async def move(self, source: str, destination: str, count: int = 1, reason: str = "by hand") -> dict[str, Any]: ...
+    async def move(
+        self, source: str, destination: str, count: int = 1, reason: str = "by hand", model: str | None = None
+    ) -> dict[str, Any]: ...
 
     async def shutdown(self) -> None: ...
 
@@ -105,9 +109,10 @@ class ControlServer:
                 isinstance(role, str) and isinstance(n, int) and not isinstance(n, bool) for role, n in targets.items()
             ):
                 raise TypeError("targets must map pool names to whole numbers")
+            model = _model(body)
         except (ValueError, KeyError, TypeError) as e:
             return _error(400, f'expected {{"targets": {{"prefill": N, "decode": M}}}}: {e}', "invalid_request")
-        answer = await self._controller.scale(targets, str(body.get("reason") or "by hand"))
+        answer = await self._controller.scale(targets, str(body.get("reason") or "by hand"), model)
         if "error" in answer:
             return _error(409, answer["error"], "conflict")
         return web.json_response(answer)
@@ -120,9 +125,10 @@ class ControlServer:
                 raise TypeError("from and to must be pool names")
             if not isinstance(count, int) or isinstance(count, bool):
                 raise TypeError("count must be a whole number")
+            model = _model(body)
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             return _error(400, f'expected {{"from": "prefill", "to": "decode", "count": N}}: {e}', "invalid_request")
-        answer = await self._controller.move(source, destination, count, str(body.get("reason") or "by hand"))
+        answer = await self._controller.move(source, destination, count, str(body.get("reason") or "by hand"), model)
         if "error" in answer:
             return _error(409, answer["error"], "conflict")
         return web.json_response(answer)
@@ -133,3 +139,11 @@ class ControlServer:
             # After the answer is on its way: the controller may exit its process then.
             asyncio.get_running_loop().call_later(0.2, lambda: asyncio.ensure_future(self._after_shutdown()))
         return web.json_response({"stopped": True})
+
+
+def _model(body: dict[str, Any]) -> str | None:
+    """The model a change names (its served name or key), or None."""
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise TypeError("model must be a model's name")
+    return model

@@ -17,6 +17,8 @@
 The controller coordinates collaborators it owns, each with a declared interface (``orchestrator.pools``):
 ``PoolChanges`` (scale, move, retire), ``EngineSupervisor`` (one engine's start, watch and stop), ``ProxyLink``
 (the proxy actor, publishing the pools to it) and ``EventLog`` (events, snapshot); they share its ``Pools``.
+A cluster of several models has one ``ModelGroup`` (``orchestrator.model_group``) per model, each with its own
+``Pools``, pool changes, supervisor and autoscaler; the proxy link, event log and engine handles are shared.
 ``status()`` is what ``pdserve status`` shows. The CLI reaches all of this over
 the controller's HTTP API (``orchestrator.control``), not through Ray.
 
@@ -44,21 +46,18 @@ from ray.exceptions import RayActorError
 
 from contract.auth import ClusterSecret, new_secret
 from contract.wire import ROLES
-from orchestrator.autoscale.actuator import Autoscaler
-from orchestrator.autoscale.profile import PerformanceProfile
 from orchestrator.autoscale.rules import MOVING
 from orchestrator.control import cluster_status
 from orchestrator.control_server import ControlServer
 from orchestrator.engine_handles import EngineHandles
 from orchestrator.engine_record import EngineRecord, take_info
 from orchestrator.event_log import EventLog
-from orchestrator.launch import plan_engines
 from orchestrator.logs import redirect_output
-from orchestrator.pool_changes import PoolChanges
-from orchestrator.pools import MONITOR_INTERVAL_S, PROBE_TIMEOUT_S, Pools, Tasks
+from orchestrator.model_group import ModelGroup
+from orchestrator.pools import MONITOR_INTERVAL_S, PROBE_TIMEOUT_S, Tasks
 from orchestrator.proxy_link import ProxyLink
 from orchestrator.spec import ClusterSpec
-from orchestrator.supervision import EngineSupervisor, cause_of
+from orchestrator.supervision import cause_of
 
 logger = logging.getLogger(__name__)
 
@@ -69,41 +68,31 @@ class ClusterController:
         spec_data: dict[str, Any],
         log_dir: str,
         host: str | None,
-        profile_data: dict[str, Any] | None = None,
+        profiles: dict[str, dict[str, Any]] | None = None,
         api_token_sha256: str = "",
         api_host: str | None = None,
         secret: ClusterSecret | None = None,
     ) -> None:
         redirect_output(Path(log_dir) / "controller.log")
-        spec = ClusterSpec.model_validate(spec_data)
-        # Every engine the pools may grow to; the first `replicas` of each start with the cluster.
-        launches = {e.engine_id: e for e in plan_engines(spec, host)}
-        self.pools = Pools(spec, launches, Path(log_dir), {role: spec.pool(role).replicas for role in ROLES})
-        for role in ROLES:
-            for launch in self.pools.launches_of(role)[: self.pools.targets[role]]:
-                self.pools.add(launch)
+        self.spec = spec = ClusterSpec.model_validate(spec_data)
+        self.log_dir = Path(log_dir)
         self.error: str | None = None
         self.started_at, self.ready_s = time.time(), None
         self.restarts = 0  # Ray restarts of this controller
-        self.log = EventLog(self.pools.log_dir, self._snapshot)
-        self.handles = EngineHandles(spec, secret or new_secret(), self.pools.log_dir)
+        self._phase = "created"
+        self.log = EventLog(self.log_dir, self._snapshot)
+        self.handles = EngineHandles(spec, secret or new_secret(), self.log_dir)
         self.tasks = Tasks()
-        self.proxy = ProxyLink(self.pools, self.handles, self.log)
-        self.supervisor = EngineSupervisor(self.pools, self.handles, self.proxy, self.log, self.tasks)
-        self.changes = PoolChanges(self.pools, self.supervisor, self.proxy, self.log, self.tasks, self.handles.nodes)
-        self.autoscaler: Autoscaler | None = None
-        if spec.autoscaling is not None and profile_data is not None:
-            self.autoscaler = Autoscaler(
-                spec.autoscaling,
-                PerformanceProfile.from_dict(profile_data),
-                self.proxy.url,
-                lambda: [(r.engine_id, r.role, r.state, r.url) for r in self.pools.engines.values()],
-                lambda targets, reason: self.changes.scale(
-                    targets, reason, keep_warm_s=spec.autoscaling.keep_warm_s, move=True
-                ),
-                moves=spec.move_problem() is None,
+        profiles = profiles or {}
+        self.groups = {
+            view.model_name: ModelGroup(
+                view, host, self.log_dir, self.handles, self.log, self.tasks, profiles.get(view.model_name)
             )
-            self.changes.scaled_by_hand = self.autoscaler.policy.scaled_by_hand  # not undone before its cooldown
+            for view in spec.views()
+        }
+        self.proxy = ProxyLink([group.pools for group in self.groups.values()], self.handles, self.log)
+        for group in self.groups.values():
+            group.link(self.proxy)
         # The API listens where the CLI reaches it: loopback on a local cluster, else this node's address.
         api_host = api_host or host or ray.util.get_node_ip_address()
         self.api = ControlServer(self, api_token_sha256, api_host, after_shutdown=self._exit)
@@ -113,13 +102,43 @@ class ClusterController:
             self._restore(snapshot)
             threading.Thread(target=self._call_resume, name="pdserve-resume", daemon=True).start()
 
+    # --- the models' groups ----------------------------------------------------------------
+
+    @property
+    def phase(self) -> str:
+        return self._phase
+
+    @phase.setter
+    def phase(self, value: str) -> None:
+        """The cluster's phase, which every model's ``Pools`` reads."""
+        self._phase = value
+        for group in self.groups.values():
+            group.pools.phase = value
+
+    def group_of(self, engine_id: str) -> ModelGroup:
+        return next(g for g in self.groups.values() if engine_id in g.pools.launches)
+
+    def records(self) -> list[EngineRecord]:
+        """Every engine of every model."""
+        return [r for group in self.groups.values() for r in group.pools.engines.values()]
+
+    def _group(self, model: str | None) -> ModelGroup | str:
+        """The group of ``model`` (its served name or key; None: the only one), or why there is none."""
+        if model is None and len(self.groups) == 1:
+            return next(iter(self.groups.values()))
+        for group in self.groups.values():
+            if model in (group.name, group.pools.spec.key):
+                return group
+        names = ", ".join(self.groups)
+        return f"name the model (--model): one of {names}" if model is None else f"no model {model!r}: {names}"
+
     # --- public API (called by the CLI) ---------------------------------------------------
 
     async def start(self) -> str:
         """Serve the API and bring the cluster up (in the background); return the API's URL."""
         url = await self.api.start()
-        if self.pools.phase == "created":
-            self.pools.phase = "starting"
+        if self.phase == "created":
+            self.phase = "starting"
             self.log.save()
             self.tasks.spawn(self._bring_up())
         return url
@@ -127,23 +146,29 @@ class ClusterController:
     async def status(self) -> dict[str, Any]:
         return cluster_status(self, await asyncio.to_thread(self.handles.nodes))
 
-    async def scale(self, targets: dict[str, int], reason: str = "by hand") -> dict[str, Any]:
-        """``PoolChanges.scale`` by hand (``pdserve scale``)."""
-        return await self.changes.scale(targets, reason)
+    async def scale(self, targets: dict[str, int], reason: str = "by hand", model: str | None = None) -> dict[str, Any]:
+        """``PoolChanges.scale`` of ``model``'s pools by hand (``pdserve scale``)."""
+        group = self._group(model)
+        return {"error": group} if isinstance(group, str) else await group.changes.scale(targets, reason)
 
-    async def move(self, source: str, destination: str, count: int = 1, reason: str = "by hand") -> dict[str, Any]:
-        """``PoolChanges.move`` by hand (``pdserve scale --move``)."""
-        return await self.changes.move(source, destination, count, reason)
+    async def move(
+        self, source: str, destination: str, count: int = 1, reason: str = "by hand", model: str | None = None
+    ) -> dict[str, Any]:
+        """``PoolChanges.move`` between ``model``'s pools by hand (``pdserve scale --move``)."""
+        group = self._group(model)
+        if isinstance(group, str):
+            return {"error": group}
+        return await group.changes.move(source, destination, count, reason)
 
     async def shutdown(self) -> None:
-        self.pools.phase = "stopping"
+        self.phase = "stopping"
         self.tasks.cancel_all()
-        handles = [r.handle for r in self.pools.engines.values() if r.handle is not None]
+        handles = [r.handle for r in self.records() if r.handle is not None]
         await self.handles.stop_all([*handles, *([self.proxy.handle] if self.proxy.handle is not None else [])])
-        for record in self.pools.engines.values():
-            self.handles.remove_placement_group(self.pools.launches[record.engine_id])
+        for record in self.records():
+            self.handles.remove_placement_group(self.group_of(record.engine_id).pools.launches[record.engine_id])
             record.state, record.handle = "stopped", None
-        self.pools.phase = "stopped"
+        self.phase = "stopped"
         self.log.add("cluster stopped")
 
     async def _exit(self) -> None:
@@ -175,26 +200,27 @@ class ClusterController:
             return
         self._resumed = True
         await self.api.start()
-        if self.pools.phase in ("stopping", "stopped", "failed", "created"):
+        if self.phase in ("stopping", "stopped", "failed", "created"):
             return
         try:
             await self.proxy.adopt()
         except ValueError:
             self._fail("the proxy actor is gone (found after a restart of the controller)")
             return
-        for record in list(self.pools.engines.values()):
+        for record in self.records():
             await self._adopt(record)
         await self.proxy.publish_all()
         self.log.add(
             f"controller restarted by Ray (restart {self.restarts}); adopted "
-            + ", ".join(f"{r.engine_id} ({r.state})" for r in self.pools.engines.values())
+            + ", ".join(f"{r.engine_id} ({r.state})" for r in self.records())
         )
-        if self.pools.phase == "starting":
-            self.tasks.spawn(self._finish_bring_up(list(self.pools.engines)))
+        if self.phase == "starting":
+            self.tasks.spawn(self._finish_bring_up([r.engine_id for r in self.records()]))
         else:
             self._start_supervision()
 
     async def _adopt(self, record: EngineRecord) -> None:
+        group = self.group_of(record.engine_id)
         try:
             record.handle = self.handles.find(record.engine_id)
             info = await asyncio.wait_for(record.handle.info.remote(), timeout=PROBE_TIMEOUT_S)
@@ -202,7 +228,7 @@ class ClusterController:
             if record.state == MOVING:  # called off: it serves again where the monitor finds it
                 record.state, record.moving_from = "ready", None
             if record.handle is None:  # never created, or gone for good: start it (again)
-                self.supervisor.create_actor(record.engine_id)
+                group.supervisor.create_actor(record.engine_id)
                 self._start_adopted(record)
             else:  # alive but not answering: the monitor treats it as any engine that stops answering
                 record.state = "restarting"
@@ -211,9 +237,9 @@ class ClusterController:
         if info["state"] == "ready":
             take_info(record, info)
             if record.state == "draining":
-                self.changes.retire(record, drain=True)
+                group.changes.retire(record, drain=True)
             elif record.state == MOVING:  # its move goes on: done once its old work is
-                self.tasks.spawn(self.changes.finish_move(record, time.monotonic()))
+                self.tasks.spawn(group.changes.finish_move(record, time.monotonic()))
             else:
                 record.state = "ready"
         elif info["state"] == "failed":
@@ -223,12 +249,12 @@ class ClusterController:
             record.moving_from = None
             self._start_adopted(record)
         else:
-            self.changes.retire(record, drain=False)
+            group.changes.retire(record, drain=False)
 
     def _start_adopted(self, record: EngineRecord) -> None:
         """Start (or wait for) an adopted engine; during bring-up ``_finish_bring_up`` starts every engine."""
-        if self.pools.phase != "starting":
-            self.tasks.spawn(self.supervisor.start(record.engine_id))
+        if self.phase != "starting":
+            self.tasks.spawn(self.group_of(record.engine_id).supervisor.start(record.engine_id))
 
     # --- bring-up and supervision -----------------------------------------------------------
 
@@ -238,84 +264,92 @@ class ClusterController:
         except Exception as e:  # noqa: BLE001 - reported to the user as the cluster's error
             self._fail(f"proxy failed to start: {cause_of(e)}")
             return
+        engine_ids = [r.engine_id for r in self.records()]
         try:
-            for engine_id in self.pools.engines:
-                self.supervisor.create_actor(engine_id)
+            for engine_id in engine_ids:
+                self.group_of(engine_id).supervisor.create_actor(engine_id)
         except Exception as e:  # noqa: BLE001 - reported to the user, not a bring-up that never ends
             self._fail(f"cannot create the engine actors: {cause_of(e)}")
             return
-        await self._finish_bring_up(list(self.pools.engines))
+        await self._finish_bring_up(engine_ids)
 
     async def _finish_bring_up(self, engine_ids: list[str]) -> None:
         # Report the first engine that fails at once, rather than after the others loaded.
-        for started in asyncio.as_completed([self.supervisor.start(engine_id) for engine_id in engine_ids]):
-            record = self.pools.engines[await started]
+        starts = [self.group_of(engine_id).supervisor.start(engine_id) for engine_id in engine_ids]
+        for started in asyncio.as_completed(starts):
+            engine_id = await started
+            record = self.group_of(engine_id).pools.engines[engine_id]
             if record.state == "failed":
                 self._fail(f"engine {record.engine_id} failed to start:\n{record.error}")
                 return
         self.ready_s = time.time() - self.started_at
-        self.pools.phase = "ready"
+        self.phase = "ready"
         self.log.add(f"cluster ready in {self.ready_s:.1f}s: {self.proxy.url}")
         self._start_supervision()
 
     def _start_supervision(self) -> None:
         self.tasks.spawn(self._monitor())
-        if self.autoscaler is not None:
-            config = self.autoscaler.config
-            self.log.add(
-                f"autoscaler on: a decision every {config.interval_s:g}s "
-                f"(p90 TTFT <= {config.targets.ttft_p90_s:g}s, p90 ITL <= {config.targets.itl_p90_s:g}s)"
-            )
-            self.tasks.spawn(self.autoscaler.run())
-        elif self.pools.spec.autoscaling is not None:
-            self.log.add(
-                "autoscaler off: autoscaling.profile is not set (`pdserve profile` measures one); "
-                "`pdserve scale` sizes the pools within the autoscaling bounds"
-            )
+        for group in self.groups.values():
+            of = f" for {group.name}" if len(self.groups) > 1 else ""
+            if group.autoscaler is not None:
+                config = group.autoscaler.config
+                self.log.add(
+                    f"autoscaler on{of}: a decision every {config.interval_s:g}s "
+                    f"(p90 TTFT <= {config.targets.ttft_p90_s:g}s, p90 ITL <= {config.targets.itl_p90_s:g}s)"
+                )
+                self.tasks.spawn(group.autoscaler.run())
+            elif group.pools.spec.autoscaling is not None:
+                self.log.add(
+                    f"autoscaler off{of}: autoscaling.profile is not set (`pdserve profile` measures one); "
+                    "`pdserve scale` sizes the pools within the autoscaling bounds"
+                )
 
     async def _monitor(self) -> None:
         """Once a second: the proxy, a watch on every running engine, failed engines' back-off."""
         while True:
             await asyncio.sleep(MONITOR_INTERVAL_S)
             await self.proxy.check()
-            self.supervisor.watch_running()
-            # Failed engines whose back-off ended: their pools grow back to the targets.
-            now = time.monotonic()
-            for role in ROLES if self.pools.phase == "ready" else ():
-                engines = self.pools.engines.values()
-                if any(r.role == role and r.state == "failed" and now >= r.retry_at for r in engines):
-                    await self.changes.resize(role, "a failed engine's back-off ended")
+            for group in self.groups.values():
+                group.supervisor.watch_running()
+                # Failed engines whose back-off ended: their pools grow back to the targets.
+                now = time.monotonic()
+                for role in ROLES if self.phase == "ready" else ():
+                    engines = group.pools.engines.values()
+                    if any(r.role == role and r.state == "failed" and now >= r.retry_at for r in engines):
+                        await group.changes.resize(role, "a failed engine's back-off ended")
 
     # --- the snapshot a restarted controller resumes from -----------------------------------
 
     def _snapshot(self) -> dict[str, Any]:
         """What a restarted controller needs (``_restore``; ``EventLog`` writes it with the events)."""
         return {
-            "phase": self.pools.phase,
+            "phase": self.phase,
             "error": self.error,
             "started_at": self.started_at,
             "ready_s": self.ready_s,
-            "targets": dict(self.pools.targets),
+            "targets": {name: dict(group.pools.targets) for name, group in self.groups.items()},
             "api_port": self.api.port,
             "restarts": self.restarts,
             "engines": {
                 r.engine_id: {"state": r.state, "restarts": r.restarts, "role": r.role, "moving_from": r.moving_from}
-                for r in self.pools.engines.values()
+                for r in self.records()
             },
         }
 
     def _restore(self, snapshot: dict[str, Any]) -> None:
-        self.pools.phase, self.error = snapshot["phase"], snapshot["error"]
+        self.phase, self.error = snapshot["phase"], snapshot["error"]
         self.started_at, self.ready_s = snapshot["started_at"], snapshot["ready_s"]
-        self.pools.targets = snapshot["targets"]
         self.restarts = snapshot["restarts"] + 1
         self.api.port = snapshot["api_port"]
-        self.pools.engines = {}
+        for name, group in self.groups.items():
+            group.pools.targets = snapshot["targets"][name]
+            group.pools.engines = {}
         for engine_id, saved in snapshot["engines"].items():
-            record = self.pools.add(self.pools.launches[engine_id], saved.get("role"))
+            pools = self.group_of(engine_id).pools
+            record = pools.add(pools.launches[engine_id], saved.get("role"))
             record.state, record.restarts = saved["state"], saved["restarts"]
             record.moving_from = saved.get("moving_from")
 
     def _fail(self, error: str) -> None:
-        self.pools.phase, self.error = "failed", error
+        self.phase, self.error = "failed", error
         self.log.add("cluster failed to start" if self.ready_s is None else f"cluster failed: {error}")

@@ -56,7 +56,7 @@ class EngineHandles:
                 **control_placement(self.spec).actor_options(),
             )
             .remote(
-                self.spec.proxy_config(),
+                self.spec.proxy_configs(),
                 self.spec.proxy.host,
                 self.spec.proxy.port,
                 str(self.log_dir / "proxy.log"),

@@ -14,6 +14,7 @@ the labels and the sample is always 1.
 from __future__ import annotations
 
 import urllib.request
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -48,10 +49,14 @@ class MetricsReading:
         return self.values.get(name, 0.0)
 
 
-def parse_metrics(text: str) -> MetricsReading:
+def parse_metrics(text: str, labels: Mapping[str, str] | None = None) -> MetricsReading:
+    """``text`` read once; with ``labels``, only the samples whose labels of those names (where they have them)
+    have those values: a cluster's proxy labels each model's samples with ``model``."""
     reading = MetricsReading()
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
+            if labels and any(sample.labels.get(k, v) != v for k, v in labels.items()):
+                continue
             if sample.name.endswith("_bucket") and "le" in sample.labels:
                 le = float(sample.labels["le"])
                 buckets = reading.buckets.setdefault(sample.name[: -len("_bucket")], {})
@@ -61,7 +66,9 @@ def parse_metrics(text: str) -> MetricsReading:
     return reading
 
 
-async def fetch_metrics(session: aiohttp.ClientSession, url: str) -> MetricsReading | None:
+async def fetch_metrics(
+    session: aiohttp.ClientSession, url: str, labels: Mapping[str, str] | None = None
+) -> MetricsReading | None:
     """``url``/metrics, parsed; None when the server does not answer it (unreachable, timed out, not 200).
     A page that is not Prometheus text raises ``ValueError``."""
     try:
@@ -71,7 +78,7 @@ async def fetch_metrics(session: aiohttp.ClientSession, url: str) -> MetricsRead
             text = await response.text()
     except (aiohttp.ClientError, TimeoutError):
         return None
-    return parse_metrics(text)
+    return parse_metrics(text, labels)
 
 
 def sum_samples(text: str, names: tuple[str, ...] | list[str]) -> dict[str, float]:

@@ -39,6 +39,7 @@ class EngineRecord:
     load_s: float | None = None
     restarts: int = 0
     failures: int = 0  # starts that failed in a row; reset once it serves
+    model: str = ""  # the served name of its model
     error: str | None = None
     log_path: str = ""
     stopping: bool = False  # drained (or never served) and being stopped: no longer taken back

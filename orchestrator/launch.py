@@ -53,6 +53,8 @@ class EngineLaunch:
     placement: Placement = dataclasses.field(default_factory=Placement)
     bind: str | None = None
     """Where its HTTP server listens, when not ``host`` (``network.listen_all``: 0.0.0.0)."""
+    model: str = ""
+    """The served name of its model (``ClusterSpec.model_name`` of its view)."""
 
     @property
     def url(self) -> str:
@@ -262,14 +264,18 @@ def host_core_ranges(spec: ClusterSpec, roles: tuple[str, ...]) -> dict[str, str
                     ranks.append(
                         f"{cores[0]}-{cores[-1]}" if contiguous and len(cores) > 1 else ",".join(map(str, cores))
                     )
-                bindings[f"{role}-{replica}"] = "|".join(ranks)
+                bindings[spec.engine_id(role, replica)] = "|".join(ranks)
     return bindings
 
 
 def plan_engines(spec: ClusterSpec, host: str | None = LOCAL_HOST) -> list[EngineLaunch]:
     """How to launch every engine the cluster may run: ``spec.max_replicas(role)`` per pool, in
-    replica order (the first ``replicas`` of each pool start with the cluster). ``host`` None: each
-    engine resolves its address where it lands (``EngineLaunch.on_host``)."""
+    replica order (the first ``replicas`` of each pool start with the cluster), model after model.
+    ``host`` None: each engine resolves its address where it lands (``EngineLaunch.on_host``)."""
+    return [launch for view in spec.views() for launch in _plan_model(view, host)]
+
+
+def _plan_model(spec: ClusterSpec, host: str | None) -> list[EngineLaunch]:
     model_path = resolve_model(spec.model)
     planned_host = host or LOCAL_HOST  # a stand-in until the engine resolves its own
     bindings = _core_ranges(spec) if spec.device == "cpu" else {}
@@ -278,7 +284,7 @@ def plan_engines(spec: ClusterSpec, host: str | None = LOCAL_HOST) -> list[Engin
         pool = spec.pool(role)
         count = spec.max_replicas(role)
         for replica, (port, kv_port) in enumerate(zip(pool.ports(count), pool.kv_ports(count), strict=True)):
-            engine_id = f"{role}-{replica}"
+            engine_id = spec.engine_id(role, replica)
             transfer_config = kv_transfer_config(spec, role, host=planned_host, kv_port=kv_port, engine_id=engine_id)
             args = [
                 "--model", model_path,
@@ -346,6 +352,7 @@ def plan_engines(spec: ClusterSpec, host: str | None = LOCAL_HOST) -> list[Engin
                     tp_size=pool.tensor_parallel_size,
                     placement=engine_placement(spec, role),
                     bind=LISTEN_ALL[0] if spec.network.listen_all else None,
+                    model=spec.model_name,
                 )
             )
     return launches

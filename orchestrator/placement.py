@@ -146,9 +146,11 @@ def _describe(selector: NodeSelectorSpec | None) -> str:
 def _parts(spec: ClusterSpec) -> list[tuple[str, str, Placement, NodeSelectorSpec | None]]:
     """``(part, name, placement, selector)`` of the control plane and each starting engine."""
     parts = [("proxy", "proxy+controller", control_placement(spec), spec.proxy.placement)]
-    for role in ROLES:
-        placement = engine_placement(spec, role)
-        parts += [(role, f"{role}-{i}", placement, spec.pool(role).placement) for i in range(spec.pool(role).replicas)]
+    for view in spec.views():
+        field = f"models.{spec.views().index(view)}." if spec.models else ""
+        for role in ROLES:
+            placement, pool = engine_placement(view, role), view.pool(role)
+            parts += [(field + role, view.engine_id(role, i), placement, pool.placement) for i in range(pool.replicas)]
     return parts
 
 
@@ -247,10 +249,11 @@ def host_plan(
         groups: dict[str, list[str]] = {}
         control = spec.proxy.placement.describe() if spec.proxy.placement else "Ray head node"
         groups.setdefault(control, []).append("proxy, controller")
-        for role in ROLES:
-            where = spec.pool(role).placement.describe()
-            for launch in (v for v in by_id.values() if v.role == role):
-                groups.setdefault(where, []).append(_engine_line(spec, launch))
+        for view in spec.views():
+            for role in ROLES:
+                where = view.pool(role).placement.describe()
+                for launch in (v for v in by_id.values() if v.role == role and v.model == view.model_name):
+                    groups.setdefault(where, []).append(_engine_line(view, launch))
         for where, items in groups.items():
             lines.append(f"  on {where}:")
             lines += [f"    {item}" for item in items]
@@ -268,6 +271,8 @@ def host_plan(
 
 
 def _engine_line(spec: ClusterSpec, launch: Any) -> str:
+    """A line of ``launch``'s engine (``spec``: the cluster's, or its model's view)."""
+    spec = next((v for v in spec.views() if v.model_name == launch.model), spec)
     starts = int(launch.engine_id.rpartition("-")[2]) < spec.pool(launch.role).replicas
     what = f"cores {launch.cpu_bind}" if launch.cpu_bind else f"{launch.num_gpus:g} GPU(s) in one placement group"
     return f"{launch.engine_id:<10} {what}, port {launch.port}, kv_port {launch.kv_port}" + (
@@ -303,16 +308,36 @@ def cpu_cores_available(spec: ClusterSpec) -> int:
     return spec.resources.cpus or os.cpu_count() or 1
 
 
-def cpu_cores_needed(spec: ClusterSpec) -> int:
-    """Cores the CPU engines are pinned to at most on one host: replicas x TP x cores per rank of the pools
-    that may share hosts, after their ``first_core`` (with autoscaling, of the largest split its ranges
-    and budget allow)."""
-    needed = 0
-    for roles in placement_domains(spec).values():
+def domain_cores_needed(spec: ClusterSpec) -> dict[tuple, int]:
+    """Per group of pools that may share hosts (``placement_domains``): the first core after those its CPU
+    engines are pinned to: their ``first_core`` + replicas x TP x cores per rank (with autoscaling, of the
+    largest split its ranges and budget allow)."""
+    needed = {}
+    for key, roles in placement_domains(spec).items():
         per_engine = {r: spec.pool(r).tensor_parallel_size * spec.pool(r).cpu_cores if r in roles else 0 for r in ROLES}
         first = min(spec.pool(r).placement.first_core for r in roles)
-        needed = max(needed, first + most_at_once(spec, per_engine))
+        needed[key] = first + most_at_once(spec, per_engine)
     return needed
+
+
+def cpu_cores_needed(spec: ClusterSpec) -> int:
+    """Cores the CPU engines are pinned to at most on one host (``domain_cores_needed``), of every model."""
+    return max(max(domain_cores_needed(view).values()) for view in spec.views())
+
+
+def cluster_resource_problem(spec: ClusterSpec) -> tuple[str, str] | None:
+    """(field, reason) when the engines of a spec of several models cannot fit its GPUs together, else None
+    (each model's own fit, and on CPU their cores one after the other, are checked on its view)."""
+    if spec.device == "cpu":
+        return None
+    needed = sum(most_at_once(view, {r: view.pool(r).tensor_parallel_size for r in ROLES}) for view in spec.views())
+    if needed > spec.resources.gpus:
+        return (
+            "resources.gpus",
+            f"the models' engines need {needed} GPUs together (replicas x tensor_parallel_size, or what their "
+            f"autoscaling may run) but resources.gpus is {spec.resources.gpus}",
+        )
+    return None
 
 
 def resource_problem(spec: ClusterSpec) -> tuple[str, str] | None:

@@ -52,7 +52,8 @@ class Pools:
     def add(self, launch: EngineLaunch, role: str | None = None) -> EngineRecord:
         """A new record of ``launch``'s engine, serving ``role`` (default: the pool it was planned for)."""
         log_path = str(self.log_dir / f"{launch.engine_id}.log")
-        record = self.engines[launch.engine_id] = EngineRecord(launch.engine_id, role or launch.role, log_path=log_path)
+        record = EngineRecord(launch.engine_id, role or launch.role, log_path=log_path, model=launch.model)
+        self.engines[launch.engine_id] = record
         return record
 
     def holds(self, record: EngineRecord) -> bool:

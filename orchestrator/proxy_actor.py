@@ -30,7 +30,7 @@ from contract.auth import PROXY_ENGINE_KEY_ENV, SECRET_ENV, SECRET_FILE_ENV, Eng
 from contract.wire import LISTEN_ALL, http_url
 from orchestrator.logs import redirect_output
 from proxy.app import ProxyConfig, create_app
-from proxy.pool import Endpoint, EnginePool
+from proxy.pool import Endpoint, EnginePool, PoolSet
 from proxy.server import listen_socket, tune_gc, uvicorn_config
 
 logger = logging.getLogger(__name__)
@@ -46,15 +46,22 @@ class _ThreadServer(uvicorn.Server):
 
 class ProxyActor:
     def __init__(
-        self, config: ProxyConfig, host: str, port: int, log_path: str, engine_key: EngineKey | None = None
+        self,
+        config: ProxyConfig | list[ProxyConfig],
+        host: str,
+        port: int,
+        log_path: str,
+        engine_key: EngineKey | None = None,
     ) -> None:
+        """``config``: the proxy's of each model it serves (``ClusterSpec.proxy_configs``), or of its one."""
         for name in (SECRET_ENV, SECRET_FILE_ENV):
             os.environ.pop(name, None)
         if engine_key is not None:  # what the proxy sends engines (``ProxyConfig.engine_auth``)
             os.environ[PROXY_ENGINE_KEY_ENV] = engine_key.reveal()
         redirect_output(log_path)
-        self.config, self.host, self.port = config, host, port
-        self.pool = EnginePool()
+        self.configs = [config] if isinstance(config, ProxyConfig) else list(config)
+        self.host, self.port = host, port
+        self.pools = PoolSet({c.model_name: EnginePool() for c in self.configs})
         self.state = "idle"
         self._server: _ThreadServer | None = None
         self._task: asyncio.Task | None = None
@@ -69,7 +76,7 @@ class ProxyActor:
         except OSError as e:
             self.state = "failed"
             raise RuntimeError(f"proxy could not listen on {self.host}:{self.port} (is the port taken?): {e}") from e
-        app = create_app(self.config, self.pool)
+        app = create_app(self.configs, self.pools.by_model)
         self._server = _ThreadServer(uvicorn_config(app, host=self.host, port=self.port))
         self._task = asyncio.create_task(self._server.serve(sockets=[sock]))
         while not self._server.started:
@@ -88,28 +95,32 @@ class ProxyActor:
         endpoints: list[tuple[str, str]] | list[tuple[str, str, tuple[str, ...]]],
         draining: tuple[str, ...] | list[str] = (),
         target: int | None = None,
+        model: str | None = None,
     ) -> None:
-        """Make ``endpoints`` the role's engines (``(engine_id, url)``, or with the engine's KV side-channel
-        endpoints third); those in ``draining`` stay (their requests are counted) but get no new ones, and
-        one that was draining and is not any more (the controller took it back) gets them again. ``target``:
-        the pool's size as the controller wants it (``/metrics``: ``pdserve_proxy_pool_target``)."""
+        """Make ``endpoints`` the role's engines of ``model`` (None: the one model; ``(engine_id, url)``, or with
+        the engine's KV side-channel endpoints third); those in ``draining`` stay (their requests are counted)
+        but get no new ones, and one that was draining and is not any more (the controller took it back) gets
+        them again. ``target``: the pool's size as the controller wants it (``/metrics``:
+        ``pdserve_proxy_pool_target``)."""
+        pool = self.pools.of(model)
         if target is not None:
-            self.pool.targets[role] = target
-        self.pool.set_endpoints(role, [Endpoint(*endpoint) for endpoint in endpoints])
+            pool.targets[role] = target
+        pool.set_endpoints(role, [Endpoint(*endpoint) for endpoint in endpoints])
         for endpoint in endpoints:
             if endpoint[0] in draining:
-                self.pool.drain(endpoint[0])
-            elif self.pool.engine(endpoint[0]).draining:
-                self.pool.add(role, Endpoint(*endpoint))
+                pool.drain(endpoint[0])
+            elif pool.engine(endpoint[0]).draining:
+                pool.add(role, Endpoint(*endpoint))
         serving = [e[0] for e in endpoints if e[0] not in draining]
-        logger.info("proxy: %s pool is now %s (draining: %s)", role, serving or "empty", list(draining) or "none")
+        of = f" of {model}" if len(self.configs) > 1 else ""
+        logger.info("proxy: %s pool%s is now %s (draining: %s)", role, of, serving or "empty", list(draining) or "none")
 
     async def info(self) -> dict:
         return {
             "state": self.state,
             "url": http_url(self._reachable_host(), self.port),
             "pid": os.getpid(),
-            "pool": self.pool.snapshot(),
+            "pool": self.pools.snapshot(),
         }
 
     def _reachable_host(self) -> str:

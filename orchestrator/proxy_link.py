@@ -5,6 +5,9 @@ A pool is published as its ready engines and those draining (the proxy routes no
 counts their requests in flight); an engine moving between the pools is published as draining in its old one
 until its old work is done. Each engine comes with its connector's side channel (one endpoint per TP rank),
 where the proxy asks a decode engine how a stream's KV got to it; none for vLLM's own connector.
+
+A cluster of several models has one proxy and one ``Pools`` per model; ``publisher(pools)`` is what that
+model's collaborators publish through (its pools go to the proxy's pools of that model).
 """
 
 from __future__ import annotations
@@ -21,10 +24,11 @@ from orchestrator.pools import PROBE_TIMEOUT_S, Events, Pools
 
 
 class ProxyLink:
-    def __init__(self, pools: Pools, handles: EngineHandles, events: Events) -> None:
-        self.pools, self.handles, self.events = pools, handles, events
+    def __init__(self, models: list[Pools], handles: EngineHandles, events: Events) -> None:
+        self.models, self.handles, self.events = models, handles, events
         self.handle: Any = None
-        self.url = http_url(pools.spec.proxy.host, pools.spec.proxy.port)  # where clients reach it
+        spec = models[0].spec
+        self.url = http_url(spec.proxy.host, spec.proxy.port)  # where clients reach it
 
     async def start(self) -> None:
         self.handle = self.handles.create_proxy()
@@ -38,21 +42,27 @@ class ProxyLink:
         with contextlib.suppress(Exception):  # where clients reach it (its node's address if it listens everywhere)
             self.url = (await asyncio.wait_for(self.handle.info.remote(), timeout=PROBE_TIMEOUT_S))["url"]
 
-    async def publish(self, role: str) -> None:
-        """Tell the proxy the role's engines: the ready ones, and those draining (no new requests)."""
+    def publisher(self, pools: Pools) -> ModelPublisher:
+        """What the collaborators of ``pools``' model publish through (``Publisher``)."""
+        return ModelPublisher(self, pools)
+
+    async def publish(self, pools: Pools, role: str) -> None:
+        """Tell the proxy the role's engines of ``pools``' model: the ready ones, and those draining (no new
+        requests)."""
         records = [
             r
-            for r in self.pools.engines.values()
+            for r in pools.engines.values()
             if r.url and ((r.role == role and r.state in ("ready", "draining")) or r.moving_from == role)
         ]
         draining = [r.engine_id for r in records if r.state == "draining" or r.moving_from == role]
-        pdserve = self.pools.spec.connector == "pdserve"
+        pdserve = pools.spec.connector == "pdserve"
         endpoints = [(r.engine_id, r.url, r.kv_endpoints if pdserve else ()) for r in records]
-        await self.handle.set_endpoints.remote(role, endpoints, draining, self.pools.targets[role])
+        await self.handle.set_endpoints.remote(role, endpoints, draining, pools.targets[role], pools.spec.model_name)
 
     async def publish_all(self) -> None:
-        for role in ROLES:
-            await self.publish(role)
+        for pools in self.models:
+            for role in ROLES:
+                await self.publish(pools, role)
 
     async def check(self) -> None:
         """The monitor's look at the proxy: one that Ray restarted serves again with the pools as they are."""
@@ -72,3 +82,21 @@ class ProxyLink:
                 if entry["engine_id"] == engine_id:
                     return int(entry.get("in_flight") or 0)
         return 0
+
+
+class ModelPublisher:
+    """``Publisher`` of one model's pools: the link's calls with its ``Pools``."""
+
+    def __init__(self, link: ProxyLink, pools: Pools) -> None:
+        self.link, self.pools = link, pools
+
+    @property
+    def handle(self) -> Any:
+        """The proxy actor."""
+        return self.link.handle
+
+    async def publish(self, role: str) -> None:
+        await self.link.publish(self.pools, role)
+
+    async def in_flight(self, engine_id: str, role: str) -> int:
+        return await self.link.in_flight(engine_id, role)

@@ -79,19 +79,23 @@ def _table(model: type[BaseModel], prefix: str, sections: list[tuple[str, type[B
     for name, field in model.model_fields.items():
         key = prefix + name
         nested = _nested_model(field.annotation)
-        if nested is not None and all(key != known for known, _ in sections):
+        section = next((known for known, model in sections if model is nested), key)  # one table per model
+        if nested is not None and all(section != known for known, _ in sections):
             sections.append((key, nested))
         described = field.description or ""
         if nested is not None:
-            described = (described + f" See [`{key}`](#{key.replace('.', '')}).").strip()
+            described = (described + f" See [`{section}`](#{section.replace('.', '')}).").strip()
         rows.append(f"| `{key}` | {_type_name(field.annotation)} | {_default(field)} | {_cell(described)} |")
     return rows
 
 
 def _nested_model(annotation: Any) -> type[BaseModel] | None:
-    for candidate in (annotation, *typing.get_args(annotation)):
-        if isinstance(candidate, type) and issubclass(candidate, BaseModel):
-            return candidate
+    """The settings model a field holds (alone, optional, or in a list)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for candidate in typing.get_args(annotation):
+        if (found := _nested_model(candidate)) is not None:
+            return found
     return None
 
 

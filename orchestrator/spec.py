@@ -19,10 +19,11 @@ Example (``configs/local-cpu.yaml``)::
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from connectors.options import ConnectorOptions
 from contract.wire import ROLES
@@ -31,7 +32,7 @@ from orchestrator.autoscale.config import AutoscalingConfig
 from orchestrator.errors import FieldError, SpecError, read_mapping
 from orchestrator.models import KNOWN_MODELS, model_cache_dir, resolve_model
 from orchestrator.paths import pdserve_dir
-from proxy.config import EnvName, ProxyConfig, ProxySettings
+from proxy.config import EnvName, ProxyConfig, ProxySettings, RoutingConfig
 
 # Connector names a spec may use, mapped to the vLLM kv_transfer_config they need.
 CONNECTORS = ("vllm-nixl", "pdserve")
@@ -271,13 +272,60 @@ class KvTierSpec(_Strict):
         return value
 
 
+MODEL_KEY = r"^[a-z0-9]([-a-z0-9]{0,30}[a-z0-9])?$"
+MODEL_FIELDS = ("model", "served_model_name", "prefill", "decode", "engine", "autoscaling")
+"""What each entry of ``models`` sets for its model, and a one-model spec at its top level."""
+
+
+class ModelSpec(_Strict):
+    """One model of a cluster that serves several (``models``): its own pools, engine settings, routing and
+    autoscaling. The proxy sends a request to the pools of the model (or adapter) it names."""
+
+    key: str | None = Field(
+        default=None,
+        pattern=MODEL_KEY,
+        description="A short name for the model's engines: their ids (KEY-prefill-0), Ray actors and logs; "
+        "`pdserve scale --model` takes it or the served name. Default: from the served name "
+        "(lowercase letters, digits and '-').",
+    )
+    model: str = Field(description="Known model name, a model directory, or a Hugging Face id.")
+    served_model_name: str | None = Field(
+        default=None, description="Name clients use in 'model' (default: this entry's model)."
+    )
+    prefill: PoolSpec = Field(description="This model's prefill pool.")
+    decode: PoolSpec = Field(description="This model's decode pool.")
+    engine: EngineSpec = Field(default_factory=EngineSpec, description="Settings of this model's engines.")
+    autoscaling: AutoscalingConfig | None = Field(
+        default=None, description="Grow and shrink this model's pools from its load (its own budget)."
+    )
+    routing: RoutingConfig | None = Field(
+        default=None, description="The routing policy of this model's pools (default: proxy.routing)."
+    )
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model
+
+    @property
+    def engine_key(self) -> str:
+        """``key``, else the served name made into one (``MODEL_KEY``)."""
+        if self.key is not None:
+            return self.key
+        made = re.sub(r"[^a-z0-9]+", "-", self.model_name.rsplit("/", 1)[-1].lower()).strip("-")[:32].strip("-")
+        return made or "model"
+
+
 class ClusterSpec(_Strict):
     name: str = Field(
         default="pdserve",
         pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",
         description="The cluster's name: its Ray actors, state directory and KV tier directories carry it.",
     )
-    model: str = Field(description="Known model name, a model directory, or a Hugging Face id.")
+    model: str | None = Field(
+        default=None,
+        description="Known model name, a model directory, or a Hugging Face id (a cluster of one model; several: "
+        "`models`).",
+    )
     served_model_name: str | None = Field(
         default=None, description="Name clients use in 'model' (default: the spec's model)."
     )
@@ -293,8 +341,10 @@ class ClusterSpec(_Strict):
     ray: RaySpec = Field(default_factory=RaySpec, description="The Ray cluster the engines run on.")
     network: NetworkSpec = Field(default_factory=NetworkSpec, description="The addresses engines advertise.")
     proxy: ProxySpec = Field(default_factory=ProxySpec, description="The OpenAI-compatible proxy.")
-    prefill: PoolSpec = Field(description="The prefill pool: engines that compute prompts' KV.")
-    decode: PoolSpec = Field(description="The decode pool: engines that read that KV and generate.")
+    prefill: PoolSpec | None = Field(default=None, description="The prefill pool: engines that compute prompts' KV.")
+    decode: PoolSpec | None = Field(
+        default=None, description="The decode pool: engines that read that KV and generate."
+    )
     engine: EngineSpec = Field(default_factory=EngineSpec, description="Settings of every engine, both pools.")
     resources: ResourcesSpec = Field(
         default_factory=ResourcesSpec, description="What the engines may use of the machine or cluster."
@@ -312,13 +362,114 @@ class ClusterSpec(_Strict):
         "and the autoscaler's changes of the P:D ratio. Only pools of one shape move (same TP size, cores, "
         "node selector and KV tier); false: engines never move.",
     )
+    models: list[ModelSpec] | None = Field(
+        default=None,
+        min_length=1,
+        description="A cluster that serves several models: each entry sets what a one-model spec sets at its top "
+        "level (model, served_model_name, prefill, decode, engine, autoscaling; and routing), and those keys are "
+        "then left out there. One proxy serves them all, routing each request by its 'model'; KV moves only "
+        "between engines of one model. On CPU each model's cores follow the previous model's.",
+    )
+
+    _key: str = PrivateAttr(default="")
 
     @property
     def model_name(self) -> str:
-        return self.served_model_name or self.model
+        return self.served_model_name or self.model or ", ".join(v.model_name for v in self.views())
+
+    @property
+    def key(self) -> str:
+        """The model's ``ModelSpec.engine_key`` in a view of a cluster of several models; "" otherwise."""
+        return self._key
+
+    def engine_id(self, role: str, replica: int) -> str:
+        """The id of replica ``replica`` of pool ``role``: ``prefill-0``, or ``KEY-prefill-0`` in a view."""
+        return f"{self._key}-{role}-{replica}" if self._key else f"{role}-{replica}"
 
     def pool(self, role: str) -> PoolSpec:
-        return self.prefill if role == "prefill" else self.decode
+        pool = self.prefill if role == "prefill" else self.decode
+        if pool is None:
+            raise ValueError(f"a spec of several models has no {role} pool of its own: take one of views()")
+        return pool
+
+    def views(self) -> list[ClusterSpec]:
+        """One spec per model, each as a one-model spec would be (its pools, engine settings, autoscaling; its
+        routing as ``proxy.routing``) with the cluster's shared settings; ``[self]`` for a one-model spec. On
+        CPU, a model's pools start at the cores after the previous model's (per placement), so that their
+        engines do not share cores. Built once, when the spec is validated."""
+        return self._views if self.models else [self]
+
+    _views: list[ClusterSpec] = PrivateAttr(default_factory=list)
+
+    def _build_views(self) -> None:
+        shared = {f: getattr(self, f) for f in type(self).model_fields if f not in (*MODEL_FIELDS, "models")}
+        offsets: dict[tuple, int] = {}  # per placement: the first core not taken by the models before
+        views = []
+        for index, entry in enumerate(self.models or ()):
+            pools = {}
+            for role in ROLES:
+                pool: PoolSpec = getattr(entry, role)
+                if self.device == "cpu":
+                    first = pool.placement.first_core + offsets.get(pool.placement.key, 0)
+                    moved = pool.placement.model_copy(update={"first_core": first})
+                    pool = pool.model_copy(update={"placement": moved})
+                pools[role] = pool
+            proxy = self.proxy if entry.routing is None else self.proxy.model_copy(update={"routing": entry.routing})
+            data = {**shared, **{f: getattr(entry, f) for f in MODEL_FIELDS}, **pools, "proxy": proxy}
+            try:
+                view = ClusterSpec.model_validate(data)
+            except ValidationError as e:
+                problem = SpecError.of("", e)
+                field, reason = problem.field, problem.reason
+                if field.split(".")[0] in (*MODEL_FIELDS, "routing"):
+                    field = f"models.{index}.{field}"
+                elif field == "proxy.routing" or field.startswith("proxy.routing."):
+                    field = f"models.{index}.routing" + field[len("proxy.routing") :]
+                raise FieldError(field, reason) from None
+            view._key = entry.engine_key
+            if self.device == "cpu":
+                for key, needed in placement.domain_cores_needed(view).items():
+                    offsets[key] = needed
+            views.append(view)
+        self._views = views
+
+    @model_validator(mode="after")
+    def _check_models(self) -> ClusterSpec:
+        if self.models is None:
+            for role in ROLES:
+                if getattr(self, role) is None:
+                    raise FieldError(role, "required field is missing (or list the cluster's `models`)")
+            if self.model is None:
+                raise FieldError("model", "required field is missing (or list the cluster's `models`)")
+            return self
+        fields = type(self).model_fields
+        given = [f for f in MODEL_FIELDS if getattr(self, f) != fields[f].get_default(call_default_factory=True)]
+        if given:
+            raise FieldError(given[0], "a spec of several models sets it per model, in each entry of `models`")
+        keys: dict[str, int] = {}
+        names: dict[str, int] = {}
+        for index, entry in enumerate(self.models):
+            for seen, value, what in ((keys, entry.engine_key, "key"), (names, entry.model_name, "served name")):
+                if value in seen:
+                    raise FieldError(
+                        f"models.{index}",
+                        f"its {what} {value!r} is also models.{seen[value]}'s (set `key` or `served_model_name` apart)",
+                    )
+                seen[value] = index
+            for adapter in entry.engine.lora_adapters:
+                if adapter in names or any(adapter in other.engine.lora_adapters for other in self.models[:index]):
+                    raise FieldError(f"models.{index}.engine.lora_adapters", f"{adapter!r} names another model too")
+        self._build_views()
+        owners: dict[int, str] = {self.proxy.port: "proxy.port"}
+        for index, view in enumerate(self._views):
+            for field, ports in view.ports_used():
+                for port in ports:
+                    if port in owners and owners[port] != "proxy.port":
+                        raise FieldError(f"models.{index}.{field}", f"port {port} is also used by {owners[port]}")
+                    owners[port] = f"models.{index}.{field}"
+        if problem := placement.cluster_resource_problem(self):
+            raise FieldError(*problem)
+        return self
 
     def max_replicas(self, role: str) -> int:
         """The most engines pool ``role`` may grow to (``pdserve scale``, the autoscaler): ports, cores
@@ -358,6 +509,10 @@ class ClusterSpec(_Strict):
             requests_per_engine=self.proxy.requests_per_engine or self.engine_max_num_seqs(),
         )
 
+    def proxy_configs(self) -> list[ProxyConfig]:
+        """``proxy_config`` of each model (``views``): what the cluster's one proxy serves."""
+        return [view.proxy_config() for view in self.views()]
+
     def engine_max_num_seqs(self) -> int | None:
         """How many requests one engine runs at once (vLLM's --max-num-seqs), as far as the spec tells:
         ``engine.extra_args``, else vLLM's CPU default (per TP rank, of the pool with more ranks) on CPU. None on
@@ -372,6 +527,8 @@ class ClusterSpec(_Strict):
 
     @model_validator(mode="after")
     def _check_model(self) -> ClusterSpec:
+        if self.models is not None:  # each model's view is checked (``_check_models``)
+            return self
         looks_like_path = self.model.startswith((".", "/", "~"))
         if looks_like_path and not Path(self.model).expanduser().is_dir():
             raise FieldError("model", f"model directory {self.model!r} does not exist")
@@ -410,37 +567,52 @@ class ClusterSpec(_Strict):
         tier = self.kv_tier
         if tier is None:
             return None, None
-        node = Path("/dev/shm/pdserve-kv") / self.name if tier.node_gib > 0 else None
+        # Each model of a cluster of several has a directory of its own: the tier names entries by block hashes.
+        model = (self._key,) if self._key else ()
+        node = Path("/dev/shm/pdserve-kv", self.name, *model) if tier.node_gib > 0 else None
         shared = None
         if tier.shared_gib > 0:
             default = pdserve_dir("kv-tier", "PDSERVE_KV_TIER_DIR") / self.name
             shared = Path(tier.shared_path).expanduser() if tier.shared_path else default
+            shared = shared.joinpath(*model)
         return node, shared
 
-    @model_validator(mode="after")
-    def _check_ports(self) -> ClusterSpec:
-        owners: dict[int, str] = {self.proxy.port: "proxy.port"}
+    def ports_used(self) -> list[tuple[str, list[int]]]:
+        """(field, its ports) of each pool's HTTP and side-channel ports, for every replica it may grow to."""
+        used = []
         for role in ROLES:
             pool = self.pool(role)
             count = self.max_replicas(role)
             kv_span = [p + r for p in pool.kv_ports(count) for r in range(pool.tensor_parallel_size)]
-            for field, ports in ((f"{role}.port", pool.ports(count)), (f"{role}.kv_port", kv_span)):
-                for port in ports:
-                    if port > 65535:
-                        raise FieldError(field, f"port {port} of its replicas is above 65535")
-                    if port in owners:
-                        raise FieldError(field, f"port {port} is also used by {owners[port]}")
-                    owners[port] = field
+            used += [(f"{role}.port", pool.ports(count)), (f"{role}.kv_port", kv_span)]
+        return used
+
+    @model_validator(mode="after")
+    def _check_ports(self) -> ClusterSpec:
+        if self.models is not None:  # each model's view is checked (``_check_models``)
+            return self
+        owners: dict[int, str] = {self.proxy.port: "proxy.port"}
+        for field, ports in self.ports_used():
+            for port in ports:
+                if port > 65535:
+                    raise FieldError(field, f"port {port} of its replicas is above 65535")
+                if port in owners:
+                    raise FieldError(field, f"port {port} is also used by {owners[port]}")
+                owners[port] = field
         return self
 
     @model_validator(mode="after")
     def _check_resources(self) -> ClusterSpec:
+        if self.models is not None:  # each model's view is checked (``_check_models``)
+            return self
         if problem := placement.resource_problem(self):
             raise FieldError(*problem)
         return self
 
     @model_validator(mode="after")
     def _check_autoscaling(self) -> ClusterSpec:
+        if self.models is not None:  # each model's view is checked (``_check_models``)
+            return self
         scaling = self.autoscaling
         if scaling is None:
             return self

@@ -2,8 +2,8 @@
 
 - ``GET /admin/engines``: ``pool.snapshot()``.
 - ``POST /admin/engines`` with ``{"role", "engine_id", "url"}`` (and, for an engine of the
-  ``pdserve`` connector, its side channel ``"kv_endpoints"``): add an engine, or take
-  back one that is draining (201).
+  ``pdserve`` connector, its side channel ``"kv_endpoints"``; ``"model"`` when the proxy
+  serves several): add an engine, or take back one that is draining (201).
 - ``POST /admin/engines/{engine_id}/drain``: send it no new request.
 - ``DELETE /admin/engines/{engine_id}``: take it out.
 
@@ -47,7 +47,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from proxy.auth import KeyCheck, bearer_token
 from proxy.errors import InvalidApiKey, InvalidRequest, ProxyConfigError
-from proxy.pool import KV_ENDPOINT_PATTERN, Endpoint, EnginePool, url_host
+from proxy.pool import KV_ENDPOINT_PATTERN, Endpoint, PoolSet, url_host
 
 __all__ = ["PUBLIC_ENGINE_FIELDS", "Network", "admin_key_of", "admin_router", "parse_networks", "refused_host"]
 
@@ -89,6 +89,7 @@ def refused_host(url: str, cluster_hosts: set[str], networks: tuple[Network, ...
 class NewEngine(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: Literal["prefill", "decode"]
+    model: str | None = Field(default=None, description="The model it serves (needed when the proxy serves several)")
     engine_id: str = Field(min_length=1, max_length=200)
     url: str = Field(pattern=r"^https?://[^/\s]+/?$", description="The engine's base URL, e.g. http://10.0.0.5:8100")
     kv_endpoints: list[Annotated[str, Field(pattern=KV_ENDPOINT_PATTERN)]] = Field(
@@ -108,7 +109,7 @@ def admin_key_of(request: Request) -> str | None:
     return request.headers.get("x-admin-key") or bearer_token(request.headers.get("authorization"))
 
 
-def admin_router(pool: EnginePool, admin_keys: KeyCheck, networks: tuple[Network, ...] = ()) -> APIRouter:
+def admin_router(pools: PoolSet, admin_keys: KeyCheck, networks: tuple[Network, ...] = ()) -> APIRouter:
     router = APIRouter(prefix="/admin")
 
     def authorize(request: Request) -> None:
@@ -123,7 +124,7 @@ def admin_router(pool: EnginePool, admin_keys: KeyCheck, networks: tuple[Network
     @router.get("/engines")
     async def list_engines(request: Request) -> Response:
         authorize(request)
-        return answer(pool.snapshot())
+        return answer(pools.snapshot())
 
     @router.post("/engines")
     async def add_engine(request: Request) -> Response:
@@ -135,29 +136,30 @@ def admin_router(pool: EnginePool, admin_keys: KeyCheck, networks: tuple[Network
             param = ".".join(str(part) for part in first["loc"]) or None
             raise InvalidRequest(f"{param}: {first['msg']}", param=param) from e
         for param, url in [("url", engine.url), *((f"kv_endpoints.{i}", u) for i, u in enumerate(engine.kv_endpoints))]:
-            if (why := refused_host(url, pool.cluster_hosts, networks)) is not None:
+            if (why := refused_host(url, pools.cluster_hosts, networks)) is not None:
                 raise InvalidRequest(f"{param}: {why}", param=param)
+        pool = pools.of(engine.model)
         try:
-            known = next((e for e in pool.engines() if e.engine_id == engine.engine_id), None)
-            if known is not None and not known.draining:
+            known = next((e for e in pools.engines() if e.engine_id == engine.engine_id), None)
+            if known is not None and (not known.draining or known not in pool.engines()):
                 raise ValueError(f"engine {engine.engine_id!r} is already in the pool")
             pool.add(
                 engine.role, Endpoint(engine.engine_id, engine.url.rstrip("/"), tuple(engine.kv_endpoints))
             )  # or takes a draining one back
         except ValueError as e:
             raise InvalidRequest(str(e)) from e
-        return answer(pool.snapshot(), 201)
+        return answer(pools.snapshot(), 201)
 
     @router.post("/engines/{engine_id}/drain")
     async def drain_engine(request: Request, engine_id: str) -> Response:
         authorize(request)
-        pool.drain(engine_id)
-        return answer(pool.snapshot())
+        pools.holding(engine_id).drain(engine_id)
+        return answer(pools.snapshot())
 
     @router.delete("/engines/{engine_id}")
     async def remove_engine(request: Request, engine_id: str) -> Response:
         authorize(request)
-        pool.remove(engine_id)
-        return answer(pool.snapshot())
+        pools.holding(engine_id).remove(engine_id)
+        return answer(pools.snapshot())
 
     return router

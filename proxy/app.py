@@ -12,8 +12,13 @@ for the load-aware policies, ``/metrics`` polls (``proxy.load``). Routes:
   the one engine that made a response (``bodies.STATEFUL_RESPONSES``).
 - ``POST /tokenize``, ``POST /detokenize`` (``wire.ENGINE_ONLY_PATHS``): one ready engine of either pool,
   in turn; its answer as it came.
-- ``GET /v1/models``: the served model, then its LoRA adapters (``parent``: the model).
-- ``GET /health``: 200 while both pools have a ready engine (healthy, not draining), else 503 (no key needed).
+- ``GET /v1/models``: each served model, then its LoRA adapters (``parent``: the model).
+- ``GET /health``: 200 while both pools of every model have a ready engine (healthy, not draining), else 503
+  (no key needed).
+
+An app serves one model or several (``create_app`` takes one ``ProxyConfig`` per model): each model has its
+own pools, router, health checks, admission gate and ``TwoPhaseFlow``; a request goes to the flow of the model
+(or adapter) its body names, 404 in OpenAI's format for one nobody serves.
 - ``GET /metrics``: Prometheus metrics (``proxy.metrics``; no key needed).
 - ``/admin/engines...``: with an admin key only (``proxy.admin``).
 
@@ -66,7 +71,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -87,7 +92,7 @@ from proxy.exchange import DECODE_ONLY, DISAGGREGATED, PREFILL_ONLY
 from proxy.health import HealthMonitor, HealthTracker
 from proxy.load import LoadPoller
 from proxy.metrics import CONTENT_TYPE_LATEST, ProxyMetrics
-from proxy.pool import EnginePool
+from proxy.pool import EnginePool, PoolSet
 from proxy.routing import Router
 from proxy.two_phase import TwoPhaseFlow
 
@@ -96,47 +101,72 @@ __all__ = ["DECODE_ONLY", "DISAGGREGATED", "PREFILL_ONLY", "ProxyConfig", "creat
 logger = logging.getLogger(__name__)
 
 
-def create_app(config: ProxyConfig, pool: EnginePool | None = None) -> FastAPI:
-    """The proxy's app; ``ProxyConfigError`` if its keys cannot be read."""
-    pool = pool if pool is not None else EnginePool()
+def create_app(
+    config: ProxyConfig | Sequence[ProxyConfig], pool: EnginePool | Mapping[str, EnginePool] | None = None
+) -> FastAPI:
+    """The proxy's app; ``ProxyConfigError`` if its keys cannot be read.
+
+    ``config``: one model's, or one per model served (``ClusterSpec.proxy_configs``: the same proxy settings,
+    the first's taken for what the app shares); ``pool``: the model's pool, or each model's by its name."""
+    configs = [config] if isinstance(config, ProxyConfig) else list(config)
+    config = configs[0]
+    if isinstance(pool, EnginePool):
+        pools = PoolSet({config.model_name: pool})
+    else:
+        pools = PoolSet({c.model_name: (pool or {}).get(c.model_name) or EnginePool() for c in configs})
     created = int(time.time())
-    router = Router(pool, config)
-    tracker = HealthTracker(pool, config.unhealthy_after, config.healthy_after)
     checks_health = config.health_interval_s > 0
 
     api_keys = KeyCheck(load_keys(config.api_key_env, config.api_key_file))
     admin_keys = KeyCheck(load_keys(config.admin_key_env, config.admin_key_file))
     admin_networks = parse_networks(config.admin_engine_networks)
-    metrics = ProxyMetrics(pool)
-    flow = TwoPhaseFlow(config, router, tracker, metrics, api_keys, checks_health)
+    metrics = ProxyMetrics(pools.by_model)
+    flows = []
+    for model_config in configs:
+        model_pool = pools.of(model_config.model_name)
+        tracker = HealthTracker(model_pool, config.unhealthy_after, config.healthy_after)
+        flows.append(
+            TwoPhaseFlow(
+                model_config, Router(model_pool, model_config), tracker, metrics.of(model_config.model_name),
+                api_keys, checks_health, metrics.of(None),
+            )
+        )  # fmt: skip
+    flow = flows[0]  # the routes' flow: it hands each request on to its model's
+    flow.models = {name: f for f in flows for name in f.models}
+    for other in flows:
+        other.models = flow.models
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         client = EngineClient(connect_timeout_s=config.connect_timeout_s)
-        flow.open(client)
         background = []
-        if checks_health:
-            monitor = HealthMonitor(tracker, client, config.health_interval_s, config.health_timeout_s)
-            background.append(asyncio.create_task(monitor.run(), name="pdserve-health"))
-        if config.routing.needs_load and config.metrics_interval_s > 0:
-            poller = LoadPoller(pool, client, config.metrics_interval_s, config.health_timeout_s)
-            background.append(asyncio.create_task(poller.run(), name="pdserve-load"))
+        for each in flows:
+            each.open(client)
+            if checks_health:
+                monitor = HealthMonitor(each.tracker, client, config.health_interval_s, config.health_timeout_s)
+                background.append(asyncio.create_task(monitor.run(), name="pdserve-health"))
+            if each.config.routing.needs_load and config.metrics_interval_s > 0:
+                poller = LoadPoller(each.router.pool, client, config.metrics_interval_s, config.health_timeout_s)
+                background.append(asyncio.create_task(poller.run(), name="pdserve-load"))
         try:
             yield
         finally:
             for task in background:
                 task.cancel()
             await asyncio.gather(*background, return_exceptions=True)
-            await flow.close()
+            for each in flows:
+                await each.close()
             await client.close()
 
     app = FastAPI(title="pdserve proxy", lifespan=lifespan)
-    app.state.pool = pool
+    app.state.pool = flow.router.pool  # the first model's
+    app.state.pools = pools
     app.state.config = config
-    app.state.router = router
-    app.state.health = tracker
+    app.state.router = flow.router
+    app.state.health = flow.tracker
     app.state.metrics = metrics
     app.state.flow = flow
+    app.state.flows = flows
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
@@ -160,26 +190,25 @@ def create_app(config: ProxyConfig, pool: EnginePool | None = None) -> FastAPI:
     @app.get(wire.MODELS_PATH)
     async def models(request: Request) -> Response:
         flow.require_api_key(request)
-        base = {"id": config.model_name, "object": "model", "created": created, "owned_by": "pdserve"}
-        adapters = [base | {"id": name, "parent": config.model_name} for name in config.adapters]
-        listing = {"object": "list", "data": [base, *adapters]}
-        return Response(orjson.dumps(listing), media_type="application/json")
+        data = []
+        for each in configs:
+            base = {"id": each.model_name, "object": "model", "created": created, "owned_by": "pdserve"}
+            data += [base, *(base | {"id": name, "parent": each.model_name} for name in each.adapters)]
+        return Response(orjson.dumps({"object": "list", "data": data}), media_type="application/json")
 
     @app.get("/health")
     async def health(request: Request) -> Response:
-        # ok: both pools can take requests; degraded: one can, and serves them alone (proxy.degrade);
-        # unavailable (503): requests would fail. Where the engines listen (URLs, side channels) only for an
-        # admin key: an anonymous caller learns how many engines are healthy, not where to send them packets.
-        engines = pool.snapshot()
+        # ok: both pools (of every model) can take requests; degraded: one can, and serves them alone
+        # (proxy.degrade); unavailable (503): requests (of a model) would fail. Where the engines listen (URLs,
+        # side channels) only for an admin key: an anonymous caller learns how many engines are healthy, not
+        # where to send them packets.
+        engines = pools.snapshot()
         if not (admin_keys.enabled and admin_keys.allows(admin_key_of(request))):
             engines = {role: [{k: v for k, v in e.items() if k in PUBLIC_ENGINE_FIELDS} for e in listed]
                        for role, listed in engines.items()}  # fmt: skip
-        ready = [role for role in ROLES if pool.ready(role)]
-        if len(ready) == len(ROLES):
-            status = "ok"
-        else:
-            status = "degraded" if ready and config.degrade else "unavailable"
-        body = {"status": status, "engines": engines}
+        each = {name: _pool_status(model_pool, config.degrade) for name, model_pool in pools.by_model.items()}
+        status = next((s for s in ("unavailable", "degraded") if s in each.values()), "ok")
+        body = {"status": status, "engines": engines} | ({"models": each} if len(each) > 1 else {})
         code = 503 if status == "unavailable" else 200
         return Response(orjson.dumps(body), status_code=code, media_type="application/json")
 
@@ -188,9 +217,17 @@ def create_app(config: ProxyConfig, pool: EnginePool | None = None) -> FastAPI:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     if admin_keys.enabled:
-        app.include_router(admin_router(pool, admin_keys, admin_networks))
+        app.include_router(admin_router(pools, admin_keys, admin_networks))
 
     return app
+
+
+def _pool_status(pool: EnginePool, degrade: bool) -> str:
+    """ok: both of a model's pools have a ready engine; degraded: one has, and serves alone; else unavailable."""
+    ready = [role for role in ROLES if pool.ready(role)]
+    if len(ready) == len(ROLES):
+        return "ok"
+    return "degraded" if ready and degrade else "unavailable"
 
 
 def _generation(flow: TwoPhaseFlow, kind: str, path: str) -> Callable[[Request], Coroutine[Any, Any, Response]]:

@@ -33,6 +33,7 @@ __all__ = [
     "chat_messages",
     "check_context_length",
     "check_model",
+    "check_request",
     "decode_body",
     "parse_object",
     "parse_request",
@@ -104,7 +105,11 @@ def parse_object(raw: bytes) -> dict[str, Any]:
 def parse_request(raw: bytes, kind: str, model_name: str, adapters: tuple[str, ...] = ()) -> dict[str, Any]:
     """Validate a request body; return it as a dict (unknown fields kept). Its model is ``model_name`` or one
     of its LoRA ``adapters``."""
-    body = parse_object(raw)
+    return check_request(parse_object(raw), kind, model_name, adapters)
+
+
+def check_request(body: dict[str, Any], kind: str, model_name: str, adapters: tuple[str, ...] = ()) -> dict[str, Any]:
+    """``parse_request`` of a body already parsed (``parse_object``)."""
     if not _plainly_valid(body, kind):
         _validate(body, kind)
     _refuse_transfer_fields(body)

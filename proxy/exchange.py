@@ -36,7 +36,7 @@ from starlette.requests import Request
 
 from contract import headers
 from proxy.limits import AdmissionGate
-from proxy.metrics import DEFAULT_SERVING_PATH, ProxyMetrics
+from proxy.metrics import DEFAULT_SERVING_PATH, ModelMetrics
 from proxy.pool import EngineState
 from proxy.release import KVReleaser
 from proxy.routing import DEGRADED_REASONS, NO_DECODE_ENGINE, Route
@@ -92,7 +92,7 @@ class Exchange:
         "_decode_routed",
     )  # fmt: skip
 
-    def __init__(self, request: Request, kind: str, route: str, metrics: ProxyMetrics) -> None:
+    def __init__(self, request: Request, kind: str, route: str, metrics: ModelMetrics) -> None:
         self.started = time.perf_counter()
         self.request, self.kind, self.route = request, kind, route
         self.request_id = request.headers.get("x-request-id") or f"pdserve-{os.urandom(16).hex()}"
@@ -110,6 +110,12 @@ class Exchange:
         self._prefill_routed: EngineState | None = None
         self._decode_routed: EngineState | None = None
         """The engines counted for a leg at routing whose leg has not started (``leg_starts``) yet."""
+
+    def counts_for(self, metrics: ModelMetrics) -> None:
+        """The request's body named its model: it counts in ``metrics`` (that model's) from now on, and has
+        arrived."""
+        self._metrics = metrics
+        metrics.received.inc()
 
     def routed(self, engines: Route) -> None:
         """The router chose ``engines``: each counts the request from now on; the serving path they make, and

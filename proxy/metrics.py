@@ -1,15 +1,19 @@
 """The proxy's Prometheus metrics, served at ``GET /metrics``.
 
-``ProxyMetrics(pool)`` holds one ``CollectorRegistry`` per app (built in
+``ProxyMetrics(pools)`` holds one ``CollectorRegistry`` per app (built in
 ``create_app``, never a module global, so two apps in one process, as in the
-tests, count apart):
+tests, count apart). Every metric has a ``model`` label: the served model's
+name (a request for an adapter counts for its model); ``ProxyMetrics.of(model)``
+is what a model's flow counts in. A request refused before its body named a
+model counts for the one model of an app that serves one, else as model "".
 
-- ``pdserve_proxy_requests_total{route,status,path}``: completion requests
+- ``pdserve_proxy_requests_total{model,route,status,path}``: completion requests
   answered, by route (``/v1/chat/completions``...), HTTP status (499: the
   client went away first) and serving path (``request.state.serving_path``,
   ``disaggregated`` unless the router said otherwise). A stream counts when it ends.
 - ``pdserve_proxy_requests_received_total``: completion requests arrived (the
-  autoscaler's arrival rate: it counts a request when it comes, not when it ends).
+  autoscaler's arrival rate: it counts a request when it comes, once its body
+  named a model, not when it ends).
 - ``pdserve_proxy_time_to_first_token_seconds``: request arrival to the first
   streamed chunk relayed (streams only; a JSON answer has no first token to see).
 - ``pdserve_proxy_inter_token_latency_seconds``: between streamed chunks.
@@ -17,15 +21,15 @@ tests, count apart):
 - ``pdserve_proxy_tier_lookups_total{outcome}``: what the shared KV tier holds of a
   prompt, asked of a tier engine before routing (``ok``; ``failed``: no answer in
   time, routed as without a tier).
-- ``pdserve_proxy_engine_in_flight{role,engine_id}``: read from ``pool.snapshot()``
-  when scraped, so the hot path pays nothing for it.
-- ``pdserve_proxy_pool_engines{role,state}``: the pool's engines by state (``ready``:
+- ``pdserve_proxy_engine_in_flight{model,role,engine_id}``: read from each pool's
+  ``snapshot()`` when scraped, so the hot path pays nothing for it.
+- ``pdserve_proxy_pool_engines{model,role,state}``: the pool's engines by state (``ready``:
   healthy and serving; ``ejected``: failing its health checks; ``draining``), and
-  ``pdserve_proxy_pool_target{role}``: the size the cluster's controller wants (its
+  ``pdserve_proxy_pool_target{model,role}``: the size the cluster's controller wants (its
   autoscaler's decisions, ``pdserve scale``); a standalone proxy has no target.
 
-Labelled children are bound once per label set and kept, so a request costs
-a dict look-up, not ``labels()``; the histograms have no labels.
+Labelled children are bound once per label set and kept (``ModelMetrics``), so
+a request costs a dict look-up, not ``labels()``.
 
 With ``pdserve proxy --workers N`` each worker process has its own registry
 and a scrape reaches one of them (the kernel picks): see the README.
@@ -33,6 +37,7 @@ and a scrape reaches one of them (the kernel picks): see the README.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
@@ -48,115 +53,160 @@ E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15
 
 
 class ProxyMetrics:
-    """The metrics of one app (see the module's docstring)."""
+    """The metrics of one app (see the module's docstring): ``of(model)`` counts for one model."""
 
-    def __init__(self, pool: Any) -> None:
+    def __init__(self, pools: Mapping[str, Any] | Any) -> None:
+        """``pools``: each served model's ``EnginePool``, by name (or one pool: a model named "")."""
+        self.pools: Mapping[str, Any] = pools if isinstance(pools, Mapping) else {"": pools}
         self.registry = CollectorRegistry(auto_describe=True)
-        self._requests = Counter(
+        registry = self.registry
+        self.requests = Counter(
             "pdserve_proxy_requests",
-            "Completion requests answered, by route, HTTP status and serving path.",
-            ("route", "status", "path"),
-            registry=self.registry,
+            "Completion requests answered, by model, route, HTTP status and serving path.",
+            ("model", "route", "status", "path"),
+            registry=registry,
         )
         self.received = Counter(
             "pdserve_proxy_requests_received",
-            "Completion requests arrived (counted on arrival, answered or not).",
-            registry=self.registry,
+            "Completion requests arrived, by model (counted once the body named it, answered or not).",
+            ("model",),
+            registry=registry,
         )
         self.time_to_first_token = Histogram(
             "pdserve_proxy_time_to_first_token_seconds",
             "From a streamed request's arrival to its first chunk relayed.",
+            ("model",),
             buckets=TTFT_BUCKETS,
-            registry=self.registry,
+            registry=registry,
         )
         self.inter_token_latency = Histogram(
             "pdserve_proxy_inter_token_latency_seconds",
             "Time between consecutive chunks of a stream.",
+            ("model",),
             buckets=ITL_BUCKETS,
-            registry=self.registry,
+            registry=registry,
         )
         self.e2e_request_latency = Histogram(
             "pdserve_proxy_e2e_request_latency_seconds",
             "From a request's arrival to the end of its answer.",
+            ("model",),
             buckets=E2E_BUCKETS,
-            registry=self.registry,
+            registry=registry,
         )
         self.degraded = Counter(
             "pdserve_proxy_degraded_requests",
-            "Requests served by one engine alone because a pool could not take them, by reason "
+            "Requests served by one engine alone because a pool could not take them, by model and reason "
             "(no-prefill-engine, prefill-failed: decode-only; no-decode-engine: on a prefill engine).",
-            ("reason",),
-            registry=self.registry,
+            ("model", "reason"),
+            registry=registry,
         )
         self.tier_lookups = Counter(
             "pdserve_proxy_tier_lookups",
-            "Lookups of what the shared KV tier holds of a prompt, before routing, by outcome (ok, failed).",
-            ("outcome",),
-            registry=self.registry,
+            "Lookups of what the shared KV tier holds of a prompt, before routing, by model and outcome (ok, failed).",
+            ("model", "outcome"),
+            registry=registry,
         )
-        self.registry.register(_EngineInFlight(pool))
-        self.registry.register(_PoolSizes(pool))
+        registry.register(_EngineInFlight(self.pools))
+        registry.register(_PoolSizes(self.pools))
+        self._models: dict[str, ModelMetrics] = {}
+
+    def of(self, model: str | None) -> ModelMetrics:
+        """The metrics of ``model``; None: of a request whose model is not known yet, which counts for the one
+        model of an app that serves one, and as model "" in one that serves several."""
+        if model is None:
+            model = next(iter(self.pools)) if len(self.pools) == 1 else ""
+        if model not in self._models:
+            self._models[model] = ModelMetrics(self, model)
+        return self._models[model]
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class ModelMetrics:
+    """One model's children of ``ProxyMetrics``' metrics (bound once: a request costs a dict look-up)."""
+
+    def __init__(self, metrics: ProxyMetrics, model: str) -> None:
+        self.model = model
+        self._requests = metrics.requests
+        self.received = metrics.received.labels(model)
+        self.time_to_first_token = metrics.time_to_first_token.labels(model)
+        self.inter_token_latency = metrics.inter_token_latency.labels(model)
+        self.e2e_request_latency = metrics.e2e_request_latency.labels(model)
+        self.degraded = _Labelled(metrics.degraded, model)
+        self.tier_lookups = _Labelled(metrics.tier_lookups, model)
         self._counters: dict[tuple[str, int, str], Any] = {}
 
     def request_done(self, route: str, status: int, serving_path: str, elapsed_s: float) -> None:
         key = (route, status, serving_path)
         counter = self._counters.get(key)
         if counter is None:
-            counter = self._counters[key] = self._requests.labels(route, str(status), serving_path)
+            counter = self._counters[key] = self._requests.labels(self.model, route, str(status), serving_path)
         counter.inc()
         self.e2e_request_latency.observe(elapsed_s)
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+
+class _Labelled:
+    """A labelled metric whose first label (the model) is given: ``labels(reason)``."""
+
+    def __init__(self, metric: Any, model: str) -> None:
+        self._metric, self._model = metric, model
+
+    def labels(self, *values: str) -> Any:
+        return self._metric.labels(self._model, *values)
 
 
 class _EngineInFlight(Collector):
-    """``pdserve_proxy_engine_in_flight``, read from the pool at scrape time."""
+    """``pdserve_proxy_engine_in_flight``, read from the pools at scrape time."""
 
-    def __init__(self, pool: Any) -> None:
-        self._pool = pool
+    def __init__(self, pools: Mapping[str, Any]) -> None:
+        self._pools = pools
 
     def collect(self):  # noqa: ANN201 (prometheus_client's signature)
         family = GaugeMetricFamily(
             "pdserve_proxy_engine_in_flight",
             "Requests this proxy process has under way on each engine.",
-            labels=("role", "engine_id"),
+            labels=("model", "role", "engine_id"),
         )
-        for role, engines in self._pool.snapshot().items():
-            for engine in engines:
-                family.add_metric((role, engine["engine_id"]), engine.get("in_flight", 0))
+        for model, pool in self._pools.items():
+            for role, engines in pool.snapshot().items():
+                for engine in engines:
+                    family.add_metric((model, role, engine["engine_id"]), engine.get("in_flight", 0))
         yield family
 
     def describe(self):  # noqa: ANN201
-        return [GaugeMetricFamily("pdserve_proxy_engine_in_flight", "", labels=("role", "engine_id"))]
+        return [GaugeMetricFamily("pdserve_proxy_engine_in_flight", "", labels=("model", "role", "engine_id"))]
 
 
 class _PoolSizes(Collector):
     """``pdserve_proxy_pool_engines`` and ``pdserve_proxy_pool_target``, read from the pool at scrape time."""
 
-    def __init__(self, pool: Any) -> None:
-        self._pool = pool
+    def __init__(self, pools: Mapping[str, Any]) -> None:
+        self._pools = pools
 
     def collect(self):  # noqa: ANN201
         engines = GaugeMetricFamily(
             "pdserve_proxy_pool_engines",
             "The pool's engines by state (ready, ejected, draining).",
-            labels=("role", "state"),
+            labels=("model", "role", "state"),
         )
         target = GaugeMetricFamily(
-            "pdserve_proxy_pool_target", "The pool's size as the cluster's controller wants it.", labels=("role",)
+            "pdserve_proxy_pool_target",
+            "The pool's size as the cluster's controller wants it.",
+            labels=("model", "role"),
         )
-        for role, members in self._pool.snapshot().items():
-            states = ["draining" if e["draining"] else "ready" if e["healthy"] else "ejected" for e in members]
-            for state in ("ready", "ejected", "draining"):
-                engines.add_metric((role, state), states.count(state))
-            if role in self._pool.targets:
-                target.add_metric((role,), self._pool.targets[role])
+        for model, pool in self._pools.items():
+            for role, members in pool.snapshot().items():
+                states = ["draining" if e["draining"] else "ready" if e["healthy"] else "ejected" for e in members]
+                for state in ("ready", "ejected", "draining"):
+                    engines.add_metric((model, role, state), states.count(state))
+                if role in pool.targets:
+                    target.add_metric((model, role), pool.targets[role])
         yield engines
         yield target
 
     def describe(self):  # noqa: ANN201
         return [
-            GaugeMetricFamily("pdserve_proxy_pool_engines", "", labels=("role", "state")),
-            GaugeMetricFamily("pdserve_proxy_pool_target", "", labels=("role",)),
+            GaugeMetricFamily("pdserve_proxy_pool_engines", "", labels=("model", "role", "state")),
+            GaugeMetricFamily("pdserve_proxy_pool_target", "", labels=("model", "role")),
         ]

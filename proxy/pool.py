@@ -27,14 +27,23 @@ decode leg in that engine's ``in_flight``, and waits for it.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from contract.wire import ROLES, TCP_ENDPOINT_PATTERN
-from proxy.errors import NoHealthyEngine, UnknownEngine
+from proxy.errors import InvalidRequest, NoHealthyEngine, UnknownEngine
 
-__all__ = ["KV_ENDPOINT_PATTERN", "ROLES", "Endpoint", "EnginePool", "EngineState", "endpoint_hosts", "url_host"]
+__all__ = [
+    "KV_ENDPOINT_PATTERN",
+    "ROLES",
+    "Endpoint",
+    "EnginePool",
+    "EngineState",
+    "PoolSet",
+    "endpoint_hosts",
+    "url_host",
+]
 
 KV_ENDPOINT_PATTERN = TCP_ENDPOINT_PATTERN
 """One TP rank's side channel of the ``pdserve`` connector (``contract.wire.side_channel_endpoint``)."""
@@ -239,6 +248,46 @@ class EnginePool:
         self._ready[role] = tuple(e for e in self._roles[role] if e.healthy and not e.draining)
         for callback in self._watchers:
             callback()
+
+
+class PoolSet:
+    """The pools of every model one app serves, by the model's name (``create_app``; one proxy, several models).
+    Engine ids are unique across them (a cluster's are ``KEY-prefill-0``)."""
+
+    def __init__(self, pools: Mapping[str, EnginePool]) -> None:
+        self.by_model = dict(pools)
+
+    def of(self, model: str | None) -> EnginePool:
+        """The pool of ``model`` (None: the only one); ``InvalidRequest`` (param ``model``) for another."""
+        if model is None and len(self.by_model) == 1:
+            return next(iter(self.by_model.values()))
+        if model in self.by_model:
+            return self.by_model[model]
+        names = ", ".join(self.by_model)
+        raise InvalidRequest(f"model: {'name one' if model is None else f'no model {model!r}'} of {names}",
+                             param="model")  # fmt: skip
+
+    def holding(self, engine_id: str) -> EnginePool:
+        """The pool of the engine ``engine_id``; ``UnknownEngine`` if none has it."""
+        for pool in self.by_model.values():
+            if any(e.engine_id == engine_id for e in pool.engines()):
+                return pool
+        raise UnknownEngine(f"no engine {engine_id!r} in the pool", param="engine_id")
+
+    def engines(self) -> tuple[EngineState, ...]:
+        return tuple(e for pool in self.by_model.values() for e in pool.engines())
+
+    @property
+    def cluster_hosts(self) -> set[str]:
+        return set().union(*(pool.cluster_hosts for pool in self.by_model.values()))
+
+    def snapshot(self) -> dict[str, list[dict[str, str | int | bool | list[str]]]]:
+        """Every model's engines, by role (``EnginePool.snapshot``)."""
+        merged: dict[str, list] = {role: [] for role in ROLES}
+        for pool in self.by_model.values():
+            for role, engines in pool.snapshot().items():
+                merged[role] += engines
+        return merged
 
 
 def no_healthy_engine(role: str) -> NoHealthyEngine:

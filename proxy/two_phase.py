@@ -43,9 +43,9 @@ from proxy.auth import KeyCheck, bearer_token, load_engine_key
 from proxy.bodies import (
     check_context_length,
     check_model,
+    check_request,
     decode_body,
     parse_object,
-    parse_request,
     prefill_body,
 )
 from proxy.config import ProxyConfig
@@ -63,7 +63,7 @@ from proxy.exchange import DECODE_ONLY, DISAGGREGATED, PREFILL_ONLY, Exchange
 from proxy.health import HealthTracker
 from proxy.kv_report import KVReports, kv_report
 from proxy.limits import DEFAULT_REQUESTS_PER_ENGINE, AdmissionGate, pool_limit, read_body
-from proxy.metrics import ProxyMetrics
+from proxy.metrics import ModelMetrics
 from proxy.pool import EngineState
 from proxy.relay import DecodeStream, RelayResponse, responses_generated
 from proxy.release import KVReleaser
@@ -76,18 +76,27 @@ logger = logging.getLogger(__name__)
 
 
 class TwoPhaseFlow:
-    """Serves completion requests through the pools (``serve``); one per app."""
+    """Serves completion requests through one model's pools (``serve``); one per model the app serves.
+
+    ``models`` maps each name a request may send as its model (a model's, its adapters') to the flow of that
+    model; the app's routes call the first model's flow, which reads the body and hands the request on to the
+    flow of the model it names (404 for one nobody serves)."""
 
     def __init__(
         self,
         config: ProxyConfig,
         router: Router,
         tracker: HealthTracker,
-        metrics: ProxyMetrics,
+        metrics: ModelMetrics,
         api_keys: KeyCheck,
         checks_health: bool,
+        arrivals: ModelMetrics | None = None,
     ) -> None:
+        """``metrics``: this model's; ``arrivals``: what a request counts in until its body names its model
+        (default: ``metrics``)."""
         self.config, self.router, self.tracker, self.metrics = config, router, tracker, metrics
+        self.arrivals = arrivals or metrics
+        self.models: dict[str, TwoPhaseFlow] = dict.fromkeys((config.model_name, *config.adapters), self)
         self.api_keys = api_keys
         self.checks_health = checks_health
         self.retries = config.prefill_retries
@@ -145,8 +154,7 @@ class TwoPhaseFlow:
     # ---------------------------------------------------------------- a request
 
     async def serve(self, request: Request, kind: str, route: str) -> Response:
-        self.metrics.received.inc()
-        exchange = Exchange(request, kind, route, self.metrics)
+        exchange = Exchange(request, kind, route, self.arrivals)
         response: Response | None = None
         try:
             response = await self._respond(exchange, self._answer)
@@ -171,7 +179,7 @@ class TwoPhaseFlow:
     async def serve_engine_only(self, request: Request, route: str) -> Response:
         """A request no KV moves for (``wire.ENGINE_ONLY_PATHS``: ``/tokenize``, ``/detokenize``): the client's
         body, checked as any (key, size, JSON, model), to one ready engine of either pool; its answer as it came."""
-        exchange = Exchange(request, "engine", route, self.metrics)
+        exchange = Exchange(request, "engine", route, self.arrivals)
         response: Response | None = None
         try:
             response = await self._respond(exchange, self._engine_only)
@@ -180,15 +188,16 @@ class TwoPhaseFlow:
             exchange.close(response.status_code if response is not None else None)
 
     async def _engine_only(self, exchange: Exchange) -> Response:
-        assert self.upstream is not None, "the flow is not open"
         raw = await self._body(exchange)
-        if (model := parse_object(raw).get("model")) is not None:
-            check_model(model, self.config.model_name, self.config.adapters)
-        exchange.engine_headers = self.engine_headers(exchange)
-        engine = self.router.any_engine()
+        model = parse_object(raw).get("model")
+        flow = self if model is None else self.flow_of(model)  # no model: the first model's engines answer
+        assert flow.upstream is not None, "the flow is not open"
+        exchange.counts_for(flow.metrics)
+        exchange.engine_headers = flow.engine_headers(exchange)
+        engine = flow.router.any_engine()
         exchange.reply_headers[headers.DECODE if engine.role == "decode" else headers.PREFILL] = engine.engine_id
         async with cancel_on_disconnect(exchange.request, exchange.request_id):
-            status, payload = await self.upstream.call(engine, exchange, raw)
+            status, payload = await flow.upstream.call(engine, exchange, raw)
         return Response(payload, status_code=status, media_type="application/json", headers=exchange.reply_headers)
 
     async def _body(self, exchange: Exchange) -> bytes:
@@ -203,10 +212,29 @@ class TwoPhaseFlow:
         except ClientDisconnect as e:
             raise ClientGone(f"request {exchange.request_id}: the client went away while sending its body") from e
 
+    def flow_of(self, model: object, body: dict | None = None, kind: str = "") -> TwoPhaseFlow:
+        """The flow of the model (or adapter) a request names; else, when ``body`` (of ``kind``) is invalid,
+        its 400, and ``ModelNotFound`` (404) naming every model served."""
+        flow = self.models.get(model) if isinstance(model, str) else None
+        if flow is None:
+            names = tuple(self.models)
+            if body is not None:
+                check_request(body, kind, names[0], names[1:])
+            check_model(model, names[0], names[1:])
+        assert flow is not None
+        return flow
+
     async def _answer(self, exchange: Exchange) -> Response:
-        request = exchange.request
         raw = await self._body(exchange)
-        exchange.body = parse_request(raw, exchange.kind, self.config.model_name, self.config.adapters)
+        body = parse_object(raw)
+        flow = self.flow_of(body.get("model"), body, exchange.kind)
+        exchange.counts_for(flow.metrics)
+        exchange.body = check_request(body, exchange.kind, flow.config.model_name, flow.config.adapters)
+        return await flow._admitted(exchange)
+
+    async def _admitted(self, exchange: Exchange) -> Response:
+        """A request of this flow's model, its body checked: the context length, a slot, both legs."""
+        request = exchange.request
         if self.config.max_model_len is not None:
             check_context_length(exchange.body, self.config.max_model_len)
         async with cancel_on_disconnect(request, exchange.request_id):

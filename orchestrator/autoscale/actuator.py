@@ -259,8 +259,11 @@ class Autoscaler:
         engines: Callable[[], list[tuple[str, str, str, str]]],
         scale: Callable[[dict[str, int], str], Awaitable[dict[str, Any]]],
         moves: bool = False,
+        model: str | None = None,
     ) -> None:
+        """``model``: the served name whose samples of the proxy's page it reads (a cluster of several models)."""
         self.config = config
+        self.model = model
         self.policy = AutoscalePolicy(config, profile, moves=moves)  # moves: the spec allows role moves
         self.observer = Observer()
         self.proxy_url = proxy_url
@@ -295,7 +298,7 @@ class Autoscaler:
     async def _read(self, session: aiohttp.ClientSession) -> ClusterObservation:
         engines = self.engines()
         pages = await asyncio.gather(
-            _scrape(session, self.proxy_url),
+            _scrape(session, self.proxy_url, {"model": self.model} if self.model else None),
             *(
                 _scrape(session, url) if url and state in ("ready", "draining") else _none()
                 for _, _, state, url in engines
@@ -342,7 +345,9 @@ async def _none() -> None:
     return None
 
 
-async def _scrape(session: aiohttp.ClientSession, url: str) -> MetricsReading | None:
+async def _scrape(
+    session: aiohttp.ClientSession, url: str, labels: dict[str, str] | None = None
+) -> MetricsReading | None:
     with contextlib.suppress(ValueError):  # a page that is not Prometheus text counts as no answer
-        return await fetch_metrics(session, url)
+        return await fetch_metrics(session, url, labels)
     return None

@@ -44,6 +44,9 @@ def add_commands(commands: Any, wanted: Any) -> None:
         help="move N (default 1) ready engines between the pools, e.g. prefill->decode=2: each leaves FROM's "
         "routing at once, finishes its work there, then serves TO (pools of one shape; spec role_moves)",
     )
+    scale.add_argument(
+        "--model", metavar="NAME", help="the model whose pools change (its served name or key): a cluster of several"
+    )
     scale.add_argument("--no-wait", action="store_true", help="return once the change has started")
     scale.set_defaults(func=cmd_scale)
     down = commands.add_parser("down", help="stop the running cluster and everything it started")
@@ -95,9 +98,8 @@ class EventPrinter:
 
 def _usage_hint(status: dict[str, Any]) -> str:
     url = status["proxy_url"]
-    body = json.dumps(
-        {"model": status["model"], "messages": [{"role": "user", "content": "What is the capital of France?"}]}
-    )
+    model = (status.get("models") or [{"name": status["model"]}])[0]["name"]  # several: the first
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "What is the capital of France?"}]})
     return (
         f"pdserve: cluster {status['name']!r} is ready in {status['ready_s']:.1f}s; "
         f"OpenAI API at {url}/v1\n"
@@ -157,21 +159,24 @@ def cmd_status(args: argparse.Namespace) -> int:
     say(f"model     {status['model']}   connector {status['connector']}")
     say(f"proxy     {status['proxy_url']}")
     say(f"logs      {status['log_dir']}")
-    pools = status.get("pools", {})
-    say(
-        "pools     "
-        + ", ".join(
-            f"{role} {p['ready']}/{p['target']} ready (max {p['max']}"
-            + (f", {p['moving']} moving in" if p.get("moving") else "")
-            + (f", {p['draining']} draining)" if p["draining"] else ")")
-            for role, p in pools.items()
+    models = status.get("models") or [{"name": status["model"], "pools": status.get("pools", {})}]
+    for model in models:
+        pools = model["pools"]
+        say(
+            ("pools     " if len(models) == 1 else f"{model['name']}: ")
+            + ", ".join(
+                f"{role} {p['ready']}/{p['target']} ready (max {p['max']}"
+                + (f", {p['moving']} moving in" if p.get("moving") else "")
+                + (f", {p['draining']} draining)" if p["draining"] else ")")
+                for role, p in pools.items()
+            )
         )
-    )
-    say(f"{'ENGINE':<11} {'ROLE':<8} {'STATE':<11} {'URL':<24} {'CORES':<6} {'LOAD':>7} {'RESTARTS':>8}")
+    width = max([11, *(len(e["engine_id"]) for e in status["engines"])])
+    say(f"{'ENGINE':<{width}} {'ROLE':<8} {'STATE':<11} {'URL':<24} {'CORES':<6} {'LOAD':>7} {'RESTARTS':>8}")
     for e in status["engines"]:
         load = f"{e['load_s']:.1f}s" if e["load_s"] else "-"
         say(
-            f"{e['engine_id']:<11} {e['role']:<8} {e['state']:<11} {e['url'] or '-':<24} "
+            f"{e['engine_id']:<{width}} {e['role']:<8} {e['state']:<11} {e['url'] or '-':<24} "
             f"{e['cpu_bind'] or '-':<6} {load:>7} {e['restarts']:>8}"
         )
     if moves := status.get("moves"):
@@ -184,8 +189,11 @@ def cmd_status(args: argparse.Namespace) -> int:
                 for m in moves[-5:]
             )
         )
-    if status.get("autoscaler"):
-        _print_decisions(status["autoscaler"])
+    for model in status.get("models") or [{"name": status["model"], "autoscaler": status.get("autoscaler")}]:
+        if model.get("autoscaler"):
+            if len(status.get("models") or ()) > 1:
+                say(f"{model['name']}:")
+            _print_decisions(model["autoscaler"])
     if status["error"]:
         say(f"error: {status['error']}")
     return 0
@@ -236,7 +244,9 @@ def cmd_scale(args: argparse.Namespace) -> int:
             print(f"pdserve scale: --move {args.move!r}: expected prefill->decode[=N] or decode->prefill[=N]",
                   file=sys.stderr)  # fmt: skip
             return 2
-        status = cluster.move(source, destination, int(count or 1), on_event=EventPrinter(), wait=not args.no_wait)
+        status = cluster.move(
+            source, destination, int(count or 1), on_event=EventPrinter(), wait=not args.no_wait, model=args.model
+        )
     else:
         targets: dict[str, int] = {}
         for item in args.targets:
@@ -245,9 +255,10 @@ def cmd_scale(args: argparse.Namespace) -> int:
                 print(f"pdserve scale: {item!r}: expected prefill=N or decode=N", file=sys.stderr)
                 return 2
             targets[role] = int(count)
-        status = cluster.scale(targets, on_event=EventPrinter(), wait=not args.no_wait)
-    sizes = ", ".join(f"{role} {p['ready']}/{p['target']} ready" for role, p in status["pools"].items())
-    say(f"pdserve: {sizes}")
+        status = cluster.scale(targets, on_event=EventPrinter(), wait=not args.no_wait, model=args.model)
+    pools = cluster.model_pools(status, args.model)
+    sizes = ", ".join(f"{role} {p['ready']}/{p['target']} ready" for role, p in pools.items())
+    say(f"pdserve: {args.model + ': ' if args.model else ''}{sizes}")
     return 0
 
 

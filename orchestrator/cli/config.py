@@ -49,15 +49,15 @@ def cmd_validate(args: argparse.Namespace) -> int:
     for line in host_plan(spec, engines, placed):
         say(line)
     say(f"  proxy      listens on {url_host(spec.proxy.host)}:{spec.proxy.port}")
-    if spec.autoscaling is not None:
+    for view in (v for v in spec.views() if v.autoscaling is not None):
         from orchestrator.cluster import autoscaling_profile
 
-        on = autoscaling_profile(spec, args.config) is not None
-        mode = f"on, profile {spec.profile_path(args.config)}" if on else "off (no autoscaling.profile)"
+        on = autoscaling_profile(view, args.config) is not None
+        mode = f"on, profile {view.profile_path(args.config)}" if on else "off (no autoscaling.profile)"
         say(
-            f"  autoscaler {mode}"
-            f"; prefill {spec.min_replicas('prefill')}..{spec.max_replicas('prefill')}, "
-            f"decode {spec.min_replicas('decode')}..{spec.max_replicas('decode')}"
+            f"  autoscaler {mode}{f' for {view.model_name}' if spec.models else ''}"
+            f"; prefill {view.min_replicas('prefill')}..{view.max_replicas('prefill')}, "
+            f"decode {view.min_replicas('decode')}..{view.max_replicas('decode')}"
         )
     return 1 if placed is not None and placed[1] else 0
 

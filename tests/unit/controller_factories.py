@@ -11,7 +11,7 @@ from orchestrator.engine_record import EngineRecord
 from orchestrator.launch import plan_engines
 from orchestrator.pool_changes import PoolChanges
 from orchestrator.pools import Pools
-from orchestrator.proxy_link import ProxyLink
+from orchestrator.proxy_link import ModelPublisher, ProxyLink
 from orchestrator.spec import ClusterSpec
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "local-cpu-autoscale.yaml"  # max_engines 3
@@ -51,7 +51,7 @@ class ProxyHandle:
     def __init__(self) -> None:
         self.told: list[tuple[str, list[str], list[str]]] = []
 
-        async def set_endpoints(role, endpoints, draining, target):  # noqa: ANN001, ANN202
+        async def set_endpoints(role, endpoints, draining, target, model=None):  # noqa: ANN001, ANN202
             serving = [e[0] for e in endpoints if e[0] not in draining]
             self.told.append((role, serving, list(draining)))
 
@@ -83,10 +83,11 @@ def pools(prefill: int = 1, decode: int = 1) -> Pools:
     return Pools(spec, launches, Path("/nonexistent"), {"prefill": prefill, "decode": decode}, phase="ready")
 
 
-def proxy_link(of: Pools, events: Events) -> ProxyLink:
-    link = ProxyLink(of, handles=None, events=events)  # type: ignore[arg-type]
+def proxy_link(of: Pools, events: Events) -> ModelPublisher:
+    """The publisher of ``of``'s model, on a link whose proxy is a ``ProxyHandle`` (``.handle``)."""
+    link = ProxyLink([of], handles=None, events=events)  # type: ignore[arg-type]
     link.handle = ProxyHandle()
-    return link
+    return link.publisher(of)
 
 
 def pool_changes(prefill: int = 1, decode: int = 1, ready: bool = False) -> PoolChanges:

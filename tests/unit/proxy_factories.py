@@ -33,7 +33,7 @@ def make_exchange(
     route = "/v1/completions" if kind == "completion" else "/v1/chat/completions"
     raw_headers = [(name.lower().encode(), value.encode()) for name, value in (headers or {}).items()]
     request = Request({"type": "http", "method": "POST", "path": route, "headers": raw_headers})
-    exchange = Exchange(request, kind, route, metrics or ProxyMetrics(EnginePool()))
+    exchange = Exchange(request, kind, route, (metrics or ProxyMetrics(EnginePool())).of(None))
     exchange.body = body if body is not None else {"model": "m", "prompt": "Say hello."}
     exchange.engine_headers = {"Content-Type": "application/json", "X-Request-Id": exchange.request_id}
     return exchange

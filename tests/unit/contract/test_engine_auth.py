@@ -97,7 +97,7 @@ async def test_a_failed_prefill_leg_is_served_decode_only_and_counted(
     assert response.headers["x-pdserve-path"] == "decode-only; reason=prefill-failed"
     assert "kv_transfer_params" not in decode_engine.requests[0].body
     metrics = (await client.get("/metrics")).text
-    assert 'pdserve_proxy_degraded_requests_total{reason="prefill-failed"} 1.0' in metrics
+    assert 'pdserve_proxy_degraded_requests_total{model="m",reason="prefill-failed"} 1.0' in metrics
 
 
 async def test_the_prefill_is_told_which_decode_engine_will_read(make_client, prefill_engine, decode_engine):

@@ -28,6 +28,7 @@ from orchestrator.state import ClusterState
 def status_document() -> dict[str, Any]:
     engine = {
         "engine_id": "prefill-0",
+        "model": "smollm2-135m-instruct",
         "role": "prefill",
         "state": "ready",
         "url": "http://127.0.0.1:8100",
@@ -57,6 +58,14 @@ def status_document() -> dict[str, Any]:
         "log_dir": "/tmp/logs",
         "controller": {"pid": 99, "restarts": 0, "api_url": "http://127.0.0.1:1"},
         "pools": {"prefill": {"target": 1, "max": 1, "ready": 1, "moving": 0, "draining": 0}},
+        "models": [
+            {
+                "name": "smollm2-135m-instruct",
+                "key": "",
+                "pools": {"prefill": {"target": 1, "max": 1, "ready": 1, "moving": 0, "draining": 0}},
+                "autoscaler": None,
+            }
+        ],
         "engines": [engine],
         "hosts": [{"ip": "127.0.0.1", "alive": True, "head": True, "labels": {}, "engines": ["prefill-0"]}],
         "autoscaler": None,
@@ -73,7 +82,7 @@ class FakeController:
     async def status(self) -> dict[str, Any]:
         return status_document()
 
-    async def scale(self, targets: dict[str, int], reason: str = "by hand") -> dict[str, Any]:
+    async def scale(self, targets: dict[str, int], reason: str = "by hand", model: str | None = None) -> dict[str, Any]:
         self.scaled.append((targets, reason))
         if targets.get("prefill", 0) > 4:
             return {"error": f"prefill={targets['prefill']} is outside 1..4 (the pool's bounds in the spec)"}

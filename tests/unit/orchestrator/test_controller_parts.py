@@ -91,10 +91,11 @@ def test_the_status_document_is_the_documented_schema():
     engines = {r.engine_id: r for r in pool("ready", "draining")}
     engines["prefill-0"].host = "10.0.0.1"
     pools = Pools(spec, {}, Path("/tmp/logs"), {"prefill": 2, "decode": 1}, engines, phase="ready")
+    group = SimpleNamespace(name=spec.model_name, pools=pools, autoscaler=None)
     controller = SimpleNamespace(
-        pools=pools, error=None, proxy=SimpleNamespace(url="http://127.0.0.1:8000"), started_at=1.0,
-        ready_s=2.0, restarts=0, api=SimpleNamespace(url="http://127.0.0.1:9"), autoscaler=None,
-        log=SimpleNamespace(events=[]),
+        spec=spec, groups={spec.model_name: group}, records=lambda: list(engines.values()), phase="ready",
+        log_dir=Path("/tmp/logs"), error=None, proxy=SimpleNamespace(url="http://127.0.0.1:8000"), started_at=1.0,
+        ready_s=2.0, restarts=0, api=SimpleNamespace(url="http://127.0.0.1:9"), log=SimpleNamespace(events=[]),
     )  # fmt: skip
     nodes = [
         Node("a", "10.0.0.1", {"ray.io/node-id": "a", "pool": "p"}, {HEAD_RESOURCE: 1.0}, alive=False),
@@ -249,3 +250,29 @@ def test_up_on_a_terminal_redraws_a_line_with_each_starting_engines_phase(capsys
     plain.status(status)
     plain({"t": plain.t0, "message": "cluster ready"})
     assert capsys.readouterr().out == "[   0.0s] cluster ready\n"  # lines only
+
+
+async def test_a_change_of_a_cluster_of_several_models_names_its_model():
+    from orchestrator.controller import ClusterController
+
+    asked = []
+
+    def group(name: str, key: str) -> SimpleNamespace:
+        async def scale(targets, reason):  # noqa: ANN001, ANN202
+            asked.append((name, targets))
+            return {"targets": targets}
+
+        spec = SimpleNamespace(key=key)
+        return SimpleNamespace(name=name, pools=SimpleNamespace(spec=spec), changes=SimpleNamespace(scale=scale))
+
+    controller = ClusterController.__new__(ClusterController)
+    controller.groups = {"org/Demo-1": group("org/Demo-1", "demo-1"), "tiny": group("tiny", "tiny")}
+
+    assert await controller.scale({"decode": 2}) == {"error": "name the model (--model): one of org/Demo-1, tiny"}
+    assert await controller.scale({"decode": 2}, model="big") == {"error": "no model 'big': org/Demo-1, tiny"}
+    assert await controller.move("prefill", "decode", model=None) == {
+        "error": "name the model (--model): one of org/Demo-1, tiny"
+    }
+    await controller.scale({"decode": 2}, model="demo-1")  # its key
+    await controller.scale({"prefill": 1}, model="tiny")  # its served name
+    assert asked == [("org/Demo-1", {"decode": 2}), ("tiny", {"prefill": 1})]

@@ -33,6 +33,25 @@ def test_samples_add_up_over_label_sets_and_buckets_keep_their_edges():
     assert reading.get("absent") == 0.0
 
 
+def test_a_reading_of_one_model_keeps_its_samples_and_those_no_model_labels():
+    page = """\
+# TYPE pdserve_proxy_requests_received_total counter
+pdserve_proxy_requests_received_total{model="a"} 3.0
+pdserve_proxy_requests_received_total{model="b"} 5.0
+# TYPE pdserve_proxy_time_to_first_token_seconds histogram
+pdserve_proxy_time_to_first_token_seconds_bucket{le="+Inf",model="a"} 2.0
+pdserve_proxy_time_to_first_token_seconds_bucket{le="+Inf",model="b"} 7.0
+# TYPE process_cpu_seconds_total counter
+process_cpu_seconds_total 1.5
+"""
+    reading = parse_metrics(page, {"model": "b"})
+
+    assert reading.get("pdserve_proxy_requests_received_total") == 5.0
+    assert reading.buckets["pdserve_proxy_time_to_first_token_seconds"] == {float("inf"): 7.0}
+    assert reading.get("process_cpu_seconds_total") == 1.5
+    assert parse_metrics(page).get("pdserve_proxy_requests_received_total") == 8.0
+
+
 def test_sum_samples_reads_the_named_samples_and_zero_for_the_absent():
     totals = sum_samples(PAGE, ("pdserve:kv_transfer_seconds_sum", "vllm:num_requests_waiting"))
 

@@ -8,6 +8,7 @@ records what it is told; the real path, moves under load on a running cluster, i
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -143,7 +144,8 @@ def test_a_pool_grows_on_the_other_pools_free_launches_when_its_own_are_held_by_
 def bare_controller(changes: PoolChanges, api_port: int) -> ClusterController:
     """The controller's snapshot and restore, on ``changes``' pools (no Ray, no API)."""
     c = ClusterController.__new__(ClusterController)
-    c.pools, c.api = changes.pools, type("Api", (), {"port": api_port})()
+    c.groups = {changes.pools.spec.model_name: SimpleNamespace(name=changes.pools.spec.model_name, pools=changes.pools)}
+    c.api, c._phase = type("Api", (), {"port": api_port})(), changes.pools.phase
     c.error, c.started_at, c.ready_s, c.restarts = None, 0.0, 1.0, 0
     return c
 
@@ -155,7 +157,7 @@ def test_a_restarted_controller_knows_which_pool_a_moved_engine_serves() -> None
     snapshot = bare_controller(c, api_port=1)._snapshot()
     again = bare_controller(controller()[0], api_port=0)
     again._restore(snapshot)
-    record = again.pools.engines["prefill-1"]
+    record = again.groups["smollm2-135m-instruct"].pools.engines["prefill-1"]
     assert (record.role, record.state, record.moving_from) == ("decode", MOVING, "prefill")
 
 

@@ -59,7 +59,7 @@ async def test_serves_the_engines_the_controller_sets(actor, prefill_engine, dec
     info = await actor.start()
     await actor.set_endpoints("prefill", [("prefill-0", prefill_engine.url)])
     await actor.set_endpoints("decode", [("decode-0", decode_engine.url, ("tcp://127.0.0.1:5700",))])
-    side_channel = actor.pool.engine("decode-0").kv_endpoints
+    side_channel = actor.pools.of(None).engine("decode-0").kv_endpoints
 
     async with httpx.AsyncClient(base_url=info["url"]) as client:
         served = await client.post("/v1/chat/completions", json=CHAT)
@@ -93,7 +93,7 @@ async def test_an_engine_taken_back_from_draining_gets_requests_again(actor, pre
 
     assert draining == {"prefill-0"}
     assert back == {"prefill-0", "prefill-1"}
-    assert not actor.pool.engine("prefill-1").draining
+    assert not actor.pools.of(None).engine("prefill-1").draining
 
 
 async def test_a_taken_port_fails_the_start(actor):
@@ -163,7 +163,7 @@ async def test_the_controller_hands_the_proxy_actor_the_engine_key_alone(monkeyp
     monkeypatch.setattr(engine_handles.ray, "remote", lambda cls: ProxyClass())
     spec = ClusterSpec.model_validate(spec_dict())
     link = ProxyLink(
-        Pools(spec, {}, tmp_path, {"prefill": 1, "decode": 1}),
+        [Pools(spec, {}, tmp_path, {"prefill": 1, "decode": 1})],
         engine_handles.EngineHandles(spec, TEST_SECRET, tmp_path),
         Events(),
     )

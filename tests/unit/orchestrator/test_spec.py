@@ -216,7 +216,7 @@ def test_missing_required_section_says_required(rejected, make_spec):
 
     path, err = rejected(content)
 
-    assert str(err) == f"{path}: decode: required field is missing"
+    assert str(err) == f"{path}: decode: required field is missing (or list the cluster's `models`)"
 
 
 def test_missing_required_nested_field_says_required(rejected, make_spec):

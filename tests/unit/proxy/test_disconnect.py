@@ -46,7 +46,8 @@ async def test_leaving_during_prefill_cancels_the_prefill_request(make_client, p
     await wait_until(lambda: prefill_engine.requests[0].disconnected)
     assert decode_engine.requests == []
     metrics = (await client.get("/metrics")).text
-    assert 'pdserve_proxy_requests_total{path="disaggregated",route="/v1/chat/completions",status="499"} 1.0' in metrics
+    counted = 'pdserve_proxy_requests_total{model="m",path="disaggregated",route="/v1/chat/completions",status="499"}'
+    assert counted + " 1.0" in metrics
 
 
 async def test_under_uvicorns_own_protocol_a_watcher_notices(pool, prefill_engine):

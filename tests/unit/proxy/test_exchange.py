@@ -91,7 +91,7 @@ async def test_an_exchange_closes_once_releasing_giving_back_its_slot_and_counti
 
     assert releaser.asked == [(KV, "r-4")]
     assert gate.running == 0
-    counted = 'pdserve_proxy_requests_total{path="disaggregated",route="/v1/completions",status="200"} 1.0'
+    counted = 'pdserve_proxy_requests_total{model="",path="disaggregated",route="/v1/completions",status="200"} 1.0'
     lines = metrics.render().decode().splitlines()
     assert [line for line in lines if line.startswith("pdserve_proxy_requests_total")] == [counted]
 

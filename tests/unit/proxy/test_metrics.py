@@ -26,11 +26,12 @@ async def scrape(client: httpx.AsyncClient) -> dict[tuple[str, tuple[tuple[str, 
 
 
 def requests_total(route: str, status: str, path: str = "disaggregated") -> tuple[str, tuple[tuple[str, str], ...]]:
-    return ("pdserve_proxy_requests_total", (("path", path), ("route", route), ("status", status)))
+    labels = (("model", PROXY_MODEL), ("path", path), ("route", route), ("status", status))
+    return ("pdserve_proxy_requests_total", labels)
 
 
 def count(name: str) -> tuple[str, tuple]:
-    return (name + "_count", ())
+    return (name + "_count", (("model", PROXY_MODEL),))
 
 
 async def test_requests_are_counted_by_route_status_and_path(client, decode_engine):
@@ -64,8 +65,8 @@ async def test_a_stream_times_its_first_token_and_the_gaps_between_chunks(client
     assert samples[count("pdserve_proxy_e2e_request_latency_seconds")] == 1
     events = body.count(b"data: ")
     assert samples[count("pdserve_proxy_inter_token_latency_seconds")] >= events - 2  # (a first one, [DONE])
-    assert samples[("pdserve_proxy_inter_token_latency_seconds_sum", ())] >= 0.02 * (events - 3)
-    assert 0 < samples[("pdserve_proxy_time_to_first_token_seconds_sum", ())] < 5
+    assert samples[("pdserve_proxy_inter_token_latency_seconds_sum", (("model", PROXY_MODEL),))] >= 0.02 * (events - 3)
+    assert 0 < samples[("pdserve_proxy_time_to_first_token_seconds_sum", (("model", PROXY_MODEL),))] < 5
 
 
 async def test_serving_path_label_comes_from_the_router(make_proxy):
@@ -88,8 +89,8 @@ async def test_engine_in_flight_is_read_from_the_pool_when_scraped(pool, make_pr
         samples = await scrape(client)
 
     in_flight = "pdserve_proxy_engine_in_flight"
-    assert samples[(in_flight, (("engine_id", "decode-0"), ("role", "decode")))] == 3
-    assert samples[(in_flight, (("engine_id", "prefill-0"), ("role", "prefill")))] == 1
+    assert samples[(in_flight, (("engine_id", "decode-0"), ("model", PROXY_MODEL), ("role", "decode")))] == 3
+    assert samples[(in_flight, (("engine_id", "prefill-0"), ("model", PROXY_MODEL), ("role", "prefill")))] == 1
 
 
 async def test_pool_sizes_and_the_controllers_targets_are_read_when_scraped(pool, make_proxy):
@@ -102,10 +103,11 @@ async def test_pool_sizes_and_the_controllers_targets_are_read_when_scraped(pool
 
     engines, target = "pdserve_proxy_pool_engines", "pdserve_proxy_pool_target"
     assert not any(name == target for name, _ in standalone)  # a proxy without a controller wants nothing
-    assert samples[(engines, (("role", "prefill"), ("state", "draining")))] == 1
-    assert samples[(engines, (("role", "prefill"), ("state", "ready")))] == 0
-    assert samples[(engines, (("role", "decode"), ("state", "ready")))] == 1
-    assert samples[(target, (("role", "prefill"),))] == 2 and samples[(target, (("role", "decode"),))] == 1
+    assert samples[(engines, (("model", PROXY_MODEL), ("role", "prefill"), ("state", "draining")))] == 1
+    assert samples[(engines, (("model", PROXY_MODEL), ("role", "prefill"), ("state", "ready")))] == 0
+    assert samples[(engines, (("model", PROXY_MODEL), ("role", "decode"), ("state", "ready")))] == 1
+    assert samples[(target, (("model", PROXY_MODEL), ("role", "prefill")))] == 2
+    assert samples[(target, (("model", PROXY_MODEL), ("role", "decode")))] == 1
 
 
 async def test_each_app_counts_its_own_requests(make_client):

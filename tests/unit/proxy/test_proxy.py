@@ -309,7 +309,7 @@ async def test_an_empty_prefill_pool_degrades_to_decode_only_and_says_so(
     assert response.headers["x-pdserve-path"] == "decode-only; reason=no-prefill-engine"
     assert prefill_engine.requests == [] and "kv_transfer_params" not in decode_engine.requests[0].body
     metrics = (await client.get("/metrics")).text
-    assert 'pdserve_proxy_degraded_requests_total{reason="no-prefill-engine"} 1.0' in metrics
+    assert 'pdserve_proxy_degraded_requests_total{model="m",reason="no-prefill-engine"} 1.0' in metrics
 
 
 async def test_an_empty_decode_pool_is_served_whole_by_a_prefill_engine(client, pool, prefill_engine, decode_engine):

@@ -57,7 +57,8 @@ async def post(proxy: ProxyServer, body: dict, path: str = "/v1/completions", **
 
 async def tier_lookups(proxy: ProxyServer, outcome: str) -> float:
     async with httpx.AsyncClient(base_url=proxy.url, timeout=10) as client:
-        return (await scrape(client)).get(("pdserve_proxy_tier_lookups_total", (("outcome", outcome),)), 0.0)
+        labels = (("model", PROXY_MODEL), ("outcome", outcome))
+        return (await scrape(client)).get(("pdserve_proxy_tier_lookups_total", labels), 0.0)
 
 
 def in_flight(pool) -> dict[str, int]:

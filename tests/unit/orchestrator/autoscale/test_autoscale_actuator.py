@@ -56,12 +56,13 @@ class EnginePage:
 
 
 def proxy_page(ttfts: list[float], itls: list[float], received: int):
-    metrics = ProxyMetrics(pool=type("Pool", (), {"snapshot": lambda self: {}})())
-    metrics.received.inc(received)
+    metrics = ProxyMetrics(type("Pool", (), {"snapshot": lambda self: {}, "targets": {}})())
+    model = metrics.of(None)
+    model.received.inc(received)
     for t in ttfts:
-        metrics.time_to_first_token.observe(t)
+        model.time_to_first_token.observe(t)
     for t in itls:
-        metrics.inter_token_latency.observe(t)
+        model.inter_token_latency.observe(t)
     return parse_metrics(metrics.render().decode())
 
 
@@ -161,7 +162,7 @@ async def _serve(pages: dict[str, bytes]) -> tuple[web.AppRunner, str]:
 
 def test_autoscaler_step_scales_up_under_load_and_records_why() -> None:
     async def scenario() -> None:
-        proxy, decode = ProxyMetrics(pool=type("Pool", (), {"snapshot": lambda self: {}})()), EnginePage()
+        proxy, decode = ProxyMetrics(type("Pool", (), {"snapshot": lambda self: {}, "targets": {}})()), EnginePage()
         prefill = EnginePage()
         pages = {}
 
@@ -192,7 +193,7 @@ def test_autoscaler_step_scales_up_under_load_and_records_why() -> None:
         try:
             async with aiohttp.ClientSession() as session:
                 await autoscaler._read(session)  # baseline
-                proxy.received.inc(400)  # a heavy window: far beyond one engine per pool
+                proxy.of(None).received.inc(400)  # a heavy window: far beyond one engine per pool
                 prefill.finish(400, prompt=2000, output=1)
                 decode.finish(400, prompt=2000, output=200)
                 publish()
