@@ -29,7 +29,7 @@ from connectors.options import ConnectorOptions
 from contract.wire import ROLES
 from orchestrator import placement
 from orchestrator.autoscale.config import AutoscalingConfig
-from orchestrator.errors import FieldError, SpecError, read_mapping
+from orchestrator.errors import FieldError, PdserveError, SpecError, read_mapping
 from orchestrator.models import KNOWN_MODELS, model_cache_dir, resolve_model
 from orchestrator.paths import pdserve_dir
 from proxy.config import EnvName, ProxyConfig, ProxySettings, RoutingConfig
@@ -400,6 +400,20 @@ class ClusterSpec(_Strict):
         return self._views if self.models else [self]
 
     _views: list[ClusterSpec] = PrivateAttr(default_factory=list)
+
+    def view(self, model: str | None) -> ClusterSpec:
+        """The view of ``model`` (its served name or key; None: the one model); ``PdserveError`` naming the
+        models otherwise."""
+        views = self.views()
+        if model is None and len(views) == 1:
+            return views[0]
+        for view in views:
+            if model in (view.model_name, view.key):
+                return view
+        names = ", ".join(v.model_name for v in views)
+        raise PdserveError(
+            f"name the model (--model): one of {names}" if model is None else f"no model {model!r}: {names}"
+        )
 
     def _build_views(self) -> None:
         shared = {f: getattr(self, f) for f in type(self).model_fields if f not in (*MODEL_FIELDS, "models")}

@@ -57,8 +57,13 @@ class ClusterEndpoints:
     """Every ready decode engine (``decode_url`` first)."""
 
     @classmethod
-    def from_status(cls, status: dict[str, Any], engine_key: str = "") -> ClusterEndpoints:
-        ready = [e for e in status["engines"] if e["state"] == "ready" and e.get("url")]
+    def from_status(cls, status: dict[str, Any], engine_key: str = "", model: str | None = None) -> ClusterEndpoints:
+        """``model``: of a cluster of several models, the one whose engines (only) are measured."""
+        ready = [
+            e
+            for e in status["engines"]
+            if e["state"] == "ready" and e.get("url") and model in (None, e.get("model", model))
+        ]
         urls = {}
         for role in ("prefill", "decode"):
             engines = [e for e in ready if e["role"] == role]
@@ -73,7 +78,7 @@ class ClusterEndpoints:
                 phases.setdefault(phase["phase"], []).append(phase["s"])
         return cls(
             name=status["name"],
-            model=status["model"],
+            model=model or status["model"],
             connector=status["connector"],
             proxy_url=status["proxy_url"],
             prefill_url=urls["prefill"][0],

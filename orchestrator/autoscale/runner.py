@@ -49,9 +49,10 @@ def parse_policy(text: str) -> tuple[int, int] | None:
 
 
 def load_spec_and_profile(
-    config: str | os.PathLike[str], profile: str | os.PathLike[str] | None = None
+    config: str | os.PathLike[str], profile: str | os.PathLike[str] | None = None, model: str | None = None
 ) -> tuple[ClusterSpec, PerformanceProfile]:
-    spec = ClusterSpec.from_file(config)
+    """The spec's view of ``model`` (None: its one model) and the profile its autoscaler would use."""
+    spec = ClusterSpec.from_file(config).view(model)
     if spec.autoscaling is None:
         raise SimulationSetupError(f"{config}: has no 'autoscaling' section (targets, limits and the profile)")
     path = Path(profile) if profile else spec.profile_path(config)

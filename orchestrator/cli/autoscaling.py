@@ -26,6 +26,7 @@ def add_commands(commands: Any, wanted: Any) -> None:
         "--policy", default="autoscale", help="'autoscale' or 'static:P,D' fixed pools (default: %(default)s)"
     )
     simulate.add_argument("--profile", metavar="FILE", help="performance profile (default: autoscaling.profile)")
+    simulate.add_argument("--model", metavar="NAME", help="a spec of several models: the model to simulate")
     simulate.add_argument(
         "--no-moves", action="store_true", help="engines never move between the pools (as with role_moves: false)"
     )
@@ -46,7 +47,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from orchestrator.autoscale.traces import read_trace
 
     static = parse_policy(args.policy)
-    spec, profile = load_spec_and_profile(args.config, args.profile)
+    spec, profile = load_spec_and_profile(args.config, args.profile, args.model)
     if args.plot:
         from orchestrator.autoscale.plot import require_matplotlib
 
@@ -120,7 +121,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from orchestrator.autoscale.profiler_readings import batch_limits
     from orchestrator.spec import ClusterSpec
 
-    spec = ClusterSpec.from_file(args.config)
+    cluster_spec = ClusterSpec.from_file(args.config)
+    spec = cluster_spec.view(args.model)  # the model measured
     grid = grid_with(
         QUICK_GRID if args.quick else DEFAULT_GRID,
         prefill_tokens=args.prefill_tokens,
@@ -132,7 +134,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
         decode_tokens=args.decode_tokens,
     )
     grid.check(*batch_limits(spec), spec.engine.max_model_len, spec.proxy.decode_only_below_tokens)
-    out = Path(args.out) if args.out else default_profile_path(args.config, spec.name)
+    name = f"{spec.name}-{spec.key}" if spec.key else spec.name
+    out = Path(args.out) if args.out else default_profile_path(args.config, name)
     started_here = False
     try:
         status = cluster.status()
@@ -142,7 +145,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
         started_here = True
     try:
         running = (status["name"], status["model"], status["connector"])
-        if running != (spec.name, spec.model_name, spec.connector):
+        if running != (cluster_spec.name, cluster_spec.model_name, cluster_spec.connector):
             raise PdserveError(
                 f"the running cluster {running[0]!r} (model {running[1]!r}, connector {running[2]}) is not the one "
                 f"{args.config} describes; `pdserve down` it first"
@@ -150,7 +153,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
         from contract.auth import engine_key
         from orchestrator.state import load_cluster_secret
 
-        endpoints = ClusterEndpoints.from_status(status, engine_key(load_cluster_secret()))
+        endpoints = ClusterEndpoints.from_status(status, engine_key(load_cluster_secret()), spec.model_name)
         engines = f"{endpoints.prefill_url} (prefill), {endpoints.decode_url} (decode), {endpoints.proxy_url} (proxy)"
         say(f"pdserve profile: measuring {engines}")
         profile = asyncio.run(
@@ -210,6 +213,7 @@ def _add_profile_parser(commands: Any, with_args: bool) -> None:
 
     profile.add_argument("config", help="cluster spec (the engines' settings come from it)")
     profile.add_argument("--out", metavar="FILE", help="where to write (default: profiles/NAME.yaml beside CONFIG)")
+    profile.add_argument("--model", metavar="NAME", help="a spec of several models: the model whose engines to measure")
     profile.add_argument("--name", help="the profile's name (default: the cluster's)")
     profile.add_argument(
         "--quick", action="store_true", help="a smaller grid, one run each: a smoke test, not a profile to ship"

@@ -570,12 +570,14 @@ def test_autoscaling_on_cuda_must_fit_the_gpus(rejected, make_spec):
 
 
 @pytest.mark.parametrize("config", sorted(Path("configs").glob("*.yaml")), ids=lambda p: p.name)
-def test_every_shipped_config_is_valid_and_its_profile_loads(config: Path) -> None:
+def test_every_shipped_config_is_valid_and_its_profile_loads(config: Path, model_cache: Path) -> None:
     from orchestrator.cluster import autoscaling_profile
+    from orchestrator.models import KNOWN_MODELS, TINY_MODEL_NAME
 
-    spec = ClusterSpec.from_file(config)
-    profile = autoscaling_profile(spec, str(config))
-    if spec.autoscaling is not None and spec.autoscaling.profile is not None:
-        assert profile is not None and profile["engine"]["max_num_batched_tokens"] > 0
-    else:
-        assert profile is None
+    (model_cache / KNOWN_MODELS[TINY_MODEL_NAME].dir_name).mkdir()  # make setup prepares it too
+    for view in ClusterSpec.from_file(config).views():
+        profile = autoscaling_profile(view, str(config))
+        if view.autoscaling is not None and view.autoscaling.profile is not None:
+            assert profile is not None and profile["engine"]["max_num_batched_tokens"] > 0
+        else:
+            assert profile is None

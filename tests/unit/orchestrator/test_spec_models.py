@@ -132,3 +132,32 @@ def test_an_adapter_may_not_take_a_models_name() -> None:
     data = two_models()
     data["models"][1]["engine"] = {"lora_adapters": {DEMO: "/adapters/x"}}
     assert refusal(data).startswith(f"two.yaml: models.1.engine.lora_adapters: {DEMO!r} names another model")
+
+
+def test_a_command_of_one_model_takes_the_view_it_names() -> None:
+    from orchestrator.autoscale.profiler_http import ClusterEndpoints
+    from orchestrator.errors import PdserveError
+
+    spec = ClusterSpec.from_dict(two_models())
+    assert spec.view("other") is spec.views()[1] and spec.view(DEMO) is spec.views()[0]
+    with pytest.raises(PdserveError, match=f"name the model \\(--model\\): one of {DEMO}, other"):
+        spec.view(None)
+    with pytest.raises(PdserveError, match="no model 'big'"):
+        spec.view("big")
+
+    engines = [
+        {"engine_id": f"{key}-{role}-0", "model": model, "role": role, "state": "ready", "url": f"http://{key}-{role}"}
+        for key, model in ((DEMO, DEMO), ("other", "other"))
+        for role in ("prefill", "decode")
+    ]
+    status = {
+        "name": "two",
+        "model": f"{DEMO}, other",
+        "connector": "pdserve",
+        "proxy_url": "http://p",
+        "engines": engines,
+    }
+    measured = ClusterEndpoints.from_status(status, model="other")
+    assert (measured.model, measured.prefill_pool, measured.decode_pool) == (
+        "other", ("http://other-prefill",), ("http://other-decode",)
+    )  # fmt: skip
