@@ -118,10 +118,19 @@ class ProxySettings(_Settings):
         "prefill engines.",
     )
     decode_retries: int = Field(
-        default=1,
+        default=2,
         ge=0,
-        description="A decode engine that cannot be reached is replaced by up to this many other decode engines "
-        "(not after a timeout or a 5xx: it may have begun).",
+        description="A decode engine that cannot be reached, or whose connection breaks before a non-streamed "
+        "answer came (it died under the request: nothing has reached the client), hands the request to another "
+        "ready decode engine (with degrade and none left, a prefill engine), which computes the prompt itself: up "
+        "to this many times (X-PDServe-Migrated names the engines left). Not after a timeout or a 5xx (it may "
+        "still be working), nor once a stream has begun. 0: off (502).",
+    )
+    decode_retry_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="A decode leg is moved to another engine (decode_retries) only within this long after its "
+        "first engine failed.",
     )
     degrade: bool = Field(
         default=True,

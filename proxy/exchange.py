@@ -88,8 +88,8 @@ class Exchange:
 
     __slots__ = (
         "request", "kind", "route", "request_id", "started", "reply_headers", "engine_headers", "body",
-        "engines", "serving_path", "kv", "gate", "_metrics", "_last_chunk", "_closed", "_prefill_routed",
-        "_decode_routed",
+        "engines", "serving_path", "kv", "gate", "decode_failed_at", "decode_tried", "_metrics", "_last_chunk",
+        "_closed", "_prefill_routed", "_decode_routed",
     )  # fmt: skip
 
     def __init__(self, request: Request, kind: str, route: str, metrics: ModelMetrics) -> None:
@@ -104,6 +104,10 @@ class Exchange:
         self.kv = KVHandle(self.request_id)
         self.gate: AdmissionGate | None = None
         """The admission gate whose slot the request holds, given back on ``close``."""
+        self.decode_failed_at: float | None = None
+        """When its first decode engine failed (``time.monotonic``; the decode leg's moves are bounded from it)."""
+        self.decode_tried: list[EngineState] = []
+        """The engines its decode leg was sent to, in order (more than one: it moved)."""
         self._metrics = metrics
         self._last_chunk = 0.0
         self._closed = False
@@ -154,11 +158,12 @@ class Exchange:
             self._decode_routed.end_leg()
             self._decode_routed = None
 
-    def degrade(self, reason: str) -> None:
-        """A leg failed and the decode engine computes the prompt itself (``decode-only; reason=...``)."""
+    def degrade(self, reason: str, path: str = DECODE_ONLY) -> None:
+        """A leg failed and one engine computes the prompt itself (``decode-only; reason=...``, or
+        ``prefill-only``: a prefill engine serves it alone)."""
         self._metrics.degraded.labels(reason).inc()
         self.reply_headers.pop(headers.PREFILL, None)
-        self._serve_as(DECODE_ONLY, reason)
+        self._serve_as(path, reason)
 
     def _serve_as(self, path: str, reason: str | None) -> None:
         self.serving_path = self.request.state.serving_path = path

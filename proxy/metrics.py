@@ -18,6 +18,9 @@ model counts for the one model of an app that serves one, else as model "".
   streamed chunk relayed (streams only; a JSON answer has no first token to see).
 - ``pdserve_proxy_inter_token_latency_seconds``: between streamed chunks.
 - ``pdserve_proxy_e2e_request_latency_seconds``: arrival to the last byte handed on.
+- ``pdserve_proxy_decode_migrations_total{model,outcome}``: requests whose decode
+  leg moved off an engine that failed before it answered (``served``: another
+  answered; ``failed``: none could).
 - ``pdserve_proxy_tier_lookups_total{outcome}``: what the shared KV tier holds of a
   prompt, asked of a tier engine before routing (``ok``; ``failed``: no answer in
   time, routed as without a tier).
@@ -100,6 +103,13 @@ class ProxyMetrics:
             ("model", "reason"),
             registry=registry,
         )
+        self.migrations = Counter(
+            "pdserve_proxy_decode_migrations",
+            "Requests whose decode leg moved off an engine that failed before it answered (decode_retries), by "
+            "model and outcome (served: another engine answered; failed: none could).",
+            ("model", "outcome"),
+            registry=registry,
+        )
         self.tier_lookups = Counter(
             "pdserve_proxy_tier_lookups",
             "Lookups of what the shared KV tier holds of a prompt, before routing, by model and outcome (ok, failed).",
@@ -135,6 +145,7 @@ class ModelMetrics:
         self.e2e_request_latency = metrics.e2e_request_latency.labels(model)
         self.degraded = _Labelled(metrics.degraded, model)
         self.tier_lookups = _Labelled(metrics.tier_lookups, model)
+        self.migrations = _Labelled(metrics.migrations, model)
         self._counters: dict[tuple[str, int, str], Any] = {}
 
     def request_done(self, route: str, status: int, serving_path: str, elapsed_s: float) -> None:

@@ -266,18 +266,74 @@ class TwoPhaseFlow:
         if exchange.body.get("stream"):
             generated = responses_generated if exchange.kind == "responses" else None
             return DecodeStream(self.upstream.stream(response, engine, exchange), response, engine, exchange, generated)
-        try:
-            payload = await self.upstream.read_all(response, engine, exchange)
-        except UpstreamFailed as failure:
-            self._unreachable(engine, failure, exchange.request_id)
-            raise
-        finally:
-            engine.end_leg()
+        payload, engine = await self._read_answer(exchange, engines, response, engine)
         engine.failures = 0
         exchange.kv.read()
         if report := kv_report(payload):
             exchange.reply_headers[headers.KV] = report
         return Response(payload, media_type="application/json", headers=exchange.reply_headers)
+
+    async def _read_answer(
+        self, exchange: Exchange, engines: Route, response: EngineResponse, engine: EngineState
+    ) -> tuple[bytes, EngineState]:
+        """The decode engine's whole JSON answer, and the engine that gave it; an engine whose connection
+        breaks before its answer is all read hands the request on as one that breaks before it answers
+        (``_moved_decode``)."""
+        tried = exchange.decode_tried
+        while True:
+            try:
+                payload = await self.upstream.read_all(response, engine, exchange)
+            except UpstreamFailed as failure:
+                engine.end_leg()
+                self._unreachable(engine, failure, exchange.request_id)
+                retry = self._moved_decode(exchange, engines, tried, failure)
+                if retry is None:
+                    raise
+                response, engine = await self._open_decode(exchange, Route(None, retry, engines.prefix))
+                continue
+            engine.end_leg()
+            return payload, engine
+
+    def _moved_decode(
+        self, exchange: Exchange, engines: Route, tried: list[EngineState], failure: UpstreamFailed
+    ) -> EngineState | None:
+        """The engine the decode leg moves to after ``tried[-1]`` failed, or None (the failure stands).
+
+        It moves when the engine could not be reached, or its connection broke before a non-streamed answer came
+        (it died under the request, kill -9 or a lost host: nothing has reached the client), ``decode_retries``
+        times at most, within ``decode_retry_s`` of the first failure: to another ready decode engine or, with
+        ``degrade`` and none left, a prefill engine, which serves it alone. KV bound to the failed engine
+        (``bind_reader``), or going to a prefill engine, is released, and the next engine computes the prompt
+        itself (``decode-only`` or ``prefill-only``, ``reason=decode-failed``), which gives a greedy or seeded
+        request the same tokens; KV any decode engine may read is passed on (read already, the connector
+        computes it again). A timeout or a 5xx does not move it: the engine may still be working."""
+        config = self.config
+        if exchange.decode_failed_at is None:
+            exchange.decode_failed_at = time.monotonic()
+        movable = (
+            failure.unreachable
+            and len(tried) <= config.decode_retries
+            and time.monotonic() - exchange.decode_failed_at < config.decode_retry_s
+        )
+        retry = self.router.retry("decode", engines.prefix, tried) if movable else None
+        if retry is None and movable and config.degrade:
+            retry = self.router.retry("prefill", engines.prefix, tried)
+        if retry is None:
+            if movable or len(tried) > 1:  # it moved before, or would have, had there been an engine to go to
+                self.metrics.migrations.labels("failed").inc()
+            return None
+        logger.warning(
+            "request %s: decode engine %s failed; moving it to %s engine %s",
+            exchange.request_id, tried[-1].engine_id, retry.role, retry.engine_id,
+        )  # fmt: skip
+        exchange.reply_headers[headers.MIGRATED] = ", ".join(e.engine_id for e in tried)
+        if exchange.kv.params and (config.bind_reader or retry.role == "prefill"):
+            exchange.kv.release()  # bound to the engine that failed (or not a decode engine's): nobody can read it
+            exchange.degrade(DECODE_FAILED, PREFILL_ONLY if retry.role == "prefill" else DECODE_ONLY)
+        elif retry.role == "prefill":
+            exchange.degrade(DECODE_FAILED, PREFILL_ONLY)
+        tried.append(retry)
+        return retry
 
     async def _route(self, exchange: Exchange) -> Route:
         """The request's engines, asking a tier engine first what the shared KV tier holds of the prompt when
@@ -346,21 +402,20 @@ class TwoPhaseFlow:
             engine = retry
 
     async def _open_decode(self, exchange: Exchange, engines: Route) -> tuple[EngineResponse, EngineState]:
-        """Open the decode leg: the response and its engine (its leg started).
-
-        An engine that cannot be reached is replaced by another ready decode engine
-        (``routing.decode_retries``): nothing reached it or the client. KV bound to the
-        engine that failed (``bind_reader``) cannot be read by another: it is released,
-        and the next engine computes the prompt (``decode-only; reason=decode-failed``).
-        """
+        """Open the decode leg: the response and its engine (its leg started). An engine that fails before it
+        answers hands the request on (``_moved_decode``; ``exchange.decode_tried``: the engines it was on)."""
         assert self.upstream is not None
         engine = engines.decode
-        tried: list[EngineState] = []
+        tried = exchange.decode_tried
+        if not tried:
+            tried.append(engine)
         while True:
             exchange.reply_headers[headers.DECODE] = engine.engine_id
             exchange.leg_starts(engine)  # counted since routing, through the prefill leg (a retry's: from now)
             try:
                 response = await self.upstream.decode(engine, exchange, decode_body(exchange.body, exchange.kv.params))
+                if len(tried) > 1:
+                    self.metrics.migrations.labels("served").inc()
                 return response, engine
             except BaseException as e:
                 engine.end_leg()
@@ -368,18 +423,9 @@ class TwoPhaseFlow:
                     raise
                 failure = e
             self._unreachable(engine, failure, exchange.request_id)
-            tried.append(engine)
-            retryable = failure.unreachable and len(tried) <= self.config.decode_retries
-            retry = self.router.retry("decode", engines.prefix, tried) if retryable else None
+            retry = self._moved_decode(exchange, engines, tried, failure)
             if retry is None:
                 raise failure
-            logger.warning(
-                "request %s: decode engine %s failed; trying decode engine %s",
-                exchange.request_id, engine.engine_id, retry.engine_id,
-            )  # fmt: skip
-            if exchange.kv.params and self.config.bind_reader:
-                exchange.kv.release()  # bound to the engine that failed: nobody else can read it
-                exchange.degrade(DECODE_FAILED)
             engine = retry
 
     def _unreachable(self, engine: EngineState, failure: UpstreamFailed, request_id: str) -> None:

@@ -416,5 +416,66 @@ def test_killing_the_only_prefill_engine_under_load_fails_only_what_was_in_fligh
     assert kv_report(headers)["source"] == "transfer", kv_report(headers)
 
 
+def test_killing_the_only_decode_engine_under_load_fails_none_of_its_requests(cluster: Cluster) -> None:
+    """kill -9 of the decode engine under load (non-streamed, greedy): each request it had is handed to the
+    prefill engine, which answers it alone (``decode_retries``, ``degrade``), and its answer is the one the
+    decode engine gives once it is back."""
+    cluster.refresh()
+    decode = cluster.engine("decode")
+    results: list[tuple[float, float, int, dict, str]] = []  # (sent, answered, status, headers, question)
+    stop = threading.Event()
+    killed_at: list[float] = []
+
+    def client(n: int) -> None:
+        i = 0
+        while not stop.is_set():
+            sent, question = time.monotonic(), f"Client {n}, question {i}: name three fruits."
+            try:
+                status, headers, answer = http_json(
+                    cluster.proxy_url + "/v1/chat/completions", chat(question, max_tokens=16), timeout=300
+                )
+                headers = {name.lower(): value for name, value in headers.items()}
+                headers["text"] = answer["choices"][0]["message"]["content"] if status == 200 else str(answer)
+            except OSError as e:
+                status, headers = 0, {"text": f"no answer: {e}"}
+            results.append((sent, time.monotonic(), status, headers, question))
+            i += 1
+
+    threads = [threading.Thread(target=client, args=(n,), daemon=True) for n in range(6)]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + 120
+    while sum(1 for r in results if path_of(r[3]) == "disaggregated") < 6 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    killed_at.append(time.monotonic())
+    os.kill(decode["pid"], signal.SIGKILL)
+    deadline = time.monotonic() + 120
+    while sum(1 for r in results if r[0] > killed_at[0] + 2) < 6 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    stop.set()
+    for thread in threads:
+        thread.join(timeout=300)
+
+    kill = killed_at[0]
+    in_flight = [r for r in results if r[0] < kill < r[1]]
+    failed = [r for r in results if r[2] != 200]
+    moved = [r for r in results if "x-pdserve-migrated" in r[3]]
+    print(
+        f"decode kill under load: {len(results)} requests, {len(in_flight)} in flight at the kill, "
+        f"{len(failed)} failed, {len(moved)} moved to another engine"
+    )
+    assert in_flight and not failed, failed
+    assert all(r[3]["x-pdserve-migrated"] == decode["engine_id"] for r in moved)
+    assert all(path_of(r[3]) == "prefill-only; reason=decode-failed" for r in moved), moved
+    wait_restarted(cluster, "decode", decode["pid"])
+    # The answers the prefill engine gave for the decode engine are those the decode engine gives once back.
+    for _, _, _, headers, question in [r for r in in_flight if r in moved][:3]:
+        status, again, answer = http_json(
+            cluster.proxy_url + "/v1/chat/completions", chat(question, max_tokens=16), timeout=300
+        )
+        assert status == 200 and path_of(again) == "disaggregated"
+        assert answer["choices"][0]["message"]["content"] == headers["text"], question
+
+
 def path_of(headers: dict) -> str:
     return {name.lower(): value for name, value in headers.items()}.get("x-pdserve-path", "")

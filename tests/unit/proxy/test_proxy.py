@@ -505,13 +505,19 @@ async def test_decode_500_on_a_stream_is_a_json_502(client, decode_engine):
     assert_openai_error(response, 502, error_type="upstream_error", code="engine_failed")
 
 
-async def test_decode_down_is_502(client, prefill_engine, decode_engine):
+async def test_decode_down_is_served_by_the_prefill_engine_alone_or_502(make_client, prefill_engine, decode_engine):
     await decode_engine.stop()
-    response = await client.post(CHAT_PATH, json=CHAT)
+    response = await (await make_client(health_interval_s=0)).post(CHAT_PATH, json=CHAT)
 
+    assert response.status_code == 200, response.text
+    assert response.headers["x-pdserve-path"] == "prefill-only; reason=decode-failed"
+    assert response.headers["x-pdserve-migrated"] == "decode-0"
+    assert response.json()["choices"][0]["message"]["content"] == answer_text("prefill-0", with_kv=False)
+
+    response = await (await make_client(degrade=False, health_interval_s=0)).post(CHAT_PATH, json=CHAT)
     error = assert_openai_error(response, 502, error_type="upstream_error", code="engine_failed")
     assert "decode" in error["message"]
-    assert len(prefill_engine.requests) == 1
+    assert len(prefill_engine.prefill_requests) == 2
 
 
 async def test_decode_hang_is_502_after_the_timeout(client, decode_engine):
@@ -524,10 +530,12 @@ async def test_decode_hang_is_502_after_the_timeout(client, decode_engine):
     assert elapsed < PROXY_TIMEOUT_S + TIMEOUT_SLACK_S
 
 
-async def test_decode_closing_the_connection_is_502(client, decode_engine):
-    decode_engine.behaviour = Behaviour.DROP
-    response = await client.post(CHAT_PATH, json=CHAT)
+async def test_decode_closing_the_connection_before_it_answers_moves_the_request_or_is_502(make_client, decode_engine):
+    decode_engine.behaviour = Behaviour.DROP  # it died under the request: the prefill engine serves it alone
+    response = await (await make_client()).post(CHAT_PATH, json=CHAT)
+    assert response.status_code == 200 and response.headers["x-pdserve-migrated"] == "decode-0"
 
+    response = await (await make_client(decode_retries=0)).post(CHAT_PATH, json=CHAT)
     assert_openai_error(response, 502, error_type="upstream_error", code="engine_failed")
 
 

@@ -435,3 +435,34 @@ async def test_decode_retries_0_gives_502_when_the_decode_engine_is_down(
     assert failed.status_code == 502
     assert two_decode.requests == []
     assert await released(side_channel) == ["PDRL req-11"]
+
+
+async def test_a_decode_engine_that_dies_under_a_request_hands_it_to_another_within_the_bounds(
+    make_proxy, pool, prefill_engine, decode_engine, two_decode
+):
+    proxy = await make_proxy(health_interval_s=0, bind_reader=True)
+    decode_engine.behaviour = Behaviour.DROP  # kill -9 while it generates: the connection breaks, no answer
+
+    served = await post(proxy, LONG | {"seed": 7}, headers={"X-Request-Id": "req-11"})
+
+    assert served.status_code == 200, served.text
+    assert served.headers["x-pdserve-decode"] == "decode-1" and served.headers["x-pdserve-migrated"] == "decode-0"
+    assert served.headers["x-pdserve-path"] == "decode-only; reason=decode-failed"  # its KV was decode-0's
+    assert answer_of("/v1/completions", served.json()) == answer_text("decode-1", with_kv=False)
+    assert two_decode.requests[-1].body["seed"] == 7  # the request as the client sent it
+    two_decode.behaviour = Behaviour.DROP  # both die: two moves at most, none left to go to
+    failed = await post(proxy, LONG)
+    assert failed.status_code == 200 and failed.headers["x-pdserve-migrated"] == "decode-0, decode-1"
+    assert failed.headers["x-pdserve-path"] == "prefill-only; reason=decode-failed"
+    async with httpx.AsyncClient(base_url=proxy.url, timeout=10) as client:
+        samples = await scrape(client)
+    moved = "pdserve_proxy_decode_migrations_total"
+    assert samples[(moved, (("model", PROXY_MODEL), ("outcome", "served")))] == 2
+    assert in_flight(pool) == {"prefill-0": 0, "decode-0": 0, "decode-1": 0}
+
+    off = await make_proxy(health_interval_s=0, decode_retries=1, degrade=False)
+    refused = await post(off, LONG)
+    assert refused.status_code == 502  # one move, to decode-1, which died too
+    async with httpx.AsyncClient(base_url=off.url, timeout=10) as client:
+        samples = await scrape(client)
+    assert samples[(moved, (("model", PROXY_MODEL), ("outcome", "failed")))] == 1
