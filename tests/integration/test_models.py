@@ -1,12 +1,17 @@
 """A cluster of two models behind one proxy, on real vLLM CPU engines: the demo model and the tiny test model,
-one prefill and one decode engine each (``ClusterSpec.models``).
+one prefill and one decode engine each (``ClusterSpec.models``); the tiny model's decode engine runs TP 2.
 
 Each model's requests go to its own engines, through P/D with the KV moved, and answer as that model's decode
 engine alone does; a model nobody serves is a 404 in OpenAI's format naming both; ``/v1/models`` lists both; the
 proxy's metrics and ``pdserve status`` name the model; ``pdserve scale`` asks which model a change is for. KV never
 moves between the models: transfer parameters of one model's prefill engine, handed to the other model's decode
 engine, are refused by the connector's compatibility check and the decode engine computes the prompt itself.
-Four engine processes share this machine's two cores (``resources.share_cores``), so this cluster starts after
+Prefill TP 1 -> decode TP 2 through our connector: the tiny test model (random weights, 2 KV heads;
+``scripts/make_tiny_model.py``) runs on a prefill engine of one rank and a decode engine of two: each decode rank
+reads its own KV head from the single prefill rank. Greedy output through the proxy must equal the decode
+engine's own, for prompts the decode engine never computed (its prefix caching is off, so nothing is served
+from its cache), and the decode engine's metrics must show every prompt token arrived over the connector.
+Five engine processes share this machine's two cores (``resources.share_cores``), so this cluster starts after
 the shared one.
 """
 
@@ -20,8 +25,18 @@ from pathlib import Path
 
 import pytest
 
+from orchestrator.launch import plan_engines
+from orchestrator.spec import ClusterSpec
 from proxy.bodies import decode_body, prefill_body
-from tests.integration.conftest import engine_headers, http_json, kv_report, own_cluster, run_pdserve
+from tests.integration.conftest import (
+    engine_headers,
+    http_json,
+    http_stream,
+    kv_report,
+    metric_values,
+    own_cluster,
+    run_pdserve,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.after_cluster]
 
@@ -43,12 +58,19 @@ SPEC = {
             "model": TINY,
             "key": "tiny",
             "prefill": {"port": 22530, "kv_port": 18830},
-            "decode": {"port": 22540, "kv_port": 18840},
-            "engine": {"max_model_len": 512},
+            "decode": {"port": 22540, "kv_port": 18840, "tensor_parallel_size": 2},
+            "engine": {"max_model_len": 1024, "extra_args": {"enable_prefix_caching": False}},
         },
     ],
 }
 PROMPT = "Paris is the capital of France, and Rome is the capital of"
+TP_PROMPTS = [
+    "The quick brown fox",
+    "Prefill engines compute the prompt and",
+    "Numbers: 0 1 2 3 4 5 6 7 8 9 " * 12,  # a few blocks' worth of tokens
+    "decode engines generate the answer. " * 30,
+]
+SOURCE_METRIC = "vllm:prompt_tokens_by_source_total"
 
 
 @pytest.fixture(scope="module")
@@ -57,8 +79,8 @@ def models_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
         yield status
 
 
-def completion(model: str) -> dict:
-    return {"model": model, "prompt": PROMPT, "temperature": 0, "max_tokens": 8, "ignore_eos": True}
+def completion(model: str, prompt: str = PROMPT) -> dict:
+    return {"model": model, "prompt": prompt, "temperature": 0, "max_tokens": 8, "ignore_eos": True}
 
 
 def engine_url(status: dict, engine_id: str) -> str:
@@ -146,3 +168,43 @@ def test_kv_of_one_model_is_never_loaded_by_the_others_engine(models_cluster: di
     kv = answer["kv_transfer_params"]["pdserve_kv"]
     assert (kv["source"], kv["reason"]) == ("recomputed", "incompatible"), kv
     assert "num_layers differs" in kv["detail"]
+
+
+def test_the_engines_share_the_machines_cores_as_planned(models_cluster: dict) -> None:
+    planned = {e.engine_id: e.cpu_bind for e in plan_engines(ClusterSpec.from_dict(SPEC))}
+    assert {e["engine_id"]: e["cpu_bind"] for e in models_cluster["engines"]} == planned
+    assert len(planned["tiny-decode-0"].split("|")) == 2  # a core for each of its two ranks
+    assert all(e["state"] == "ready" for e in models_cluster["engines"])
+
+
+def test_tp1_prefill_to_tp2_decode_gives_the_decode_engines_own_greedy_output(models_cluster: dict) -> None:
+    decode_url, proxy_url = engine_url(models_cluster, "tiny-decode-0"), models_cluster["proxy_url"]
+    alone = {}
+    for prompt in TP_PROMPTS:
+        status, _, body = http_json(
+            decode_url + "/v1/completions",
+            completion(TINY, prompt),
+            headers=engine_headers(models_cluster["state_dir"]),
+        )
+        assert status == 200, body
+        alone[prompt] = body
+
+    before = metric_values(decode_url, SOURCE_METRIC, "source")
+    prompt_tokens = 0
+    for prompt in TP_PROMPTS:
+        status, headers, body = http_json(proxy_url + "/v1/completions", completion(TINY, prompt))
+        assert status == 200, body
+        assert body["choices"][0]["text"] == alone[prompt]["choices"][0]["text"], prompt
+        assert body["usage"] == alone[prompt]["usage"]
+        report = kv_report(headers)
+        assert report["source"] == "transfer" and int(report["bytes"]) > 0, report
+        assert report["remote_engine_id"] == "tiny-prefill-0"
+        # a stream's report comes from both decode ranks' side channels: the same bytes in all
+        stream_headers: dict[str, str] = {}
+        http_stream(proxy_url + "/v1/completions", completion(TINY, prompt) | {"stream": True}, headers=stream_headers)
+        assert kv_report(stream_headers)["bytes"] == report["bytes"], (stream_headers, report)
+        prompt_tokens += 2 * body["usage"]["prompt_tokens"]  # the stream's prompt came over the connector too
+    after = metric_values(decode_url, SOURCE_METRIC, "source")
+
+    assert after["external_kv_transfer"] - before["external_kv_transfer"] == prompt_tokens
+    assert after["local_compute"] - before["local_compute"] == 0

@@ -28,7 +28,7 @@ from tests.integration.conftest import HERE, engine_headers, http_json, own_clus
 pytestmark = [pytest.mark.integration, pytest.mark.after_cluster]
 
 MODEL = "smollm2-135m-instruct"
-LEASE_TTL_S = 45  # how long prefill-1 holds KV nobody reads: what keeps it draining below
+LEASE_TTL_S = 25  # how long prefill-1 holds KV nobody reads: what keeps it draining below
 
 
 def spec() -> dict:
