@@ -51,6 +51,7 @@ from orchestrator.control import cluster_status
 from orchestrator.control_server import ControlServer
 from orchestrator.engine_handles import EngineHandles
 from orchestrator.engine_record import EngineRecord, take_info
+from orchestrator.errors import PdserveError
 from orchestrator.event_log import EventLog
 from orchestrator.logs import redirect_output
 from orchestrator.model_group import ModelGroup
@@ -123,14 +124,12 @@ class ClusterController:
         return [r for group in self.groups.values() for r in group.pools.engines.values()]
 
     def _group(self, model: str | None) -> ModelGroup | str:
-        """The group of ``model`` (its served name or key; None: the only one), or why there is none."""
-        if model is None and len(self.groups) == 1:
-            return next(iter(self.groups.values()))
-        for group in self.groups.values():
-            if model in (group.name, group.pools.spec.key):
-                return group
-        names = ", ".join(self.groups)
-        return f"name the model (--model): one of {names}" if model is None else f"no model {model!r}: {names}"
+        """The group of ``model`` (its served name or key; None: the only one: ``ClusterSpec.view``), or why there
+        is none."""
+        try:
+            return self.groups[self.spec.view(model).model_name]
+        except PdserveError as e:
+            return str(e)
 
     # --- public API (called by the CLI) ---------------------------------------------------
 

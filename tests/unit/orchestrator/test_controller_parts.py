@@ -266,6 +266,18 @@ async def test_a_change_of_a_cluster_of_several_models_names_its_model():
         return SimpleNamespace(name=name, pools=SimpleNamespace(spec=spec), changes=SimpleNamespace(scale=scale))
 
     controller = ClusterController.__new__(ClusterController)
+    model = spec_dict()["model"]
+    controller.spec = ClusterSpec.model_validate(
+        {
+            "resources": {"cpus": 4},
+            "models": [
+                {"model": model, "served_model_name": "org/Demo-1", "key": "demo-1",
+                 "prefill": {"port": 8100, "kv_port": 5600}, "decode": {"port": 8200, "kv_port": 5700}},
+                {"model": model, "served_model_name": "tiny",
+                 "prefill": {"port": 8110, "kv_port": 5610}, "decode": {"port": 8210, "kv_port": 5710}},
+            ],
+        }
+    )  # fmt: skip
     controller.groups = {"org/Demo-1": group("org/Demo-1", "demo-1"), "tiny": group("tiny", "tiny")}
 
     assert await controller.scale({"decode": 2}) == {"error": "name the model (--model): one of org/Demo-1, tiny"}
