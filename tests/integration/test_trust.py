@@ -21,6 +21,7 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -357,41 +358,20 @@ def _write_other_secret(cluster: Cluster) -> Path:
 def test_killing_the_only_prefill_engine_under_load_fails_only_what_was_in_flight(cluster: Cluster) -> None:
     cluster.refresh()
     prefill = cluster.engine("prefill")
-    results: list[tuple[float, float, int, str]] = []  # (sent, answered, status, X-PDServe-Path)
-    stop = threading.Event()
-    killed_at: list[float] = []
 
-    def client(n: int) -> None:
-        i = 0
-        while not stop.is_set():
-            sent = time.monotonic()
-            try:
-                status, headers, _ = http_json(
-                    cluster.proxy_url + "/v1/chat/completions",
-                    chat(f"Client {n}, question {i}: name a fruit.", max_tokens=4),
-                    timeout=300,
-                )
-            except OSError as e:  # the proxy itself failed the client: counted as a failure
-                status, headers = 0, {"x-pdserve-path": f"no answer: {e}"}
-            results.append((sent, time.monotonic(), status, path_of(headers)))
-            i += 1
+    def send(n: int, i: int) -> tuple[int, str]:  # (status, X-PDServe-Path)
+        try:
+            status, headers, _ = http_json(
+                cluster.proxy_url + "/v1/chat/completions",
+                chat(f"Client {n}, question {i}: name a fruit.", max_tokens=4),
+                timeout=300,
+            )
+        except OSError as e:  # the proxy itself failed the client: counted as a failure
+            status, headers = 0, {"x-pdserve-path": f"no answer: {e}"}
+        return status, path_of(headers)
 
-    threads = [threading.Thread(target=client, args=(n,), daemon=True) for n in range(8)]
-    for thread in threads:
-        thread.start()
-    deadline = time.monotonic() + 120
-    while sum(1 for r in results if r[3] == "disaggregated") < 8 and time.monotonic() < deadline:
-        time.sleep(0.2)
-    killed_at.append(time.monotonic())
-    os.kill(prefill["pid"], signal.SIGKILL)
-    deadline = time.monotonic() + 120
-    while sum(1 for r in results if r[0] > killed_at[0] + 2) < 8 and time.monotonic() < deadline:
-        time.sleep(0.2)
-    stop.set()
-    for thread in threads:
-        thread.join(timeout=300)
+    results, kill = kill_under_load(prefill["pid"], 8, send, lambda r: r[3] == "disaggregated")
 
-    kill = killed_at[0]
     in_flight = [r for r in results if r[0] < kill < r[1]]
     failed = [r for r in results if r[2] != 200]
     after = [r for r in results if r[0] > kill]
@@ -422,41 +402,21 @@ def test_killing_the_only_decode_engine_under_load_fails_none_of_its_requests(cl
     decode engine gives once it is back."""
     cluster.refresh()
     decode = cluster.engine("decode")
-    results: list[tuple[float, float, int, dict, str]] = []  # (sent, answered, status, headers, question)
-    stop = threading.Event()
-    killed_at: list[float] = []
 
-    def client(n: int) -> None:
-        i = 0
-        while not stop.is_set():
-            sent, question = time.monotonic(), f"Client {n}, question {i}: name three fruits."
-            try:
-                status, headers, answer = http_json(
-                    cluster.proxy_url + "/v1/chat/completions", chat(question, max_tokens=16), timeout=300
-                )
-                headers = {name.lower(): value for name, value in headers.items()}
-                headers["text"] = answer["choices"][0]["message"]["content"] if status == 200 else str(answer)
-            except OSError as e:
-                status, headers = 0, {"text": f"no answer: {e}"}
-            results.append((sent, time.monotonic(), status, headers, question))
-            i += 1
+    def send(n: int, i: int) -> tuple[int, dict, str]:  # (status, headers and the answer's text, question)
+        question = f"Client {n}, question {i}: name three fruits."
+        try:
+            status, headers, answer = http_json(
+                cluster.proxy_url + "/v1/chat/completions", chat(question, max_tokens=16), timeout=300
+            )
+            headers = {name.lower(): value for name, value in headers.items()}
+            headers["text"] = answer["choices"][0]["message"]["content"] if status == 200 else str(answer)
+        except OSError as e:
+            status, headers = 0, {"text": f"no answer: {e}"}
+        return status, headers, question
 
-    threads = [threading.Thread(target=client, args=(n,), daemon=True) for n in range(6)]
-    for thread in threads:
-        thread.start()
-    deadline = time.monotonic() + 120
-    while sum(1 for r in results if path_of(r[3]) == "disaggregated") < 6 and time.monotonic() < deadline:
-        time.sleep(0.2)
-    killed_at.append(time.monotonic())
-    os.kill(decode["pid"], signal.SIGKILL)
-    deadline = time.monotonic() + 120
-    while sum(1 for r in results if r[0] > killed_at[0] + 2) < 6 and time.monotonic() < deadline:
-        time.sleep(0.2)
-    stop.set()
-    for thread in threads:
-        thread.join(timeout=300)
+    results, kill = kill_under_load(decode["pid"], 6, send, lambda r: path_of(r[3]) == "disaggregated")
 
-    kill = killed_at[0]
     in_flight = [r for r in results if r[0] < kill < r[1]]
     failed = [r for r in results if r[2] != 200]
     moved = [r for r in results if "x-pdserve-migrated" in r[3]]
@@ -475,6 +435,40 @@ def test_killing_the_only_decode_engine_under_load_fails_none_of_its_requests(cl
         )
         assert status == 200 and path_of(again) == "disaggregated"
         assert answer["choices"][0]["message"]["content"] == headers["text"], question
+
+
+def kill_under_load(
+    pid: int, clients: int, send: Callable[[int, int], tuple], disaggregated: Callable[[tuple], bool]
+) -> tuple[list[tuple], float]:
+    """``clients`` threads each send requests one after another (``send(n, i)``: client n's i-th, its outcome);
+    once ``clients`` results are ``disaggregated``, kill -9 ``pid``; they go on until ``clients`` requests were
+    sent 2 s after the kill. Returns each request's ``(sent, answered, *outcome)`` and when the kill came."""
+    results: list[tuple] = []
+    stop = threading.Event()
+
+    def client(n: int) -> None:
+        i = 0
+        while not stop.is_set():
+            sent = time.monotonic()
+            outcome = send(n, i)
+            results.append((sent, time.monotonic(), *outcome))
+            i += 1
+
+    threads = [threading.Thread(target=client, args=(n,), daemon=True) for n in range(clients)]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + 120
+    while sum(1 for r in results if disaggregated(r)) < clients and time.monotonic() < deadline:
+        time.sleep(0.2)
+    kill = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 120
+    while sum(1 for r in results if r[0] > kill + 2) < clients and time.monotonic() < deadline:
+        time.sleep(0.2)
+    stop.set()
+    for thread in threads:
+        thread.join(timeout=300)
+    return results, kill
 
 
 def path_of(headers: dict) -> str:
