@@ -35,6 +35,7 @@ from typing import Any
 from starlette.requests import Request
 
 from contract import headers
+from proxy.continuation import StreamLedger
 from proxy.limits import AdmissionGate
 from proxy.metrics import DEFAULT_SERVING_PATH, ModelMetrics
 from proxy.pool import EngineState
@@ -88,8 +89,8 @@ class Exchange:
 
     __slots__ = (
         "request", "kind", "route", "request_id", "started", "reply_headers", "engine_headers", "body",
-        "engines", "serving_path", "kv", "gate", "decode_failed_at", "decode_tried", "_metrics", "_last_chunk",
-        "_closed", "_prefill_routed", "_decode_routed",
+        "engines", "serving_path", "kv", "gate", "decode_failed_at", "decode_tried", "ledger", "_metrics",
+        "_last_chunk", "_closed", "_prefill_routed", "_decode_routed",
     )  # fmt: skip
 
     def __init__(self, request: Request, kind: str, route: str, metrics: ModelMetrics) -> None:
@@ -108,6 +109,8 @@ class Exchange:
         """When its first decode engine failed (``time.monotonic``; the decode leg's moves are bounded from it)."""
         self.decode_tried: list[EngineState] = []
         """The engines its decode leg was sent to, in order (more than one: it moved)."""
+        self.ledger: StreamLedger | None = None
+        """A continuable stream's record of what it relayed (``proxy.continuation``)."""
         self._metrics = metrics
         self._last_chunk = 0.0
         self._closed = False

@@ -14,28 +14,53 @@ never finds its own slot still taken.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import NamedTuple
 
+import orjson
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from proxy.engine_client import EngineResponse
+from proxy.errors import UpstreamFailed
 from proxy.exchange import Exchange
 from proxy.pool import EngineState
 
-__all__ = ["DecodeStream", "RelayResponse", "responses_generated"]
+__all__ = ["DecodeStream", "Moved", "Mover", "RelayResponse", "error_event", "responses_generated"]
 
 logger = logging.getLogger(__name__)
+
+
+class Moved(NamedTuple):
+    """Where a stream goes on after its decode engine failed (``Mover``): the new engine's leg, the rewrite of
+    its bytes, and what the client is told first (an SSE comment)."""
+
+    chunks: AsyncIterator[bytes]
+    response: EngineResponse
+    engine: EngineState
+    rewrite: Callable[[bytes], bytes] | None
+    note: bytes
+
+
+Mover = Callable[[UpstreamFailed, bool], Awaitable["Moved | bytes"]]
+"""Called when the decode engine fails mid-stream, with whether anything reached the client: the leg that goes on
+(``Moved``), or the stream's last bytes (its end, or the error event)."""
 
 
 class DecodeStream:
     """A decode engine's SSE stream on its way to the client; ``aclose`` ends the decode leg exactly once.
 
     An async generator could not promise that: one never started (the client left
-    before the response's headers went out) runs no ``finally``.
+    before the response's headers went out) runs no ``finally``. ``rewrite`` turns
+    the engine's bytes into the client's (``proxy.continuation.StreamLedger``);
+    when the engine fails, ``mover`` says how the stream goes on (its default: it
+    ends with the error event), and the failed engine's leg ends at once.
     """
 
-    __slots__ = ("engine", "_chunks", "_response", "_exchange", "_started", "_closed", "_pending", "_generated")
+    __slots__ = (
+        "engine", "_chunks", "_response", "_exchange", "_started", "_closed", "_leg_over", "_relayed", "_pending",
+        "_generated", "_rewrite", "_mover",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -44,13 +69,17 @@ class DecodeStream:
         engine: EngineState,
         exchange: Exchange,
         generated: Callable[[bytes], bool] | None = None,
+        rewrite: Callable[[bytes], bytes] | None = None,
+        mover: Mover | None = None,
     ) -> None:
         self._chunks, self._response, self.engine, self._exchange = chunks, response, engine, exchange
-        self._started = self._closed = False
+        self._started = self._closed = self._leg_over = self._relayed = False
         self._pending: list[bytes] = []
         # Whether a chunk shows the engine generating (so it has loaded the KV): any chunk of a chat or a
         # completion; for the Responses API, an event past response.created and response.in_progress.
         self._generated = generated or _any_chunk
+        self._rewrite = rewrite
+        self._mover = mover
 
     def __aiter__(self) -> DecodeStream:
         return self
@@ -71,36 +100,82 @@ class DecodeStream:
         return await self._next()
 
     async def _next(self) -> bytes:
-        try:
-            chunk = await anext(self._chunks)
-        except StopAsyncIteration:
-            await self.aclose()
-            self._exchange.close(200)  # before the response's end goes out: a client that read it finds its slot free
-            raise
-        except BaseException:  # a failure or a cancellation
-            await self.aclose()
-            raise
+        while True:
+            try:
+                chunk = await anext(self._chunks)
+                if self._rewrite is not None:
+                    chunk = self._rewrite(chunk)
+            except StopAsyncIteration:
+                await self.aclose()
+                self._exchange.close(200)  # before the response's end goes out: a client that read it finds it free
+                raise
+            except UpstreamFailed as failure:
+                try:
+                    chunk = await self._moved(failure)
+                except BaseException:
+                    await self.aclose()
+                    raise
+            except BaseException:  # a cancellation
+                await self.aclose()
+                raise
+            if chunk:
+                break
         if not self._started and self._generated(chunk):
             self._started = True
             self._exchange.kv.read()
         if self._started:
             self._exchange.chunk_relayed()
+        self._relayed = True
         return chunk
 
-    async def aclose(self) -> None:
-        if self._closed:
+    async def _moved(self, failure: UpstreamFailed) -> bytes:
+        """The engine failed: its leg ends; the stream goes on where ``mover`` says, or ends with its last bytes."""
+        await self._end_leg()
+        moved = await self._mover(failure, self._relayed) if self._mover is not None else error_event(
+            self._exchange.kind, failure
+        )  # fmt: skip
+        if isinstance(moved, bytes):
+            self._chunks = _ended()
+            return moved
+        self._chunks, self._response, self.engine, self._rewrite = moved[:4]
+        self._leg_over = False
+        return moved.note
+
+    async def _end_leg(self) -> None:
+        if self._leg_over:
             return
-        self._closed = True
+        self._leg_over = True
         try:
             await self._chunks.aclose()  # type: ignore[attr-defined]
         finally:
             self._response.release()
             self.engine.end_leg()
-            if not self._started:
-                logger.info(
-                    "request %s: decode engine %s's stream ended before its first chunk",
-                    self._exchange.request_id, self.engine.engine_id,
-                )  # fmt: skip
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        await self._end_leg()
+        if not self._started:
+            logger.info(
+                "request %s: decode engine %s's stream ended before its first chunk",
+                self._exchange.request_id, self.engine.engine_id,
+            )  # fmt: skip
+
+
+async def _ended() -> AsyncIterator[bytes]:
+    return
+    yield  # an async generator that yields nothing
+
+
+def error_event(kind: str, failure: UpstreamFailed) -> bytes:
+    """The event that ends a stream whose engine failed: the Responses API's ``error`` event, else the error
+    body as a data event."""
+    if kind == "responses":
+        error = failure.body()["error"]
+        event = {"type": "error", "code": error.get("code"), "message": error["message"], "param": None}
+        return b"event: error\ndata: " + orjson.dumps(event) + b"\n\n"
+    return b"data: " + orjson.dumps(failure.body()) + b"\n\n"
 
 
 def _any_chunk(chunk: bytes) -> bool:

@@ -49,6 +49,7 @@ from proxy.bodies import (
     prefill_body,
 )
 from proxy.config import ProxyConfig
+from proxy.continuation import StreamLedger, refusal
 from proxy.disconnect import cancel_on_disconnect
 from proxy.engine_client import EngineClient, EngineResponse
 from proxy.errors import (
@@ -65,7 +66,7 @@ from proxy.kv_report import KVReports, kv_report
 from proxy.limits import DEFAULT_REQUESTS_PER_ENGINE, AdmissionGate, pool_limit, read_body
 from proxy.metrics import ModelMetrics
 from proxy.pool import EngineState
-from proxy.relay import DecodeStream, RelayResponse, responses_generated
+from proxy.relay import DecodeStream, Moved, Mover, RelayResponse, error_event, responses_generated
 from proxy.release import KVReleaser
 from proxy.routing import DECODE_FAILED, PREFILL_FAILED, Route, Router
 from proxy.upstream import EngineRejected, Upstream
@@ -252,6 +253,9 @@ class TwoPhaseFlow:
         assert self.upstream is not None and self.releaser is not None, "the flow is not open"
         exchange.engine_headers = self.engine_headers(exchange)
         engines = await self._route(exchange)
+        stream = bool(exchange.body.get("stream"))
+        if stream and (why := self._not_continued(exchange)) is None:
+            exchange.ledger = StreamLedger(exchange.body, exchange.kind)
         prefill_started = time.perf_counter()
         if engines.prefill is not None:
             await self._prefill_or_degrade(exchange, engines)
@@ -263,9 +267,11 @@ class TwoPhaseFlow:
                 exchange.request_id, 1000 * (prefill_started - exchange.started),
                 1000 * (decode_started - prefill_started), 1000 * (time.perf_counter() - decode_started),
             )  # fmt: skip
-        if exchange.body.get("stream"):
+        if stream:
             generated = responses_generated if exchange.kind == "responses" else None
-            return DecodeStream(self.upstream.stream(response, engine, exchange), response, engine, exchange, generated)
+            chunks, ledger = self.upstream.stream(response, engine, exchange), exchange.ledger
+            rewrite, mover = ledger.relay if ledger else None, self._stream_mover(exchange, engines, why)
+            return DecodeStream(chunks, response, engine, exchange, generated, rewrite, mover)
         payload, engine = await self._read_answer(exchange, engines, response, engine)
         engine.failures = 0
         exchange.kv.read()
@@ -401,9 +407,12 @@ class TwoPhaseFlow:
             )  # fmt: skip
             engine = retry
 
-    async def _open_decode(self, exchange: Exchange, engines: Route) -> tuple[EngineResponse, EngineState]:
+    async def _open_decode(
+        self, exchange: Exchange, engines: Route, leg: Callable[[], tuple[str, dict]] | None = None
+    ) -> tuple[EngineResponse, EngineState]:
         """Open the decode leg: the response and its engine (its leg started). An engine that fails before it
-        answers hands the request on (``_moved_decode``; ``exchange.decode_tried``: the engines it was on)."""
+        answers hands the request on (``_moved_decode``; ``exchange.decode_tried``: the engines it was on).
+        ``leg``: the route and body of each try (default: the client's route, ``decode_body``)."""
         assert self.upstream is not None
         engine = engines.decode
         tried = exchange.decode_tried
@@ -412,8 +421,9 @@ class TwoPhaseFlow:
         while True:
             exchange.reply_headers[headers.DECODE] = engine.engine_id
             exchange.leg_starts(engine)  # counted since routing, through the prefill leg (a retry's: from now)
+            route, body = leg() if leg is not None else (exchange.route, self._decode_body(exchange))
             try:
-                response = await self.upstream.decode(engine, exchange, decode_body(exchange.body, exchange.kv.params))
+                response = await self.upstream.decode(engine, exchange, body, route)
                 if len(tried) > 1:
                     self.metrics.migrations.labels("served").inc()
                 return response, engine
@@ -427,6 +437,67 @@ class TwoPhaseFlow:
             if retry is None:
                 raise failure
             engine = retry
+
+    @staticmethod
+    def _decode_body(exchange: Exchange) -> dict:
+        body = decode_body(exchange.body, exchange.kv.params)
+        return StreamLedger.decode_request(body) if exchange.ledger is not None else body
+
+    # ---------------------------------------------------------------- a stream whose engine fails
+
+    def _not_continued(self, exchange: Exchange) -> str | None:
+        """Why a stream of this exchange would not be continued on another engine; None if it would."""
+        if not self.config.decode_retries:
+            return "proxy.decode_retries is 0"
+        return refusal(exchange.body, exchange.kind)
+
+    def _stream_mover(self, exchange: Exchange, engines: Route, why: str | None) -> Mover:
+        """How the exchange's stream goes on when its decode engine fails (``DecodeStream``; ``why``: the reason
+        it cannot be continued, None if it can).
+
+        Nothing relayed yet: the request moves as a non-streamed one does (``_moved_decode``) and starts again.
+        Tokens relayed: a continuable stream goes on, on the engine ``_moved_decode`` picks, as the completion of
+        the prompt's and the sent tokens' ids (``proxy.continuation``), after an SSE comment that says so; one
+        whose last token went out gets only its end. Otherwise, or with no engine to go to, it ends with the
+        error event, which says why it was not continued."""
+
+        async def move(failure: UpstreamFailed, relayed: bool) -> Moved | bytes:
+            ledger, tried = exchange.ledger, exchange.decode_tried
+            failed = tried[-1]
+            self._unreachable(failed, failure, exchange.request_id)
+            reason = why if why is not None or not relayed or ledger is None else ledger.continuable()
+            if relayed and reason is not None:
+                logger.warning("request %s: its stream is not continued: %s", exchange.request_id, reason)
+                failure.message += f"; the stream could not be continued: {reason}"
+                return error_event(exchange.kind, failure)
+            if relayed and ledger is not None and ledger.finished:
+                return ledger.ending()
+            retry = self._moved_decode(exchange, engines, tried, failure)
+            if retry is None:
+                return error_event(exchange.kind, failure)
+            leg, rewrite, note = None, ledger.relay if ledger else None, b""
+            if ledger is not None:
+                ledger.drop_partial()
+            if relayed:
+                assert ledger is not None
+                leg, rewrite = (lambda: (wire.COMPLETIONS_PATH, ledger.continuation_body())), ledger.continued
+                note = (
+                    f": pdserve: decode engine {failed.engine_id} failed after {len(ledger.sent)} tokens; "
+                    f"continued on {retry.role} engine {retry.engine_id}\n\n"
+                ).encode()
+            elif ledger is not None:
+                ledger.restart()
+            try:
+                response, engine = await self._open_decode(exchange, Route(None, retry, engines.prefix), leg)
+            except UpstreamFailed as again:
+                return error_event(exchange.kind, again)
+            except EngineRejected as rejected:  # the continuation refused (a 4xx): the stream ends with it
+                self.metrics.migrations.labels("failed").inc()
+                return b"data: " + orjson.dumps(rejected.body) + b"\n\n"
+            assert self.upstream is not None
+            return Moved(self.upstream.stream(response, engine, exchange), response, engine, rewrite, note)
+
+        return move
 
     def _unreachable(self, engine: EngineState, failure: UpstreamFailed, request_id: str) -> None:
         if self.checks_health and failure.unreachable:

@@ -72,10 +72,12 @@ class Upstream:
         except (orjson.JSONDecodeError, AttributeError) as e:
             raise _engine_failed(engine, "prefill", request_id, f"unreadable answer: {e}") from e
 
-    async def decode(self, engine: EngineAddress, exchange: Exchange, body: dict) -> EngineResponse:
-        """Open the decode call with ``body`` (``bodies.decode_body``); return the response (the caller reads
-        or releases it)."""
-        url, request_id = engine.url + exchange.route, exchange.request_id
+    async def decode(
+        self, engine: EngineAddress, exchange: Exchange, body: dict, route: str | None = None
+    ) -> EngineResponse:
+        """Open the decode call with ``body`` (``bodies.decode_body``) at ``route`` (the exchange's); return the
+        response (the caller reads or releases it)."""
+        url, request_id = engine.url + (route or exchange.route), exchange.request_id
         try:
             response = await self.client.post(url, orjson.dumps(body), exchange.engine_headers, self.timeout_s)
         except (EngineConnectionError, TimeoutError) as e:
@@ -111,18 +113,13 @@ class Upstream:
             raise _engine_failed(engine, "decode", exchange.request_id, e) from e
 
     async def stream(self, response: EngineResponse, engine: EngineAddress, exchange: Exchange) -> AsyncIterator[bytes]:
-        """Relay an SSE stream; an engine failing mid-stream ends it with an error event."""
+        """An SSE stream's bytes as they come; an engine failing mid-stream raises ``UpstreamFailed``
+        (``proxy.relay.DecodeStream`` decides how the stream goes on)."""
         try:
             async for chunk in response.chunks(self.timeout_s):
                 yield chunk
         except (EngineConnectionError, TimeoutError) as e:
-            failure = _engine_failed(engine, "decode", exchange.request_id, e)
-            if exchange.kind == "responses":  # the Responses API's error event
-                error = failure.body()["error"]
-                event = {"type": "error", "code": error.get("code"), "message": error["message"], "param": None}
-                yield b"event: error\ndata: " + orjson.dumps(event) + b"\n\n"
-            else:
-                yield b"data: " + orjson.dumps(failure.body()) + b"\n\n"
+            raise _engine_failed(engine, "decode", exchange.request_id, e) from e
         finally:
             response.release()
 

@@ -15,7 +15,13 @@ ephemeral port, and answers ``POST /v1/chat/completions`` and
   ``"hello from decode-0 with kv_transfer_params"``, cut to ``max_tokens``
   words, as JSON or, when ``stream`` is true, as an SSE stream (one
   ``data: {...}`` chunk per word, a usage chunk when
-  ``stream_options.include_usage``, then ``data: [DONE]``).
+  ``stream_options.include_usage``, then ``data: [DONE]``). With
+  ``return_token_ids``, a stream's events carry token ids as vLLM's do: the
+  prompt's (``PROMPT_IDS``) in the first, and each word's (``1000 +`` its
+  position) in its own; without, those keys are null, as vLLM sends them. A
+  completion whose prompt is token ids (``PROMPT_IDS`` and the ids of the first
+  k words) generates the rest of the answer from word k: what a continuation
+  of a stream asks.
 
 ``GET /v1/models`` lists ``model_name``; ``GET /health`` answers
 ``health_status`` (200); ``GET /metrics`` reports ``waiting`` and
@@ -90,6 +96,12 @@ class Behaviour(enum.Enum):
 ERROR_400_MESSAGE = "This model's maximum context length is 16 tokens. However, you requested 4096 tokens."
 CHUNKS_BEFORE_DROP = 2
 """Streaming ``DROP`` / ``STALL_MID_STREAM``: the number of SSE chunks sent before the failure."""
+
+
+PROMPT_IDS = [1, 2]
+"""The token ids of every text prompt the stub gets."""
+FIRST_ID = 1000
+"""The token id of a stub answer's first word; the next word's is one more."""
 
 
 def answer_text(name: str, with_kv: bool) -> str:
@@ -359,7 +371,10 @@ class StubEngine:
             words, finish = ["hello"], "length"
         else:
             kv_params = {"pdserve_kv": self.kv_report} if self.kv_report and received.kv_transfer_params else None
-            words, finish = _limit(answer_text(self.name, received.kv_transfer_params is not None), body)
+            text = answer_text(self.name, received.kv_transfer_params is not None)
+            prompt = body.get("prompt")
+            start = len(prompt) - len(PROMPT_IDS) if isinstance(prompt, list) and prompt and prompt[0] == 1 else 0
+            words, finish = _limit(" ".join(text.split(" ")[start:]), body)
         n = body["n"] if isinstance(body.get("n"), int) and body["n"] > 0 else 1
         if responses and not streaming:
             return _json(_response(request_id, body, words, kv_params))
@@ -367,7 +382,7 @@ class StubEngine:
             return await self._send_events(request, _response_events(request_id, body, words))
         if not streaming:
             return _json(_completion(chat, request_id, body, words, finish, n, kv_params))
-        return await self._stream(request, chat, request_id, body, words, finish, n)
+        return await self._stream(request, chat, request_id, body, words, finish, n, start)
 
     async def _send_events(self, request: web.Request, events: list[dict[str, Any]]) -> web.StreamResponse:
         """A Responses API stream: ``event:`` and ``data:`` lines, no ``[DONE]``."""
@@ -384,11 +399,19 @@ class StubEngine:
         return response
 
     async def _stream(
-        self, request: web.Request, chat: bool, request_id: str, body: dict, words: list[str], finish: str, n: int
+        self,
+        request: web.Request,
+        chat: bool,
+        request_id: str,
+        body: dict,
+        words: list[str],
+        finish: str,
+        n: int,
+        start: int = 0,
     ) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
-        for number, chunk in enumerate(_chunks(chat, request_id, body, words, finish, n)):
+        for number, chunk in enumerate(_chunks(chat, request_id, body, words, finish, n, start)):
             if number == CHUNKS_BEFORE_DROP and self.behaviour is Behaviour.DROP:
                 _abort(request)
                 return response
@@ -461,8 +484,8 @@ def _limit(text: str, body: dict) -> tuple[list[str], str]:
     return words, "stop"
 
 
-def _usage(words: list[str], n: int) -> dict[str, int]:
-    return {"prompt_tokens": 2, "completion_tokens": len(words) * n, "total_tokens": 2 + len(words) * n}
+def _usage(words: list[str], n: int, prompt: int = len(PROMPT_IDS)) -> dict[str, int]:
+    return {"prompt_tokens": prompt, "completion_tokens": len(words) * n, "total_tokens": prompt + len(words) * n}
 
 
 def _completion(
@@ -496,8 +519,13 @@ def _completion(
     }
 
 
-def _chunks(chat: bool, request_id: str, body: dict, words: list[str], finish: str, n: int) -> list[dict[str, Any]]:
-    """The SSE chunks of a streamed answer, without ``[DONE]``."""
+def _chunks(
+    chat: bool, request_id: str, body: dict, words: list[str], finish: str, n: int, start: int = 0
+) -> list[dict[str, Any]]:
+    """The SSE chunks of a streamed answer, without ``[DONE]``; ``start``: the position of its first word in
+    the whole answer (a continuation's)."""
+    ids = bool(body.get("return_token_ids"))
+    prompt = body["prompt"] if isinstance(body.get("prompt"), list) else PROMPT_IDS
     header = {
         "id": f"{'chatcmpl' if chat else 'cmpl'}-{request_id}",
         "object": "chat.completion.chunk" if chat else "text_completion",
@@ -505,21 +533,29 @@ def _chunks(chat: bool, request_id: str, body: dict, words: list[str], finish: s
         "model": body.get("model"),
     }
 
-    def choice(i: int, piece: str | None, finish_reason: str | None) -> dict[str, Any]:
+    def choice(i: int, piece: str | None, finish_reason: str | None, position: int) -> dict[str, Any]:
+        token_ids = [FIRST_ID + start + position] if ids and piece is not None else None
         if chat:
             delta = {"role": "assistant", "content": ""} if piece is None else {"content": piece}
-            return {"index": i, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-        return {"index": i, "text": piece or "", "logprobs": None, "finish_reason": finish_reason, "stop_reason": None}
+            shown = {"index": i, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            if finish_reason is not None:
+                shown["stop_reason"] = None
+            return shown | {"token_ids": token_ids}
+        return {
+            "index": i, "text": piece or "", "logprobs": None, "finish_reason": finish_reason, "stop_reason": None,
+            "prompt_token_ids": prompt if ids and position == 0 else None, "token_ids": token_ids,
+        }  # fmt: skip
 
     chunks = []
     if chat:
-        chunks += [header | {"choices": [choice(i, None, None)]} for i in range(n)]
+        first = {"prompt_token_ids": prompt if ids else None}
+        chunks += [header | {"choices": [choice(i, None, None, 0)]} | first for i in range(n)]
     for position, word in enumerate(words):
         last = position == len(words) - 1
-        piece = word if position == 0 else " " + word
-        chunks += [header | {"choices": [choice(i, piece, finish if last else None)]} for i in range(n)]
+        piece = word if position + start == 0 else " " + word
+        chunks += [header | {"choices": [choice(i, piece, finish if last else None, position)]} for i in range(n)]
     if (body.get("stream_options") or {}).get("include_usage"):
-        chunks.append(header | {"choices": [], "usage": _usage(words, n)})
+        chunks.append(header | {"choices": [], "usage": _usage(words, n, len(prompt))})
     return chunks
 
 
