@@ -20,6 +20,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
@@ -221,33 +222,6 @@ def test_a_handshake_that_times_out_is_recomputed_within_the_timeout(cluster: Cl
     assert ask(cluster.engine("prefill")["kv_endpoints"][0], issued[wire.PDSERVE_RELEASE]["message"].encode()) == b"OK"
 
 
-def test_a_decode_engine_dying_mid_stream_ends_the_stream_cleanly(cluster: Cluster) -> None:
-    """SIGKILL of the decode engine while a stream is under way: the client gets the tokens so far and an
-    error event, within the proxy's timeout, not a hang; the engine comes back."""
-    cluster.refresh()  # the engine's pid now: an earlier test or the controller may have restarted it
-    decode = cluster.engine("decode")
-    body = chat("Count from one to one hundred in words.", max_tokens=400, ignore_eos=True, stream=True)
-    request = urllib.request.Request(
-        cluster.proxy_url + "/v1/chat/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
-    )
-    events: list[str] = []
-    started = time.monotonic()
-    with urllib.request.urlopen(request, timeout=120) as response:
-        served_by = response.headers.get("X-PDServe-Path"), response.headers.get("X-PDServe-Decode")
-        for raw in response:
-            line = raw.decode().strip()
-            if not line.startswith("data: "):
-                continue
-            events.append(line)
-            if len(events) == 5:
-                os.kill(decode["pid"], signal.SIGKILL)
-    elapsed = time.monotonic() - started
-    assert len(events) >= 5 and elapsed < 60, (len(events), elapsed)
-    last = json.loads(events[-1][len("data: ") :])
-    assert last["error"]["type"] == "upstream_error", (served_by, decode, last)  # said, not a silent truncation
-    wait_restarted(cluster, "decode", decode["pid"])
-
-
 def wait_restarted(cluster: Cluster, role: str, old_pid: int) -> None:
     """Ray restarts the killed actor and the controller starts vLLM in it again (each `pdserve status` may be
     slow here: see CLI_TIMEOUT_S)."""
@@ -435,6 +409,81 @@ def test_killing_the_only_decode_engine_under_load_fails_none_of_its_requests(cl
         )
         assert status == 200 and path_of(again) == "disaggregated"
         assert answer["choices"][0]["message"]["content"] == headers["text"], question
+
+
+def stream_of(url: str, body: dict) -> tuple[int, dict]:
+    """A streamed request's status and what the client saw: its text, usage, error, SSE comments, path."""
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    seen: dict = {"text": "", "usage": None, "error": None, "comments": [], "done": 0, "ids": set()}
+    try:
+        with urllib.request.urlopen(request, timeout=300) as response:
+            status, seen["path"] = response.status, response.headers.get("x-pdserve-path", "")
+            raw = response.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, seen | {"error": e.read().decode()}
+    except OSError as e:
+        return 0, seen | {"error": f"no answer: {e}"}
+    for block in filter(None, raw.split("\n\n")):
+        if block.startswith(":"):
+            seen["comments"].append(block)
+        elif block == "data: [DONE]":
+            seen["done"] += 1
+        else:
+            event = json.loads(block.removeprefix("data: "))
+            if "error" in event:
+                seen["error"] = event["error"]
+                continue
+            seen["ids"].add(event["id"])
+            seen["usage"] = event.get("usage") or seen["usage"]
+            for choice in event["choices"]:
+                seen["text"] += choice["delta"].get("content") or "" if "delta" in choice else choice["text"]
+    return status, seen
+
+
+def test_killing_the_only_decode_engine_mid_stream_continues_its_streams(cluster: Cluster) -> None:
+    """kill -9 of the decode engine under greedy streams (chat and completions): each stream it had goes on on
+    the prefill engine from the tokens already sent (``proxy.continuation``); the client sees one unbroken
+    stream, whose text and usage are those of the same request uninterrupted once the decode engine is back.
+    A sampled stream it had ends with an error event that says why it was not continued, never a hang."""
+    cluster.refresh()
+    decode = cluster.engine("decode")
+    greedy = {"temperature": 0, "max_tokens": 64, "stream": True, "stream_options": {"include_usage": True}}
+
+    def send(n: int, i: int) -> tuple[int, dict, str, dict]:
+        question = f"Client {n}, question {i}: describe the sea."
+        if n == 5:  # sampled: not continued
+            path, body = "/v1/chat/completions", chat(question) | greedy | {"temperature": 0.8, "seed": i}
+        elif n % 2 == 0:
+            path, body = "/v1/chat/completions", chat(question) | greedy
+        else:
+            path, body = "/v1/completions", {"model": MODEL, "prompt": question} | greedy
+        status, seen = stream_of(cluster.proxy_url + path, body)
+        return status, seen, path, body
+
+    results, kill = kill_under_load(decode["pid"], 6, send, lambda r: r[3]["path"] == "disaggregated")
+
+    greedy_streams = [r for r in results if r[5]["temperature"] == 0]
+    in_flight = [r for r in greedy_streams if r[0] < kill < r[1]]
+    failed = [r for r in greedy_streams if r[2] != 200 or r[3]["error"] or r[3]["done"] != 1]
+    continued = [r for r in greedy_streams if r[3]["comments"]]
+    sampled_ended = [r for r in results if r[5]["temperature"] != 0 and r[3]["error"]]
+    print(
+        f"decode kill under streams: {len(greedy_streams)} greedy streams, {len(in_flight)} in flight at the kill, "
+        f"{len(failed)} failed, {len(continued)} continued on another engine; "
+        f"{len(sampled_ended)} sampled streams ended with an error event"
+    )
+    assert in_flight and not failed, failed
+    assert continued and all(len(r[3]["ids"]) == 1 for r in greedy_streams), continued  # one stream id each
+    assert all(f"decode engine {decode['engine_id']} failed after" in r[3]["comments"][0] for r in continued)
+    for *_, seen, _, _ in sampled_ended:  # said, not a silent truncation
+        assert "could not be continued: it samples (temperature 0.8" in seen["error"]["message"], seen
+    wait_restarted(cluster, "decode", decode["pid"])
+    # Each continued stream is the one the decode engine streams alone, token for token, usage and all.
+    for _, _, _, seen, path, body in continued[:4]:
+        status, again = stream_of(cluster.proxy_url + path, body)
+        assert status == 200 and again["path"] == "disaggregated" and not again["comments"], again
+        assert (seen["text"], seen["usage"]) == (again["text"], again["usage"]), (seen, again)
+    print(f"decode kill under streams: {min(len(continued), 4)} continued streams compared, all equal")
 
 
 def kill_under_load(
