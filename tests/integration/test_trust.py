@@ -13,8 +13,6 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
 import socket
 import subprocess
 import sys
@@ -22,7 +20,6 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -32,6 +29,7 @@ from connectors.handshake import HandshakeRequest, encode_request
 from connectors.side_messages import MAX_REQUEST_BYTES
 from contract import wire
 from contract.auth import KVAuth, read_secret_file
+from tests.integration.clients import CLIENT_MIX, answers_equal, kill_outcome, kill_under_load, mixed_send
 from tests.integration.conftest import Cluster, http_json, kv_report, metric_values
 from tests.unit.connectors.test_side_channel import ask
 
@@ -371,153 +369,28 @@ def test_killing_the_only_prefill_engine_under_load_fails_only_what_was_in_fligh
 
 
 def test_killing_the_only_decode_engine_under_load_fails_none_of_its_requests(cluster: Cluster) -> None:
-    """kill -9 of the decode engine under load (non-streamed, greedy): each request it had is handed to the
-    prefill engine, which answers it alone (``decode_retries``, ``degrade``), and its answer is the one the
-    decode engine gives once it is back."""
+    """kill -9 of the decode engine under greedy load, streamed (chat and completions) and not: each request it
+    had goes to the prefill engine (``decode_retries``, ``degrade``), a non-streamed one computed again, a stream
+    continued from the tokens already sent (``proxy.continuation``) as one unbroken stream; every answer is the
+    one the decode engine gives once it is back, text and usage. A sampled stream it had ends with an error event
+    that says why it was not continued, never a hang."""
     cluster.refresh()
     decode = cluster.engine("decode")
+    send = mixed_send(cluster.proxy_url, MODEL, "describe the sea")
+    results, kill = kill_under_load(decode["pid"], len(CLIENT_MIX), send, lambda r: r[3]["path"] == "disaggregated")
 
-    def send(n: int, i: int) -> tuple[int, dict, str]:  # (status, headers and the answer's text, question)
-        question = f"Client {n}, question {i}: name three fruits."
-        try:
-            status, headers, answer = http_json(
-                cluster.proxy_url + "/v1/chat/completions", chat(question, max_tokens=16), timeout=300
-            )
-            headers = {name.lower(): value for name, value in headers.items()}
-            headers["text"] = answer["choices"][0]["message"]["content"] if status == 200 else str(answer)
-        except OSError as e:
-            status, headers = 0, {"text": f"no answer: {e}"}
-        return status, headers, question
-
-    results, kill = kill_under_load(decode["pid"], 6, send, lambda r: path_of(r[3]) == "disaggregated")
-
-    in_flight = [r for r in results if r[0] < kill < r[1]]
-    failed = [r for r in results if r[2] != 200]
-    moved = [r for r in results if "x-pdserve-migrated" in r[3]]
-    print(
-        f"decode kill under load: {len(results)} requests, {len(in_flight)} in flight at the kill, "
-        f"{len(failed)} failed, {len(moved)} moved to another engine"
-    )
-    assert in_flight and not failed, failed
-    assert all(r[3]["x-pdserve-migrated"] == decode["engine_id"] for r in moved)
-    assert all(path_of(r[3]) == "prefill-only; reason=decode-failed" for r in moved), moved
+    outcome = kill_outcome(results, kill)
+    print(f"decode kill under load: {outcome}")
+    assert outcome.in_flight and not outcome.failed, outcome.failed
+    assert outcome.continued, outcome
+    assert all(r.seen["migrated"] == decode["engine_id"] for r in outcome.moved)
+    assert all(r.seen["path"] == "prefill-only; reason=decode-failed" for r in outcome.moved), outcome.moved
+    assert all(f"decode engine {decode['engine_id']} failed after" in r.seen["comments"][0] for r in outcome.continued)
+    assert all("could not be continued: it samples (temperature 0.8" in r.seen["error"]["message"]
+               for r in outcome.sampled_ended)  # fmt: skip
     wait_restarted(cluster, "decode", decode["pid"])
-    # The answers the prefill engine gave for the decode engine are those the decode engine gives once back.
-    for _, _, _, headers, question in [r for r in in_flight if r in moved][:3]:
-        status, again, answer = http_json(
-            cluster.proxy_url + "/v1/chat/completions", chat(question, max_tokens=16), timeout=300
-        )
-        assert status == 200 and path_of(again) == "disaggregated"
-        assert answer["choices"][0]["message"]["content"] == headers["text"], question
-
-
-def stream_of(url: str, body: dict) -> tuple[int, dict]:
-    """A streamed request's status and what the client saw: its text, usage, error, SSE comments, path."""
-    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    seen: dict = {"text": "", "usage": None, "error": None, "comments": [], "done": 0, "ids": set()}
-    try:
-        with urllib.request.urlopen(request, timeout=300) as response:
-            status, seen["path"] = response.status, response.headers.get("x-pdserve-path", "")
-            raw = response.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, seen | {"error": e.read().decode()}
-    except OSError as e:
-        return 0, seen | {"error": f"no answer: {e}"}
-    for block in filter(None, raw.split("\n\n")):
-        if block.startswith(":"):
-            seen["comments"].append(block)
-        elif block == "data: [DONE]":
-            seen["done"] += 1
-        else:
-            event = json.loads(block.removeprefix("data: "))
-            if "error" in event:
-                seen["error"] = event["error"]
-                continue
-            seen["ids"].add(event["id"])
-            seen["usage"] = event.get("usage") or seen["usage"]
-            for choice in event["choices"]:
-                seen["text"] += choice["delta"].get("content") or "" if "delta" in choice else choice["text"]
-    return status, seen
-
-
-def test_killing_the_only_decode_engine_mid_stream_continues_its_streams(cluster: Cluster) -> None:
-    """kill -9 of the decode engine under greedy streams (chat and completions): each stream it had goes on on
-    the prefill engine from the tokens already sent (``proxy.continuation``); the client sees one unbroken
-    stream, whose text and usage are those of the same request uninterrupted once the decode engine is back.
-    A sampled stream it had ends with an error event that says why it was not continued, never a hang."""
-    cluster.refresh()
-    decode = cluster.engine("decode")
-    greedy = {"temperature": 0, "max_tokens": 64, "stream": True, "stream_options": {"include_usage": True}}
-
-    def send(n: int, i: int) -> tuple[int, dict, str, dict]:
-        question = f"Client {n}, question {i}: describe the sea."
-        if n == 5:  # sampled: not continued
-            path, body = "/v1/chat/completions", chat(question) | greedy | {"temperature": 0.8, "seed": i}
-        elif n % 2 == 0:
-            path, body = "/v1/chat/completions", chat(question) | greedy
-        else:
-            path, body = "/v1/completions", {"model": MODEL, "prompt": question} | greedy
-        status, seen = stream_of(cluster.proxy_url + path, body)
-        return status, seen, path, body
-
-    results, kill = kill_under_load(decode["pid"], 6, send, lambda r: r[3]["path"] == "disaggregated")
-
-    greedy_streams = [r for r in results if r[5]["temperature"] == 0]
-    in_flight = [r for r in greedy_streams if r[0] < kill < r[1]]
-    failed = [r for r in greedy_streams if r[2] != 200 or r[3]["error"] or r[3]["done"] != 1]
-    continued = [r for r in greedy_streams if r[3]["comments"]]
-    sampled_ended = [r for r in results if r[5]["temperature"] != 0 and r[3]["error"]]
-    print(
-        f"decode kill under streams: {len(greedy_streams)} greedy streams, {len(in_flight)} in flight at the kill, "
-        f"{len(failed)} failed, {len(continued)} continued on another engine; "
-        f"{len(sampled_ended)} sampled streams ended with an error event"
-    )
-    assert in_flight and not failed, failed
-    assert continued and all(len(r[3]["ids"]) == 1 for r in greedy_streams), continued  # one stream id each
-    assert all(f"decode engine {decode['engine_id']} failed after" in r[3]["comments"][0] for r in continued)
-    for *_, seen, _, _ in sampled_ended:  # said, not a silent truncation
-        assert "could not be continued: it samples (temperature 0.8" in seen["error"]["message"], seen
-    wait_restarted(cluster, "decode", decode["pid"])
-    # Each continued stream is the one the decode engine streams alone, token for token, usage and all.
-    for _, _, _, seen, path, body in continued[:4]:
-        status, again = stream_of(cluster.proxy_url + path, body)
-        assert status == 200 and again["path"] == "disaggregated" and not again["comments"], again
-        assert (seen["text"], seen["usage"]) == (again["text"], again["usage"]), (seen, again)
-    print(f"decode kill under streams: {min(len(continued), 4)} continued streams compared, all equal")
-
-
-def kill_under_load(
-    pid: int, clients: int, send: Callable[[int, int], tuple], disaggregated: Callable[[tuple], bool]
-) -> tuple[list[tuple], float]:
-    """``clients`` threads each send requests one after another (``send(n, i)``: client n's i-th, its outcome);
-    once ``clients`` results are ``disaggregated``, kill -9 ``pid``; they go on until ``clients`` requests were
-    sent 2 s after the kill. Returns each request's ``(sent, answered, *outcome)`` and when the kill came."""
-    results: list[tuple] = []
-    stop = threading.Event()
-
-    def client(n: int) -> None:
-        i = 0
-        while not stop.is_set():
-            sent = time.monotonic()
-            outcome = send(n, i)
-            results.append((sent, time.monotonic(), *outcome))
-            i += 1
-
-    threads = [threading.Thread(target=client, args=(n,), daemon=True) for n in range(clients)]
-    for thread in threads:
-        thread.start()
-    deadline = time.monotonic() + 120
-    while sum(1 for r in results if disaggregated(r)) < clients and time.monotonic() < deadline:
-        time.sleep(0.2)
-    kill = time.monotonic()
-    os.kill(pid, signal.SIGKILL)
-    deadline = time.monotonic() + 120
-    while sum(1 for r in results if r[0] > kill + 2) < clients and time.monotonic() < deadline:
-        time.sleep(0.2)
-    stop.set()
-    for thread in threads:
-        thread.join(timeout=300)
-    return results, kill
+    compared = answers_equal(cluster.proxy_url, outcome.moved[:2] + outcome.continued[:3])
+    print(f"decode kill under load: {compared} answers compared with the decode engine's own, all equal")
 
 
 def path_of(headers: dict) -> str:
