@@ -123,8 +123,9 @@ class ProxySettings(_Settings):
         description="A decode engine that cannot be reached, or whose connection breaks before a non-streamed "
         "answer came (it died under the request: nothing has reached the client), hands the request to another "
         "ready decode engine (with degrade and none left, a prefill engine), which computes the prompt itself: up "
-        "to this many times (X-PDServe-Migrated names the engines left). Not after a timeout or a 5xx (it may "
-        "still be working), nor once a stream has begun. 0: off (502).",
+        "to this many times (X-PDServe-Migrated names the engines left). A greedy stream that has begun is "
+        "continued there from the tokens already sent; other streams end with an error event that says why. Not "
+        "after a timeout or a 5xx (it may still be working). 0: off (502, or the error event).",
     )
     decode_retry_s: float = Field(
         default=60.0,

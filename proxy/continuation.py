@@ -6,9 +6,8 @@ reads each event on its way to the client, keeps the prompt's token ids (the fir
 sent, and gives the client the event as the engine would have sent it without the ids.
 
 When the decode engine dies mid-stream, another engine continues the generation as a completion whose prompt is
-the prompt's token ids followed by those already sent (``StreamLedger.continuation_body``; their KV computed there,
-or loaded from the shared KV tier where it holds them), its ``max_tokens`` and ``min_tokens`` reduced by what was
-generated. A greedy continuation of prompt + sent is the rest of the uninterrupted generation, token for token;
+the prompt's token ids followed by those already sent (``StreamLedger.continuation_body``; their KV computed
+there), its ``max_tokens`` and ``min_tokens`` reduced by what was generated. A greedy continuation of prompt + sent is the rest of the uninterrupted generation, token for token;
 text is never tokenized again (a boundary could split otherwise). ``StreamLedger.continued`` rewrites the
 continuation's events in the client's format (a chat's ``delta``, the first stream's id, created and model) and
 its usage as the whole request's: the prompt's tokens, and every token generated, on either engine.

@@ -65,6 +65,17 @@ REPO = Path(__file__).resolve().parents[1]
 MODEL = "bench-model"
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8}
 EXPECTED = "hello from decode-0 with kv_transfer_params"
+STREAMED = {"stream": True, "temperature": 0}
+"""``--stream``: what each request adds; a greedy stream, which the proxy keeps the token ids of (so that another
+engine can continue it, ``proxy.continuation``)."""
+
+
+def answer_text(raw: bytes) -> str:
+    """The text of a chat completion, whole or streamed."""
+    if raw.startswith(b"{"):
+        return json.loads(raw)["choices"][0]["message"]["content"]
+    events = [json.loads(block[6:]) for block in raw.split(b"\n\n") if block.startswith(b"data: {")]
+    return "".join(event["choices"][0]["delta"].get("content", "") for event in events if event["choices"])
 
 
 @dataclass
@@ -127,8 +138,7 @@ def wait_answering(url: str, process: subprocess.Popen, name: str, log_dir: Path
                 data=json.dumps(CHAT).encode(),
                 headers={"Content-Type": "application/json", "Authorization": f"Bearer {CLIENT_KEY}"},
             )
-            answer = json.loads(urllib.request.urlopen(request, timeout=5).read())
-            text = answer["choices"][0]["message"]["content"]
+            text = answer_text(urllib.request.urlopen(request, timeout=5).read())
             if text != EXPECTED:
                 raise RuntimeError(f"{name} answered {text!r}: not the decode engine's answer after a prefill")
             return
@@ -260,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-router", action="store_true", help="measure our proxy only")
     parser.add_argument("--no-auth", action="store_true", help="leave out our proxy with authentication on")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    parser.add_argument("--stream", action="store_true", help="greedy streamed chat completions instead")
     parser.add_argument(
         "--baseline",
         type=Path,
@@ -269,6 +280,9 @@ def main(argv: list[str] | None = None) -> int:
         "may be repeated",
     )
     args = parser.parse_args(argv)
+    if args.stream:
+        global CHAT
+        CHAT = CHAT | STREAMED
 
     pressure_before = cpu_pressure()
     tool = args.load if args.load != "auto" else ("wrk" if shutil.which("wrk") else "aiohttp")

@@ -66,7 +66,7 @@ def ask(url: str, body: dict) -> tuple[int, dict]:
     return status, seen
 
 
-def mixed_send(proxy_url: str, model: str, topic: str) -> Callable[[int, int], tuple]:
+def mixed_send(proxy_url: str, model: str, topic: str, max_tokens: int = 64) -> Callable[[int, int], tuple]:
     """``send(n, i)`` for ``kill_under_load``: client n's i-th request, as ``CLIENT_MIX[n]`` makes it; its outcome
     ``(status, seen, path, body)``."""
 
@@ -74,7 +74,7 @@ def mixed_send(proxy_url: str, model: str, topic: str) -> Callable[[int, int], t
         path, extra = CLIENT_MIX[n]
         question = f"Client {n}, question {i}: {topic}."
         prompt = {"messages": [{"role": "user", "content": question}]} if path == CHAT_PATH else {"prompt": question}
-        body = {"model": model, **prompt, **GREEDY, **extra}
+        body = {"model": model, **prompt, **GREEDY, "max_tokens": max_tokens, **extra}
         return (*ask(proxy_url + path, body), path, body)
 
     return send

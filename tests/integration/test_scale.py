@@ -2,7 +2,9 @@
 engine back when it grows again, and shrinks again while requests run, without failing one of them;
 an engine that cannot start (its port is taken) fails the scale with its reason, and the controller
 starts it again after its back-off until it serves; a scale-down during a start ends the start at once;
-``--move`` takes a ready engine from one pool to the other and back while requests run, without a restart.
+``--move`` takes a ready engine from one pool to the other and back while requests run, without a restart; while
+it serves decode, kill -9 of the other decode engine under load fails none of its requests (the moved engine
+carries them on, streams continued from the tokens sent).
 
 Its own cluster (three engines at most on this machine's two cores:
 ``resources.share_cores``), after the shared one is stopped.
@@ -23,6 +25,7 @@ import pytest
 import yaml
 
 from contract import wire
+from tests.integration.clients import CLIENT_MIX, answers_equal, kill_outcome, kill_under_load, mixed_send
 from tests.integration.conftest import HERE, engine_headers, http_json, own_cluster, run_pdserve
 
 pytestmark = [pytest.mark.integration, pytest.mark.after_cluster]
@@ -118,6 +121,8 @@ def test_scale_prefill_up_then_down_under_load(tmp_path: Path) -> None:
                 engines[0 if role == "prefill" else 1] for _, *engines in (ask_engines(proxy_url, n) for n in range(6))
             }
             assert "prefill-1" in served, served
+            if role == "decode":
+                kill_one_of_two_decode_engines(env, proxy_url)
         status = json.loads(run_pdserve("status", "--json", env=env).stdout)
         assert [(m["engine_id"], m["from"], m["to"]) for m in status["moves"]] == [
             ("prefill-1", "prefill", "decode"), ("prefill-1", "decode", "prefill")]  # fmt: skip
@@ -176,6 +181,31 @@ def test_scale_prefill_up_then_down_under_load(tmp_path: Path) -> None:
         while (strays := vllm_processes_outside(env)) and time.monotonic() < deadline:
             time.sleep(1)
         assert strays == [], strays
+
+
+def kill_one_of_two_decode_engines(env: dict[str, str], proxy_url: str) -> None:
+    """kill -9 of decode-0 under greedy load, streamed and not, while prefill-1 serves decode too: what decode-0
+    had goes on on prefill-1 (a non-streamed request computed again, a stream continued from the tokens sent),
+    none fails, and every answer is the one an engine gives alone once decode-0 is back."""
+    decode = engine_record(env, "decode-0")
+    started = time.monotonic()
+    send = mixed_send(proxy_url, MODEL, "describe a lighthouse", max_tokens=32)
+    results, kill = kill_under_load(decode["pid"], len(CLIENT_MIX), send, lambda r: r[3]["path"] == "disaggregated")
+    outcome = kill_outcome(results, kill)
+    print(f"kill of one of two decode engines: {outcome} ({time.monotonic() - started:.0f} s under load)")
+    assert outcome.in_flight and not outcome.failed, outcome.failed
+    assert all(r.seen["migrated"] == "decode-0" for r in outcome.moved), outcome.moved
+    assert all("continued on decode engine prefill-1" in r.seen["comments"][0] for r in outcome.continued)
+    deadline = time.monotonic() + 600  # Ray restarts the actor; the controller starts vLLM in it again
+    while (record := engine_record(env, "decode-0"))["state"] != "ready" or record["pid"] == decode["pid"]:
+        assert time.monotonic() < deadline, record
+        time.sleep(2)
+    restarted = time.monotonic()
+    compared = answers_equal(proxy_url, outcome.moved[:2] + outcome.continued[:3])
+    print(
+        f"kill of one of two decode engines: decode-0 back {restarted - started:.0f} s after the load began; "
+        f"{compared} answers compared with an engine's alone, all equal"
+    )
 
 
 def ask_engines(proxy_url: str, n: int) -> tuple[int, str, str]:
