@@ -7,10 +7,11 @@ sent, and gives the client the event as the engine would have sent it without th
 
 When the decode engine dies mid-stream, another engine continues the generation as a completion whose prompt is
 the prompt's token ids followed by those already sent (``StreamLedger.continuation_body``; their KV computed
-there), its ``max_tokens`` and ``min_tokens`` reduced by what was generated. A greedy continuation of prompt + sent is the rest of the uninterrupted generation, token for token;
-text is never tokenized again (a boundary could split otherwise). ``StreamLedger.continued`` rewrites the
-continuation's events in the client's format (a chat's ``delta``, the first stream's id, created and model) and
-its usage as the whole request's: the prompt's tokens, and every token generated, on either engine.
+there), its ``max_tokens`` and ``min_tokens`` reduced by what was generated. A greedy continuation of prompt + sent
+is the rest of the uninterrupted generation, token for token; text is never tokenized again (a boundary could
+split otherwise). ``StreamLedger.continued`` rewrites the continuation's events in the client's format (a chat's
+``delta``, the first stream's id, created and model) and its usage as the whole request's: the prompt's tokens,
+and every token generated, on either engine.
 
 What cannot be continued faithfully is refused (``refusal``), and such a stream ends with the error event as
 before: sampled streams (seed or not: a seeded generator starts again on another engine), ``n`` > 1, logprobs,
@@ -121,6 +122,9 @@ class StreamLedger:
         return self._events(raw, self._continuation)
 
     def _events(self, raw: bytes, rewrite: Any) -> bytes:
+        if not self._buffer and raw.endswith(b"\n\n") and raw.find(b"\n\n") == len(raw) - 2:  # one whole event
+            event = rewrite(raw[:-2])
+            return b"" if event is None else event + b"\n\n"
         data = self._buffer + raw
         end = data.rfind(b"\n\n")
         if end < 0:
