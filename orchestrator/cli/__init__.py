@@ -1,16 +1,17 @@
 """The ``pdserve`` command line, a module per command group: ``config`` (validate, schema), ``cluster`` (up,
-status, scale, down, secret), ``proxy`` (the proxy alone, without Ray) and ``autoscaling`` (profile, simulate,
-traces). Each group adds its commands' parsers and holds their bodies; ``main`` runs one."""
+status, scale, down, secret), ``proxy`` (the proxy alone, without Ray), ``autoscaling`` (profile, simulate,
+traces) and ``doctor`` (the KV path on this host). Each group adds its commands' parsers and holds their bodies;
+``main`` runs one."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from orchestrator.cli import autoscaling, cluster, config, proxy
+from orchestrator.cli import autoscaling, cluster, config, doctor, proxy
 from orchestrator.errors import ClusterNotRunning, PdserveError, SpecError
 
-GROUPS = (config, cluster, proxy, autoscaling)
+GROUPS = (config, cluster, proxy, autoscaling, doctor)
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:

@@ -1,0 +1,118 @@
+"""``pdserve doctor``'s decisions on faked hosts (``HostProbe``), and its measurement for real on this CPU host."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from connectors.transport import Where
+from orchestrator.cli import main
+from orchestrator.doctor import examine, render
+from orchestrator.doctor.diagnose import BROKEN, OK, SLOW, Pools, default_pools, diagnose, places, ucx_allows
+from orchestrator.doctor.measure import Geometry, measure
+from orchestrator.doctor.probes import Gpu, HostProbe
+from orchestrator.spec import ClusterSpec
+
+REPO = Path(__file__).resolve().parents[3]
+CPU_HOST = HostProbe(
+    node="n1", nixl_build="nixl_cu12", nixl_version="1.5.1", nixl_plugins=("POSIX", "UCX"),
+    ucx_modules=("cma", "cuda", "ib"),
+)  # fmt: skip
+GPU_HOST = HostProbe(
+    node="g1", nixl_build="nixl_cu13", nixl_version="1.5.1", nixl_plugins=("UCX",), ucx_modules=("cma", "cuda", "ib"),
+    machine_cuda_major=13, gpus=(Gpu(0, "H200", "GPU-a"), Gpu(1, "H200", "GPU-b")),
+    peer_access=((True, True), (True, True)), rdma_devices=("mlx5_0",),
+)  # fmt: skip
+
+
+def pools(memory: str = "cpu", tls: str | None = None, connector: str = "pdserve", *where: Where) -> list[Pools]:
+    chosen = where or (Where.SAME_NODE, Where.OTHER_NODE)
+    return [Pools("m", connector, ("cuda-ipc", "nixl"), memory, tls, tuple((w, "test") for w in chosen))]
+
+
+def findings(report) -> list[str]:
+    return [f"{f.level}: {f.what}" for f in report.findings]
+
+
+def test_cpu_caches_take_nixl_over_shared_memory_on_one_node_and_tcp_between_nodes_without_rdma():
+    same, other = diagnose(pools(), CPU_HOST)
+    assert (same.transport, same.ucx, same.verdict) == ("nixl", ("posix", "sysv", "cma", "tcp"), OK)
+    assert findings(same) == ["info: cuda-ipc stands aside: the caches are in CPU memory"]
+    assert (other.transport, other.ucx, other.verdict) == ("nixl", ("tcp",), SLOW)
+    assert "no RDMA device on this host" in findings(other)[-1]
+    with_rdma = HostProbe(**{**CPU_HOST.__dict__, "rdma_devices": ("mlx5_0",)})
+    assert diagnose(pools(), with_rdma)[1].ucx == ("rc", "dc", "ud", "tcp")
+
+
+def test_ucx_tls_that_leaves_only_tcp_where_shared_memory_exists_is_named_with_its_fix():
+    same, _ = diagnose(pools("cpu", "tcp"), CPU_HOST)
+    assert same.ucx == ("tcp",) and same.verdict == SLOW
+    finding = same.findings[-1]
+    assert "UCX_TLS=tcp leaves UCX only TCP here, where it could use posix, sysv, cma" in finding.what
+    assert "leave UCX_TLS out of engine.env" in finding.fix
+    assert ucx_allows("^tcp", "posix") and not ucx_allows("^tcp", "tcp") and ucx_allows("sm,cuda", "cuda_ipc")
+    assert not ucx_allows("rc,tcp", "posix") and ucx_allows("all", "rc") and ucx_allows(None, "tcp")
+
+
+def test_gpu_engines_of_one_node_cannot_use_cuda_ipc_and_go_over_ucx_cuda_ipc():
+    same, other = diagnose(pools("cuda"), GPU_HOST)
+    assert same.transport == "nixl" and same.ucx == ("cuda_ipc", "cuda_copy", "tcp")
+    assert same.verdict == SLOW and "Ray gives each engine its own GPU" in findings(same)[0]
+    assert other.transports == ("nixl",) and other.ucx == ("rc", "dc", "tcp") and other.verdict == OK
+
+
+def test_a_nixl_wheel_of_another_cuda_sends_vram_over_tcp_and_says_which_to_install():
+    wrong = HostProbe(**{**GPU_HOST.__dict__, "nixl_build": "nixl_cu12"})
+    same, _ = diagnose(pools("cuda", None, "vllm-nixl"), wrong)
+    assert same.ucx == ("tcp",) and same.verdict == SLOW
+    assert any("NIXL loads nixl_cu12, built for another CUDA than this machine's 13" in f for f in findings(same))
+    assert any("pip install nixl-cu13==1.5.1" in (f.fix or "") for f in same.findings)
+
+
+def test_no_nixl_or_no_ucx_backend_is_broken():
+    gone = HostProbe(problems=("NIXL is not importable: ModuleNotFoundError: No module named 'nixl'",))
+    assert diagnose(pools(), gone)[0].verdict == BROKEN
+    assert "No module named 'nixl'" in findings(diagnose(pools(), gone)[0])[-1]
+    no_ucx = HostProbe(**{**CPU_HOST.__dict__, "nixl_plugins": ("POSIX",)})
+    assert diagnose(pools(), no_ucx)[0].verdict == BROKEN
+
+
+def test_places_follow_the_spec():
+    spec = ClusterSpec.from_file(REPO / "configs" / "local-cpu.yaml")
+    assert [w for w, _ in places(spec)] == [Where.SAME_NODE]
+    assert [w for w, _ in places(ClusterSpec.from_file(REPO / "configs" / "multi-host-cpu.yaml"))] == [Where.OTHER_NODE]
+    assert [w for w, _ in default_pools(CPU_HOST)[0].places] == [Where.SAME_NODE, Where.OTHER_NODE]
+
+
+def test_doctor_measures_shared_memory_and_tcp_on_this_host(tmp_path, capsys):
+    """For real: two processes, the connector's NIXL transport, scattered blocks checked byte for byte."""
+    geometry = Geometry(layers=4, heads=2, head_dim=64, block_size=128, dtype="bfloat16")
+    shm = measure(geometry, {}, size_mib=8)
+    tcp = measure(geometry, {"UCX_TLS": "tcp"}, size_mib=8)
+    assert shm.checked and tcp.checked and shm.blocks == 8 * 2**20 // geometry.block_bytes
+    assert shm.gbps > 0 and tcp.gbps > 0 and 0 < shm.share_of_copy
+    print(f"doctor on this host: shared memory {shm.gbps:.2f} GB/s, TCP {tcp.gbps:.2f} GB/s")
+
+
+def test_pdserve_doctor_prints_each_path_and_json(tmp_path, capsys, monkeypatch):
+    spec = yaml.safe_load((REPO / "configs" / "local-cpu.yaml").read_text())
+    spec["engine"] = {**spec.get("engine", {}), "env": {"UCX_TLS": "tcp"}}
+    path = tmp_path / "cluster.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    assert main(["doctor", str(path), "--no-measure"]) == 0
+    out = capsys.readouterr().out
+    assert "prefill -> decode, same-node, cpu memory: slow" in out and "fix: leave UCX_TLS out" in out
+    assert main(["doctor", str(path), "--no-measure", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["paths"][0]["transport"] == "nixl" and report["paths"][0]["ucx"] == ["tcp"]
+    assert report["geometry"]["layers"] > 0 and report["host"]["nixl_build"]
+    lines = render(examine(None, measured=False, probe=CPU_HOST), None)
+    assert lines[0] == "pdserve doctor: no spec (pdserve defaults)"
+
+
+@pytest.fixture(autouse=True)
+def _quiet_nixl(monkeypatch):
+    monkeypatch.setenv("NIXL_LOG_LEVEL", "WARN")
