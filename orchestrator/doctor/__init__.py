@@ -12,7 +12,8 @@ between two processes, and TCP (loopback: the ceiling of TCP between nodes).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -24,7 +25,7 @@ from orchestrator.doctor.probes import HostProbe, probe_host
 if TYPE_CHECKING:
     from orchestrator.spec import ClusterSpec
 
-__all__ = ["Examination", "examine", "geometry_of"]
+__all__ = ["Examination", "examine", "examine_cluster", "geometry_of", "render"]
 
 DEFAULT_GEOMETRY = {"layers": 32, "heads": 8, "head_dim": 128}
 """A cache of a 7-8B model (one TP rank), where no model config says otherwise."""
@@ -34,7 +35,8 @@ NOT_FASTER_THAN_TCP = 1.5
 
 @dataclass
 class Examination:
-    probe: HostProbe
+    probes: dict[str, HostProbe]
+    """Each host probed, by name (``this host``, or a node's address beside a running cluster)."""
     reports: list[PathReport]
     geometry: Geometry
     geometry_from: str
@@ -42,10 +44,15 @@ class Examination:
     def to_json(self) -> dict:
         geometry = {**self.geometry.__dict__, "block_bytes": self.geometry.block_bytes, "from": self.geometry_from}
         return {
-            "host": self.probe.to_json(),
+            "hosts": {name: probe.to_json() for name, probe in self.probes.items()},
             "geometry": geometry,
             "paths": [report.to_json() for report in self.reports],
         }
+
+
+Runner = Callable[[PathReport, Geometry, dict[str, str]], "Measurement | str"]
+"""Runs a measurement for a report, where its host is (``measure`` here; a Ray task on a cluster's node)."""
+THIS_HOST = "this host"
 
 
 def geometry_of(spec: ClusterSpec | None, memory: str) -> tuple[Geometry, str]:
@@ -77,26 +84,67 @@ def examine(spec: ClusterSpec | None, measured: bool = True, probe: HostProbe | 
     probe = probe or probe_host()
     pools: list[Pools] = pools_of(spec, probe) if spec is not None else default_pools(probe)
     reports = diagnose(pools, probe)
+    for report in reports:
+        report.host = THIS_HOST
     geometry, whence = geometry_of(spec, pools[0].memory)
     if measured:
-        _measure(reports, geometry, {p.model: p.tls for p in pools})
-    return Examination(probe, reports, geometry, whence)
+        _measure(reports, geometry, {p.model: p.tls for p in pools}, lambda _, g, env: _here(g, env))
+    return Examination({THIS_HOST: probe}, reports, geometry, whence)
 
 
-def _measure(reports: list[PathReport], geometry: Geometry, tls: dict[str, str | None]) -> None:
-    """Measure each path this host can run (each ``UCX_TLS`` once); TCP too, to tell a same-node path from it."""
-    done: dict[str | None, Measurement | str] = {}
+def examine_cluster(measured: bool = True) -> Examination:
+    """Beside the running cluster: its spec, every node of its Ray cluster probed there (Ray tasks), and each
+    model's paths in the places its engines are in, with the probe of the node its decode engines run on;
+    measurements run on that node."""
+    from orchestrator import cluster as clusters
+    from orchestrator.doctor.remote import engine_places, on_nodes
+    from orchestrator.ray_head import ray_connection
+    from orchestrator.spec import ClusterSpec
+    from orchestrator.state import ClusterState
 
-    def run(env_tls: str | None) -> Measurement | str:
-        if env_tls not in done:
-            try:
-                done[env_tls] = measure(geometry, {"UCX_TLS": env_tls} if env_tls else {})
-            except (RuntimeError, TimeoutError, OSError) as e:
-                done[env_tls] = f"{type(e).__name__}: {e}"
-        return done[env_tls]
+    state = ClusterState.load()
+    engines = clusters.status()["engines"]
+    spec = ClusterSpec.from_file(state.config)
+    with ray_connection(state) as ray:
+        nodes = {node.node_id: node for node in on_nodes(ray)}
+        reports, tls = [], {}
+        for node in nodes.values():
+            for pools in pools_of(spec, node.probe):
+                wheres = engine_places(engines, list(nodes.values()), pools.model).get(node.node_id)
+                if not wheres:
+                    continue
+                placed = tuple((w, f"engines of {state.name} on {node.address}") for w in sorted(wheres))
+                for report in diagnose([replace(pools, places=placed)], node.probe):
+                    report.host = node.address
+                    reports.append(report)
+                tls[pools.model] = pools.tls
+        geometry, whence = geometry_of(spec, "cuda" if spec.device == "cuda" else "cpu")
+        if measured:
+            by_address = {node.address: node for node in nodes.values()}
+            _measure(reports, geometry, tls, lambda report, g, env: by_address[report.host].measure(g, env))
+    return Examination({node.address: node.probe for node in nodes.values()}, reports, geometry, whence)
+
+
+def _here(geometry: Geometry, env: dict[str, str]) -> Measurement | str:
+    try:
+        return measure(geometry, env)
+    except (RuntimeError, TimeoutError, OSError) as e:
+        return f"{type(e).__name__}: {e}"
+
+
+def _measure(reports: list[PathReport], geometry: Geometry, tls: dict[str, str | None], run_on: Runner) -> None:
+    """Measure each path its host can run (each ``UCX_TLS`` once per host); TCP too, to tell a same-node path
+    from it."""
+    done: dict[tuple[str, str | None], Measurement | str] = {}
+
+    def run(report: PathReport, env_tls: str | None) -> Measurement | str:
+        key = (report.host, env_tls)
+        if key not in done:
+            done[key] = run_on(report, geometry, {"UCX_TLS": env_tls} if env_tls else {})
+        return done[key]
 
     def attach(report: PathReport, env_tls: str | None) -> Measurement | None:
-        result = run(env_tls)
+        result = run(report, env_tls)
         if isinstance(result, str):
             report.findings.append(Finding(BROKEN, f"a NIXL READ failed here: {result}"))
             return None
@@ -112,7 +160,7 @@ def _measure(reports: list[PathReport], geometry: Geometry, tls: dict[str, str |
             report.not_measured = "another node: measured over TCP on this host's loopback, the ceiling of TCP"
             attach(report, "tcp")
         elif (own := attach(report, tls[report.model])) is not None and any(t != "tcp" for t in report.ucx):
-            tcp = run("tcp")
+            tcp = run(report, "tcp")
             if isinstance(tcp, Measurement) and own.gbps < NOT_FASTER_THAN_TCP * tcp.gbps:
                 faster = ", ".join(t for t in report.ucx if t != "tcp")
                 report.findings.append(
@@ -127,32 +175,19 @@ def _measure(reports: list[PathReport], geometry: Geometry, tls: dict[str, str |
 
 def render(examination: Examination, config: str | None) -> list[str]:
     """``pdserve doctor``'s report as text."""
-    probe, g = examination.probe, examination.geometry
-    nixl = (
-        f"NIXL {probe.nixl_version} ({probe.nixl_build}; backends {', '.join(probe.nixl_plugins) or 'unknown'})"
-        if probe.nixl_build
-        else "NIXL: not importable"
-    )
-    gpus = ", ".join(f"{gpu.index}: {gpu.name} {gpu.uuid}" for gpu in probe.gpus) or "none"
-    lines = [
-        f"pdserve doctor: {config or 'no spec (pdserve defaults)'}",
-        f"host {probe.node or '?'}",
-        f"  {nixl}",
-        f"  UCX modules: {', '.join(probe.ucx_modules) or 'none found'} (and tcp, posix, sysv); "
-        f"UCX_TLS {probe.ucx_tls or 'unset'}",
-        f"  RDMA devices: {', '.join(probe.rdma_devices) or 'none'}; GPUs: {gpus}",
-    ]
-    if len(probe.gpus) > 1:
-        lines.append("  peer access: " + "; ".join(
-            f"{i}->{j} {'yes' if ok else 'no'}" for i, row in enumerate(probe.peer_access)
-            for j, ok in enumerate(row) if i != j))  # fmt: skip
-    lines += [f"  could not probe: {problem}" for problem in probe.problems]
+    g = examination.geometry
+    lines = [f"pdserve doctor: {config or 'no spec (pdserve defaults)'}"]
+    for name, probe in examination.probes.items():
+        lines += _host_lines(name, probe)
     lines.append(
         f"cache: {g.layers} layers x {g.heads} heads x {g.block_size} tokens x {g.head_dim} head dim, {g.dtype} "
         f"({g.block_bytes / 2**20:.2f} MiB a block), from {examination.geometry_from}"
     )
     for report in examination.reports:
-        lines.append(f"{report.model}: prefill -> decode, {report.place}, {report.memory} memory: {report.verdict}")
+        where = "" if report.host == THIS_HOST else f" (decode on {report.host})"
+        lines.append(
+            f"{report.model}: prefill -> decode, {report.place}{where}, {report.memory} memory: {report.verdict}"
+        )
         lines.append(f"  transport {report.transport} ({report.why})")
         if report.ucx:
             lines.append(f"  UCX underneath: {', '.join(report.ucx)}")
@@ -169,3 +204,24 @@ def render(examination: Examination, config: str | None) -> list[str]:
             if finding.fix:
                 lines.append(f"    fix: {finding.fix}")
     return lines
+
+
+def _host_lines(name: str, probe: HostProbe) -> list[str]:
+    nixl = (
+        f"NIXL {probe.nixl_version} ({probe.nixl_build}; backends {', '.join(probe.nixl_plugins) or 'unknown'})"
+        if probe.nixl_build
+        else "NIXL: not importable"
+    )
+    gpus = ", ".join(f"{gpu.index}: {gpu.name} {gpu.uuid}" for gpu in probe.gpus) or "none"
+    lines = [
+        f"{name} ({probe.node or 'node unknown'})",
+        f"  {nixl}",
+        f"  UCX modules: {', '.join(probe.ucx_modules) or 'none found'} (and tcp, posix, sysv); "
+        f"UCX_TLS {probe.ucx_tls or 'unset'}",
+        f"  RDMA devices: {', '.join(probe.rdma_devices) or 'none'}; GPUs: {gpus}",
+    ]
+    if len(probe.gpus) > 1:
+        lines.append("  peer access: " + "; ".join(
+            f"{i}->{j} {'yes' if ok else 'no'}" for i, row in enumerate(probe.peer_access)
+            for j, ok in enumerate(row) if i != j))  # fmt: skip
+    return lines + [f"  could not probe: {problem}" for problem in probe.problems]

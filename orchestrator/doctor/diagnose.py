@@ -63,6 +63,8 @@ class PathReport:
     findings: list[Finding] = field(default_factory=list)
     measurement: Measurement | None = None
     not_measured: str | None = None
+    host: str = ""
+    """The host whose probe decided it (its decode engines'), and where it was measured."""
 
     @property
     def transport(self) -> str:
@@ -75,7 +77,8 @@ class PathReport:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "model": self.model, "place": str(self.place), "memory": self.memory, "transport": self.transport,
+            "model": self.model, "host": self.host, "place": str(self.place), "memory": self.memory,
+            "transport": self.transport,
             "transports": list(self.transports), "why": self.why, "ucx": list(self.ucx), "verdict": self.verdict,
             "findings": [f.__dict__ for f in self.findings],
             "measurement": self.measurement.to_json() if self.measurement else None, "not_measured": self.not_measured,

@@ -108,7 +108,7 @@ def test_pdserve_doctor_prints_each_path_and_json(tmp_path, capsys, monkeypatch)
     assert main(["doctor", str(path), "--no-measure", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["paths"][0]["transport"] == "nixl" and report["paths"][0]["ucx"] == ["tcp"]
-    assert report["geometry"]["layers"] > 0 and report["host"]["nixl_build"]
+    assert report["geometry"]["layers"] > 0 and report["hosts"]["this host"]["nixl_build"]
     lines = render(examine(None, measured=False, probe=CPU_HOST), None)
     assert lines[0] == "pdserve doctor: no spec (pdserve defaults)"
 
@@ -116,3 +116,19 @@ def test_pdserve_doctor_prints_each_path_and_json(tmp_path, capsys, monkeypatch)
 @pytest.fixture(autouse=True)
 def _quiet_nixl(monkeypatch):
     monkeypatch.setenv("NIXL_LOG_LEVEL", "WARN")
+
+
+def test_beside_a_cluster_each_decode_node_gets_the_places_its_engines_are_in():
+    from orchestrator.doctor.remote import Node, engine_places
+
+    nodes = [Node(None, "n1", "198.18.0.1", CPU_HOST), Node(None, "n2", "198.18.0.2", CPU_HOST)]
+    engines = [
+        {"role": "prefill", "host": "198.18.0.1", "model": "m", "state": "ready"},
+        {"role": "decode", "host": "198.18.0.1", "model": "m", "state": "ready"},
+        {"role": "decode", "host": "198.18.0.2", "model": "m", "state": "ready"},
+        {"role": "decode", "host": "198.18.0.2", "model": "other", "state": "ready"},
+    ]
+    assert engine_places(engines, nodes, "m") == {"n1": {Where.SAME_NODE}, "n2": {Where.OTHER_NODE}}
+    one = [Node(None, "n1", "10.0.0.5", CPU_HOST)]  # engines at 127.0.0.1 on a one-node cluster
+    local = [dict(e, host="127.0.0.1") for e in engines[:2]]
+    assert engine_places(local, one, "m") == {"n1": {Where.SAME_NODE}}
