@@ -197,7 +197,9 @@ class StreamLedger:
         body = self.body
         request = {key: body[key] for key in COPIED if key in body}
         request |= {"prompt": self.prompt_ids + self.sent, "stream": True, "return_token_ids": True}
-        limit = body.get("max_completion_tokens", body.get("max_tokens"))
+        limit = next(
+            (body[key] for key in ("max_completion_tokens", "max_tokens") if isinstance(body.get(key), int)), None
+        )
         if limit is not None:
             request["max_tokens"] = max(limit - len(self.sent), 1)
         if isinstance(body.get("min_tokens"), int) and body["min_tokens"] > len(self.sent):
