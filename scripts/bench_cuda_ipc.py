@@ -57,7 +57,9 @@ from testlib.cuda_ipc_blocks import (  # noqa: E402
 GB = 1e9
 MODES = ("one at a time", "pipelined")
 WAYS = ("cuda-ipc (triton)", "cuda-ipc (torch)", "nixl")
-SWEEP = ((1024, 4, False), (1024, 4, True), (2048, 4, False), (2048, 4, True), (2048, 8, True), (4096, 8, True))
+# (words per program, warps, 16-byte hints, compiled kernel launched directly)
+SWEEP = ((1024, 4, True, True), (2048, 4, False, True), (2048, 4, True, False), (2048, 4, True, True),
+         (2048, 8, True, True), (4096, 8, True, True))  # fmt: skip
 
 
 def one_at_a_time(step: Callable[[], None], iters: int) -> float:
@@ -128,7 +130,7 @@ def same_process_gather(
     what the scatter costs apart from the mapping."""
     from connectors.block_ranges import whole_plane_ranges
     from connectors.transport.base import cache_regions
-    from connectors.transport.gather import TritonGather, run_table
+    from connectors.transport.gather import OffsetRing, TritonGather, run_table
 
     src = caches(geometry, SOURCE_SEED)
     src_regions = cache_regions(src, geometry.plane_bytes, 1, "bench")
@@ -140,15 +142,19 @@ def same_process_gather(
         np.asarray(dst_regions.region_addrs, dtype=np.int64),
         np.asarray(src_regions.region_addrs, dtype=np.int64),
     )
-    gather = TritonGather()
+    gather, ring = TritonGather(), OffsetRing(1)
     device = torch.device("cuda", 0)
+    stream = torch.cuda.current_stream(device)
     on_device = gather.upload(table, device)
-    remote, local_blocks = np.asarray(remote_ids, dtype=np.int64), np.asarray(local_ids, dtype=np.int64)
+    slot = ring.take(len(remote_ids) + len(local_ids))
+    count = len(remote_ids)
+    slot.view[:count] = np.asarray(remote_ids, dtype=np.int64) * (table.remote_block_bytes // gather.WORD)
+    slot.view[count : 2 * count] = np.asarray(local_ids, dtype=np.int64) * (table.local_block_bytes // gather.WORD)
     times = []
     for _ in range(iters + 1):
         started, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         started.record()
-        gather(table, on_device, remote, local_blocks, device)
+        gather(table, on_device, slot.offsets.data_ptr(), count, stream)
         done.record()
         done.synchronize()
         times.append(started.elapsed_time(done) / 1e3)
@@ -160,23 +166,26 @@ def sweep(source: Source, local: dict[str, torch.Tensor], geometry: Geometry, si
     """GPU time of the Triton gather per (words per program, warps)."""
     payload, regions = source.offers[CUDA_IPC]
     results = []
-    for chunk, warps, hints in SWEEP:
+    for chunk, warps, hints, direct in SWEEP:
         transport = CudaIpcTransport("decode-sweep", copy="triton", triton_chunk=chunk, triton_warps=warps)
         transport.register_kv_caches(local, geometry.plane_bytes, planes_per_layer=1)
         transport.add_peer("prefill", payload, regions)
         transport.read_blocks("prefill", [0], [0]).wait()
         transport._gather.hints &= hints  # noqa: SLF001 - a benchmark's choice of the kernel's variant
+        transport._gather.fast_launch &= direct  # noqa: SLF001
         for size_mib in sizes_mib:
             local_ids, remote_ids = pick_blocks(geometry, size_mib, seed=size_mib)
-            gpu_us = phases(transport, "x", local_ids, remote_ids, iters)["x gpu us"]
+            timed = phases(transport, "x", local_ids, remote_ids, iters)
             results.append(
                 {
                     "chunk": chunk,
                     "warps": warps,
                     "16-byte hints": transport._gather.hints,  # noqa: SLF001
+                    "direct launch": transport._gather.fast_launch,  # noqa: SLF001
                     "size_mib": size_mib,
-                    "gpu us": gpu_us,
-                    "GB/s": round(len(local_ids) * geometry.block_bytes / gpu_us / 1e3, 1),
+                    "host us": timed["x host us"],
+                    "gpu us": timed["x gpu us"],
+                    "GB/s": round(len(local_ids) * geometry.block_bytes / timed["x gpu us"] / 1e3, 1),
                 }
             )
             print(json.dumps(results[-1]), flush=True)

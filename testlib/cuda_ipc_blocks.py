@@ -56,9 +56,9 @@ def caches(geometry: Geometry, seed: int | None) -> dict[str, torch.Tensor]:
     return {f"model.layers.{i}.self_attn": layer_cache(geometry, i, seed) for i in range(geometry.layers)}
 
 
-def run_source(conn, geometry: Geometry, names: tuple[str, ...]) -> None:
+def run_source(conn, geometry: Geometry, names: tuple[str, ...], seed: int = SOURCE_SEED) -> None:
     """Child process: export caches over each transport, make NIXL progress until told to stop."""
-    source = caches(geometry, SOURCE_SEED)
+    source = caches(geometry, seed)
     torch.cuda.synchronize()
     served = {}
     for name in names:
@@ -88,10 +88,10 @@ class Source:
             self.process.join(5)
 
 
-def start_source(geometry: Geometry, names: tuple[str, ...]) -> Source:
+def start_source(geometry: Geometry, names: tuple[str, ...], seed: int = SOURCE_SEED) -> Source:
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    process = ctx.Process(target=run_source, args=(child, geometry, names), daemon=True)
+    process = ctx.Process(target=run_source, args=(child, geometry, names, seed), daemon=True)
     process.start()
     if not parent.poll(START_TIMEOUT_S):
         process.kill()
@@ -114,14 +114,18 @@ def pick_blocks(geometry: Geometry, size_mib: int, seed: int) -> tuple[list[int]
 
 
 def check_blocks(
-    geometry: Geometry, local: dict[str, torch.Tensor], local_ids: list[int], remote_ids: list[int]
+    geometry: Geometry,
+    local: dict[str, torch.Tensor],
+    local_ids: list[int],
+    remote_ids: list[int],
+    seed: int = SOURCE_SEED,
 ) -> list[str]:
-    """Layers whose local blocks differ, in any byte, from the source's blocks (regenerated from the seed)."""
+    """Layers whose local blocks differ, in any byte, from the source's blocks (regenerated from ``seed``)."""
     wrong = []
     local_index = torch.tensor(local_ids, device="cuda")
     remote_index = torch.tensor(remote_ids, device="cuda")
     for layer, (name, cache) in enumerate(local.items()):
-        expected = layer_cache(geometry, layer, SOURCE_SEED).index_select(0, remote_index)
+        expected = layer_cache(geometry, layer, seed).index_select(0, remote_index)
         if not torch.equal(cache.index_select(0, local_index).view(torch.int16), expected.view(torch.int16)):
             wrong.append(name)
         del expected

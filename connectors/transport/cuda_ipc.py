@@ -53,7 +53,7 @@ from connectors.block_ranges import KVRegions, PlaneRanges, checked_read_ids
 from connectors.errors import TransportError
 from connectors.transport import CUDA_IPC
 from connectors.transport.base import ReadState, TransferState, cache_regions, checked_ranges
-from connectors.transport.gather import RunTable, TritonGather, copy_moves_torch, plan_moves, run_table
+from connectors.transport.gather import OffsetRing, RunTable, TritonGather, copy_moves_torch, plan_moves, run_table
 
 if TYPE_CHECKING:
     import torch
@@ -204,20 +204,16 @@ class IpcRead(ReadState):
     def __init__(self, peer: str, num_bytes: int, started: Any, event: Any, deadline: float, started_at: float) -> None:
         super().__init__(peer, num_bytes, deadline, started_at)
         self.launched_s = time.monotonic() - started_at
-        """Host time to plan and launch the gather."""
+        """Host time to check, plan and launch the read."""
+        self.gpu_s: float | None = None
+        """Seconds from the gather's start on the GPU to its end (None until DONE)."""
         self._started = started
         self._event = event
-
-    @property
-    def gpu_s(self) -> float | None:
-        """Seconds the gather took on the GPU (None until DONE)."""
-        if self._state is not TransferState.DONE:
-            return None
-        return self._started.elapsed_time(self._event) / 1e3
 
     def poll(self) -> TransferState:
         if self._state is TransferState.PENDING:
             if self._event.query():
+                self.gpu_s = self._started.elapsed_time(self._event) / 1e3 if self._started is not None else 0.0
                 self._finish(TransferState.DONE, None)
             elif time.monotonic() >= self.deadline:
                 self.abort(f"the copy from {self.peer} did not finish within {self.deadline - self.started_at:.1f} s")
@@ -234,6 +230,12 @@ class IpcRead(ReadState):
         if self._state is TransferState.PENDING:
             self._event.synchronize()
             self._finish(TransferState.FAILED, reason)
+
+    def settle(self) -> None:
+        """Over, whatever the caller has asked so far: its events and offsets may serve another read."""
+        if self._state is TransferState.PENDING:
+            self._event.synchronize()
+            self.poll()
 
 
 # ---------------------------------------------------------------- the transport
@@ -267,6 +269,7 @@ class CudaIpcTransport:
     _peers: dict[str, _Peer] = field(default_factory=dict, init=False)
     _stream: Any = field(default=None, init=False)
     _gather: Any = field(default=None, init=False)
+    _ring: OffsetRing = field(default_factory=OffsetRing, init=False)
     triton_chunk: int = 2048
     """Words (8 bytes) each Triton program copies."""
     triton_warps: int = 4
@@ -393,17 +396,23 @@ class CudaIpcTransport:
         local_ids, remote_ids = checked_read_ids(entry.ranges.ratio, local_block_ids, remote_block_ids,
                                                  local.num_blocks, entry.regions.num_blocks)  # fmt: skip
         num_bytes = len(remote_ids) * local.num_layers * entry.ranges.bytes_per_block
+        slot = self._ring.take(len(remote_ids) + len(local_ids))
+        ready, started, done = slot.events
         stream = self._stream
-        stream.wait_stream(torch.cuda.current_stream(stream.device))  # the blocks' last users go first
-        started, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        with torch.cuda.stream(stream):
+        ready.record(torch.cuda.current_stream(stream.device))  # the blocks' last users go first
+        stream.wait_event(ready)
+        if num_bytes:
+            self._copy(entry, local_ids, remote_ids, slot, started)
+        else:
             started.record(stream)
-            if num_bytes:
-                self._copy(entry, local_ids, remote_ids)
-            done.record(stream)
-        return IpcRead(peer, num_bytes, started, done, started_at + self.transfer_timeout_s, started_at)
+        done.record(stream)
+        read = slot.last = IpcRead(peer, num_bytes, started, done, started_at + self.transfer_timeout_s, started_at)
+        return read
 
-    def _copy(self, entry: _Peer, local_ids: np.ndarray, remote_ids: np.ndarray) -> None:
+    def _copy(self, entry: _Peer, local_ids: np.ndarray, remote_ids: np.ndarray, slot: Any, started: Any) -> None:
+        """Record ``started`` on the stream, then launch the copy after it."""
+        import torch
+
         if self.copy != "torch" and self._gather is None:
             try:
                 self._gather = TritonGather(self.triton_chunk, self.triton_warps)
@@ -412,18 +421,27 @@ class CudaIpcTransport:
                     raise TransportError(f"copy='triton' needs Triton: {e}") from e
                 logger.info("engine %s: Triton is not available (%s); CUDA IPC copies with torch", self.engine_id, e)
                 self.copy = "torch"
+        stream = self._stream
         if self.copy == "torch" or not entry.table.whole_words:
             moves = plan_moves(entry.ranges, self.kv_regions(), entry.regions, local_ids, remote_ids)
-            copy_moves_torch(moves, entry.src, self._dst)
+            started.record(stream)
+            with torch.cuda.stream(stream):
+                copy_moves_torch(moves, entry.src, self._dst)
             return
         if not entry.on_device:
-            entry.on_device = self._gather.upload(entry.table, self._stream.device)
-        self._gather(entry.table, entry.on_device, remote_ids, local_ids, self._stream.device)
+            entry.on_device = self._gather.upload(entry.table, stream.device)
+        table, count = entry.table, len(remote_ids)
+        words = slot.view
+        np.multiply(remote_ids, table.remote_block_bytes // TritonGather.WORD, out=words[:count])
+        np.multiply(local_ids, table.local_block_bytes // TritonGather.WORD, out=words[count : count + len(local_ids)])
+        started.record(stream)
+        self._gather(table, entry.on_device, slot.offsets.data_ptr(), count, stream)
 
     def poll_notifications(self) -> list[tuple[str, bytes]]:
         return []
 
     def close(self) -> None:
+        self._ring.settle()
         if self._stream is not None:
             self._stream.synchronize()
         self._peers.clear()

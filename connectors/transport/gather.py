@@ -132,7 +132,7 @@ class RunTable:
     remote_block_bytes: int
     local_block_bytes: int
     whole_words: bool
-    """Every length is a multiple of 8 bytes: the Triton gather can move this peer's runs."""
+    """Every address and length is a multiple of 8 bytes: the Triton gather can move this peer's runs."""
     aligned: bool
     """Every address and length is a multiple of 16 bytes: the gather may move 16 bytes at a time."""
 
@@ -156,7 +156,7 @@ def run_table(ranges: PlaneRanges, local: KVRegions, remote: KVRegions, dst_base
         words=lengths // TritonGather.WORD,
         remote_block_bytes=remote.block_len_bytes,
         local_block_bytes=local.block_len_bytes,
-        whole_words=bool((lengths % TritonGather.WORD == 0).all()),
+        whole_words=bool((values % TritonGather.WORD == 0).all()),
         aligned=bool((values % 16 == 0).all()),
     )
 
@@ -165,10 +165,16 @@ class TritonGather:
     """One launch for a whole read: program (layer and run, block, chunk) copies one chunk of one run.
 
     It moves 8-byte words, and tells the compiler it may move two at once when
-    the peer's runs are 16-byte aligned (``RunTable.aligned``). KV runs are
-    whole rows (``head_dim`` elements: 64 bytes and more), so lengths and
-    offsets are multiples of 8; a peer whose are not goes to the stock gather.
-    The per-peer tables live on the GPU; a read uploads only its block offsets.
+    the peer's runs are 16-byte aligned (``RunTable.aligned``); where every run
+    is a whole number of chunks (whole block planes) it copies without masks. KV
+    runs are whole rows (``head_dim`` elements: 64 bytes and more), so lengths
+    and offsets are multiples of 8; a peer whose are not goes to the stock
+    gather. The per-peer tables live on the GPU. A read's block offsets are not
+    uploaded: the kernel reads them from pinned host memory by address
+    (``OffsetRing``), so a read costs the host one launch. After a variant's
+    first launch (Triton's JIT: compile, then cache), reads launch the compiled
+    kernel directly; every integer argument is left unspecialized, so one
+    compiled kernel is right for every read.
     """
 
     WORD = 8
@@ -180,66 +186,146 @@ class TritonGather:
 
         self.chunk, self.num_warps = chunk, num_warps  # words per program, and its warps
         self.hints = True  # off once a Triton could not compile the aligned variant
+        self.fast_launch = True  # off once a Triton's compiled kernel could not be launched directly
+        self._compiled: dict[tuple[bool, bool], Any] = {}
 
-        @triton.jit
-        def gather_blocks(src_runs, dst_runs, words, offsets, num_remote, runs, ratio, CHUNK: tl.constexpr,
-                          ALIGNED: tl.constexpr):  # noqa: N803 - Triton's constexpr style  # fmt: skip
+        def gather_blocks(anchor, src_runs, dst_runs, words, remote_offsets, local_offsets, runs, ratio,
+                          CHUNK: tl.constexpr, ALIGNED: tl.constexpr, EVEN: tl.constexpr):  # noqa: N803  # fmt: skip
+            # Every address is a count of words from ``anchor`` (a tensor of ours, so 16-byte aligned): the
+            # compiler then knows the alignment of what it moves, and moves 16 bytes at a time where ALIGNED.
             layer_run = tl.program_id(0)
             block = tl.program_id(1)
             start = tl.program_id(2) * CHUNK
             layer = layer_run // runs
             run = layer_run % runs
-            length = tl.load(words + run)
+            remote = remote_offsets.to(tl.pointer_type(tl.int64))  # pinned host memory, read over the bus
+            local = local_offsets.to(tl.pointer_type(tl.int64))
+            src = tl.load(src_runs + layer_run) + tl.load(remote + block)
+            sub = (layer * ratio + block % ratio) * runs + run
+            dst = tl.load(dst_runs + sub) + tl.load(local + block // ratio)
             if ALIGNED:
-                length = tl.multiple_of(length, 2)
-            if start < length:
-                src = tl.load(src_runs + layer_run) + tl.load(offsets + block)
-                sub = (layer * ratio + block % ratio) * runs + run
-                dst = tl.load(dst_runs + sub) + tl.load(offsets + num_remote + block // ratio)
+                src = tl.multiple_of(src, 2)
+                dst = tl.multiple_of(dst, 2)
+            index = start + tl.arange(0, CHUNK)
+            if EVEN:  # every run a whole number of chunks: no masks
+                tl.store(anchor + dst + index, tl.load(anchor + src + index))
+            else:
+                length = tl.load(words + run)
                 if ALIGNED:
-                    src = tl.multiple_of(src, 16)
-                    dst = tl.multiple_of(dst, 16)
-                src_ptr = src.to(tl.pointer_type(tl.int64))
-                dst_ptr = dst.to(tl.pointer_type(tl.int64))
-                index = start + tl.arange(0, CHUNK)
+                    length = tl.multiple_of(length, 2)
                 mask = index < length
-                tl.store(dst_ptr + index, tl.load(src_ptr + index, mask=mask), mask=mask)
+                tl.store(anchor + dst + index, tl.load(anchor + src + index, mask=mask), mask=mask)
 
-        self._kernel = gather_blocks
+        loose = ["remote_offsets", "local_offsets", "runs", "ratio"]
+        try:  # tables' addresses vary too: no alignment assumed of them (Triton 3.1 and later)
+            self._kernel = triton.jit(
+                gather_blocks, do_not_specialize=loose, do_not_specialize_on_alignment=["src_runs", "dst_runs", "words"]
+            )
+        except TypeError:
+            self._kernel = triton.jit(gather_blocks, do_not_specialize=loose)
+        self._anchors: dict[Any, Any] = {}
+
+    def anchor(self, device: torch.device) -> Any:
+        """The tensor whose address every address of this gather on ``device`` is counted from."""
+        import torch
+
+        if device not in self._anchors:
+            self._anchors[device] = torch.zeros(2, dtype=torch.int64, device=device)
+        return self._anchors[device]
 
     def upload(self, table: RunTable, device: torch.device) -> tuple[Any, ...]:
-        """The table's arrays on ``device`` (once per peer)."""
+        """The kernel's first four arguments for a peer (once per peer): the anchor, and the table on ``device`` in
+        words from the anchor."""
         import torch
 
-        return tuple(torch.from_numpy(np.ascontiguousarray(a)).to(device) for a in (table.src, table.dst, table.words))
+        anchor = self.anchor(device)
+        base = anchor.data_ptr()
+        src, dst = ((np.ascontiguousarray(a) - base) // self.WORD for a in (table.src, table.dst))
+        return (anchor, *(torch.from_numpy(a).to(device) for a in (src, dst, table.words)))
 
-    def __call__(
-        self, table: RunTable, on_device: tuple[Any, ...], remote_ids: np.ndarray, local_ids: np.ndarray, device
-    ) -> None:
-        import torch
+    def even(self, table: RunTable) -> bool:
+        """Every run of the peer is a whole number of this gather's chunks."""
+        return bool((table.words % self.chunk == 0).all())
 
-        offsets = np.concatenate((remote_ids * table.remote_block_bytes, local_ids * table.local_block_bytes))
-        offsets_on_device = torch.from_numpy(offsets).pin_memory().to(device, non_blocking=True)
+    def __call__(self, table: RunTable, on_device: tuple[Any, ...], address: int, num_remote: int, stream: Any) -> None:
+        """Launch the gather of one read on ``stream``. The pinned memory at ``address`` (on the host and the GPU
+        alike) holds the ``num_remote`` remote blocks' offsets in words, then the local ones'; it must not
+        change until the launch is over (``OffsetRing``)."""
         layers, runs = table.src.shape
         chunks = -(-int(table.words.max()) // self.chunk)
         ratio = table.dst.shape[1]
+        variant = (table.aligned and self.hints, self.even(table))
         step = self.MAX_GRID_Y // ratio * ratio  # whole local blocks per launch
-        for first in range(0, len(remote_ids), step):
-            count = min(step, len(remote_ids) - first)
+        for first in range(0, num_remote, step):
+            count = min(step, num_remote - first)
             # A slice of blocks: remote offsets from ``first``, local offsets of the same sub-blocks.
-            part = offsets_on_device if count == len(remote_ids) else torch.cat((
-                offsets_on_device[first : first + count],
-                offsets_on_device[len(remote_ids) + first // ratio :],
-            ))  # fmt: skip
-            self._launch((layers * runs, count, chunks), *on_device, part, count, runs, ratio, table.aligned)
+            remote_at = address + first * self.WORD
+            local_at = address + (num_remote + first // ratio) * self.WORD
+            grid = (layers * runs, count, chunks)
+            self._launch(grid, variant, stream, (*on_device, remote_at, local_at, runs, ratio))
 
-    def _launch(self, grid: tuple[int, int, int], *args: Any) -> None:
-        *kernel_args, aligned = args
-        if aligned and self.hints:
+    def _launch(self, grid: tuple[int, int, int], variant: tuple[bool, bool], stream: Any, args: tuple) -> None:
+        aligned, even = variant
+        compiled = self._compiled.get(variant)
+        if compiled is not None and self.fast_launch:
             try:
-                self._kernel[grid](*kernel_args, CHUNK=self.chunk, ALIGNED=True, num_warps=self.num_warps)
+                compiled[grid](*args, self.chunk, aligned, even, stream=stream.cuda_stream)
                 return
-            except Exception as e:  # noqa: BLE001 - a Triton that cannot compile the hints: the plain variant
+            except Exception as e:  # noqa: BLE001 - a Triton whose compiled kernels launch otherwise: the JIT's call
+                logger.warning("the CUDA IPC gather cannot launch its compiled kernel here (%s); launching by JIT", e)
+                self.fast_launch = False
+        import torch
+
+        with torch.cuda.stream(stream):
+            try:
+                launched = self._kernel[grid](*args, CHUNK=self.chunk, ALIGNED=aligned, EVEN=even,
+                                             num_warps=self.num_warps)  # fmt: skip
+            except Exception as e:  # a Triton that cannot compile the hints: the plain variant
+                if not aligned:
+                    raise
                 logger.warning("the aligned CUDA IPC gather does not compile here (%s); using 8-byte words", e)
                 self.hints = False
-        self._kernel[grid](*kernel_args, CHUNK=self.chunk, ALIGNED=False, num_warps=self.num_warps)
+                return self._launch(grid, (False, even), stream, args)
+        if launched is not None and hasattr(launched, "__getitem__"):
+            self._compiled[variant] = launched
+
+
+@dataclass
+class _Slot:
+    offsets: Any  # a pinned int64 tensor
+    view: np.ndarray  # the same memory, as numpy
+    events: tuple[Any, Any, Any]  # (ready, started, done): recorded again by each read that takes the slot
+    last: Any = None  # the last read that used the slot (its ``settle`` ends it)
+
+
+class OffsetRing:
+    """The pinned host buffers (and CUDA events) a transport's reads take in turn: the gather reads a read's block
+    offsets from its slot by address, so a slot is written again only once the read that last used it is over
+    (``settle``: at once, unless ``slots`` reads are in flight)."""
+
+    def __init__(self, slots: int = 32) -> None:
+        self._slots: list[_Slot | None] = [None] * slots
+        self._next = 0
+
+    def take(self, size: int) -> _Slot:
+        """The next slot, with room for ``size`` offsets, its last read over."""
+        import torch
+
+        index = self._next
+        self._next = (index + 1) % len(self._slots)
+        slot = self._slots[index]
+        if slot is not None and slot.last is not None:
+            slot.last.settle()
+            slot.last = None
+        if slot is None or slot.view.size < size:
+            offsets = torch.empty(max(size, 256), dtype=torch.int64, pin_memory=True)
+            events = slot.events if slot is not None else tuple(torch.cuda.Event(enable_timing=i > 0) for i in range(3))
+            slot = self._slots[index] = _Slot(offsets, offsets.numpy(), events)
+        return slot
+
+    def settle(self) -> None:
+        """Every read that used a slot is over (before the transport lets go of its memory)."""
+        for slot in self._slots:
+            if slot is not None and slot.last is not None:
+                slot.last.settle()
+                slot.last = None

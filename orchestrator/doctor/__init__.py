@@ -17,9 +17,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from connectors.transport import NIXL, Where
+from connectors.transport import CUDA_IPC, NIXL, Where
 from orchestrator.doctor.diagnose import BROKEN, SLOW, Finding, PathReport, Pools, default_pools, diagnose, pools_of
-from orchestrator.doctor.measure import Geometry, Measurement, measure
+from orchestrator.doctor.measure import Geometry, Measurement, attempt
 from orchestrator.doctor.probes import HostProbe, probe_host
 
 if TYPE_CHECKING:
@@ -50,8 +50,9 @@ class Examination:
         }
 
 
-Runner = Callable[[PathReport, Geometry, dict[str, str]], "Measurement | str"]
-"""Runs a measurement for a report, where its host is (``measure`` here; a Ray task on a cluster's node)."""
+Runner = Callable[[PathReport, Geometry, dict[str, str], str, str], "Measurement | str"]
+"""Runs a measurement for a report where its host is (``attempt`` here; a Ray task on a cluster's node), with the
+environment, memory and transport given."""
 THIS_HOST = "this host"
 
 
@@ -88,7 +89,7 @@ def examine(spec: ClusterSpec | None, measured: bool = True, probe: HostProbe | 
         report.host = THIS_HOST
     geometry, whence = geometry_of(spec, pools[0].memory)
     if measured:
-        _measure(reports, geometry, {p.model: p.tls for p in pools}, lambda _, g, env: _here(g, env))
+        _measure(reports, geometry, {p.model: p.tls for p in pools}, lambda _, *how: attempt(*how))
     return Examination({THIS_HOST: probe}, reports, geometry, whence)
 
 
@@ -121,53 +122,49 @@ def examine_cluster(measured: bool = True) -> Examination:
         geometry, whence = geometry_of(spec, "cuda" if spec.device == "cuda" else "cpu")
         if measured:
             by_address = {node.address: node for node in nodes.values()}
-            _measure(reports, geometry, tls, lambda report, g, env: by_address[report.host].measure(g, env))
+            _measure(reports, geometry, tls, lambda report, *how: by_address[report.host].measure(*how))
     return Examination({node.address: node.probe for node in nodes.values()}, reports, geometry, whence)
 
 
-def _here(geometry: Geometry, env: dict[str, str]) -> Measurement | str:
-    try:
-        return measure(geometry, env)
-    except (RuntimeError, TimeoutError, OSError) as e:
-        return f"{type(e).__name__}: {e}"
-
-
 def _measure(reports: list[PathReport], geometry: Geometry, tls: dict[str, str | None], run_on: Runner) -> None:
-    """Measure each path its host can run (each ``UCX_TLS`` once per host); TCP too, to tell a same-node path
+    """Measure each path its host can run (each setting once per host); TCP too, to tell a same-node path
     from it."""
-    done: dict[tuple[str, str | None], Measurement | str] = {}
+    done: dict[tuple[str, str | None, str, str], Measurement | str] = {}
 
-    def run(report: PathReport, env_tls: str | None) -> Measurement | str:
-        key = (report.host, env_tls)
+    def run(report: PathReport, env_tls: str | None, transport: str = NIXL) -> Measurement | str:
+        key = (report.host, env_tls, report.memory, transport)
         if key not in done:
-            done[key] = run_on(report, geometry, {"UCX_TLS": env_tls} if env_tls else {})
+            env = {"UCX_TLS": env_tls} if env_tls else {}
+            done[key] = run_on(report, geometry, env, report.memory, transport)
         return done[key]
 
-    def attach(report: PathReport, env_tls: str | None) -> Measurement | None:
-        result = run(report, env_tls)
+    def attach(report: PathReport, env_tls: str | None, transport: str = NIXL) -> Measurement | None:
+        result = run(report, env_tls, transport)
         if isinstance(result, str):
-            report.findings.append(Finding(BROKEN, f"a NIXL READ failed here: {result}"))
+            report.findings.append(Finding(BROKEN, f"a {transport} READ failed here: {result}"))
             return None
         report.measurement = result
         return result
 
     for report in reports:
-        if report.transport != NIXL:
-            report.not_measured = f"{report.transport}: measured by scripts/bench_cuda_ipc.py on a GPU host"
-        elif report.memory == "cuda":
-            report.not_measured = "VRAM: measured by scripts/bench_cuda_ipc.py on a GPU host"
+        # UCX moves VRAM over TCP only with cuda_copy beside it, staging through host memory
+        tcp = "tcp,cuda_copy" if report.memory == "cuda" else "tcp"
+        if report.transport == CUDA_IPC:
+            attach(report, None, CUDA_IPC)
+        elif report.transport != NIXL:
+            report.not_measured = f"{report.transport}: not measured by doctor"
         elif report.place is Where.OTHER_NODE:
             report.not_measured = "another node: measured over TCP on this host's loopback, the ceiling of TCP"
-            attach(report, "tcp")
+            attach(report, tcp)
         elif (own := attach(report, tls[report.model])) is not None and any(t != "tcp" for t in report.ucx):
-            tcp = run(report, "tcp")
-            if isinstance(tcp, Measurement) and own.gbps < NOT_FASTER_THAN_TCP * tcp.gbps:
+            over_tcp = run(report, tcp)
+            if isinstance(over_tcp, Measurement) and own.gbps < NOT_FASTER_THAN_TCP * over_tcp.gbps:
                 faster = ", ".join(t for t in report.ucx if t != "tcp")
                 report.findings.append(
                     Finding(
                         SLOW,
-                        f"measured {own.gbps:.2f} GB/s, no faster than TCP ({tcp.gbps:.2f} GB/s): UCX did not take "
-                        f"{faster}",
+                        f"measured {own.gbps:.2f} GB/s, no faster than TCP ({over_tcp.gbps:.2f} GB/s): UCX did not "
+                        f"take {faster}",
                         "UCX_PROTO_INFO=y in engine.env makes UCX print the protocols it picks",
                     )
                 )
@@ -224,4 +221,5 @@ def _host_lines(name: str, probe: HostProbe) -> list[str]:
         lines.append("  peer access: " + "; ".join(
             f"{i}->{j} {'yes' if ok else 'no'}" for i, row in enumerate(probe.peer_access)
             for j, ok in enumerate(row) if i != j))  # fmt: skip
+    lines += [f"  UCX module {name} does not load: {error}" for name, error in sorted(probe.ucx_module_errors.items())]
     return lines + [f"  could not probe: {problem}" for problem in probe.problems]

@@ -103,7 +103,7 @@ def ucx_path(probe: HostProbe, place: Where, memory: str, tls: str | None) -> tu
     candidates: list[str] = []
     rdma = bool(probe.rdma_devices) and "ib" in modules
     if memory == "cuda":
-        cuda = "cuda" in modules and _build_matches(probe)
+        cuda = "cuda" in modules and "cuda" not in probe.ucx_module_errors and _build_matches(probe)
         if place is Where.SAME_NODE and cuda:
             candidates += ["cuda_ipc", "cuda_copy"]
         if place is Where.OTHER_NODE and rdma and cuda:
@@ -223,6 +223,16 @@ def _nixl_findings(probe: HostProbe, place: Where, memory: str, tls: str | None,
                 f"NIXL loads {probe.nixl_build}, built for another CUDA than this machine's "
                 f"{probe.machine_cuda_major}: UCX's CUDA transports do not load, so VRAM moves over TCP",
                 f"pip install nixl-cu{probe.machine_cuda_major}==1.5.1 (pdserve's gpu extra: pip install -e '.[gpu]')",
+            )
+        )
+    if memory == "cuda" and (error := probe.ucx_module_errors.get("cuda")):
+        findings.append(
+            Finding(
+                SLOW,
+                f"UCX's CUDA module (cuda_copy, cuda_ipc) does not load here: {error}; UCX leaves it out without a "
+                "word, so VRAM moves over TCP",
+                "make the library it names loadable in the engines: the NVIDIA driver's libraries (libcuda, "
+                "libnvidia-ml) in ldconfig's paths or on LD_LIBRARY_PATH in engine.env",
             )
         )
     if memory == "cuda" and "cuda" not in probe.ucx_modules:

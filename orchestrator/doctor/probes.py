@@ -35,6 +35,9 @@ class HostProbe:
     ucx_modules: tuple[str, ...] = ()
     """UCX's loadable transport modules of that build (cma: shared memory between processes, cuda: cuda_copy
     and cuda_ipc, ib: RDMA, ...), besides ``UCX_BUILT_IN``."""
+    ucx_module_errors: dict[str, str] = field(default_factory=dict)
+    """Modules of ``ucx_modules`` that do not load here, with the loader's reason (a library they need is missing,
+    for one): UCX skips them without a word, and its transports are gone."""
     machine_cuda_major: int | None = None
     """The CUDA major the machine's driver or runtime says (NIXL picks its wheel by it), None without CUDA."""
     ucx_tls: str | None = None
@@ -58,7 +61,7 @@ def probe_host(with_gpus: bool = True) -> HostProbe:
     from connectors.transport import node_identity
 
     problems: list[str] = []
-    build, version, plugins, modules, cuda_major = _nixl(problems)
+    build, version, plugins, modules, cuda_major, module_errors = _nixl(problems)
     gpus, peers = _gpus(problems) if with_gpus else ((), ())
     rdma = Path("/sys/class/infiniband")
     return HostProbe(
@@ -67,6 +70,7 @@ def probe_host(with_gpus: bool = True) -> HostProbe:
         nixl_version=version,
         nixl_plugins=plugins,
         ucx_modules=modules,
+        ucx_module_errors=module_errors,
         machine_cuda_major=cuda_major,
         ucx_tls=os.environ.get("UCX_TLS"),
         rdma_devices=tuple(sorted(p.name for p in rdma.iterdir())) if rdma.is_dir() else (),
@@ -77,7 +81,9 @@ def probe_host(with_gpus: bool = True) -> HostProbe:
     )
 
 
-def _nixl(problems: list[str]) -> tuple[str | None, str | None, tuple[str, ...], tuple[str, ...], int | None]:
+def _nixl(
+    problems: list[str],
+) -> tuple[str | None, str | None, tuple[str, ...], tuple[str, ...], int | None, dict[str, str]]:
     cuda_major = None
     try:
         from nixl_meta_utils import detect_cuda_major
@@ -89,7 +95,7 @@ def _nixl(problems: list[str]) -> tuple[str | None, str | None, tuple[str, ...],
         import nixl
     except Exception as e:  # noqa: BLE001
         problems.append(f"NIXL is not importable: {type(e).__name__}: {e}")
-        return None, None, (), (), cuda_major
+        return None, None, (), (), cuda_major, {}
     build = getattr(getattr(nixl, "_pkg", None), "__name__", None)
     try:
         version = importlib.metadata.version("nixl")
@@ -104,14 +110,27 @@ def _nixl(problems: list[str]) -> tuple[str | None, str | None, tuple[str, ...],
     except Exception as e:  # noqa: BLE001
         problems.append(f"cannot start a NIXL agent: {type(e).__name__}: {e}")
     modules: tuple[str, ...] = ()
+    errors: dict[str, str] = {}
     if build is not None:
         libs = Path(sys.modules[build].__file__ or "").parent.parent / f"{build}.libs" / "ucx"
         if libs.is_dir():
-            names = {m[1] for p in libs.iterdir() if (m := re.fullmatch(r"libuct_(\w+)\.so[.\d]*", p.name))}
-            modules = tuple(sorted(names))
+            found = {m[1]: p for p in libs.iterdir() if (m := re.fullmatch(r"libuct_(\w+)\.so[.\d]*", p.name))}
+            modules = tuple(sorted(found))
+            errors = {name: error for name, path in found.items() if (error := loads(path)) is not None}
         else:
             problems.append(f"no UCX modules found beside {build} (looked in {libs})")
-    return build, version, plugins, modules, cuda_major
+    return build, version, plugins, modules, cuda_major, errors
+
+
+def loads(path: Path) -> str | None:
+    """Why the shared library at ``path`` does not load here (a library it needs is missing, say), or None."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(str(path), mode=os.RTLD_LAZY | os.RTLD_LOCAL)
+    except OSError as e:
+        return str(e)
+    return None
 
 
 def _gpus(problems: list[str]) -> tuple[tuple[Gpu, ...], tuple[tuple[bool, ...], ...]]:

@@ -24,24 +24,17 @@ def _probe() -> tuple[str, HostProbe]:
     return ray.util.get_node_ip_address(), probe_host()
 
 
-def _measure(geometry: Geometry, env: dict[str, str]) -> Measurement | str:
-    from orchestrator.doctor.measure import measure
-
-    try:
-        return measure(geometry, env)
-    except (RuntimeError, TimeoutError, OSError) as e:
-        return f"{type(e).__name__}: {e}"
-
-
 class Node:
     """One alive node of the cluster: its address, its probe, and measurements run on it."""
 
     def __init__(self, ray: Any, node_id: str, address: str, probe: HostProbe) -> None:
         self._ray, self.node_id, self.address, self.probe = ray, node_id, address, probe
 
-    def measure(self, geometry: Geometry, env: dict[str, str]) -> Measurement | str:
-        task = self._ray.remote(num_cpus=0)(_measure).options(scheduling_strategy=_on(self.node_id))
-        return self._ray.get(task.remote(geometry, env), timeout=TASK_TIMEOUT_S)
+    def measure(self, geometry: Geometry, env: dict[str, str], memory: str, transport: str) -> Measurement | str:
+        from orchestrator.doctor.measure import attempt
+
+        task = self._ray.remote(num_cpus=0)(attempt).options(scheduling_strategy=_on(self.node_id))
+        return self._ray.get(task.remote(geometry, env, memory, transport), timeout=TASK_TIMEOUT_S)
 
 
 def _on(node_id: str) -> Any:

@@ -49,6 +49,8 @@ def reader(source: bench.Source, copy: str, caches: dict[str, torch.Tensor], ran
 @pytest.mark.parametrize("copy", ["triton", "torch"])
 @pytest.mark.parametrize("size_mib", [64, 256])
 def test_scattered_blocks_arrive_byte_for_byte(source: bench.Source, copy: str, size_mib: int):
+    """The first read (Triton's JIT compiles the gather) and the ones after it (the compiled kernel launched
+    directly, offsets from the pinned ring), several in flight at once."""
     local = bench.caches(GEOMETRY, None)
     transport = reader(source, copy, local)
     local_ids, remote_ids = bench.pick_blocks(GEOMETRY, size_mib, seed=size_mib)
@@ -58,7 +60,59 @@ def test_scattered_blocks_arrive_byte_for_byte(source: bench.Source, copy: str, 
     assert bench.check_blocks(GEOMETRY, local, local_ids, remote_ids) == []
     untouched = sorted(set(range(GEOMETRY.blocks)) - set(local_ids))[:64]
     assert all(cache[untouched].count_nonzero() == 0 for cache in local.values())
+    for cache in local.values():
+        cache.zero_()
+    picks = [bench.pick_blocks(GEOMETRY, size_mib // 4, seed=size_mib + i) for i in range(1, 4)]
+    reads = [transport.read_blocks("prefill/rank0", l_ids, r_ids) for l_ids, r_ids in picks]  # posted together
+    assert [r.wait() for r in reads] == [TransferState.DONE] * 3
+    assert all(r.gpu_s is not None and r.gpu_s > 0 for r in reads)
+    l_ids, r_ids = picks[-1]  # the last one wins where the picks share local blocks
+    assert bench.check_blocks(GEOMETRY, local, l_ids, r_ids) == []
     transport.close()
+
+
+def test_a_source_that_restarts_while_mapped_is_read_anew_and_its_old_mapping_let_go():
+    """The KV ownership case of a prefill engine restarted while a reader maps it: the reader's mappings are keyed
+    by the engine's start (``mapping_name``); the new start's blocks are read through a new mapping, the old one
+    is unmapped when dropped, and nothing reads through it again."""
+    from connectors.reader import mapping_name
+
+    geometry = bench.Geometry(layers=4, blocks=256)
+    local = bench.caches(geometry, None)
+    transport = CudaIpcTransport("decode-0")
+    transport.register_kv_caches(local, geometry.plane_bytes, planes_per_layer=1)
+    old_name, new_name = mapping_name("prefill-0", 0, "start-1"), mapping_name("prefill-0", 0, "start-2")
+    first = bench.start_source(geometry, (CUDA_IPC,), seed=1)
+    second = None
+    try:
+        payload, regions = first.offers[CUDA_IPC]
+        transport.add_peer(old_name, payload, regions)
+        local_ids, remote_ids = bench.pick_blocks(geometry, 8, seed=5)
+        assert transport.read_blocks(old_name, local_ids, remote_ids).wait() is TransferState.DONE
+        assert bench.check_blocks(geometry, local, local_ids, remote_ids, seed=1) == []
+        old_keys = set(transport._opened)
+
+        first.process.kill()  # kill -9 of the prefill engine while the reader maps its caches
+        first.process.join(10)
+        second = bench.start_source(geometry, (CUDA_IPC,), seed=2)  # its restart: new caches, new content
+        payload2, regions2 = second.offers[CUDA_IPC]
+        assert payload2 != payload
+        transport.add_peer(new_name, payload2, regions2)
+        transport.remove_peer(old_name)  # the reader drops the old start (a handshake of another start did)
+        assert not old_keys & set(transport._opened) and len(transport._opened) == geometry.layers
+
+        for cache in local.values():
+            cache.zero_()
+        assert transport.read_blocks(new_name, local_ids, remote_ids).wait() is TransferState.DONE
+        assert bench.check_blocks(geometry, local, local_ids, remote_ids, seed=2) == []
+        assert bench.check_blocks(geometry, local, local_ids, remote_ids, seed=1) != []
+        with pytest.raises(TransportError, match="unknown peer"):
+            transport.read_blocks(old_name, local_ids, remote_ids)
+    finally:
+        transport.close()
+        for source in (first, second):
+            if source is not None:
+                source.stop()
 
 
 @pytest.mark.parametrize("copy", ["triton", "torch"])

@@ -1,0 +1,56 @@
+"""On a GPU host, what the KV path runs on and how fast, in one run: ``pdserve doctor``'s report without a spec
+(this host's probe, each path's transport, measured), then NIXL over VRAM under several ``UCX_TLS`` settings with
+UCX's choice of protocols printed (``UCX_PROTO_INFO=y``), and CUDA IPC, each measured as the doctor measures
+(64 MiB of scattered blocks of a 7-8B model's cache, two processes, against a device copy).
+
+Run from the repository root: ``python lab/device_kv_path.py [--json FILE]`` (NIXL from pdserve's gpu extra).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from orchestrator.doctor import DEFAULT_GEOMETRY, examine, render  # noqa: E402
+from orchestrator.doctor.measure import Geometry, Measurement, attempt  # noqa: E402
+
+SETTINGS = (None, "cuda_ipc,cuda_copy,tcp", "sm,cuda_copy", "tcp,cuda_copy")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    examination = examine(None, measured=True)
+    print("\n".join(render(examination, None)), flush=True)
+    geometry = Geometry(block_size=16, **DEFAULT_GEOMETRY)
+    rows = []
+    for tls in SETTINGS:
+        env = {"UCX_PROTO_INFO": "y", **({"UCX_TLS": tls} if tls else {})}
+        rows.append({"transport": "nixl", "UCX_TLS": tls, "result": attempt(geometry, env, "cuda", "nixl")})
+    rows.append({"transport": "cuda-ipc", "UCX_TLS": None, "result": attempt(geometry, {}, "cuda", "cuda-ipc")})
+    print("\nVRAM -> VRAM, two processes on GPU 0, 64 MiB of scattered blocks:")
+    for row in rows:
+        result = row["result"]
+        what = (
+            f"{result.gbps:.2f} GB/s, {100 * result.share_of_copy:.1f} % of a device copy ({result.copy_gbps:.0f} "
+            f"GB/s){'' if result.checked else ', BYTES DIFFER'}"
+            if isinstance(result, Measurement)
+            else f"failed: {result}"
+        )
+        print(f"  {row['transport']:8} UCX_TLS={row['UCX_TLS'] or '(unset)':24} {what}")
+    if args.json:
+        data = {"doctor": examination.to_json(), "vram": [
+            {**row, "result": row["result"].to_json() if isinstance(row["result"], Measurement) else row["result"]}
+            for row in rows
+        ]}  # fmt: skip
+        args.json.write_text(json.dumps(data, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
