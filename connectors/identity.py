@@ -65,3 +65,13 @@ def model_identity(model: str, config_json: str, revision: str | None = None) ->
     else:
         digest.update(f"hub\0{model}\0{revision or ''}".encode())
     return digest.hexdigest()
+
+
+def peer_name(engine_id: str, tp_rank: int) -> str:
+    """The name of an engine's rank (a reader's name in pins, releases and READ notifications)."""
+    return f"{engine_id}/rank{tp_rank}"
+
+
+def mapping_name(engine_id: str, tp_rank: int, epoch: str) -> str:
+    """The transport's name of one start of a remote rank: a mapping of another start is never used."""
+    return f"{peer_name(engine_id, tp_rank)}@{epoch}" if epoch else peer_name(engine_id, tp_rank)

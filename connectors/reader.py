@@ -51,6 +51,7 @@ from dataclasses import dataclass
 from connectors.block_ranges import KVRegions, PlaneRanges, plan_peer_ranges
 from connectors.errors import ConnectorError, HandshakeRejected, TopologyError, TransportError
 from connectors.handshake import HandshakeCache, HandshakeResponse
+from connectors.identity import mapping_name, peer_name
 from connectors.leases import PinAnswer, read_notification
 from connectors.metadata import KVTransferParams, ReceiveSpec
 from connectors.options import ConnectorSettings
@@ -89,16 +90,6 @@ class _SourceRank:
     topology: KVTopology
     expected_reads: int
     transport: str
-
-
-def peer_name(engine_id: str, tp_rank: int) -> str:
-    """The name of an engine's rank (a reader's name in pins, releases and READ notifications)."""
-    return f"{engine_id}/rank{tp_rank}"
-
-
-def mapping_name(engine_id: str, tp_rank: int, epoch: str) -> str:
-    """The transport's name of one start of a remote rank: a mapping of another start is never used."""
-    return f"{peer_name(engine_id, tp_rank)}@{epoch}" if epoch else peer_name(engine_id, tp_rank)
 
 
 def _rank_of(name: str) -> int:

@@ -27,10 +27,10 @@ from typing import TYPE_CHECKING, Any
 from connectors.cache_layout import describe_kv_cache
 from connectors.handshake import HandshakeResponse, encode_response
 from connectors.holder import LeaseHolder
-from connectors.identity import engine_epoch, model_identity
+from connectors.identity import engine_epoch, model_identity, peer_name
 from connectors.metadata import PdserveConnectorMetadata
 from connectors.options import ConnectorSettings
-from connectors.reader import KVReader, peer_name
+from connectors.reader import KVReader
 from connectors.side_channel import RecentReports, SideChannelServer
 from connectors.stats import PdserveKVStats, PdserveWorkerMeta
 from connectors.topology import KVTopology

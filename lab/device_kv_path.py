@@ -18,7 +18,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from orchestrator.doctor import DEFAULT_GEOMETRY, examine, render  # noqa: E402
 from orchestrator.doctor.measure import Geometry, Measurement, attempt  # noqa: E402
 
-SETTINGS = (None, "cuda_ipc,cuda_copy,tcp", "sm,cuda_copy", "tcp,cuda_copy")
+SETTINGS = (
+    {},
+    {"UCX_TLS": "cuda_ipc,cuda_copy,tcp"},
+    {"UCX_PROTO_ENABLE": "n"},
+    {"UCX_PROTO_ENABLE": "n", "UCX_TLS": "cuda_ipc,cuda_copy,tcp"},
+    {"UCX_TLS": "tcp,cuda_copy"},
+)
+"""UCX settings tried for NIXL over VRAM (``UCX_PROTO_ENABLE=n``: UCX's protocols of before 1.13)."""
 
 
 def main() -> int:
@@ -29,10 +36,10 @@ def main() -> int:
     print("\n".join(render(examination, None)), flush=True)
     geometry = Geometry(block_size=16, **DEFAULT_GEOMETRY)
     rows = []
-    for tls in SETTINGS:
-        env = {"UCX_PROTO_INFO": "y", **({"UCX_TLS": tls} if tls else {})}
-        rows.append({"transport": "nixl", "UCX_TLS": tls, "result": attempt(geometry, env, "cuda", "nixl")})
-    rows.append({"transport": "cuda-ipc", "UCX_TLS": None, "result": attempt(geometry, {}, "cuda", "cuda-ipc")})
+    for setting in SETTINGS:
+        env = {"UCX_PROTO_INFO": "y", **setting}
+        rows.append({"transport": "nixl", "env": setting, "result": attempt(geometry, env, "cuda", "nixl")})
+    rows.append({"transport": "cuda-ipc", "env": {}, "result": attempt(geometry, {}, "cuda", "cuda-ipc")})
     print("\nVRAM -> VRAM, two processes on GPU 0, 64 MiB of scattered blocks:")
     for row in rows:
         result = row["result"]
@@ -42,7 +49,8 @@ def main() -> int:
             if isinstance(result, Measurement)
             else f"failed: {result}"
         )
-        print(f"  {row['transport']:8} UCX_TLS={row['UCX_TLS'] or '(unset)':24} {what}")
+        env = " ".join(f"{name}={value}" for name, value in row["env"].items()) or "(UCX's defaults)"
+        print(f"  {row['transport']:8} {env:55} {what}")
     if args.json:
         data = {"doctor": examination.to_json(), "vram": [
             {**row, "result": row["result"].to_json() if isinstance(row["result"], Measurement) else row["result"]}

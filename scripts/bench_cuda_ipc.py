@@ -57,9 +57,10 @@ from testlib.cuda_ipc_blocks import (  # noqa: E402
 GB = 1e9
 MODES = ("one at a time", "pipelined")
 WAYS = ("cuda-ipc (triton)", "cuda-ipc (torch)", "nixl")
-# (words per program, warps, 16-byte hints, compiled kernel launched directly)
-SWEEP = ((1024, 4, True, True), (2048, 4, False, True), (2048, 4, True, False), (2048, 4, True, True),
-         (2048, 8, True, True), (4096, 8, True, True))  # fmt: skip
+# (words per program, warps, 16-byte hints, compiled kernel launched directly, where the offsets are read)
+SWEEP = ((2048, 4, True, True, "device"), (2048, 4, True, True, "host"), (2048, 4, False, True, "device"),
+         (2048, 4, True, False, "device"), (1024, 4, True, True, "device"), (4096, 8, True, True, "device"),
+         (1024, 2, True, True, "device"), (512, 4, True, True, "device"))  # fmt: skip
 
 
 def one_at_a_time(step: Callable[[], None], iters: int) -> float:
@@ -110,9 +111,11 @@ def copy_post(num_bytes: int) -> Callable[[], Callable[[], None]]:
 def phases(
     transport: CudaIpcTransport, way: str, local_ids: list[int], remote_ids: list[int], iters: int
 ) -> dict[str, float]:
-    """Where a read's time goes: planning and launching it on the host, the gather on the GPU (medians, us)."""
+    """Where a read's time goes (medians, us): planning and launching it on the host, and the gather on the GPU.
+    The GPU is kept busy while the host launches (``torch.cuda._sleep``), so the GPU time is the copy's alone."""
     host, gpu = [], []
     for _ in range(iters):
+        torch.cuda._sleep(1_000_000)  # ~0.5 ms of a spinning kernel on the current stream, which the read waits for
         read = transport.read_blocks("prefill", local_ids, remote_ids)
         read.wait()
         host.append(read.launched_s)
@@ -121,6 +124,23 @@ def phases(
         f"{way} host us": round(statistics.median(host) * 1e6, 1),
         f"{way} gpu us": round(statistics.median(gpu) * 1e6, 1),
     }
+
+
+def host_profile(transport: CudaIpcTransport, local_ids: list[int], remote_ids: list[int], reads: int = 400) -> str:
+    """cProfile of ``reads`` reads' host work (each waited for): where the launch's microseconds go."""
+    import cProfile
+    import io
+    import pstats
+
+    profile = cProfile.Profile()
+    for _ in range(reads):
+        profile.enable()
+        read = transport.read_blocks("prefill", local_ids, remote_ids)
+        profile.disable()
+        read.wait()
+    out = io.StringIO()
+    pstats.Stats(profile, stream=out).sort_stats("tottime").print_stats(18)
+    return out.getvalue()
 
 
 def same_process_gather(
@@ -145,16 +165,18 @@ def same_process_gather(
     gather, ring = TritonGather(), OffsetRing(1)
     device = torch.device("cuda", 0)
     stream = torch.cuda.current_stream(device)
-    on_device = gather.upload(table, device)
-    slot = ring.take(len(remote_ids) + len(local_ids))
+    peer = gather.upload(table, device)
     count = len(remote_ids)
-    slot.view[:count] = np.asarray(remote_ids, dtype=np.int64) * (table.remote_block_bytes // gather.WORD)
-    slot.view[count : 2 * count] = np.asarray(local_ids, dtype=np.int64) * (table.local_block_bytes // gather.WORD)
+    slot = ring.take(2 * count, device)
+    slot.view[:count] = np.asarray(remote_ids, dtype=np.int64) * peer.remote_words
+    slot.view[count : 2 * count] = np.asarray(local_ids, dtype=np.int64) * peer.local_words
+    slot.on_device.copy_(slot.offsets)
     times = []
     for _ in range(iters + 1):
         started, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(1_000_000)  # the GPU busy while the host launches: the events time the gather alone
         started.record()
-        gather(table, on_device, slot.offsets.data_ptr(), count, stream)
+        gather(peer, slot.on_device.data_ptr(), count, stream)
         done.record()
         done.synchronize()
         times.append(started.elapsed_time(done) / 1e3)
@@ -166,8 +188,10 @@ def sweep(source: Source, local: dict[str, torch.Tensor], geometry: Geometry, si
     """GPU time of the Triton gather per (words per program, warps)."""
     payload, regions = source.offers[CUDA_IPC]
     results = []
-    for chunk, warps, hints, direct in SWEEP:
-        transport = CudaIpcTransport("decode-sweep", copy="triton", triton_chunk=chunk, triton_warps=warps)
+    for chunk, warps, hints, direct, offsets_on in SWEEP:
+        transport = CudaIpcTransport(
+            "decode-sweep", copy="triton", triton_chunk=chunk, triton_warps=warps, offsets_on=offsets_on
+        )
         transport.register_kv_caches(local, geometry.plane_bytes, planes_per_layer=1)
         transport.add_peer("prefill", payload, regions)
         transport.read_blocks("prefill", [0], [0]).wait()
@@ -182,12 +206,16 @@ def sweep(source: Source, local: dict[str, torch.Tensor], geometry: Geometry, si
                     "warps": warps,
                     "16-byte hints": transport._gather.hints,  # noqa: SLF001
                     "direct launch": transport._gather.fast_launch,  # noqa: SLF001
+                    "offsets on": offsets_on,
                     "size_mib": size_mib,
                     "host us": timed["x host us"],
                     "gpu us": timed["x gpu us"],
                     "GB/s": round(len(local_ids) * geometry.block_bytes / timed["x gpu us"] / 1e3, 1),
                 }
             )
+            post = read_post(transport, "prefill", local_ids, remote_ids)
+            for mode, seconds in zip(MODES, timings(post, iters), strict=True):
+                results[-1][f"GB/s {mode}"] = round(len(local_ids) * geometry.block_bytes / seconds / GB, 1)
             print(json.dumps(results[-1]), flush=True)
         transport.close()
     return results
@@ -199,7 +227,7 @@ def timings(post: Callable[[], Callable[[], None]], iters: int) -> tuple[float, 
 
 
 def measure(
-    geometry: Geometry, sizes_mib: list[int], iters: int, nixl_iters: int, do_sweep: bool = False
+    geometry: Geometry, sizes_mib: list[int], iters: int, nixl_iters: int, do_sweep: bool = False, profile: bool = False
 ) -> dict[str, object]:
     with_nixl = importlib.util.find_spec("nixl") is not None
     names = (CUDA_IPC, NIXL) if with_nixl else (CUDA_IPC,)
@@ -233,11 +261,18 @@ def measure(
                 if wrong:
                     failures.append(f"{way}, {size_mib} MiB: {len(wrong)} layers differ, first {wrong[0]}")
                 measured = timings(post, nixl_iters if way == "nixl" else iters)
+                for cache in local.values():
+                    cache.zero_()
+                post()()  # and once more after the timed reads (Triton: the compiled kernel, launched directly)
+                if wrong := check_blocks(geometry, local, local_ids, remote_ids):
+                    failures.append(f"{way}, {size_mib} MiB, after timing: {len(wrong)} layers differ")
                 for mode, seconds, reference_s in zip(MODES, measured, reference, strict=True):
                     row[f"{way} GB/s {mode}"] = round(num_bytes / seconds / GB, 2)
                     row[f"{way} / device copy {mode}"] = round(reference_s / seconds, 3)
                 if isinstance(transport, CudaIpcTransport):
                     row.update(phases(transport, way, local_ids, remote_ids, iters))
+                if way == WAYS[0] and profile:
+                    row["host profile"] = host_profile(transport, local_ids, remote_ids)
             in_order = list(range(len(local_ids)))
             contiguous = phases(readers[WAYS[0]], "x", in_order, in_order, iters)["x gpu us"]
             row["cuda-ipc (triton), blocks in order GB/s gpu"] = round(num_bytes / contiguous / 1e3, 1)
@@ -271,12 +306,13 @@ def main() -> int:
     parser.add_argument("--blocks", type=int, default=Geometry.blocks)
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--sweep", action="store_true", help="also time the Triton gather's launch shapes")
+    parser.add_argument("--profile", action="store_true", help="also profile the Triton reads' host work (cProfile)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to measure")
         return 0
     geometry = Geometry(layers=args.layers, blocks=args.blocks)
-    result = measure(geometry, args.sizes_mib, args.iters, args.nixl_iters, args.sweep)
+    result = measure(geometry, args.sizes_mib, args.iters, args.nixl_iters, args.sweep, args.profile)
     print(f"\n{result['device']} (torch {result['torch']}), {args.iters} reads per figure after a warm-up:")
     for row in result["rows"]:
         for mode in MODES:
@@ -289,6 +325,9 @@ def main() -> int:
                 f"  {row['size_mib']:>4} MiB in {row['blocks']} blocks, {mode}: "
                 f"device copy {row[f'device copy GB/s {mode}']} GB/s; {ways}"
             )
+    for row in result["rows"]:
+        if "host profile" in row:
+            print(f"\nhost work of a {row['size_mib']} MiB Triton read, cProfile:\n{row['host profile']}")
     for failure in result["failures"]:
         print(f"MISMATCH: {failure}")
     if args.json:

@@ -248,7 +248,7 @@ class _Peer:
     src: list[Any]  # flat uint8 views of the peer's regions, in our address space
     table: RunTable
     keys: frozenset[bytes] = frozenset()  # the mappings it reads (``_mapping_key``)
-    on_device: tuple[Any, ...] = ()  # the table on the GPU, for the Triton gather
+    kernel: Any = None  # the Triton gather's ``PeerGather`` (its table on the GPU)
 
 
 @dataclass
@@ -273,6 +273,9 @@ class CudaIpcTransport:
     triton_chunk: int = 2048
     """Words (8 bytes) each Triton program copies."""
     triton_warps: int = 4
+    offsets_on: str = "device"
+    """Where the Triton gather reads a read's block offsets: ``device`` (copied there on the current stream) or
+    ``host`` (pinned memory, read over the bus: no copy)."""
 
     def __post_init__(self) -> None:
         if self.copy not in COPY_MODES:
@@ -396,21 +399,22 @@ class CudaIpcTransport:
         local_ids, remote_ids = checked_read_ids(entry.ranges.ratio, local_block_ids, remote_block_ids,
                                                  local.num_blocks, entry.regions.num_blocks)  # fmt: skip
         num_bytes = len(remote_ids) * local.num_layers * entry.ranges.bytes_per_block
-        slot = self._ring.take(len(remote_ids) + len(local_ids))
-        ready, started, done = slot.events
         stream = self._stream
-        ready.record(torch.cuda.current_stream(stream.device))  # the blocks' last users go first
+        current = torch.cuda.current_stream(stream.device)
+        copy, slot = self._plan(entry, local_ids, remote_ids, current) if num_bytes else (None, self._ring.take(0))
+        ready, started, done = slot.events
+        ready.record(current)  # the blocks' last users (and the offsets' copy) go first
         stream.wait_event(ready)
-        if num_bytes:
-            self._copy(entry, local_ids, remote_ids, slot, started)
-        else:
-            started.record(stream)
+        started.record(stream)
+        if copy is not None:
+            copy()
         done.record(stream)
         read = slot.last = IpcRead(peer, num_bytes, started, done, started_at + self.transfer_timeout_s, started_at)
         return read
 
-    def _copy(self, entry: _Peer, local_ids: np.ndarray, remote_ids: np.ndarray, slot: Any, started: Any) -> None:
-        """Record ``started`` on the stream, then launch the copy after it."""
+    def _plan(self, entry: _Peer, local_ids: np.ndarray, remote_ids: np.ndarray, current: Any) -> tuple[Any, Any]:
+        """The read's copy, to launch on the transport's stream, and its ring slot (its offsets written, and on the
+        GPU by ``current``'s work where the gather reads them there)."""
         import torch
 
         if self.copy != "torch" and self._gather is None:
@@ -424,18 +428,25 @@ class CudaIpcTransport:
         stream = self._stream
         if self.copy == "torch" or not entry.table.whole_words:
             moves = plan_moves(entry.ranges, self.kv_regions(), entry.regions, local_ids, remote_ids)
-            started.record(stream)
-            with torch.cuda.stream(stream):
-                copy_moves_torch(moves, entry.src, self._dst)
-            return
-        if not entry.on_device:
-            entry.on_device = self._gather.upload(entry.table, stream.device)
-        table, count = entry.table, len(remote_ids)
-        words = slot.view
-        np.multiply(remote_ids, table.remote_block_bytes // TritonGather.WORD, out=words[:count])
-        np.multiply(local_ids, table.local_block_bytes // TritonGather.WORD, out=words[count : count + len(local_ids)])
-        started.record(stream)
-        self._gather(table, entry.on_device, slot.offsets.data_ptr(), count, stream)
+
+            def by_torch() -> None:
+                with torch.cuda.stream(stream):
+                    copy_moves_torch(moves, entry.src, self._dst)
+
+            return by_torch, self._ring.take(0)
+        if entry.kernel is None:
+            entry.kernel = self._gather.upload(entry.table, stream.device)
+        peer, count, size = entry.kernel, len(remote_ids), len(remote_ids) + len(local_ids)
+        on_device = self.offsets_on == "device"
+        slot = self._ring.take(size, stream.device if on_device else None)
+        np.multiply(remote_ids, peer.remote_words, out=slot.view[:count])
+        np.multiply(local_ids, peer.local_words, out=slot.view[count:size])
+        if on_device:
+            slot.on_device[:size].copy_(slot.offsets[:size], non_blocking=True)  # on ``current``
+            address = slot.on_device.data_ptr()
+        else:
+            address = slot.offsets.data_ptr()
+        return (lambda: self._gather(peer, address, count, stream)), slot
 
     def poll_notifications(self) -> list[tuple[str, bytes]]:
         return []

@@ -27,7 +27,9 @@ from connectors.block_ranges import KVRegions, PlaneRanges, checked_read_ids
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Moves", "RunTable", "TritonGather", "copy_moves_torch", "plan_moves", "run_table"]
+__all__ = [
+    "Moves", "OffsetRing", "PeerGather", "RunTable", "TritonGather", "copy_moves_torch", "plan_moves", "run_table",
+]  # fmt: skip
 
 logger = logging.getLogger(__name__)
 
@@ -189,7 +191,7 @@ class TritonGather:
         self.fast_launch = True  # off once a Triton's compiled kernel could not be launched directly
         self._compiled: dict[tuple[bool, bool], Any] = {}
 
-        def gather_blocks(anchor, src_runs, dst_runs, words, remote_offsets, local_offsets, runs, ratio,
+        def gather_blocks(anchor, src_table, dst_table, words_table, remote_offsets, local_offsets, runs, ratio,
                           CHUNK: tl.constexpr, ALIGNED: tl.constexpr, EVEN: tl.constexpr):  # noqa: N803  # fmt: skip
             # Every address is a count of words from ``anchor`` (a tensor of ours, so 16-byte aligned): the
             # compiler then knows the alignment of what it moves, and moves 16 bytes at a time where ALIGNED.
@@ -198,7 +200,11 @@ class TritonGather:
             start = tl.program_id(2) * CHUNK
             layer = layer_run // runs
             run = layer_run % runs
-            remote = remote_offsets.to(tl.pointer_type(tl.int64))  # pinned host memory, read over the bus
+            # tables and offsets by address (integers: one compiled kernel serves every peer and read)
+            src_runs = src_table.to(tl.pointer_type(tl.int64))
+            dst_runs = dst_table.to(tl.pointer_type(tl.int64))
+            words = words_table.to(tl.pointer_type(tl.int64))
+            remote = remote_offsets.to(tl.pointer_type(tl.int64))
             local = local_offsets.to(tl.pointer_type(tl.int64))
             src = tl.load(src_runs + layer_run) + tl.load(remote + block)
             sub = (layer * ratio + block % ratio) * runs + run
@@ -216,13 +222,8 @@ class TritonGather:
                 mask = index < length
                 tl.store(anchor + dst + index, tl.load(anchor + src + index, mask=mask), mask=mask)
 
-        loose = ["remote_offsets", "local_offsets", "runs", "ratio"]
-        try:  # tables' addresses vary too: no alignment assumed of them (Triton 3.1 and later)
-            self._kernel = triton.jit(
-                gather_blocks, do_not_specialize=loose, do_not_specialize_on_alignment=["src_runs", "dst_runs", "words"]
-            )
-        except TypeError:
-            self._kernel = triton.jit(gather_blocks, do_not_specialize=loose)
+        loose = ["src_table", "dst_table", "words_table", "remote_offsets", "local_offsets", "runs", "ratio"]
+        self._kernel = triton.jit(gather_blocks, do_not_specialize=loose)
         self._anchors: dict[Any, Any] = {}
 
     def anchor(self, device: torch.device) -> Any:
@@ -233,36 +234,42 @@ class TritonGather:
             self._anchors[device] = torch.zeros(2, dtype=torch.int64, device=device)
         return self._anchors[device]
 
-    def upload(self, table: RunTable, device: torch.device) -> tuple[Any, ...]:
-        """The kernel's first four arguments for a peer (once per peer): the anchor, and the table on ``device`` in
-        words from the anchor."""
+    def upload(self, table: RunTable, device: torch.device) -> PeerGather:
+        """A peer's table on ``device``, in words from the anchor, and its launch's shape (once per peer)."""
         import torch
 
         anchor = self.anchor(device)
         base = anchor.data_ptr()
         src, dst = ((np.ascontiguousarray(a) - base) // self.WORD for a in (table.src, table.dst))
-        return (anchor, *(torch.from_numpy(a).to(device) for a in (src, dst, table.words)))
-
-    def even(self, table: RunTable) -> bool:
-        """Every run of the peer is a whole number of this gather's chunks."""
-        return bool((table.words % self.chunk == 0).all())
-
-    def __call__(self, table: RunTable, on_device: tuple[Any, ...], address: int, num_remote: int, stream: Any) -> None:
-        """Launch the gather of one read on ``stream``. The pinned memory at ``address`` (on the host and the GPU
-        alike) holds the ``num_remote`` remote blocks' offsets in words, then the local ones'; it must not
-        change until the launch is over (``OffsetRing``)."""
+        tensors = tuple(torch.from_numpy(np.ascontiguousarray(a)).to(device) for a in (src, dst, table.words))
         layers, runs = table.src.shape
-        chunks = -(-int(table.words.max()) // self.chunk)
-        ratio = table.dst.shape[1]
-        variant = (table.aligned and self.hints, self.even(table))
+        return PeerGather(
+            tensors=tensors,
+            args=(anchor, *(t.data_ptr() for t in tensors)),
+            programs=layers * runs,
+            runs=runs,
+            ratio=table.dst.shape[1],
+            chunks=-(-int(table.words.max()) // self.chunk),
+            aligned=table.aligned,
+            even=bool((table.words % self.chunk == 0).all()),
+            remote_words=table.remote_block_bytes // self.WORD,
+            local_words=table.local_block_bytes // self.WORD,
+        )
+
+    def __call__(self, peer: PeerGather, address: int, num_remote: int, stream: Any) -> None:
+        """Launch the gather of one read on ``stream``. The memory at ``address`` (device memory, or pinned host
+        memory, whose address the GPU shares) holds the ``num_remote`` remote blocks' offsets in words, then the
+        local ones'; it must not change until the launch is over (``OffsetRing``)."""
+        variant = (peer.aligned and self.hints, peer.even)
+        ratio = peer.ratio
         step = self.MAX_GRID_Y // ratio * ratio  # whole local blocks per launch
         for first in range(0, num_remote, step):
             count = min(step, num_remote - first)
             # A slice of blocks: remote offsets from ``first``, local offsets of the same sub-blocks.
             remote_at = address + first * self.WORD
             local_at = address + (num_remote + first // ratio) * self.WORD
-            grid = (layers * runs, count, chunks)
-            self._launch(grid, variant, stream, (*on_device, remote_at, local_at, runs, ratio))
+            grid = (peer.programs, count, peer.chunks)
+            self._launch(grid, variant, stream, (*peer.args, remote_at, local_at, peer.runs, ratio))
 
     def _launch(self, grid: tuple[int, int, int], variant: tuple[bool, bool], stream: Any, args: tuple) -> None:
         aligned, even = variant
@@ -290,11 +297,28 @@ class TritonGather:
             self._compiled[variant] = launched
 
 
+@dataclass(frozen=True, slots=True)
+class PeerGather:
+    """What the gather launches a peer's reads with (``TritonGather.upload``)."""
+
+    tensors: tuple[Any, ...]  # the table on the GPU, kept alive here: the kernel gets its addresses
+    args: tuple[Any, ...]  # the anchor and the table's addresses
+    programs: int  # layers x runs
+    runs: int
+    ratio: int
+    chunks: int  # programs per run
+    aligned: bool
+    even: bool  # every run a whole number of chunks
+    remote_words: int  # a block, in words, on either side
+    local_words: int
+
+
 @dataclass
 class _Slot:
     offsets: Any  # a pinned int64 tensor
     view: np.ndarray  # the same memory, as numpy
     events: tuple[Any, Any, Any]  # (ready, started, done): recorded again by each read that takes the slot
+    on_device: Any = None  # a device copy of ``offsets``, for a gather that reads them there
     last: Any = None  # the last read that used the slot (its ``settle`` ends it)
 
 
@@ -307,8 +331,8 @@ class OffsetRing:
         self._slots: list[_Slot | None] = [None] * slots
         self._next = 0
 
-    def take(self, size: int) -> _Slot:
-        """The next slot, with room for ``size`` offsets, its last read over."""
+    def take(self, size: int, device: Any = None) -> _Slot:
+        """The next slot, with room for ``size`` offsets (on ``device`` too, when given), its last read over."""
         import torch
 
         index = self._next
@@ -321,6 +345,8 @@ class OffsetRing:
             offsets = torch.empty(max(size, 256), dtype=torch.int64, pin_memory=True)
             events = slot.events if slot is not None else tuple(torch.cuda.Event(enable_timing=i > 0) for i in range(3))
             slot = self._slots[index] = _Slot(offsets, offsets.numpy(), events)
+        if device is not None and (slot.on_device is None or slot.on_device.numel() < slot.view.size):
+            slot.on_device = torch.empty(slot.view.size, dtype=torch.int64, device=device)
         return slot
 
     def settle(self) -> None:

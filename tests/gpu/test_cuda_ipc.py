@@ -75,7 +75,7 @@ def test_a_source_that_restarts_while_mapped_is_read_anew_and_its_old_mapping_le
     """The KV ownership case of a prefill engine restarted while a reader maps it: the reader's mappings are keyed
     by the engine's start (``mapping_name``); the new start's blocks are read through a new mapping, the old one
     is unmapped when dropped, and nothing reads through it again."""
-    from connectors.reader import mapping_name
+    from connectors.identity import mapping_name
 
     geometry = bench.Geometry(layers=4, blocks=256)
     local = bench.caches(geometry, None)
