@@ -303,9 +303,14 @@ def checked_read_ids(
 
 
 def _checked_ids(block_ids: Sequence[int], num_blocks: int, side: str) -> np.ndarray:
-    ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
-    if ids.size and (ids.min() < 0 or ids.max() >= num_blocks):
-        raise BlockMappingError(f"{side} block ids must lie in [0, {num_blocks}), got {ids.min()}..{ids.max()}")
+    if isinstance(block_ids, list) and block_ids:  # vLLM's lists: Python's min and max are the quicker here
+        low, high = min(block_ids), max(block_ids)
+        ids = np.array(block_ids, dtype=np.int64)
+    else:
+        ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
+        low, high = (int(ids.min()), int(ids.max())) if ids.size else (0, 0)
+    if ids.size and (low < 0 or high >= num_blocks):
+        raise BlockMappingError(f"{side} block ids must lie in [0, {num_blocks}), got {low}..{high}")
     return ids
 
 

@@ -18,14 +18,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from orchestrator.doctor import DEFAULT_GEOMETRY, examine, render  # noqa: E402
 from orchestrator.doctor.measure import Geometry, Measurement, attempt  # noqa: E402
 
-SETTINGS = (
-    {},
-    {"UCX_TLS": "cuda_ipc,cuda_copy,tcp"},
-    {"UCX_PROTO_ENABLE": "n"},
-    {"UCX_PROTO_ENABLE": "n", "UCX_TLS": "cuda_ipc,cuda_copy,tcp"},
-    {"UCX_TLS": "tcp,cuda_copy"},
-)
-"""UCX settings tried for NIXL over VRAM (``UCX_PROTO_ENABLE=n``: UCX's protocols of before 1.13)."""
+SETTINGS = ({}, {"UCX_TLS": "cuda_ipc,cuda_copy,tcp"}, {"UCX_TLS": "tcp,cuda_copy"})
+"""UCX settings tried for NIXL over VRAM. (``UCX_PROTO_ENABLE=n``, UCX's protocols of before 1.13, was tried on the
+H200 of 2026-12-04: NIXL could not post a READ under it, NIXL_ERR_BACKEND.)"""
 
 
 def main() -> int:

@@ -56,7 +56,7 @@ from testlib.cuda_ipc_blocks import (  # noqa: E402
 
 GB = 1e9
 MODES = ("one at a time", "pipelined")
-WAYS = ("cuda-ipc (triton)", "cuda-ipc (torch)", "nixl")
+WAYS = ("cuda-ipc (triton)", "cuda-ipc (triton, torch calls)", "cuda-ipc (torch)", "nixl")
 # (words per program, warps, 16-byte hints, compiled kernel launched directly, where the offsets are read)
 SWEEP = ((2048, 4, True, True, "device"), (2048, 4, True, True, "host"), (2048, 4, False, True, "device"),
          (2048, 4, True, False, "device"), (1024, 4, True, True, "device"), (4096, 8, True, True, "device"),
@@ -237,7 +237,8 @@ def measure(
         local = caches(geometry, None)
         readers = {
             WAYS[0]: CudaIpcTransport("decode-triton", copy="triton"),
-            WAYS[1]: CudaIpcTransport("decode-torch", copy="torch"),
+            WAYS[1]: CudaIpcTransport("decode-triton-torch", copy="triton", driver="torch"),
+            WAYS[2]: CudaIpcTransport("decode-torch", copy="torch"),
         }
         if with_nixl:
             readers["nixl"] = make_transport(NIXL, "decode-nixl", 120.0)

@@ -273,6 +273,11 @@ class CudaIpcTransport:
     triton_chunk: int = 2048
     """Words (8 bytes) each Triton program copies."""
     triton_warps: int = 4
+    driver: str = "auto"
+    """``auto``: the host's calls of a read (the offsets' copy, its events) go straight to the CUDA driver where it
+    binds (``connectors.transport.cuda_driver``); ``torch``: through PyTorch's objects."""
+    _driver: Any = field(default=None, init=False)
+    _raw_stream: int = field(default=0, init=False)
     offsets_on: str = "device"
     """Where the Triton gather reads a read's block offsets: ``device`` (copied there on the current stream) or
     ``host`` (pinned memory, read over the bus: no copy)."""
@@ -306,6 +311,11 @@ class CudaIpcTransport:
         self._dst = region_views(regions, self._export, [_flat(s, device) for s in storages.values()])
         self._dst_bases = np.asarray([view.data_ptr() for view in self._dst], dtype=np.int64)
         self._stream = torch.cuda.Stream(device)
+        self._raw_stream = self._stream.cuda_stream
+        if self.driver == "auto":
+            from connectors.transport.cuda_driver import DriverCalls
+
+            self._driver = DriverCalls.load()
         return regions
 
     def kv_regions(self) -> KVRegions:
@@ -399,6 +409,13 @@ class CudaIpcTransport:
         local_ids, remote_ids = checked_read_ids(entry.ranges.ratio, local_block_ids, remote_block_ids,
                                                  local.num_blocks, entry.regions.num_blocks)  # fmt: skip
         num_bytes = len(remote_ids) * local.num_layers * entry.ranges.bytes_per_block
+        by_driver = self._driver is not None and self.offsets_on == "device" and self.copy != "torch"
+        if by_driver and num_bytes and entry.table.whole_words and self._triton_imports():
+            try:
+                return self._read_by_driver(peer, entry, local_ids, remote_ids, num_bytes, started_at)
+            except TransportError as e:  # a driver that refuses a call: PyTorch's calls from now on
+                logger.warning("engine %s: CUDA IPC reads go through PyTorch from now on: %s", self.engine_id, e)
+                self._driver = None
         stream = self._stream
         current = torch.cuda.current_stream(stream.device)
         copy, slot = self._plan(entry, local_ids, remote_ids, current) if num_bytes else (None, self._ring.take(0))
@@ -411,6 +428,48 @@ class CudaIpcTransport:
         done.record(stream)
         read = slot.last = IpcRead(peer, num_bytes, started, done, started_at + self.transfer_timeout_s, started_at)
         return read
+
+    def _read_by_driver(
+        self, peer: str, entry: _Peer, local_ids: np.ndarray, remote_ids: np.ndarray, num_bytes: int, started_at: float
+    ) -> IpcRead:
+        """``read_blocks`` with the host's calls made straight to the driver: the offsets copied on the current
+        stream, which the transport's stream then waits for; events around the gather."""
+        import torch
+
+        gather, stream, raw, driver = self._ready_gather(entry), self._stream, self._raw_stream, self._driver
+        peer_gather, count, size = entry.kernel, len(remote_ids), len(remote_ids) + len(local_ids)
+        slot = self._ring.take(size, stream.device)
+        np.multiply(remote_ids, peer_gather.remote_words, out=slot.view[:count])
+        np.multiply(local_ids, peer_gather.local_words, out=slot.view[count:size])
+        ready, started, done = slot.handles
+        current = torch._C._cuda_getCurrentRawStream(stream.device.index)
+        on_device = slot.on_device.data_ptr()
+        driver.copy_to_device(on_device, slot.offsets.data_ptr(), size * TritonGather.WORD, current)
+        driver.record(ready, current)  # the blocks' last users (and the offsets' copy) go first
+        driver.wait(raw, ready)
+        driver.record(started, raw)
+        gather(peer_gather, on_device, count, stream, raw)
+        driver.record(done, raw)
+        _, started_event, done_event = slot.events
+        deadline = started_at + self.transfer_timeout_s
+        read = slot.last = IpcRead(peer, num_bytes, started_event, done_event, deadline, started_at)
+        return read
+
+    def _triton_imports(self) -> bool:
+        if self._gather is None:
+            try:
+                self._gather = TritonGather(self.triton_chunk, self.triton_warps)
+            except ImportError:
+                return False  # ``_plan`` says so, or falls back to torch
+        return True
+
+    def _ready_gather(self, entry: _Peer) -> TritonGather:
+        """The Triton gather, and the peer's table on the GPU (made at the first read)."""
+        if self._gather is None:
+            self._gather = TritonGather(self.triton_chunk, self.triton_warps)
+        if entry.kernel is None:
+            entry.kernel = self._gather.upload(entry.table, self._stream.device)
+        return self._gather
 
     def _plan(self, entry: _Peer, local_ids: np.ndarray, remote_ids: np.ndarray, current: Any) -> tuple[Any, Any]:
         """The read's copy, to launch on the transport's stream, and its ring slot (its offsets written, and on the
@@ -434,8 +493,7 @@ class CudaIpcTransport:
                     copy_moves_torch(moves, entry.src, self._dst)
 
             return by_torch, self._ring.take(0)
-        if entry.kernel is None:
-            entry.kernel = self._gather.upload(entry.table, stream.device)
+        self._ready_gather(entry)
         peer, count, size = entry.kernel, len(remote_ids), len(remote_ids) + len(local_ids)
         on_device = self.offsets_on == "device"
         slot = self._ring.take(size, stream.device if on_device else None)

@@ -256,10 +256,14 @@ class TritonGather:
             local_words=table.local_block_bytes // self.WORD,
         )
 
-    def __call__(self, peer: PeerGather, address: int, num_remote: int, stream: Any) -> None:
+    def __call__(
+        self, peer: PeerGather, address: int, num_remote: int, stream: Any, raw_stream: int | None = None
+    ) -> None:
         """Launch the gather of one read on ``stream``. The memory at ``address`` (device memory, or pinned host
         memory, whose address the GPU shares) holds the ``num_remote`` remote blocks' offsets in words, then the
-        local ones'; it must not change until the launch is over (``OffsetRing``)."""
+        local ones'; it must not change until the launch is over (``OffsetRing``). ``raw_stream``: the stream's
+        handle, where the caller has it."""
+        raw = stream.cuda_stream if raw_stream is None else raw_stream
         variant = (peer.aligned and self.hints, peer.even)
         ratio = peer.ratio
         step = self.MAX_GRID_Y // ratio * ratio  # whole local blocks per launch
@@ -269,14 +273,16 @@ class TritonGather:
             remote_at = address + first * self.WORD
             local_at = address + (num_remote + first // ratio) * self.WORD
             grid = (peer.programs, count, peer.chunks)
-            self._launch(grid, variant, stream, (*peer.args, remote_at, local_at, peer.runs, ratio))
+            self._launch(grid, variant, stream, raw, (*peer.args, remote_at, local_at, peer.runs, ratio))
 
-    def _launch(self, grid: tuple[int, int, int], variant: tuple[bool, bool], stream: Any, args: tuple) -> None:
+    def _launch(
+        self, grid: tuple[int, int, int], variant: tuple[bool, bool], stream: Any, raw: int, args: tuple
+    ) -> None:
         aligned, even = variant
         compiled = self._compiled.get(variant)
         if compiled is not None and self.fast_launch:
             try:
-                compiled[grid](*args, self.chunk, aligned, even, stream=stream.cuda_stream)
+                compiled[grid](*args, self.chunk, aligned, even, stream=raw)
                 return
             except Exception as e:  # noqa: BLE001 - a Triton whose compiled kernels launch otherwise: the JIT's call
                 logger.warning("the CUDA IPC gather cannot launch its compiled kernel here (%s); launching by JIT", e)
@@ -292,7 +298,7 @@ class TritonGather:
                     raise
                 logger.warning("the aligned CUDA IPC gather does not compile here (%s); using 8-byte words", e)
                 self.hints = False
-                return self._launch(grid, (False, even), stream, args)
+                return self._launch(grid, (False, even), stream, raw, args)
         if launched is not None and hasattr(launched, "__getitem__"):
             self._compiled[variant] = launched
 
@@ -321,6 +327,11 @@ class _Slot:
     on_device: Any = None  # a device copy of ``offsets``, for a gather that reads them there
     last: Any = None  # the last read that used the slot (its ``settle`` ends it)
 
+    @property
+    def handles(self) -> tuple[int, int, int]:
+        """The events' CUDA handles (each made at the slot's making)."""
+        return tuple(event.cuda_event for event in self.events)
+
 
 class OffsetRing:
     """The pinned host buffers (and CUDA events) a transport's reads take in turn: the gather reads a read's block
@@ -344,6 +355,8 @@ class OffsetRing:
         if slot is None or slot.view.size < size:
             offsets = torch.empty(max(size, 256), dtype=torch.int64, pin_memory=True)
             events = slot.events if slot is not None else tuple(torch.cuda.Event(enable_timing=i > 0) for i in range(3))
+            for event in events:
+                event.record()  # made now: its handle is valid from here on
             slot = self._slots[index] = _Slot(offsets, offsets.numpy(), events)
         if device is not None and (slot.on_device is None or slot.on_device.numel() < slot.view.size):
             slot.on_device = torch.empty(slot.view.size, dtype=torch.int64, device=device)

@@ -37,8 +37,10 @@ def source() -> Iterator[bench.Source]:
         started.stop()
 
 
-def reader(source: bench.Source, copy: str, caches: dict[str, torch.Tensor], ranges=None) -> CudaIpcTransport:
-    transport = CudaIpcTransport("decode-0", copy=copy)
+def reader(
+    source: bench.Source, copy: str, caches: dict[str, torch.Tensor], ranges=None, driver: str = "auto"
+) -> CudaIpcTransport:
+    transport = CudaIpcTransport("decode-0", copy=copy, driver=driver)
     transport.register_kv_caches(caches, next(iter(caches.values()))[0].nbytes, planes_per_layer=1)
     payload, regions = source.offers[CUDA_IPC]
     assert transport.cannot_read(payload) is None
@@ -46,13 +48,16 @@ def reader(source: bench.Source, copy: str, caches: dict[str, torch.Tensor], ran
     return transport
 
 
-@pytest.mark.parametrize("copy", ["triton", "torch"])
+@pytest.mark.parametrize(("copy", "driver"), [("triton", "auto"), ("triton", "torch"), ("torch", "auto")])
 @pytest.mark.parametrize("size_mib", [64, 256])
-def test_scattered_blocks_arrive_byte_for_byte(source: bench.Source, copy: str, size_mib: int):
+def test_scattered_blocks_arrive_byte_for_byte(source: bench.Source, copy: str, driver: str, size_mib: int):
     """The first read (Triton's JIT compiles the gather) and the ones after it (the compiled kernel launched
-    directly, offsets from the pinned ring), several in flight at once."""
+    directly, offsets through the ring), several in flight at once; the host's calls made straight to the driver
+    and through PyTorch."""
     local = bench.caches(GEOMETRY, None)
-    transport = reader(source, copy, local)
+    transport = reader(source, copy, local, driver=driver)
+    if copy == "triton" and driver == "auto":
+        assert transport._driver is not None  # the driver's calls bind on a GPU host
     local_ids, remote_ids = bench.pick_blocks(GEOMETRY, size_mib, seed=size_mib)
     read = transport.read_blocks("prefill/rank0", local_ids, remote_ids)
     assert read.wait() is TransferState.DONE
@@ -68,6 +73,8 @@ def test_scattered_blocks_arrive_byte_for_byte(source: bench.Source, copy: str, 
     assert all(r.gpu_s is not None and r.gpu_s > 0 for r in reads)
     l_ids, r_ids = picks[-1]  # the last one wins where the picks share local blocks
     assert bench.check_blocks(GEOMETRY, local, l_ids, r_ids) == []
+    if copy == "triton" and driver == "auto":
+        assert transport._driver is not None  # every read went straight to the driver: none fell back
     transport.close()
 
 
