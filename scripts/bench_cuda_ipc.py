@@ -222,7 +222,10 @@ def sweep(source: Source, local: dict[str, torch.Tensor], geometry: Geometry, si
 
 
 def timings(post: Callable[[], Callable[[], None]], iters: int) -> tuple[float, float]:
-    """``(one at a time, pipelined)`` seconds per step."""
+    """``(one at a time, pipelined)`` seconds per step, after ``iters`` steps of warm-up (a CUDA IPC transport's
+    ring of slots made, Triton's kernel compiled)."""
+    for _ in range(iters):
+        post()()
     return one_at_a_time(lambda: post()(), iters), pipelined(post, iters)
 
 

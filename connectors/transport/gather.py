@@ -344,23 +344,37 @@ class OffsetRing:
 
     def take(self, size: int, device: Any = None) -> _Slot:
         """The next slot, with room for ``size`` offsets (on ``device`` too, when given), its last read over."""
-        import torch
-
         index = self._next
         self._next = (index + 1) % len(self._slots)
+        if self._slots[index] is None:  # the first read: every slot made at once, not one per early read
+            self._slots = [self._make(size, device) for _ in self._slots]
         slot = self._slots[index]
-        if slot is not None and slot.last is not None:
+        if slot.last is not None:
             slot.last.settle()
             slot.last = None
-        if slot is None or slot.view.size < size:
-            offsets = torch.empty(max(size, 256), dtype=torch.int64, pin_memory=True)
-            events = slot.events if slot is not None else tuple(torch.cuda.Event(enable_timing=i > 0) for i in range(3))
+        if slot.view.size < size:
+            slot = self._slots[index] = self._make(size, device, slot.events)
+        elif device is not None and (slot.on_device is None or slot.on_device.numel() < slot.view.size):
+            slot.on_device = self._on_device(slot.view.size, device)
+        return slot
+
+    @staticmethod
+    def _make(size: int, device: Any, events: tuple[Any, Any, Any] | None = None) -> _Slot:
+        import torch
+
+        offsets = torch.empty(max(size, 1024), dtype=torch.int64, pin_memory=True)
+        if events is None:
+            events = tuple(torch.cuda.Event(enable_timing=i > 0) for i in range(3))
             for event in events:
                 event.record()  # made now: its handle is valid from here on
-            slot = self._slots[index] = _Slot(offsets, offsets.numpy(), events)
-        if device is not None and (slot.on_device is None or slot.on_device.numel() < slot.view.size):
-            slot.on_device = torch.empty(slot.view.size, dtype=torch.int64, device=device)
-        return slot
+        on_device = OffsetRing._on_device(offsets.numel(), device) if device is not None else None
+        return _Slot(offsets, offsets.numpy(), events, on_device)
+
+    @staticmethod
+    def _on_device(size: int, device: Any) -> Any:
+        import torch
+
+        return torch.empty(size, dtype=torch.int64, device=device)
 
     def settle(self) -> None:
         """Every read that used a slot is over (before the transport lets go of its memory)."""
