@@ -17,13 +17,13 @@ once and copies blocks device to device.
    does not is refused, so no READ can touch memory the source did not share.
    The runs this rank reads are those of ``connectors.block_ranges``, the same
    as NIXL's.
-3. ``read_blocks`` turns a request's block ids into moves (source region and
-   offset, destination region and offset, length: one per layer, block and
-   run) and launches ONE batched gather for all of them (``connectors.transport.gather``): a Triton kernel that
-   copies each run (``copy="triton"``, the default where Triton runs), or,
-   as the stock fallback, one ``index_copy_`` per pair of regions
-   (``copy="torch"``). The copy runs on the transport's own stream after the
-   current stream's work; a CUDA event says when it is done.
+3. ``read_blocks`` launches ONE batched gather for a read (``connectors.transport.gather``): a Triton
+   kernel that computes every run's addresses from the peer's run table and the read's block offsets
+   (``copy="triton"``, the default where Triton runs), or, as the stock fallback, one ``index_copy_`` per
+   pair of regions (``copy="torch"``). The offsets go through a ring slot (pinned, then copied to the GPU
+   on the current stream); the copy runs on the transport's own stream after the current stream's work;
+   a CUDA event says when it is done. The host's calls go straight to the CUDA driver where it binds
+   (``connectors.transport.cuda_driver``): a 64-MiB read's copy takes ~40 us, so its launch must cost less.
 
 CUDA IPC has no message back to the source: the reader tells it over the side
 channel (``notifies_source`` is False; ``connectors.reader`` sends the READ

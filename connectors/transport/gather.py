@@ -166,17 +166,17 @@ def run_table(ranges: PlaneRanges, local: KVRegions, remote: KVRegions, dst_base
 class TritonGather:
     """One launch for a whole read: program (layer and run, block, chunk) copies one chunk of one run.
 
-    It moves 8-byte words, and tells the compiler it may move two at once when
-    the peer's runs are 16-byte aligned (``RunTable.aligned``); where every run
-    is a whole number of chunks (whole block planes) it copies without masks. KV
-    runs are whole rows (``head_dim`` elements: 64 bytes and more), so lengths
-    and offsets are multiples of 8; a peer whose are not goes to the stock
-    gather. The per-peer tables live on the GPU. A read's block offsets are not
-    uploaded: the kernel reads them from pinned host memory by address
-    (``OffsetRing``), so a read costs the host one launch. After a variant's
-    first launch (Triton's JIT: compile, then cache), reads launch the compiled
-    kernel directly; every integer argument is left unspecialized, so one
-    compiled kernel is right for every read.
+    It moves 8-byte words, two at once where the peer's runs are 16-byte aligned
+    (``RunTable.aligned``): every address is a count of words from an anchor
+    tensor, so the compiler knows the alignment. Where every run is a whole number
+    of chunks (whole block planes) it copies without masks. KV runs are whole rows
+    (``head_dim`` elements: 64 bytes and more), so lengths and offsets are
+    multiples of 8; a peer whose are not goes to the stock gather. The per-peer
+    tables live on the GPU (``upload``); a read's block offsets are read at the
+    address the caller gives (a ring slot's device copy: ``OffsetRing``). After a
+    variant's first launch (Triton's JIT: compile, then cache), reads launch the
+    compiled kernel directly; every integer argument is left unspecialized, so one
+    compiled kernel is right for every peer and read.
     """
 
     WORD = 8

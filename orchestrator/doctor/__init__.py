@@ -159,15 +159,22 @@ def _measure(reports: list[PathReport], geometry: Geometry, tls: dict[str, str |
         elif (own := attach(report, tls[report.model])) is not None and any(t != "tcp" for t in report.ucx):
             over_tcp = run(report, tcp)
             if isinstance(over_tcp, Measurement) and own.gbps < NOT_FASTER_THAN_TCP * over_tcp.gbps:
-                faster = ", ".join(t for t in report.ucx if t != "tcp")
-                report.findings.append(
-                    Finding(
-                        SLOW,
-                        f"measured {own.gbps:.2f} GB/s, no faster than TCP ({over_tcp.gbps:.2f} GB/s): UCX did not "
-                        f"take {faster}",
-                        "UCX_PROTO_INFO=y in engine.env makes UCX print the protocols it picks",
-                    )
-                )
+                report.findings.append(_no_faster_than_tcp(report, own, over_tcp))
+
+
+def _no_faster_than_tcp(report: PathReport, own: Measurement, tcp: Measurement) -> Finding:
+    faster = ", ".join(t for t in report.ucx if t != "tcp")
+    what = f"measured {own.gbps:.2f} GB/s, no faster than TCP ({tcp.gbps:.2f} GB/s): UCX did not take {faster}"
+    fix = "UCX_PROTO_INFO=y in engine.env makes UCX print the protocols it picks"
+    if report.memory == "cuda":
+        # Seen on an H200 (nixl-cu13 1.5.1): UCX named the peer's GPU an unknown device (cuda/dev[1]) and read
+        # it over TCP whatever UCX_TLS allowed; with UCX_PROTO_ENABLE=n no READ could be posted.
+        what += " (UCX's protocol table, UCX_PROTO_INFO=y, shows 'tcp' for reads from the peer's GPU)"
+        fix = (
+            "keep cuda-ipc first in connector_options.transports: between engines of one node whose GPU the "
+            "reader sees it moves KV device to device without UCX; " + fix
+        )
+    return Finding(SLOW, what, fix)
 
 
 def render(examination: Examination, config: str | None) -> list[str]:

@@ -132,3 +132,49 @@ def test_beside_a_cluster_each_decode_node_gets_the_places_its_engines_are_in():
     one = [Node(None, "n1", "10.0.0.5", CPU_HOST)]  # engines at 127.0.0.1 on a one-node cluster
     local = [dict(e, host="127.0.0.1") for e in engines[:2]]
     assert engine_places(local, one, "m") == {"n1": {Where.SAME_NODE}}
+
+
+def test_a_ucx_cuda_module_that_does_not_load_sends_vram_over_tcp_and_names_the_missing_library():
+    from dataclasses import replace
+
+    host = replace(GPU_HOST, ucx_module_errors={"cuda": "libnvidia-ml.so.1: cannot open shared object file"})
+    (same,) = diagnose(pools("cuda", None, "vllm-nixl", Where.SAME_NODE), host)
+    assert same.ucx == ("tcp",)
+    assert any("libnvidia-ml.so.1" in f.what and "LD_LIBRARY_PATH" in (f.fix or "") for f in same.findings)
+    lines = render(examine(None, measured=False, probe=host), None)
+    assert "  UCX module cuda does not load: libnvidia-ml.so.1: cannot open shared object file" in lines
+
+
+def test_the_probe_names_a_shared_library_that_does_not_load(tmp_path):
+    from orchestrator.doctor.probes import loads
+
+    broken = tmp_path / "libuct_broken.so"
+    broken.write_bytes(b"not an ELF file")
+    assert "libuct_broken.so" in loads(broken)
+    assert loads(Path("/lib/x86_64-linux-gnu/libc.so.6")) is None
+
+
+def test_gpu_paths_are_measured_in_vram_and_nixl_no_faster_than_tcp_points_at_cuda_ipc(monkeypatch):
+    """The doctor measures a GPU path with caches on the GPU: CUDA IPC where it is the transport, NIXL (and TCP
+    beside it) where not; a NIXL no faster than TCP over VRAM names cuda-ipc as the way out."""
+    import orchestrator.doctor as doctor
+    from orchestrator.doctor.measure import Measurement
+
+    asked = []
+
+    def fake(geometry, env, memory, transport):
+        asked.append((env.get("UCX_TLS"), memory, transport))
+        gbps = {"cuda-ipc": 900.0}.get(transport, 0.4)
+        return Measurement(64.0, 32, 1024, gbps, 1400.0, gbps / 1400.0, True)
+
+    monkeypatch.setattr(doctor, "attempt", fake)
+    host_one_gpu = HostProbe(
+        node="g1", nixl_build="nixl_cu13", nixl_version="1.5.1", nixl_plugins=("UCX",), ucx_modules=("cuda",),
+        machine_cuda_major=13, gpus=(Gpu(0, "H200", "GPU-a"),), peer_access=((True,),),
+    )  # fmt: skip
+    examination = examine(None, measured=True, probe=host_one_gpu)
+    same, other = examination.reports
+    assert (same.memory, same.transport) == ("cuda", "nixl")
+    assert (None, "cuda", "nixl") in asked and ("tcp,cuda_copy", "cuda", "nixl") in asked
+    assert any("no faster than TCP" in f.what and "cuda-ipc" in (f.fix or "") for f in same.findings)
+    assert other.measurement is not None and ("tcp,cuda_copy", "cuda", "nixl") in asked
