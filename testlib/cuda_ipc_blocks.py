@@ -56,8 +56,10 @@ def caches(geometry: Geometry, seed: int | None) -> dict[str, torch.Tensor]:
     return {f"model.layers.{i}.self_attn": layer_cache(geometry, i, seed) for i in range(geometry.layers)}
 
 
-def run_source(conn, geometry: Geometry, names: tuple[str, ...], seed: int = SOURCE_SEED) -> None:
-    """Child process: export caches over each transport, make NIXL progress until told to stop."""
+def run_source(conn, geometry: Geometry, names: tuple[str, ...], seed: int = SOURCE_SEED, device: int = 0) -> None:
+    """Child process: export caches (on GPU ``device``) over each transport, make NIXL progress until told to
+    stop."""
+    torch.cuda.set_device(device)
     source = caches(geometry, seed)
     torch.cuda.synchronize()
     served = {}
@@ -88,10 +90,10 @@ class Source:
             self.process.join(5)
 
 
-def start_source(geometry: Geometry, names: tuple[str, ...], seed: int = SOURCE_SEED) -> Source:
+def start_source(geometry: Geometry, names: tuple[str, ...], seed: int = SOURCE_SEED, device: int = 0) -> Source:
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    process = ctx.Process(target=run_source, args=(child, geometry, names, seed), daemon=True)
+    process = ctx.Process(target=run_source, args=(child, geometry, names, seed, device), daemon=True)
     process.start()
     if not parent.poll(START_TIMEOUT_S):
         process.kill()

@@ -1,9 +1,13 @@
 """Block transport over CUDA IPC: a reader on the same node maps the source's KV caches and gathers blocks on the GPU.
 
-Between two processes whose GPUs one of them can see (two engines on one GPU,
-or on two GPUs of a node that one process sees both of), moving KV needs no
-network: the reader maps the source's cache memory into its own address space
-once and copies blocks device to device.
+Between two processes of one node where the reader sees the source's GPU and
+has peer access to it (NVLink, or PCIe peer to peer; or the same GPU), moving KV
+needs no network: the reader maps the source's cache memory into its own address
+space once and copies blocks device to device. vLLM 0.32's Ray workers, where
+the connector's worker side runs, see every GPU of their node: vLLM has Ray
+leave ``CUDA_VISIBLE_DEVICES`` unset (``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES``)
+and picks its own GPU by rank. So engines on different GPUs of a node read each
+other here; the choice goes by the GPUs' UUIDs (``cannot_read``).
 
 1. The source ``register_kv_caches``: the storages behind its caches are
    exported as IPC handles (PyTorch's own CUDA IPC, ``_share_cuda_``: the
@@ -58,7 +62,10 @@ from connectors.transport.gather import OffsetRing, RunTable, TritonGather, copy
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["COPY_MODES", "CudaIpcTransport", "IpcExport", "IpcRead", "decode_export", "region_views", "visible_gpus"]
+__all__ = [
+    "COPY_MODES", "CudaIpcTransport", "IpcExport", "IpcRead", "decode_export", "enable_peer_access", "peer_access",
+    "region_views", "visible_gpus",
+]  # fmt: skip
 
 logger = logging.getLogger(__name__)
 
@@ -193,6 +200,23 @@ def visible_gpus() -> dict[str, int]:
     if not torch.cuda.is_available():
         return {}
     return {str(torch.cuda.get_device_properties(i).uuid): i for i in range(torch.cuda.device_count())}
+
+
+def peer_access(reader: int, source: int) -> bool:
+    """Whether a kernel on GPU ``reader`` can read memory of GPU ``source`` (the same GPU, or CUDA peer access:
+    NVLink or PCIe)."""
+    import torch
+
+    return reader == source or torch.cuda.can_device_access_peer(reader, source)
+
+
+def enable_peer_access(reader: int, source: int) -> None:
+    """Let kernels on GPU ``reader`` read GPU ``source``'s memory. PyTorch enables peer access, once per pair of
+    GPUs and process, when it first copies between them: a one-element copy makes it do so."""
+    import torch
+
+    if reader != source:
+        torch.empty(1, device=f"cuda:{source}").to(f"cuda:{reader}")
 
 
 # ---------------------------------------------------------------- reads
@@ -334,9 +358,18 @@ class CudaIpcTransport:
             export = decode_export(payload)
         except TransportError as e:
             return str(e)
-        if export.gpu_uuid not in visible_gpus():
+        return self._unreachable(export, visible_gpus())
+
+    def _unreachable(self, export: IpcExport, devices: Mapping[str, int]) -> str | None:
+        """Why the GPU of ``export`` cannot be read from here, among ``devices`` (``visible_gpus``), or None."""
+        if export.gpu_uuid not in devices:
             return f"its GPU {export.gpu_uuid} ({export.gpu_name}) is not visible to this process"
+        if self._regions is not None and not peer_access(self._device_index(), devices[export.gpu_uuid]):
+            return f"its GPU {export.gpu_uuid} ({export.gpu_name}) has no peer access from this process's GPU"
         return None
+
+    def _device_index(self) -> int:
+        return self._stream.device.index
 
     def add_peer(self, peer: str, payload: bytes, regions: KVRegions, ranges: PlaneRanges | None = None) -> str:
         import torch
@@ -346,10 +379,11 @@ class CudaIpcTransport:
             raise TransportError(f"peer {peer} is already added")
         export = decode_export(payload)
         devices = visible_gpus()
-        if export.gpu_uuid not in devices:
-            raise TransportError(f"peer {peer}: its GPU {export.gpu_uuid} is not visible to this process")
+        if (why := self._unreachable(export, devices)) is not None:
+            raise TransportError(f"peer {peer}: {why}")
         ranges = checked_ranges(peer, local, regions, ranges)
         device = torch.device("cuda", devices[export.gpu_uuid])
+        enable_peer_access(self._device_index(), device.index)  # another GPU of the node: read over NVLink or PCIe
         keys = [_mapping_key(storage) for storage in export.storages]
         try:
             opened = [self._open(storage, device) for storage in export.storages]

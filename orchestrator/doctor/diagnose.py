@@ -5,7 +5,7 @@ transport pdserve picks (``connectors.transport.common_transports``, the choice 
 handshake) and why the others stand aside; what NIXL's UCX will use underneath, from the host's probe
 (``probes.HostProbe``) and the engines' ``UCX_TLS``; and ``Finding``s, each with the fix for a misconfiguration
 it knows: a fallback to TCP where a faster transport exists, a missing backend, a NIXL wheel of another CUDA,
-CUDA IPC impossible because each engine sees only its own GPU.
+a UCX module that does not load, CUDA IPC impossible between GPUs without peer access.
 """
 
 from __future__ import annotations
@@ -186,17 +186,20 @@ def _path(pools: Pools, probe: HostProbe, place: Where, where_why: str) -> PathR
         if CUDA_IPC in offered and memory == "cpu":
             offered = tuple(t for t in offered if t != CUDA_IPC)
             findings.append(Finding(INFO, "cuda-ipc stands aside: the caches are in CPU memory"))
-        elif CUDA_IPC in offered and place is Where.SAME_NODE:
+        elif CUDA_IPC in offered and place is Where.SAME_NODE and (cut := _without_peer_access(probe)):
             offered = tuple(t for t in offered if t != CUDA_IPC)
             findings.append(
                 Finding(
                     SLOW,
-                    "cuda-ipc cannot read between these engines: Ray gives each engine its own GPU and hides the "
-                    "others (CUDA_VISIBLE_DEVICES), so a decode engine cannot map a prefill engine's cache; NIXL "
-                    "carries the KV instead",
-                    "none in this release; NIXL over UCX's cuda_ipc comes closest (see the UCX line)",
+                    f"cuda-ipc cannot read between GPUs without peer access ({cut}): engines placed on them "
+                    "move KV over NIXL",
+                    "GPUs with peer access (NVLink, or PCIe peer to peer enabled in the BIOS and driver) for the "
+                    "engines of one node",
                 )
             )
+    transports = common_transports(offered, offered, place)
+    if transports[:1] == (CUDA_IPC,) and not probe.gpus:
+        findings.append(Finding(INFO, "no GPU on the host probed: the GPUs' peer access is not checked"))
     transports = common_transports(offered, offered, place)
     report = PathReport(pools.model, place, memory, transports, f"{where_why}; {why}", findings=findings)
     if not transports:
@@ -205,6 +208,13 @@ def _path(pools: Pools, probe: HostProbe, place: Where, where_why: str) -> PathR
         report.ucx = ucx_path(probe, place, memory, pools.tls)
         findings.extend(_nixl_findings(probe, place, memory, pools.tls, report.ucx))
     return report
+
+
+def _without_peer_access(probe: HostProbe) -> str:
+    """The pairs of the host's GPUs that cannot read each other, as text ('' when every pair can)."""
+    return ", ".join(
+        f"{i}->{j}" for i, row in enumerate(probe.peer_access) for j, ok in enumerate(row) if i != j and not ok
+    )
 
 
 def _nixl_findings(probe: HostProbe, place: Where, memory: str, tls: str | None, ucx: tuple[str, ...]) -> list[Finding]:

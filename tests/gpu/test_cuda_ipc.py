@@ -179,3 +179,24 @@ def plan_peer_ranges_whole(regions):
     from connectors.block_ranges import whole_plane_ranges
 
     return whole_plane_ranges(1, regions.block_len_bytes)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs of one node")
+def test_engines_on_two_gpus_of_a_node_read_each_other_over_cuda_ipc():
+    """A source on GPU 1 and a reader on GPU 0 of one process's view (as vLLM's Ray workers see their node): the
+    reader picks CUDA IPC by the source's GPU UUID, enables peer access, and the blocks arrive byte for byte."""
+    if not torch.cuda.can_device_access_peer(0, 1):
+        pytest.skip("GPUs 0 and 1 have no peer access")
+    geometry = bench.Geometry(layers=8, blocks=512)
+    source = bench.start_source(geometry, (CUDA_IPC,), device=1)
+    try:
+        local = bench.caches(geometry, None)  # on GPU 0
+        transport = reader(source, "triton", local)
+        assert transport.cannot_read(source.offers[CUDA_IPC][0]) is None
+        local_ids, remote_ids = bench.pick_blocks(geometry, 64, seed=11)
+        read = transport.read_blocks("prefill/rank0", local_ids, remote_ids)
+        assert read.wait() is TransferState.DONE
+        assert bench.check_blocks(geometry, local, local_ids, remote_ids) == []
+        transport.close()
+    finally:
+        source.stop()

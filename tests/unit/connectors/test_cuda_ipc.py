@@ -106,6 +106,27 @@ def test_without_a_gpu_cuda_ipc_cannot_read_and_stands_aside():
         CudaIpcTransport("decode-0", copy="memcpy")
 
 
+def test_a_source_on_another_gpu_of_the_node_is_read_by_its_uuid_where_peer_access_allows(monkeypatch):
+    """The reader's choice by GPU UUID: a source on a GPU this process sees is readable from its own GPU where CUDA
+    peer access allows (NVLink or PCIe), and refused, naming why, where it does not or the GPU is hidden."""
+    from types import SimpleNamespace
+
+    import connectors.transport.cuda_ipc as cuda_ipc
+
+    source_gpu = json.loads(payload())["gpu_uuid"]
+    transport = CudaIpcTransport("decode-0")
+    transport._regions = object()  # registered on GPU 0 (what cannot_read looks at)
+    transport._stream = SimpleNamespace(device=SimpleNamespace(index=0))
+    monkeypatch.setattr(cuda_ipc, "visible_gpus", lambda: {"GPU-own": 0, source_gpu: 1})
+    pairs = {(0, 1)}
+    monkeypatch.setattr(cuda_ipc, "peer_access", lambda reader, source: reader == source or (reader, source) in pairs)
+    assert transport.cannot_read(payload()) is None
+    pairs.clear()
+    assert "no peer access" in transport.cannot_read(payload())
+    monkeypatch.setattr(cuda_ipc, "visible_gpus", lambda: {"GPU-own": 0})
+    assert "not visible" in transport.cannot_read(payload())
+
+
 # ---------------------------------------------------------------- the choice
 
 

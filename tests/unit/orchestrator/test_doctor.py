@@ -57,11 +57,42 @@ def test_ucx_tls_that_leaves_only_tcp_where_shared_memory_exists_is_named_with_i
     assert not ucx_allows("rc,tcp", "posix") and ucx_allows("all", "rc") and ucx_allows(None, "tcp")
 
 
-def test_gpu_engines_of_one_node_cannot_use_cuda_ipc_and_go_over_ucx_cuda_ipc():
+def test_gpu_engines_of_one_node_read_each_other_over_cuda_ipc_where_their_gpus_have_peer_access():
+    """vLLM 0.32's Ray workers see every GPU of their node: engines on two GPUs with peer access take cuda-ipc;
+    GPUs without it leave NIXL (over UCX's cuda_ipc where UCX takes it), and the doctor names the pair."""
     same, other = diagnose(pools("cuda"), GPU_HOST)
-    assert same.transport == "nixl" and same.ucx == ("cuda_ipc", "cuda_copy", "tcp")
-    assert same.verdict == SLOW and "Ray gives each engine its own GPU" in findings(same)[0]
+    assert same.transports == ("cuda-ipc", "nixl") and same.verdict == OK and same.ucx == ()
     assert other.transports == ("nixl",) and other.ucx == ("rc", "dc", "tcp") and other.verdict == OK
+
+    no_p2p = HostProbe(**{**GPU_HOST.__dict__, "peer_access": ((True, False), (False, True))})
+    same, _ = diagnose(pools("cuda"), no_p2p)
+    assert same.transport == "nixl" and same.ucx == ("cuda_ipc", "cuda_copy", "tcp")
+    assert same.verdict == SLOW and "without peer access (0->1, 1->0)" in findings(same)[0]
+
+    (cpu_probe,) = diagnose(pools("cuda", None, "pdserve", Where.SAME_NODE), CPU_HOST)  # a GPU spec checked on a CPU
+    assert cpu_probe.transport == "cuda-ipc" and "peer access is not checked" in findings(cpu_probe)[0]
+
+
+def test_vllms_ray_workers_see_every_gpu_of_their_node_and_pdserve_does_not_hide_any():
+    """What cuda-ipc between GPUs of a node stands on: vLLM 0.32 has Ray leave CUDA_VISIBLE_DEVICES unset in its
+    GPU workers (and picks each worker's GPU by rank); pdserve's GPU engines run those workers (its Ray executor)
+    and set no CUDA_VISIBLE_DEVICES of their own."""
+    import inspect
+
+    import vllm
+    from vllm.v1.executor.ray_executor import RayDistributedExecutor
+
+    from orchestrator.launch import plan_engines
+
+    # vLLM's CUDA platform does not import on a CPU build: its source says what it sets
+    cuda_platform = (Path(vllm.__file__).parent / "platforms" / "cuda.py").read_text()
+    assert '"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"' in cuda_platform.split("ray_noset_device_env_vars")[1][:200]
+    assert "self._update_noset_device_env_vars(" in inspect.getsource(RayDistributedExecutor._init_workers_ray)
+    spec = ClusterSpec.from_file(REPO / "configs" / "gpu-1node.yaml")
+    for launch in plan_engines(spec):
+        at = launch.vllm_args.index("--distributed-executor-backend")
+        assert launch.vllm_args[at + 1] == "ray"
+        assert "CUDA_VISIBLE_DEVICES" not in launch.env
 
 
 def test_a_nixl_wheel_of_another_cuda_sends_vram_over_tcp_and_says_which_to_install():
@@ -168,13 +199,17 @@ def test_gpu_paths_are_measured_in_vram_and_nixl_no_faster_than_tcp_points_at_cu
         return Measurement(64.0, 32, 1024, gbps, 1400.0, gbps / 1400.0, True)
 
     monkeypatch.setattr(doctor, "attempt", fake)
-    host_one_gpu = HostProbe(
+    one_gpu = HostProbe(
         node="g1", nixl_build="nixl_cu13", nixl_version="1.5.1", nixl_plugins=("UCX",), ucx_modules=("cuda",),
         machine_cuda_major=13, gpus=(Gpu(0, "H200", "GPU-a"),), peer_access=((True,),),
     )  # fmt: skip
-    examination = examine(None, measured=True, probe=host_one_gpu)
-    same, other = examination.reports
-    assert (same.memory, same.transport) == ("cuda", "nixl")
-    assert (None, "cuda", "nixl") in asked and ("tcp,cuda_copy", "cuda", "nixl") in asked
-    assert any("no faster than TCP" in f.what and "cuda-ipc" in (f.fix or "") for f in same.findings)
+    same, other = examine(None, measured=True, probe=one_gpu).reports
+    assert (same.memory, same.transport, same.verdict) == ("cuda", "cuda-ipc", OK)
+    assert same.measurement.gbps == 900.0 and asked[0] == (None, "cuda", "cuda-ipc")
     assert other.measurement is not None and ("tcp,cuda_copy", "cuda", "nixl") in asked
+
+    asked.clear()
+    no_p2p = HostProbe(**{**GPU_HOST.__dict__, "peer_access": ((True, False), (False, True))})
+    same, _ = examine(None, measured=True, probe=no_p2p).reports
+    assert same.transport == "nixl" and (None, "cuda", "nixl") in asked and ("tcp,cuda_copy", "cuda", "nixl") in asked
+    assert any("no faster than TCP" in f.what and "cuda-ipc" in (f.fix or "") for f in same.findings)
