@@ -813,7 +813,8 @@ def test_a_probe_tells_a_serving_channel_from_a_gone_or_stuck_one() -> None:
     channel = SideChannelServer("prefill-0", "127.0.0.1", free_port(), topology(), b"r", AUTH)
     assert side_client.probe(channel.endpoint, AUTH, 1.0) == side_client.ANSWERED
     channel.close()
-    assert side_client.probe(channel.endpoint, AUTH, 0.3) == side_client.SILENT  # refused
+    assert eventually(lambda: not channel._thread.is_alive())  # gone (close waits 2 s for it: a loaded machine
+    assert side_client.probe(channel.endpoint, AUTH, 0.3) == side_client.SILENT  # may take longer); refused
     with socket.socket() as stuck:  # listens (the kernel accepts), never reads nor answers
         stuck.bind(("127.0.0.1", 0))
         stuck.listen(8)
