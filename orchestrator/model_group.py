@@ -9,6 +9,7 @@ and autoscaler, so that a model's pools grow, shrink and move apart from another
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from orchestrator.pool_changes import PoolChanges
 from orchestrator.pools import Events, Pools, Tasks
 from orchestrator.proxy_link import ProxyLink
 from orchestrator.spec import ClusterSpec
+from orchestrator.state import state_dir
 from orchestrator.supervision import EngineSupervisor
 
 
@@ -66,5 +68,12 @@ class ModelGroup:
                 ),
                 moves=spec.move_problem() is None,
                 model=spec.model_name,
+                season_path=season_path(spec),
             )
             self.changes.scaled_by_hand = self.autoscaler.policy.scaled_by_hand  # not undone before its cooldown
+
+
+def season_path(spec: ClusterSpec) -> Path:
+    """Where a model's learned season is kept: beside the cluster's state, by cluster and model name, so that it
+    outlives a restart of the controller and of the cluster."""
+    return state_dir() / "seasons" / f"{spec.name}-{re.sub(r'[^A-Za-z0-9._-]', '_', spec.model_name)}.json"

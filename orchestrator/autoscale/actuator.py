@@ -37,19 +37,30 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import math
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 
+from contract.errors import UnsafeDirectory
+from contract.private_files import make_private_dirs, read_private, write_private
 from contract.wire import ROLES
 from orchestrator.autoscale.config import AutoscalingConfig
-from orchestrator.autoscale.policy import AutoscalePolicy, ClusterObservation, PoolObservation, ScalingDecision
+from orchestrator.autoscale.forecast import Season
+from orchestrator.autoscale.policy import (
+    AutoscalePolicy,
+    ClusterObservation,
+    PoolObservation,
+    ScalingDecision,
+    forecaster_of,
+)
 from orchestrator.autoscale.profile import PerformanceProfile
 from orchestrator.engine_metrics import MetricsReading, fetch_metrics
 
@@ -142,7 +153,9 @@ class Observer:
         self.mean_output_tokens = 1.0
         self.prompt_tokens_cv2 = 1.0
 
-    def observe(self, t: float, proxy: MetricsReading | None, engines: Iterable[EngineReading]) -> ClusterObservation:
+    def observe(
+        self, t: float, proxy: MetricsReading | None, engines: Iterable[EngineReading], clock_s: float | None = None
+    ) -> ClusterObservation:
         engines = list(engines)
         window = max(t - self._t, 1e-9) if self._t is not None else None
         before_proxy = self._proxy
@@ -172,6 +185,7 @@ class Observer:
             ttft_p90_s=ttft,
             itl_p90_s=itl,
             prompt_tokens_cv2=self.prompt_tokens_cv2,
+            clock_s=clock_s,
         )
 
     def _delta(self, engines: list[EngineReading], name: str) -> float:
@@ -260,11 +274,16 @@ class Autoscaler:
         scale: Callable[[dict[str, int], str], Awaitable[dict[str, Any]]],
         moves: bool = False,
         model: str | None = None,
+        season_path: Path | None = None,
     ) -> None:
-        """``model``: the served name whose samples of the proxy's page it reads (a cluster of several models)."""
+        """``model``: the served name whose samples of the proxy's page it reads (a cluster of several models);
+        ``season_path``: where the learned season (``learn_season``) is kept across controller restarts."""
         self.config = config
         self.model = model
-        self.policy = AutoscalePolicy(config, profile, moves=moves)  # moves: the spec allows role moves
+        self.season_path = season_path if config.learn_season else None
+        season = load_season(self.season_path) if self.season_path is not None else None
+        # moves: the spec allows role moves; the forecaster: the spec's schedule, the season kept from before
+        self.policy = AutoscalePolicy(config, profile, moves=moves, forecaster=forecaster_of(config, season))
         self.observer = Observer()
         self.proxy_url = proxy_url
         self.engines = engines
@@ -274,6 +293,22 @@ class Autoscaler:
         # DECISIONS_KEPT decisions soon hold none of them
         self.changes: deque[dict[str, Any]] = deque(maxlen=DECISIONS_KEPT)
         self._started = time.monotonic()
+        self._season_seen = 0  # quarter hours the season held when last written
+
+    def _keep_season(self) -> None:
+        """Write the season once a quarter hour entered it (a private file: the cluster's load)."""
+        forecaster = self.policy.forecaster
+        season = forecaster.season if forecaster is not None else None
+        if self.season_path is None or season is None:
+            return
+        seen = sum(n for _, n in season.daily.values())
+        if seen != self._season_seen:
+            self._season_seen = seen
+            try:
+                make_private_dirs(self.season_path.parent)
+                write_private(self.season_path, json.dumps(season.to_json()))
+            except (OSError, UnsafeDirectory) as e:
+                logger.warning("the learned season could not be kept in %s: %s", self.season_path, e)
 
     def status(self) -> dict[str, Any]:
         return {
@@ -308,11 +343,12 @@ class Autoscaler:
             EngineReading(engine_id, role, state, page)
             for (engine_id, role, state, _), page in zip(engines, pages[1:], strict=True)
         ]
-        return self.observer.observe(time.monotonic() - self._started, pages[0], readings)
+        return self.observer.observe(time.monotonic() - self._started, pages[0], readings, clock_s=time.time())
 
     async def step(self, session: aiohttp.ClientSession) -> ScalingDecision:
         obs = await self._read(session)
         decision = self.policy.decide(obs)
+        self._keep_season()
         current = {role: obs.pool(role).provisioned for role in ROLES}
         record = decision_record(decision, obs, current)
         self.decisions.append(record)
@@ -351,3 +387,14 @@ async def _scrape(
     with contextlib.suppress(ValueError):  # a page that is not Prometheus text counts as no answer
         return await fetch_metrics(session, url, labels)
     return None
+
+
+def load_season(path: Path) -> Season | None:
+    """The season kept at ``path`` (``Autoscaler._keep_season``), or None where there is none or it is unreadable."""
+    try:
+        return Season.from_json(json.loads(read_private(path, "the autoscaler's learned season", 1 << 20)))
+    except FileNotFoundError:
+        return None
+    except (OSError, UnsafeDirectory, ValueError, TypeError, KeyError, IndexError) as e:
+        logger.warning("the learned season in %s is not used: %s", path, e)
+        return None

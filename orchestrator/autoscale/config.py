@@ -6,6 +6,8 @@ the actuator and ``pdserve simulate`` read; the cluster spec embeds it.
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from contract.wire import ROLES
@@ -28,6 +30,21 @@ class LatencyTargets(_Settings):
 
     ttft_p90_s: float = Field(gt=0, description="Target p90 time to first token, in seconds.")
     itl_p90_s: float = Field(gt=0, description="Target p90 inter-token latency (a request's mean gap), in seconds.")
+
+
+class ScheduleEntry(_Settings):
+    """The arrival rate expected on some days between two times of day."""
+
+    rps: float = Field(ge=0, description="Requests per second expected then.")
+    start: str = Field(default="00:00", pattern=r"^([01]\d|2[0-3]):[0-5]\d$", description="From (HH:MM).")
+    end: str = Field(
+        default="00:00",
+        pattern=r"^([01]\d|2[0-3]):[0-5]\d$",
+        description="Until (HH:MM; 00:00 is midnight, an end before the start runs past midnight).",
+    )
+    days: list[Literal["mon", "tue", "wed", "thu", "fri", "sat", "sun"]] = Field(
+        default=["mon", "tue", "wed", "thu", "fri", "sat", "sun"], min_length=1, description="On these days."
+    )
 
 
 class AutoscalingConfig(_Settings):
@@ -77,6 +94,21 @@ class AutoscalingConfig(_Settings):
         description="An engine the autoscaler retired stays up this long once drained, idle and out of the "
         "proxy's pool: a scale-up meanwhile takes it back at once instead of starting one (0: stopped once "
         "drained). It counts against max_engines: a scale-up that needs its room stops it.",
+    )
+
+    schedule: list[ScheduleEntry] | None = Field(
+        default=None,
+        description="Arrival rates expected by time of day and weekday (the first entry that covers a time "
+        "gives its rate): the autoscaler sizes the pools a start-up ahead for them, trusting the schedule as "
+        "far as the measured rate has matched it.",
+    )
+    schedule_utc_offset_h: float = Field(
+        default=0.0, ge=-12, le=14, description="The schedule's times are this many hours east of UTC."
+    )
+    learn_season: bool = Field(
+        default=False,
+        description="Learn the daily and weekly season of the arrivals (each quarter hour's rate, from two days "
+        "or weeks of it on) and size a start-up ahead for it, as for a schedule; kept across controller restarts.",
     )
 
     @model_validator(mode="after")

@@ -81,6 +81,7 @@ from typing import TYPE_CHECKING
 
 from contract.wire import ROLES
 from orchestrator.autoscale.config import AutoscalingConfig, PoolLimits
+from orchestrator.autoscale.forecast import Forecaster, Schedule, Season
 from orchestrator.autoscale.profile import PerformanceProfile
 
 if TYPE_CHECKING:
@@ -90,6 +91,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "AutoscalePolicy",
+    "forecaster_of",
     "ClusterObservation",
     "AutoscalingConfig",
     "PoolLimits",
@@ -143,6 +145,7 @@ class ClusterObservation:
     ttft_p90_s: float | None = None  # measured over the window; None when no request finished one
     itl_p90_s: float | None = None
     prompt_tokens_cv2: float = 1.0  # variance / mean^2 of the window's prompt lengths (1: as exponential)
+    clock_s: float | None = None  # the window's end as epoch seconds (a schedule's and a season's clock)
 
     def pool(self, role: str) -> PoolObservation:
         return self.prefill if role == "prefill" else self.decode
@@ -194,13 +197,31 @@ def wait_tail(servers: int, arrival_rate: float, service_s: float, waits: list[f
 _LENGTH_Z = [statistics.NormalDist().inv_cdf((i + 0.5) / LENGTH_QUANTILES) for i in range(LENGTH_QUANTILES)]
 
 
+def forecaster_of(config: AutoscalingConfig, season: Season | None = None) -> Forecaster | None:
+    """The spec's schedule and, with ``learn_season``, a season (``season``: one kept from before), or None."""
+    schedule = Schedule.from_spec(config.schedule, config.schedule_utc_offset_h * 3600.0) if config.schedule else None
+    if config.learn_season and season is None:
+        season = Season()
+    if schedule is None and not config.learn_season:
+        return None
+    return Forecaster(schedule, season if config.learn_season else None)
+
+
 class AutoscalePolicy:
     """Decides both pools' sizes every interval; see the module docstring for the arithmetic."""
 
-    def __init__(self, config: AutoscalingConfig, profile: PerformanceProfile, moves: bool = False) -> None:
+    def __init__(
+        self,
+        config: AutoscalingConfig,
+        profile: PerformanceProfile,
+        moves: bool = False,
+        forecaster: Forecaster | None = None,
+    ) -> None:
         self.config = config
         self.profile = profile
         self.moves = moves  # engines move between the pools (the spec's role_moves; ClusterSpec.move_problem)
+        # a schedule's or season's rates a start-up ahead (orchestrator.autoscale.forecast); None: reacting only
+        self.forecaster = forecaster if forecaster is not None else forecaster_of(config)
         self._wishes: deque[tuple[float, int, int]] = deque()  # (t, prefill, decode) before stability rules
         self._last_change: dict[str, float] = {}
         self._by_hand: set[str] = set()  # pools scaled by hand since the last decision
@@ -219,9 +240,22 @@ class AutoscalePolicy:
     # --- demand -------------------------------------------------------------------------------
 
     def _forecast_rate(self, obs: ClusterObservation, reasons: list[str]) -> float:
-        """The arrival rate one startup time ahead: the larger of the trend of the last two windows
-        (``_step_forecast``) and of the last windows over each of ``TREND_SPANS`` (``_slope_forecast``), where
-        one is more than noise; the rate now where none is."""
+        """The arrival rate one startup time ahead: the largest of the trends (``_trend_rate``) and of what a
+        schedule or season expects (``forecaster``), as far as it is trusted."""
+        rate = self._trend_rate(obs, reasons)
+        if self.forecaster is None or obs.clock_s is None:
+            return rate
+        window = self.config.interval_s
+        horizon = self.profile.engine.startup_s + window
+        expected, why = self.forecaster.ahead(obs.clock_s, horizon, obs.arrival_rate_rps, window)
+        if why is not None and expected > rate:
+            reasons.append(why)
+            return expected
+        return rate
+
+    def _trend_rate(self, obs: ClusterObservation, reasons: list[str]) -> float:
+        """The larger of the trend of the last two windows (``_step_forecast``) and of the last windows over each
+        of ``TREND_SPANS`` (``_slope_forecast``), where one is more than noise; the rate now where none is."""
         rate, previous = obs.arrival_rate_rps, self._previous_rate
         self._previous_rate = rate
         self._rates.append((obs.t, rate))

@@ -72,6 +72,7 @@ def simulate_spec(
     shared: SharedCore = EVEN_SHARE,
     first_decision_s: float | None = None,
     moves: bool = True,
+    start_clock_s: float = 0.0,
 ) -> SimulationResult:
     """Run ``trace`` under the autoscaler (``static`` None) or a fixed ``static`` = (prefill, decode) split,
     or under ``policy`` when given (a study's own, with ``static`` None). The autoscaler (or ``policy``)
@@ -79,7 +80,8 @@ def simulate_spec(
     cores as a cluster ran them (default: the plan the spec makes now, ``shared_cores``), and ``shared`` how
     much a busy neighbour on a core slows an engine (``SharedCore``); ``first_decision_s``: when the
     policy first decides (default: one interval in); ``moves``: engines move between the pools where the spec
-    allows it (``ClusterSpec.move_problem``), as the controller moves them; False: never (``--no-moves``)."""
+    allows it (``ClusterSpec.move_problem``), as the controller moves them; False: never (``--no-moves``);
+    ``start_clock_s``: the trace's start as epoch seconds (the clock of the spec's ``schedule``)."""
     scaling = spec.autoscaling
     if scaling is None:
         raise SimulationSetupError("the spec has no 'autoscaling' section")
@@ -108,6 +110,7 @@ def simulate_spec(
         keep_warm_s=scaling.keep_warm_s if static is None else 0.0,
         max_engines=scaling.max_engines,
         moves=moves_allowed(spec, moves),
+        start_clock_s=start_clock_s,
     )
 
 

@@ -126,6 +126,7 @@ class Scaling:
             ttft_p90_s=quantile(sorted(w["ttft"]), 0.9),
             itl_p90_s=quantile(sorted(w["itl"]), 0.9),
             prompt_tokens_cv2=self._last_cv2,
+            clock_s=sim.start_clock_s + sim.now,
         )
 
     # --- a decision ---------------------------------------------------------------------------

@@ -146,12 +146,14 @@ class Simulator:
         keep_warm_s: float = 0.0,
         max_engines: int | None = None,
         moves: bool = False,
+        start_clock_s: float = 0.0,
     ) -> None:
         if interval_s <= 0:
             raise ValueError(f"interval_s must be > 0 (got {interval_s})")
         if first_decision_s is not None and not 0 < first_decision_s <= interval_s:
             raise ValueError(f"first_decision_s must be in (0, interval_s] (got {first_decision_s})")
         self.first_decision_s = interval_s if first_decision_s is None else first_decision_s
+        self.start_clock_s = start_clock_s  # the trace's start as epoch seconds (a schedule's clock)
         # The proxy's policy per pool, as its registry says the simulator models it (proxy.policies): in turn,
         # or the least loaded; a policy it cannot model is refused by name.
         self._in_turn = tuple(simulated_as(policy) == "in_turn" for policy in routing)
@@ -458,13 +460,15 @@ def simulate(
     keep_warm_s: float = 0.0,
     max_engines: int | None = None,
     moves: bool = False,
+    start_clock_s: float = 0.0,
 ) -> SimulationResult:
     """Run ``trace`` through a cluster that starts with ``initial`` = (prefill, decode) serving engines
     (``cores``: engines that share CPU cores, and ``spin_s`` how long one keeps polling after its work;
     ``routing``: the proxy's (prefill, decode) policies; ``shared``: how much a busy neighbour on a core
     slows an engine; ``first_decision_s``: when the policy first decides; ``keep_warm_s``: how long a drained
     engine stays up while the targets and the engines kept warm fit ``max_engines``; ``moves``: whether
-    engines move between the pools; see the module's docstring)."""
+    engines move between the pools; ``start_clock_s``: the trace's start as epoch seconds, the clock a schedule
+    reads; see the module's docstring)."""
     sim = Simulator(
         profile,
         policy,
@@ -480,5 +484,6 @@ def simulate(
         keep_warm_s=keep_warm_s,
         max_engines=max_engines,
         moves=moves,
+        start_clock_s=start_clock_s,
     )
     return sim.run(trace)
