@@ -199,6 +199,14 @@ def diurnal(
     return _with_lengths(_arrivals(rate_at, max(peak_rps, trough_rps), duration_s, rng), mix, rng)
 
 
+def shaped(
+    rate_at: Callable[[float], float], peak_rps: float, duration_s: float, mix: LengthMix = MIXES["chat"], seed: int = 0
+) -> list[TraceRequest]:
+    """Poisson arrivals at ``rate_at(t)`` req/s (never above ``peak_rps``) for ``duration_s``."""
+    rng = random.Random(seed)
+    return _with_lengths(_arrivals(rate_at, peak_rps, duration_s, rng), mix, rng)
+
+
 def merge(*tenants: Iterable[TraceRequest]) -> list[TraceRequest]:
     """Several tenants' traces as one, in arrival order."""
     return sorted((r for tenant in tenants for r in tenant), key=lambda r: r.t)
