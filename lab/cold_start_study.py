@@ -1,0 +1,106 @@
+"""A cold start under full load: the cluster starts at the spec's sizes (16 prefill, 6 decode of a 64-engine
+budget, ``configs/autoscaling-sim.yaml``) while a steady load that needs most of the budget arrives, and the
+autoscaler has to grow the fleet and set its ratio. How long until it holds its targets, and does it stay there?
+
+Load levels are shares of each length mix's calibrated steady rate (``study.RATES``: where a static 32:32 split
+of the 64 engines attains ~91 %), on three mixes whose prefill:decode needs differ (chat, heavy prompts, long
+outputs). A run is judged by minutes (60-s windows of arrivals): a minute holds the targets when its p90 TTFT and
+p90 ITL are within them. *Time to target*: the start of the first minute from which every later minute holds
+them (the engines start in 60 s: two start-ups are 120 s). Tuning seeds (``study.TUNING_SEEDS``) and evaluation
+seeds (``study.EVALUATION_SEEDS``) are apart: ``--seeds tuning|evaluation``.
+
+Run from the repository root: ``python lab/cold_start_study.py [--seeds evaluation] [--jobs 2] [--json FILE]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from lab import study  # noqa: E402
+from orchestrator.autoscale import traces  # noqa: E402
+from orchestrator.autoscale.runner import simulate_spec  # noqa: E402
+from orchestrator.autoscale.sim_model import quantile  # noqa: E402
+
+DURATION_S = 1800.0
+MINUTE = 60.0
+LEVELS = (0.6, 0.8, 0.95)
+MIXES = ("chat", "heavy", "long-output")
+
+
+def minutes_holding(result: Any) -> list[tuple[float, bool]]:
+    """(minute's start, whether its p90 TTFT and ITL are within the targets) of every minute of arrivals."""
+    by_minute: dict[int, list[Any]] = {}
+    for record in result.records:
+        by_minute.setdefault(int(record.arrival // MINUTE), []).append(record)
+    targets = result.targets
+    out = []
+    for minute in sorted(by_minute):
+        records = by_minute[minute]
+        ttft = quantile(sorted(r.ttft_s for r in records), 0.9)
+        itl = quantile(sorted(r.itl_s for r in records), 0.9)
+        out.append((minute * MINUTE, ttft <= targets.ttft_s and itl <= targets.itl_s))
+    return out
+
+
+def run_one(mix: str, level: float, seed: int) -> dict[str, Any]:
+    spec, profile = study.load()
+    rate = level * study.RATES[("steady", mix)]
+    trace = traces.poisson(rate, DURATION_S, mix=traces.MIXES[mix], seed=seed)
+    result = simulate_spec(spec, profile, trace, None)  # starts at the spec's replicas
+    minutes = minutes_holding(result)[:-1]  # the last minute is cut by the trace's end
+    misses = [start for start, ok in minutes if not ok]
+    holds_from = misses[-1] + MINUTE if misses else 0.0
+    after = [r for r in result.records if r.arrival >= 2 * profile.engine.startup_s]
+    t = result.targets
+    moved = sum(1 for p in result.timeline if p["moved"])
+    last = result.timeline[-1]
+    return {
+        "mix": mix, "level": level, "seed": seed, "rate": round(rate, 2),
+        "time_to_target_s": holds_from if holds_from < DURATION_S - MINUTE else None,
+        "minutes_missed": len(misses), "minutes": len(minutes),
+        "attainment_after_two_startups": sum(r.ttft_s <= t.ttft_s and r.itl_s <= t.itl_s for r in after) / len(after),
+        "final_split": [last["prefill"], last["decode"]], "decisions_with_moves": moved,
+        "engine_hours": round(result.engine_hours, 2),
+    }  # fmt: skip
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", choices=("tuning", "evaluation"), default="evaluation")
+    parser.add_argument("--jobs", type=int, default=1)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    seeds = study.TUNING_SEEDS[:3] if args.seeds == "tuning" else study.EVALUATION_SEEDS
+    jobs = [(mix, level, seed) for mix in MIXES for level in LEVELS for seed in seeds]
+    with concurrent.futures.ProcessPoolExecutor(args.jobs) as pool:
+        rows = list(pool.map(run_one, *zip(*jobs, strict=True)))
+    print(f"{args.seeds} seeds {list(seeds)}; the spec starts at 16 prefill + 6 decode of 64; two start-ups: 120 s")
+    print("| mix | load (of the calibrated rate) | req/s | time to target, s (per seed) | minutes missed | "
+          "attainment after 120 s | final P:D |")  # fmt: skip
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for mix in MIXES:
+        for level in LEVELS:
+            cell = [r for r in rows if r["mix"] == mix and r["level"] == level]
+            times = ", ".join(
+                "never" if r["time_to_target_s"] is None else f"{r['time_to_target_s']:.0f}" for r in cell
+            )
+            attained = statistics.mean(r["attainment_after_two_startups"] for r in cell)
+            splits = ", ".join(f"{r['final_split'][0]}:{r['final_split'][1]}" for r in cell)
+            print(f"| {mix} | {level:.2f} | {cell[0]['rate']} | {times} | "
+                  f"{', '.join(str(r['minutes_missed']) for r in cell)} of {cell[0]['minutes']} | "
+                  f"{100 * attained:.1f} % | {splits} |")  # fmt: skip
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
