@@ -168,8 +168,7 @@ def same_process_gather(
     peer = gather.upload(table, device)
     count = len(remote_ids)
     slot = ring.take(2 * count, device)
-    slot.view[:count] = np.asarray(remote_ids, dtype=np.int64) * peer.remote_words
-    slot.view[count : 2 * count] = np.asarray(local_ids, dtype=np.int64) * peer.local_words
+    slot.write(peer, np.asarray(remote_ids, dtype=np.int64), np.asarray(local_ids, dtype=np.int64))
     slot.on_device.copy_(slot.offsets)
     times = []
     for _ in range(iters + 1):

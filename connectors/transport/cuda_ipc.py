@@ -57,7 +57,15 @@ from connectors.block_ranges import KVRegions, PlaneRanges, checked_read_ids
 from connectors.errors import TransportError
 from connectors.transport import CUDA_IPC
 from connectors.transport.base import ReadState, TransferState, cache_regions, checked_ranges
-from connectors.transport.gather import OffsetRing, RunTable, TritonGather, copy_moves_torch, plan_moves, run_table
+from connectors.transport.gather import (
+    OffsetRing,
+    PeerGather,
+    RunTable,
+    TritonGather,
+    copy_moves_torch,
+    plan_moves,
+    run_table,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -237,7 +245,7 @@ class IpcRead(ReadState):
     def poll(self) -> TransferState:
         if self._state is TransferState.PENDING:
             if self._event.query():
-                self.gpu_s = self._started.elapsed_time(self._event) / 1e3 if self._started is not None else 0.0
+                self.gpu_s = self._started.elapsed_time(self._event) / 1e3
                 self._finish(TransferState.DONE, None)
             elif time.monotonic() >= self.deadline:
                 self.abort(f"the copy from {self.peer} did not finish within {self.deadline - self.started_at:.1f} s")
@@ -444,7 +452,7 @@ class CudaIpcTransport:
                                                  local.num_blocks, entry.regions.num_blocks)  # fmt: skip
         num_bytes = len(remote_ids) * local.num_layers * entry.ranges.bytes_per_block
         by_driver = self._driver is not None and self.offsets_on == "device" and self.copy != "torch"
-        if by_driver and num_bytes and entry.table.whole_words and self._triton_imports():
+        if by_driver and num_bytes and entry.table.whole_words and self._triton() is not None:
             try:
                 return self._read_by_driver(peer, entry, local_ids, remote_ids, num_bytes, started_at)
             except TransportError as e:  # a driver that refuses a call: PyTorch's calls from now on
@@ -470,11 +478,10 @@ class CudaIpcTransport:
         stream, which the transport's stream then waits for; events around the gather."""
         import torch
 
-        gather, stream, raw, driver = self._ready_gather(entry), self._stream, self._raw_stream, self._driver
-        peer_gather, count, size = entry.kernel, len(remote_ids), len(remote_ids) + len(local_ids)
-        slot = self._ring.take(size, stream.device)
-        np.multiply(remote_ids, peer_gather.remote_words, out=slot.view[:count])
-        np.multiply(local_ids, peer_gather.local_words, out=slot.view[count:size])
+        stream, raw, driver = self._stream, self._raw_stream, self._driver
+        peer_gather, count = self._peer_gather(entry), len(remote_ids)
+        slot = self._ring.take(count + len(local_ids), stream.device)
+        size = slot.write(peer_gather, remote_ids, local_ids)
         ready, started, done = slot.handles
         current = torch._C._cuda_getCurrentRawStream(stream.device.index)
         on_device = slot.on_device.data_ptr()
@@ -482,35 +489,19 @@ class CudaIpcTransport:
         driver.record(ready, current)  # the blocks' last users (and the offsets' copy) go first
         driver.wait(raw, ready)
         driver.record(started, raw)
-        gather(peer_gather, on_device, count, stream, raw)
+        self._gather(peer_gather, on_device, count, stream, raw)
         driver.record(done, raw)
         _, started_event, done_event = slot.events
         deadline = started_at + self.transfer_timeout_s
         read = slot.last = IpcRead(peer, num_bytes, started_event, done_event, deadline, started_at)
         return read
 
-    def _triton_imports(self) -> bool:
+    def _triton(self) -> TritonGather | None:
+        """The Triton gather (made at the first read that needs it), or None where reads copy with torch: without
+        Triton, ``copy="auto"`` turns to torch for good, and ``copy="triton"`` is an error."""
+        if self.copy == "torch":
+            return None
         if self._gather is None:
-            try:
-                self._gather = TritonGather(self.triton_chunk, self.triton_warps)
-            except ImportError:
-                return False  # ``_plan`` says so, or falls back to torch
-        return True
-
-    def _ready_gather(self, entry: _Peer) -> TritonGather:
-        """The Triton gather, and the peer's table on the GPU (made at the first read)."""
-        if self._gather is None:
-            self._gather = TritonGather(self.triton_chunk, self.triton_warps)
-        if entry.kernel is None:
-            entry.kernel = self._gather.upload(entry.table, self._stream.device)
-        return self._gather
-
-    def _plan(self, entry: _Peer, local_ids: np.ndarray, remote_ids: np.ndarray, current: Any) -> tuple[Any, Any]:
-        """The read's copy, to launch on the transport's stream, and its ring slot (its offsets written, and on the
-        GPU by ``current``'s work where the gather reads them there)."""
-        import torch
-
-        if self.copy != "torch" and self._gather is None:
             try:
                 self._gather = TritonGather(self.triton_chunk, self.triton_warps)
             except ImportError as e:
@@ -518,8 +509,22 @@ class CudaIpcTransport:
                     raise TransportError(f"copy='triton' needs Triton: {e}") from e
                 logger.info("engine %s: Triton is not available (%s); CUDA IPC copies with torch", self.engine_id, e)
                 self.copy = "torch"
+                return None
+        return self._gather
+
+    def _peer_gather(self, entry: _Peer) -> PeerGather:
+        """The peer's launch of the Triton gather, its table on the GPU (made at its first read)."""
+        if entry.kernel is None:
+            entry.kernel = self._gather.upload(entry.table, self._stream.device)
+        return entry.kernel
+
+    def _plan(self, entry: _Peer, local_ids: np.ndarray, remote_ids: np.ndarray, current: Any) -> tuple[Any, Any]:
+        """The read's copy, to launch on the transport's stream, and its ring slot (its offsets written, and on the
+        GPU by ``current``'s work where the gather reads them there)."""
+        import torch
+
         stream = self._stream
-        if self.copy == "torch" or not entry.table.whole_words:
+        if self._triton() is None or not entry.table.whole_words:
             moves = plan_moves(entry.ranges, self.kv_regions(), entry.regions, local_ids, remote_ids)
 
             def by_torch() -> None:
@@ -527,12 +532,10 @@ class CudaIpcTransport:
                     copy_moves_torch(moves, entry.src, self._dst)
 
             return by_torch, self._ring.take(0)
-        self._ready_gather(entry)
-        peer, count, size = entry.kernel, len(remote_ids), len(remote_ids) + len(local_ids)
+        peer, count = self._peer_gather(entry), len(remote_ids)
         on_device = self.offsets_on == "device"
-        slot = self._ring.take(size, stream.device if on_device else None)
-        np.multiply(remote_ids, peer.remote_words, out=slot.view[:count])
-        np.multiply(local_ids, peer.local_words, out=slot.view[count:size])
+        slot = self._ring.take(count + len(local_ids), stream.device if on_device else None)
+        size = slot.write(peer, remote_ids, local_ids)
         if on_device:
             slot.on_device[:size].copy_(slot.offsets[:size], non_blocking=True)  # on ``current``
             address = slot.on_device.data_ptr()

@@ -327,6 +327,14 @@ class _Slot:
     on_device: Any = None  # a device copy of ``offsets``, for a gather that reads them there
     last: Any = None  # the last read that used the slot (its ``settle`` ends it)
 
+    def write(self, peer: PeerGather, remote_ids: np.ndarray, local_ids: np.ndarray) -> int:
+        """A read's block offsets in words, the remote blocks' then the local ones', as the gather reads them;
+        how many."""
+        count, size = len(remote_ids), len(remote_ids) + len(local_ids)
+        np.multiply(remote_ids, peer.remote_words, out=self.view[:count])
+        np.multiply(local_ids, peer.local_words, out=self.view[count:size])
+        return size
+
     @property
     def handles(self) -> tuple[int, int, int]:
         """The events' CUDA handles (each made at the slot's making)."""
