@@ -25,6 +25,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import json
+import os
 import random
 import statistics
 import subprocess
@@ -48,6 +49,7 @@ TOKEN_IDS = (1000, 40000)
 # clear, so a request that starts within SETTLE_S of its end is disturbed too.
 STALL_S = 0.25
 SETTLE_S = 2.0
+CLIENT_NICE = -10
 _WATCHER = """
 import sys, time
 threshold = float(sys.argv[1])
@@ -155,12 +157,21 @@ def replay_apart(
         text=True,
         cwd=Path(__file__).resolve().parents[1],  # the repository: testlib, orchestrator
         start_new_session=True,
+        preexec_fn=_ahead_of_the_engines,
         check=False,
     )
     if done.returncode != 0:
         raise RuntimeError(f"the replay's process failed ({done.returncode}):\n{done.stderr[-4000:]}")
     result = json.loads(done.stdout)
     return result["answers"], [(start, end) for start, end in result["stalls"]]
+
+
+def _ahead_of_the_engines() -> None:
+    """The replay's process (and its watcher) runs ahead of the engines on the CPU, as a client on a machine of its
+    own would: on two cores beside a cluster at nice 0, CI's replay at nice 0 too woke up 0.3-2.3 s late 11 times
+    in 95 s, and 1 of 16 requests, then none, were clear of those stalls. Without the right to (not root), as is."""
+    with contextlib.suppress(PermissionError):
+        os.nice(CLIENT_NICE)
 
 
 def _replay_job() -> None:
@@ -184,6 +195,8 @@ def undisturbed(answers: list[dict], stalls: list[tuple[float, float]], settle_s
 
 
 def quantile(values: list[float], q: float) -> float:
+    if not values:
+        raise ValueError("no values to take a quantile of")
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 

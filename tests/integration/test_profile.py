@@ -16,7 +16,8 @@ that sleeps 20 ms at a time waited 1-5 s in the run queue every few seconds whil
 served, and the replay's streams paused 1.2-2.8 s at those moments (TTFT p90 2.2-2.7 s against
 0.9-1.2 s simulated, on the CI run of 2026-11-29 and here on 2026-12-01). The comparison keeps
 the requests clear of those stalls (``testlib.fidelity.client_stalls``), at least half of them, and
-the replay runs in a session of its own (``replay_apart``), where no such wait was seen.
+the replay runs in a session of its own (``replay_apart``), where no such wait was seen, ahead of the
+engines on the CPU (CI's replay of 2026-12-04 at the engines' priority stalled 11 times in 95 s).
 
 It runs on the shared cluster of our connector (the default, whose profile
 configs/profiles/ ships) only: on vLLM's ``NixlConnector`` cluster both idle
@@ -105,11 +106,16 @@ def test_the_simulator_predicts_a_light_load_within_tolerance(
     simulated = {
         r.arrival: r for r in simulate(profile, StaticPolicy(1, 1), trace, SloTargets(1e9, 1e9), (1, 1)).records
     }
-    for attempt in (1, 2, 3):  # again when a replay misses: a shared machine's speed drifts by minutes
+    rows: dict[str, dict[str, float]] = {}
+    for attempt in (1, 2, 3, 4):  # again when a replay misses: a shared machine's speed drifts by minutes
         answers, stalls = replay_apart(cluster.proxy_url, cluster.status["model"], trace)
         failed = [a["failed"] for a in answers if "failed" in a]
         assert not failed, failed
         kept = undisturbed(answers, stalls)  # a request through a stall measures the client's wait
+        if len(kept) < MIN_CLEAR:
+            print(f"replay {attempt}: {len(kept)} of {len(trace)} requests clear of the client's stalls "
+                  f"({', '.join(f'{clock(a)} {b - a:.1f} s' for a, b in stalls)}): again")  # fmt: skip
+            continue
         rows = compare([answers[i] for i in kept], [simulated[trace[i].t] for i in kept])
         print(f"light load {rate:.3f} req/s, profile {out}, replay {attempt}: {len(kept)} of {len(trace)} requests "
               f"clear of the client's stalls ({', '.join(f'{clock(a)} {b - a:.1f} s' for a, b in stalls) or 'none'}): "
@@ -120,9 +126,9 @@ def test_the_simulator_predicts_a_light_load_within_tolerance(
             f"t {r.t:.1f} s, {r.output_tokens} tokens, ITL {1000 * a['itl_s']:.0f} ms, longest gap "
             f"{1000 * a['longest_gap_s']:.0f} ms from {clock(a['longest_gap_at'])}, {a['path']}"
             for r, a in slowest))  # fmt: skip
-        if len(kept) >= MIN_CLEAR and all(0.5 <= row["ratio"] <= 2 for row in rows.values()):
+        if all(0.5 <= row["ratio"] <= 2 for row in rows.values()):
             break
-    assert len(kept) >= MIN_CLEAR, f"the client stalled through every replay: {stalls}"
+    assert rows, f"the client stalled through every replay, the last: {stalls}"
     # A gross error (the profile's batch-2 passes read 2x too fast, which the simulator believed; the decode step
     # read from the median client-side gap, 0.1 ms) shows beyond 2x.
     assert all(0.5 <= row["ratio"] <= 2 for row in rows.values()), rows
