@@ -27,27 +27,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lab import study  # noqa: E402
 from orchestrator.autoscale import traces  # noqa: E402
 from orchestrator.autoscale.runner import simulate_spec  # noqa: E402
-from orchestrator.autoscale.sim_model import quantile  # noqa: E402
 
 DURATION_S = 1800.0
-MINUTE = 60.0
+MINUTE = study.MINUTE
 LEVELS = (0.6, 0.8, 0.95)
 MIXES = ("chat", "heavy", "long-output")
 
 
 def minutes_holding(result: Any) -> list[tuple[float, bool]]:
     """(minute's start, whether its p90 TTFT and ITL are within the targets) of every minute of arrivals."""
-    by_minute: dict[int, list[Any]] = {}
-    for record in result.records:
-        by_minute.setdefault(int(record.arrival // MINUTE), []).append(record)
-    targets = result.targets
-    out = []
-    for minute in sorted(by_minute):
-        records = by_minute[minute]
-        ttft = quantile(sorted(r.ttft_s for r in records), 0.9)
-        itl = quantile(sorted(r.itl_s for r in records), 0.9)
-        out.append((minute * MINUTE, ttft <= targets.ttft_s and itl <= targets.itl_s))
-    return out
+    t = result.targets
+    return study.minutes_holding([(r.arrival, r.ttft_s, r.itl_s) for r in result.records], t.ttft_s, t.itl_s)
 
 
 def run_one(mix: str, level: float, seed: int) -> dict[str, Any]:
@@ -57,7 +47,7 @@ def run_one(mix: str, level: float, seed: int) -> dict[str, Any]:
     result = simulate_spec(spec, profile, trace, None)  # starts at the spec's replicas
     minutes = minutes_holding(result)[:-1]  # the last minute is cut by the trace's end
     misses = [start for start, ok in minutes if not ok]
-    holds_from = misses[-1] + MINUTE if misses else 0.0
+    holds_from = study.holds_from(minutes)
     after = [r for r in result.records if r.arrival >= 2 * profile.engine.startup_s]
     t = result.targets
     moved = sum(1 for p in result.timeline if p["moved"])

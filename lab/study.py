@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +15,7 @@ import yaml
 from orchestrator.autoscale import traces
 from orchestrator.autoscale.config import AutoscalingConfig
 from orchestrator.autoscale.runner import load_spec_and_profile, simulate_spec
+from orchestrator.autoscale.sim_model import quantile
 from orchestrator.autoscale.traces import LengthDist, LengthMix, TraceRequest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -23,6 +24,7 @@ SIMULATOR_SOURCES = sorted((REPO / "orchestrator/autoscale").glob("sim*.py")) + 
     REPO / "orchestrator/autoscale" / name for name in ("rules.py", "traces.py")
 ]
 HOUR = 3600.0
+MINUTE = 60.0
 
 CALIBRATION_SEED = 0
 TUNING_SEEDS = (1, 2, 3, 4, 5, 6)
@@ -198,3 +200,26 @@ def load(overrides: dict[str, float] | None = None) -> tuple[Any, Any]:
         scaling = AutoscalingConfig.model_validate({**spec.autoscaling.model_dump(), **overrides})
         spec = spec.model_copy(update={"autoscaling": scaling})
     return spec, profile
+
+
+def minutes_holding(
+    requests: Iterable[tuple[float, float, float]], ttft_s: float, itl_s: float
+) -> list[tuple[float, bool]]:
+    """(minute's start, whether its p90 TTFT and ITL are within ``ttft_s`` and ``itl_s``) of every minute of
+    arrivals, from (arrival, TTFT, ITL) per request."""
+    by_minute: dict[int, list[tuple[float, float, float]]] = {}
+    for request in requests:
+        by_minute.setdefault(int(request[0] // MINUTE), []).append(request)
+    out = []
+    for minute in sorted(by_minute):
+        rows = by_minute[minute]
+        ttft = quantile(sorted(r[1] for r in rows), 0.9)
+        itl = quantile(sorted(r[2] for r in rows), 0.9)
+        out.append((minute * MINUTE, ttft <= ttft_s and itl <= itl_s))
+    return out
+
+
+def holds_from(minutes: list[tuple[float, bool]]) -> float:
+    """The start of the first minute from which every later one holds (``minutes_holding``)."""
+    misses = [start for start, ok in minutes if not ok]
+    return misses[-1] + MINUTE if misses else 0.0

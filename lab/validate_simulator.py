@@ -52,10 +52,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repository's packages
 
+from lab.study import holds_from, minutes_holding  # noqa: E402
 from orchestrator.autoscale import traces  # noqa: E402
 from orchestrator.autoscale.policy import AutoscalePolicy, StaticPolicy  # noqa: E402
 from orchestrator.autoscale.profile import PerformanceProfile, load_profile  # noqa: E402
-from orchestrator.autoscale.runner import shared_cores, simulate_spec  # noqa: E402
+from orchestrator.autoscale.runner import moves_allowed, shared_cores, simulate_spec  # noqa: E402
 from orchestrator.autoscale.sim_model import EVEN_SHARE, SharedCore, SimulationResult, SloTargets  # noqa: E402
 from orchestrator.autoscale.simulator import simulate  # noqa: E402
 from orchestrator.engine_metrics import scrape  # noqa: E402
@@ -77,16 +78,38 @@ LOADS = {"light": 0.2, "near saturation": 0.8, "overloaded": 1.2}
 MIX = traces.MIXES["short"]
 
 
-def load_trace(name: str, capacity_rps: float, duration_s: float, seed: int) -> tuple[float, list[traces.TraceRequest]]:
-    """``(rate, trace)``: Poisson at a share (``LOADS``) of the capacity, or ``bursty``: 0.3 of it with 4x
-    bursts (1.2x what the prefill pool computes: a queue builds that a larger pool would not have) of ~1 min
-    every ~2 min."""
+# The ``cold`` load: the demo started at its spec's 1 + 1 engines under prompts that want a second prefill engine,
+# then answers that want a second decode engine (one moves over): a start and a move, each under load.
+COLD_PROMPTS = traces.LengthMix(
+    "prompts", ((1.0, traces.LengthDist(160, 0.3, 64, 512), traces.LengthDist(16, 0.3, 8, 32)),)
+)
+COLD_ANSWERS = traces.LengthMix(
+    "answers", ((1.0, traces.LengthDist(64, 0.5, 16, 256), traces.LengthDist(120, 0.3, 32, 512)),)
+)
+COLD_LOADS = (0.7, 0.8)  # each half's rate as a share of what one prefill engine computes of COLD_PROMPTS
+
+
+def load_trace(
+    name: str, profile: PerformanceProfile, prefill_engines: int, duration_s: float, seed: int
+) -> tuple[float, list[traces.TraceRequest]]:
+    """``(rate, trace)``: Poisson at a share (``LOADS``) of what the spec's prefill pool computes of ``MIX``,
+    ``bursty``: 0.3 of it with 4x bursts (1.2x what the prefill pool computes: a queue builds that a larger pool
+    would not have) of ~1 min every ~2 min, or ``cold``: ``COLD_PROMPTS`` for the first half, ``COLD_ANSWERS``
+    for the second, at ``COLD_LOADS`` of what one prefill engine computes of the prompts."""
+    capacity_rps = prefill_capacity_rps(profile, prefill_engines, MIX, seed)
     if name == "bursty":
         rate = 0.3 * capacity_rps
         trace = traces.bursty(
             rate, duration_s, burst_factor=4.0, mean_burst_s=60.0, mean_gap_s=120.0, mix=MIX, seed=seed
         )
         return rate, trace
+    if name == "cold":
+        one = prefill_capacity_rps(profile, 1, COLD_PROMPTS, seed)
+        half = duration_s / 2
+        prompts = traces.poisson(COLD_LOADS[0] * one, half, COLD_PROMPTS, seed=seed)
+        answers = traces.poisson(COLD_LOADS[1] * one, half, COLD_ANSWERS, seed=seed + 1)
+        shifted = [dataclasses.replace(r, t=r.t + half) for r in answers]
+        return COLD_LOADS[0] * one, traces.merge(prompts, shifted)
     rate = LOADS[name] * capacity_rps
     return rate, traces.poisson(rate, duration_s, MIX, seed=seed)
 
@@ -209,7 +232,8 @@ def predict(
 ) -> SimulationResult:
     """The autoscaled cluster in the simulator: its autoscaler reads ``profile`` (as the cluster's did), its
     engines run at ``physics`` (default: the same profile), and it first decides at ``first_decision_s``."""
-    policy = AutoscalePolicy(spec.autoscaling, profile)
+    # The cluster's policy moves engines where the spec allows it (the controller's role_moves): so does this one.
+    policy = AutoscalePolicy(spec.autoscaling, profile, moves=moves_allowed(spec))
     return simulate_spec(
         spec,
         physics or profile,
@@ -386,9 +410,8 @@ def resimulate(report_path: str, core_plan: str | None, seed: int, duration_s: f
     if core_plan:
         plan = dict(item.split(":") for item in core_plan.split())
         cores = {engine: frozenset((0, int(c)) for c in plan_cores.split(",")) for engine, plan_cores in plan.items()}
-    capacity = prefill_capacity_rps(profile, spec.prefill.replicas, MIX, seed)
     for name, load in report["loads"].items():
-        _, trace = load_trace(name, capacity, duration_s, seed)
+        _, trace = load_trace(name, profile, spec.prefill.replicas, duration_s, seed)
         if len(trace) != load["requests"]:
             sys.exit(f"{name}: {len(trace)} requests, the report replayed {load['requests']}: --seed / --duration?")
         result = predict(spec, profile, trace, shared, physics, report.get("decision_phase_s"), cores)
@@ -428,7 +451,7 @@ def main() -> None:
         default=",".join(LOADS),
         help="comma-separated, of: "
         + ", ".join(f"{k} ({v:g} x the prefill pool's capacity)" for k, v in LOADS.items())
-        + ", bursty",
+        + ", bursty, cold",
     )
     parser.add_argument("--duration", type=float, default=180.0, help="seconds of each generated trace")
     parser.add_argument("--seed", type=int, default=7)
@@ -513,7 +536,10 @@ def main() -> None:
         if args.trace:
             cases = {args.trace: (None, traces.read_trace(args.trace))}
         else:
-            cases = {name: load_trace(name, capacity, args.duration, args.seed) for name in args.loads.split(",")}
+            cases = {
+                name: load_trace(name, profile, spec.prefill.replicas, args.duration, args.seed)
+                for name in args.loads.split(",")
+            }
         limit = spec.engine.max_model_len
         for name, (_, trace) in cases.items():
             if any(r.prompt_tokens + r.output_tokens > limit for r in trace):
@@ -604,6 +630,17 @@ def main() -> None:
                 [(m["ttft_s"], m["itl_s"]) for m in measured[name]], targets.ttft_p90_s, targets.itl_p90_s
             )
             sim = slo_attainment(spec, result)
+            rows_of = report["loads"][name]["per_request"]  # t, prompt, output, cluster TTFT, ITL, simulator's
+            report["loads"][name]["holds_from_s"] = {  # the first minute from which every later one holds
+                side: holds_from(
+                    minutes_holding(
+                        [(r[0], r[3 + k], r[4 + k]) for r in rows_of if r[3 + k] is not None],
+                        targets.ttft_p90_s,
+                        targets.itl_p90_s,
+                    )[:-1]  # the last minute is cut by the trace's end
+                )
+                for side, k in (("cluster", 0), ("simulator", 2))
+            }
             report["loads"][name]["slo_attainment"] = {
                 "cluster": round(real, 4),
                 "simulator": round(sim, 4),
@@ -649,6 +686,7 @@ def main() -> None:
         print(f"| {name} | {load['rate_rps']} | {load['requests']} | " + " | ".join(cells) + " |")
         if "slo_attainment" in load:
             print(f"  SLO attainment: {load['slo_attainment']}")
+            print(f"  every minute holds the targets from (s): {load['holds_from_s']}")
     if stalled := report["client_stalls_s"]:  # the cluster's figures then measure the client's waits as well
         print(f"the client stalled {len(stalled)} times in the replay, {sum(s for _, s in stalled):.1f} s in all")
 
