@@ -34,11 +34,11 @@ PREFILL_TIME = "vllm:request_prefill_time_seconds"
 QUEUE_TIME = "vllm:request_queue_time_seconds"
 PREFIX_HITS = "vllm:prefix_cache_hits_total"
 CACHE_INFO = "vllm:cache_config_info"
-PREFILL_SAMPLES = (PREFILL_TIME + "_sum", PREFILL_TIME + "_count", QUEUE_TIME + "_sum", PREFIX_HITS)
 DECODE_TIME = "vllm:request_decode_time_seconds"
 GENERATED = "vllm:request_generation_tokens"
 STEPS = "vllm:iteration_tokens_total_count"
 """Engine steps that produced tokens (one observation per step's outputs)."""
+PREFILL_SAMPLES = (PREFILL_TIME + "_sum", PREFILL_TIME + "_count", QUEUE_TIME + "_sum", PREFIX_HITS, STEPS)
 DECODE_SAMPLES = (DECODE_TIME + "_sum", DECODE_TIME + "_count", GENERATED + "_sum", STEPS)
 MIN_CLIENT_SHARE = 0.5
 """A client's reading of the decode step under this share of the engine's own decode time per token (which its

@@ -2,7 +2,7 @@
 
 The stubs play vLLM engines whose costs follow known formulas: the prefill stub
 reports ``prefill_pass_s(tokens, batch)`` in ``vllm:request_prefill_time_seconds`` (and
-can answer a pass late, as two passes would),
+can take two passes, or answer late from a slow front end in one),
 the decode stub streams tokens ``decode_step_s(active streams, context)`` apart and
 counts each KV transfer the proxy sets up in vLLM NIXL's metrics. A profile measured
 against them must hold those formulas' values, and load back with ``load_profile``.
@@ -62,7 +62,9 @@ class FakeVllm:
     def __init__(self, prefill: StubEngine, decode: StubEngine) -> None:
         self.prefill_sum = self.prefill_count = self.queue_sum = 0.0
         self.transfer_sum = self.transfer_count = self.transfer_bytes = 0.0
-        self.split_next = 0  # measured prefill requests still to be answered two passes late (not one pass)
+        self.split_next = 0  # measured prefill requests still to be computed in two passes (not one pass)
+        self.prefill_steps = 0  # the prefill engine's steps (vllm:iteration_tokens_total_count)
+        self.front_end_s = 0.0  # what the front end adds to each measured prefill answer (one pass still)
         self.active = 0
         # The decode engine's clock: what vLLM's engine core stamps, whatever the client reads.
         self.decode_sum = self.decode_count = self.generated = self.steps = 0.0
@@ -76,14 +78,19 @@ class FakeVllm:
         if received.is_prefill:  # the proxy's prefill leg: recorded, and the stub's usual answer
             self.prefill_sum += prefill_pass_s(len(received.body["prompt"]), 1)
             self.prefill_count += 1
+            self.prefill_steps += 1
             return None
         prompts = batch_of(received.body["prompt"])
         batch, tokens = len(prompts), sum(len(p) for p in prompts)
-        if self.split_next and tokens > 16:  # not the warm-up: answered a whole pass after its own
+        steps = 1
+        if self.split_next and tokens > 16:  # not the warm-up: its prompts took two passes
             self.split_next -= 1
+            steps = 2
             await asyncio.sleep(2 * prefill_pass_s(tokens, batch))
+        await asyncio.sleep(self.front_end_s)
         self.prefill_sum += batch * prefill_pass_s(tokens, batch)
         self.prefill_count += batch
+        self.prefill_steps += steps
         return web.json_response({"choices": [{"index": i, "text": "x"} for i in range(batch)]})
 
     def prefill_metrics(self) -> str:
@@ -93,6 +100,7 @@ class FakeVllm:
             f"vllm:request_queue_time_seconds_sum {self.queue_sum}\n"
             f"vllm:request_queue_time_seconds_count {self.prefill_count}\n"
             "vllm:prefix_cache_hits_total 0.0\n"
+            f"vllm:iteration_tokens_total_count {self.prefill_steps}\n"
         )
 
     async def decode(self, request: web.Request, received: ReceivedRequest) -> web.StreamResponse | None:
@@ -175,7 +183,7 @@ async def test_measured_profile_holds_the_engines_costs_and_loads_back(
 ):
     proxy = await make_proxy(request_timeout_s=10)
     endpoints = ClusterEndpoints("fake", "m", "vllm-nixl", proxy.url, prefill_engine.url, decode_engine.url, 31.5)
-    fake.split_next = 1  # the first measured prefill answered a pass late: measured again
+    fake.split_next = 1  # the first measured prefill took two passes: measured again
     progress: list[str] = []
 
     profile = await profiler.measure(spec, endpoints, SMALL_GRID, on_progress=progress.append, seed=1)
@@ -209,6 +217,21 @@ async def test_measured_profile_holds_the_engines_costs_and_loads_back(
     assert "vllm:nixl_xfer_time_seconds" in loaded.provenance and "model 'm'" in loaded.provenance
     assert progress[0].startswith("prefill    64 tokens: batch 1 0.034s, batch 2 0.036s")
     assert len(progress) == 2 + 2 + 1 + 1
+
+
+async def test_a_pass_answered_late_by_a_slow_front_end_is_still_one_pass(
+    fake: FakeVllm, prefill_engine, decode_engine, make_proxy, spec
+):
+    """The engine's steps tell one pass, not the client's wall time: the front end's ~6 ms a prompt made every
+    attempt at 8 prompts of 8 tokens read as two passes (a 74-ms pass answered in 121 ms) and the profile fail."""
+    proxy = await make_proxy(request_timeout_s=10)
+    endpoints = ClusterEndpoints("fake", "m", "vllm-nixl", proxy.url, prefill_engine.url, decode_engine.url, 1.0)
+    fake.front_end_s = 2 * prefill_pass_s(256, 1)  # slower than any pass of the grid
+
+    profile = await profiler.measure(spec, endpoints, SMALL_GRID)
+
+    expected = [[round(prefill_pass_s(t, b), 5) for b in (1, 2)] for t in (64, 256)]
+    assert [[round(x, 5) for x in row] for row in profile.prefill.seconds] == expected
 
 
 async def test_prefill_that_never_shares_a_pass_fails_naming_the_engine(
