@@ -15,7 +15,7 @@ so the prefix cache never helps; prefill checks it on ``vllm:prefix_cache_hits``
    prompts of 512 tokens took two passes, 4.8 s, while the engine's prefill time read
    2.4 s per prompt; the profile measured so said a pass of two sequences was twice as
    fast as one of the same tokens, and the simulator believed it). So for ``batch`` > 1
-   a blocker (one prompt of the same size) is sent first and the batch while its pass
+   a blocker (one prompt, of ``BLOCKER_MIN_TOKENS`` or more) is sent first and the batch while its pass
    runs: the batch waits for it and is scheduled whole at the next step. The time kept
    is the engine's own ``vllm:request_prefill_time_seconds`` (scheduled -> first
    token), averaged over the batch's prompts (the blocker's is read off before): for
@@ -106,6 +106,7 @@ from orchestrator.autoscale.profiler_readings import (
     decoding_span,
     handoff_seconds,
     kv_capacity_tokens,
+    read_together,
     transfer_table,
 )
 from orchestrator.engine_metrics import TRANSFER_METRICS, info_labels
@@ -117,6 +118,10 @@ __all__ = ["decode_run", "format_profile", "measure"]
 logger = logging.getLogger(__name__)
 
 BLOCKER_LEAD_S = 0.05
+BLOCKER_MIN_TOKENS = 512
+"""A prefill blocker's prompt is at least this long (within the grid's largest pass): its pass must outlast the front
+end's handing the batch's prompts to the engine one by one. The size of one of the batch's prompts did not: 8 prompts
+of 8 tokens behind an 8-token pass (~10 ms) took two passes in 10 attempts of 10 on the CPU demo."""
 """How long after the blocker's request the batch's is sent: long enough for the blocker's pass to start."""
 ATTEMPTS_PER_REPEAT = 5
 REQUEST_TIMEOUT_S = 900.0
@@ -144,7 +149,8 @@ async def _prefill_point(
         before = await http.samples(url, PREFILL_SAMPLES)
         body = {"model": model, "prompt": [prompts(tokens // batch) for _ in range(batch)], "max_tokens": 1}
         if batch > 1:  # the blocker first; the batch while it runs
-            blocker_body = {"model": model, "prompt": [prompts(tokens // batch)], "max_tokens": 1, "temperature": 0}
+            blocker_tokens = max(tokens // batch, min(BLOCKER_MIN_TOKENS, max(grid.prefill_tokens)))
+            blocker_body = {"model": model, "prompt": [prompts(blocker_tokens)], "max_tokens": 1, "temperature": 0}
             blocker = asyncio.create_task(http.post(url, "/v1/completions", blocker_body))
             await asyncio.sleep(BLOCKER_LEAD_S)
         sent = time.perf_counter()
@@ -198,7 +204,8 @@ async def decode_run(
     delta = samples_delta(await http.wait_for(url, DECODE_SAMPLES, count, before[count] + requests), before)
     one_pass = delta[STEPS] in (decode_tokens, decode_tokens + requests - batch)
     engine_tokens = delta[GENERATED + "_sum"] - requests  # the blocker's one token adds no decode time
-    return DecodeRun(delta[STEPS], one_pass, (delta[DECODE_TIME + "_sum"], engine_tokens), decoding_span(streams))
+    engine_clock = (delta[DECODE_TIME + "_sum"], engine_tokens)
+    return DecodeRun(delta[STEPS], one_pass, engine_clock, decoding_span(streams), read_together(streams))
 
 
 async def _decode_point(

@@ -23,11 +23,13 @@ from orchestrator.autoscale.profile import load_profile
 from orchestrator.autoscale.profiler_grid import DEFAULT_GRID, QUICK_GRID, ProfileGrid
 from orchestrator.autoscale.profiler_http import ClusterEndpoints, Http, RandomPrompts
 from orchestrator.autoscale.profiler_readings import (
+    DecodeRun,
     TransferSample,
     batch_limits,
     decoding_span,
     handoff_seconds,
     kv_capacity_tokens,
+    read_together,
     transfer_table,
 )
 from orchestrator.cli import main
@@ -197,7 +199,7 @@ async def test_measured_profile_holds_the_engines_costs_and_loads_back(
     measured = [r.body for r in prefill_engine.requests if not r.is_prefill]
     # warm-up, 4 points x 2 repeats, a blocker before each batch of 2, and the attempt answered late
     assert len(measured) == 1 + 8 + 4 + 1
-    assert [len(p) for p in measured[-2]["prompt"]] == [128]  # the blocker: one sequence the size of the batch's
+    assert [len(p) for p in measured[-2]["prompt"]] == [256]  # the blocker: one sequence of the grid's largest pass
     assert [len(p) for p in measured[-1]["prompt"]] == [128, 128]
     prompts = [tuple(p) for body in measured[1:] for p in body["prompt"]]
     assert len(set(prompts)) == len(prompts) == 2 * (1 + 2 + 1) * 2 + 1  # fresh every time: no prefix cache hit
@@ -327,6 +329,20 @@ def test_decoding_span_is_not_fooled_by_tokens_read_together():
     bunched = [(t if i in (0, 7) else 0.6 + 1e-4 * i, i + 1) for i, t in enumerate(steps)]  # steps 1-6 read at 0.6
     seconds, tokens = decoding_span([bunched])
     assert round(seconds / tokens, 6) == 0.1
+
+
+def test_a_batch_of_several_passes_is_read_on_the_clients_clock_unless_read_together():
+    """8 prompts of 512 tokens take two 2048-token passes on the CPU demo: the engine's decode time then holds the
+    second pass, and half of it per token was more than the client's true step (55 ms): read on neither clock,
+    every run. The client's chunks, a step apart, read it; chunks that came together do not."""
+    streams = [[(1.0 + 0.055 * i, i + 1) for i in range(24)] for _ in range(8)]
+    engine_with_a_pass = (8 * 23 * 0.055 + 4 * 5.0, 8 * 23)  # four sequences decoded through a 5-s pass
+    run = DecodeRun(27, False, engine_with_a_pass, decoding_span(streams), read_together(streams))
+    assert run.reading is not None and run.reading[0] / run.reading[1] == pytest.approx(0.055)
+    bunched = [[(2.0 + 1e-5 * i, i + 1) for i in range(24)] for _ in range(8)]
+    run = DecodeRun(27, False, engine_with_a_pass, decoding_span(bunched), read_together(bunched))
+    assert run.reading is None
+    assert read_together([[(0.0, 1)], []])  # a stream with no chunk: nothing to tell by
 
 
 def test_handoff_is_what_ttft_spends_beyond_prefill_transfer_and_one_step():
