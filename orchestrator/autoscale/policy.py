@@ -66,7 +66,10 @@ How one decision is made (both pools at once):
    and forth, and each trade takes from the giving pool what its own band kept. A pool's
    reserve is thus shared: a burst of the other pool takes it in seconds, and its own
    takes it back the same way. The memory of a few decisions keeps one noisy window from
-   moving engines back and forth.
+   moving engines back and forth, and a pool that changed within its scale-down cooldown
+   gives nothing unless a measured breach of the other asks (on the 3-engine CPU demo,
+   load near a pool's edge moved an engine back and forth 10 times in 7 minutes, some
+   15 s apart).
 """
 
 from __future__ import annotations
@@ -539,6 +542,13 @@ class AutoscalePolicy:
                     "measured breach asks for it)"
                 )
                 continue
+            since = obs.t - self._last_change.get(give, -math.inf)
+            if since < self.config.scale_down_cooldown_s and floor[grow] <= provisioned:
+                reasons.append(
+                    f"move: none ({give} changed {since:.0f}s ago, within its scale-down cooldown of "
+                    f"{self.config.scale_down_cooldown_s:g}s, and no measured breach of {grow} asks for it)"
+                )
+                continue
             index = 1 if give == "prefill" else 2
             recent = max(w[index] for w in itertools.islice(reversed(self._wishes), MOVE_MEMORY))
             keep = max(recent, floor[give], self.config.limits(give).min)
@@ -578,7 +588,7 @@ class AutoscalePolicy:
         self._history.append((obs.t, wish["prefill"], wish["decode"]))
         while self._history and self._history[0][0] <= obs.t - cfg.burst_memory_s:
             self._history.popleft()
-        while self._wishes and self._wishes[0][0] <= obs.t - cfg.scale_down_cooldown_s:
+        while len(self._wishes) > 1 and self._wishes[0][0] <= obs.t - cfg.scale_down_cooldown_s:
             self._wishes.popleft()
 
         target: dict[str, int] = {}

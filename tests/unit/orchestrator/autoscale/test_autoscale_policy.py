@@ -459,6 +459,36 @@ def test_with_moves_load_that_flaps_between_the_pools_does_not_move_engines_back
     assert len(set(sizes[10:])) == 1
 
 
+def test_a_pool_that_just_changed_gives_no_engine_back_by_a_move_unless_a_breach_asks(policy):
+    # The 3-engine CPU demo near a pool's edge: a breach gives prefill the shared engine, then a few requests
+    # waiting for a decode slot ask decode for one more. Moving it back at once (as the cluster did, 10 times in
+    # 7 minutes, some 15 s apart) would undo the breach's move; within prefill's scale-down cooldown it stays.
+    # A breach of decode is judged as before.
+    def after_a_breach(itl_p90_s: float | None):
+        p = policy(moves=True, max_engines=3, prefill=PoolLimits(min=1, max=2), decode=PoolLimits(min=1, max=2))
+        first = p.decide(observe(0.0, 0.5, 1, 2, prompt=2000, output=200, ttft_p90_s=30.0))
+        assert (first.prefill, first.decode) == (2, 1), first.reasons  # the breach moved an engine to prefill
+        waiting = PoolObservation(replicas=1, queue_depth=8)
+        return p.decide(observe(30.0, 0.5, 2, 1, prompt=2000, output=200, decode_pool=waiting, itl_p90_s=itl_p90_s))
+
+    calm, breached = after_a_breach(None), after_a_breach(5.0)
+
+    assert (calm.prefill, calm.decode) == (2, 1), calm.reasons
+    assert any(
+        r.startswith("move: none (prefill changed 30s ago, within its scale-down cooldown") for r in calm.reasons
+    )
+    # A breach of decode is not held back by prefill's cooldown (prefill's own recent wish still keeps it here).
+    assert not any("within its scale-down cooldown" in r for r in breached.reasons), breached.reasons
+    assert any(r.startswith("feedback: measured p90 ITL") for r in breached.reasons), breached.reasons
+
+
+def test_a_scale_down_cooldown_of_zero_keeps_the_last_wish_for_moves(policy):
+    p = policy(moves=True, scale_down_cooldown_s=0)
+    run(p, [40.0] * 3, start=(10, 2))
+    turned = p.decide(observe(90.0, 40.0, 10, 2, prompt=200, output=2000))  # raised on an empty memory before
+    assert turned.decode > 2
+
+
 def test_requests_waiting_for_decode_admission_size_the_decode_pool(policy):
     # Prefilled requests waiting for a decode slot: vLLM's decode engines count them in
     # vllm:num_requests_waiting, which the observation carries as the decode queue.
