@@ -25,7 +25,6 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import json
-import os
 import random
 import statistics
 import subprocess
@@ -40,6 +39,7 @@ from contract.headers import PATH as PATH_HEADER
 from orchestrator.autoscale import traces
 from orchestrator.autoscale.profile import EngineLimits, Grid1D, Grid2D, PerformanceProfile
 from orchestrator.autoscale.traces import TraceRequest
+from testlib.priority import run_ahead
 
 TOLERANCE = 0.20  # the simulator within 20 % of the cluster, per quantile
 QUANTILES = (0.5, 0.9)
@@ -49,7 +49,6 @@ TOKEN_IDS = (1000, 40000)
 # clear, so a request that starts within SETTLE_S of its end is disturbed too.
 STALL_S = 0.25
 SETTLE_S = 2.0
-CLIENT_NICE = -10
 _WATCHER = """
 import sys, time
 threshold = float(sys.argv[1])
@@ -157,21 +156,13 @@ def replay_apart(
         text=True,
         cwd=Path(__file__).resolve().parents[1],  # the repository: testlib, orchestrator
         start_new_session=True,
-        preexec_fn=_ahead_of_the_engines,
+        preexec_fn=run_ahead,  # its client and watcher ahead of the engines on the CPU
         check=False,
     )
     if done.returncode != 0:
         raise RuntimeError(f"the replay's process failed ({done.returncode}):\n{done.stderr[-4000:]}")
     result = json.loads(done.stdout)
     return result["answers"], [(start, end) for start, end in result["stalls"]]
-
-
-def _ahead_of_the_engines() -> None:
-    """The replay's process (and its watcher) runs ahead of the engines on the CPU, as a client on a machine of its
-    own would: on two cores beside a cluster at nice 0, CI's replay at nice 0 too woke up 0.3-2.3 s late 11 times
-    in 95 s, and 1 of 16 requests, then none, were clear of those stalls. Without the right to (not root), as is."""
-    with contextlib.suppress(PermissionError):
-        os.nice(CLIENT_NICE)
 
 
 def _replay_job() -> None:

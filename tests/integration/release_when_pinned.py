@@ -12,24 +12,20 @@ leg answered first) stops it. It prints ``{"sent": bool, "answered": bool}``.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import select
 import sys
 import time
-from pathlib import Path
 
 from connectors.side_client import send_release
+from testlib.priority import run_ahead
 from tests.integration.conftest import metric_values
 
 LEASES = "pdserve:kv_leases_total"
 
 
 def main() -> None:
-    with contextlib.suppress(OSError):
-        Path("/proc/self/autogroup").write_text("-10")
-        os.nice(-10)
+    run_ahead()
     job = json.loads(sys.stdin.readline())
     deadline = time.monotonic() + job["deadline_s"]
     while time.monotonic() < deadline:
