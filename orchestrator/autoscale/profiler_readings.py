@@ -81,20 +81,25 @@ def kv_capacity_tokens(labels: dict[str, str] | None, url: str) -> int:
     return int(blocks) * int(block_size)
 
 
+def _while_all_decode(streams: list[list[tuple[float, int]]]) -> list[list[tuple[float, int]]]:
+    """Each stream's chunks while all streams were decoding: the window opens at the last stream's first token
+    (every prompt computed) and closes at the first stream's last token (one has finished); none when a stream
+    has no chunk."""
+    if any(not s for s in streams):
+        return []
+    start, end = max(s[0][0] for s in streams), min(s[-1][0] for s in streams)
+    return [[(t, n) for t, n in stream if start <= t <= end] for stream in streams]
+
+
 def decoding_span(streams: list[list[tuple[float, int]]]) -> tuple[float, int]:
     """Seconds and tokens of every stream while all streams were decoding, summed over streams.
 
     A stream is its chunks as ``(arrival time, tokens generated so far)``, the first one
-    carrying the first token. The window opens at the last stream's first token (every
-    prompt computed) and closes at the first stream's last token (one has finished); a
-    stream counts from its first chunk in the window to its last.
+    carrying the first token. A stream counts from its first chunk in the window
+    (``_while_all_decode``) to its last.
     """
-    if any(not s for s in streams):
-        return 0.0, 0
-    start, end = max(s[0][0] for s in streams), min(s[-1][0] for s in streams)
     seconds, tokens = 0.0, 0
-    for stream in streams:
-        inside = [(t, n) for t, n in stream if start <= t <= end]
+    for inside in _while_all_decode(streams):
         if len(inside) >= 2:
             seconds += inside[-1][0] - inside[0][0]
             tokens += inside[-1][1] - inside[0][1]
@@ -104,14 +109,7 @@ def decoding_span(streams: list[list[tuple[float, int]]]) -> tuple[float, int]:
 def read_together(streams: list[list[tuple[float, int]]]) -> bool:
     """Whether the client read the streams' tokens together while all decoded (``decoding_span``'s window): the
     median gap between a stream's chunks there under ``TOGETHER_GAP_S``, or no gap to tell by."""
-    if any(not s for s in streams):
-        return True
-    start, end = max(s[0][0] for s in streams), min(s[-1][0] for s in streams)
-    gaps = [
-        b - a
-        for stream in streams
-        for (a, _), (b, _) in itertools.pairwise([chunk for chunk in stream if start <= chunk[0] <= end])
-    ]
+    gaps = [b - a for inside in _while_all_decode(streams) for (a, _), (b, _) in itertools.pairwise(inside)]
     return not gaps or statistics.median(gaps) < TOGETHER_GAP_S
 
 
