@@ -25,7 +25,8 @@ CLIENT_MIX = (
     (COMPLETION_PATH, {"stream": True}),
     (COMPLETION_PATH, {}),
     (CHAT_PATH, {"stream": True, "stream_options": {"include_usage": True}}),
-    (CHAT_PATH, {"stream": True, "temperature": 0.8, "seed": 1}),  # sampled: not continued
+    (CHAT_PATH, {"stream": True, "temperature": 0.8, "seed": 1}),  # a sampled stream: not continued
+    (COMPLETION_PATH, {"temperature": 0.8, "seed": 2}),  # seeded, not streamed: moved, the same tokens
 )
 """Each client's route and what its greedy requests add (``mixed_send``)."""
 
@@ -128,11 +129,12 @@ class Result:
 class Outcome:
     """What ``mixed_send``'s clients saw of a kill."""
 
-    greedy: list[Result] = field(default_factory=list)
+    faithful: list[Result] = field(default_factory=list)
+    """Requests that must come out as they would without the kill: greedy ones, and seeded ones not streamed."""
     in_flight: list[Result] = field(default_factory=list)
-    """Greedy requests sent before the kill and answered after it."""
+    """Those sent before the kill and answered after it."""
     failed: list[Result] = field(default_factory=list)
-    """Greedy requests that did not end well: not 200, an error event, or not one ``[DONE]``."""
+    """Those that did not end well: not 200, an error event, or not one ``[DONE]``."""
     moved: list[Result] = field(default_factory=list)
     """Non-streamed requests another engine answered (``X-PDServe-Migrated``)."""
     continued: list[Result] = field(default_factory=list)
@@ -140,10 +142,16 @@ class Outcome:
     sampled_ended: list[Result] = field(default_factory=list)
     """Sampled streams that ended with an error event."""
 
+    def to_compare(self) -> list[Result]:
+        """What ``answers_equal`` asks again: every seeded request that moved, two greedy ones, three streams."""
+        seeded = [r for r in self.moved if r.body["temperature"] != 0]
+        return seeded + [r for r in self.moved if r.body["temperature"] == 0][:2] + self.continued[:3]
+
     def __str__(self) -> str:
         return (
-            f"{len(self.greedy)} greedy requests, {len(self.in_flight)} in flight at the kill, {len(self.failed)} "
-            f"failed, {len(self.moved)} moved and {len(self.continued)} streams continued on another engine; "
+            f"{len(self.faithful)} greedy or seeded requests, {len(self.in_flight)} in flight at the kill, "
+            f"{len(self.failed)} failed, {len(self.moved)} moved and {len(self.continued)} streams continued on "
+            "another engine; "
             f"{len(self.sampled_ended)} sampled streams ended with an error event"
         )
 
@@ -152,11 +160,11 @@ def kill_outcome(results: list[tuple], kill: float) -> Outcome:
     outcome = Outcome()
     for result in (Result(*r) for r in results):
         seen = result.seen
-        if result.body["temperature"] != 0:
+        if result.body["temperature"] != 0 and result.body.get("stream"):
             if seen["error"]:
                 outcome.sampled_ended.append(result)
             continue
-        outcome.greedy.append(result)
+        outcome.faithful.append(result)
         if result.sent < kill < result.answered:
             outcome.in_flight.append(result)
         if result.status != 200 or seen["error"] or seen["done"] != 1 or len(seen["ids"]) > 1:
