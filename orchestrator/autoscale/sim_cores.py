@@ -38,18 +38,26 @@ class CoreSharing:
     def cores_of(self, engine: Engine) -> frozenset[Any]:
         return self.cores.get(cores_id_of(engine), _NO_CORES) if self.cores else _NO_CORES
 
-    def share(self, engine: Engine, slowdown: float, beside_start: float = 1.0, host: float = 1.0) -> float:
-        """How many times slower than alone ``engine`` works now: ``1 + (slowdown - 1) * n + (beside_start - 1)
-        * m`` on its most crowded core, ``n`` the other engines busy on it (one still polling, too:
-        ``SPIN_S``) and ``m`` those starting on it; times ``host`` while an engine on none of its cores
-        computes."""
+    def share(
+        self,
+        engine: Engine,
+        slowdown: float,
+        beside_start: float = 1.0,
+        host: float = 1.0,
+        beside_decode: float | None = None,
+    ) -> float:
+        """How many times slower than alone ``engine`` works now: ``1 + (slowdown - 1) * n + (beside_decode - 1)
+        * d + (beside_start - 1) * m`` on its most crowded core, ``n`` the other engines busy on it (one still
+        polling, too: ``SPIN_S``), ``d`` of them decode engines where ``beside_decode`` is given, and ``m`` those
+        starting on it; times ``host`` while an engine on none of its cores computes."""
         mine = self.cores_of(engine)
         if not mine:
             return 1.0
         sim = self.sim
+        decoding = {id(e) for e in sim.decode} if beside_decode is not None else set()
         others = [e for e in itertools.chain(sim.prefill, sim.decode) if e is not engine]
         busy = [
-            self.cores_of(e)
+            (self.cores_of(e), (beside_decode if id(e) in decoding else slowdown) - 1.0)
             for e in others
             if e.state not in (EngineState.STOPPED, EngineState.STARTING)
             and (not e.idle or e.spins_until > sim.now + EPS)
@@ -58,7 +66,7 @@ class CoreSharing:
         elsewhere = host != 1.0 and any(not e.idle and not self.cores_of(e) & mine for e in others)
         return (host if elsewhere else 1.0) * max(
             1.0
-            + (slowdown - 1.0) * sum(1 for theirs in busy if core in theirs)
+            + sum(extra for theirs, extra in busy if core in theirs)
             + (beside_start - 1.0) * sum(1 for theirs in starting if core in theirs)
             for core in mine
         )

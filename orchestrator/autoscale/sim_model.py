@@ -35,14 +35,18 @@ READY, PREFILL_DONE, TRANSFER_DONE, DECODE_DONE, ARRIVAL, DECIDE, SPIN_END, WARM
 @dataclass(slots=True, frozen=True)
 class SharedCore:
     """How many times slower than alone an engine works beside one busy engine on its core
-    (``lab/probe_shared_start.py`` measures it on a CPU cluster), and a decode step beside one that
-    is starting. The default splits a core evenly between the engines busy on it and leaves a start-up,
-    and a decode step beside one, alone."""
+    (``lab/probe_shared_start.py`` and ``lab/probe_decode_pair.py`` measure it on a CPU cluster), and
+    beside one that is starting. The default splits a core evenly between the engines busy on it and
+    leaves a start-up, and the work beside one, alone."""
 
     prefill: float = 2.0  # a prefill pass
-    decode: float = 2.0  # a decode step
+    decode: float = 2.0  # a decode step (beside a busy prefill engine; beside a decode engine too, unless:)
     startup: float = 1.0  # from "start" to "serves", over the profile's startup_s (a start with the cluster)
     decode_beside_start: float = 1.0  # a decode step while a neighbour loads its model
+    prefill_beside_start: float = 1.0  # a prefill pass while a neighbour loads its model
+    # A decode step beside a busy decode engine; None: as beside any busy engine (``decode``). Two engines
+    # that step in turn leave each other the core while each waits between its steps.
+    decode_beside_decode: float | None = None
     # A prefill pass / decode step while an engine on another core computes (the cores share the host:
     # its memory, its caches, and the processes no core is pinned for); lab/probe_host_load.py --other-core.
     host_prefill: float = 1.0
@@ -50,7 +54,7 @@ class SharedCore:
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
-            if getattr(self, f.name) < 1.0:
+            if getattr(self, f.name) is not None and getattr(self, f.name) < 1.0:
                 raise ValueError(f"SharedCore.{f.name} must be 1 or more (got {getattr(self, f.name)})")
 
 

@@ -66,7 +66,9 @@ share of the core meanwhile. A decode engine's step is re-timed whenever a
 neighbour starts work or stops polling; a pass in flight keeps the time it
 started with. A new engine's start-up is stretched the same way (``SharedCore.startup``,
 by default 1: not at all) by the neighbours busy when it begins, and a start-up slows the
-decode steps beside it while it lasts (``SharedCore.decode_beside_start``, by default 1).
+decode steps and prefill passes beside it while it lasts (``SharedCore.decode_beside_start``,
+``prefill_beside_start``, by default 1). A decode step beside a busy decode engine may take its
+own factor (``SharedCore.decode_beside_decode``; by default the same as beside any busy engine).
 An engine also works ``SharedCore.host_prefill`` / ``host_decode`` times slower while an
 engine on none of its cores computes (the host's memory and caches, and the processes no
 core is pinned for, are shared; by default 1).
@@ -274,7 +276,8 @@ class Simulator:
         engine.gauge_waiting = (len(left), sum(req.prefill_left for req in left))
         tokens = limits.max_num_batched_tokens - room
         engine.busy = True
-        share = self.sharing.share(engine, self.shared.prefill, host=self.shared.host_prefill)
+        shared = self.shared
+        share = self.sharing.share(engine, shared.prefill, shared.prefill_beside_start, shared.host_prefill)
         seconds = self.profile.prefill_seconds(tokens, len(chunks)) * share
         key = (engine.replica, int(self.now // PASS_BIN_S) * PASS_BIN_S)
         tally = self._passes.setdefault(key, [0, 0, 0, 0.0, 0.0])
@@ -365,7 +368,10 @@ class Simulator:
             engine.step_s = 0.0
             return
         context = (engine.sum_prompt + n * engine.steps - engine.sum_start) / n
-        share = self.sharing.share(engine, self.shared.decode, self.shared.decode_beside_start, self.shared.host_decode)
+        shared = self.shared
+        share = self.sharing.share(
+            engine, shared.decode, shared.decode_beside_start, shared.host_decode, shared.decode_beside_decode
+        )
         engine.step_s = self.profile.decode_step_seconds(n, context) * share
         finish = engine.running[0][0]
         self.at(self.now + max(0.0, finish - engine.steps) * engine.step_s, DECODE_DONE, (engine, engine.version))

@@ -466,6 +466,41 @@ def test_a_start_up_slows_the_decode_steps_beside_it_while_it_lasts():
         SharedCore(decode_beside_start=0.9)
 
 
+def test_a_start_up_slows_the_prefill_passes_beside_it_while_it_lasts():
+    # 60 prompts of 1 s each wait on prefill-0 (one a pass); at t=10 decode-1 starts on its core and is still
+    # starting when the last pass ends (a start-up of 1000 s: it takes no work away from the core meanwhile).
+    profile = make_profile(prefill_s_per_token=0.001, max_num_seqs=1, startup_s=1000.0)
+    cores = {"prefill-0": frozenset({0}), "decode-0": frozenset({1}), "decode-1": frozenset({0})}
+    last = {}
+    for name, shared in (("even", SharedCore()), ("measured", SharedCore(prefill_beside_start=1.5))):
+        sim = Simulator(
+            profile, Script([(1, 2)]), TARGETS, (1, 1), interval_s=10.0, cores=cores, shared=shared, spin_s=0.0
+        )
+        result = sim.run([TraceRequest(0.0, 1000, 1) for _ in range(60)])
+        last[name] = max(r.ttft_s for r in result.records)
+    # The pass begun at 10 s, as the start was asked for, runs alone; the 49 after it take 1.5 s each.
+    assert last["even"] == pytest.approx(60.0, abs=0.01)
+    assert last["measured"] == pytest.approx(11.0 + 49 * 1.5, abs=0.01)
+
+
+def test_a_decode_step_beside_a_decode_engine_takes_its_own_slowdown():
+    # Two decode engines on one core each step one request of 100 tokens (0.03 s a step alone).
+    profile = make_profile(prefill_s_per_token=INSTANT, decode_step=(0.03, 0.0), max_num_seqs=100)
+    cores = {"prefill-0": frozenset({1}), "decode-0": frozenset({0}), "decode-1": frozenset({0})}
+    trace = [TraceRequest(0.0, 10, 100), TraceRequest(0.0, 10, 100)]
+    done = {}
+    for name, shared in (
+        ("even", SharedCore()),
+        ("beside any", SharedCore(decode=3.0)),
+        ("beside decode", SharedCore(decode=3.0, decode_beside_decode=1.25)),
+    ):
+        records = simulate(profile, StaticPolicy(1, 2), trace, TARGETS, (1, 2), cores=cores, spin_s=0.0, shared=shared)
+        done[name] = sorted(round(r.done, 3) for r in records.records)
+    assert done == {"even": [6.0, 6.0], "beside any": [9.0, 9.0], "beside decode": [3.75, 3.75]}
+    with pytest.raises(ValueError, match="SharedCore.decode_beside_decode must be 1 or more"):
+        SharedCore(decode_beside_decode=0.9)
+
+
 def test_an_engine_that_just_worked_keeps_its_share_of_the_core_while_it_polls():
     profile = make_profile(prefill_s_per_token=0.001, decode_step=(0.03, 0.0), max_num_seqs=100)
     trace = [TraceRequest(0.0, 10, 100)]  # a 0.01-s prefill pass, then 100 steps of 0.03 s alone
