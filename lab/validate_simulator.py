@@ -79,14 +79,28 @@ MIX = traces.MIXES["short"]
 
 
 # The ``cold`` load: the demo started at its spec's 1 + 1 engines under prompts that want a second prefill engine,
-# then answers that want a second decode engine (one moves over): a start and a move, each under load.
+# then answers that need most of what a decode engine computes: a start under load, then the turn.
 COLD_PROMPTS = traces.LengthMix(
     "prompts", ((1.0, traces.LengthDist(160, 0.3, 64, 512), traces.LengthDist(16, 0.3, 8, 32)),)
 )
 COLD_ANSWERS = traces.LengthMix(
     "answers", ((1.0, traces.LengthDist(64, 0.5, 16, 256), traces.LengthDist(120, 0.3, 32, 512)),)
 )
-COLD_LOADS = (0.7, 0.8)  # each half's rate as a share of what one prefill engine computes of COLD_PROMPTS
+# The prompts' rate as a share of what one prefill engine computes of COLD_PROMPTS; the answers' as a share of the
+# tokens a decode engine computes (``decode_capacity_tps``). The answers were once at 0.8 of the prompts' prefill
+# rate: ~506 tokens/s, where a CPU core decodes ~390 at most, and two decode engines on one core no more (2.0x
+# slower each: lab/results/decode-pair-probe.json). The cold runs of 2026-12-04 held only because the replay then
+# kept at most 64 requests in flight (testlib.fidelity.replay).
+COLD_LOADS = (0.7, 0.8)
+
+
+def decode_capacity_tps(profile: PerformanceProfile, mix: traces.LengthMix, seed: int = 0) -> float:
+    """Tokens per second one decode engine computes, by the profile, at its full batch (``max_num_seqs``) of
+    the mix's requests halfway through their answers."""
+    sample = traces.poisson(50.0, 20.0, mix, seed=seed)
+    context = statistics.mean(r.prompt_tokens + r.output_tokens / 2 for r in sample)
+    batch = profile.engine.max_num_seqs
+    return batch / profile.decode_step_seconds(batch, context)
 
 
 def load_trace(
@@ -94,8 +108,9 @@ def load_trace(
 ) -> tuple[float, list[traces.TraceRequest]]:
     """``(rate, trace)``: Poisson at a share (``LOADS``) of what the spec's prefill pool computes of ``MIX``,
     ``bursty``: 0.3 of it with 4x bursts (1.2x what the prefill pool computes: a queue builds that a larger pool
-    would not have) of ~1 min every ~2 min, or ``cold``: ``COLD_PROMPTS`` for the first half, ``COLD_ANSWERS``
-    for the second, at ``COLD_LOADS`` of what one prefill engine computes of the prompts."""
+    would not have) of ~1 min every ~2 min, or ``cold``: ``COLD_PROMPTS`` for the first half, at
+    ``COLD_LOADS[0]`` of what one prefill engine computes of them, and ``COLD_ANSWERS`` for the second, at
+    ``COLD_LOADS[1]`` of the tokens one decode engine computes."""
     capacity_rps = prefill_capacity_rps(profile, prefill_engines, MIX, seed)
     if name == "bursty":
         rate = 0.3 * capacity_rps
@@ -107,7 +122,10 @@ def load_trace(
         one = prefill_capacity_rps(profile, 1, COLD_PROMPTS, seed)
         half = duration_s / 2
         prompts = traces.poisson(COLD_LOADS[0] * one, half, COLD_PROMPTS, seed=seed)
-        answers = traces.poisson(COLD_LOADS[1] * one, half, COLD_ANSWERS, seed=seed + 1)
+        sample = traces.poisson(50.0, 20.0, COLD_ANSWERS, seed=seed)
+        per_request = statistics.mean(r.output_tokens for r in sample)
+        answers_rps = COLD_LOADS[1] * decode_capacity_tps(profile, COLD_ANSWERS, seed) / per_request
+        answers = traces.poisson(answers_rps, half, COLD_ANSWERS, seed=seed + 1)
         shifted = [dataclasses.replace(r, t=r.t + half) for r in answers]
         return COLD_LOADS[0] * one, traces.merge(prompts, shifted)
     rate = LOADS[name] * capacity_rps
@@ -411,7 +429,10 @@ def resimulate(report_path: str, core_plan: str | None, seed: int, duration_s: f
         plan = dict(item.split(":") for item in core_plan.split())
         cores = {engine: frozenset((0, int(c)) for c in plan_cores.split(",")) for engine, plan_cores in plan.items()}
     for name, load in report["loads"].items():
-        _, trace = load_trace(name, profile, spec.prefill.replicas, duration_s, seed)
+        if "per_request" in load:  # the requests it replayed (a load's definition may have changed since)
+            trace = [traces.TraceRequest(t, prompt, output) for t, prompt, output, *_ in load["per_request"]]
+        else:
+            _, trace = load_trace(name, profile, spec.prefill.replicas, duration_s, seed)
         if len(trace) != load["requests"]:
             sys.exit(f"{name}: {len(trace)} requests, the report replayed {load['requests']}: --seed / --duration?")
         result = predict(spec, profile, trace, shared, physics, report.get("decision_phase_s"), cores)
@@ -622,6 +643,12 @@ def main() -> None:
             "quantiles": rows,
             "within_tolerance": within(rows),
             "per_request": per_request(trace, replayed, simulated),
+            # requests the client sent after their time (a stall of its own; its threads all busy): TTFT is
+            # timed from the send, so a queue in the client would not show in it
+            "sent_late": {
+                "over_0.25_s": sum(1 for m in measured[name] if m["late_s"] > 0.25),
+                "max_s": round(max((m["late_s"] for m in measured[name]), default=0.0), 3),
+            },
         }
         if args.autoscale and spec.autoscaling is not None:
             report["loads"][name]["simulator_prefill_passes"] = pass_rows(result)

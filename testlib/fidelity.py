@@ -42,6 +42,8 @@ from orchestrator.autoscale.traces import TraceRequest
 from testlib.priority import run_ahead
 
 TOLERANCE = 0.20  # the simulator within 20 % of the cluster, per quantile
+MAX_IN_FLIGHT = 1024  # the replay's threads: requests in flight before one is sent late (``late_s``)
+HAND_OVER_S = 0.05  # a request goes to its thread this long before its time
 QUANTILES = (0.5, 0.9)
 # Token ids well inside SmolLM2's vocabulary and clear of its special tokens.
 TOKEN_IDS = (1000, 40000)
@@ -71,9 +73,11 @@ def prefill_capacity_rps(
 
 
 def replay(proxy_url: str, model: str, trace: list[TraceRequest], headers: dict[str, str] | None = None) -> list[dict]:
-    """Send every request at its time; per request ``{"ttft_s", "itl_s", "longest_gap_s", "longest_gap_at",
-    "sent_at", "ended_at", "chunks", "path"}`` (``itl_s``: the mean gap between chunks; ``*_at``: wall-clock
-    times; ``path``: the proxy's ``X-PDServe-Path``, e.g. ``decode-only; reason=...``) or ``{"failed": why}``."""
+    """Send every request at its time, however many are in flight (an open loop: ``MAX_IN_FLIGHT`` threads,
+    each request handed to one at its time); per request ``{"ttft_s", "itl_s", "longest_gap_s",
+    "longest_gap_at", "sent_at", "ended_at", "late_s", "chunks", "path"}`` (``itl_s``: the mean gap between
+    chunks; ``*_at``: wall-clock times; ``late_s``: how much after its time it was sent; ``path``: the proxy's
+    ``X-PDServe-Path``, e.g. ``decode-only; reason=...``) or ``{"failed": why}``."""
     # Never seeded: prompts another replay sent (a lower load of the same seed, a test before) would hit the
     # engines' prefix caches, and a trace's second run would prefill for free.
     rng = random.Random()
@@ -83,7 +87,8 @@ def replay(proxy_url: str, model: str, trace: list[TraceRequest], headers: dict[
 
     def one(index: int) -> dict:
         request = trace[index]
-        time.sleep(max(0.0, start + request.t - time.perf_counter()))
+        due = start + request.t
+        time.sleep(max(0.0, due - time.perf_counter()))
         sent = time.perf_counter()
         body = {
             "model": model,
@@ -122,12 +127,21 @@ def replay(proxy_url: str, model: str, trace: list[TraceRequest], headers: dict[
             "longest_gap_at": wall + stamps[longest] if gaps else None,
             "sent_at": wall + sent,
             "ended_at": wall + stamps[-1],
+            "late_s": sent - due,
             "chunks": len(stamps),
             "path": path,
         }
 
-    with concurrent.futures.ThreadPoolExecutor(max_workers=64) as pool:
-        return list(pool.map(one, range(len(trace))))
+    # Each request goes to a thread at its time (less HAND_OVER_S), so a free thread is there for it as long as
+    # fewer than MAX_IN_FLIGHT are in flight. A pool that took every request at once capped what was in flight
+    # at its size: on 2026-12-04 its 64 threads held the cold run's decode engines at 63-64 running while the
+    # trace wanted ~104, and a request's TTFT, timed from when a thread sent it, hid the queue.
+    with concurrent.futures.ThreadPoolExecutor(max_workers=MAX_IN_FLIGHT) as pool:
+        futures = []
+        for index, request in enumerate(trace):
+            time.sleep(max(0.0, start + request.t - HAND_OVER_S - time.perf_counter()))
+            futures.append(pool.submit(one, index))
+        return [future.result() for future in futures]
 
 
 @contextlib.contextmanager

@@ -90,3 +90,35 @@ def test_a_replay_apart_streams_every_request_from_a_process_of_its_own():
         server.shutdown()
     assert [(a["chunks"], a["path"]) for a in answers] == [(3, "disaggregated")] * 2
     assert all(a["sent_at"] <= a["ended_at"] for a in answers) and isinstance(stalls, list)
+
+
+def test_a_replay_sends_each_request_at_its_time_however_many_are_in_flight():
+    import http.server
+    import threading
+
+    class Slow(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 - http.server's name
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b'data: {"choices": [{"text": "x"}]}\n\n')
+            self.wfile.flush()
+            threading.Event().wait(1.5)  # an answer that takes long: every request is in flight at once
+            self.wfile.write(b"data: [DONE]\n\n")
+
+        def log_message(self, *args):
+            pass
+
+    class Server(http.server.ThreadingHTTPServer):
+        request_queue_size = 256  # its listen backlog: 150 connections at once
+
+    server = Server(("127.0.0.1", 0), Slow)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:  # 150 requests in 0.3 s: a pool of 64 threads sent the 65th 1.5 s late, and timed its TTFT from then
+        trace = [traces.TraceRequest(0.2 + i * 0.002, 8, 2) for i in range(150)]
+        answers = fidelity.replay(f"http://127.0.0.1:{server.server_port}", "m", trace)
+    finally:
+        server.shutdown()
+    assert all("failed" not in a for a in answers), [a for a in answers if "failed" in a][:3]
+    assert max(a["late_s"] for a in answers) < 0.5
+    assert max(a["ttft_s"] for a in answers) < 0.5
