@@ -198,6 +198,10 @@ class EngineActor:
         started = time.monotonic()
         logger.info("engine %s: starting vLLM (%s)", self.launch.engine_id, " ".join(self.launch.vllm_args))
         noting = asyncio.create_task(self._shm.note_while_starting())
+        if self.launch.cpu_bind:  # its start too: vLLM's processes inherit this; unpinned, a start under load
+            # (imports, weights, warm-up: a core for a minute) took the other engines' cores, and the prefill
+            # engine beside it ran at 0.45x of its speed on a core of its own (the cold run of 2026-12-04)
+            pin_process_tree(os.getpid(), parse_cores(self.launch.cpu_bind))
         try:
             await self._start_vllm()
         except BaseException as e:  # noqa: BLE001 - any failure, reported with vLLM's words
@@ -210,7 +214,7 @@ class EngineActor:
             raise EngineStartError(self.launch.engine_id, self.error) from None
         noting.cancel()
         self._read_phases()
-        if self.launch.cpu_bind:
+        if self.launch.cpu_bind:  # again: vLLM's NIXL connector moves a thread of its own (pin_process_tree)
             pinned = pin_process_tree(os.getpid(), parse_cores(self.launch.cpu_bind))
             logger.info("engine %s: %d threads pinned to cores %s", self.launch.engine_id, pinned, self.launch.cpu_bind)
         self.load_s = time.monotonic() - started

@@ -25,6 +25,7 @@ import pytest
 import yaml
 
 from contract import wire
+from orchestrator.engine_processes import parse_cores
 from tests.integration.clients import CLIENT_MIX, answers_equal, kill_outcome, kill_under_load, mixed_send
 from tests.integration.conftest import HERE, engine_headers, http_json, own_cluster, run_pdserve
 
@@ -172,6 +173,10 @@ def test_scale_prefill_up_then_down_under_load(tmp_path: Path) -> None:
         assert run_pdserve("scale", "prefill=2", "--no-wait", env=env).returncode == 0
         time.sleep(min(15.0, load_s / 3))  # well into its start
         assert engine_record(env, "prefill-1")["state"] == "starting"
+        # Its start runs on its cores from the first (vLLM's imports, weights and warm-up take a core for a
+        # minute): before, only a ready engine was pinned, and a start under load slowed the engines on other cores.
+        cores, affinities = starting_affinities(env, "prefill-1")
+        assert affinities and set(affinities.values()) == {cores}, (cores, affinities)
         started = time.monotonic()
         stopped = run_pdserve("scale", "prefill=1", env=env, timeout=900)
         took = time.monotonic() - started
@@ -206,6 +211,24 @@ def kill_one_of_two_decode_engines(env: dict[str, str], proxy_url: str) -> None:
         f"kill of one of two decode engines: decode-0 back {restarted - started:.0f} s after the load began; "
         f"{compared} answers compared with an engine's alone, all equal"
     )
+
+
+def starting_affinities(env: dict[str, str], engine_id: str) -> tuple[frozenset[int], dict[str, frozenset[int]]]:
+    """The cores the event log gives ``engine_id`` ("prefill-1 loading (cores 1, port ...)"), and the CPU affinity
+    of each process of its actor while it starts: the Ray worker of an engine actor that no engine in the status
+    holds yet, and its children."""
+    status = json.loads(run_pdserve("status", "--json", env=env).stdout)
+    loading = [e["message"] for e in status["events"] if e["message"].startswith(f"{engine_id} loading (cores ")]
+    cores = frozenset(parse_cores(loading[-1].split("(cores ", 1)[1].split(",", 1)[0]))
+    known = {e["pid"] for e in status["engines"] if e.get("pid")}
+    affinities = {}
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        with contextlib.suppress(psutil.Error):
+            title = " ".join(proc.info["cmdline"] or [])
+            if title.startswith("ray::EngineActor") and proc.pid not in known:
+                for member in [proc, *proc.children(recursive=True)]:
+                    affinities[f"{member.pid} {member.name()}"] = frozenset(member.cpu_affinity())
+    return cores, affinities
 
 
 def ask_engines(proxy_url: str, n: int) -> tuple[int, str, str]:
