@@ -143,7 +143,12 @@ class ProxySpec(ProxySettings):
 class PoolSpec(_Strict):
     replicas: int = Field(default=1, ge=1, description="Number of engines in this pool.")
     tensor_parallel_size: int = Field(default=1, ge=1, description="TP size of each engine.")
-    cpu_cores: int = Field(default=1, ge=1, description="CPU cores pinned to each engine (per TP rank) on CPU.")
+    cpu_cores: int = Field(
+        default=1,
+        ge=1,
+        description="CPU cores pinned to each engine (per TP rank) on CPU, from the start of its start-up: a start "
+        "under load leaves the other engines' cores to them.",
+    )
     port: int = Field(ge=1, le=65535, description="HTTP port of replica 0; replica i uses port+i.")
     kv_port: int = Field(ge=1, le=65535, description="KV side-channel port of replica 0; replica i uses kv_port+i.")
     placement: PlacementSpec = Field(default_factory=PlacementSpec, description="Where this pool's engines run.")

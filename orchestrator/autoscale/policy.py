@@ -423,10 +423,20 @@ class AutoscalePolicy:
             f"{concurrency:.1f} sequences at once; {batch}/engine (step within {cfg.target_utilization:.0%} of "
             f"ITL {cfg.targets.itl_p90_s * 1000:g} ms, KV within {cfg.target_utilization:.0%}) needs {n}"
         )
-        waiting, extra = obs.decode.queue_depth, 0
-        if waiting > 0:
+        waiting, extra, pool = obs.decode.queue_depth, 0, obs.decode
+        # vLLM's waiting gauge counts the requests whose KV is still loading, too: they wait for a slot only where
+        # the engines have none left (every sequence seat taken, or the KV cache as full as the policy fills it).
+        full = pool.running >= pool.replicas * self.profile.engine.max_num_seqs or (
+            pool.kv_cache_usage >= cfg.target_utilization
+        )
+        if waiting > 0 and full:
             extra = math.ceil(waiting / batch)
             reasons.append(f"decode: {waiting} requests wait for a decode slot; {extra} more")
+        elif waiting > 0:
+            reasons.append(
+                f"decode: {waiting} waiting with room to spare ({pool.running} running, KV "
+                f"{pool.kv_cache_usage:.0%}): loading their KV, no more engines"
+            )
         return n + extra, n
 
     def _feedback(self, obs: ClusterObservation, wish: dict[str, int], floor: dict[str, int], reasons: list[str]):

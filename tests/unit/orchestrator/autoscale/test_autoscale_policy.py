@@ -277,7 +277,7 @@ def test_a_queue_does_not_take_the_other_pools_share_of_the_budget(policy):
     needs for the arrival rate shares the budget; the queues are served by it."""
     calm = policy(max_engines=48).decide(observe(0.0, 300.0, 30, 10, output=400))
     queued = PoolObservation(replicas=30, queue_depth=30_000, queued_tokens=60_000_000)
-    waiting = PoolObservation(replicas=10, queue_depth=500)
+    waiting = PoolObservation(replicas=10, queue_depth=500, kv_cache_usage=0.95)
     behind = policy(max_engines=48).decide(observe(0.0, 300.0, output=400, prefill_pool=queued, decode_pool=waiting))
 
     assert (behind.prefill, behind.decode) == (calm.prefill, calm.decode) == (32, 16)
@@ -468,7 +468,7 @@ def test_a_pool_that_just_changed_gives_no_engine_back_by_a_move_unless_a_breach
         p = policy(moves=True, max_engines=3, prefill=PoolLimits(min=1, max=2), decode=PoolLimits(min=1, max=2))
         first = p.decide(observe(0.0, 0.5, 1, 2, prompt=2000, output=200, ttft_p90_s=30.0))
         assert (first.prefill, first.decode) == (2, 1), first.reasons  # the breach moved an engine to prefill
-        waiting = PoolObservation(replicas=1, queue_depth=8)
+        waiting = PoolObservation(replicas=1, queue_depth=8, kv_cache_usage=0.9)  # for a slot: the KV is full
         return p.decide(observe(30.0, 0.5, 2, 1, prompt=2000, output=200, decode_pool=waiting, itl_p90_s=itl_p90_s))
 
     calm, breached = after_a_breach(None), after_a_breach(5.0)
@@ -492,8 +492,22 @@ def test_a_scale_down_cooldown_of_zero_keeps_the_last_wish_for_moves(policy):
 def test_requests_waiting_for_decode_admission_size_the_decode_pool(policy):
     # Prefilled requests waiting for a decode slot: vLLM's decode engines count them in
     # vllm:num_requests_waiting, which the observation carries as the decode queue.
-    waiting = PoolObservation(replicas=2, queue_depth=400)
+    waiting = PoolObservation(replicas=2, queue_depth=400, kv_cache_usage=0.95)
     calm = policy().decide(observe(0.0, 10.0, 4, 2))
     backed_up = policy().decide(observe(0.0, 10.0, 4, 2, decode_pool=waiting))
     assert backed_up.decode > calm.decode
     assert any("400 requests wait for a decode slot" in r for r in backed_up.reasons)
+    # Every seat taken: the same.
+    seated = PoolObservation(replicas=2, queue_depth=400, running=2 * 256)
+    assert policy().decide(observe(0.0, 10.0, 4, 2, decode_pool=seated)).decode == backed_up.decode
+
+
+def test_requests_waiting_beside_free_decode_slots_are_loading_their_kv_and_add_no_engine(policy):
+    # The CPU demo started under load: 2-5 requests in decode-0's waiting gauge, 0-3 running, its KV 3-6 % used:
+    # their KV was loading. Counted as waiting for a slot, they asked for a second decode engine at 5 s, whose
+    # start took the prefill engine's core for a minute (the cold run of 2026-12-04).
+    loading = PoolObservation(replicas=1, queue_depth=5, running=3, kv_cache_usage=0.06)
+    calm = policy().decide(observe(0.0, 10.0, 4, 1))
+    decided = policy().decide(observe(0.0, 10.0, 4, 1, decode_pool=loading))
+    assert decided.decode == calm.decode
+    assert any("5 waiting with room to spare (3 running, KV 6%): loading their KV" in r for r in decided.reasons)
