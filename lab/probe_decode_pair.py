@@ -29,15 +29,12 @@ import sys
 import time
 from pathlib import Path
 
-import yaml
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from contract.auth import engine_key  # noqa: E402
-from lab.probe_shared_start import PHASE_S, Load, completion, stream_counts  # noqa: E402
+from lab.probe_shared_start import PHASE_S, Load, completion, stream_counts, up_held_still  # noqa: E402
 from orchestrator.state import load_cluster_secret  # noqa: E402
 from testlib.cluster_client import make_prompt, pdserve  # noqa: E402
-from testlib.specs import spec_copy  # noqa: E402
 
 WARM_S = 5.0  # each phase's first seconds are not read: its streams start together
 
@@ -73,12 +70,7 @@ def main() -> None:
     parser.add_argument("--out", metavar="FILE", help="also write the result here (JSON)")
     args = parser.parse_args()
 
-    with open(args.config) as f:  # the copy lives elsewhere: its profile by a path that holds there
-        profile = Path(args.config).resolve().parent / yaml.safe_load(f)["autoscaling"]["profile"]
-    config = spec_copy(args.config, interval_s=3600, profile=str(profile))  # scaled by hand only
-    up = pdserve("up", config, "--detach")
-    if up.returncode != 0:
-        sys.exit(f"pdserve up failed:\n{up.stdout}\n{up.stderr}")
+    config = up_held_still(args.config)
     try:
         status = json.loads(pdserve("status", "--json").stdout)
         model = status["model"]

@@ -101,6 +101,19 @@ class Load:
         return round(1000 * statistics.median(values), 1) if values else None
 
 
+def up_held_still(config_path: str) -> str:
+    """``pdserve up --detach`` of a copy of ``config_path`` whose autoscaler never decides (scaled by hand only);
+    the copy's path, for the caller to remove after ``pdserve down``."""
+    with open(config_path) as f:  # the copy lives elsewhere: its profile by a path that holds there
+        profile = Path(config_path).resolve().parent / yaml.safe_load(f)["autoscaling"]["profile"]
+    config = spec_copy(config_path, interval_s=3600, profile=str(profile))
+    up = pdserve("up", config, "--detach")
+    if up.returncode != 0:
+        os.unlink(config)
+        sys.exit(f"pdserve up failed:\n{up.stdout}\n{up.stderr}")
+    return config
+
+
 def scale(target: int) -> tuple[float, float, float | None]:
     """``pdserve scale prefill=N``: when it began and ended, and prefill-1's start as the controller timed it."""
     began = time.monotonic()
@@ -176,12 +189,7 @@ def main() -> None:
     parser.add_argument("--out", metavar="FILE", help="also write the result here (JSON)")
     args = parser.parse_args()
 
-    with open(args.config) as f:  # the copy lives elsewhere: its profile by a path that holds there
-        profile = Path(args.config).resolve().parent / yaml.safe_load(f)["autoscaling"]["profile"]
-    config = spec_copy(args.config, interval_s=3600, profile=str(profile))  # scaled by hand only
-    up = pdserve("up", config, "--detach")
-    if up.returncode != 0:
-        sys.exit(f"pdserve up failed:\n{up.stdout}\n{up.stderr}")
+    config = up_held_still(args.config)
     itl: dict[str, float | None] = {}
     try:
         status = json.loads(pdserve("status", "--json").stdout)
