@@ -65,6 +65,7 @@ from testlib.cluster_client import pdserve  # noqa: E402
 from testlib.fidelity import (  # noqa: E402
     TOLERANCE,
     compare,
+    decode_capacity_rps,
     mean_profile,
     prefill_capacity_rps,
     quantile,
@@ -86,21 +87,12 @@ COLD_PROMPTS = traces.LengthMix(
 COLD_ANSWERS = traces.LengthMix(
     "answers", ((1.0, traces.LengthDist(64, 0.5, 16, 256), traces.LengthDist(120, 0.3, 32, 512)),)
 )
-# The prompts' rate as a share of what one prefill engine computes of COLD_PROMPTS; the answers' as a share of the
-# tokens a decode engine computes (``decode_capacity_tps``). The answers were once at 0.8 of the prompts' prefill
-# rate: ~506 tokens/s, where a CPU core decodes ~390 at most, and two decode engines on one core no more (2.0x
-# slower each: lab/results/decode-pair-probe.json). The cold runs of 2026-12-04 held only because the replay then
-# kept at most 64 requests in flight (testlib.fidelity.replay).
+# The prompts' rate as a share of what one prefill engine computes of COLD_PROMPTS; the answers' as a share of what
+# a decode engine answers (``decode_capacity_rps``). The answers were once at 0.8 of the prompts' prefill rate:
+# ~506 tokens/s, where a CPU core decodes ~390 at most, and two decode engines on one core no more (2.0x slower
+# each: lab/results/decode-pair-probe.json). The cold runs of 2026-12-04 held only because the replay then kept at
+# most 64 requests in flight (testlib.fidelity.replay).
 COLD_LOADS = (0.7, 0.8)
-
-
-def decode_capacity_tps(profile: PerformanceProfile, mix: traces.LengthMix, seed: int = 0) -> float:
-    """Tokens per second one decode engine computes, by the profile, at its full batch (``max_num_seqs``) of
-    the mix's requests halfway through their answers."""
-    sample = traces.poisson(50.0, 20.0, mix, seed=seed)
-    context = statistics.mean(r.prompt_tokens + r.output_tokens / 2 for r in sample)
-    batch = profile.engine.max_num_seqs
-    return batch / profile.decode_step_seconds(batch, context)
 
 
 def load_trace(
@@ -110,7 +102,7 @@ def load_trace(
     ``bursty``: 0.3 of it with 4x bursts (1.2x what the prefill pool computes: a queue builds that a larger pool
     would not have) of ~1 min every ~2 min, or ``cold``: ``COLD_PROMPTS`` for the first half, at
     ``COLD_LOADS[0]`` of what one prefill engine computes of them, and ``COLD_ANSWERS`` for the second, at
-    ``COLD_LOADS[1]`` of the tokens one decode engine computes."""
+    ``COLD_LOADS[1]`` of what one decode engine answers."""
     capacity_rps = prefill_capacity_rps(profile, prefill_engines, MIX, seed)
     if name == "bursty":
         rate = 0.3 * capacity_rps
@@ -122,9 +114,7 @@ def load_trace(
         one = prefill_capacity_rps(profile, 1, COLD_PROMPTS, seed)
         half = duration_s / 2
         prompts = traces.poisson(COLD_LOADS[0] * one, half, COLD_PROMPTS, seed=seed)
-        sample = traces.poisson(50.0, 20.0, COLD_ANSWERS, seed=seed)
-        per_request = statistics.mean(r.output_tokens for r in sample)
-        answers_rps = COLD_LOADS[1] * decode_capacity_tps(profile, COLD_ANSWERS, seed) / per_request
+        answers_rps = COLD_LOADS[1] * decode_capacity_rps(profile, COLD_ANSWERS, seed)
         answers = traces.poisson(answers_rps, half, COLD_ANSWERS, seed=seed + 1)
         shifted = [dataclasses.replace(r, t=r.t + half) for r in answers]
         return COLD_LOADS[0] * one, traces.merge(prompts, shifted)

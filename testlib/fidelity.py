@@ -68,8 +68,23 @@ def prefill_capacity_rps(
     profile: PerformanceProfile, prefill_engines: int, mix: traces.LengthMix, seed: int = 0
 ) -> float:
     """Requests per second a prefill pool computes, by the profile, for the mix's prompts one at a time."""
-    sample = traces.poisson(50.0, 20.0, mix, seed=seed)  # ~1000 draws of the mix
+    sample = mix_sample(mix, seed)
     return prefill_engines / statistics.mean(profile.prefill_seconds(r.prompt_tokens) for r in sample)
+
+
+def decode_capacity_rps(profile: PerformanceProfile, mix: traces.LengthMix, seed: int = 0) -> float:
+    """Requests per second one decode engine answers, by the profile, at its full batch (``max_num_seqs``) of the
+    mix's requests halfway through their answers: its tokens per second over the mix's mean answer."""
+    sample = mix_sample(mix, seed)
+    context = statistics.mean(r.prompt_tokens + r.output_tokens / 2 for r in sample)
+    batch = profile.engine.max_num_seqs
+    tokens_per_s = batch / profile.decode_step_seconds(batch, context)
+    return tokens_per_s / statistics.mean(r.output_tokens for r in sample)
+
+
+def mix_sample(mix: traces.LengthMix, seed: int) -> list[TraceRequest]:
+    """~1000 draws of the mix, the same for a seed: what the capacities above average over."""
+    return traces.poisson(50.0, 20.0, mix, seed=seed)
 
 
 def replay(proxy_url: str, model: str, trace: list[TraceRequest], headers: dict[str, str] | None = None) -> list[dict]:

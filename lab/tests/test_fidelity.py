@@ -34,6 +34,13 @@ def test_fidelity_capacity_is_engines_over_the_mixes_mean_prefill_time():
     assert fidelity.prefill_capacity_rps(profile, 3, mix) == pytest.approx(6.0)
 
 
+def test_fidelity_decode_capacity_is_a_full_batchs_tokens_over_the_mixes_mean_answer():
+    profile = make_profile(decode_step=(0.1, 0.0), max_num_seqs=4)  # 4 sequences a step of 0.1 s: 40 tokens/s
+    mix = traces.LengthMix("fixed", ((1.0, traces.LengthDist(250, 0.0, 250, 250), traces.LengthDist(8, 0.0, 8, 8)),))
+
+    assert fidelity.decode_capacity_rps(profile, mix) == pytest.approx(40.0 / 8)
+
+
 def test_a_watcher_held_still_is_a_stall_and_requests_near_it_are_left_out():
     import signal
     import time
