@@ -25,7 +25,7 @@ from connectors.side_client import ping
 from contract import wire
 from contract.auth import KVAuth, read_secret_file
 from tests.integration.conftest import Cluster, http_json, kv_report, metric_values
-from tests.unit.connectors.test_side_channel import dropped_unanswered, exchange, header
+from tests.unit.connectors.side_channel_peers import dropped_unanswered, exchange, header
 
 pytestmark = [pytest.mark.integration, pytest.mark.parametrize("cluster", ["pdserve"], indirect=True)]
 

@@ -31,7 +31,7 @@ from contract import wire
 from contract.auth import KVAuth, read_secret_file
 from tests.integration.clients import CLIENT_MIX, answers_equal, kill_outcome, kill_under_load, mixed_send
 from tests.integration.conftest import Cluster, http_json, kv_report, metric_values
-from tests.unit.connectors.test_side_channel import ask
+from tests.unit.connectors.side_channel_peers import ask
 
 pytestmark = [pytest.mark.integration, pytest.mark.parametrize("cluster", ["pdserve"], indirect=True)]
 
