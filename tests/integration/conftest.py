@@ -25,6 +25,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from testlib.priority import run_ahead
+
 HERE = Path(__file__).parent
 PDSERVE = [sys.executable, "-m", "orchestrator.cli"]
 UP_TIMEOUT_S = 900
@@ -36,10 +38,15 @@ CONNECTORS = ("vllm-nixl", "pdserve")
 CLI_TIMEOUT_S = 900
 
 
-def run_pdserve(*args: str, env: dict[str, str], timeout: float = CLI_TIMEOUT_S) -> subprocess.CompletedProcess:
+def run_pdserve(
+    *args: str, env: dict[str, str], timeout: float = CLI_TIMEOUT_S, ahead: bool = False
+) -> subprocess.CompletedProcess:
+    """``pdserve ARGS``; ``ahead``: in a session of its own, ahead of the engines on the CPU (``run_ahead``), for a
+    command whose client clock measures the engines (``pdserve profile``)."""
     return subprocess.run(
-        [*PDSERVE, *args], env=env, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL
-    )
+        [*PDSERVE, *args], env=env, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL,
+        start_new_session=ahead, preexec_fn=run_ahead if ahead else None,
+    )  # fmt: skip
 
 
 ADAPTER = "smollm2-random-lora"
