@@ -1,0 +1,34 @@
+"""The host CPU probe's arithmetic: tokens streamed in a window, and the per-token fit."""
+
+from __future__ import annotations
+
+import pytest
+
+from lab.probe_host_cpu import fit, streamed_per_s, steady
+
+
+def test_tokens_are_counted_by_the_share_of_each_stream_inside_the_window():
+    answers = [
+        # first token at 10 s, last at 20 s: 100 chunks spread over 10 s, half of them inside [15, 25)
+        {"sent_at": 9.5, "ttft_s": 0.5, "ended_at": 20.0, "chunks": 100},
+        # entirely inside
+        {"sent_at": 16.0, "ttft_s": 1.0, "ended_at": 19.0, "chunks": 30},
+        {"failed": "refused"},
+    ]
+    tokens, requests = streamed_per_s(answers, 15.0, 25.0)
+    assert tokens == pytest.approx((50 + 30) / 10)
+    assert requests == pytest.approx(1 / 10)
+
+
+def test_the_fit_is_cpu_seconds_per_token_over_the_idle_use():
+    rows = [
+        {"tokens_per_s": t, "host_cores": 0.05 + 0.0002 * t, "idle_host_cores": 0.05} for t in (100.0, 200.0, 300.0)
+    ]
+    assert fit(rows) == pytest.approx(0.0002)
+
+
+def test_a_steady_load_is_poisson_at_its_rate():
+    trace = steady(5.0, 200.0, 64, 120, seed=1)
+    assert 900 < len(trace) < 1100
+    assert all(r.prompt_tokens == 64 and r.output_tokens == 120 for r in trace)
+    assert [r.t for r in trace] == sorted(r.t for r in trace)
