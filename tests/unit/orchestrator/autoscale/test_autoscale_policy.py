@@ -106,7 +106,7 @@ def test_prefill_is_sized_for_the_wait_each_prompt_length_affords_not_the_mean_p
     assert budgets[-1] < 0.7 < 1.5 < mean_budget < budgets[0]
     by_mean = next(n for n in range(1, 64) if erlang_c_wait_tail(n, 20.0, 0.4, mean_budget) <= TTFT_TAIL)
     assert decision.prefill > by_mean
-    assert any("P(wait > its budget) <= 2% over 20 prompt lengths" in line for line in decision.reasons)
+    assert any(f"P(wait > its budget) <= {TTFT_TAIL:.0%} over 20 prompt lengths" in line for line in decision.reasons)
 
 
 def test_prompts_too_long_for_the_target_even_unqueued_do_not_size_the_pool(policy):
