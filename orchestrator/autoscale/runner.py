@@ -93,7 +93,8 @@ def simulate_spec(
             )
         policy, initial = StaticPolicy(*static), static
     else:
-        policy = policy or AutoscalePolicy(scaling, profile, moves=moves_allowed(spec, moves))
+        # From the spec's sizes it starts cold; from ``start`` (a split sized for the load), it does not.
+        policy = policy or AutoscalePolicy(scaling, profile, moves=moves_allowed(spec, moves), cold_start=start is None)
         initial = start or (spec.prefill.replicas, spec.decode.replicas)
     routing = (spec.proxy.routing.prefill, spec.proxy.routing.decode)
     return simulate(

@@ -50,9 +50,9 @@ def linear_profile() -> PerformanceProfile:
 
 @pytest.fixture
 def policy() -> Callable[..., AutoscalePolicy]:
-    def make(moves: bool = False, **overrides: Any) -> AutoscalePolicy:
+    def make(moves: bool = False, cold_start: bool = False, **overrides: Any) -> AutoscalePolicy:
         config = AutoscalingConfig.model_validate({**CONFIG.model_dump(), **overrides})
-        return AutoscalePolicy(config, linear_profile(), moves=moves)
+        return AutoscalePolicy(config, linear_profile(), moves=moves, cold_start=cold_start)
 
     return make
 
@@ -177,6 +177,19 @@ def test_arrivals_beyond_the_serving_engines_count_as_backlog_until_new_ones_sta
     assert "2400000 more tokens" in line and ": 3 more" in line
     # on engines that keep up, nothing queues
     assert not any("queue up" in r for r in policy().decide(observe(0.0, 30.0, 20, 2)).reasons)
+
+
+def test_a_cold_start_clears_its_backlog_within_an_interval_of_the_new_engines_serving(policy):
+    # The same 2.4M tokens as above, on pools at the spec's sizes: in its first scale_down_cooldown_s the policy
+    # clears them within one interval (30 s) of the new engines serving, not over a start-up more: 8 more, not 3.
+    cold = policy(cold_start=True)
+    first = cold.decide(observe(0.0, 30.0, 2, 2))
+    line = next(r for r in first.reasons if "queue up before new engines serve" in r)
+    assert ": 8 more to clear them within 30s of serving (a start under load: first 300s)" in line
+    assert first.prefill == policy().decide(observe(0.0, 30.0, 2, 2)).prefill + 5
+    # once it has watched for a cooldown, a backlog is a burst's: cleared over a start-up again
+    later = cold.decide(observe(330.0, 90.0, first.prefill, 2))
+    assert any("more to clear them in 90s" in r for r in later.reasons)
 
 
 def test_a_rise_forecast_holds_while_the_ramp_goes_on_and_ends_when_it_falls(policy):
