@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lab.probe_host_cpu import fit, streamed_per_s, steady
+from lab.probe_host_cpu import fit, steady, streamed_per_s
 
 
 def test_tokens_are_counted_by_the_share_of_each_stream_inside_the_window():
