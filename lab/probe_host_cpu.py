@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import sys
 import threading
 import time
@@ -31,6 +30,7 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lab.probe_shared_start import up_held_still  # noqa: E402
+from orchestrator.autoscale import traces  # noqa: E402
 from orchestrator.autoscale.traces import TraceRequest  # noqa: E402
 from testlib.cluster_client import pdserve  # noqa: E402
 from testlib.fidelity import replay_apart  # noqa: E402
@@ -78,12 +78,10 @@ def measure(seconds: float) -> dict[str, float]:
 
 
 def steady(rate: float, seconds: float, prompt: int, output: int, seed: int) -> list[TraceRequest]:
-    rng, t, trace = random.Random(seed), 0.0, []
-    while True:
-        t += rng.expovariate(rate)
-        if t >= seconds:
-            return trace
-        trace.append(TraceRequest(t, prompt, output))
+    """Poisson arrivals at ``rate`` of requests all ``prompt`` tokens long, each answered in ``output`` tokens."""
+    prompts, answers = traces.LengthDist(prompt, 0.0, prompt, prompt), traces.LengthDist(output, 0.0, output, output)
+    fixed = traces.LengthMix("fixed", ((1.0, prompts, answers),))
+    return traces.poisson(rate, seconds, fixed, seed=seed)
 
 
 def streamed_per_s(answers: list[dict], start: float, end: float) -> tuple[float, float]:

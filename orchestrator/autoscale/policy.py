@@ -119,16 +119,6 @@ MOVE_MEMORY = 3  # a pool gives engines away by moves only down to the largest o
 # one request waited, a breach raised decode on long outputs, where a few requests always wait for a slot,
 # while prefill was the wait (long-output tuning seeds: steady -5.8 points against the fixed split).
 DECODE_BLAME_SHARE = 0.5
-# A prefill backlog is sized to clear within interval + this x start-up of the decision that starts engines for
-# it. At 0 (within one interval of their serving) everywhere, the study's evaluation traces met 19 of 36 against 21:
-# the engines started for a burst's backlog became the burst guard's reserve (tenants heavy 13 at 1.29x), while the
-# tuning seeds met 42 of 72 either way (docs/autoscaling-study.md). So a whole start-up, except at a cold start:
-BACKLOG_STARTUPS = 1.0
-# Until a policy that starts cold (``AutoscalePolicy.cold_start``: the pools at the spec's initial sizes, sized for
-# no demand) has watched for one scale-down cooldown, a backlog is the start falling short of the load: cleared
-# within one interval of the new engines serving. A cold start under 0.6-0.95 of a full load then held its targets
-# from 120 s on 24 of 27 evaluation runs, against 9 with a start-up's horizon (docs/autoscaling-study.md).
-COLD_BACKLOG_STARTUPS = 0.0
 
 
 @dataclass(slots=True)
@@ -237,7 +227,7 @@ class AutoscalePolicy:
         self.profile = profile
         self.moves = moves  # engines move between the pools (the spec's role_moves; ClusterSpec.move_problem)
         # The pools start at the spec's sizes, sized for no demand (a cluster just up): a backlog in the first
-        # scale_down_cooldown_s is the start falling short (COLD_BACKLOG_STARTUPS). False: they start sized already.
+        # scale_down_cooldown_s is the start falling short (_prefill_demand). False: they start sized already.
         self.cold_start = cold_start
         # a schedule's or season's rates a start-up ahead (orchestrator.autoscale.forecast); None: reacting only
         self.forecaster = forecaster if forecaster is not None else forecaster_of(config)
@@ -385,9 +375,15 @@ class AutoscalePolicy:
         serving_rps = obs.prefill.replicas * tokens_per_s / prompt
         growth = max(0.0, (rate + obs.arrival_rate_rps) / 2 - serving_rps) * prompt * startup
         if backlog > 0 or growth > 0:
-            # New engines help only once started: clear the backlog over that horizon, not one interval.
+            # New engines help only once started: clear the backlog over that horizon, not one interval. Cleared
+            # within one interval of their serving instead, the study's evaluation traces met 19 of 36 against 21:
+            # the engines started for a burst's backlog became the burst guard's reserve (tenants heavy 13 at 1.29x).
+            # But until a policy that starts cold (``cold_start``: the pools at the spec's sizes, sized for no
+            # demand) has watched for a scale-down cooldown, a backlog is the start falling short of the load, and
+            # is cleared so: a cold start under 0.6-0.95 of a full load then held its targets from 120 s on 24 of
+            # 27 evaluation runs, against 9 (docs/autoscaling-study.md).
             cold = self.cold_start and obs.t - self._watching_since < cfg.scale_down_cooldown_s
-            horizon = cfg.interval_s + (COLD_BACKLOG_STARTUPS if cold else BACKLOG_STARTUPS) * startup
+            horizon = cfg.interval_s if cold else cfg.interval_s + startup
             extra = math.ceil((backlog + growth) / (tokens_per_s * horizon))
             n += extra
             grows = f" and {growth:.0f} more tokens queue up before new engines serve" if growth > 0 else ""
