@@ -63,6 +63,15 @@ class ConnectorOptions(_Strict):
         "clocks of two hosts may differ); one that cannot is recomputed, never served from blocks that may be "
         "another request's.",
     )
+    load_wait_s: float = Field(
+        default=0.01,
+        ge=0,
+        le=1,
+        description="After a step, a decode engine waits up to this long for the KV loads the step began (a pin's "
+        "round trip and a READ: a few ms on one host) before it reports which landed, so their requests join the "
+        "next step instead of the one after (vLLM begins a step's loads after its forward and asks at once); "
+        "0: never waits.",
+    )
     transports: tuple[Literal[CONFIGURABLE], ...] = Field(  # type: ignore[valid-type]
         default=DEFAULT_TRANSPORTS,
         min_length=1,

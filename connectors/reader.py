@@ -45,7 +45,8 @@ import logging
 import random
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_for_any
 from dataclasses import dataclass
 
 from connectors.block_ranges import KVRegions, PlaneRanges, plan_peer_ranges
@@ -96,6 +97,9 @@ def _rank_of(name: str) -> int:
     return int(name.rpartition("/rank")[2].partition("@")[0])
 
 
+LOAD_POLL_S = 0.0002  # how often ``_await_begun`` looks at READs in flight
+
+
 class KVReader:
     """The decode side of one TP rank; driven by the model runner's thread (``attach`` once caches exist).
 
@@ -121,6 +125,7 @@ class KVReader:
         self._peers: dict[str, _SourceRank] = {}
         self._peer_failures: dict[str, tuple[str, str]] = {}  # failed handshakes: (kind, reason)
         self._records: dict[str, ReadRecord] = {}
+        self._begun: set[str] = set()  # requests whose load began since the last poll (``_await_begun``)
         self._pins: dict[tuple[str, str], Future[PinAnswer]] = {}  # (request id, source) -> its pin, asked
         self._load_error_block_ids: set[int] = set()
         self._faults = random.Random(settings.fault_injection.seed)
@@ -160,6 +165,7 @@ class KVReader:
             hold_s=self.settings.fault_injection.read_hold_s,
         )
         self._records[spec.request_id] = record
+        self._begun.add(spec.request_id)
         failure_rate = self.settings.fault_injection.read_failure_rate
         if spec.failure:
             failure = ("internal", f"the scheduler side could not plan the read: {spec.failure}")
@@ -390,6 +396,7 @@ class KVReader:
         if self._transport is None:
             return set(), set()
         self._advance()
+        self._await_begun()
         finished: set[str] = set()
         failed: set[str] = set()
         for request_id, record in list(self._records.items()):
@@ -403,6 +410,35 @@ class KVReader:
                 failed.add(request_id)
                 self._failed(record)
         return finished, failed
+
+    def _await_begun(self) -> None:
+        """Give the loads begun since the last poll up to ``load_wait_s`` to land before ``poll`` reports.
+
+        vLLM begins a step's async loads after its forward and asks for their results at once: a load still
+        waiting for its pin's answer (a round trip to the prefill engine) or its READ then shows only at the
+        end of the next step, and its request joins the batch a step later than it could (a whole step of its
+        TTFT, for a wait of a few ms here). Waiting only ever ends sooner than the budget; every phase moves as
+        ``_advance`` moves it anyway (deadlines, holds and aborts included).
+        """
+        begun, self._begun = self._begun, set()
+        deadline = time.monotonic() + self.settings.load_wait_s
+        while True:
+            loading = [
+                record
+                for request_id in begun
+                if (record := self._records.get(request_id)) is not None
+                and record.phase in (ReadPhase.CHECKED, ReadPhase.PINNING, ReadPhase.READING)
+            ]
+            left = deadline - time.monotonic()
+            if not loading or left <= 0:
+                return
+            asked = [future for (request_id, _), future in self._pins.items() if request_id in begun]
+            asked += [handshake.future for handshake in self._handshaking.values()]
+            if asked:  # an answer is what they wait for: sleep until one comes (the GIL is free meanwhile)
+                wait_for_any(asked, timeout=min(left, LOAD_POLL_S * 10), return_when=FIRST_COMPLETED)
+            else:  # READs in flight
+                time.sleep(min(left, LOAD_POLL_S))
+            self._advance()
 
     def _loaded(self, record: ReadRecord) -> None:
         spec = record.spec

@@ -1,16 +1,22 @@
 """What the host's unpinned processes take of the cores while the CPU demo streams answers: the proxy, the replay
-client, Ray's daemons (none of them pinned; every engine's processes are, each to its cores).
+client, Ray's daemons (none of them pinned; every engine's processes are, each to its cores); and where each
+request's time goes on the way.
 
 Starts ``--config`` (the autoscaled CPU demo by default, its autoscaler held still: prefill-0 on core 0, decode-0
 on core 1), then for each of ``--rates`` replays a steady Poisson load of short prompts and long answers through
 the proxy as ``validate_simulator.py`` does (``testlib.fidelity.replay_apart``: its client in a session of its own,
 ahead of the engines), and reads from ``/proc`` the CPU seconds every process used in the middle ``--window`` of
-it, by group: engines (pinned), proxy, client, Ray, other. Also idle, before the first load.
+it, by group: engines (pinned; also by part, ``api@C`` the engine actor's process with vLLM's HTTP server, ``core@C``
+its engine core, on core C), proxy, client, Ray, other. Also idle, before the first load. Around each window it
+reads the engines' and the proxy's ``/metrics`` (``TIMES``): per engine the mean queue, prefill, TTFT and KV load
+times of the requests in it, and its steps; and the client's TTFT and ITL quantiles.
 
 Its ``host``: the unpinned processes' use idle (cores) and their CPU seconds per answer token streamed (fitted by
-least squares over the loads). On 2026-12-05 they took 0.07-0.08 of the 2 cores at 96-303 answer tokens/s
-(``lab/results/host-cpu-probe.json``): the host's own load does not explain why the cluster's latencies under
-load are longer than the simulator's.
+least squares over the loads); ``api``: each API server's, per token and per request. On 2026-12-05 the host took
+0.07-0.09 of the 2 cores at 144-309 answer tokens/s and each API server under 0.05 of its core
+(``lab/results/host-cpu-probe.json``): neither explains why the cluster's latencies under load were longer than the
+simulator's. The times did: decode-0's queue was 2 steps where the simulator has 1 (a load showed a step late,
+``connector_options.load_wait_s``; before it, ``host-cpu-probe-no-wait.json``).
 
     python lab/probe_host_cpu.py [--rates 1,2,3] [--output 120] [--out lab/results/host-cpu-probe.json]
 """
@@ -32,17 +38,34 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lab.probe_shared_start import up_held_still  # noqa: E402
 from orchestrator.autoscale import traces  # noqa: E402
 from orchestrator.autoscale.traces import TraceRequest  # noqa: E402
+from orchestrator.engine_metrics import scrape  # noqa: E402
 from testlib.cluster_client import pdserve  # noqa: E402
 from testlib.fidelity import replay_apart  # noqa: E402
 
+# Where a request's time goes, read off the engines' and the proxy's /metrics around each window: the mean of each
+# histogram (its _sum over its _count), and the engine steps (a prefill pass or a decode step) and their tokens.
+TIMES = {
+    "queue_s": "vllm:request_queue_time_seconds",  # arrival at the engine core to its first scheduled step
+    "prefill_s": "vllm:request_prefill_time_seconds",  # first scheduled to first token
+    "ttft_s": "vllm:time_to_first_token_seconds",  # the engine's API server: request in to first token out
+    "e2e_s": "vllm:e2e_request_latency_seconds",
+    "kv_load_s": "pdserve:kv_transfer_seconds",  # a decode engine's read of one request's KV
+    "proxy_ttft_s": "pdserve_proxy_time_to_first_token_seconds",
+}
+COUNTS = {"steps": "vllm:iteration_tokens_total_count", "step_tokens": "vllm:iteration_tokens_total_sum"}
 GROUPS = ("engines", "proxy", "client", "ray", "other")
+HOST = GROUPS[1:]  # the unpinned processes
 SETTLE_S = 15.0  # a load runs this long before its window
 
 
 def group_of(proc: psutil.Process, cores: int) -> str:
-    """Which of ``GROUPS`` a process counts in."""
-    if len(proc.cpu_affinity()) < cores:
-        return "engines"
+    """Which of ``GROUPS`` a process counts in; an engine's (pinned) processes also by part and core:
+    ``api@0`` for the engine actor's process on core 0 (vLLM's HTTP server and ``AsyncLLM``: tokenizing,
+    detokenizing, streaming), ``core@0`` for its engine core and workers."""
+    affinity = proc.cpu_affinity()
+    if len(affinity) < cores:
+        part = "api" if proc.cmdline()[:1] and proc.cmdline()[0].startswith("ray::") else "core"
+        return f"{part}@{'+'.join(map(str, sorted(affinity)))}"
     line = " ".join(proc.cmdline())
     if "ProxyActor" in line:
         return "proxy"
@@ -73,8 +96,11 @@ def measure(seconds: float) -> dict[str, float]:
     after, wall = cpu_by_group(), time.monotonic() - began
     use = dict.fromkeys(GROUPS, 0.0)
     for pid, (group, used) in after.items():
-        use[group] += (used - before.get(pid, (group, 0.0))[1]) / wall
-    return {group: round(cores, 3) for group, cores in use.items()}
+        cores = (used - before.get(pid, (group, 0.0))[1]) / wall
+        use[group] = use.get(group, 0.0) + cores
+        if group not in GROUPS:
+            use["engines"] += cores
+    return {group: round(cores, 3) for group, cores in sorted(use.items())}
 
 
 def steady(rate: float, seconds: float, prompt: int, output: int, seed: int) -> list[TraceRequest]:
@@ -82,6 +108,30 @@ def steady(rate: float, seconds: float, prompt: int, output: int, seed: int) -> 
     prompts, answers = traces.LengthDist(prompt, 0.0, prompt, prompt), traces.LengthDist(output, 0.0, output, output)
     fixed = traces.LengthMix("fixed", ((1.0, prompts, answers),))
     return traces.poisson(rate, seconds, fixed, seed=seed)
+
+
+def read_metrics(urls: dict[str, str]) -> dict[str, dict[str, float]]:
+    """Each ``urls`` entry's ``TIMES`` (_sum and _count) and ``COUNTS`` now."""
+    names = [f"{n}{end}" for n in TIMES.values() for end in ("_sum", "_count")] + list(COUNTS.values())
+    return {who: scrape(url, names, timeout_s=10) for who, url in urls.items()}
+
+
+def times_between(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]], seconds: float) -> dict:
+    """Per engine (and the proxy) over a window: the mean of every ``TIMES`` histogram that counted something,
+    and steps per second with their mean tokens."""
+    out: dict[str, dict[str, float]] = {}
+    for who, now in after.items():
+        was, row = before[who], {}
+        for key, name in TIMES.items():
+            count = now[f"{name}_count"] - was[f"{name}_count"]
+            if count > 0:
+                row[key] = round((now[f"{name}_sum"] - was[f"{name}_sum"]) / count, 4)
+        steps = now[COUNTS["steps"]] - was[COUNTS["steps"]]
+        if steps > 0:
+            row["steps_per_s"] = round(steps / seconds, 2)
+            row["tokens_per_step"] = round((now[COUNTS["step_tokens"]] - was[COUNTS["step_tokens"]]) / steps, 2)
+        out[who] = row
+    return out
 
 
 def streamed_per_s(answers: list[dict], start: float, end: float) -> tuple[float, float]:
@@ -99,16 +149,25 @@ def streamed_per_s(answers: list[dict], start: float, end: float) -> tuple[float
     return tokens / (end - start), sent / (end - start)
 
 
+def quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+
+
 def replay_into(done: dict, status: dict, trace: list[TraceRequest]) -> None:
     done["out"] = replay_apart(status["proxy_url"], status["model"], trace)
 
 
-def fit(rows: list[dict]) -> float:
-    """The unpinned processes' CPU seconds per answer token streamed: (host cores - idle) = k x tokens/s, by least
-    squares through the origin. (A term per request as well was tried: over three loads it came out below zero.)"""
-    return sum(r["tokens_per_s"] * (r["host_cores"] - r["idle_host_cores"]) for r in rows) / sum(
-        r["tokens_per_s"] ** 2 for r in rows
-    )
+def fit(xs: list[float], ys: list[float]) -> float:
+    """``k`` of ``y = k x`` by least squares through the origin: the unpinned processes' CPU seconds per answer
+    token streamed from (host cores - idle) against tokens/s, an API server's from its own. (A term per request
+    as well was tried for the host: over three loads it came out below zero.)"""
+    return sum(x * y for x, y in zip(xs, ys, strict=True)) / sum(x * x for x in xs)
+
+
+def per_unit(rows: list[dict], idle: dict[str, float], group: str, unit: str) -> float:
+    """``group``'s CPU seconds beyond its idle use per ``unit`` (``tokens_per_s``, ``requests_per_s``)."""
+    return fit([r[unit] for r in rows], [r["cores"].get(group, 0.0) - idle.get(group, 0.0) for r in rows])
 
 
 def main() -> None:
@@ -124,9 +183,10 @@ def main() -> None:
     config = up_held_still(args.config)
     try:
         status = json.loads(pdserve("status", "--json").stdout)
+        urls = {e["engine_id"]: e["url"] for e in status["engines"]} | {"proxy": status["proxy_url"]}
         time.sleep(SETTLE_S)
         idle = measure(args.window / 2)
-        idle_host = sum(v for g, v in idle.items() if g != "engines")
+        idle_host = sum(idle[g] for g in HOST)
         print(f"idle: {idle}", flush=True)
         rows = []
         for n, rate in enumerate(float(r) for r in args.rates.split(",")):
@@ -135,19 +195,24 @@ def main() -> None:
             thread = threading.Thread(target=replay_into, args=(done, status, trace))
             thread.start()
             time.sleep(SETTLE_S)
-            start = time.time()
+            start, metrics_before = time.time(), read_metrics(urls)
             use = measure(args.window)
-            end = time.time()
+            end, metrics_after = time.time(), read_metrics(urls)
             thread.join()
             answers, _ = done["out"]
             tokens, requests = streamed_per_s(answers, start, end)
-            host = sum(v for g, v in use.items() if g != "engines")
+            host = sum(use[g] for g in HOST)
+            served = [a for a in answers if "failed" not in a and start <= a["sent_at"] < end and a["chunks"] > 1]
             row = {
                 "rate": rate,
+                "ttft_p50_s": round(quantile([a["ttft_s"] for a in served], 0.5), 4),
+                "ttft_p90_s": round(quantile([a["ttft_s"] for a in served], 0.9), 4),
+                "itl_p50_s": round(quantile([a["itl_s"] for a in served], 0.5), 4),
                 "requests_per_s": round(requests, 3),
                 "tokens_per_s": round(tokens, 1),
                 "failed": sum("failed" in a for a in answers),
                 "cores": use,
+                "times": times_between(metrics_before, metrics_after, end - start),
                 "host_cores": round(host, 3),
                 "idle_host_cores": round(idle_host, 3),
             }
@@ -164,9 +229,24 @@ def main() -> None:
         "output": args.output,
         "idle": idle,
         "loads": rows,
-        "host": {"idle_cores": round(idle_host, 3), "cpu_s_per_token": round(fit(rows), 6)},
+        "host": {
+            "idle_cores": round(idle_host, 3),
+            "cpu_s_per_token": round(
+                fit([r["tokens_per_s"] for r in rows], [r["host_cores"] - r["idle_host_cores"] for r in rows]), 6
+            ),
+        },
+        # each engine's API server (the actor's process) beyond its idle use: per answer token streamed and per
+        # request, fitted alone each (the decode engine's streams tokens, the prefill engine's answers requests)
+        "api": {
+            group: {
+                "cpu_s_per_token": round(per_unit(rows, idle, group, "tokens_per_s"), 6),
+                "cpu_s_per_request": round(per_unit(rows, idle, group, "requests_per_s"), 6),
+            }
+            for group in sorted(idle)
+            if group.startswith("api@")
+        },
     }
-    print(json.dumps(result["host"]))
+    print(json.dumps({"host": result["host"], "api": result["api"]}))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
 

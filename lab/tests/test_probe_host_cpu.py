@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lab.probe_host_cpu import fit, steady, streamed_per_s
+from lab.probe_host_cpu import fit, per_unit, steady, streamed_per_s
 
 
 def test_tokens_are_counted_by_the_share_of_each_stream_inside_the_window():
@@ -21,10 +21,13 @@ def test_tokens_are_counted_by_the_share_of_each_stream_inside_the_window():
 
 
 def test_the_fit_is_cpu_seconds_per_token_over_the_idle_use():
-    rows = [
-        {"tokens_per_s": t, "host_cores": 0.05 + 0.0002 * t, "idle_host_cores": 0.05} for t in (100.0, 200.0, 300.0)
-    ]
-    assert fit(rows) == pytest.approx(0.0002)
+    tokens = [100.0, 200.0, 300.0]
+    assert fit(tokens, [0.0002 * t for t in tokens]) == pytest.approx(0.0002)
+
+
+def test_an_api_servers_use_is_counted_beyond_its_idle_use():
+    rows = [{"tokens_per_s": t, "cores": {"api@1": 0.1 + 0.0005 * t}} for t in (100.0, 200.0, 300.0)]
+    assert per_unit(rows, {"api@1": 0.1}, "api@1", "tokens_per_s") == pytest.approx(0.0005)
 
 
 def test_a_steady_load_is_poisson_at_its_rate():

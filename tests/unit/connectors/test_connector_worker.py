@@ -9,6 +9,7 @@ asks of it; ``FakePrefill`` answers each side-channel port as the prefill rank
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -208,11 +209,14 @@ def fakes(monkeypatch: pytest.MonkeyPatch) -> Fakes:
 
 @pytest.fixture
 def make_worker(fakes: Fakes) -> Iterator[Callable[..., PdserveWorker]]:
-    """``make_worker(tp_size, tp_rank, heads=4, block_size=32)``: a registered decode worker, shut down at the end."""
+    """``make_worker(tp_size, tp_rank, heads=4, block_size=32, **connector_options)``: a registered decode worker,
+    shut down at the end."""
     workers: list[PdserveWorker] = []
 
-    def make(tp_size: int, tp_rank: int, heads: int = 4, block_size: int = 32, mla: bool = False) -> PdserveWorker:
-        extra = {"side_channel_host": "127.0.0.1", "side_channel_port": 17700}
+    def make(
+        tp_size: int, tp_rank: int, heads: int = 4, block_size: int = 32, mla: bool = False, **options: Any
+    ) -> PdserveWorker:
+        extra = {"side_channel_host": "127.0.0.1", "side_channel_port": 17700, **options}
         config = SimpleNamespace(
             kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra),
             model_config=SimpleNamespace(
@@ -750,3 +754,76 @@ def test_parameters_of_a_start_that_is_over_are_never_read(fakes: Fakes, make_wo
 
     assert finished == failed == {"r1"} and transport.reads == [] and transport.peers == {}
     assert worker.take_reports().reports["r1"].reason == "gone"
+
+
+# ---------------------------------------------------------------- the wait after a step (load_wait_s)
+
+
+class LandingTransport(FakeTransport):
+    """A READ lands ``land_after_s`` after it is posted (never: None), as a real one lands while the reader waits."""
+
+    land_after_s: float | None = 0.02
+
+    def read_blocks(self, peer: str, local_ids: list[int], remote_ids: list[int], notify: bytes = b"") -> Any:
+        read = super().read_blocks(peer, local_ids, remote_ids, notify)
+        if self.land_after_s is not None:
+            threading.Timer(self.land_after_s, setattr, (read, "state", TransferState.DONE)).start()
+        return read
+
+
+def landing_worker(fakes: Fakes, make_worker: WorkerFactory, land_after_s: float | None, **options: Any):
+    """A decode worker for one prefill rank whose NIXL READs land ``land_after_s`` after they are posted."""
+    fakes.prefill.tp_size = 1
+
+    def transport_factory(name: str, engine_id: str, transfer_timeout_s: float) -> KVTransport:
+        if name != NIXL:
+            return make_transport(name, engine_id, transfer_timeout_s)
+        fakes.transports.append(LandingTransport())
+        fakes.transports[-1].land_after_s = land_after_s
+        return fakes.transports[-1]
+
+    fakes.transport_factory = transport_factory
+    return make_worker(tp_size=1, tp_rank=0, **options)
+
+
+def test_a_load_that_lands_within_the_wait_is_reported_by_the_step_that_began_it(
+    fakes: Fakes, make_worker: WorkerFactory
+) -> None:
+    """vLLM begins a step's loads after its forward and asks for the results at once: the handshake, the pin and
+    a READ of 20 ms all happen inside that one call, so the request joins the next step, not the one after."""
+    worker = landing_worker(fakes, make_worker, 0.02, load_wait_s=1.0)
+    worker.start_load_kv(PdserveConnectorMetadata(reqs_to_receive=[spec("r1", 1, (5,), (1,))]))
+
+    began = time.monotonic()
+    _, finished, failed = worker.transfer_results()
+
+    assert (finished, failed) == ({"r1"}, set())
+    assert time.monotonic() - began < 0.5  # it stopped waiting when the READ landed, well inside its 1 s
+    assert worker.take_reports().reports["r1"].source == "transfer"
+
+
+def test_the_wait_is_bounded_and_a_slower_read_is_reported_by_a_later_step(
+    fakes: Fakes, make_worker: WorkerFactory
+) -> None:
+    worker = landing_worker(fakes, make_worker, None, load_wait_s=0.05)
+    [transport] = fakes.transports
+    worker.start_load_kv(PdserveConnectorMetadata(reqs_to_receive=[spec("r1", 1, (5,), (1,))]))
+
+    began = time.monotonic()
+    assert worker.transfer_results()[1:] == (set(), set())
+    assert 0.04 < time.monotonic() - began < 0.5
+    assert len(transport.reads) == 1  # posted meanwhile; still in flight
+
+    began = time.monotonic()
+    assert worker.transfer_results()[1:] == (set(), set())
+    assert time.monotonic() - began < 0.04  # a later step waits for nothing it did not begin
+    transport.reads[0][-1].state = TransferState.DONE
+    assert worker.transfer_results()[1:] == ({"r1"}, set())
+
+
+def test_with_no_wait_a_load_is_seen_a_step_later(fakes: Fakes, make_worker: WorkerFactory) -> None:
+    worker = landing_worker(fakes, make_worker, 0.0, load_wait_s=0)
+    worker.start_load_kv(PdserveConnectorMetadata(reqs_to_receive=[spec("r1", 1, (5,), (1,))]))
+
+    assert worker.transfer_results()[1:] == (set(), set())  # its handshake and pin are still out
+    assert step_until(worker, lambda result: bool(result[0]))[0] == {"r1"}

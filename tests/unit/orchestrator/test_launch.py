@@ -192,6 +192,7 @@ def test_pdserve_connector_is_loaded_from_our_module_with_its_side_channel(plan,
         "handshake_timeout_s": 5.0,
         "transfer_timeout_s": 30.0,
         "read_margin_s": 2.0,
+        "load_wait_s": 0.01,
         "transports": ["cuda-ipc", "nixl"],
         "fault_injection": {"read_failure_rate": 0.0, "handshake_delay_s": 0.0, "read_hold_s": 0.0, "seed": None},
     }
