@@ -186,12 +186,22 @@ class PdserveConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._work().register_kv_caches(kv_caches)
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        self._begin_step(connector_metadata)
+
     @contained(_none)
-    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        metadata = self._get_connector_metadata()
+    def _begin_step(self, metadata: KVConnectorMetadata) -> None:
+        """A step's work begins as its metadata is bound, before its forward, not in ``start_load_kv``: vLLM
+        calls that after the forward for async loads, and a whole step then passes (a prefill pass: up to
+        seconds) before a prefill engine holds the blocks of the requests it finished (until then a decode
+        engine's pin of them is answered ``WAIT``), and before a decode engine asks for its pins."""
         if not isinstance(metadata, PdserveConnectorMetadata):
             raise TypeError(f"expected PdserveConnectorMetadata, got {type(metadata).__name__}")
         self._work().start_load_kv(metadata)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        return None  # begun as the step's metadata was bound (``_begin_step``)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None  # pull mode: the whole prompt is loaded before the request is scheduled

@@ -37,8 +37,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lab.probe_shared_start import up_held_still  # noqa: E402
 from orchestrator.autoscale import traces  # noqa: E402
+from orchestrator.autoscale.profile import load_profile  # noqa: E402
+from orchestrator.autoscale.runner import simulate_spec  # noqa: E402
 from orchestrator.autoscale.traces import TraceRequest  # noqa: E402
 from orchestrator.engine_metrics import scrape  # noqa: E402
+from orchestrator.spec import ClusterSpec  # noqa: E402
 from testlib.cluster_client import pdserve  # noqa: E402
 from testlib.fidelity import replay_apart  # noqa: E402
 
@@ -56,6 +59,7 @@ COUNTS = {"steps": "vllm:iteration_tokens_total_count", "step_tokens": "vllm:ite
 GROUPS = ("engines", "proxy", "client", "ray", "other")
 HOST = GROUPS[1:]  # the unpinned processes
 SETTLE_S = 15.0  # a load runs this long before its window
+COLD_PROFILE = "lab/results/autoscale-fidelity-cold-profile.yaml"  # the demo's, as its cold-room run had it
 
 
 def group_of(proc: psutil.Process, cores: int) -> str:
@@ -170,6 +174,32 @@ def per_unit(rows: list[dict], idle: dict[str, float], group: str, unit: str) ->
     return fit([r[unit] for r in rows], [r["cores"].get(group, 0.0) - idle.get(group, 0.0) for r in rows])
 
 
+def simulate_probe(path: str, profile_path: str) -> list[dict]:
+    """The simulator on each load of the probe's result at ``path``: the same Poisson trace (seed: the load's
+    index), prefill-0 on core 0 and decode-0 on core 1 held still; TTFT and ITL quantiles of the requests sent
+    in the window, beside the cluster's."""
+    with open(path) as f:
+        probe = json.load(f)
+    spec, profile = ClusterSpec.from_file(probe["config"]), load_profile(profile_path)
+    cores = {"prefill-0": frozenset({(0, 0)}), "decode-0": frozenset({(0, 1)})}
+    window = probe.get("window", 40.0)
+    rows = []
+    for n, load in enumerate(probe["loads"]):
+        trace = steady(load["rate"], SETTLE_S + window + 10, probe["prompt"], probe["output"], seed=n)
+        records = simulate_spec(spec, profile, trace, (1, 1), cores=cores).records
+        inside = [r for r in records if SETTLE_S <= r.arrival < SETTLE_S + window]
+        row = {"rate": load["rate"]}
+        for key, values in (("ttft", [r.ttft_s for r in inside]), ("itl", [r.itl_s for r in inside])):
+            for q in (0.5, 0.9):
+                name = f"{key}_p{round(100 * q)}_s"
+                if name in load:
+                    row[name] = {"cluster": load[name], "simulator": round(quantile(values, q), 4)}
+                    row[name]["ratio"] = round(row[name]["simulator"] / load[name], 2)
+        rows.append(row)
+        print(json.dumps(row))
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="configs/local-cpu-autoscale.yaml")
@@ -178,7 +208,14 @@ def main() -> None:
     parser.add_argument("--output", type=int, default=120, help="answer tokens per request")
     parser.add_argument("--window", type=float, default=40.0, help="seconds of each load whose CPU is read")
     parser.add_argument("--out", metavar="FILE", help="also write the result here (JSON)")
+    parser.add_argument(
+        "--simulate", metavar="FILE", help="no cluster: the simulator on the loads of a result written by --out"
+    )
+    parser.add_argument("--profile", default=COLD_PROFILE, help="the profile --simulate times the engines by")
     args = parser.parse_args()
+    if args.simulate:
+        simulate_probe(args.simulate, args.profile)
+        return
 
     config = up_held_still(args.config)
     try:
@@ -226,6 +263,7 @@ def main() -> None:
         "measured": time.strftime("%Y-%m-%d"),
         "cores": psutil.cpu_count(),
         "prompt": args.prompt,
+        "window": args.window,
         "output": args.output,
         "idle": idle,
         "loads": rows,

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from lab.probe_host_cpu import fit, per_unit, steady, streamed_per_s
+from lab.probe_host_cpu import COLD_PROFILE, fit, per_unit, simulate_probe, steady, streamed_per_s
 
 
 def test_tokens_are_counted_by_the_share_of_each_stream_inside_the_window():
@@ -35,3 +37,21 @@ def test_a_steady_load_is_poisson_at_its_rate():
     assert 900 < len(trace) < 1100
     assert all(r.prompt_tokens == 64 and r.output_tokens == 120 for r in trace)
     assert [r.t for r in trace] == sorted(r.t for r in trace)
+
+
+def test_the_simulator_replays_each_load_of_a_probe_beside_the_cluster(tmp_path):
+    probe = {
+        "config": "configs/local-cpu-autoscale.yaml",
+        "prompt": 64,
+        "output": 120,
+        "window": 40.0,
+        "loads": [{"rate": 1.0, "ttft_p50_s": 0.2, "itl_p50_s": 0.03}],
+    }
+    path = tmp_path / "probe.json"
+    path.write_text(json.dumps(probe))
+
+    [row] = simulate_probe(str(path), COLD_PROFILE)
+
+    assert row["rate"] == 1.0 and set(row) == {"rate", "ttft_p50_s", "itl_p50_s"}  # only what the cluster measured
+    ttft = row["ttft_p50_s"]
+    assert 0.1 < ttft["simulator"] < 0.5 and ttft["ratio"] == round(ttft["simulator"] / 0.2, 2)

@@ -15,7 +15,7 @@ pytest.importorskip("vllm")
 from vllm.v1.outputs import KVConnectorOutput  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
-from connectors.metadata import KVTransferParams  # noqa: E402
+from connectors.metadata import KVTransferParams, PdserveConnectorMetadata  # noqa: E402
 from connectors.scheduler import PdserveScheduler  # noqa: E402
 from connectors.side_messages import report_key  # noqa: E402
 from connectors.stats import PdserveWorkerMeta  # noqa: E402
@@ -389,8 +389,9 @@ def test_whatever_our_code_raises_stays_inside_the_connector():
     connector._scheduler, connector._worker = None, Broken()
     assert connector.get_block_ids_with_load_errors() == set()
     assert not connector.get_transfer_results(set()).finished_recving
+    connector.bind_connector_metadata(PdserveConnectorMetadata())  # the step's work begins here
     connector._worker = SimpleNamespace(take_stats=lambda: None)
-    assert connector.get_kv_connector_stats().data["failures"] == {"internal": 7}
+    assert connector.get_kv_connector_stats().data["failures"] == {"internal": 8}
 
 
 def test_genuine_parameters_whose_lease_is_over_are_recomputed_as_expired(scheduler):
