@@ -67,10 +67,9 @@ class ConnectorOptions(_Strict):
         default=0.01,
         ge=0,
         le=1,
-        description="After a step, a decode engine waits up to this long for the KV loads the step began (a pin's "
-        "round trip and a READ: a few ms on one host) before it reports which landed, so their requests join the "
-        "next step instead of the one after (vLLM begins a step's loads after its forward and asks at once); "
-        "0: never waits.",
+        description="After a step's forward, a decode engine waits up to this long for the KV loads the step "
+        "began (a pin's round trip and a READ: a few ms on one host) before it reports which landed, so their "
+        "requests join the next step instead of the one after; 0: never waits.",
     )
     transports: tuple[Literal[CONFIGURABLE], ...] = Field(  # type: ignore[valid-type]
         default=DEFAULT_TRANSPORTS,

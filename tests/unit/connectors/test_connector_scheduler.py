@@ -394,6 +394,23 @@ def test_whatever_our_code_raises_stays_inside_the_connector():
     assert connector.get_kv_connector_stats().data["failures"] == {"internal": 8}
 
 
+def test_a_steps_work_begins_when_its_metadata_is_bound_before_the_forward():
+    """vLLM calls ``start_load_kv`` after the forward for async loads; holds and pins begin at the bind."""
+    from connectors.stats import PdserveKVStats
+    from connectors.vllm_connector import PdserveConnector
+
+    begun: list[PdserveConnectorMetadata] = []
+    connector = PdserveConnector.__new__(PdserveConnector)
+    connector.engine_id, connector._internal_errors = "engine-a", PdserveKVStats()
+    connector._scheduler, connector._worker = None, SimpleNamespace(start_load_kv=begun.append)
+    metadata = PdserveConnectorMetadata(reqs_to_hold={"req-1": [4, 5]})
+
+    connector.bind_connector_metadata(metadata)
+    assert begun == [metadata]
+    connector.start_load_kv(SimpleNamespace())  # after the forward: nothing more
+    assert begun == [metadata]
+
+
 def test_genuine_parameters_whose_lease_is_over_are_recomputed_as_expired(scheduler):
     request = FakeRequest(kv_transfer_params=KVAuth(TEST_SECRET).sign_params(dict(REMOTE), ttl_s=-1))
 
