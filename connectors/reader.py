@@ -414,11 +414,12 @@ class KVReader:
     def _await_begun(self) -> None:
         """Give the loads begun since the last poll up to ``load_wait_s`` to land before ``poll`` reports.
 
-        vLLM begins a step's async loads after its forward and asks for their results at once: a load still
-        waiting for its pin's answer (a round trip to the prefill engine) or its READ then shows only at the
-        end of the next step, and its request joins the batch a step later than it could (a whole step of its
-        TTFT, for a wait of a few ms here). Waiting only ever ends sooner than the budget; every phase moves as
-        ``_advance`` moves it anyway (deadlines, holds and aborts included).
+        vLLM asks for a step's load results right after its forward (the connector begins the loads when the
+        step's metadata is bound, before it): a load whose pin was answered during the forward posts its READ
+        only now, and one still waiting for that READ or for its pin's answer (a round trip to the prefill
+        engine) would show only at the end of the next step, its request joining the batch a step later than
+        it could (a whole step of its TTFT, for a wait of a few ms here). Waiting only ever ends sooner than
+        the budget; every phase moves as ``_advance`` moves it anyway (deadlines, holds and aborts included).
         """
         begun, self._begun = self._begun, set()
         deadline = time.monotonic() + self.settings.load_wait_s

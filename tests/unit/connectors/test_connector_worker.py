@@ -61,6 +61,8 @@ class FakeTransport:
     reads: list[tuple[str, list[int], list[int], bytes, InMemoryTransfer]] = field(default_factory=list)
     removed: list[str] = field(default_factory=list)
     notifications: list[tuple[str, bytes]] = field(default_factory=list)
+    land_after_s: float | None = None
+    """Each READ lands this long after it is posted, as a real one lands meanwhile; None: the test sets it."""
 
     def register_kv_caches(self, caches: dict, block_len_bytes: int, *, planes_per_layer: int) -> KVRegions:
         addresses = (0,) * len(caches) * planes_per_layer
@@ -89,6 +91,8 @@ class FakeTransport:
     ) -> InMemoryTransfer:
         read = InMemoryTransfer(peer, len(remote_ids), elapsed_s=0.001)
         self.reads.append((peer, local_ids, remote_ids, notify, read))
+        if self.land_after_s is not None:
+            threading.Timer(self.land_after_s, setattr, (read, "state", TransferState.DONE)).start()
         return read
 
     def poll_notifications(self) -> list[tuple[str, bytes]]:
@@ -759,31 +763,13 @@ def test_parameters_of_a_start_that_is_over_are_never_read(fakes: Fakes, make_wo
 # ---------------------------------------------------------------- the wait after a step (load_wait_s)
 
 
-class LandingTransport(FakeTransport):
-    """A READ lands ``land_after_s`` after it is posted (never: None), as a real one lands while the reader waits."""
-
-    land_after_s: float | None = 0.02
-
-    def read_blocks(self, peer: str, local_ids: list[int], remote_ids: list[int], notify: bytes = b"") -> Any:
-        read = super().read_blocks(peer, local_ids, remote_ids, notify)
-        if self.land_after_s is not None:
-            threading.Timer(self.land_after_s, setattr, (read, "state", TransferState.DONE)).start()
-        return read
-
-
 def landing_worker(fakes: Fakes, make_worker: WorkerFactory, land_after_s: float | None, **options: Any):
-    """A decode worker for one prefill rank whose NIXL READs land ``land_after_s`` after they are posted."""
+    """A decode worker for one prefill rank whose READs land ``land_after_s`` after they are posted."""
     fakes.prefill.tp_size = 1
-
-    def transport_factory(name: str, engine_id: str, transfer_timeout_s: float) -> KVTransport:
-        if name != NIXL:
-            return make_transport(name, engine_id, transfer_timeout_s)
-        fakes.transports.append(LandingTransport())
-        fakes.transports[-1].land_after_s = land_after_s
-        return fakes.transports[-1]
-
-    fakes.transport_factory = transport_factory
-    return make_worker(tp_size=1, tp_rank=0, **options)
+    worker = make_worker(tp_size=1, tp_rank=0, **options)
+    [transport] = fakes.transports
+    transport.land_after_s = land_after_s
+    return worker
 
 
 def test_a_load_that_lands_within_the_wait_is_reported_by_the_step_that_began_it(
