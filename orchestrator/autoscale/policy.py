@@ -29,13 +29,16 @@ How one decision is made (both pools at once):
    are left out); the smallest N for which at most ``TTFT_TAIL`` of the requests
    wait past their budget in M/G/N is the prefill demand (Erlang C, its tail
    stretched by (1 + cv^2) / 2 for the spread of the prompt lengths). Queued prompt tokens add engines to clear them
-   within one interval plus an engine's startup time.
+   within one interval plus an engine's startup time (within one interval of their serving at a cold start).
 2. Decode. The largest batch whose step time is within ``target_utilization`` of
    the ITL target and whose sequences fill at most that fraction of the KV cache
    is the batch one engine should hold; Little's law (concurrency = rate x output tokens x step
    time) gives the engines. Requests waiting for a slot (vLLM's waiting gauge of the
    decode engines: prefilled requests not admitted yet, and those whose KV loads) add
-   engines.
+   engines. At a cold start (``cold_start``), the prompts prefill clears out of its backlog reach decode at
+   the rate they clear, on top of the arrivals: the engines beyond both pools' needs for the rate are split
+   between clearing the backlog and decoding what it releases, so that decode holds what prefill hands it
+   (``_drain``).
 3. Feedback. A measured p90 TTFT or ITL above its target forbids shrinking the
    pool to blame (decode, when the requests waiting for a decode slot wait, by
    Little's law, more than ``DECODE_BLAME_SHARE`` of the TTFT target; else prefill)
@@ -154,6 +157,15 @@ class ClusterObservation:
 
     def pool(self, role: str) -> PoolObservation:
         return self.prefill if role == "prefill" else self.decode
+
+
+@dataclass(slots=True, frozen=True)
+class _Backlog:
+    """A cold start's prefill backlog (and what queues until new engines serve), cleared within ``horizon_s``."""
+
+    requests: float  # queued and queuing prompts
+    horizon_s: float
+    prefill_for_rate: int  # the prefill engines wanted before the backlog's
 
 
 @dataclass(slots=True)
@@ -337,8 +349,11 @@ class AutoscalePolicy:
         self._held = None
         return rate
 
-    def _prefill_demand(self, obs: ClusterObservation, rate: float, reasons: list[str]) -> tuple[int, int]:
-        """Engines for ``rate`` (the TTFT tail), and those plus what clears the queue: (with, without it)."""
+    def _prefill_demand(
+        self, obs: ClusterObservation, rate: float, reasons: list[str]
+    ) -> tuple[int, int, _Backlog | None]:
+        """Engines for ``rate`` (the TTFT tail), and those plus what clears the queue: (with, without it, and a
+        cold start's backlog, which decode then takes as it clears: ``_drain``)."""
         cfg, prof = self.config, self.profile
         budget = prof.engine.max_num_batched_tokens
         prompt = max(obs.mean_prompt_tokens, 1.0)
@@ -367,7 +382,7 @@ class AutoscalePolicy:
             f"P(wait > its budget) <= {TTFT_TAIL:.0%} over {LENGTH_QUANTILES} prompt lengths (M/G/c, prompt cv^2 "
             f"{cv2:.2f}; {late} late even unqueued) needs {n}"
         )
-        for_rate = n
+        for_rate, cold_backlog = n, None
         backlog = obs.prefill.queued_tokens
         # Until new engines serve, the engines serving now take the arrivals: what they cannot
         # compute in that time (at the mean of the rate now and the rate expected) queues up too.
@@ -385,6 +400,8 @@ class AutoscalePolicy:
             cold = self.cold_start and obs.t - self._watching_since < cfg.scale_down_cooldown_s
             horizon = cfg.interval_s if cold else cfg.interval_s + startup
             extra = math.ceil((backlog + growth) / (tokens_per_s * horizon))
+            if cold:
+                cold_backlog = _Backlog((backlog + growth) / prompt, horizon, n)
             n += extra
             grows = f" and {growth:.0f} more tokens queue up before new engines serve" if growth > 0 else ""
             within = (
@@ -396,7 +413,7 @@ class AutoscalePolicy:
                 f"prefill: {obs.prefill.queue_depth} queued requests ({backlog} tokens){grows}: "
                 f"{extra} more to clear them {within}"
             )
-        return n, for_rate
+        return n, for_rate, cold_backlog
 
     def _wait_budgets(self, mean: float, cv2: float) -> list[float]:
         """What each of ``LENGTH_QUANTILES`` prompt lengths (quantiles of a log-normal with the window's mean and
@@ -428,12 +445,16 @@ class AutoscalePolicy:
             batch -= 1
         return batch
 
+    def _decode_shape(self, obs: ClusterObservation) -> tuple[float, int, float]:
+        """(mean output tokens, the batch one decode engine should hold, its step time) for the window's lengths."""
+        prompt, output = max(obs.mean_prompt_tokens, 1.0), max(obs.mean_output_tokens, 1.0)
+        batch = self._decode_batch(prompt + output / 2, prompt + output)
+        return output, batch, self.profile.decode_step_seconds(batch, prompt + output / 2)
+
     def _decode_demand(self, obs: ClusterObservation, rate: float, reasons: list[str]) -> tuple[int, int]:
         """Engines for ``rate`` (the ITL target), and those plus what seats the requests waiting for a slot."""
         cfg = self.config
-        prompt, output = max(obs.mean_prompt_tokens, 1.0), max(obs.mean_output_tokens, 1.0)
-        batch = self._decode_batch(prompt + output / 2, prompt + output)
-        step_s = self.profile.decode_step_seconds(batch, prompt + output / 2)
+        output, batch, step_s = self._decode_shape(obs)
         concurrency = rate * output * step_s
         n = max(1, math.ceil(concurrency / batch))
         reasons.append(
@@ -456,6 +477,30 @@ class AutoscalePolicy:
                 f"{pool.kv_cache_usage:.0%}): loading their KV, no more engines"
             )
         return n + extra, n
+
+    def _drain(
+        self, obs: ClusterObservation, backlog: _Backlog, prefill: int, decode: int, reasons: list[str]
+    ) -> tuple[int, int]:
+        """A cold start's wishes with decode sized for the backlog prefill clears. Cleared within its horizon, the
+        backlog's prompts reach decode at that rate on top of the arrivals, and are decoded as those are; where
+        the engines beyond both pools' needs for the rate (``prefill_for_rate``, ``decode``) cannot hold both,
+        they are split in the proportion the two need, so that decode holds what prefill hands it. Sized for
+        prefill alone, a cold start under 0.8 of the heavy mix cleared its backlog on 54 prefill engines into 10
+        decode engines and missed the ITL target in its third minute (docs/autoscaling-study.md)."""
+        output, batch, step_s = self._decode_shape(obs)
+        rate = backlog.requests / backlog.horizon_s
+        for_prefill = prefill - backlog.prefill_for_rate
+        for_decode = math.ceil(min(backlog.requests, rate * output * step_s) / batch)
+        room = max(0, self.config.max_engines - backlog.prefill_for_rate - decode)
+        if for_prefill + for_decode > room:
+            for_decode = math.ceil(for_decode * room / (for_prefill + for_decode))
+            for_prefill = max(0, room - for_decode)
+        reasons.append(
+            f"decode: the backlog's {backlog.requests:.0f} prompts reach decode at {rate:.1f} req/s as prefill "
+            f"clears them: {for_decode} more; of the {room} engines beyond both pools' needs, prefill "
+            f"{for_prefill} and decode {for_decode}"
+        )
+        return backlog.prefill_for_rate + for_prefill, decode + for_decode
 
     def _feedback(self, obs: ClusterObservation, wish: dict[str, int], floor: dict[str, int], reasons: list[str]):
         cfg = self.config
@@ -595,10 +640,12 @@ class AutoscalePolicy:
         reasons: list[str] = []
         self._watching_since = min(self._watching_since, obs.t - cfg.interval_s)
         rate = self._forecast_rate(obs, reasons)
-        (prefill, prefill_rate), (decode, decode_rate) = (
+        (prefill, prefill_rate, backlog), (decode, decode_rate) = (
             self._prefill_demand(obs, rate, reasons),
             self._decode_demand(obs, rate, reasons),
         )
+        if backlog is not None:
+            prefill, decode = self._drain(obs, backlog, prefill, decode, reasons)
         wish = {"prefill": prefill, "decode": decode}
         floor = {"prefill": 0, "decode": 0}
         self._feedback(obs, wish, floor, reasons)

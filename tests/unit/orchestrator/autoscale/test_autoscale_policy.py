@@ -192,6 +192,27 @@ def test_a_cold_start_clears_its_backlog_within_an_interval_of_the_new_engines_s
     assert any("more to clear them in 90s" in r for r in later.reasons)
 
 
+def test_a_cold_start_sizes_decode_for_the_backlog_prefill_clears_into_it(policy):
+    # The 1,200 prompts that queue before new engines serve, cleared within 30 s, reach decode at 40 req/s on top
+    # of the 30 arriving: decode gets the engines to hold them (2 more), where a warm policy sizes it for the rate.
+    cold = policy(cold_start=True).decide(observe(0.0, 30.0, 2, 2))
+    warm = policy().decide(observe(0.0, 30.0, 2, 2))
+    line = next(r for r in cold.reasons if "as prefill clears them" in r)
+    assert "the backlog's 1200 prompts reach decode at 40.0 req/s" in line
+    assert (cold.prefill, cold.decode) == (7 + 8, warm.decode + 2)
+    # Where the budget cannot hold both, its engines beyond the rate's needs are split between clearing the
+    # backlog and decoding what it releases (in the proportion the two need), not all given to prefill.
+    tight = policy(cold_start=True, max_engines=12).decide(observe(0.0, 30.0, 2, 2))
+    assert "of the 3 engines beyond both pools' needs, prefill 2 and decode 1" in " ".join(tight.reasons)
+    assert (tight.prefill, tight.decode) == (7 + 2, warm.decode + 1)
+    # a backlog after the cold start's first cooldown is a burst's: decode is sized for the rate
+    later = policy(cold_start=True)
+    later.decide(observe(0.0, 30.0, 2, 2))
+    burst = later.decide(observe(330.0, 30.0, 2, 2))
+    assert any("more to clear them in 90s" in r for r in burst.reasons)
+    assert not any("as prefill clears them" in r for r in burst.reasons) and burst.decode == warm.decode
+
+
 def test_a_rise_forecast_holds_while_the_ramp_goes_on_and_ends_when_it_falls(policy):
     p = policy()
     run(p, [20.0] * 3)
