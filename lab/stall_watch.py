@@ -1,0 +1,113 @@
+"""Watch a running cluster's engines for a stall, and dump every process of a stalled engine's stacks.
+
+A stall: an engine with requests running whose step counter (``vllm:iteration_tokens_total_count``) has not moved
+for ``--stall-s`` seconds. Then ``py-spy dump --native`` (``pip install py-spy``; run as root) of the engine's
+API server and each of its children (the engine core, the worker) goes to ``--out``, once per stall. The engines
+are found by their listening ports (``--ports``, the demo's: prefill 8100-8103, decode 8200-8203), so it runs
+beside any lab script: ``python lab/stall_watch.py --out DIR & python lab/validate_simulator.py ...``.
+
+Run from the repository root: ``python lab/stall_watch.py --out DIR [--stall-s 4] [--for-s 900]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+POLL_S = 1.0
+PY_SPY = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+
+
+def read_metrics(port: int) -> tuple[float, float] | None:
+    """(requests running, steps) off the engine's ``/metrics``, summed over label sets; None if it does not answer."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2.0) as reply:
+            text = reply.read().decode()
+    except OSError:
+        return None
+    running = steps = 0.0
+    for line in text.splitlines():
+        if line.startswith("vllm:num_requests_running"):
+            running += float(line.rsplit(" ", 1)[1])
+        elif line.startswith("vllm:iteration_tokens_total_count"):
+            steps += float(line.rsplit(" ", 1)[1])
+    return running, steps
+
+
+def listener_pid(port: int) -> int | None:
+    """The process listening on ``port`` (``ss``)."""
+    out = subprocess.run(["ss", "-ltnpH", f"sport = :{port}"], capture_output=True, text=True).stdout
+    for part in out.split("pid=")[1:]:
+        return int(part.split(",")[0])
+    return None
+
+
+def family(pid: int) -> list[int]:
+    """``pid`` and its descendants."""
+    out = subprocess.run(["ps", "-e", "-o", "pid=,ppid="], capture_output=True, text=True).stdout
+    children: dict[int, list[int]] = {}
+    for line in out.splitlines():
+        child, parent = map(int, line.split())
+        children.setdefault(parent, []).append(child)
+    found, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        found.append(p)
+        todo.extend(children.get(p, []))
+    return found
+
+
+def dump(port: int, out: Path, note: str) -> Path:
+    pid = listener_pid(port)
+    path = out / f"stall-{port}-{time.strftime('%H%M%S')}.txt"
+    with path.open("w") as f:
+        f.write(f"{note}\n")
+        for p in family(pid) if pid else []:
+            command = Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ")[:200]
+            f.write(f"\n===== pid {p}: {command!r}\n")
+            f.flush()
+            subprocess.run([PY_SPY, "dump", "--native", "--pid", str(p)], stdout=f, stderr=subprocess.STDOUT)
+    return path
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--stall-s", type=float, default=4.0)
+    parser.add_argument("--for-s", type=float, default=900.0)
+    parser.add_argument("--ports", default="8100,8101,8102,8103,8200,8201,8202,8203")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    ports = [int(p) for p in args.ports.split(",")]
+    moved: dict[int, tuple[float, float]] = {}  # port -> (steps, when they last moved)
+    dumped: set[int] = set()
+    end = time.monotonic() + args.for_s
+    while time.monotonic() < end:
+        now = time.monotonic()
+        for port in ports:
+            reading = read_metrics(port)
+            if reading is None:
+                moved.pop(port, None)
+                continue
+            running, steps = reading
+            last = moved.get(port)
+            if last is None or steps != last[0] or running == 0:
+                moved[port] = (steps, now)
+                dumped.discard(port)
+            elif now - last[1] >= args.stall_s and port not in dumped:
+                path = dump(
+                    port, args.out, f"port {port}: {running:.0f} running, steps at {steps:.0f} for {now - last[1]:.1f}s"
+                )
+                print(f"{time.strftime('%H:%M:%S')} stall on port {port}: {path}", flush=True)
+                dumped.add(port)
+        time.sleep(POLL_S)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
