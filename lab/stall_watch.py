@@ -1,8 +1,10 @@
 """Watch a running cluster's engines for a stall, and dump every process of a stalled engine's stacks.
 
 A stall: an engine with requests running whose step counter (``vllm:iteration_tokens_total_count``) has not moved
-for ``--stall-s`` seconds. Then ``py-spy dump --native`` (``pip install py-spy``; run as root) of the engine's
-API server and each of its children (the engine core, the worker) goes to ``--out``, once per stall. The engines
+for ``--stall-s`` seconds. Then ``py-spy dump`` (``pip install py-spy``; run as root) of each of the engine's
+processes, its worker first, then its engine core and its API server, goes to ``--out``: every ``--every-s`` while
+the stall lasts, at most ``--dumps`` times. ``--native`` adds the C frames, but pauses each process for
+seconds to a minute while it unwinds them (the stall then reads longer than it was). The engines
 are found by their listening ports (``--ports``, the demo's: prefill 8100-8103, decode 8200-8203), so it runs
 beside any lab script: ``python lab/stall_watch.py --out DIR & python lab/validate_simulator.py ...``.
 
@@ -62,16 +64,17 @@ def family(pid: int) -> list[int]:
     return found
 
 
-def dump(port: int, out: Path, note: str) -> Path:
+def dump(port: int, out: Path, note: str, native: bool) -> Path:
     pid = listener_pid(port)
     path = out / f"stall-{port}-{time.strftime('%H%M%S')}.txt"
     with path.open("w") as f:
         f.write(f"{note}\n")
-        for p in family(pid) if pid else []:
+        for p in reversed(family(pid)) if pid else []:  # the worker, then the engine core, then the API server
             command = Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ")[:200]
             f.write(f"\n===== pid {p}: {command!r}\n")
             f.flush()
-            subprocess.run([PY_SPY, "dump", "--native", "--pid", str(p)], stdout=f, stderr=subprocess.STDOUT)
+            command = [PY_SPY, "dump", "--pid", str(p)] + (["--native"] if native else [])
+            subprocess.run(command, stdout=f, stderr=subprocess.STDOUT)
     return path
 
 
@@ -80,12 +83,15 @@ def main() -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--stall-s", type=float, default=4.0)
     parser.add_argument("--for-s", type=float, default=900.0)
+    parser.add_argument("--every-s", type=float, default=2.0)
+    parser.add_argument("--dumps", type=int, default=3)
+    parser.add_argument("--native", action="store_true")
     parser.add_argument("--ports", default="8100,8101,8102,8103,8200,8201,8202,8203")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     ports = [int(p) for p in args.ports.split(",")]
     moved: dict[int, tuple[float, float]] = {}  # port -> (steps, when they last moved)
-    dumped: set[int] = set()
+    dumped: dict[int, tuple[int, float]] = {}  # port -> (dumps of this stall, when the last was)
     end = time.monotonic() + args.for_s
     while time.monotonic() < end:
         now = time.monotonic()
@@ -98,13 +104,14 @@ def main() -> int:
             last = moved.get(port)
             if last is None or steps != last[0] or running == 0:
                 moved[port] = (steps, now)
-                dumped.discard(port)
-            elif now - last[1] >= args.stall_s and port not in dumped:
-                path = dump(
-                    port, args.out, f"port {port}: {running:.0f} running, steps at {steps:.0f} for {now - last[1]:.1f}s"
-                )
-                print(f"{time.strftime('%H:%M:%S')} stall on port {port}: {path}", flush=True)
-                dumped.add(port)
+                dumped.pop(port, None)
+            elif now - last[1] >= args.stall_s:
+                count, when = dumped.get(port, (0, 0.0))
+                if count < args.dumps and now - when >= args.every_s:
+                    note = f"port {port}: {running:.0f} running, steps at {steps:.0f} for {now - last[1]:.1f}s"
+                    path = dump(port, args.out, note, args.native)
+                    print(f"{time.strftime('%H:%M:%S')} stall on port {port}: {path}", flush=True)
+                    dumped[port] = (count + 1, now)
         time.sleep(POLL_S)
     return 0
 
