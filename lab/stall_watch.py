@@ -5,10 +5,10 @@ for ``--stall-s`` seconds. Then ``py-spy dump`` (``pip install py-spy``; run as 
 processes, its worker first, then its engine core and its API server, goes to ``--out``: every ``--every-s`` while
 the stall lasts, at most ``--dumps`` times. ``--native`` adds the C frames, but pauses each process for
 seconds to a minute while it unwinds them (the stall then reads longer than it was). The engines
-are found by their listening ports (``--ports``, the demo's: prefill 8100-8103, decode 8200-8203), so it runs
-beside any lab script: ``python lab/stall_watch.py --out DIR & python lab/validate_simulator.py ...``.
+are found by the HTTP ports the cluster's spec gives every replica its pools may grow to (``--config``), so it
+runs beside any lab script: ``python lab/stall_watch.py --out DIR & python lab/validate_simulator.py ...``.
 
-Run from the repository root: ``python lab/stall_watch.py --out DIR [--stall-s 4] [--for-s 900]``.
+Run from the repository root: ``python lab/stall_watch.py --out DIR [--config FILE] [--stall-s 4] [--for-s 900]``.
 """
 
 from __future__ import annotations
@@ -20,6 +20,11 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from contract.wire import ROLES  # noqa: E402
+from orchestrator.spec import ClusterSpec  # noqa: E402
 
 POLL_S = 1.0
 PY_SPY = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
@@ -78,6 +83,40 @@ def dump(port: int, out: Path, note: str, native: bool) -> Path:
     return path
 
 
+def engine_ports(spec: ClusterSpec) -> list[int]:
+    """The HTTP port of every engine the spec's pools may grow to (``PoolSpec.ports``)."""
+    return [port for role in ROLES for port in spec.pool(role).ports(spec.max_replicas(role))]
+
+
+class Stalls:
+    """Which engines stall: an engine's steps standing still for ``stall_s`` while it has requests running. A
+    stall is due a dump at once, then every ``every_s`` while it lasts, ``dumps`` times at most."""
+
+    def __init__(self, stall_s: float, every_s: float, dumps: int) -> None:
+        self.stall_s, self.every_s, self.dumps = stall_s, every_s, dumps
+        self._moved: dict[int, tuple[float, float]] = {}  # port -> (steps, when they last moved)
+        self._dumped: dict[int, tuple[int, float]] = {}  # port -> (dumps of this stall, when the last was)
+
+    def due(self, port: int, reading: tuple[float, float] | None, now: float) -> float | None:
+        """Seconds the engine on ``port`` has stood still if a dump is due now, else None; ``reading``:
+        ``read_metrics``' (running, steps), None where the engine did not answer."""
+        if reading is None:
+            self._moved.pop(port, None)
+            return None
+        running, steps = reading
+        last = self._moved.get(port)
+        if last is None or steps != last[0] or running == 0:
+            self._moved[port] = (steps, now)
+            self._dumped.pop(port, None)
+            return None
+        still = now - last[1]
+        count, when = self._dumped.get(port, (0, -float("inf")))
+        if still < self.stall_s or count >= self.dumps or now - when < self.every_s:
+            return None
+        self._dumped[port] = (count + 1, now)
+        return still
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -86,32 +125,20 @@ def main() -> int:
     parser.add_argument("--every-s", type=float, default=2.0)
     parser.add_argument("--dumps", type=int, default=3)
     parser.add_argument("--native", action="store_true")
-    parser.add_argument("--ports", default="8100,8101,8102,8103,8200,8201,8202,8203")
+    parser.add_argument("--config", default="configs/local-cpu-autoscale.yaml", help="the cluster's spec")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    ports = [int(p) for p in args.ports.split(",")]
-    moved: dict[int, tuple[float, float]] = {}  # port -> (steps, when they last moved)
-    dumped: dict[int, tuple[int, float]] = {}  # port -> (dumps of this stall, when the last was)
+    ports = engine_ports(ClusterSpec.from_file(args.config))
+    stalls = Stalls(args.stall_s, args.every_s, args.dumps)
     end = time.monotonic() + args.for_s
     while time.monotonic() < end:
-        now = time.monotonic()
         for port in ports:
             reading = read_metrics(port)
-            if reading is None:
-                moved.pop(port, None)
-                continue
-            running, steps = reading
-            last = moved.get(port)
-            if last is None or steps != last[0] or running == 0:
-                moved[port] = (steps, now)
-                dumped.pop(port, None)
-            elif now - last[1] >= args.stall_s:
-                count, when = dumped.get(port, (0, 0.0))
-                if count < args.dumps and now - when >= args.every_s:
-                    note = f"port {port}: {running:.0f} running, steps at {steps:.0f} for {now - last[1]:.1f}s"
-                    path = dump(port, args.out, note, args.native)
-                    print(f"{time.strftime('%H:%M:%S')} stall on port {port}: {path}", flush=True)
-                    dumped[port] = (count + 1, now)
+            still = stalls.due(port, reading, time.monotonic())
+            if still is not None and reading is not None:
+                note = f"port {port}: {reading[0]:.0f} running, steps at {reading[1]:.0f} for {still:.1f}s"
+                path = dump(port, args.out, note, args.native)
+                print(f"{time.strftime('%H:%M:%S')} stall on port {port}: {path}", flush=True)
         time.sleep(POLL_S)
     return 0
 

@@ -27,3 +27,8 @@ def test_the_bound_cell_says_where_no_bound_was_asked_and_where_none_holds() -> 
     assert cold._bound_cell(None) == "-"
     assert cold._bound_cell({"time_to_target_s": None, "split": None}) == "never"
     assert cold._bound_cell({"time_to_target_s": 240.0, "split": [35, 29]}) == "240 (35:29)"
+
+
+def test_a_run_is_late_if_it_never_holds_or_holds_after_two_start_ups_but_not_if_it_holds_at_once() -> None:
+    assert cold._later_than_two_startups(None) and cold._later_than_two_startups(180.0)
+    assert not cold._later_than_two_startups(120.0) and not cold._later_than_two_startups(0.0)

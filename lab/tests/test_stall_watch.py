@@ -45,3 +45,25 @@ def test_an_engines_processes_are_its_api_server_and_every_descendant() -> None:
     finally:
         child.kill()
         child.wait()
+
+
+def test_a_stall_is_steps_standing_still_with_requests_running_dumped_a_few_times_apart() -> None:
+    stalls = stall_watch.Stalls(stall_s=4.0, every_s=2.0, dumps=2)
+    assert stalls.due(8200, (21.0, 5310.0), 0.0) is None  # first seen
+    assert stalls.due(8200, (21.0, 5310.0), 3.9) is None  # not yet
+    assert stalls.due(8200, (21.0, 5310.0), 4.0) == 4.0  # a stall: dump
+    assert stalls.due(8200, (21.0, 5310.0), 5.0) is None  # the next one every 2 s
+    assert stalls.due(8200, (21.0, 5310.0), 6.0) == 6.0
+    assert stalls.due(8200, (21.0, 5310.0), 9.0) is None  # at most 2 per stall
+    assert stalls.due(8200, (21.0, 5311.0), 10.0) is None  # it stepped: a new stall counts afresh
+    assert stalls.due(8200, (21.0, 5311.0), 14.0) == 4.0
+    # an idle engine, or one that does not answer, never stalls
+    assert stalls.due(8100, (0.0, 7.0), 0.0) is None and stalls.due(8100, (0.0, 7.0), 30.0) is None
+    assert stalls.due(8101, None, 0.0) is None
+
+
+def test_it_watches_every_engine_the_pools_may_grow_to() -> None:
+    from orchestrator.spec import ClusterSpec
+
+    spec = ClusterSpec.from_file("configs/local-cpu-autoscale.yaml")
+    assert stall_watch.engine_ports(spec) == [8100, 8101, 8200, 8201]

@@ -62,7 +62,8 @@ class FakeTransport:
     removed: list[str] = field(default_factory=list)
     notifications: list[tuple[str, bytes]] = field(default_factory=list)
     land_after_s: float | None = None
-    """Each READ lands this long after it is posted, as a real one lands meanwhile; None: the test sets it."""
+    """Each READ lands this long after it is posted, as a real one lands meanwhile; None: only when the test
+    sets its state."""
 
     def register_kv_caches(self, caches: dict, block_len_bytes: int, *, planes_per_layer: int) -> KVRegions:
         addresses = (0,) * len(caches) * planes_per_layer
