@@ -40,6 +40,7 @@ import collections
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import re
 import statistics
@@ -63,6 +64,7 @@ from orchestrator.engine_metrics import scrape  # noqa: E402
 from orchestrator.spec import ClusterSpec  # noqa: E402
 from testlib.cluster_client import pdserve  # noqa: E402
 from testlib.fidelity import (  # noqa: E402
+    QUANTILES,
     TOLERANCE,
     compare,
     decode_capacity_rps,
@@ -398,7 +400,25 @@ def load_shared_core(paths: list[str] | None) -> SharedCore:
     return SharedCore(**{name: round(statistics.mean(v), 3) for name, v in values.items()})
 
 
-def resimulate(report_path: str, core_plan: str | None, seed: int, duration_s: float, shared: SharedCore) -> None:
+@dataclasses.dataclass
+class SavedRun:
+    """What the simulator needs to run an ``--autoscale`` report's replay again: its spec (with the proxy's
+    routing as the run had it), the profile its autoscaler read, the engines' speed, their cores, and per load
+    the trace it replayed."""
+
+    report: dict
+    spec: ClusterSpec
+    profile: PerformanceProfile
+    physics: PerformanceProfile
+    cores: dict | None
+    traces: dict[str, list]
+
+    def predict(self, name: str, shared: SharedCore, first_decision_s: float | None = None) -> SimulationResult:
+        phase = self.report.get("decision_phase_s") if first_decision_s is None else first_decision_s
+        return predict(self.spec, self.profile, self.traces[name], shared, self.physics, phase, self.cores)
+
+
+def saved_run(report_path: str, core_plan: str | None, seed: int, duration_s: float) -> SavedRun:
     with open(report_path) as f:
         report = json.load(f)
     spec = ClusterSpec.from_file(report["config"])
@@ -418,6 +438,7 @@ def resimulate(report_path: str, core_plan: str | None, seed: int, duration_s: f
     if core_plan:
         plan = dict(item.split(":") for item in core_plan.split())
         cores = {engine: frozenset((0, int(c)) for c in plan_cores.split(",")) for engine, plan_cores in plan.items()}
+    replayed = {}
     for name, load in report["loads"].items():
         if "per_request" in load:  # the requests it replayed (a load's definition may have changed since)
             trace = [traces.TraceRequest(t, prompt, output) for t, prompt, output, *_ in load["per_request"]]
@@ -425,7 +446,15 @@ def resimulate(report_path: str, core_plan: str | None, seed: int, duration_s: f
             _, trace = load_trace(name, profile, spec.prefill.replicas, duration_s, seed)
         if len(trace) != load["requests"]:
             sys.exit(f"{name}: {len(trace)} requests, the report replayed {load['requests']}: --seed / --duration?")
-        result = predict(spec, profile, trace, shared, physics, report.get("decision_phase_s"), cores)
+        replayed[name] = trace
+    return SavedRun(report, spec, profile, physics, cores, replayed)
+
+
+def resimulate(report_path: str, core_plan: str | None, seed: int, duration_s: float, shared: SharedCore) -> None:
+    run = saved_run(report_path, core_plan, seed, duration_s)
+    spec, cores = run.spec, run.cores
+    for name, load in run.report["loads"].items():
+        result = run.predict(name, shared)
         records, sim = result.records, slo_attainment(spec, result)
         real = load["slo_attainment"]["cluster"]
         rows = {
@@ -439,12 +468,73 @@ def resimulate(report_path: str, core_plan: str | None, seed: int, duration_s: f
             + ", ".join(f"{k} {1000 * measured[k]:.0f} / {1000 * v:.0f} ms" for k, v in rows.items())
             + f"; cores {sorted((e, sorted(c for _, c in cs)) for e, cs in (cores or {}).items())}"
         )
-        by_phase = {
-            t: slo_attainment(spec, predict(spec, profile, trace, shared, physics, t, cores))
-            for t in phases(spec.autoscaling.interval_s)
-        }
+        by_phase = {t: slo_attainment(spec, run.predict(name, shared, t)) for t in phases(spec.autoscaling.interval_s)}
         print("  first decision at " + ", ".join(f"{t:g} s: {100 * a:.1f} %" for t, a in by_phase.items()))
         passes_by_minute(pass_rows(result), 60.0)
+
+
+# What --sensitivity varies: how much slower than alone an engine works beside a busy one on its core.
+SENSITIVE_FIELDS = ("prefill", "decode")
+
+
+def sensitivity(run: SavedRun, shared: SharedCore, step: float) -> dict[str, dict[str, dict[str, float]]]:
+    """Per load, per ``SharedCore`` field (``SENSITIVE_FIELDS``) and quantile (``"TTFT p50"``...): how many
+    times its input's change the simulator's quantile changes, the elasticity ``(q+ / q-) ** (1 / ln-span)``'s
+    exponent: the quantile with the field ``step`` higher over the one ``step`` lower, in logs, over the
+    inputs' ratio in logs (a field that is None counts as the one it defaults to)."""
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for name in run.traces:
+        out[name] = {}
+        for field in SENSITIVE_FIELDS:
+            base = getattr(shared, field)
+            low, high = (
+                compare_quantiles(
+                    run.predict(name, dataclasses.replace(shared, **{field: max(1.0, base * factor)})).records
+                )
+                for factor in (1 - step, 1 + step)
+            )
+            span = math.log(max(1.0, base * (1 + step)) / max(1.0, base * (1 - step)))
+            out[name][field] = {q: round(math.log(high[q] / low[q]) / span, 2) for q in low}
+    return out
+
+
+def decode_slowdowns(run: SavedRun, busy: int = 15, window_s: float = 60.0) -> list[float]:
+    """How many times slower than the profile has it alone the cluster's decode steps ran, from a report's
+    ``engine_samples``: per pair of an engine's readings with ``busy`` requests or more running at both, the
+    seconds per step between them over the profile's step for their mean batch, at the mean context of a
+    sequence found running (prompt plus half the output, weighted by output: E[o^2] / 2 E[o]) among the requests
+    that arrived in the ``window_s`` before."""
+    samples = run.report.get("engine_samples")
+    if not samples or "steps" not in samples["columns"]:
+        return []
+    arrivals = [r for trace in run.traces.values() for r in trace]
+    last: dict[str, dict] = {}
+    out = []
+    for values in samples["rows"]:
+        row = dict(zip(samples["columns"], values, strict=True))
+        before, last[row["engine"]] = last.get(row["engine"]), row
+        if before is None or min(row["running"], before["running"]) < busy or row["steps"] <= before["steps"]:
+            continue
+        recent = [r for r in arrivals if row["t"] - window_s <= r.t < row["t"]]
+        if not recent:
+            continue
+        outputs = sum(r.output_tokens for r in recent)
+        context = (
+            sum(r.prompt_tokens for r in recent) / len(recent) + sum(r.output_tokens**2 for r in recent) / 2 / outputs
+        )
+        step_s = (row["t"] - before["t"]) / (row["steps"] - before["steps"])
+        out.append(step_s / run.physics.decode_step_seconds(round((row["running"] + before["running"]) / 2), context))
+    return out
+
+
+def compare_quantiles(records: list) -> dict[str, float]:
+    """The simulator's side of ``testlib.fidelity.compare``: each quantile of TTFT and ITL (s), by the same
+    names."""
+    return {
+        f"{name} p{round(q * 100)}": quantile([getattr(r, key) for r in records], q)
+        for name, key in (("TTFT", "ttft_s"), ("ITL", "itl_s"))
+        for q in QUANTILES
+    }
 
 
 def main() -> None:
@@ -487,6 +577,14 @@ def main() -> None:
         "duration), with today's simulator and --core-plan; against the cluster attainment it measured",
     )
     parser.add_argument(
+        "--sensitivity",
+        type=float,
+        metavar="STEP",
+        help="with --resimulate: how much each quantile moves per change of its input: the simulator run with "
+        "each slowdown beside a busy engine (SharedCore's prefill, decode) STEP (e.g. 0.05) lower and higher; "
+        "prints the elasticities (2: a 5 %% error in the slowdown is a 10 %% error in the quantile)",
+    )
+    parser.add_argument(
         "--core-plan",
         help="with --resimulate: the engines' cores as the cluster ran them, e.g. 'prefill-0:0 prefill-1:1 "
         "decode-0:0' (default: the report's core_plan, else the plan the code makes for the spec now)",
@@ -515,6 +613,21 @@ def main() -> None:
         by_minute(args.by_minute)
         return
     shared = load_shared_core(args.shared_core)
+    if args.resimulate and args.sensitivity:
+        run = saved_run(args.resimulate, args.core_plan, args.seed, args.duration)
+        for name, fields in sensitivity(run, shared, args.sensitivity).items():
+            cluster = {q: row["cluster_s"] for q, row in run.report["loads"][name]["quantiles"].items()}
+            print(f"{name}: elasticity of the simulator's quantiles in the slowdowns (cluster's value)")
+            print("| slowdown | " + " | ".join(f"{q} ({1000 * v:.0f} ms)" for q, v in cluster.items()) + " |")
+            for field, row in fields.items():
+                print(f"| {field} {getattr(shared, field):g} | " + " | ".join(f"{e:.2f}" for e in row.values()) + " |")
+        if slowdowns := decode_slowdowns(run):
+            q1, median, q3 = statistics.quantiles(slowdowns, n=4)
+            print(
+                f"the cluster's busy decode steps over the profile's alone: median {median:.2f} "
+                f"(quartiles {q1:.2f}-{q3:.2f}, {len(slowdowns)} readings)"
+            )
+        return
     if args.resimulate:
         resimulate(args.resimulate, args.core_plan, args.seed, args.duration, shared)
         return

@@ -3,7 +3,9 @@ and the by-minute view of them (the cluster side runs in tests/integration/test_
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -12,7 +14,7 @@ from lab import validate_simulator
 from orchestrator.autoscale.sim_model import EVEN_SHARE, RequestRecord, SharedCore
 from orchestrator.autoscale.traces import TraceRequest
 from testlib.fidelity import mean_profile
-from testlib.profiles import make_profile
+from testlib.profiles import make_profile, poisson_trace
 
 
 def test_the_probes_slowdowns_are_read_and_a_file_without_them_is_named(tmp_path: Path) -> None:
@@ -154,3 +156,48 @@ def test_decisions_are_saved_as_rows_with_the_reasons_that_move_prefill() -> Non
     assert saved["rows"] == [
         [2.5, 2, 1, 1.6, 4.6, 0, 1, ["prefill: ... needs 2", "feedback: measured p90 TTFT 4.6s > 4s"]]
     ]
+
+
+def _saved_report(tmp_path: Path, core_plan: str) -> str:
+    """A report of the CPU autoscale demo replaying a steady load, as --resimulate reads it."""
+    profile = "lab/results/autoscale-fidelity-cold-profile.yaml"  # the demo's engines, measured
+    trace = poisson_trace(2.0, 200, lambda rng: rng.randint(50, 300), lambda rng: rng.randint(10, 60))
+    report = tmp_path / "report.json"
+    rows = [[r.t, r.prompt_tokens, r.output_tokens] for r in trace]
+    report.write_text(
+        json.dumps(
+            {
+                "config": "configs/local-cpu-autoscale.yaml",
+                "profile": f"{profile} (measured in this run)",
+                "routing": ["least_loaded", "round_robin"],
+                "core_plan": core_plan,
+                "loads": {"steady": {"requests": len(rows), "per_request": rows}},
+            }
+        )
+    )
+    return str(report)
+
+
+def test_sensitivity_gives_how_much_each_quantile_moves_with_each_slowdown_beside_a_busy_engine(tmp_path) -> None:
+    # prefill-0 and decode-0 on one core: a decode step beside a prefill pass takes SharedCore.decode times
+    # its time alone, so ITL moves with that slowdown and not with a pass's own
+    shared = SharedCore()
+    run = validate_simulator.saved_run(_saved_report(tmp_path, "prefill-0:0 decode-0:0"), None, 7, 600.0)
+    elasticity = validate_simulator.sensitivity(run, shared, 0.05)["steady"]
+    assert set(elasticity) == set(validate_simulator.SENSITIVE_FIELDS)
+    assert list(elasticity["decode"]) == ["TTFT p50", "TTFT p90", "ITL p50", "ITL p90"]
+    assert elasticity["decode"]["ITL p50"] > 0.1
+    # the figure is the quantile's change in logs over the input's, from the simulator run at both ends
+    low, high = (
+        validate_simulator.compare_quantiles(run.predict("steady", dataclasses.replace(shared, decode=2.0 * f)).records)
+        for f in (0.95, 1.05)
+    )
+    span = math.log(1.05 / 0.95)
+    assert elasticity["decode"]["ITL p90"] == pytest.approx(math.log(high["ITL p90"] / low["ITL p90"]) / span, abs=0.01)
+    # each engine on a core of its own: no slowdown applies, nothing moves
+    alone = validate_simulator.saved_run(_saved_report(tmp_path, "prefill-0:0 decode-0:1"), None, 7, 600.0)
+    assert all(
+        e == 0.0
+        for field in validate_simulator.sensitivity(alone, shared, 0.05)["steady"].values()
+        for e in field.values()
+    )
