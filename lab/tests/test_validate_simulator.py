@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import statistics
 from pathlib import Path
 
 import pytest
@@ -201,3 +202,29 @@ def test_sensitivity_gives_how_much_each_quantile_moves_with_each_slowdown_besid
         for field in validate_simulator.sensitivity(alone, shared, 0.05)["steady"].values()
         for e in field.values()
     )
+
+
+def test_the_clusters_busy_decode_steps_are_read_against_the_profiles_step_alone(tmp_path) -> None:
+    report_path = _saved_report(tmp_path, "prefill-0:0 decode-0:0")
+    report = json.loads(Path(report_path).read_text())
+    columns = ["t", "engine", "steps", "running"]
+    report["engine_samples"] = {
+        "columns": columns,
+        "rows": [
+            [60.0, "decode-0", 0, 20],
+            [65.0, "decode-0", 25, 20],  # 25 steps in 5 s with 20 running at both readings: 0.2 s a step
+            [70.0, "decode-0", 50, 10],  # 10 running: not busy, left out
+            [75.0, "decode-0", 60, 30],
+        ],
+    }
+    Path(report_path).write_text(json.dumps(report))
+    run = validate_simulator.saved_run(report_path, None, 7, 600.0)
+    recent = [r for r in run.traces["steady"] if 5.0 <= r.t < 65.0]
+    outputs = sum(r.output_tokens for r in recent)
+    context = statistics.mean(r.prompt_tokens for r in recent) + sum(r.output_tokens**2 for r in recent) / 2 / outputs
+    assert validate_simulator.decode_slowdowns(run) == [
+        pytest.approx(0.2 / run.physics.decode_step_seconds(20, context))
+    ]
+    del report["engine_samples"]  # a report without readings has none
+    Path(report_path).write_text(json.dumps(report))
+    assert validate_simulator.decode_slowdowns(validate_simulator.saved_run(report_path, None, 7, 600.0)) == []
