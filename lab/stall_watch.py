@@ -1,7 +1,11 @@
 """Watch a running cluster's engines for a stall, and dump every process of a stalled engine's stacks.
 
 A stall: an engine with requests running whose step counter (``vllm:iteration_tokens_total_count``) has not moved
-for ``--stall-s`` seconds. Then ``py-spy dump`` (``pip install py-spy``; run as root) of each of the engine's
+for ``--stall-s`` seconds. Each dump opens with where the engine's threads spent the stall, from the kernel's
+accounting (``/proc/PID/task/TID/schedstat`` and ``stat``) since its steps last moved: seconds on a CPU, seconds
+runnable but waiting for one (its run queue), page faults, and the rest (asleep: a lock, I/O, a socket). A worker
+on a CPU all along computes slowly; one waiting in the run queue is starved by its neighbours; one asleep waits
+for something. Then ``py-spy dump`` (``pip install py-spy``; run as root) of each of the engine's
 processes, its worker first, then its engine core and its API server, goes to ``--out``: every ``--every-s`` while
 the stall lasts, at most ``--dumps`` times. ``--native`` adds the C frames, but pauses each process for
 seconds to a minute while it unwinds them (the stall then reads longer than it was). The engines
@@ -14,6 +18,8 @@ Run from the repository root: ``python lab/stall_watch.py --out DIR [--config FI
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import os
 import shutil
 import subprocess
 import sys
@@ -27,6 +33,7 @@ from contract.wire import ROLES  # noqa: E402
 from orchestrator.spec import ClusterSpec  # noqa: E402
 
 POLL_S = 1.0
+FAMILY_S = 30.0
 PY_SPY = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
 
 
@@ -69,11 +76,71 @@ def family(pid: int) -> list[int]:
     return found
 
 
-def dump(port: int, out: Path, note: str, native: bool) -> Path:
+@dataclasses.dataclass(frozen=True)
+class ThreadTimes:
+    """One thread's kernel accounting at a moment: nanoseconds on a CPU and waiting in a run queue
+    (``schedstat``), minor and major page faults, the CPU it last ran on, and its name (``stat``)."""
+
+    name: str
+    run_ns: int
+    wait_ns: int
+    faults: int
+    major_faults: int
+    cpu: int
+
+
+def thread_times(pids: list[int]) -> dict[tuple[int, int], ThreadTimes]:
+    """Every thread of ``pids``, by (pid, tid); threads gone meanwhile are left out."""
+    out = {}
+    for pid in pids:
+        try:
+            tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+        except OSError:
+            continue
+        for tid in tids:
+            base = f"/proc/{pid}/task/{tid}"
+            try:
+                run_ns, wait_ns, _ = map(int, Path(f"{base}/schedstat").read_text().split())
+                stat = Path(f"{base}/stat").read_text()
+            except (OSError, ValueError):
+                continue
+            name, rest = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2 :].split()
+            # after the name: state (0), ..., minflt (7), majflt (9), ..., processor (36)
+            out[pid, tid] = ThreadTimes(name, run_ns, wait_ns, int(rest[7]), int(rest[9]), int(rest[36]))
+    return out
+
+
+def where_the_time_went(before: dict, after: dict, span_s: float, top: int = 6) -> list[str]:
+    """Per process, its busiest threads over ``span_s`` between two ``thread_times``: seconds on a CPU, in the
+    run queue, asleep (the rest), page faults, and the CPU last run on."""
+    lines = []
+    for pid in sorted({pid for pid, _ in after}):
+        rows = []
+        for (p, tid), now in after.items():
+            then = before.get((p, tid))
+            if p != pid or then is None:
+                continue
+            run, wait = (now.run_ns - then.run_ns) / 1e9, (now.wait_ns - then.wait_ns) / 1e9
+            rows.append(
+                (run + wait, tid, now, run, wait, now.faults - then.faults, now.major_faults - then.major_faults)
+            )
+        rows.sort(reverse=True)
+        for _, tid, now, run, wait, faults, major in rows[:top]:
+            asleep = max(0.0, span_s - run - wait)
+            lines.append(
+                f"pid {pid} tid {tid} {now.name!r}: on a CPU {run:.2f}s, run queue {wait:.2f}s, asleep {asleep:.2f}s "
+                f"of {span_s:.2f}s; faults {faults} ({major} major); last on CPU {now.cpu}"
+            )
+    return lines
+
+
+def dump(port: int, out: Path, note: str, native: bool, times: list[str] = ()) -> Path:
     pid = listener_pid(port)
     path = out / f"stall-{port}-{time.strftime('%H%M%S')}.txt"
     with path.open("w") as f:
         f.write(f"{note}\n")
+        if times:
+            f.write("\nwhere the engine's threads spent the stall (kernel accounting):\n" + "\n".join(times) + "\n")
         for p in reversed(family(pid)) if pid else []:  # the worker, then the engine core, then the API server
             command = Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ")[:200]
             f.write(f"\n===== pid {p}: {command!r}\n")
@@ -81,6 +148,22 @@ def dump(port: int, out: Path, note: str, native: bool) -> Path:
             command = [PY_SPY, "dump", "--pid", str(p)] + (["--native"] if native else [])
             subprocess.run(command, stdout=f, stderr=subprocess.STDOUT)
     return path
+
+
+class Processes:
+    """An engine's processes by its port (``listener_pid``, ``family``), looked up again every ``FAMILY_S``: the
+    watcher reads them every second and must not spawn ``ss`` and ``ps`` as often on a machine it measures."""
+
+    def __init__(self) -> None:
+        self._found: dict[int, tuple[float, list[int]]] = {}
+
+    def of(self, port: int, now: float) -> list[int]:
+        when, pids = self._found.get(port, (-float("inf"), []))
+        if now - when >= FAMILY_S:
+            pid = listener_pid(port)
+            pids = family(pid) if pid else []
+            self._found[port] = (now, pids)
+        return pids
 
 
 def engine_ports(spec: ClusterSpec) -> list[int]:
@@ -130,14 +213,24 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     ports = engine_ports(ClusterSpec.from_file(args.config))
     stalls = Stalls(args.stall_s, args.every_s, args.dumps)
+    moved: dict[int, tuple[float, float, dict]] = {}  # port -> (steps, when, thread_times) when they last moved
+    processes = Processes()
     end = time.monotonic() + args.for_s
     while time.monotonic() < end:
         for port in ports:
             reading = read_metrics(port)
-            still = stalls.due(port, reading, time.monotonic())
-            if still is not None and reading is not None:
+            now = time.monotonic()
+            still = stalls.due(port, reading, now)
+            if reading is None or reading[0] == 0:
+                moved.pop(port, None)
+                continue
+            if port not in moved or moved[port][0] != reading[1]:
+                moved[port] = (reading[1], now, thread_times(processes.of(port, now)))
+            if still is not None:
+                _, since, before = moved[port]
+                times = where_the_time_went(before, thread_times(processes.of(port, now)), now - since)
                 note = f"port {port}: {reading[0]:.0f} running, steps at {reading[1]:.0f} for {still:.1f}s"
-                path = dump(port, args.out, note, args.native)
+                path = dump(port, args.out, note, args.native, times)
                 print(f"{time.strftime('%H:%M:%S')} stall on port {port}: {path}", flush=True)
         time.sleep(POLL_S)
     return 0

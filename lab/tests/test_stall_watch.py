@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 
 from lab import stall_watch
 
@@ -67,3 +68,31 @@ def test_it_watches_every_engine_the_pools_may_grow_to() -> None:
 
     spec = ClusterSpec.from_file("configs/local-cpu-autoscale.yaml")
     assert stall_watch.engine_ports(spec) == [8100, 8101, 8200, 8201]
+
+
+def test_where_a_stalls_time_went_is_each_threads_cpu_run_queue_and_sleep_from_the_kernel() -> None:
+    pid, tid = os.getpid(), threading.get_native_id()
+    before = stall_watch.thread_times([pid])
+    assert (pid, tid) in before and before[pid, tid].run_ns > 0
+    started = time.monotonic()
+    while time.monotonic() - started < 0.3:  # on a CPU
+        pass
+    time.sleep(0.3)  # asleep
+    span = time.monotonic() - started
+    lines = stall_watch.where_the_time_went(before, stall_watch.thread_times([pid]), span)
+    mine = next(line for line in lines if f"tid {tid} " in line)
+    on_cpu = float(mine.split("on a CPU ")[1].split("s,")[0])
+    asleep = float(mine.split("asleep ")[1].split("s ")[0])
+    assert 0.1 <= on_cpu <= 0.45 and asleep >= 0.25
+    assert stall_watch.thread_times([2**22 + 7]) == {}  # a process gone: nothing, no error
+
+
+def test_an_engines_processes_are_looked_up_again_only_now_and_then(monkeypatch) -> None:
+    looked = []
+    monkeypatch.setattr(stall_watch, "listener_pid", lambda port: looked.append(port) or 4242)
+    monkeypatch.setattr(stall_watch, "family", lambda pid: [pid, pid + 1])
+    processes = stall_watch.Processes()
+    assert processes.of(8200, 0.0) == [4242, 4243]
+    assert processes.of(8200, stall_watch.FAMILY_S - 1) == [4242, 4243] and looked == [8200]
+    processes.of(8200, stall_watch.FAMILY_S)
+    assert looked == [8200, 8200]
