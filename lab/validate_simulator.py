@@ -473,28 +473,26 @@ def resimulate(report_path: str, core_plan: str | None, seed: int, duration_s: f
         passes_by_minute(pass_rows(result), 60.0)
 
 
-# What --sensitivity varies: how much slower than alone an engine works beside a busy one on its core.
-SENSITIVE_FIELDS = ("prefill", "decode")
+# What --sensitivity varies: how much slower than alone an engine works beside a busy one on its core (the last
+# only where it is given; else a decode step beside a decode engine takes ``decode`` and moves with it).
+SENSITIVE_FIELDS = ("prefill", "decode", "decode_beside_decode")
 
 
 def sensitivity(run: SavedRun, shared: SharedCore, step: float) -> dict[str, dict[str, dict[str, float]]]:
-    """Per load, per ``SharedCore`` field (``SENSITIVE_FIELDS``) and quantile (``"TTFT p50"``...): how many
-    times its input's change the simulator's quantile changes, the elasticity ``(q+ / q-) ** (1 / ln-span)``'s
-    exponent: the quantile with the field ``step`` higher over the one ``step`` lower, in logs, over the
-    inputs' ratio in logs (a field that is None counts as the one it defaults to)."""
+    """Per load, per slowdown of ``SENSITIVE_FIELDS`` that ``shared`` gives, per quantile (``"TTFT p50"``...):
+    its elasticity, ``ln(q_high / q_low) / ln(high / low)`` with the quantile simulated at the slowdown ``step``
+    lower (``low``) and ``step`` higher (``high``). 2: a 5 % error in the slowdown is a 10 % error in the quantile."""
     out: dict[str, dict[str, dict[str, float]]] = {}
+    fields = [field for field in SENSITIVE_FIELDS if getattr(shared, field) is not None]
     for name in run.traces:
         out[name] = {}
-        for field in SENSITIVE_FIELDS:
-            base = getattr(shared, field)
-            low, high = (
-                compare_quantiles(
-                    run.predict(name, dataclasses.replace(shared, **{field: max(1.0, base * factor)})).records
-                )
-                for factor in (1 - step, 1 + step)
+        for field in fields:
+            low, high = (max(1.0, getattr(shared, field) * factor) for factor in (1 - step, 1 + step))
+            q_low, q_high = (
+                compare_quantiles(run.predict(name, dataclasses.replace(shared, **{field: value})).records)
+                for value in (low, high)
             )
-            span = math.log(max(1.0, base * (1 + step)) / max(1.0, base * (1 - step)))
-            out[name][field] = {q: round(math.log(high[q] / low[q]) / span, 2) for q in low}
+            out[name][field] = {q: round(math.log(q_high[q] / q_low[q]) / math.log(high / low), 2) for q in q_low}
     return out
 
 
@@ -581,7 +579,8 @@ def main() -> None:
         type=float,
         metavar="STEP",
         help="with --resimulate: how much each quantile moves per change of its input: the simulator run with "
-        "each slowdown beside a busy engine (SharedCore's prefill, decode) STEP (e.g. 0.05) lower and higher; "
+        "each slowdown beside a busy engine (SharedCore's prefill, decode, decode_beside_decode where given) STEP "
+        "(e.g. 0.05) lower and higher; "
         "prints the elasticities (2: a 5 %% error in the slowdown is a 10 %% error in the quantile)",
     )
     parser.add_argument(

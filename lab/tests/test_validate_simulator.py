@@ -185,7 +185,7 @@ def test_sensitivity_gives_how_much_each_quantile_moves_with_each_slowdown_besid
     shared = SharedCore()
     run = validate_simulator.saved_run(_saved_report(tmp_path, "prefill-0:0 decode-0:0"), None, 7, 600.0)
     elasticity = validate_simulator.sensitivity(run, shared, 0.05)["steady"]
-    assert set(elasticity) == set(validate_simulator.SENSITIVE_FIELDS)
+    assert list(elasticity) == ["prefill", "decode"]  # decode_beside_decode not given: it moves with decode
     assert list(elasticity["decode"]) == ["TTFT p50", "TTFT p90", "ITL p50", "ITL p90"]
     assert elasticity["decode"]["ITL p50"] > 0.1
     # the figure is the quantile's change in logs over the input's, from the simulator run at both ends
@@ -195,6 +195,8 @@ def test_sensitivity_gives_how_much_each_quantile_moves_with_each_slowdown_besid
     )
     span = math.log(1.05 / 0.95)
     assert elasticity["decode"]["ITL p90"] == pytest.approx(math.log(high["ITL p90"] / low["ITL p90"]) / span, abs=0.01)
+    given = validate_simulator.sensitivity(run, SharedCore(decode_beside_decode=2.0), 0.05)["steady"]
+    assert list(given) == ["prefill", "decode", "decode_beside_decode"]  # given: varied on its own
     # each engine on a core of its own: no slowdown applies, nothing moves
     alone = validate_simulator.saved_run(_saved_report(tmp_path, "prefill-0:0 decode-0:1"), None, 7, 600.0)
     assert all(
