@@ -25,6 +25,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -134,7 +135,7 @@ def where_the_time_went(before: dict, after: dict, span_s: float, top: int = 6) 
     return lines
 
 
-def dump(port: int, out: Path, note: str, native: bool, times: list[str] = ()) -> Path:
+def dump(port: int, out: Path, note: str, native: bool, times: Sequence[str] = ()) -> Path:
     pid = listener_pid(port)
     path = out / f"stall-{port}-{time.strftime('%H%M%S')}.txt"
     with path.open("w") as f:
