@@ -64,10 +64,10 @@ from orchestrator.engine_metrics import scrape  # noqa: E402
 from orchestrator.spec import ClusterSpec  # noqa: E402
 from testlib.cluster_client import pdserve  # noqa: E402
 from testlib.fidelity import (  # noqa: E402
-    QUANTILES,
     TOLERANCE,
     compare,
     decode_capacity_rps,
+    latency_quantiles,
     mean_profile,
     prefill_capacity_rps,
     quantile,
@@ -489,7 +489,7 @@ def sensitivity(run: SavedRun, shared: SharedCore, step: float) -> dict[str, dic
         for field in fields:
             low, high = (max(1.0, getattr(shared, field) * factor) for factor in (1 - step, 1 + step))
             q_low, q_high = (
-                compare_quantiles(run.predict(name, dataclasses.replace(shared, **{field: value})).records)
+                latency_quantiles(run.predict(name, dataclasses.replace(shared, **{field: value})).records)
                 for value in (low, high)
             )
             out[name][field] = {q: round(math.log(q_high[q] / q_low[q]) / math.log(high / low), 2) for q in q_low}
@@ -523,16 +523,6 @@ def decode_slowdowns(run: SavedRun, busy: int = 15, window_s: float = 60.0) -> l
         step_s = (row["t"] - before["t"]) / (row["steps"] - before["steps"])
         out.append(step_s / run.physics.decode_step_seconds(round((row["running"] + before["running"]) / 2), context))
     return out
-
-
-def compare_quantiles(records: list) -> dict[str, float]:
-    """The simulator's side of ``testlib.fidelity.compare``: each quantile of TTFT and ITL (s), by the same
-    names."""
-    return {
-        f"{name} p{round(q * 100)}": quantile([getattr(r, key) for r in records], q)
-        for name, key in (("TTFT", "ttft_s"), ("ITL", "itl_s"))
-        for q in QUANTILES
-    }
 
 
 def main() -> None:

@@ -25,15 +25,17 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import json
+import operator
 import random
 import statistics
 import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import fields
 from pathlib import Path
+from typing import Any
 
 from contract.headers import PATH as PATH_HEADER
 from orchestrator.autoscale import traces
@@ -221,23 +223,31 @@ def quantile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+def latency_quantiles(rows: list, value: Callable[[Any, str], float] = getattr) -> dict[str, float]:
+    """Each quantile of TTFT and ITL (s) over ``rows``, named ``"TTFT p50"``...; ``value(row, "ttft_s")``
+    reads a row (default: an attribute, as of the simulator's records; ``operator.getitem`` for dicts)."""
+    return {
+        f"{name} p{round(q * 100)}": quantile([value(row, key) for row in rows], q)
+        for name, key in (("TTFT", "ttft_s"), ("ITL", "itl_s"))
+        for q in QUANTILES
+    }
+
+
 def compare(measured: list[dict], simulated: list) -> dict[str, dict[str, float]]:
     """Per metric and quantile (``"TTFT p50"``...): the cluster's value, the simulator's, and their ratio.
 
     ``measured`` holds ``replay``'s answers that did not fail; ``simulated`` the
     simulator's records (``ttft_s``, ``itl_s``) of the same trace.
     """
-    rows = {}
-    for name, key in (("TTFT", "ttft_s"), ("ITL", "itl_s")):
-        for q in QUANTILES:
-            real = quantile([m[key] for m in measured], q)
-            sim = quantile([getattr(r, key) for r in simulated], q)
-            rows[f"{name} p{round(q * 100)}"] = {
-                "cluster_s": round(real, 4),
-                "simulator_s": round(sim, 4),
-                "ratio": round(sim / real, 3),
-            }
-    return rows
+    real, sim = latency_quantiles(measured, operator.getitem), latency_quantiles(simulated)
+    return {
+        name: {
+            "cluster_s": round(real[name], 4),
+            "simulator_s": round(sim[name], 4),
+            "ratio": round(sim[name] / real[name], 3),
+        }
+        for name in real
+    }
 
 
 def within(rows: dict[str, dict[str, float]], tolerance: float = TOLERANCE) -> bool:

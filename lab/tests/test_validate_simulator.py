@@ -14,7 +14,7 @@ import pytest
 from lab import validate_simulator
 from orchestrator.autoscale.sim_model import EVEN_SHARE, RequestRecord, SharedCore
 from orchestrator.autoscale.traces import TraceRequest
-from testlib.fidelity import mean_profile
+from testlib.fidelity import latency_quantiles, mean_profile
 from testlib.profiles import make_profile, poisson_trace
 
 
@@ -190,7 +190,7 @@ def test_sensitivity_gives_how_much_each_quantile_moves_with_each_slowdown_besid
     assert elasticity["decode"]["ITL p50"] > 0.1
     # the figure is the quantile's change in logs over the input's, from the simulator run at both ends
     low, high = (
-        validate_simulator.compare_quantiles(run.predict("steady", dataclasses.replace(shared, decode=2.0 * f)).records)
+        latency_quantiles(run.predict("steady", dataclasses.replace(shared, decode=2.0 * f)).records)
         for f in (0.95, 1.05)
     )
     span = math.log(1.05 / 0.95)
