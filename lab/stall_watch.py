@@ -135,14 +135,14 @@ def where_the_time_went(before: dict, after: dict, span_s: float, top: int = 6) 
     return lines
 
 
-def dump(port: int, out: Path, note: str, native: bool, times: Sequence[str] = ()) -> Path:
-    pid = listener_pid(port)
+def dump(port: int, pids: list[int], out: Path, note: str, native: bool, times: Sequence[str] = ()) -> Path:
+    """``pids`` (``family``: the API server first) dumped into a new file of ``out``, the worker first."""
     path = out / f"stall-{port}-{time.strftime('%H%M%S')}.txt"
     with path.open("w") as f:
         f.write(f"{note}\n")
         if times:
             f.write("\nwhere the engine's threads spent the stall (kernel accounting):\n" + "\n".join(times) + "\n")
-        for p in reversed(family(pid)) if pid else []:  # the worker, then the engine core, then the API server
+        for p in reversed(pids):  # the worker, then the engine core, then the API server
             command = Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ")[:200]
             f.write(f"\n===== pid {p}: {command!r}\n")
             f.flush()
@@ -200,6 +200,11 @@ class Stalls:
         self._dumped[port] = (count + 1, now)
         return still
 
+    def moved_at(self, port: int) -> float | None:
+        """When the engine on ``port`` last stepped (or came back, or had nothing running); None: not seen."""
+        last = self._moved.get(port)
+        return None if last is None else last[1]
+
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -214,7 +219,7 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     ports = engine_ports(ClusterSpec.from_file(args.config))
     stalls = Stalls(args.stall_s, args.every_s, args.dumps)
-    moved: dict[int, tuple[float, float, dict]] = {}  # port -> (steps, when, thread_times) when they last moved
+    moved: dict[int, tuple[float, dict]] = {}  # port -> (when its steps last moved, thread_times then)
     processes = Processes()
     end = time.monotonic() + args.for_s
     while time.monotonic() < end:
@@ -222,16 +227,17 @@ def main() -> int:
             reading = read_metrics(port)
             now = time.monotonic()
             still = stalls.due(port, reading, now)
-            if reading is None or reading[0] == 0:
+            since = stalls.moved_at(port)
+            if reading is None or reading[0] == 0 or since is None:  # gone or idle: nothing to stall
                 moved.pop(port, None)
                 continue
-            if port not in moved or moved[port][0] != reading[1]:
-                moved[port] = (reading[1], now, thread_times(processes.of(port, now)))
+            if port not in moved or moved[port][0] != since:  # it stepped: the accounting starts again here
+                moved[port] = (since, thread_times(processes.of(port, now)))
             if still is not None:
-                _, since, before = moved[port]
-                times = where_the_time_went(before, thread_times(processes.of(port, now)), now - since)
+                pids = processes.of(port, now)
+                times = where_the_time_went(moved[port][1], thread_times(pids), now - since)
                 note = f"port {port}: {reading[0]:.0f} running, steps at {reading[1]:.0f} for {still:.1f}s"
-                path = dump(port, args.out, note, args.native, times)
+                path = dump(port, pids, args.out, note, args.native, times)
                 print(f"{time.strftime('%H:%M:%S')} stall on port {port}: {path}", flush=True)
         time.sleep(POLL_S)
     return 0

@@ -96,3 +96,15 @@ def test_an_engines_processes_are_looked_up_again_only_now_and_then(monkeypatch)
     assert processes.of(8200, stall_watch.FAMILY_S - 1) == [4242, 4243] and looked == [8200]
     processes.of(8200, stall_watch.FAMILY_S)
     assert looked == [8200, 8200]
+
+
+def test_a_stall_counts_from_when_the_steps_last_moved() -> None:
+    stalls = stall_watch.Stalls(stall_s=4.0, every_s=2.0, dumps=2)
+    assert stalls.moved_at(8200) is None  # not seen
+    stalls.due(8200, (21.0, 5310.0), 1.0)
+    stalls.due(8200, (21.0, 5310.0), 3.0)  # standing still: still from 1 s
+    assert stalls.moved_at(8200) == 1.0
+    stalls.due(8200, (21.0, 5311.0), 6.0)
+    assert stalls.moved_at(8200) == 6.0
+    stalls.due(8200, None, 7.0)  # gone
+    assert stalls.moved_at(8200) is None
