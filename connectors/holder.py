@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import queue
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from connectors.leases import LeaseState, LeaseTable, parse_read_notification
@@ -47,9 +48,18 @@ class LeaseHolder:
     """The prefill side of one TP rank; ``releases_in`` and ``notifications_in`` are fed by the side-channel
     thread, which also calls ``pin``."""
 
-    def __init__(self, engine_id: str, lease_ttl_s: float, *, grace_s: float = 2.0, epoch: str = "") -> None:
+    def __init__(
+        self,
+        engine_id: str,
+        lease_ttl_s: float,
+        *,
+        grace_s: float = 2.0,
+        epoch: str = "",
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.lease_ttl_s = lease_ttl_s
-        self._leases = LeaseTable(lease_ttl_s, engine_id=engine_id, grace_s=grace_s, epoch=epoch)
+        self._clock = clock
+        self._leases = LeaseTable(lease_ttl_s, clock=clock, engine_id=engine_id, grace_s=grace_s, epoch=epoch)
         self._holding: set[str] = set()
         self._early: dict[str, list[_LeaseEvent]] = {}
         self._stats = PdserveKVStats()
@@ -81,7 +91,7 @@ class LeaseHolder:
 
     def poll(self, transports: WorkerTransports) -> set[str]:
         """The requests whose lease ended since the last call (read, released or expired)."""
-        now = time.monotonic()
+        now = self._clock()
         # Leases past their end expire before this step's events: a release or READ notification that came
         # after a lease's end is late (counted so), not the lease's outcome.
         self._leases.expire()

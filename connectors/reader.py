@@ -34,7 +34,16 @@ trusted: all three fail as ``expired`` and the prompt is recomputed.
 Each request is one ``connectors.reads.ReadRecord`` (CHECKED, PINNING,
 READING, then DONE, or ABORTED and DRAINED): a failed or aborted load is
 reported to vLLM (its blocks recomputed) only once none of its READs can still
-land, and then every prefill rank is released in this reader's name. Every
+land, and then every prefill rank is released in this reader's name. A READ
+its transport never confirms drained by the record's end (lease + margin at
+most) is quarantined: the load is reported failed, the request id goes to the
+scheduler side in ``PdserveWorkerMeta.quarantined`` (which keeps its blocks
+out of vLLM's pool for good), and the READ is kept here until it drains, so
+its transport can let go of it.
+
+A mapping of a source rank is dropped (after a failed READ from it, or once
+another start of it is known) only when no record that has not ended names it:
+a record waiting for its pins posts through the mapping it was checked with. Every
 load ends in a per-request report (``take_reports``), also kept for the
 proxy's report queries on the side channel (a stream's ``X-PDServe-KV``).
 """
@@ -45,7 +54,7 @@ import logging
 import random
 import time
 from collections.abc import Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Executor, Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_for_any
 from dataclasses import dataclass
 
@@ -58,7 +67,7 @@ from connectors.metadata import KVTransferParams, ReceiveSpec
 from connectors.options import ConnectorSettings
 from connectors.reads import ReadPhase, ReadRecord
 from connectors.side_channel import RecentReports
-from connectors.side_client import ReleaseSender, ask_pin, request_handshake
+from connectors.side_client import PeerClient
 from connectors.side_messages import report_key
 from connectors.stats import PdserveKVStats, PdserveWorkerMeta
 from connectors.topology import KVTopology, reader_ranks, source_ranks
@@ -107,24 +116,38 @@ class KVReader:
     DRAINED) and is reported by ``poll``; nothing else is kept by request id.
     """
 
-    def __init__(self, engine_id: str, settings: ConnectorSettings, auth: KVAuth, answered: RecentReports) -> None:
+    def __init__(
+        self,
+        engine_id: str,
+        settings: ConnectorSettings,
+        auth: KVAuth,
+        answered: RecentReports,
+        *,
+        peers: PeerClient | None = None,
+        executor: Executor | None = None,
+    ) -> None:
+        """``peers`` asks the prefill ranks' side channels (handshakes, pins, releases); ``executor`` runs its
+        handshakes and pins off the engine's thread (a pool of 4 threads by default)."""
         self.engine_id = engine_id
         self.settings = settings
-        self._auth = auth
         self._answered = answered  # read by the side-channel thread (the proxy's report queries)
         self._transport: WorkerTransports | None = None
         self._topology: KVTopology | None = None
         self._kernel_blocks_per_block = 1
         self._stats = PdserveKVStats()
         self._reports: dict[str, KVReport] = {}
-        self._releases_out = ReleaseSender(engine_id, auth)
+        self._side = peers or PeerClient(engine_id, auth)
+        self._releases_out = self._side.releases
         # remote ranks are keyed by mapping_name(engine_id, rank, epoch)
         self._handshakes = HandshakeCache()
-        self._handshake_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="pdserve-handshake")
+        self._handshake_pool = executor or ThreadPoolExecutor(max_workers=4, thread_name_prefix="pdserve-handshake")
         self._handshaking: dict[str, _Handshake] = {}
         self._peers: dict[str, _SourceRank] = {}
         self._peer_failures: dict[str, tuple[str, str]] = {}  # failed handshakes: (kind, reason)
         self._records: dict[str, ReadRecord] = {}
+        self._quarantine: list[Transfer] = []  # READs never confirmed drained, kept until they drain
+        self._quarantined: set[str] = set()  # requests quarantined since the last ``take_reports``
+        self._stale: set[str] = set()  # mappings to drop (and handshake again) once nothing uses them
         self._begun: set[str] = set()  # requests whose load began since the last poll (``_await_begun``)
         self._pins: dict[tuple[str, str], Future[PinAnswer]] = {}  # (request id, source) -> its pin, asked
         self._load_error_block_ids: set[int] = set()
@@ -143,7 +166,7 @@ class KVReader:
 
     def tracked(self) -> int:
         """How many requests this rank keeps anything of (records, pins asked, reports not yet taken)."""
-        return len(self._records) + len(self._pins) + len(self._reports)
+        return len(self._records) + len(self._pins) + len(self._reports) + len(self._quarantined)
 
     def receive(self, spec: ReceiveSpec) -> None:
         """Start loading ``spec``'s KV: handshakes as needed, then pins, then its READs (``poll`` follows them)."""
@@ -162,6 +185,7 @@ class KVReader:
             tuple(mapping_name(remote.remote_engine_id, rank, epoch) for rank in ranks),
             self._read_deadline(spec),
             drain_timeout_s=self.settings.transfer_timeout_s,
+            ends_by=self._end_by(spec),
             hold_s=self.settings.fault_injection.read_hold_s,
         )
         self._records[spec.request_id] = record
@@ -196,7 +220,7 @@ class KVReader:
         topology = self._require_topology()
 
         def handshake() -> HandshakeResponse:
-            return request_handshake(self.engine_id, topology, endpoint, self._auth, timeout_s)
+            return self._side.handshake(topology, endpoint, timeout_s)
 
         response = self._handshakes.get_or_handshake(engine_id, handshake, rank)
         if epoch and response.epoch != epoch:  # the rank restarted since we cached it (or the params are old)
@@ -206,6 +230,9 @@ class KVReader:
 
     def _advance(self) -> None:
         """Move every record as far as it can go now: handshakes, pins, posts, polls."""
+        for name in list(self._stale):
+            self._forget_peer(name)
+        self._quarantine = [read for read in self._quarantine if not _drains(read)]
         for key, handshake in list(self._handshaking.items()):
             if handshake.future.done():
                 del self._handshaking[key]
@@ -244,7 +271,7 @@ class KVReader:
         params = record.spec.remote
         endpoint = params.side_channel(int(_rank_of(source)))
         self._pins[(record.request_id, source)] = self._handshake_pool.submit(
-            ask_pin, endpoint, self._auth, self.name, params.remote_request_id, params.pdserve_epoch or "",
+            self._side.pin, endpoint, self.name, params.remote_request_id, params.pdserve_epoch or "",
             self.settings.handshake_timeout_s,
         )  # fmt: skip
 
@@ -329,7 +356,9 @@ class KVReader:
         reads: list[Transfer] = []
         try:
             for name in names:
-                source = self._peers[name]
+                source = self._peers.get(name)
+                if source is None:  # never so while the record names it (``_remove_peer_if_unused``)
+                    raise ConnectorError(f"no mapping of {name} to read through")
                 transport = transports.get(source.transport)
                 local_ids, remote_ids = self._kernel_block_ids(spec, source.topology)
                 notify = read_notification(remote.remote_request_id, source.expected_reads, self.name)
@@ -387,6 +416,12 @@ class KVReader:
         """The wall-clock time by which ``spec``'s READs must be over (its lease's end less the margin)."""
         expires = spec.remote.pdserve_expires
         return float("inf") if expires is None else expires - self.settings.read_margin_s
+
+    def _end_by(self, spec: ReceiveSpec) -> float:
+        """The wall-clock time by which ``spec``'s record ends whatever its READs do (the lease's end plus the
+        margin: a holder keeps pinned blocks that long for a reader it no longer hears from)."""
+        expires = spec.remote.pdserve_expires
+        return float("inf") if expires is None else expires + self.settings.read_margin_s
 
     def poll(self) -> tuple[set[str], set[str]]:
         """``(finished_recving, failed_recving)`` since the last call; a failed load is in both.
@@ -474,13 +509,18 @@ class KVReader:
         # Nobody here will read those blocks now: every prefill rank may free them (ours: our pin ends).
         for rank in range(max(1, spec.remote.tp_size)):
             self._release_rank(spec.remote, rank)
-        if record.undrained:
+        if record.quarantined:
+            undrained = [read for read in record.reads if not _drains(read)]
+            self._quarantine.extend(undrained)
+            self._quarantined.add(spec.request_id)
             logger.error(
-                "request %s on engine %s: an aborted READ could not be confirmed drained within %.0f s; its "
-                "blocks go back to vLLM",
+                "request %s on engine %s: %d aborted READ(s) from %s never confirmed drained; its %d blocks are "
+                "quarantined (never reused) and the prompt is recomputed in others",
                 spec.request_id,
                 self.engine_id,
-                record.drain_timeout_s,
+                len(undrained),
+                ", ".join(read.peer for read in undrained),
+                len(spec.local_block_ids),
             )
         logger.warning(
             "request %s on engine %s: KV load from engine %s failed (%s), the prompt will be recomputed: %s",
@@ -498,17 +538,22 @@ class KVReader:
         self._releases_out.release(params.side_channel(rank), params.remote_request_id, self.name)
 
     def _forget_peer(self, name: str) -> None:
-        """A read from ``name`` failed: that rank may have restarted, so handshake again next time."""
+        """A read from ``name`` failed: that rank may have restarted, so handshake again once nothing uses its
+        mapping (until then the records that name it go on through it)."""
         source = self._peers.get(name)
-        if source is not None and self._remove_peer_if_unused(name):
+        if source is None:
+            self._stale.discard(name)
+        elif self._remove_peer_if_unused(name):
+            self._stale.discard(name)
             self._handshakes.invalidate(name.rpartition("/rank")[0], source.topology.tp_rank)
+        else:
+            self._stale.add(name)
 
     def _remove_peer_if_unused(self, name: str) -> bool:
-        """Drop ``name``'s mapping unless a READ that can still land uses it; True if dropped."""
-        in_use = any(
-            read.peer == name and record.phase in (ReadPhase.READING, ReadPhase.ABORTED)
-            for record in self._records.values()
-            for read in record.reads
+        """Drop ``name``'s mapping unless a record that has not ended names it, or a READ that can still land
+        uses it; True if dropped."""
+        in_use = any(name in record.sources and not record.ended for record in self._records.values()) or any(
+            read.peer == name for read in self._quarantine
         )
         source = self._peers.get(name)
         if source is None or in_use:
@@ -528,10 +573,11 @@ class KVReader:
         self._answered.add(report_key(spec.remote.remote_engine_id, spec.remote.remote_request_id), report)
 
     def take_reports(self) -> PdserveWorkerMeta | None:
-        if not self._reports:
+        if not self._reports and not self._quarantined:
             return None
         reports, self._reports = self._reports, {}
-        return PdserveWorkerMeta(reports=reports)
+        quarantined, self._quarantined = self._quarantined, set()
+        return PdserveWorkerMeta(reports=reports, quarantined=quarantined)
 
     def take_stats(self) -> PdserveKVStats:
         stats, self._stats = self._stats, PdserveKVStats()
@@ -542,7 +588,7 @@ class KVReader:
             record.fail("internal", "engine shutting down", self._clock())
         self._records.clear()
         self._handshake_pool.shutdown(wait=False, cancel_futures=True)
-        self._releases_out.close()
+        self._side.close()
 
     def _require_transport(self) -> WorkerTransports:
         if self._transport is None:
@@ -553,6 +599,12 @@ class KVReader:
         if self._topology is None:
             raise ConnectorError(f"engine {self.engine_id}: register_kv_caches has not run")
         return self._topology
+
+
+def _drains(read: Transfer) -> bool:
+    """Polls ``read`` (a transport moves an aborted READ on as it is polled); whether it is drained."""
+    read.poll()
+    return read.drained is True
 
 
 def _expand(block_ids: Sequence[int], per_block: int) -> list[int]:

@@ -8,11 +8,16 @@ protocol of "Who owns a KV block" (``docs/architecture.md``)::
       READING --every READ landed, before the deadline--> DONE
       CHECKED, PINNING --failure, GONE, deadline--> DRAINED (nothing was posted)
       READING --a READ failed, the deadline passed, landed late, shutdown--> ABORTED
-      ABORTED --every READ drained (none can land any more), or drain_timeout_s--> DRAINED
+      ABORTED --every READ drained (none can land any more)--> DRAINED
+      ABORTED --drain_timeout_s after the abort, or ends_by, a READ still undrained--> DRAINED, quarantined
 
 DONE and DRAINED are the ends: the request is reported to vLLM (finished, or
 failed: its blocks are recomputed) only then, so vLLM never reuses a block a
-READ can still land in. A READ is posted only under a pin (the holder keeps its
+READ can still land in. A READ is drained only when its transport says no byte
+of it can land (``Transfer.drained``: for NIXL, a release of its handle NIXL
+accepted); one that never says so by the record's end leaves the record
+``quarantined``: the request is reported failed, and its blocks are kept out of
+vLLM's pool for good (``connectors.scheduler``), never reused. A READ is posted only under a pin (the holder keeps its
 blocks until this reader's notification or release), only before ``deadline``
 (the lease's end less the read margin), and its result is trusted only if it
 landed before that: a READ seen done later is DRAINED, not DONE. At DRAINED the
@@ -58,21 +63,23 @@ _MOVES = {
 
 
 def drained(read: Transfer) -> bool:
-    """Whether no byte of ``read`` can land any more (a transport that cannot say: once it is not pending)."""
-    return bool(getattr(read, "drained", read.state is not TransferState.PENDING))
+    """Whether no byte of ``read`` can land any more: only its transport can say."""
+    return read.drained is True
 
 
 @dataclass(slots=True)
 class ReadRecord:
     """One decode request's load on one TP rank: its sources, pins, READs and end (see the module's docstring).
 
-    ``deadline`` is the wall-clock time by which the READs must have landed.
+    ``deadline`` is the wall-clock time by which the READs must have landed; ``ends_by``, the time by which the
+    record ends whatever happens (the lease's end plus the margin: the holder keeps a pinned lease that long).
     """
 
     spec: ReceiveSpec
     sources: tuple[str, ...]
     deadline: float
     drain_timeout_s: float = 30.0
+    ends_by: float = float("inf")
     phase: ReadPhase = ReadPhase.CHECKED
     granted: set[str] = field(default_factory=set)
     asking: set[str] = field(default_factory=set)
@@ -85,8 +92,8 @@ class ReadRecord:
     hold_until: float | None = None
     failed_peer: str | None = None
     """The source whose READ failed (it may have restarted: handshake with it again)."""
-    undrained: bool = False
-    """Ended DRAINED by ``drain_timeout_s`` with a READ that could not be confirmed drained."""
+    quarantined: bool = False
+    """Ended DRAINED with a READ its transport never confirmed drained: its blocks must never be reused."""
 
     @property
     def request_id(self) -> str:
@@ -181,8 +188,8 @@ class ReadRecord:
                 read.poll()
             if all(drained(read) for read in self.reads):
                 self._move(ReadPhase.DRAINED)
-            elif now - (self.aborted_at or now) >= self.drain_timeout_s:
-                self.undrained = True
+            elif now >= min((self.aborted_at or now) + self.drain_timeout_s, self.ends_by):
+                self.quarantined = True
                 self._move(ReadPhase.DRAINED)
         return self.phase
 

@@ -25,6 +25,11 @@ A request's life, seen from here:
   the client goes away; this side sends it when the decode engine needs no
   read (its prefix cache held the whole prompt) or the request ended before
   it was scheduled.
+- A load whose READ may still land after it ended (aborted, never confirmed
+  drained: ``connectors.reads``) comes back in the worker's metadata as
+  quarantined: its blocks get a reference of ours that is never given back, so
+  vLLM's pool never hands them to another request (nor to this one's
+  recompute), and ``pdserve:kv_quarantined_blocks_total`` counts them.
 - A stream's client learns how its KV got here too: the prefill's params carry
   a ``pdserve_report`` message that the proxy sends to the decode engine's
   side channel when the stream starts (``side_channel.RecentReports``).
@@ -94,6 +99,8 @@ class PdserveScheduler:
         self._stats = PdserveKVStats()
         self._releases = ReleaseSender(engine_id, self._auth)
         self._refusals = LogLimiter(logger)
+        self.quarantined_blocks = 0
+        """Blocks kept out of vLLM's pool for good since the engine started (``_quarantine``)."""
 
     def tracked(self) -> int:
         """How many request ids this side keeps anything of (records, and work not yet handed to the workers)."""
@@ -170,14 +177,17 @@ class PdserveScheduler:
         # hashed local blocks are prefix-cache hits that need no read.
         local_ids: list[int] = []
         remote_ids: list[int] = []
+        loading: list[Any] = []
         for position, block in enumerate(blocks.blocks[0]):
             first = position * ratio
             if first >= len(params.remote_block_ids):
                 break
             if block.block_hash is None and not block.is_null:
                 local_ids.append(block.block_id)
+                loading.append(block)
                 remote_ids.extend(params.remote_block_ids[first : first + ratio])
-        self._decode[request.request_id].loading_tokens = num_external_tokens
+        record = self._decode[request.request_id]
+        record.loading_tokens, record.loading_blocks = num_external_tokens, tuple(loading)
         self._to_receive[request.request_id] = ReceiveSpec(
             request_id=request.request_id,
             local_block_ids=tuple(local_ids),
@@ -269,13 +279,32 @@ class PdserveScheduler:
             for request_id, report in meta.reports.items():
                 if (record := self._decode.get(request_id)) is not None:
                     record.report = report if record.report is None else record.report.merge(report)
+            for request_id in meta.quarantined:
+                if (record := self._decode.get(request_id)) is not None:
+                    self._quarantine(request_id, record)
         for request_id in output.failed_recving or ():
             if (record := self._decode.get(request_id)) is not None:
                 self._stats.record_recomputed(record.loading_tokens)
                 record.loading_tokens = 0
         for request_id in output.finished_recving or ():
             if (record := self._decode.get(request_id)) is not None:
-                record.loading_tokens = 0
+                record.loading_tokens, record.loading_blocks = 0, ()
+
+    def _quarantine(self, request_id: str, record: _DecodeRecord) -> None:
+        """Keep the blocks a READ may still land in out of vLLM's pool for good: one more reference each, never
+        given back (vLLM returns a block to its free queue only when no reference is left)."""
+        blocks, record.loading_blocks = record.loading_blocks, ()
+        for block in blocks:
+            block.ref_cnt += 1
+        self.quarantined_blocks += len(blocks)
+        self._stats.record_quarantined(len(blocks))
+        logger.error(
+            "request %s on engine %s: %d KV blocks quarantined (a READ into them may still land); %d in all",
+            request_id,
+            self.engine_id,
+            len(blocks),
+            self.quarantined_blocks,
+        )
 
     def take_stats(self) -> PdserveKVStats | None:
         if self._stats.is_empty():
@@ -391,6 +420,8 @@ class _DecodeRecord:
     """The load was planned (a READ, or a release of what needs none): the worker or the plan releases."""
     loading_tokens: int = 0
     """Tokens a READ in flight loads (0 when none is)."""
+    loading_blocks: tuple[Any, ...] = ()
+    """vLLM's blocks (``KVCacheBlock``) that READ lands in, until it ends: quarantined if it never drains."""
     report: KVReport | None = None
     """How the prompt's KV got here."""
 

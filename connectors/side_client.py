@@ -35,6 +35,7 @@ __all__ = [
     "ANSWERED",
     "BUSY",
     "SILENT",
+    "PeerClient",
     "ReleaseSender",
     "ask_pin",
     "ping",
@@ -184,3 +185,22 @@ class ReleaseSender:
         if self._thread is not None:
             self._queue.put(None)
             self._thread.join(timeout=self._timeout_s + 1)
+
+
+class PeerClient:
+    """What a decode rank asks of prefill ranks over their side channels: handshakes and pins (each answered, or
+    ``TransportError``), releases and READ notifications (``releases``, sent from a thread of their own)."""
+
+    def __init__(self, engine_id: str, auth: KVAuth) -> None:
+        self.engine_id = engine_id
+        self._auth = auth
+        self.releases = ReleaseSender(engine_id, auth)
+
+    def handshake(self, topology: KVTopology, endpoint: str, timeout_s: float) -> HandshakeResponse:
+        return request_handshake(self.engine_id, topology, endpoint, self._auth, timeout_s)
+
+    def pin(self, endpoint: str, reader: str, request_id: str, epoch: str, timeout_s: float) -> PinAnswer:
+        return ask_pin(endpoint, self._auth, reader, request_id, epoch, timeout_s)
+
+    def close(self) -> None:
+        self.releases.close()

@@ -27,6 +27,8 @@ Metrics (label ``kind`` / ``outcome`` as listed):
   on the way: ``pinned`` (a reader announced its READ: one per reader), ``release_refused`` (a release under
   a pin)
 - ``pdserve:kv_recomputed_tokens_total`` — prompt tokens a decode engine recomputed after a failed load
+- ``pdserve:kv_quarantined_blocks_total`` — decode blocks an aborted READ never confirmed drained: kept out
+  of vLLM's pool for the engine's life (a READ may still land in them), never reused
 - ``pdserve:kv_refused_total{kind}`` — what failed the cluster's authentication: side-channel messages
   (handshake, handshake-reply, release, report, message: not framed as ours) and transfer parameters
   (params: forged, altered, expired, replayed or for another decode engine; malformed_params: a
@@ -91,7 +93,14 @@ _GBPS_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.
 
 
 def _empty() -> dict[str, Any]:
-    return {"transfers": [], "failures": {}, "leases": {}, "refused": {}, "recomputed_tokens": 0}
+    return {
+        "transfers": [],
+        "failures": {},
+        "leases": {},
+        "refused": {},
+        "recomputed_tokens": 0,
+        "quarantined_blocks": 0,
+    }
 
 
 @dataclasses.dataclass
@@ -123,6 +132,9 @@ class PdserveKVStats(KVConnectorStats):
     def record_recomputed(self, tokens: int) -> None:
         self.data["recomputed_tokens"] += int(tokens)
 
+    def record_quarantined(self, blocks: int) -> None:
+        self.data["quarantined_blocks"] += int(blocks)
+
     # -- vLLM's KVConnectorStats interface
 
     def reset(self) -> None:
@@ -135,6 +147,7 @@ class PdserveKVStats(KVConnectorStats):
             for name, count in theirs.get(key, {}).items():
                 self.data[key][name] = self.data[key].get(name, 0) + count
         self.data["recomputed_tokens"] += theirs.get("recomputed_tokens", 0)
+        self.data["quarantined_blocks"] += theirs.get("quarantined_blocks", 0)
         return self
 
     def reduce(self) -> dict[str, int | float]:
@@ -147,6 +160,7 @@ class PdserveKVStats(KVConnectorStats):
             "avg_ms": round(1e3 * total_s / len(transfers), 3) if transfers else 0.0,
             "gbps": round(total_bytes / total_s / 1e9, 3) if total_s > 0 else 0.0,
             "recomputed_tokens": self.data["recomputed_tokens"],
+            "quarantined_blocks": self.data["quarantined_blocks"],
         }
         summary.update({f"failed_{k}": v for k, v in sorted(self.data["failures"].items())})
         summary.update({f"lease_{k}": v for k, v in sorted(self.data["leases"].items())})
@@ -160,6 +174,7 @@ class PdserveKVStats(KVConnectorStats):
             or self.data["leases"]
             or self.data["refused"]
             or self.data["recomputed_tokens"]
+            or self.data["quarantined_blocks"]
         )
 
 
@@ -218,6 +233,11 @@ class PdservePromMetrics(KVConnectorPromMetrics):
         self.recomputed = per_engine(
             self._counter_cls, "pdserve:kv_recomputed_tokens", "Prompt tokens recomputed after a failed KV load."
         )
+        self.quarantined = per_engine(
+            self._counter_cls,
+            "pdserve:kv_quarantined_blocks",
+            "Decode KV blocks kept out of use for good: an aborted READ into them never confirmed it was over.",
+        )
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for num_bytes, seconds in transfer_stats_data.get("transfers", ()):
@@ -237,6 +257,8 @@ class PdservePromMetrics(KVConnectorPromMetrics):
                 self.refused[engine_idx][kind].inc(count)
         if tokens := transfer_stats_data.get("recomputed_tokens", 0):
             self.recomputed[engine_idx].inc(tokens)
+        if blocks := transfer_stats_data.get("quarantined_blocks", 0):
+            self.quarantined[engine_idx].inc(blocks)
 
 
 @dataclasses.dataclass
@@ -244,10 +266,13 @@ class PdserveWorkerMeta(KVConnectorWorkerMetadata):
     """Per-request load reports of one step, worker -> scheduler side (keyed by request id)."""
 
     reports: dict[str, KVReport] = dataclasses.field(default_factory=dict)
+    quarantined: set[str] = dataclasses.field(default_factory=set)
+    """Requests a READ into whose blocks may still land (never confirmed drained): their blocks are never reused."""
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> PdserveWorkerMeta:
         if not isinstance(other, PdserveWorkerMeta):
             raise TypeError(f"cannot aggregate PdserveWorkerMeta with {type(other).__name__}")
+        self.quarantined |= other.quarantined
         for request_id, report in other.reports.items():
             mine = self.reports.get(request_id)
             self.reports[request_id] = report if mine is None else mine.merge(report)

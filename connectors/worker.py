@@ -28,6 +28,7 @@ from connectors.cache_layout import describe_kv_cache
 from connectors.handshake import HandshakeResponse, encode_response
 from connectors.holder import LeaseHolder
 from connectors.identity import engine_epoch, model_identity, peer_name
+from connectors.log_limit import LogLimiter
 from connectors.metadata import PdserveConnectorMetadata
 from connectors.options import ConnectorSettings
 from connectors.reader import KVReader
@@ -46,6 +47,7 @@ if TYPE_CHECKING:
 __all__ = ["PdserveWorker", "check_servable", "engine_model_identity", "peer_name"]
 
 logger = logging.getLogger(__name__)
+_limited = LogLimiter(logger)
 
 
 def check_servable(kv_cache_config: KVCacheConfig, engine_id: str) -> None:
@@ -199,8 +201,14 @@ class PdserveWorker:
         """
         if self._transport is None:
             return set(), set(), set()
-        finished_recving, failed_recving = self._reader.poll()
-        return self._holder.poll(self._transport), finished_recving, failed_recving
+        finished_sending = self._holder.poll(self._transport)  # first: nothing on the reader's side withholds it
+        try:
+            finished_recving, failed_recving = self._reader.poll()
+        except Exception:  # noqa: BLE001 - the leases' ends must reach vLLM whatever the reader does
+            self._stats.record_failure("internal")
+            _limited.error("reader", "engine %s: the KV reader's poll raised; contained", self.engine_id, exc_info=True)
+            return finished_sending, set(), set()
+        return finished_sending, finished_recving, failed_recving
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._reader.take_load_errors()

@@ -7,7 +7,10 @@ channel; the reader ``add_peer``s it, then ``read_blocks`` moves runs of
 blocks from the peer's cache into its own and returns a ``Transfer`` to poll.
 When a read completes the source sees ``notify`` in ``poll_notifications``
 (and frees the blocks). Every transfer ends DONE or FAILED, never pending for
-ever: a transport fails a transfer still pending at its deadline.
+ever: a transport fails a transfer still pending at its deadline. FAILED is
+the reader's verdict, not the wire's: an aborted read may still be moving
+bytes, so a transfer also says when it is ``drained`` (no byte of it can land
+any more), and only then may the blocks it writes go back to vLLM.
 """
 
 from __future__ import annotations
@@ -39,10 +42,16 @@ class TransferState(enum.Enum):
 
 @runtime_checkable
 class Transfer(Protocol):
-    """One posted read: poll it until DONE or FAILED; ``abort`` fails it now."""
+    """One posted read: poll it until DONE or FAILED; ``abort`` fails it now, ``drained`` says when it is over on
+    the wire too."""
 
     peer: str
     num_bytes: int
+
+    @property
+    def drained(self) -> bool:
+        """Whether no byte of this read can land any more (a FAILED read may still be moving: poll it)."""
+        ...
 
     @property
     def state(self) -> TransferState: ...

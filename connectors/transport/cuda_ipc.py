@@ -241,6 +241,7 @@ class IpcRead(ReadState):
         """Seconds from the gather's start on the GPU to its end (None until DONE)."""
         self._started = started
         self._event = event
+        self._over = False  # the copy is known over (its slot's event may be recorded again by a later read)
 
     def poll(self) -> TransferState:
         if self._state is TransferState.PENDING:
@@ -256,18 +257,25 @@ class IpcRead(ReadState):
             self._event.synchronize()
         return self.poll()
 
+    @property
+    def drained(self) -> bool:
+        """Over on the GPU too: a launched copy cannot be cancelled, and an aborted one runs to its end."""
+        if not self._over and self._state is not TransferState.PENDING:
+            self._over = self._state is TransferState.DONE or bool(self._event.query())
+        return self._over
+
     def abort(self, reason: str = "aborted") -> None:
-        """FAILED, once the launched copy is over: it cannot be cancelled, and must not land after vLLM
-        reuses the blocks."""
+        """FAILED now, without waiting on the GPU (this runs on vLLM's model-runner thread): the copy may still
+        run, and the read is ``drained`` once its event has fired."""
         if self._state is TransferState.PENDING:
-            self._event.synchronize()
             self._finish(TransferState.FAILED, reason)
 
     def settle(self) -> None:
         """Over, whatever the caller has asked so far: its events and offsets may serve another read."""
-        if self._state is TransferState.PENDING:
+        if not self.drained:
             self._event.synchronize()
             self.poll()
+            self._over = True
 
 
 # ---------------------------------------------------------------- the transport

@@ -48,6 +48,10 @@ class InMemoryTransfer:
     failure_reason: str | None = None
     elapsed_s: float = 0.0
 
+    @property
+    def drained(self) -> bool:
+        return self.state is not TransferState.PENDING  # a read lands when posted, or never
+
     def poll(self) -> TransferState:
         return self.state
 

@@ -87,6 +87,10 @@ class KVRead(ReadState):
 
     ``poll()`` advances it, ``abort()`` ends it as FAILED, ``failure_exception()``
     says why it failed. The NIXL handle is released as soon as the read is final.
+    ``drained`` only once NIXL accepted that release: NIXL releases a handle whose
+    READ is over (done or failed), or one it could cancel; a READ it can neither
+    finish nor cancel keeps its handle, may still land, and is not drained. An
+    aborted READ's handle is offered again at each ``poll``.
     """
 
     def __init__(self, transport: NixlKVTransport, peer: str, num_bytes: int, deadline: float):
@@ -94,9 +98,15 @@ class KVRead(ReadState):
         self._transport = transport
         self._xfer: Any = None
 
+    @property
+    def drained(self) -> bool:
+        return self._state is not TransferState.PENDING and self._xfer is None
+
     def poll(self) -> TransferState:
         """Check NIXL once (no blocking) and return the state, failing the read past its deadline."""
         if self._state is not TransferState.PENDING:
+            if self._xfer is not None:
+                self._release()
             return self._state
         try:
             status = self._transport._agent.check_xfer_state(self._xfer)
@@ -119,7 +129,8 @@ class KVRead(ReadState):
         return self._state
 
     def abort(self, reason: str = "aborted") -> None:
-        """End a pending read as FAILED (NIXL is asked to cancel it); a final read is left as it is."""
+        """End a pending read as FAILED and ask NIXL to cancel it (``drained`` says whether it could); a final
+        read is left as it is."""
         if self._state is TransferState.PENDING:
             self._finish(TransferState.FAILED, reason)
 
@@ -131,8 +142,14 @@ class KVRead(ReadState):
 
     def _finish(self, state: TransferState, reason: str | None) -> None:
         super()._finish(state, reason)
-        self._transport._release_xfer(self._xfer)
-        self._xfer = None
+        self._release()
+
+    def _release(self) -> None:
+        if self._transport._release_xfer(self._xfer):
+            self._xfer = None
+            self._transport._undrained.discard(self)
+        else:
+            self._transport._undrained.add(self)
 
 
 @dataclass(slots=True)
@@ -152,15 +169,19 @@ class _Peer:
     local_key: tuple[object, ...]
 
 
-def _import_nixl() -> tuple[Any, tuple[type[Exception], ...]]:
-    """nixl's ``_api`` module, and the exception classes its bindings raise (they share no base)."""
-    try:
-        from nixl import _api
-    except ImportError as e:
-        raise TransportError(
-            "NIXL is not installed or not loadable (`pip install nixl` with nixl-cu12/cu13); "
-            f"the NIXL transport cannot start: {e}"
-        ) from e
+def _import_nixl(api: Any = None) -> tuple[Any, tuple[type[Exception], ...]]:
+    """nixl's ``_api`` module (or ``api``, a stand-in of it), and the exception classes its bindings raise (they
+    share no base)."""
+    if api is not None:
+        _api = api
+    else:
+        try:
+            from nixl import _api
+        except ImportError as e:
+            raise TransportError(
+                "NIXL is not installed or not loadable (`pip install nixl` with nixl-cu12/cu13); "
+                f"the NIXL transport cannot start: {e}"
+            ) from e
     bindings = _api.nixlBind
     errors = tuple(
         getattr(bindings, name) for name in dir(bindings) if name.startswith("nixl") and name.endswith("Error")
@@ -203,7 +224,12 @@ def wake_every_agent(wake_us: int = DEFAULT_PROGRESS_WAKE_US) -> bool:
 
 
 def make_agent(
-    name: str, backends: Sequence[str], num_threads: int = 0, progress: str = "thread", wake_us: int = 0
+    name: str,
+    backends: Sequence[str],
+    num_threads: int = 0,
+    progress: str = "thread",
+    wake_us: int = 0,
+    nixl_api: Any = None,
 ) -> tuple[Any, str]:
     """A NIXL agent with the given progress mode; returns ``(agent, mode it got)``.
 
@@ -213,7 +239,7 @@ def make_agent(
     """
     if progress not in PROGRESS_MODES:
         raise TransportError(f"progress must be one of {PROGRESS_MODES}, got {progress!r}")
-    api, _ = _import_nixl()
+    api, _ = _import_nixl(nixl_api)
     if progress == "thread" and not hasattr(api, "nixlBind"):
         logger.warning("NIXL %s: cannot set its progress thread's wake-up; progressing from our calls", name)
         progress = "caller"
@@ -250,18 +276,20 @@ class NixlKVTransport:
         max_descriptors: int = DEFAULT_MAX_DESCRIPTORS,
         progress: str = "thread",
         progress_wake_us: int = DEFAULT_PROGRESS_WAKE_US,
+        nixl_api: Any = None,
     ):
+        """``nixl_api``: NIXL's Python API module (``nixl._api`` when None); tests give a stand-in of it."""
         if transfer_timeout_s <= 0:
             raise ValueError(f"transfer_timeout_s must be > 0, got {transfer_timeout_s}")
         self.max_descriptors = max_descriptors
-        _, self._nixl_errors = _import_nixl()
+        _, self._nixl_errors = _import_nixl(nixl_api)
         self.engine_id = engine_id
         self.agent_name = f"{engine_id}-{uuid.uuid4().hex[:8]}"
         self.transfer_timeout_s = transfer_timeout_s
         self._backends = list(backends)
         try:
             self._agent, self.progress = make_agent(
-                self.agent_name, self._backends, num_threads, progress, progress_wake_us
+                self.agent_name, self._backends, num_threads, progress, progress_wake_us, nixl_api
             )
         except (RuntimeError, *self._nixl_errors) as e:  # RuntimeError: no NIXL plugins found
             raise TransportError(f"cannot start NIXL agent {self.agent_name} with {self._backends}: {e}") from e
@@ -274,7 +302,7 @@ class NixlKVTransport:
         self._reg_descs: Any = None
         self._local_lists: dict[tuple[object, ...], _LocalList] = {}
         self._peers: dict[str, _Peer] = {}
-        self._unreleased: list[Any] = []
+        self._undrained: set[KVRead] = set()  # aborted READs whose handle NIXL has not let go of
         self._closed = False
         logger.info(
             "NIXL transport for engine %s started as agent %s (progress: %s)", engine_id, self.agent_name, self.progress
@@ -489,8 +517,8 @@ class NixlKVTransport:
         self._closed = True
         for peer in list(self._peers):
             self.remove_peer(peer)
-        for xfer in self._unreleased:
-            self._release_xfer(xfer, retry=False)
+        for read in list(self._undrained):
+            self._release_xfer(read._xfer)
         try:
             if self._reg_descs is not None:
                 self._agent.deregister_memory(self._reg_descs, backends=self._backends)
@@ -512,14 +540,14 @@ class NixlKVTransport:
             raise TransportError(f"engine {self.engine_id}: register_kv_caches first")
         return self._regions
 
-    def _release_xfer(self, xfer: Any, retry: bool = True) -> None:
-        # Releasing an active READ asks NIXL to cancel it; if it cannot yet, keep
-        # the handle and try again at close() rather than free memory under a transfer.
+    def _release_xfer(self, xfer: Any) -> bool:
+        """Give ``xfer``'s handle back to NIXL; whether NIXL took it (it refuses one whose READ is active and
+        cannot be cancelled: that READ may still land)."""
         if xfer is None:
-            return
+            return True
         try:
             self._agent.release_xfer_handle(xfer)
         except self._nixl_errors as e:
-            if retry:
-                self._unreleased.append(xfer)
             logger.debug("engine %s: NIXL handle not released yet: %s", self.engine_id, e)
+            return False
+        return True

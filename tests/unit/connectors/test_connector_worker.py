@@ -50,6 +50,17 @@ WorkerFactory = Callable[..., PdserveWorker]
 
 
 @dataclass
+class ScriptedRead(InMemoryTransfer):
+    """A READ the test moves by hand; ``landing``: over for the reader, but its bytes may still land."""
+
+    landing: bool = False
+
+    @property
+    def drained(self) -> bool:
+        return self.state is not TransferState.PENDING and not self.landing
+
+
+@dataclass
 class FakeTransport:
     """Stands in for ``NixlKVTransport``: reads are scripted by the test (states set by hand)."""
 
@@ -87,10 +98,8 @@ class FakeTransport:
         self.peers.pop(peer, None)
         self.removed.append(peer)
 
-    def read_blocks(
-        self, peer: str, local_ids: list[int], remote_ids: list[int], notify: bytes = b""
-    ) -> InMemoryTransfer:
-        read = InMemoryTransfer(peer, len(remote_ids), elapsed_s=0.001)
+    def read_blocks(self, peer: str, local_ids: list[int], remote_ids: list[int], notify: bytes = b"") -> ScriptedRead:
+        read = ScriptedRead(peer, len(remote_ids), elapsed_s=0.001)
         self.reads.append((peer, local_ids, remote_ids, notify, read))
         if self.land_after_s is not None:
             threading.Timer(self.land_after_s, setattr, (read, "state", TransferState.DONE)).start()
@@ -201,14 +210,20 @@ class Fakes:
 def fakes(monkeypatch: pytest.MonkeyPatch) -> Fakes:
     made = Fakes(FakePrefill(), [], [])
 
-    def releases(engine_id: str, auth: KVAuth) -> FakeReleases:
+    def peers(engine_id: str, auth: KVAuth) -> SimpleNamespace:
+        """The reader's side-channel client: the fake prefill answers, releases are recorded."""
         made.releases.append(FakeReleases(engine_id))
-        return made.releases[-1]
+        return SimpleNamespace(
+            releases=made.releases[-1],
+            handshake=lambda local, endpoint, timeout_s: made.prefill.request_handshake(
+                engine_id, local, endpoint, auth, timeout_s
+            ),
+            pin=lambda endpoint, *args: made.prefill.ask_pin(endpoint, auth, *args),
+            close=made.releases[-1].close,
+        )
 
     monkeypatch.setattr(worker_module, "SideChannelServer", FakeServer)
-    monkeypatch.setattr(reader_module, "ReleaseSender", releases)
-    monkeypatch.setattr(reader_module, "request_handshake", made.prefill.request_handshake)
-    monkeypatch.setattr(reader_module, "ask_pin", made.prefill.ask_pin)
+    monkeypatch.setattr(reader_module, "PeerClient", peers)
     return made
 
 
@@ -720,13 +735,13 @@ def test_an_aborted_read_is_reported_only_once_it_cannot_land(fakes: Fakes, make
     [transport] = fakes.transports
     receive(worker, transport, spec("r1", 2, (5, 9), (1, 2, 3)), reads=2)
     first, second = (read for *_, read in transport.reads)
-    second.drained = False  # aborted below, but its bytes may still land
+    second.landing = True  # aborted below, but its bytes may still land
     first.state, first.failure_reason = TransferState.FAILED, "peer reset"
 
     for _ in range(3):
         assert worker.transfer_results()[1:] == (set(), set())
     assert second.state is TransferState.FAILED and worker.get_block_ids_with_load_errors() == set()
-    second.drained = True
+    second.landing = False
     _, finished, failed = worker.transfer_results()
     assert finished == failed == {"r1"} and worker.get_block_ids_with_load_errors() == {5, 9}
 
@@ -814,3 +829,31 @@ def test_with_no_wait_a_load_is_seen_a_step_later(fakes: Fakes, make_worker: Wor
 
     assert worker.transfer_results()[1:] == (set(), set())  # its handshake and pin are still out
     assert step_until(worker, lambda result: bool(result[0]))[0] == {"r1"}
+
+
+def test_a_failed_read_keeps_the_mapping_a_load_waiting_for_its_pin_posts_through(
+    fakes: Fakes, make_worker: WorkerFactory
+) -> None:
+    """A READ from a rank fails while another request from the same rank waits for its pin: that request posts
+    through the mapping it was checked with once its pin is granted (it is dropped, and handshaken again, only
+    once no load names it), and every later step still reports."""
+    fakes.prefill.tp_size = 1
+    worker = make_worker(tp_size=1, tp_rank=0)
+    [transport] = fakes.transports
+    receive(worker, transport, spec("r1", 1, (5,), (1,)), reads=1)
+    fakes.prefill.pin_answers = [PinAnswer.WAIT] * 1000  # r2 waits for its lease to be held
+    worker.start_load_kv(PdserveConnectorMetadata(reqs_to_receive=[spec("r2", 1, (6,), (2,))]))
+    step_until(worker, lambda result: len(fakes.prefill.pins) >= 3)
+
+    first = transport.reads[0][-1]
+    first.state, first.failure_reason = TransferState.FAILED, "peer reset"
+    assert step_until(worker, lambda result: bool(result[0])) == ({"r1"}, {"r1"})
+    assert transport.removed == []  # r2 still names it
+    fakes.prefill.pin_answers.clear()  # r2's lease is held now: its pin is answered OK
+    step_until(worker, lambda result: len(transport.reads) == 2)
+    transport.reads[1][-1].state = TransferState.DONE
+
+    assert step_until(worker, lambda result: bool(result[0])) == ({"r2"}, set())
+    worker.transfer_results()
+    assert transport.removed == ["prefill/rank0"]  # dropped once nothing used it
+    assert worker.take_reports().reports["r2"].source == "transfer"
