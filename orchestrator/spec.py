@@ -192,7 +192,8 @@ class EngineSpec(_Strict):
     lora_adapters: dict[AdapterName, str] = Field(
         default_factory=dict,
         description="LoRA adapters both pools load at start: name -> its directory (PEFT format) on every engine "
-        "host. A request whose model is an adapter's name is prefilled and decoded with it; /v1/models lists them.",
+        "host. A request whose model is an adapter's name is prefilled and decoded with it; /v1/models lists them. "
+        "An adapter's name is no model's served name and no other adapter's, in the whole spec.",
     )
     max_loras: int = Field(
         default=1,
@@ -460,6 +461,8 @@ class ClusterSpec(_Strict):
                     raise FieldError(role, "required field is missing (or list the cluster's `models`)")
             if self.model is None:
                 raise FieldError("model", "required field is missing (or list the cluster's `models`)")
+            if self.model_name in self.engine.lora_adapters:
+                raise FieldError("engine.lora_adapters", f"{self.model_name!r} names the model itself")
             return self
         fields = type(self).model_fields
         given = [f for f in MODEL_FIELDS if getattr(self, f) != fields[f].get_default(call_default_factory=True)]
@@ -475,9 +478,21 @@ class ClusterSpec(_Strict):
                         f"its {what} {value!r} is also models.{seen[value]}'s (set `key` or `served_model_name` apart)",
                     )
                 seen[value] = index
+        # A request's model picks its pools by name (the proxy's one map of served names and adapters): a name
+        # taken twice, whichever entry lists it first, would send one model's requests to another's engines.
+        adapters: dict[str, int] = {}
+        for index, entry in enumerate(self.models):
             for adapter in entry.engine.lora_adapters:
-                if adapter in names or any(adapter in other.engine.lora_adapters for other in self.models[:index]):
-                    raise FieldError(f"models.{index}.engine.lora_adapters", f"{adapter!r} names another model too")
+                if adapter in names and names[adapter] == index:
+                    reason = f"{adapter!r} names the model itself"
+                elif adapter in names:
+                    reason = f"{adapter!r} names another model too: models.{names[adapter]}'s served name"
+                elif adapter in adapters:
+                    reason = f"{adapter!r} names another model too: an adapter of models.{adapters[adapter]}"
+                else:
+                    adapters[adapter] = index
+                    continue
+                raise FieldError(f"models.{index}.engine.lora_adapters", reason)
         self._build_views()
         owners: dict[int, str] = {self.proxy.port: "proxy.port"}
         for index, view in enumerate(self._views):

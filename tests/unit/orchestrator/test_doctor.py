@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -142,6 +145,22 @@ def test_pdserve_doctor_prints_each_path_and_json(tmp_path, capsys, monkeypatch)
     assert report["geometry"]["layers"] > 0 and report["hosts"]["this host"]["nixl_build"]
     lines = render(examine(None, measured=False, probe=CPU_HOST), None)
     assert lines[0] == "pdserve doctor: no spec (pdserve defaults)"
+
+
+def test_pdserve_doctor_json_on_stdout_is_the_json_alone_and_nixls_log_goes_to_stderr(tmp_path):
+    """``pdserve doctor --json > out.json`` gives a file that parses: NIXL logs on standard output (its INFO
+    line when the probe starts an agent), which the command sends to standard error."""
+    env = os.environ | {"NIXL_LOG_LEVEL": "INFO", "PDSERVE_STATE_DIR": str(tmp_path / "state")}
+    command = [sys.executable, "-m", "orchestrator.cli", "doctor", str(REPO / "configs" / "local-cpu.yaml")]
+    done = subprocess.run(
+        [*command, "--no-measure", "--json"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+    )
+
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["paths"][0]["transport"] == "nixl"
+    if report["hosts"]["this host"]["nixl_build"]:
+        assert "NIXL" in done.stderr  # its log went somewhere: to stderr
 
 
 @pytest.fixture(autouse=True)

@@ -134,6 +134,36 @@ def test_an_adapter_may_not_take_a_models_name() -> None:
     assert refusal(data).startswith(f"two.yaml: models.1.engine.lora_adapters: {DEMO!r} names another model")
 
 
+@pytest.mark.parametrize(
+    ("adapters", "said"),
+    [
+        (
+            ({"other": "/adapters/x"}, {}),
+            "models.0.engine.lora_adapters: 'other' names another model too: models.1's served name",
+        ),
+        (({}, {"other": "/adapters/x"}), "models.1.engine.lora_adapters: 'other' names the model itself"),
+        (
+            ({"shared": "/adapters/x"}, {"shared": "/adapters/y"}),
+            "models.1.engine.lora_adapters: 'shared' names another model too: an adapter of models.0",
+        ),
+    ],
+    ids=["a-later-models-name", "its-own-models-name", "another-models-adapter"],
+)
+def test_an_adapters_name_is_taken_by_nothing_else_whichever_is_listed_first(adapters, said) -> None:
+    """The proxy maps every served name and adapter to one model's pools: a name taken twice would send one
+    model's requests to another's engines."""
+    data = two_models()
+    for entry, entry_adapters in zip(data["models"], adapters, strict=True):
+        entry["engine"] = entry.get("engine", {}) | {"lora_adapters": entry_adapters}
+    assert refusal(data).startswith(f"two.yaml: {said}")
+
+
+def test_a_single_models_adapter_may_not_take_its_name() -> None:
+    with pytest.raises(SpecError) as err:
+        ClusterSpec.from_dict(spec_dict(engine={"lora_adapters": {DEMO: "/adapters/x"}}), source="one.yaml")
+    assert str(err.value).startswith(f"one.yaml: engine.lora_adapters: {DEMO!r} names the model itself")
+
+
 def test_a_command_of_one_model_takes_the_view_it_names() -> None:
     from orchestrator.autoscale.profiler_http import ClusterEndpoints
     from orchestrator.errors import PdserveError
