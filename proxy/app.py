@@ -11,7 +11,8 @@ for the load-aware policies, ``/metrics`` polls (``proxy.load``). Routes:
   The Responses API's ``previous_response_id`` and ``background`` are refused (400): they need the memory of
   the one engine that made a response (``bodies.STATEFUL_RESPONSES``).
 - ``POST /tokenize``, ``POST /detokenize`` (``wire.ENGINE_ONLY_PATHS``): one ready engine of either pool,
-  in turn; its answer as it came.
+  in turn, once the request has an admission slot; counted in the engine's ``in_flight`` while it runs (a
+  drain waits for it); its answer as it came.
 - ``GET /v1/models``: each served model, then its LoRA adapters (``parent``: the model).
 - ``GET /health``: 200 while both pools of every model have a ready engine (healthy, not draining), else 503
   (no key needed).

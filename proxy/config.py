@@ -171,12 +171,19 @@ class ProxySettings(_Settings):
         description="A request body of which nothing more came for this long is refused (408), before "
         "body_timeout_s passed.",
     )
+    stream_write_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="A streamed answer whose client takes nothing more for this long while the proxy has more to "
+        "send (the client stopped reading; its connection's buffers are full) is cut: its connection is closed, "
+        "the decode engine's request cancelled and its admission slot given back.",
+    )
     max_concurrent_requests: int | None = Field(
         default=None,
         ge=1,
-        description="Completion requests under way at once, per proxy process. Default: requests_per_engine for "
-        "every ready engine (healthy, not draining) of both pools, at least one engine's worth, recomputed "
-        "whenever an engine joins, leaves, drains, moves or is ejected.",
+        description="Requests under way at once (completions, /tokenize, /detokenize), per proxy process. Default: "
+        "requests_per_engine for every ready engine (healthy, not draining) of both pools, at least one engine's "
+        "worth, recomputed whenever an engine joins, leaves, drains, moves or is ejected.",
     )
     requests_per_engine: int | None = Field(
         default=None,

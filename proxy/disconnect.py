@@ -17,6 +17,11 @@ caller's clean-up (``Exchange.close`` releases the KV: ``proxy.exchange``), and 
 ``ClientGone``. Use it only once the body has been read: the watcher consumes
 ``receive()``'s messages. Streams need no watcher once their response has
 started: Starlette's ``StreamingResponse`` listens for the disconnect itself.
+
+A step that must not be cut (a prefill call whose answer names KV to release:
+``TwoPhaseFlow._prefill_call``) runs between ``defer()`` and ``resume()``: a
+client that leaves meanwhile is only noted, and ``resume()`` says so; the
+caller then ends the request (``ClientGone``).
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ __all__ = ["cancel_on_disconnect"]
 
 
 class cancel_on_disconnect:  # noqa: N801 (used as a context manager, like contextlib's)
-    __slots__ = ("_request", "_request_id", "_task", "_watcher", "_cycle", "_gone")
+    __slots__ = ("_request", "_request_id", "_task", "_watcher", "_cycle", "_gone", "_deferred", "_cancelled")
 
     def __init__(self, request: Request, request_id: str) -> None:
         self._request, self._request_id = request, request_id
@@ -44,8 +49,19 @@ class cancel_on_disconnect:  # noqa: N801 (used as a context manager, like conte
         self._watcher: asyncio.Task | None = None
         self._cycle: object | None = None
         self._gone = False
+        self._deferred = False
+        self._cancelled = False
 
-    async def __aenter__(self) -> None:
+    def defer(self) -> None:
+        """Until ``resume``, a client that leaves is only noted: the step under way is not cancelled."""
+        self._deferred = True
+
+    def resume(self) -> bool:
+        """End ``defer``: whether the client left (then the caller ends the request with ``ClientGone``)."""
+        self._deferred = False
+        return self._gone
+
+    async def __aenter__(self) -> cancel_on_disconnect:
         self._task = asyncio.current_task()
         cycle = getattr(self._request.receive, "__self__", None)  # uvicorn's RequestResponseCycle
         if cycle is not None and hasattr(cycle, DISCONNECT_HOOK):  # our protocol reports disconnects itself
@@ -54,12 +70,14 @@ class cancel_on_disconnect:  # noqa: N801 (used as a context manager, like conte
                 self._gone = True
                 raise ClientGone(f"request {self._request_id}: the client went away")
             setattr(cycle, DISCONNECT_HOOK, self._disconnected)
-            return
+            return self
         self._watcher = asyncio.get_running_loop().create_task(self._watch())
+        return self
 
     def _disconnected(self) -> None:
         self._gone = True
-        if self._task is not None:
+        if self._task is not None and not self._deferred:
+            self._cancelled = True
             self._task.cancel()
 
     async def _watch(self) -> None:
@@ -77,7 +95,7 @@ class cancel_on_disconnect:  # noqa: N801 (used as a context manager, like conte
         if self._cycle is not None:
             setattr(self._cycle, DISCONNECT_HOOK, None)
         if self._gone:
-            if self._task is not None:
+            if self._cancelled and self._task is not None:
                 self._task.uncancel()
             logger.info("request %s: the client went away; its engine requests were cancelled", self._request_id)
             raise ClientGone(f"request {self._request_id}: the client went away") from exc

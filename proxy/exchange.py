@@ -23,7 +23,8 @@ the stream relay (``proxy.relay``). Its life:
 ``KVHandle.release`` is the proxy's one KV release (``proxy.release``): it is
 idempotent and does nothing once a decode engine has the KV (``read``), so
 every way an exchange ends reaches it through ``close``, and only the decode
-leg's move away from an engine the KV was bound to calls it earlier.
+leg's move away from a failed engine calls it earlier (that engine may have
+read the KV: no other engine is sent its transfer parameters).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from starlette.requests import Request
 
 from contract import headers
 from proxy.continuation import StreamLedger
+from proxy.disconnect import cancel_on_disconnect
 from proxy.limits import AdmissionGate
 from proxy.metrics import DEFAULT_SERVING_PATH, ModelMetrics
 from proxy.pool import EngineState
@@ -76,11 +78,11 @@ class KVHandle:
 
     def release(self) -> bool:
         """Tell the prefill engine to free the blocks now, unless they were read or released already;
-        afterwards the decode leg sends no ``params``. True if a release went out."""
+        afterwards, either way, no decode leg sends ``params``. True if a release went out."""
+        params, self.params = self.params, None
         if self._settled:
             return False
         self._settled = True
-        params, self.params = self.params, None
         return params is not None and self._releaser is not None and self._releaser.release(params, self._request_id)
 
 
@@ -89,8 +91,8 @@ class Exchange:
 
     __slots__ = (
         "request", "kind", "route", "request_id", "started", "reply_headers", "engine_headers", "body",
-        "engines", "serving_path", "kv", "gate", "decode_failed_at", "decode_tried", "ledger", "_metrics",
-        "_last_chunk", "_closed", "_prefill_routed", "_decode_routed",
+        "engines", "serving_path", "kv", "gate", "decode_failed_at", "decode_tried", "ledger", "departure",
+        "_metrics", "_last_chunk", "_closed", "_prefill_routed", "_decode_routed",
     )  # fmt: skip
 
     def __init__(self, request: Request, kind: str, route: str, metrics: ModelMetrics) -> None:
@@ -111,6 +113,8 @@ class Exchange:
         """The engines its decode leg was sent to, in order (more than one: it moved)."""
         self.ledger: StreamLedger | None = None
         """A continuable stream's record of what it relayed (``proxy.continuation``)."""
+        self.departure: cancel_on_disconnect | None = None
+        """What cancels the request when its client leaves, while it waits on its engines (``proxy.disconnect``)."""
         self._metrics = metrics
         self._last_chunk = 0.0
         self._closed = False

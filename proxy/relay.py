@@ -8,25 +8,30 @@ sends it and, however the response ends, closes it and then the exchange
 (``Exchange.close``: its KV released if no chunk ever came, its slot given
 back, the request counted); a stream the engine ended closes its exchange
 before the response's last frame, so a client that read the whole answer
-never finds its own slot still taken.
+never finds its own slot still taken. A client that stops reading is cut
+after ``stream_write_timeout_s`` (``BoundedSend``), which ends the stream as
+its leaving would.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import NamedTuple
 
 import orjson
 from fastapi.responses import StreamingResponse
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from proxy.engine_client import EngineResponse
 from proxy.errors import UpstreamFailed
 from proxy.exchange import Exchange
 from proxy.pool import EngineState
 
-__all__ = ["DecodeStream", "Moved", "Mover", "RelayResponse", "error_event", "responses_generated"]
+__all__ = [
+    "BoundedSend", "DecodeStream", "Moved", "Mover", "RelayResponse", "StreamCut", "error_event", "responses_generated"
+]  # fmt: skip
 
 logger = logging.getLogger(__name__)
 
@@ -194,18 +199,91 @@ def responses_generated(chunk: bytes) -> bool:
 
 
 class RelayResponse(StreamingResponse):
-    """A ``StreamingResponse`` of a ``DecodeStream`` that, however it ends, closes the stream, then the exchange."""
+    """A ``StreamingResponse`` of a ``DecodeStream`` that, however it ends, closes the stream, then the exchange;
+    a client that takes nothing for ``write_timeout_s`` while it has more to send is cut (``BoundedSend``)."""
 
-    def __init__(self, stream: DecodeStream, exchange: Exchange) -> None:
+    def __init__(self, stream: DecodeStream, exchange: Exchange, write_timeout_s: float) -> None:
         headers = exchange.reply_headers | {"Cache-Control": "no-cache"}
         super().__init__(stream, media_type="text/event-stream", headers=headers)
         self.exchange = exchange
+        self.write_timeout_s = write_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        bounded = BoundedSend(send, receive, self.write_timeout_s, self.exchange.request_id)
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, bounded)
+        except StreamCut:
+            pass  # the client's connection could not be reached: the server closes it
         finally:
+            bounded.close()
             try:
                 await self.body_iterator.aclose()  # type: ignore[attr-defined]
             finally:
                 self.exchange.close(200)
+
+
+class StreamCut(Exception):
+    """A stream's client took nothing for the write timeout (``BoundedSend``)."""
+
+
+class BoundedSend:
+    """A response's ASGI ``send`` that cuts the client off when one send has waited ``timeout_s`` for it.
+
+    A send waits only when the client stops reading and the connection's buffers fill (uvicorn's flow control);
+    without a bound the stream would hold its admission slot and its decode engine's sequence for as long as the
+    client stays connected. Once a send has waited ``timeout_s``, the client's connection is aborted (uvicorn's
+    transport, reached through ``receive``'s cycle, as ``proxy.disconnect`` reaches it): to uvicorn and
+    Starlette the client is gone, the stream ends and its ``RelayResponse`` closes the engine's request and the
+    exchange. Under a server whose connection it cannot reach, the waiting send is cancelled and raises
+    ``StreamCut`` instead. One timer per stream, armed at most once per ``timeout_s``: a send costs a clock read.
+    """
+
+    __slots__ = ("_send", "_receive", "_timeout_s", "_request_id", "_loop", "_since", "_sender", "_timer", "cut")
+
+    def __init__(self, send: Send, receive: Receive, timeout_s: float, request_id: str) -> None:
+        self._send, self._receive, self._timeout_s, self._request_id = send, receive, timeout_s, request_id
+        self._loop = asyncio.get_running_loop()
+        self._since = 0.0
+        self._sender: asyncio.Task | None = None
+        """The task whose send is under way (None between sends)."""
+        self._timer: asyncio.TimerHandle | None = None
+        self.cut = False
+
+    async def __call__(self, message: Message) -> None:
+        self._since = self._loop.time()
+        self._sender = asyncio.current_task()
+        if self._timer is None:
+            self._timer = self._loop.call_at(self._since + self._timeout_s, self._check)
+        try:
+            await self._send(message)
+        except asyncio.CancelledError:
+            if self.cut and self._sender is not None and self._sender.uncancel() == 0:
+                waited = f"request {self._request_id}: the client read nothing for {self._timeout_s:g} s"
+                raise StreamCut(waited) from None
+            raise
+        finally:
+            self._sender = None
+
+    def _check(self) -> None:
+        self._timer = None
+        if self._sender is None:
+            return  # no send waits: the next one arms the timer again
+        overdue = self._since + self._timeout_s
+        if self._loop.time() < overdue:
+            self._timer = self._loop.call_at(overdue, self._check)
+            return
+        self.cut = True
+        logger.warning(
+            "request %s: its client read nothing of the stream for %.3g s; the stream is cut",
+            self._request_id, self._timeout_s,
+        )  # fmt: skip
+        transport = getattr(getattr(self._receive, "__self__", None), "transport", None)  # uvicorn's cycle
+        if transport is not None and hasattr(transport, "abort"):
+            transport.abort()  # as if the client had gone: the waiting send returns, the stream ends
+        else:
+            self._sender.cancel()
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None

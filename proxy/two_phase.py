@@ -24,7 +24,13 @@ Engines are called with the cluster's engine key (``config.engine_auth``;
 engines someone else started with ``--api-key`` (``forward_authorization``).
 The prefill engine is told which decode engine will read its KV
 (``config.bind_reader``): it binds the transfer parameters it issues to that
-engine, so no other can use them.
+engine, so no other can use them. Whether bound or not, the parameters one
+decode engine was sent never go to another: a decode leg that moves after its
+engine failed has the prefill's KV released and the next engine computes the
+prompt (``_moved_decode``). A client that leaves during the prefill leg of an
+engine whose KV can be released (its side channel known: the ``pdserve``
+connector) lets that leg answer, and its KV is released at once
+(``_prefill_call``).
 """
 
 from __future__ import annotations
@@ -179,7 +185,9 @@ class TwoPhaseFlow:
 
     async def serve_engine_only(self, request: Request, route: str) -> Response:
         """A request no KV moves for (``wire.ENGINE_ONLY_PATHS``: ``/tokenize``, ``/detokenize``): the client's
-        body, checked as any (key, size, JSON, model), to one ready engine of either pool; its answer as it came."""
+        body, checked as any (key, size, JSON, model), to one ready engine of either pool once it has a slot of
+        its model's admission gate; its answer as it came. Its call counts in the engine's ``in_flight``, so a
+        drain waits for it."""
         exchange = Exchange(request, "engine", route, self.arrivals)
         response: Response | None = None
         try:
@@ -195,10 +203,18 @@ class TwoPhaseFlow:
         assert flow.upstream is not None, "the flow is not open"
         exchange.counts_for(flow.metrics)
         exchange.engine_headers = flow.engine_headers(exchange)
-        engine = flow.router.any_engine()
-        exchange.reply_headers[headers.DECODE if engine.role == "decode" else headers.PREFILL] = engine.engine_id
         async with cancel_on_disconnect(exchange.request, exchange.request_id):
-            status, payload = await flow.upstream.call(engine, exchange, raw)
+            gate = flow.gate
+            if not gate.admit():
+                await gate.enter()
+            exchange.gate = gate  # given back when the exchange closes
+            engine = flow.router.any_engine()
+            exchange.reply_headers[headers.DECODE if engine.role == "decode" else headers.PREFILL] = engine.engine_id
+            exchange.leg_starts(engine)
+            try:
+                status, payload = await flow.upstream.call(engine, exchange, raw)
+            finally:
+                engine.end_leg()
         return Response(payload, status_code=status, media_type="application/json", headers=exchange.reply_headers)
 
     async def _body(self, exchange: Exchange) -> bytes:
@@ -238,7 +254,8 @@ class TwoPhaseFlow:
         request = exchange.request
         if self.config.max_model_len is not None:
             check_context_length(exchange.body, self.config.max_model_len)
-        async with cancel_on_disconnect(request, exchange.request_id):
+        async with cancel_on_disconnect(request, exchange.request_id) as departure:
+            exchange.departure = departure
             gate = self.gate
             if not gate.admit():  # a slot at once, or wait in the queue (no coroutine when there is room)
                 await gate.enter()
@@ -308,11 +325,12 @@ class TwoPhaseFlow:
         It moves when the engine could not be reached, or its connection broke before a non-streamed answer came
         (it died under the request, kill -9 or a lost host: nothing has reached the client), ``decode_retries``
         times at most, within ``decode_retry_s`` of the first failure: to another ready decode engine or, with
-        ``degrade`` and none left, a prefill engine, which serves it alone. KV bound to the failed engine
-        (``bind_reader``), or going to a prefill engine, is released, and the next engine computes the prompt
-        itself (``decode-only`` or ``prefill-only``, ``reason=decode-failed``), which gives a greedy or seeded
-        request the same tokens; KV any decode engine may read is passed on (read already, the connector
-        computes it again). A timeout or a 5xx does not move it: the engine may still be working."""
+        ``degrade`` and none left, a prefill engine, which serves it alone. The prefill's KV is released and the
+        next engine computes the prompt itself (``decode-only`` or ``prefill-only``, ``reason=decode-failed``),
+        which gives a greedy or seeded request the same tokens, whatever ``bind_reader`` says: the failed engine
+        may have read the KV before it died, and then the prefill engine has freed those blocks (vLLM's
+        NixlConnector holds no lease), so no other engine ever gets the transfer parameters one engine was sent.
+        A timeout or a 5xx does not move it: the engine may still be working."""
         config = self.config
         if exchange.decode_failed_at is None:
             exchange.decode_failed_at = time.monotonic()
@@ -333,8 +351,8 @@ class TwoPhaseFlow:
             exchange.request_id, tried[-1].engine_id, retry.role, retry.engine_id,
         )  # fmt: skip
         exchange.reply_headers[headers.MIGRATED] = ", ".join(e.engine_id for e in tried)
-        if exchange.kv.params and (config.bind_reader or retry.role == "prefill"):
-            exchange.kv.release()  # bound to the engine that failed (or not a decode engine's): nobody can read it
+        if exchange.kv.params:
+            exchange.kv.release()  # sent to the engine that failed, which may have read it: nobody else reads it
             exchange.degrade(DECODE_FAILED, PREFILL_ONLY if retry.role == "prefill" else DECODE_ONLY)
         elif retry.role == "prefill":
             exchange.degrade(DECODE_FAILED, PREFILL_ONLY)
@@ -388,7 +406,7 @@ class TwoPhaseFlow:
             exchange.reply_headers[headers.PREFILL] = engine.engine_id
             exchange.leg_starts(engine)  # counted since routing (a retry's engine: from now)
             try:
-                kv_params = await self.upstream.prefill(engine, exchange, body)
+                kv_params = await self._prefill_call(engine, exchange, body)
             except UpstreamFailed as e:
                 failure = e
             else:
@@ -406,6 +424,35 @@ class TwoPhaseFlow:
                 exchange.request_id, engine.engine_id, retry.engine_id,
             )  # fmt: skip
             engine = retry
+
+    async def _prefill_call(self, engine: EngineState, exchange: Exchange, body: dict) -> dict | None:
+        """One prefill call's ``kv_transfer_params``.
+
+        A client that leaves during the call to an engine whose KV can be released (``kv_endpoints``: the
+        ``pdserve`` connector) does not cut it: its answer may be on its way already (the engine has finished,
+        so an abort would free nothing and the blocks would wait out their lease). The call goes on to its
+        answer, whose KV the exchange then holds and, as the request ends (``ClientGone``), releases at once;
+        the request keeps its slot and its engine's count until the engine is done with it. Other engines' calls
+        are cancelled with the request (``proxy.disconnect``): vLLM aborts a prefill not yet done, and their KV
+        has no release message."""
+        assert self.upstream is not None and self.releaser is not None
+        departure = exchange.departure
+        if not engine.kv_endpoints or departure is None:
+            return await self.upstream.prefill(engine, exchange, body)
+        departure.defer()
+        try:
+            kv_params = await self.upstream.prefill(engine, exchange, body)
+        except Exception as e:
+            if departure.resume():
+                raise ClientGone(f"request {exchange.request_id}: the client went away") from e
+            raise
+        except BaseException:
+            departure.resume()
+            raise
+        if departure.resume():
+            exchange.kv.hold(kv_params, self.releaser)  # released as the exchange closes, now
+            raise ClientGone(f"request {exchange.request_id}: the client went away during the prefill leg")
+        return kv_params
 
     async def _open_decode(
         self, exchange: Exchange, engines: Route, leg: Callable[[], tuple[str, dict]] | None = None
@@ -521,4 +568,4 @@ class TwoPhaseFlow:
             except BaseException:  # the client went away: no response will close the stream
                 await stream.aclose()
                 raise
-        return RelayResponse(stream, exchange)
+        return RelayResponse(stream, exchange, self.config.stream_write_timeout_s)

@@ -84,7 +84,8 @@ class Behaviour(enum.Enum):
     ERROR_400 = "error_400"
     """Answer HTTP 400 with vLLM's error body and ``ERROR_400_MESSAGE`` (the request is at fault)."""
     HANG = "hang"
-    """Send nothing until ``hang_s`` has passed, ``release()`` or the stub is stopped; then answer as ``OK``."""
+    """Send nothing until ``hang_s`` has passed, ``release()`` or the stub is stopped; then answer as ``OK``
+    (``/tokenize`` and ``/detokenize`` too)."""
     DROP = "drop"
     """Close the connection: before any answer if not streaming, after the first chunks if streaming."""
     STALL_MID_STREAM = "stall_mid_stream"
@@ -299,11 +300,15 @@ class StubEngine:
 
     async def _tokenize(self, request: web.Request) -> web.Response:
         body = orjson.loads(await request.read())
+        if self.behaviour is Behaviour.HANG:
+            await self._wait(self.hang_s)
         tokens = [100 + i for i, _ in enumerate(str(body.get("prompt", "")).split())]
         return _json({"count": len(tokens), "max_model_len": 4096, "tokens": tokens, "token_strs": None})
 
     async def _detokenize(self, request: web.Request) -> web.Response:
         body = orjson.loads(await request.read())
+        if self.behaviour is Behaviour.HANG:
+            await self._wait(self.hang_s)
         return _json({"prompt": " ".join(f"w{t}" for t in body.get("tokens", []))})
 
     async def _tier_held(self, request: web.Request) -> web.Response:

@@ -4,7 +4,8 @@
 First the counting itself, on an ``Exchange`` and ``EngineState``s alone; then the proxy for real
 against stub engines: every way a request can end gives every count back (no leak, no double count),
 and a drain between routing and the decode leg's start waits for that request, as the controller's
-``_wait_drained`` does (it reads ``in_flight`` from the pool's snapshot).
+``_wait_drained`` does (it reads ``in_flight`` from the pool's snapshot); a drain waits for a ``/tokenize``
+too, which takes an admission slot like any request.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import httpx
 import pytest
 from aiohttp import web
 
+from contract import wire
 from proxy.pool import EngineState
 from proxy.routing import SHORT_PROMPT, Route
 from tests.stub_engine import Behaviour, error_body
@@ -37,9 +39,9 @@ def engine(engine_id: str) -> EngineState:
     return EngineState(engine_id, f"http://{engine_id}:8000", engine_id.split("-")[0])
 
 
-async def post(proxy: ProxyServer, body: dict, **kwargs) -> httpx.Response:
+async def post(proxy: ProxyServer, body: dict, path: str = "/v1/completions", **kwargs) -> httpx.Response:
     async with httpx.AsyncClient(base_url=proxy.url, timeout=10) as client:
-        return await client.post("/v1/completions", json=body, **kwargs)
+        return await client.post(path, json=body, **kwargs)
 
 
 # --- the counting, on an exchange ---------------------------------------------------------
@@ -270,3 +272,47 @@ async def test_a_drain_through_the_admin_api_waits_for_a_routed_decode_leg(
     prefill_engine.release()
     assert (await call).status_code == 200
     assert in_flight(pool) == {"prefill-0": 0, "decode-0": 0}
+
+
+# --- /tokenize and /detokenize: one engine, counted and admitted like any request ----------
+
+ENGINE_ONLY = {wire.TOKENIZE_PATH: {"model": PROXY_MODEL, "prompt": "one two"}, wire.DETOKENIZE_PATH: {"tokens": [1]}}
+
+
+@pytest.mark.parametrize("path", wire.ENGINE_ONLY_PATHS)
+async def test_a_drain_waits_for_a_tokenize_under_way(make_proxy, pool, prefill_engine, decode_engine, path):
+    proxy = await make_proxy(request_timeout_s=30, health_interval_s=0)
+    prefill_engine.behaviour = decode_engine.behaviour = Behaviour.HANG
+    call = asyncio.create_task(post(proxy, ENGINE_ONLY[path], path=path))
+    await wait_until(lambda: sum(in_flight(pool).values()) == 1)
+    busy = next(engine_id for engine_id, count in in_flight(pool).items() if count)
+
+    pool.drain(busy)
+    drained = asyncio.create_task(wait_drained(pool, busy, busy.split("-")[0]))
+    await asyncio.sleep(0.3)
+    assert not drained.done(), f"the drain saw nothing in flight on {busy}, which answers a {path}"
+
+    prefill_engine.release()
+    decode_engine.release()
+    response = await call
+    await asyncio.wait_for(drained, 5)  # and the drain ends with it
+
+    assert response.status_code == 200, response.text
+    assert in_flight(pool) == {"prefill-0": 0, "decode-0": 0}
+
+
+@pytest.mark.parametrize("path", wire.ENGINE_ONLY_PATHS)
+async def test_a_tokenize_takes_an_admission_slot(make_proxy, prefill_engine, decode_engine, path):
+    proxy = await make_proxy(request_timeout_s=30, max_concurrent_requests=1, max_queued_requests=0)
+    prefill_engine.behaviour = decode_engine.behaviour = Behaviour.HANG
+    running = asyncio.create_task(post(proxy, ENGINE_ONLY[path], path=path))
+    await wait_until(lambda: proxy.app.state.flow.gate.running == 1)
+
+    assert (await post(proxy, LONG)).status_code == 429  # the tokenize holds the one slot
+    assert (await post(proxy, ENGINE_ONLY[path], path=path)).status_code == 429
+
+    prefill_engine.behaviour = decode_engine.behaviour = Behaviour.OK
+    prefill_engine.release()
+    decode_engine.release()
+    assert (await running).status_code == 200
+    assert (await post(proxy, ENGINE_ONLY[path], path=path)).status_code == 200  # its slot came back

@@ -381,11 +381,14 @@ async def test_in_flight_counts_a_prefill_under_way_and_return_to_zero_when_it_t
     assert in_flight(pool) == {"prefill-0": 0, "decode-0": 0}
 
 
-@pytest.mark.parametrize("bound", [False, True], ids=["kv-passed-on", "kv-bound-to-the-failed-engine"])
+@pytest.mark.parametrize("bound", [False, True], ids=["kv-unbound", "kv-bound-to-the-failed-engine"])
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
-async def test_a_decode_engine_that_cannot_be_reached_is_replaced_by_another(
+async def test_a_decode_engine_that_cannot_be_reached_is_replaced_by_another_that_computes_the_prompt(
     make_proxy, pool, side_channel, prefill_engine, decode_engine, two_decode, bound, stream
 ):
+    """The failed engine may have read the KV (vLLM's NixlConnector then frees it at the prefill, with no lease):
+    bound to it or not, its transfer parameters go to no other engine; they are released, and decode-1 computes
+    the prompt."""
     proxy = await make_proxy(health_interval_s=60, bind_reader=bound)
     await first_sweep_done(prefill_engine, decode_engine, two_decode)
     await decode_engine.stop()  # round robin picks decode-0 first
@@ -396,17 +399,10 @@ async def test_a_decode_engine_that_cannot_be_reached_is_replaced_by_another(
     assert served.headers["x-pdserve-decode"] == "decode-1"
     path = "/v1/completions"
     text = streamed_text(path, sse_events(served.text)) if stream else answer_of(path, served.json())
-    assert text == answer_text("decode-1", with_kv=not bound)
-    got = two_decode.requests[-1].body
-    if bound:  # the prefill bound its KV to decode-0: released, and decode-1 computes the prompt
-        assert served.headers["x-pdserve-path"] == "decode-only; reason=decode-failed"
-        assert "kv_transfer_params" not in got
-        assert await released(side_channel) == ["PDRL req-9"]
-    else:  # any decode engine may read it
-        assert served.headers["x-pdserve-path"] == "disaggregated"
-        assert got["kv_transfer_params"] == prefill_engine.prefill_requests[0].answered_kv_transfer_params
-        await asyncio.sleep(0.3)
-        assert side_channel.messages == []
+    assert text == answer_text("decode-1", with_kv=False)
+    assert "kv_transfer_params" not in two_decode.requests[-1].body
+    assert served.headers["x-pdserve-path"] == "decode-only; reason=decode-failed"
+    assert await released(side_channel) == ["PDRL req-9"]
     assert in_flight(pool) == {"prefill-0": 0, "decode-0": 0, "decode-1": 0}
 
 
