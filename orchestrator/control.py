@@ -28,6 +28,7 @@ import os
 import secrets
 import urllib.error
 import urllib.request
+from collections.abc import Mapping
 from typing import Any
 
 from orchestrator.errors import ClusterNotRunning, PdserveError
@@ -89,6 +90,8 @@ ENGINE_FIELDS: dict[str, tuple[type, ...]] = {
     "error": (str, type(None)),
     "log_path": (str,),
     "kept_warm": (bool,),  # drained, waiting for autoscaling.keep_warm_s (state draining)
+    # pdserve:kv_quarantined_blocks_total on its /metrics; None: not running, no answer within 2 s, or not counted
+    "kv_quarantined_blocks": (int, type(None)),
 }
 HOST_FIELDS: dict[str, tuple[type, ...]] = {
     "ip": (str,),
@@ -112,10 +115,13 @@ POOL_FIELDS: dict[str, tuple[type, ...]] = {
 }
 
 
-def cluster_status(controller: Any, nodes: list[Any] | None) -> dict[str, Any]:
+def cluster_status(
+    controller: Any, nodes: list[Any] | None, kv_quarantined: Mapping[str, int | None] | None = None
+) -> dict[str, Any]:
     """The document ``GET /v1/status`` answers (``STATUS_FIELDS``): the controller's state, and ``nodes``
     (``placement.Node``, Ray's; None when the GCS did not answer) with the engines on each. ``pools`` counts
-    every model's engines; ``models`` has each model's pools (and autoscaler) apart."""
+    every model's engines; ``models`` has each model's pools (and autoscaler) apart. ``kv_quarantined``: the KV
+    blocks each engine's /metrics says it quarantined, by engine id (an engine not in it: null)."""
     from contract.wire import ROLES
     from orchestrator.engine_record import engine_status
 
@@ -142,7 +148,7 @@ def cluster_status(controller: Any, nodes: list[Any] | None) -> dict[str, Any]:
         "ready_s": controller.ready_s,
         "log_dir": str(controller.log_dir),
         "controller": {"pid": os.getpid(), "restarts": controller.restarts, "api_url": controller.api.url},
-        "engines": [engine_status(r) for r in records],
+        "engines": [engine_status(r, (kv_quarantined or {}).get(r.engine_id)) for r in records],
         "hosts": _hosts(nodes or [], records),
         "pools": pools,
         "autoscaler": models[0]["autoscaler"] if len(models) == 1 else None,

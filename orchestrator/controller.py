@@ -50,7 +50,8 @@ from orchestrator.autoscale.rules import MOVING
 from orchestrator.control import cluster_status
 from orchestrator.control_server import ControlServer
 from orchestrator.engine_handles import EngineHandles
-from orchestrator.engine_record import EngineRecord, take_info
+from orchestrator.engine_metrics import QUARANTINED_BLOCKS, SampleReader
+from orchestrator.engine_record import RUNNING_STATES, EngineRecord, take_info
 from orchestrator.errors import PdserveError
 from orchestrator.event_log import EventLog
 from orchestrator.logs import redirect_output
@@ -61,6 +62,8 @@ from orchestrator.spec import ClusterSpec
 from orchestrator.supervision import cause_of
 
 logger = logging.getLogger(__name__)
+
+STATUS_METRICS_TIMEOUT_S = 2.0  # a status waits no longer for an engine's /metrics (null if it did not answer)
 
 
 class ClusterController:
@@ -84,6 +87,7 @@ class ClusterController:
         self.log = EventLog(self.log_dir, self._snapshot)
         self.handles = EngineHandles(spec, secret or new_secret(), self.log_dir)
         self.tasks = Tasks()
+        self.quarantined_blocks = SampleReader(QUARANTINED_BLOCKS, timeout_s=STATUS_METRICS_TIMEOUT_S)
         profiles = profiles or {}
         self.groups = {
             view.model_name: ModelGroup(
@@ -143,7 +147,13 @@ class ClusterController:
         return url
 
     async def status(self) -> dict[str, Any]:
-        return cluster_status(self, await asyncio.to_thread(self.handles.nodes))
+        """``cluster_status``, with each running engine's quarantined KV blocks read from its /metrics (at most
+        ``STATUS_METRICS_TIMEOUT_S`` per engine, all at once, while Ray lists the nodes)."""
+        running = {r.engine_id: r.url for r in self.records() if r.url and r.state in RUNNING_STATES}
+        nodes, blocks = await asyncio.gather(
+            asyncio.to_thread(self.handles.nodes), self.quarantined_blocks.read(running)
+        )
+        return cluster_status(self, nodes, {e: None if n is None else int(n) for e, n in blocks.items()})
 
     async def scale(self, targets: dict[str, int], reason: str = "by hand", model: str | None = None) -> dict[str, Any]:
         """``PoolChanges.scale`` of ``model``'s pools by hand (``pdserve scale``)."""

@@ -1,5 +1,5 @@
 """Reading Prometheus ``/metrics`` pages of engines and the proxy, for the autoscaler, the drain check,
-benchmarks and ``pdserve profile``.
+``pdserve status``, benchmarks and ``pdserve profile``.
 
 ``parse_metrics`` reads a page once: every sample summed over its label sets,
 histogram buckets kept by ``le``; the other readers are views of it.
@@ -8,22 +8,28 @@ histogram is read through its ``_sum`` and ``_count`` samples, a counter
 through its ``_total`` sample; samples of one name with different labels (one
 per engine index or model) are summed. ``info_labels`` reads the labels of an
 info-style gauge such as ``vllm:cache_config_info``, where the values are in
-the labels and the sample is always 1.
+the labels and the sample is always 1. ``SampleReader`` reads one sample of
+many engines at once for ``pdserve status``, each within a short timeout.
 """
 
 from __future__ import annotations
 
+import asyncio
+import time
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 __all__ = [
+    "QUARANTINED_BLOCKS",
     "TRANSFER_METRICS",
     "MetricsReading",
+    "SampleReader",
     "fetch_metrics",
+    "fetch_sample",
     "info_labels",
     "parse_metrics",
     "scrape",
@@ -36,6 +42,10 @@ TRANSFER_METRICS: dict[str, tuple[str, str]] = {
 }
 """Per connector: the KV transfer time histogram (read as ``_sum`` / ``_count``) and the bytes sample,
 as the decode engine exports them."""
+
+QUARANTINED_BLOCKS = "pdserve:kv_quarantined_blocks_total"
+"""Decode KV blocks an aborted READ never confirmed drained (``connectors.stats``): out of vLLM's block pool for
+the engine's life. A connector that does not quarantine (``vllm-nixl``) has no such sample."""
 
 
 @dataclass(slots=True)
@@ -71,14 +81,33 @@ async def fetch_metrics(
 ) -> MetricsReading | None:
     """``url``/metrics, parsed; None when the server does not answer it (unreachable, timed out, not 200).
     A page that is not Prometheus text raises ``ValueError``."""
+    text = await _fetch_page(session, url)
+    return None if text is None else parse_metrics(text, labels)
+
+
+async def fetch_sample(session: aiohttp.ClientSession, url: str, name: str) -> float | None:
+    """Sample ``name`` of ``url``/metrics summed over its label sets; None when the server does not answer it
+    (as ``fetch_metrics``), the page is not Prometheus text, or it has no such sample. Only the lines that
+    name it are parsed: vLLM's page is tens of kilobytes of histograms."""
+    family = name.removesuffix("_total")
+    try:
+        text = await _fetch_page(session, url)
+        if text is None:
+            return None
+        reading = parse_metrics("".join(line for line in text.splitlines(keepends=True) if family in line))
+    except ValueError:  # not text (UnicodeDecodeError), or not Prometheus text
+        return None
+    return reading.values.get(name)
+
+
+async def _fetch_page(session: aiohttp.ClientSession, url: str) -> str | None:
     try:
         async with session.get(url + "/metrics") as response:
             if response.status != 200:
                 return None
-            text = await response.text()
+            return await response.text()
     except (aiohttp.ClientError, TimeoutError):
         return None
-    return parse_metrics(text, labels)
 
 
 def sum_samples(text: str, names: tuple[str, ...] | list[str]) -> dict[str, float]:
@@ -107,3 +136,29 @@ async def engine_gauges(url: str, timeout_s: float = 5.0) -> dict[str, float] | 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
         reading = await fetch_metrics(session, url)
     return None if reading is None else reading.values
+
+
+@dataclass(slots=True)
+class SampleReader:
+    """Sample ``name`` of many engines' ``/metrics``, for ``pdserve status``: the engines are read at once, each
+    within ``timeout_s`` (None for one that does not answer by then), so a status never waits longer on a slow
+    engine. A reading is kept ``max_age_s``: the CLI's waits ask for the status every 0.5-1 s, and vLLM builds
+    its whole page for every scrape."""
+
+    name: str
+    timeout_s: float = 2.0
+    max_age_s: float = 5.0
+    clock: Callable[[], float] = time.monotonic
+    # (engine id, url) -> (when read, value): an engine at a new address is read at once
+    _kept: dict[tuple[str, str], tuple[float, float | None]] = field(default_factory=dict, init=False, repr=False)
+
+    async def read(self, urls: Mapping[str, str]) -> dict[str, float | None]:
+        """``name``'s value on each engine of ``urls`` (engine id -> base URL)."""
+        now, wanted = self.clock(), set(urls.items())
+        kept = {key: tv for key, tv in self._kept.items() if key in wanted and now - tv[0] < self.max_age_s}
+        if due := [key for key in urls.items() if key not in kept]:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s)) as session:
+                values = await asyncio.gather(*(fetch_sample(session, url, self.name) for _, url in due))
+            kept.update({key: (now, value) for key, value in zip(due, values, strict=True)})
+        self._kept = kept
+        return {engine_id: kept[(engine_id, url)][1] for engine_id, url in urls.items()}

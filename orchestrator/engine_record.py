@@ -11,6 +11,7 @@ from typing import Any
 __all__ = [
     "RETRY_FIRST_S",
     "RETRY_MAX_S",
+    "RUNNING_STATES",
     "EngineRecord",
     "engine_status",
     "first_line",
@@ -60,6 +61,9 @@ class EngineRecord:
 
 _PRIVATE_FIELDS = ("handle", "warm_since", "warm_cut", "retry_at", "asked_at")
 
+RUNNING_STATES = ("ready", "moving", "draining")
+"""States in which an engine's vLLM server is up (its ``/metrics`` answers)."""
+
 
 def retry_delay(failures: int) -> float:
     """Seconds before a failed engine starts again, after ``failures`` failures in a row."""
@@ -70,11 +74,11 @@ def warm_since(record: EngineRecord) -> float:
     return record.warm_since or 0.0
 
 
-def engine_status(record: EngineRecord) -> dict[str, Any]:
-    """An engine as ``pdserve status`` lists it: its record, less what only the controller uses, and whether
-    it is kept warm."""
+def engine_status(record: EngineRecord, kv_quarantined_blocks: int | None = None) -> dict[str, Any]:
+    """An engine as ``pdserve status`` lists it: its record, less what only the controller uses, whether it is
+    kept warm, and the KV blocks its /metrics says it quarantined (None: not read)."""
     entry = {f.name: getattr(record, f.name) for f in fields(record) if f.name not in _PRIVATE_FIELDS}
-    return entry | {"kept_warm": record.warm_cut is not None}
+    return entry | {"kept_warm": record.warm_cut is not None, "kv_quarantined_blocks": kv_quarantined_blocks}
 
 
 def take_phases(record: EngineRecord, info: dict[str, Any]) -> list[dict[str, Any]]:

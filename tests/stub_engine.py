@@ -26,10 +26,11 @@ ephemeral port, and answers ``POST /v1/chat/completions`` and
 ``GET /v1/models`` lists ``model_name``; ``GET /health`` answers
 ``health_status`` (200); ``GET /metrics`` reports ``waiting`` and
 ``kv_cache_usage`` as vLLM's Prometheus gauges, followed by what
-``extra_metrics()`` returns; ``POST /tokenize`` answers one token id per word
-of the prompt (100, 101, ...); ``POST /v1/pdserve/tier_held`` answers that the
-shared KV tier holds ``tier_fraction`` of them (after ``tier_delay_s``), and
-counts the lookups in ``tier_lookups``.
+``extra_metrics()`` returns (after ``metrics_delay_s``); ``POST /tokenize``
+answers one token id per word of the prompt (100, 101, ...);
+``POST /v1/pdserve/tier_held`` answers that the shared KV tier holds
+``tier_fraction`` of them (after ``tier_delay_s``), and counts the lookups in
+``tier_lookups``.
 
 It validates a little, like vLLM: a body that is not a JSON object, a missing
 ``messages``/``prompt``, ``max_tokens`` < 1 or ``min_tokens`` > ``max_tokens``
@@ -186,6 +187,8 @@ class StubEngine:
     """How long ``POST /v1/pdserve/tier_held`` waits before it answers."""
     extra_metrics: Callable[[], str] | None = None
     """More Prometheus text for ``GET /metrics``, e.g. a test's histograms of what the stub served."""
+    metrics_delay_s: float = 0.0
+    """How long ``GET /metrics`` waits before it answers."""
     handler: Handler | None = None
     """A test's own answer, used instead of ``behaviour``: ``async def handler(request, received)``
     returning an ``aiohttp.web`` response, or None to answer as ``behaviour`` says (the request is
@@ -285,6 +288,8 @@ class StubEngine:
         return web.Response(status=self.health_status)
 
     async def _metrics(self, request: web.Request) -> web.Response:
+        if self.metrics_delay_s:
+            await self._wait(self.metrics_delay_s)
         labels = f'{{engine="0",model_name="{self.model_name}"}}'
         text = (
             "# HELP vllm:num_requests_waiting Number of requests waiting to be processed.\n"

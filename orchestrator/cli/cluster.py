@@ -179,6 +179,12 @@ def cmd_status(args: argparse.Namespace) -> int:
             f"{e['engine_id']:<{width}} {e['role']:<8} {e['state']:<11} {e['url'] or '-':<24} "
             f"{e['cpu_bind'] or '-':<6} {load:>7} {e['restarts']:>8}"
         )
+    for e in status["engines"]:
+        if blocks := e.get("kv_quarantined_blocks"):
+            say(
+                f"{e['engine_id']} has {blocks} KV block(s) quarantined: an aborted KV read may still land in them, "
+                "so they are out of use until the engine restarts"
+            )
     if moves := status.get("moves"):
         say(
             "moves: "

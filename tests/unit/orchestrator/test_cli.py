@@ -139,6 +139,33 @@ def test_status_shows_the_autoscalers_last_decisions_and_why(monkeypatch, capsys
     assert "autoscaler changes: " in out and out.rstrip().endswith("prefill 1->2")
 
 
+def test_status_names_an_engine_with_quarantined_kv_blocks_and_only_such_an_engine(monkeypatch, capsys):
+    from orchestrator import cluster
+
+    def engine(engine_id: str, blocks: int | None) -> dict:
+        return {"engine_id": engine_id, "role": "decode", "state": "ready", "url": "http://127.0.0.1:8200",
+                "cpu_bind": "0", "load_s": 30.0, "restarts": 0, "kv_quarantined_blocks": blocks}  # fmt: skip
+
+    status = {
+        "name": "c", "phase": "ready", "ready_s": 50.0, "model": "m", "connector": "pdserve",
+        "proxy_url": "http://127.0.0.1:8000", "log_dir": "/tmp/logs", "error": None, "autoscaler": None,
+        "pools": {"decode": {"target": 3, "max": 3, "ready": 3, "draining": 0}},
+        "engines": [engine("decode-0", 0), engine("decode-1", 12), engine("decode-2", None)],
+    }  # fmt: skip
+    monkeypatch.setattr(cluster, "status", lambda: status)
+
+    assert main(["status"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if "quarantined" in line]
+    assert lines == [
+        "decode-1 has 12 KV block(s) quarantined: an aborted KV read may still land in them, so they are out of "
+        "use until the engine restarts"
+    ]
+
+    status["engines"] = [engine("decode-0", 0), engine("decode-2", None)]
+    assert main(["status"]) == 0
+    assert "quarantined" not in capsys.readouterr().out
+
+
 def test_a_second_up_while_one_is_starting_is_refused_and_touches_nothing(
     local_cpu_spec: Path, monkeypatch, tmp_path: Path, capsys
 ):

@@ -44,6 +44,7 @@ def status_document() -> dict[str, Any]:
         "log_path": "/tmp/logs/prefill-0.log",
         "kept_warm": False,
         "moving_from": None,
+        "kv_quarantined_blocks": 0,
     }
     return {
         "schema": STATUS_SCHEMA,

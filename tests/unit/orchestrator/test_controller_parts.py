@@ -1,17 +1,20 @@
 """The controller's parts that act for it: the event log and its snapshot, the pure resize plan, the status
-document. Without Ray; the controller's coordination runs for real in tests/integration (test_lifecycle,
-test_scale, test_control)."""
+document (with what it reads of stub engines' /metrics). Without Ray; the controller's coordination runs for
+real in tests/integration (test_lifecycle, test_scale, test_control)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import time
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 
 from orchestrator import event_log
 from orchestrator.autoscale.rules import resize_plan
 from orchestrator.control import cluster_status, schema_problems
+from orchestrator.engine_metrics import QUARANTINED_BLOCKS, SampleReader
 from orchestrator.engine_record import EngineRecord, replica
 from orchestrator.event_log import SNAPSHOT_NAME, EventLog
 from orchestrator.placement import HEAD_RESOURCE, Node
@@ -116,6 +119,46 @@ def test_the_status_document_is_the_documented_schema():
         "draining": 1,
     }
     assert cluster_status(controller, None)["hosts"] == []  # the GCS did not answer
+
+
+async def test_status_shows_each_running_engines_quarantined_kv_blocks_and_null_for_one_that_does_not_answer(
+    make_engine,
+):
+    from orchestrator.controller import ClusterController
+
+    def page(blocks: int) -> Callable[[], str]:
+        return lambda: f'# TYPE {QUARANTINED_BLOCKS} counter\n{QUARANTINED_BLOCKS}{{engine="0"}} {blocks}.0\n'
+
+    quarantining = await make_engine("decode-0", extra_metrics=page(12))
+    stuck = await make_engine("decode-1", extra_metrics=page(3), metrics_delay_s=60)
+    spec = ClusterSpec.model_validate(spec_dict())
+    records = [
+        EngineRecord("decode-0", "decode", state="ready", url=quarantining.url),
+        EngineRecord("decode-1", "decode", state="draining", url=stuck.url),
+        EngineRecord("prefill-0", "prefill", state="ready", url="http://127.0.0.1:1"),  # nothing listens
+        EngineRecord("prefill-1", "prefill", state="restarting", url=quarantining.url),  # not read: not running
+    ]
+    pools = Pools(spec, {}, Path("/tmp/logs"), {"prefill": 2, "decode": 2}, {r.engine_id: r for r in records})
+    controller = ClusterController.__new__(ClusterController)
+    controller.spec, controller._phase, controller.error, controller.restarts = spec, "ready", None, 0
+    controller.groups = {spec.model_name: SimpleNamespace(pools=pools, autoscaler=None)}
+    controller.log_dir, controller.log = Path("/tmp/logs"), SimpleNamespace(events=[])
+    controller.proxy, controller.api = SimpleNamespace(url="http://127.0.0.1:8000"), SimpleNamespace(url="")
+    controller.started_at, controller.ready_s = 1.0, 2.0
+    controller.handles = SimpleNamespace(nodes=lambda: [])
+    controller.quarantined_blocks = SampleReader(QUARANTINED_BLOCKS, timeout_s=0.5)  # the cluster's: 2 s
+
+    started = time.monotonic()
+    status = await controller.status()
+
+    assert time.monotonic() - started < 2.0  # the stuck engine is not waited for
+    assert schema_problems(json.loads(json.dumps(status))) == []
+    assert {e["engine_id"]: e["kv_quarantined_blocks"] for e in status["engines"]} == {
+        "decode-0": 12,
+        "decode-1": None,
+        "prefill-0": None,
+        "prefill-1": None,
+    }
 
 
 async def test_an_engines_watch_answers_when_its_state_changes_or_after_the_timeout(monkeypatch):
