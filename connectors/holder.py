@@ -55,10 +55,11 @@ class LeaseHolder:
         *,
         grace_s: float = 2.0,
         epoch: str = "",
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] | None = None,
     ) -> None:
+        """``clock``: monotonic seconds (``time.monotonic`` by default)."""
         self.lease_ttl_s = lease_ttl_s
-        self._clock = clock
+        self._clock = clock = clock or time.monotonic
         self._leases = LeaseTable(lease_ttl_s, clock=clock, engine_id=engine_id, grace_s=grace_s, epoch=epoch)
         self._holding: set[str] = set()
         self._early: dict[str, list[_LeaseEvent]] = {}

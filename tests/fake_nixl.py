@@ -8,7 +8,8 @@ at that moment, into its destination blocks and hands its notification to the so
 with an error and moves nothing. Releasing the handle of a READ in flight is refused, as NIXL refuses one it
 cannot cancel (the READ may still land), unless the fabric ``cancels``. An agent that ``dies`` (its process
 killed) sends and receives nothing any more. Addresses are never dereferenced: a descriptor's address names a
-block by its offset in the registered region it falls in, so a copied fabric (``copy.deepcopy``) works alike.
+block by its offset in the registered region it falls in (every region holds ``num_blocks`` blocks), so a copied
+fabric (``copy.deepcopy``) works alike.
 """
 
 from __future__ import annotations
@@ -51,8 +52,8 @@ class _Prepped:
 class Fabric:
     """The agents of one test, the READs between them, and what each of their blocks holds."""
 
-    def __init__(self, block_len: int, *, cancels: bool = False) -> None:
-        self.block_len = block_len
+    def __init__(self, num_blocks: int, *, cancels: bool = False) -> None:
+        self.num_blocks = num_blocks
         self.cancels = cancels
         self.agents: dict[str, FakeAgent] = {}
         self.memory: dict[tuple[str, int], Hashable] = {}
@@ -135,8 +136,8 @@ class FakeAgent:
         regions = self.fabric.agents[owner].regions
         blocks = []
         for address, *_ in np.asarray(descs).reshape(-1, 3).tolist():
-            base = next(base for base, size in regions if base <= address < base + size)
-            blocks.append((address - base) // self.fabric.block_len)
+            base, size = next((base, size) for base, size in regions if base <= address < base + size)
+            blocks.append((address - base) // (size // self.fabric.num_blocks))
         return _Prepped(owner, np.asarray(blocks, dtype=np.int64))
 
     def make_prepped_xfer(

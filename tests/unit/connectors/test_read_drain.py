@@ -29,7 +29,7 @@ def transport(fabric: Fabric, engine_id: str) -> NixlKVTransport:
 
 
 def posted_read(cancels: bool = False):
-    fabric = Fabric(BLOCK_LEN, cancels=cancels)
+    fabric = Fabric(BLOCKS, cancels=cancels)
     source, reader = transport(fabric, "prefill"), transport(fabric, "decode")
     reader.add_peer("prefill/rank0", source.handshake_payload(), source.kv_regions())
     fabric.write(source.agent_name, [2, 3], "prompt A")
