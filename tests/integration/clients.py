@@ -82,11 +82,16 @@ def mixed_send(proxy_url: str, model: str, topic: str, max_tokens: int = 64) -> 
 
 
 def kill_under_load(
-    pid: int, clients: int, send: Callable[[int, int], tuple], disaggregated: Callable[[tuple], bool]
+    pid: int,
+    clients: int,
+    send: Callable[[int, int], tuple],
+    disaggregated: Callable[[tuple], bool],
+    when: Callable[[], bool] | None = None,
 ) -> tuple[list[tuple], float]:
     """``clients`` threads each send requests one after another (``send(n, i)``: client n's i-th, its outcome);
-    once ``clients`` results are ``disaggregated``, kill -9 ``pid``; they go on until ``clients`` requests were
-    sent 2 s after the kill. Returns each request's ``(sent, answered, *outcome)`` and when the kill came."""
+    once ``clients`` results are ``disaggregated`` (and then ``when()`` holds, if given: up to 120 s more), kill -9
+    ``pid``; they go on until ``clients`` requests were sent 2 s after the kill. Returns each request's
+    ``(sent, answered, *outcome)`` and when the kill came."""
     results: list[tuple] = []
     stop = threading.Event()
 
@@ -104,6 +109,9 @@ def kill_under_load(
     deadline = time.monotonic() + 120
     while sum(1 for r in results if disaggregated(r)) < clients and time.monotonic() < deadline:
         time.sleep(0.2)
+    deadline = time.monotonic() + 120
+    while when is not None and not when() and time.monotonic() < deadline:
+        time.sleep(0.05)
     kill = time.monotonic()
     os.kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + 120
