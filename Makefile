@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.pdserve-installed
 CONFIG ?= configs/local-cpu.yaml
 
-.PHONY: setup model run test test-unit test-integration test-gpu lint lock bench bench-proxy docs clean
+.PHONY: setup model run test test-unit test-integration test-gpu mutate-kv lint lock bench bench-proxy docs clean
 
 setup: $(STAMP) model
 
@@ -42,6 +42,10 @@ test-unit: setup
 
 test-integration: setup
 	$(BIN)/python -m pytest tests/integration
+
+# Break the KV ownership code one promise at a time (scripts/mutate_kv.py) and show the tests kill every mutation.
+mutate-kv: setup
+	$(BIN)/python scripts/mutate_kv.py
 
 # On a GPU machine, with that machine's Python (PyTorch with CUDA, Triton; NIXL for its part; no vLLM, no
 # setup: such machines often reach no registry): the CUDA IPC and NIXL-over-VRAM checks, then their benchmark.

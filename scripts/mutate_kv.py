@@ -124,8 +124,9 @@ MUTATIONS = [
         "a mapping is dropped under a load waiting for its pin",
         "a mapping is dropped only once no record names it",
         "connectors/reader.py",
-        "            name in record.sources and not record.ended for record in self._records.values()",
-        "            name in record.sources and record.phase is ReadPhase.READING for record in self._records.values()",
+        "in_use = any(name in record.sources and not record.ended for record in self._records.values())",
+        "in_use = any(name in record.sources and record.phase is ReadPhase.READING for record in self._records.values()"
+        ")",
     ),
     Mutation(
         "an ended record is not removed",
@@ -142,7 +143,7 @@ MUTATIONS = [
         "                done =",
     ),
     Mutation(
-        "the holder frees leases before their expiry is checked against late events",
+        "a pinned lease expires at its end, not its end plus the grace",
         "a lease under a pin is kept until its reader's notification or release, or its end plus the grace",
         "connectors/leases.py",
         "                if lease.pins and deadline < lease.expires_at + self.grace_s:",

@@ -31,9 +31,10 @@ FIRST = bool(os.environ.get("PDSERVE_EXPLORE_FIRST"))
 """Stop each exploration at its first violation (``scripts/mutate_kv.py``: a mutation is killed at once)."""
 
 SCOPES = [
-    pytest.param(Scope(prompts=("A",), prefill_tp=2, faults=0, proxy_releases=False), id="TP-2 sources"),
+    pytest.param(Scope(prompts=("A",), prefill_tp=2, faults=0, proxy_releases=False, end=2), id="TP-2 sources"),
     pytest.param(Scope(prompts=("A",), prefill_tp=1, faults=1, proxy_releases=False), id="a fault"),
-    pytest.param(Scope(prompts=("A", "B"), prefill_tp=1, faults=0, proxy_releases=False), id="two requests"),
+    pytest.param(Scope(prompts=("A",), prefill_tp=1, faults=1, proxy_releases=False, cancels=True), id="NIXL cancels"),
+    pytest.param(Scope(prompts=("A", "B"), prefill_tp=1, faults=0, proxy_releases=False, end=0), id="two requests"),
 ]
 """Explored whole: every state, every order."""
 

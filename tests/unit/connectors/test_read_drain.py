@@ -117,3 +117,29 @@ def spec() -> ReceiveSpec:
         remote_block_ids=(2, 3), pdserve_expires=12.0,
     )  # fmt: skip
     return ReceiveSpec("A", (0, 1), params, (2, 3))
+
+
+class Event:
+    """A CUDA event as ``IpcRead`` uses it: the copy is over once ``fired``; waiting on it is not allowed here."""
+
+    def __init__(self) -> None:
+        self.fired = False
+
+    def query(self) -> bool:
+        return self.fired
+
+    def synchronize(self) -> None:
+        raise AssertionError("abort waited on the GPU from vLLM's model-runner thread")
+
+
+def test_an_aborted_cuda_ipc_copy_does_not_wait_on_the_gpu_and_drains_when_its_event_fires() -> None:
+    from connectors.transport.cuda_ipc import IpcRead
+
+    event = Event()
+    read = IpcRead("prefill/rank0", 64, started=None, event=event, deadline=float("inf"), started_at=0.0)
+
+    read.abort("lease deadline")
+
+    assert read.state is TransferState.FAILED and not read.drained  # the launched copy still runs
+    event.fired = True
+    assert read.drained
