@@ -34,7 +34,16 @@ SCOPES = [
     pytest.param(Scope(prompts=("A",), prefill_tp=2, faults=0, proxy_releases=False, end=2), id="TP-2 sources"),
     pytest.param(Scope(prompts=("A",), prefill_tp=1, faults=1, proxy_releases=False), id="a fault"),
     pytest.param(Scope(prompts=("A",), prefill_tp=1, faults=1, proxy_releases=False, cancels=True), id="NIXL cancels"),
-    pytest.param(Scope(prompts=("A", "B"), prefill_tp=1, faults=0, proxy_releases=False, end=0), id="two requests"),
+    pytest.param(Scope(prompts=("A", "B"), prefill_tp=1, faults=1, proxy_releases=False, end=0), id="two requests"),
+    pytest.param(Scope(prompts=("A",), samples=2, prefill_tp=1, faults=1, proxy_releases=False, end=2), id="n=2"),
+    pytest.param(
+        Scope(prompts=("A",), prefill_tp=1, faults=0, proxy_releases=False, prefill_restart=True, end=1),
+        id="a prefill restart",
+    ),  # fmt: skip
+    pytest.param(
+        Scope(prompts=("A",), prefill_tp=1, faults=0, proxy_releases=False, decode_restart=True, end=1),
+        id="a decode restart",
+    ),  # fmt: skip
 ]
 """Explored whole: every state, every order."""
 
