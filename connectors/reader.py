@@ -65,7 +65,7 @@ from connectors.identity import mapping_name, peer_name
 from connectors.leases import PinAnswer, read_notification
 from connectors.metadata import KVTransferParams, ReceiveSpec
 from connectors.options import ConnectorSettings
-from connectors.reads import ReadPhase, ReadRecord
+from connectors.reads import ReadPhase, ReadRecord, drained
 from connectors.side_channel import RecentReports
 from connectors.side_client import PeerClient
 from connectors.side_messages import report_key
@@ -232,7 +232,7 @@ class KVReader:
         """Move every record as far as it can go now: handshakes, pins, posts, polls."""
         for name in list(self._stale):
             self._forget_peer(name)
-        self._quarantine = [read for read in self._quarantine if not _drains(read)]
+        self._quarantine = [read for read in self._quarantine if not drained(read)]
         for key, handshake in list(self._handshaking.items()):
             if handshake.future.done():
                 del self._handshaking[key]
@@ -510,7 +510,7 @@ class KVReader:
         for rank in range(max(1, spec.remote.tp_size)):
             self._release_rank(spec.remote, rank)
         if record.quarantined:
-            undrained = [read for read in record.reads if not _drains(read)]
+            undrained = [read for read in record.reads if not drained(read)]
             self._quarantine.extend(undrained)
             self._quarantined.add(spec.request_id)
             logger.error(
@@ -599,12 +599,6 @@ class KVReader:
         if self._topology is None:
             raise ConnectorError(f"engine {self.engine_id}: register_kv_caches has not run")
         return self._topology
-
-
-def _drains(read: Transfer) -> bool:
-    """Polls ``read`` (a transport moves an aborted READ on as it is polled); whether it is drained."""
-    read.poll()
-    return read.drained is True
 
 
 def _expand(block_ids: Sequence[int], per_block: int) -> list[int]:

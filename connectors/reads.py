@@ -40,7 +40,7 @@ from connectors.leases import PinAnswer
 from connectors.metadata import ReceiveSpec
 from connectors.transport.base import Transfer, TransferState
 
-__all__ = ["ReadPhase", "ReadRecord"]
+__all__ = ["ReadPhase", "ReadRecord", "drained"]
 
 
 class ReadPhase(enum.Enum):
@@ -63,7 +63,9 @@ _MOVES = {
 
 
 def drained(read: Transfer) -> bool:
-    """Whether no byte of ``read`` can land any more: only its transport can say."""
+    """Polls ``read`` (a transport moves an aborted READ on as it is polled); whether no byte of it can land any
+    more: only its transport can say."""
+    read.poll()
     return read.drained is True
 
 
@@ -184,9 +186,7 @@ class ReadRecord:
                 self.fail("expired", "the READ was still pending at the end of the prefill's lease less the margin",
                           now)  # fmt: skip
         elif self.phase is ReadPhase.ABORTED:
-            for read in self.reads:
-                read.poll()
-            if all(drained(read) for read in self.reads):
+            if all([drained(read) for read in self.reads]):  # a list: every READ polled
                 self._move(ReadPhase.DRAINED)
             elif now >= min((self.aborted_at or now) + self.drain_timeout_s, self.ends_by):
                 self.quarantined = True

@@ -147,9 +147,6 @@ class Future:
     def exception(self) -> BaseException | None:
         return self._error
 
-    def cancel(self) -> bool:
-        return False
-
 
 @dataclasses.dataclass(eq=False)
 class Call:
@@ -827,10 +824,6 @@ def freeze(root: Any) -> Hashable:
         return (type(obj).__name__, *(walk(v) for n, v in _fields(obj) if n not in _SKIP))
 
     return walk(root)
-
-
-def _peek(items: Any) -> list[Any]:
-    return list(getattr(items, "queue", ()))
 
 
 # ---------------------------------------------------------------- the explorer
