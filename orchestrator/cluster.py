@@ -403,7 +403,7 @@ def install_stop_signals() -> None:
     SIGINT too, not only Python's default: a process started in the background
     by a non-interactive shell (``cmd &``, as CI scripts do) inherits SIGINT
     ignored, and Python then leaves it ignored, so ``up`` would be deaf to the
-    SIGINT meant to stop it (seen: a leaked cluster in a backgrounded suite run).
+    SIGINT meant to stop it, and its cluster would leak.
     """
 
     def _raise(signum: int, frame: Any) -> None:

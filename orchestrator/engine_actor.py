@@ -199,8 +199,8 @@ class EngineActor:
         logger.info("engine %s: starting vLLM (%s)", self.launch.engine_id, " ".join(self.launch.vllm_args))
         noting = asyncio.create_task(self._shm.note_while_starting())
         if self.launch.cpu_bind:  # its start too: vLLM's processes inherit this; unpinned, a start under load
-            # (imports, weights, warm-up: a core for a minute) took the other engines' cores, and the prefill
-            # engine beside it ran at 0.45x of its speed on a core of its own (the cold run of 2026-12-04)
+            # (imports, weights, warm-up: a core for a minute) takes the other engines' cores, and a prefill
+            # engine beside it computes at about 0.45x of its speed on a core of its own
             pin_process_tree(os.getpid(), parse_cores(self.launch.cpu_bind))
         try:
             await self._start_vllm()

@@ -19,7 +19,7 @@ def once_a_second(server: type) -> type:
 
     uvicorn's main loop wakes every 0.1 s to see whether it should exit and, every tenth time, to renew its
     ``Date`` header. In an idle engine each wake-up must take the GIL from Ray's main thread, which takes it
-    a hundred times a second to check for signals (README, "Idle engines"). Every tick is now the header's
+    a hundred times a second to check for signals (README, "Idle engines"). Here every tick is the header's
     tick; the only other check, exiting, is woken directly.
     """
 

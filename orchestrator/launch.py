@@ -228,8 +228,8 @@ def host_core_ranges(spec: ClusterSpec, roles: tuple[str, ...]) -> dict[str, str
     Engines get consecutive cores while the machine has them; after that (``resources.share_cores``) a
     rank goes where the fewest ranks of its own pool run, then the fewest of any: a second prefill engine
     on the first one's core would add no prefill compute. Planned by replica order instead, the
-    autoscaling demo (prefill 1..2, decode 1, two cores) ran prefill-0 and decode-0 on core 0 while core 1
-    waited for a prefill-1 that might never start."""
+    autoscaling demo (prefill 1..2, decode 1, two cores) would run prefill-0 and decode-0 on core 0 while
+    core 1 waits for a prefill-1 that may never start."""
     bindings: dict[str, str] = {}
     available = placement.cpu_cores_available(spec)
     next_core = 0

@@ -127,8 +127,8 @@ def stop_ray_head(temp_dir: str, address: str) -> None:
 
 def _ray_stop_stage(proc: psutil.Process) -> int:
     """The GCS goes last, as ``ray stop`` does it. Stopped together with the rest, the GCS and the autoscaler's
-    monitor waited on each other until the 10-s grace ran out: ``pdserve down`` took 15 s on an idle cluster.
-    Stopped last, the GCS goes 2 s after the others."""
+    monitor wait on each other until the 10-s grace runs out (``pdserve down`` then takes 15 s on an idle
+    cluster); stopped last, the GCS goes 2 s after the others."""
     with contextlib.suppress(psutil.Error):
         return 1 if proc.name() == "gcs_server" else 0
     return 0

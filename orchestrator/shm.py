@@ -150,8 +150,8 @@ class ShmRecord:
 
     async def note_while_starting(self) -> None:
         """Note a start's /dev/shm files as they appear. An engine stopped or killed while it starts (the
-        autoscaler shrinking a pool during a scale-up) never reaches ready, where they used to be noted
-        first: its message queues (``psm_*``, 160-250 MB each) and semaphores were left behind."""
+        autoscaler shrinking a pool during a scale-up) never reaches ready: noted only there, its message
+        queues (``psm_*``, 160-250 MB each) and semaphores would be left behind."""
         while True:
             await asyncio.sleep(NOTE_INTERVAL_S)
             self.note()
@@ -160,8 +160,8 @@ class ShmRecord:
         """Remove the recorded /dev/shm files (and, when this start is over, its tier ``region``) that no process
         holds. Those still held stay in the record for the next look: after a crash, the dead engine's
         children can outlive it by a moment, holding its files when the restarted actor first looks, so the
-        engine looks again once it is ready. (The semaphores a whole suite run used to leave were never in
-        the record at all: their mappings show another name; ``_held`` finds them by inode.)
+        engine looks again once it is ready. (A semaphore's mapping shows another name than its file's, so
+        ``_held`` finds it by inode.)
         """
         recorded = self.recorded()
         if this_start_too:

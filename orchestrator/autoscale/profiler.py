@@ -11,29 +11,27 @@ so the prefix cache never helps; prefill checks it on ``vllm:prefix_cache_hits``
    tokens go to a prefill engine as one completions request (``prompt: [[ids], ...]``,
    ``max_tokens: 1``). They share a pass only if they all wait when the engine next
    schedules: vLLM's front end hands a request's prompts to the engine one by one,
-   and an idle engine starts a pass on the first alone (measured on the CPU demo: two
-   prompts of 512 tokens took two passes, 4.8 s, while the engine's prefill time read
-   2.4 s per prompt; the profile measured so said a pass of two sequences was twice as
-   fast as one of the same tokens, and the simulator believed it). So for ``batch`` > 1
+   and an idle engine starts a pass on the first alone (on the CPU demo two prompts of
+   512 tokens take two passes, 4.8 s, while the engine's prefill time reads 2.4 s per
+   prompt: a profile measured so would rate a pass of two sequences twice as fast as
+   one of the same tokens, and so would the simulator). So for ``batch`` > 1
    a blocker (one prompt, of ``BLOCKER_MIN_TOKENS`` or more) is sent first and the batch while its pass
    runs: the batch waits for it and is scheduled whole at the next step. The time kept
    is the engine's own ``vllm:request_prefill_time_seconds`` (scheduled -> first
    token), averaged over the batch's prompts (the blocker's is read off before): for
    prompts that shared the pass, that is the pass. An attempt counts only if the
    engine took one step for it (``vllm:iteration_tokens_total``, counted after the
-   blocker's); otherwise it is made again. (The client's wall time once decided this,
-   at most queue + prefill time + 50 %: the front end's own ~6 ms a prompt failed every
-   attempt at 8 prompts of 8 tokens, a 74-ms pass answered in 121 ms.)
+   blocker's); otherwise it is made again. (The client's wall time cannot tell: the
+   front end's own ~6 ms a prompt makes a 74-ms pass of 8 prompts of 8 tokens answer in
+   121 ms.)
    The median of ``repeats`` good attempts is kept.
 2. Decode step time by batch and context. One streaming request of ``batch`` prompts
    of ``context`` tokens and ``decode_tokens`` output tokens (``ignore_eos``) goes
    straight to a decode engine, which computes the prompts itself (no KV transfer),
    sent (for a batch of several) behind a blocker's pass, as for prefill. The prompts
    of one request reach the engine core back to back; sent as separate requests, each
-   crossed the API server on its own (HTTP, auth, tokenizer), which left more room to
-   straddle the blocker's pass (CI, 2026-11-28: a batch of 2 sent so was read on
-   neither clock in three runs of three; not reproduced on a 2-core machine in 44
-   batch runs, half of them beside two busy loops, sent either way).
+   would cross the API server on its own (HTTP, auth, tokenizer), which leaves more
+   room to straddle the blocker's pass.
    When the engine computed the whole batch's prompts in one pass, every sequence
    decodes in the same steps, and the step is read on the engine's own clock: its
    ``vllm:request_decode_time_seconds`` (first to last token, stamped by the engine
@@ -48,15 +46,14 @@ so the prefix cache never helps; prefill checks it on ``vllm:prefix_cache_hits``
    passes. With ``continuous_usage_stats`` each chunk says how many tokens it carries.
    The client's clock is the fallback because it is the one a stall distorts: when the
    client or the engine's front end is descheduled, tokens that came a step apart are
-   read together. The median gap read ~0.1 ms on a loaded CI machine whose engine
-   decoded at 115 ms a token, and a span of 8 tokens read together gave a step of
-   ~0 (CI, 2026-11-26: the simulator's ITL in the light-load case was 0). A run
+   read together. On a loaded machine whose engine decodes at 115 ms a token the
+   median gap can read ~0.1 ms, and a span of 8 tokens read together gives a step of
+   ~0 (and a simulator fed that profile an ITL of 0). A run
    that neither clock can read (several passes, and no stream read while all
    decoded: the API server shares its engine's core, so a batch can miss the
    blocker's pass and reach the client late) is made again, up to
-   ``ATTEMPTS_PER_REPEAT`` runs a repeat (2026-11-27: the suite's profile failed
-   so in two of three fresh clones; 2026-11-28, three runs: once more in CI, so five
-   now); the error names what each run showed.
+   ``ATTEMPTS_PER_REPEAT`` runs a repeat (five: on a loaded 2-core machine a few
+   runs in a row can miss both clocks); the error names what each run showed.
 3. Transfer time by bytes. Disaggregated requests of each of ``transfer_tokens``
    prompt lengths go through the proxy one at a time; the decode engine's transfer
    histogram and bytes counter for the cluster's connector (``TRANSFER_METRICS``)
@@ -118,11 +115,11 @@ __all__ = ["decode_run", "format_profile", "measure"]
 logger = logging.getLogger(__name__)
 
 BLOCKER_LEAD_S = 0.05
+"""How long after the blocker's request the batch's is sent: long enough for the blocker's pass to start."""
 BLOCKER_MIN_TOKENS = 512
 """A prefill blocker's prompt is at least this long (within the grid's largest pass): its pass must outlast the front
-end's handing the batch's prompts to the engine one by one. The size of one of the batch's prompts did not: 8 prompts
-of 8 tokens behind an 8-token pass (~10 ms) took two passes in 10 attempts of 10 on the CPU demo."""
-"""How long after the blocker's request the batch's is sent: long enough for the blocker's pass to start."""
+end's handing the batch's prompts to the engine one by one. The size of one of the batch's prompts does not: on the
+CPU demo, 8 prompts of 8 tokens behind an 8-token pass (~10 ms) take two passes in 10 attempts of 10."""
 ATTEMPTS_PER_REPEAT = 5
 REQUEST_TIMEOUT_S = 900.0
 
@@ -135,9 +132,9 @@ async def _prefill_point(
     One pass of several sequences needs them all waiting when the engine next
     schedules. The prompts of one completion request do not: vLLM's front end
     hands them to the engine one by one, an idle engine starts a pass on the
-    first, and the others wait for the next (measured on the CPU demo: two
-    prompts of 512 took two passes, 4.8 s, and the engine's prefill time read
-    2.4 s per request). So a batch is sent while a pass of one sequence the size
+    first, and the others wait for the next (on the CPU demo two prompts of
+    512 take two passes, 4.8 s, while the engine's prefill time reads 2.4 s
+    per request). So a batch is sent while a pass of one sequence the size
     of the batch's is running (the blocker): the batch waits for it, and is
     scheduled whole at the next step. A measurement counts only if the engine took
     one step for it.

@@ -19,9 +19,9 @@ class ProfileGrid:
     chunked into several passes, which is not a point of the table); the defaults fit the CPU demo
     (SmolLM2-135M on one core per engine) in about eight minutes. Prefill batches go to 8: a loaded
     engine packs that many prompts into a pass, and on CPU a pass of 8 x 256 tokens is much cheaper than
-    one of 2048 (attention grows with each sequence's square); a table that stops at 2 made the simulator
+    one of 2048 (attention grows with each sequence's square); a table that stops at 2 makes the simulator
     clamp there and overstate a busy engine's passes 2-3x. Decode batches go to 32: in bursts the demo's
-    decode engine ran 30-60 streams, whose steps a table that stopped at 8 extrapolated from 4-8."""
+    decode engine runs 30-60 streams, whose steps a table that stops at 8 extrapolates from 4-8."""
 
     prefill_tokens: tuple[int, ...] = (64, 256, 1024, 2048)
     prefill_batch: tuple[int, ...] = (1, 2, 4, 8)

@@ -43,7 +43,7 @@ STEPS = "vllm:iteration_tokens_total_count"
 PREFILL_SAMPLES = (PREFILL_TIME + "_sum", PREFILL_TIME + "_count", QUEUE_TIME + "_sum", PREFIX_HITS, STEPS)
 DECODE_SAMPLES = (DECODE_TIME + "_sum", DECODE_TIME + "_count", GENERATED + "_sum", STEPS)
 TOGETHER_GAP_S = 1e-3
-"""Chunks of a stream that reached the client under this far apart (the median gap, while all decode) were read
+"""Chunks of a stream that reach the client under this far apart (the median gap, while all decode) are read
 together: the client or the front end was descheduled, and the span holds its wait, not the engine's steps."""
 
 
@@ -128,7 +128,7 @@ def handoff_seconds(samples: list[TransferSample], decode_step: Callable[[int], 
 
     It is HTTP to and from both engines, the proxy's work, and the decode engine's scheduling of a
     request whose KV arrives from elsewhere (it waits a step for the load to start and one for it to
-    finish). On the CPU demo it was about 0.15-0.25 s, which a simulator without it lacked at light load.
+    finish). On the CPU demo it is about 0.15-0.25 s, which a simulator without it misses at light load.
     """
     extra = [s.ttft_s - s.prefill_s - s.seconds - decode_step(s.prompt_tokens) for s in samples]
     return round(max(0.0, statistics.median(extra)), 4) if extra else 0.0
@@ -176,7 +176,7 @@ class DecodeRun:
         """The engine's clock when the batch shared one pass; else the client's, unless its tokens were read
         together (``read_together``). Not against the engine's own time per token: with the batch's prompts in
         several passes, that holds the later passes (a 2048-token pass on the CPU demo), and the client's true
-        reading fell under half of it every run (8 x 512 tokens: 55 ms a token, read on neither clock)."""
+        reading is under half of it (8 x 512 tokens: 55 ms a token, read on neither clock)."""
         if (engine := self.engine) is not None:
             return engine
         seconds, tokens = self.client

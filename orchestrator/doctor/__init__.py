@@ -167,8 +167,8 @@ def _no_faster_than_tcp(report: PathReport, own: Measurement, tcp: Measurement) 
     what = f"measured {own.gbps:.2f} GB/s, no faster than TCP ({tcp.gbps:.2f} GB/s): UCX did not take {faster}"
     fix = "UCX_PROTO_INFO=y in engine.env makes UCX print the protocols it picks"
     if report.memory == "cuda":
-        # Seen on an H200 (nixl-cu13 1.5.1): UCX named the peer's GPU an unknown device (cuda/dev[1]) and read
-        # it over TCP whatever UCX_TLS allowed; with UCX_PROTO_ENABLE=n no READ could be posted.
+        # With nixl-cu13 1.5.1 on an H200, UCX names the peer's GPU an unknown device (cuda/dev[1]) and reads
+        # it over TCP whatever UCX_TLS allows; with UCX_PROTO_ENABLE=n no READ can be posted.
         what += " (UCX's protocol table, UCX_PROTO_INFO=y, shows 'tcp' for reads from the peer's GPU)"
         fix = (
             "keep cuda-ipc first in connector_options.transports: between engines of one node whose GPU the "
