@@ -21,6 +21,9 @@ README_MAX_LINES = 200
 # [text](target) and [text](target "title"); images too. Targets with a scheme or only an anchor are not files.
 _LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
 _EXTERNAL = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*:")
+# A page of the repository outside the site (lab/research/, deploy/), which the docs name in code: mkdocs cannot
+# link out of docs/, so these names are checked here.
+_REPOSITORY_PAGE = re.compile(r"`((?:[\w.-]+/)+[\w.-]+\.md)`")
 
 
 def _relative_links(markdown: str) -> list[str]:
@@ -53,6 +56,16 @@ def test_readme_links_point_to_files() -> None:
     assert links, "README.md links into docs/"
     missing = [link for link in links if not (ROOT / link).exists()]
     assert not missing, f"README.md links to files that do not exist: {missing}"
+
+
+def test_repository_pages_the_docs_name_exist() -> None:
+    named = {
+        (page.name, path)
+        for page in sorted((ROOT / "docs").glob("*.md"))
+        for path in _REPOSITORY_PAGE.findall(page.read_text())
+    }
+    missing = sorted((page, path) for page, path in named if not (ROOT / path).is_file())
+    assert not missing, f"docs name repository pages that do not exist: {missing}"
 
 
 def test_relative_links_are_found() -> None:
