@@ -4,7 +4,7 @@
 - ``PREFILL`` and ``DECODE``: the engine ids of the legs (no ``PREFILL`` when decode-only).
 - ``KV``: how the prompt's KV reached the decode engine (``contract.kv_report.KVReport.header``).
 - ``MIGRATED``: the decode engines that died under the request before another answered it, in order
-  (``proxy.two_phase``: a non-streamed answer's decode migration).
+  (``proxy.flow``: a non-streamed answer's decode migration).
 
 HTTP header names are case-insensitive; these are the spellings pdserve sends.
 """

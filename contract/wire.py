@@ -80,13 +80,9 @@ def parse_tcp_endpoint(endpoint: str) -> tuple[str, int]:
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
 RESPONSES_PATH = "/v1/responses"
-GENERATION_PATHS = {"chat": CHAT_PATH, "completion": COMPLETIONS_PATH, "responses": RESPONSES_PATH}
-"""The request kinds served through prefill and decode (the proxy's two-phase flow), by their path."""
 MODELS_PATH = "/v1/models"
 TOKENIZE_PATH = "/tokenize"
 DETOKENIZE_PATH = "/detokenize"
-ENGINE_ONLY_PATHS = (TOKENIZE_PATH, DETOKENIZE_PATH)
-"""Served by one ready engine of the model, no KV moved (vLLM's own routes, relayed as they answer)."""
 
 
 # --- kv_transfer_params ---------------------------------------------------------------------
@@ -243,10 +239,9 @@ PREFILL_REQUEST_PARAMS = {
 
 # --- an engine's KV tier, asked by the proxy -------------------------------------------------
 TIER_HELD_PATH = "/v1/pdserve/tier_held"
-"""``POST`` an OpenAI request's body here, with ``?kind=chat`` or ``?kind=completion``: the engine answers how
+"""``POST`` a chat request's body (``messages``) or a completion request's (``prompt``) here: the engine answers how
 many of its prompt's tokens its KV tiers hold (``connectors.tier.held``). Under ``/v1``, so vLLM's key check
 (the cluster's engine key) guards it like the completions routes."""
-TIER_HELD_KINDS = ("chat", "completion")
 PROMPT_TOKENS = "prompt_tokens"
 """The answer: the prompt's length in tokens, as the engine renders and tokenizes it."""
 TIERS = "tiers"

@@ -1,16 +1,17 @@
 """The OpenAI-compatible FastAPI app in front of the prefill and decode pools.
 
-``create_app(config, pool)`` builds the app; its lifespan owns the one
-``EngineClient`` (keep-alive connections to the engines) used for every upstream call,
-and the background tasks that use it: ``/health`` probes (``proxy.health``) and,
-for the load-aware policies, ``/metrics`` polls (``proxy.load``). Routes:
+``create_app(config, pool)`` builds the app: the one ``EngineClient`` (keep-alive
+connections to the engines) used for every upstream call, each model's ``ModelFlow``
+(``proxy.flow``) and the ``Front`` that hands them requests (``proxy.front``). Its
+lifespan runs the background tasks that use the client: ``/health`` probes
+(``proxy.health``) and, for the load-aware policies, ``/metrics`` polls
+(``proxy.load``); at its end the flows and the client close. Routes:
 
-- ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/responses`` (streaming and not;
-  ``wire.GENERATION_PATHS``): the two-phase flow (``proxy.two_phase.TwoPhaseFlow``; one
-  ``proxy.exchange.Exchange`` per request; request bodies: ``proxy.bodies``; engine calls: ``proxy.upstream``).
-  The Responses API's ``previous_response_id`` and ``background`` are refused (400): they need the memory of
-  the one engine that made a response (``bodies.STATEFUL_RESPONSES``).
-- ``POST /tokenize``, ``POST /detokenize`` (``wire.ENGINE_ONLY_PATHS``): one ready engine of either pool,
+- one per API of ``proxy.apis.REGISTRY``: ``POST /v1/chat/completions``, ``POST /v1/completions``,
+  ``POST /v1/responses`` (streaming and not), served through prefill and decode (one
+  ``proxy.exchange.Exchange`` per request; engine calls: ``proxy.upstream``); each API's module says what it
+  refuses (the Responses API's ``previous_response_id`` and ``background``: they need the memory of the one
+  engine that made a response). ``POST /tokenize``, ``POST /detokenize``: one ready engine of either pool,
   in turn, once the request has an admission slot; counted in the engine's ``in_flight`` while it runs (a
   drain waits for it); its answer as it came.
 - ``GET /v1/models``: each served model, then its LoRA adapters (``parent``: the model).
@@ -18,14 +19,14 @@ for the load-aware policies, ``/metrics`` polls (``proxy.load``). Routes:
   (no key needed).
 
 An app serves one model or several (``create_app`` takes one ``ProxyConfig`` per model): each model has its
-own pools, router, health checks, admission gate and ``TwoPhaseFlow``; a request goes to the flow of the model
+own pools, router, health checks, admission gate and ``ModelFlow``; a request goes to the flow of the model
 (or adapter) its body names, 404 in OpenAI's format for one nobody serves.
 - ``GET /metrics``: Prometheus metrics (``proxy.metrics``; no key needed).
 - ``/admin/engines...``: with an admin key only (``proxy.admin``).
 
 A completion request is checked in this order: API key (``proxy.auth``, 401),
 Content-Type, body size (``proxy.limits``, 413) and the time its body takes to
-come (408), the body (``proxy.bodies``, 400/404), the context length when
+come (408), the body (its API's, ``proxy.apis``, 400/404), the context length when
 ``max_model_len`` is known (400), then it waits for a slot
 (``proxy.limits.AdmissionGate``: ``max_concurrent_requests``, or a limit that
 follows the pools' ready engines; 429 when the queue is full) and runs,
@@ -85,17 +86,20 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from contract import wire
 from contract.wire import ROLES
 from proxy.admin import PUBLIC_ENGINE_FIELDS, admin_key_of, admin_router, parse_networks
+from proxy.apis import REGISTRY, Api
 from proxy.auth import KeyCheck, load_keys
 from proxy.config import ProxyConfig
 from proxy.engine_client import EngineClient
 from proxy.errors import ProxyError, error_body, error_response
 from proxy.exchange import DECODE_ONLY, DISAGGREGATED, PREFILL_ONLY
+from proxy.flow import ModelFlow
+from proxy.front import Front
 from proxy.health import HealthMonitor, HealthTracker
 from proxy.load import LoadPoller
 from proxy.metrics import CONTENT_TYPE_LATEST, ProxyMetrics
 from proxy.pool import EnginePool, PoolSet
 from proxy.routing import Router
-from proxy.two_phase import TwoPhaseFlow
+from proxy.upstream import Upstream
 
 __all__ = ["DECODE_ONLY", "DISAGGREGATED", "PREFILL_ONLY", "ProxyConfig", "create_app"]
 
@@ -122,27 +126,25 @@ def create_app(
     admin_keys = KeyCheck(load_keys(config.admin_key_env, config.admin_key_file))
     admin_networks = parse_networks(config.admin_engine_networks)
     metrics = ProxyMetrics(pools.by_model)
+    client = EngineClient(connect_timeout_s=config.connect_timeout_s)
     flows = []
     for model_config in configs:
         model_pool = pools.of(model_config.model_name)
         tracker = HealthTracker(model_pool, config.unhealthy_after, config.healthy_after)
+        upstream = Upstream(client, model_config.request_timeout_s, model_config.tier_lookup_timeout_s)
         flows.append(
-            TwoPhaseFlow(
+            ModelFlow(
                 model_config, Router(model_pool, model_config), tracker, metrics.of(model_config.model_name),
-                api_keys, checks_health, metrics.of(None),
+                checks_health, upstream,
             )
         )  # fmt: skip
-    flow = flows[0]  # the routes' flow: it hands each request on to its model's
-    flow.models = {name: f for f in flows for name in f.models}
-    for other in flows:
-        other.models = flow.models
+    flow = flows[0]
+    front = Front(config, flows, api_keys, metrics.of(None))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        client = EngineClient(connect_timeout_s=config.connect_timeout_s)
         background = []
         for each in flows:
-            each.open(client)
             if checks_health:
                 monitor = HealthMonitor(each.tracker, client, config.health_interval_s, config.health_timeout_s)
                 background.append(asyncio.create_task(monitor.run(), name="pdserve-health"))
@@ -168,6 +170,7 @@ def create_app(
     app.state.metrics = metrics
     app.state.flow = flow
     app.state.flows = flows
+    app.state.front = front
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
@@ -182,15 +185,13 @@ def create_app(
     # The fast path (``DirectRoute``) or FastAPI's own routing (``config.fast_path``: false).
     completions_api = APIRouter(route_class=DirectRoute if config.fast_path else APIRoute)
 
-    for kind, path in wire.GENERATION_PATHS.items():
-        completions_api.add_api_route(path, _generation(flow, kind, path), methods=["POST"], name=kind)
-    for path in wire.ENGINE_ONLY_PATHS:
-        completions_api.add_api_route(path, _engine_only(flow, path), methods=["POST"], name=path.strip("/"))
+    for api in REGISTRY:
+        completions_api.add_api_route(api.path, _endpoint(front, api), methods=["POST"], name=api.name)
     app.include_router(completions_api)
 
     @app.get(wire.MODELS_PATH)
     async def models(request: Request) -> Response:
-        flow.require_api_key(request)
+        front.require_api_key(request)
         data = []
         for each in configs:
             base = {"id": each.model_name, "object": "model", "created": created, "owned_by": "pdserve"}
@@ -231,16 +232,9 @@ def _pool_status(pool: EnginePool, degrade: bool) -> str:
     return "degraded" if ready and degrade else "unavailable"
 
 
-def _generation(flow: TwoPhaseFlow, kind: str, path: str) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+def _endpoint(front: Front, api: Api) -> Callable[[Request], Coroutine[Any, Any, Response]]:
     async def endpoint(request: Request) -> Response:
-        return await flow.serve(request, kind, path)
-
-    return endpoint
-
-
-def _engine_only(flow: TwoPhaseFlow, path: str) -> Callable[[Request], Coroutine[Any, Any, Response]]:
-    async def endpoint(request: Request) -> Response:
-        return await flow.serve_engine_only(request, path)
+        return await front.serve(request, api)
 
     return endpoint
 

@@ -16,21 +16,22 @@ and every token generated, on either engine.
 What cannot be continued faithfully is refused (``refusal``), and such a stream ends with the error event as
 before: sampled streams (seed or not: a seeded generator starts again on another engine), ``n`` > 1, logprobs,
 stop strings (the engine holds back text that may start one), tools and structured output (their parser's and
-grammar's state), presence and frequency penalties (they count only generated tokens), the Responses API, and
-any field this module does not know. A stream whose events show the engine parsing its output (tool calls,
+grammar's state), presence and frequency penalties (they count only generated tokens), what an API's module
+refuses (``GenerationApi.continuation_refusal``: the Responses API's streams, several prompts), and any field this
+module does not know. A stream whose events show the engine parsing its output (tool calls,
 reasoning) is refused from then on.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
-__all__ = ["CONTINUED_KINDS", "StreamLedger", "refusal"]
+if TYPE_CHECKING:
+    from proxy.apis import GenerationApi
 
-CONTINUED_KINDS = ("chat", "completion")
-"""The kinds of request whose streams a continuation can carry on (not the Responses API's)."""
+__all__ = ["StreamLedger", "refusal"]
 
 COPIED = frozenset({
     "model", "temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "ignore_eos", "repetition_penalty",
@@ -51,10 +52,9 @@ KEPT = frozenset({
 _EMPTY = (None, False, 0, "", [], {}, "none")
 
 
-def refusal(body: dict[str, Any], kind: str) -> str | None:
-    """Why a stream of ``body`` cannot be continued token for token on another engine; None if it can."""
-    if kind not in CONTINUED_KINDS:
-        return "a Responses API stream is not continued"
+def refusal(body: dict[str, Any], prompt_refusal: str | None = None) -> str | None:
+    """Why a stream of ``body`` cannot be continued token for token on another engine; None if it can.
+    ``prompt_refusal``: its API's reason about the prompt, if it has one (``GenerationApi.continuation_refusal``)."""
     temperature = body.get("temperature")
     if not isinstance(temperature, int | float) or temperature > 1e-5:
         shown = "the model's default" if temperature is None else repr(temperature)
@@ -66,20 +66,12 @@ def refusal(body: dict[str, Any], kind: str) -> str | None:
             return f"it sets {field}"
     if body.get("response_format") not in (None, {"type": "text"}):
         return "it sets response_format"
-    if kind == "completion" and not _one_prompt(body.get("prompt")):
-        return "it has several prompts"
+    if prompt_refusal is not None:
+        return prompt_refusal
     unknown = sorted(set(body) - COPIED - KEPT)
     if unknown:
         return f"it sets {', '.join(unknown)}, which a continuation cannot keep"
     return None
-
-
-def _one_prompt(prompt: object) -> bool:
-    if isinstance(prompt, str):
-        return True
-    if isinstance(prompt, list) and prompt:
-        return all(isinstance(t, int) for t in prompt) or (len(prompt) == 1 and not isinstance(prompt[0], dict))
-    return False
 
 
 class StreamLedger:
@@ -87,12 +79,12 @@ class StreamLedger:
     its end went out (see the module's docstring)."""
 
     __slots__ = (
-        "kind", "body", "wants_ids", "prompt_ids", "sent", "continued_tokens", "finished", "usage_sent", "done",
+        "api", "body", "wants_ids", "prompt_ids", "sent", "continued_tokens", "finished", "usage_sent", "done",
         "refused", "_head", "_buffer",
     )  # fmt: skip
 
-    def __init__(self, body: dict[str, Any], kind: str) -> None:
-        self.kind, self.body = kind, body
+    def __init__(self, body: dict[str, Any], api: GenerationApi) -> None:
+        self.api, self.body = api, body
         self.wants_ids = bool(body.get("return_token_ids"))
         """The client asked for token ids itself: they stay in what it is sent."""
         self.prompt_ids: list[int] | None = None
@@ -240,17 +232,9 @@ class StreamLedger:
             reason = choice.get("finish_reason")
             if reason is not None:
                 self.finished = True
-            if self.kind == "chat":
-                text = choice.get("text") or ""
-                if not text and reason is None and not self.wants_ids:
-                    continue  # a chat stream sends no event for a token that shows no text yet
-                shown: dict[str, Any] = {"index": 0, "delta": {"content": text} if text else {}, "logprobs": None,
-                                         "finish_reason": reason}  # fmt: skip
-                if reason is not None:
-                    shown["stop_reason"] = choice.get("stop_reason")
-                shown["token_ids"] = ids if self.wants_ids else None
-            else:
-                shown = dict(choice, prompt_token_ids=None, token_ids=ids if self.wants_ids else None)
+            shown = self.api.continued_choice(choice, ids, self.wants_ids)
+            if shown is None:
+                continue
             choices.append(shown)
         usage = chunk.get("usage")
         if not choices and usage is None:

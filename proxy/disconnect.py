@@ -19,7 +19,7 @@ caller's clean-up (``Exchange.close`` releases the KV: ``proxy.exchange``), and 
 started: Starlette's ``StreamingResponse`` listens for the disconnect itself.
 
 A step that must not be cut (a prefill call whose answer names KV to release:
-``TwoPhaseFlow._prefill_call``) runs between ``defer()`` and ``resume()``: a
+``ModelFlow._prefill_call``) runs between ``defer()`` and ``resume()``: a
 client that leaves meanwhile is only noted, and ``resume()`` says so; the
 caller then ends the request (``ClientGone``).
 """

@@ -1,10 +1,10 @@
 """One completion request's exchange through the proxy: what both legs of the two-phase flow share.
 
-``TwoPhaseFlow.serve`` makes one ``Exchange`` per request and hands it, whole,
-to every step (``proxy.two_phase``), every engine call (``proxy.upstream``) and
-the stream relay (``proxy.relay``). Its life:
+``Front`` makes one ``Exchange`` per request (``proxy.front``) and hands it,
+whole, to its model's flow, every step of it (``proxy.flow``), every engine call
+(``proxy.upstream``) and the stream relay (``proxy.relay``). Its life:
 
-1. made on arrival: the request, its kind and route, its id (the client's
+1. made on arrival: the request, its API (``proxy.apis``), its id (the client's
    ``X-Request-Id`` or a new one), the reply headers (``X-Request-Id``);
 2. the parsed ``body`` and the ``engine_headers`` both legs send;
 3. ``routed``: the engines (``proxy.routing.Route``), which say the serving
@@ -36,6 +36,7 @@ from typing import Any
 from starlette.requests import Request
 
 from contract import headers
+from proxy.apis import Api
 from proxy.continuation import StreamLedger
 from proxy.disconnect import cancel_on_disconnect
 from proxy.limits import AdmissionGate
@@ -90,14 +91,14 @@ class Exchange:
     """One completion request, from its arrival to its answer's end (see the module's docstring)."""
 
     __slots__ = (
-        "request", "kind", "route", "request_id", "started", "reply_headers", "engine_headers", "body",
+        "request", "api", "request_id", "started", "reply_headers", "engine_headers", "body",
         "engines", "serving_path", "kv", "gate", "decode_failed_at", "decode_tried", "ledger", "departure",
         "_metrics", "_last_chunk", "_closed", "_prefill_routed", "_decode_routed",
     )  # fmt: skip
 
-    def __init__(self, request: Request, kind: str, route: str, metrics: ModelMetrics) -> None:
+    def __init__(self, request: Request, api: Api, metrics: ModelMetrics) -> None:
         self.started = time.perf_counter()
-        self.request, self.kind, self.route = request, kind, route
+        self.request, self.api = request, api
         self.request_id = request.headers.get("x-request-id") or f"pdserve-{os.urandom(16).hex()}"
         self.reply_headers = {"X-Request-Id": self.request_id}
         self.engine_headers: dict[str, str] = {}
@@ -196,4 +197,4 @@ class Exchange:
         if self.gate is not None:
             self.gate.leave()
         if status is not None:
-            self._metrics.request_done(self.route, status, self.serving_path, time.perf_counter() - self.started)
+            self._metrics.request_done(self.api.path, status, self.serving_path, time.perf_counter() - self.started)

@@ -20,7 +20,6 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import NamedTuple
 
-import orjson
 from fastapi.responses import StreamingResponse
 from starlette.types import Message, Receive, Scope, Send
 
@@ -29,9 +28,7 @@ from proxy.errors import UpstreamFailed
 from proxy.exchange import Exchange
 from proxy.pool import EngineState
 
-__all__ = [
-    "BoundedSend", "DecodeStream", "Moved", "Mover", "RelayResponse", "StreamCut", "error_event", "responses_generated"
-]  # fmt: skip
+__all__ = ["BoundedSend", "DecodeStream", "Moved", "Mover", "RelayResponse", "StreamCut"]
 
 logger = logging.getLogger(__name__)
 
@@ -73,16 +70,14 @@ class DecodeStream:
         response: EngineResponse,
         engine: EngineState,
         exchange: Exchange,
-        generated: Callable[[bytes], bool] | None = None,
         rewrite: Callable[[bytes], bytes] | None = None,
         mover: Mover | None = None,
     ) -> None:
         self._chunks, self._response, self.engine, self._exchange = chunks, response, engine, exchange
         self._started = self._closed = self._leg_over = self._relayed = False
         self._pending: list[bytes] = []
-        # Whether a chunk shows the engine generating (so it has loaded the KV): any chunk of a chat or a
-        # completion; for the Responses API, an event past response.created and response.in_progress.
-        self._generated = generated or _any_chunk
+        # Whether a chunk shows the engine generating (so it has loaded the KV): its API says.
+        self._generated = exchange.api.generated
         self._rewrite = rewrite
         self._mover = mover
 
@@ -136,9 +131,10 @@ class DecodeStream:
     async def _moved(self, failure: UpstreamFailed) -> bytes:
         """The engine failed: its leg ends; the stream goes on where ``mover`` says, or ends with its last bytes."""
         await self._end_leg()
-        moved = await self._mover(failure, self._relayed) if self._mover is not None else error_event(
-            self._exchange.kind, failure
-        )  # fmt: skip
+        if self._mover is not None:
+            moved = await self._mover(failure, self._relayed)
+        else:
+            moved = self._exchange.api.error_event(failure)
         if isinstance(moved, bytes):
             self._chunks = _ended()
             return moved
@@ -171,31 +167,6 @@ class DecodeStream:
 async def _ended() -> AsyncIterator[bytes]:
     return
     yield  # an async generator that yields nothing
-
-
-def error_event(kind: str, failure: UpstreamFailed) -> bytes:
-    """The event that ends a stream whose engine failed: the Responses API's ``error`` event, else the error
-    body as a data event."""
-    if kind == "responses":
-        error = failure.body()["error"]
-        event = {"type": "error", "code": error.get("code"), "message": error["message"], "param": None}
-        return b"event: error\ndata: " + orjson.dumps(event) + b"\n\n"
-    return b"data: " + orjson.dumps(failure.body()) + b"\n\n"
-
-
-def _any_chunk(chunk: bytes) -> bool:
-    return True
-
-
-_RESPONSES_PREAMBLE = (b"response.created", b"response.in_progress")
-
-
-def responses_generated(chunk: bytes) -> bool:
-    """A Responses API stream's chunk holds an event past the preamble vLLM sends before the engine has run
-    (``response.created``, ``response.in_progress``)."""
-    return any(
-        line.startswith(b"event: ") and line[7:].strip() not in _RESPONSES_PREAMBLE for line in chunk.split(b"\n")
-    )
 
 
 class RelayResponse(StreamingResponse):

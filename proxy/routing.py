@@ -1,6 +1,6 @@
 """Choosing the engines of a request: a routing policy per pool, and whether to disaggregate at all.
 
-``Router.route(body, kind)`` runs once per request. It picks a decode engine
+``Router.route(body, api)`` runs once per request. It picks a decode engine
 with the decode pool's policy, decides whether the request skips the prefill
 leg (decode-only), and if not picks a prefill engine with the prefill pool's
 policy, one of ``proxy.policies.REGISTRY`` (``round_robin``, ``least_loaded``,
@@ -8,7 +8,7 @@ policy, one of ``proxy.policies.REGISTRY`` (``round_robin``, ``least_loaded``,
 prompt's prefix hashes, ``prefix_hashes``).
 
 Decode-only: a prompt estimated shorter than ``decode_only_below_tokens``
-(``estimate_prompt_tokens``) gains little from a remote prefill and goes to
+(its API's ``estimate_tokens``) gains little from a remote prefill and goes to
 the decode engine alone; so does, with ``decode_only_if_cached``, a prompt
 whose prefix the chosen decode engine was sent recently (it is mostly in its
 prefix cache already).
@@ -28,21 +28,14 @@ from __future__ import annotations
 import hashlib
 import itertools
 import math
-import sys
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-import orjson
-
-from contract import wire
-from proxy.bodies import TEXT_PARTS, chat_messages
+from proxy.apis import GenerationApi
+from proxy.apis.base import CHARS_PER_TOKEN
 from proxy.config import ProxyConfig
 from proxy.policies import PrefixIndex, make_policy
 from proxy.pool import EnginePool, EngineState, no_healthy_engine
-
-CHARS_PER_TOKEN = 4
-"""The token estimate without a tokenizer: about 4 characters a token for English text with BPE vocabularies."""
-
 
 # --- the router -----------------------------------------------------------------------------
 
@@ -54,7 +47,7 @@ PREFILL_FAILED = "prefill-failed"
 DECODE_FAILED = "decode-failed"
 """The decode engine chosen could not be reached, and the prefill's KV was bound to it: another decode engine
 computes the prompt."""
-"""The prefill leg failed on every engine tried (``TwoPhaseFlow``): the decode engine computes the prompt."""
+"""The prefill leg failed on every engine tried (``ModelFlow``): the decode engine computes the prompt."""
 DEGRADED_REASONS = (NO_PREFILL_ENGINE, NO_DECODE_ENGINE, PREFILL_FAILED, DECODE_FAILED)
 
 
@@ -68,10 +61,10 @@ class TierHeld(NamedTuple):
     def fraction(self) -> float:
         return min(self.held_tokens / self.prompt_tokens, 1.0) if self.prompt_tokens > 0 else 0.0
 
-    def depth(self, body: dict[str, Any], kind: str, block_chars: int, prefix_blocks: int) -> int:
+    def depth(self, body: dict[str, Any], api: GenerationApi, block_chars: int, prefix_blocks: int) -> int:
         """The leading blocks of the proxy's ``prefix_hashes`` the tier holds: its share of the prompt, in the
         proxy's blocks (the engine counts tokens of the rendered prompt; the proxy hashes characters)."""
-        chars = self.fraction * estimate_prompt_tokens(body, kind) * CHARS_PER_TOKEN
+        chars = self.fraction * api.estimate_tokens(body) * CHARS_PER_TOKEN
         return min(prefix_blocks, int(chars // block_chars))
 
 
@@ -113,28 +106,29 @@ class Router:
         # Engines hold fewer adapters than the cluster serves: an adapter's requests stay on engines of its own.
         self._keeps_adapters = config.max_loras < len(config.adapters)
 
-    def asks_tier(self, body: dict[str, Any], kind: str) -> bool:
+    def asks_tier(self, body: dict[str, Any], api: GenerationApi) -> bool:
         """Whether ``route`` would use what the shared tier holds of this prompt (``TierHeld``): routing reads
-        the tier, and the prompt is long enough for one prefix block and to be disaggregated."""
-        if not self._asks_tier or kind not in wire.TIER_HELD_KINDS:  # the Responses API: routed without the tier
+        the tier, its API's prompt can be looked up there, and the prompt is long enough for one prefix block and
+        to be disaggregated."""
+        if not self._asks_tier or not api.tier_lookup:
             return False
-        tokens = estimate_prompt_tokens(body, kind)
+        tokens = api.estimate_tokens(body)
         return tokens * CHARS_PER_TOKEN >= self.routing.prefix_block_chars and tokens >= self._decode_only_below
 
     def tier_engine(self) -> EngineState | None:
         """The engine to ask what the shared tier holds: a ready engine of the tier's pools, in turn."""
         return self._in_turn(self.config.tier_pools, self._tier_turn)
 
-    def route(self, body: dict[str, Any], kind: str, held: TierHeld | None = None) -> Route:
+    def route(self, body: dict[str, Any], api: GenerationApi, held: TierHeld | None = None) -> Route:
         """The request's engines (``Route``). With ``degrade``, a pool without a ready engine is skipped:
         the other pool's engine serves the request alone; ``NoHealthyEngine`` only when neither can.
         ``held``: what the shared tier holds of the prompt (``asks_tier``), if known."""
         prefix = (
-            prefix_hashes(body, kind, self.routing.prefix_block_chars, self.routing.prefix_max_blocks)
+            prefix_hashes(body, api, self.routing.prefix_block_chars, self.routing.prefix_max_blocks)
             if self._uses_prefix
             else ()
         )
-        in_tier = held.depth(body, kind, self.routing.prefix_block_chars, len(prefix)) if held and prefix else 0
+        in_tier = held.depth(body, api, self.routing.prefix_block_chars, len(prefix)) if held and prefix else 0
         tiers = self.config.tier_pools
         adapter = body["model"] if self._keeps_adapters and body["model"] in self.config.adapters else None
         engines = self._holding(self.pool.ready("decode"), adapter)
@@ -153,7 +147,7 @@ class Router:
                 cached = sent >= self._cached_fraction * len(prefix) or stored >= self._cached_fraction
                 if self.config.decode_only_if_cached and cached:
                     return Route(None, decode, prefix, CACHED)
-        if self._decode_only_below and estimate_prompt_tokens(body, kind) < self._decode_only_below:
+        if self._decode_only_below and api.estimate_tokens(body) < self._decode_only_below:
             return Route(None, decode, prefix, SHORT_PROMPT)
         engines = self._holding(self.pool.ready("prefill"), adapter)
         if engines:
@@ -176,7 +170,7 @@ class Router:
         return policy.pick(engines, prefix) if engines else None
 
     def any_engine(self) -> EngineState:
-        """A ready engine of either pool, in turn (a request no KV moves for: ``wire.ENGINE_ONLY_PATHS``)."""
+        """A ready engine of either pool, in turn (a request no KV moves for: a relay API, ``proxy.apis.relays``)."""
         engine = self._in_turn(("decode", "prefill"), self._any_turn)
         if engine is None:
             raise no_healthy_engine("prefill or decode")
@@ -214,17 +208,17 @@ def adapter_engines(
 # --- what a prompt is -----------------------------------------------------------------------
 
 
-def prefix_hashes(body: dict[str, Any], kind: str, block_chars: int, max_blocks: int) -> tuple[int, ...]:
+def prefix_hashes(body: dict[str, Any], api: GenerationApi, block_chars: int, max_blocks: int) -> tuple[int, ...]:
     """Chained hashes of the prompt's first full blocks: hash *i* stands for blocks 0..*i*.
 
     Text blocks are ``block_chars`` characters; token-id prompts are cut into blocks
-    of ``block_chars / 4`` tokens. A chat is hashed as its messages' roles and
-    contents in order (no chat template: only equality of prefixes matters). A
-    batch of prompts is routed by its first. A partial last block is left out, as
+    of ``block_chars / 4`` tokens. The prompt is its API's ``prefix_text`` (a
+    chat: its messages' roles and contents in order; a batch of prompts: its
+    first). A partial last block is left out, as
     vLLM caches only full blocks. Python's ``hash`` is salted per process, which is
     fine: the index lives in the process.
     """
-    prompt = _prompt_for_prefix(body, kind, block_chars * max_blocks)
+    prompt = api.prefix_text(body, block_chars * max_blocks)
     size = block_chars if isinstance(prompt, str) else max(1, block_chars // CHARS_PER_TOKEN)
     count = min(len(prompt) // size, max_blocks)
     hashes = []
@@ -234,60 +228,3 @@ def prefix_hashes(body: dict[str, Any], kind: str, block_chars: int, max_blocks:
         chained = hash((chained, block if isinstance(block, str) else tuple(block)))
         hashes.append(chained)
     return tuple(hashes)
-
-
-def _prompt_for_prefix(body: dict[str, Any], kind: str, limit: int) -> str | list[int]:
-    if kind != "completion":
-        parts: list[str] = []
-        length = 0
-        for message in chat_messages(body, kind):
-            part = f"{message.get('role')}\x1f{_content_text(message.get('content'))}\x1e"
-            parts.append(part)
-            length += len(part)
-            if length >= limit:
-                break
-        return "".join(parts)[:limit]
-    prompt = body["prompt"]
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-        prompt = prompt[0]  # a batch: its first prompt
-    if isinstance(prompt, str):
-        return prompt[:limit]
-    return prompt[:limit] if isinstance(prompt, list) else []
-
-
-def _content_text(content: Any) -> str:
-    if isinstance(content, str):
-        return content
-    if content is None:
-        return ""
-    return orjson.dumps(content).decode()  # parts (text, images): their JSON stands for them
-
-
-def estimate_prompt_tokens(body: dict[str, Any], kind: str) -> int:
-    """The prompt's length in tokens, without a tokenizer.
-
-    Token-id prompts: their length. Text: characters / 4 (``CHARS_PER_TOKEN``),
-    rounded up; a chat counts its messages' text contents and not the chat
-    template's few tokens. A batch counts all its prompts. A chat with a part that
-    is not text (an image, audio) counts as long: never decode-only.
-    """
-    if kind != "completion":
-        chars = 0
-        for message in chat_messages(body, kind):
-            content = message.get("content")
-            if isinstance(content, str):
-                chars += len(content)
-            elif isinstance(content, list):
-                for part in content:
-                    if not (isinstance(part, dict) and part.get("type") in TEXT_PARTS):
-                        return sys.maxsize
-                    chars += len(str(part.get("text") or ""))
-        return -(-chars // CHARS_PER_TOKEN)
-    prompt = body["prompt"]
-    if isinstance(prompt, str):
-        return -(-len(prompt) // CHARS_PER_TOKEN)
-    if not prompt or isinstance(prompt[0], int):
-        return len(prompt)
-    if isinstance(prompt[0], str):
-        return sum(-(-len(p) // CHARS_PER_TOKEN) for p in prompt)
-    return sum(len(p) for p in prompt)

@@ -54,9 +54,9 @@ class Upstream:
         self.tier_timeout_s = tier_timeout_s
 
     async def prefill(self, engine: EngineAddress, exchange: Exchange, body: dict) -> dict | None:
-        """Run the prefill phase with ``body`` (``bodies.prefill_body``); return the engine's ``kv_transfer_params``."""
+        """Run the prefill phase with ``body`` (its API's ``prefill_body``); the engine's ``kv_transfer_params``."""
         deadline = time.monotonic() + self.timeout_s
-        url, request_id = engine.url + exchange.route, exchange.request_id
+        url, request_id = engine.url + exchange.api.path, exchange.request_id
         try:
             response = await self.client.post(url, orjson.dumps(body), exchange.engine_headers, self.timeout_s)
             payload = await response.read(max(deadline - time.monotonic(), 0.0))
@@ -77,7 +77,7 @@ class Upstream:
     ) -> EngineResponse:
         """Open the decode call with ``body`` (``bodies.decode_body``) at ``route`` (the exchange's); return the
         response (the caller reads or releases it)."""
-        url, request_id = engine.url + (route or exchange.route), exchange.request_id
+        url, request_id = engine.url + (route or exchange.api.path), exchange.request_id
         try:
             response = await self.client.post(url, orjson.dumps(body), exchange.engine_headers, self.timeout_s)
         except (EngineConnectionError, TimeoutError) as e:
@@ -94,8 +94,8 @@ class Upstream:
 
     async def call(self, engine: EngineAddress, exchange: Exchange, raw: bytes) -> tuple[int, bytes]:
         """One call to ``engine`` at the exchange's route with the client's body as it came: the status and
-        the answer (an engine-only route, ``wire.ENGINE_ONLY_PATHS``)."""
-        url, request_id, phase = engine.url + exchange.route, exchange.request_id, exchange.route.lstrip("/")
+        the answer (a relay API, ``proxy.apis.relays``)."""
+        url, request_id, phase = engine.url + exchange.api.path, exchange.request_id, exchange.api.name
         try:
             response = await self.client.post(url, raw, exchange.engine_headers, self.timeout_s)
             payload = await response.read(self.timeout_s)
@@ -127,7 +127,7 @@ class Upstream:
         """What the shared KV tier holds of the exchange's prompt, as ``engine`` answers (``wire.TIER_HELD_PATH``);
         None without an answer within ``tier_timeout_s``."""
         timeout_s = self.tier_timeout_s
-        url = f"{engine.url}{wire.TIER_HELD_PATH}?kind={exchange.kind}"
+        url = engine.url + wire.TIER_HELD_PATH
         try:
             async with asyncio.timeout(timeout_s):
                 response = await self.client.post(url, orjson.dumps(exchange.body), exchange.engine_headers, timeout_s)

@@ -72,7 +72,7 @@ def main() -> None:
         tokenize, lookup = [], []
         held = {}
         for run in range(args.runs):
-            pair = [(tokenize, engine + "/tokenize"), (lookup, engine + wire.TIER_HELD_PATH + "?kind=chat")]
+            pair = [(tokenize, engine + "/tokenize"), (lookup, engine + wire.TIER_HELD_PATH)]
             for times, url in pair if run % 2 == 0 else pair[::-1]:
                 seconds, answer_body = post(url, body, headers)
                 times.append(seconds)

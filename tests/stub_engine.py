@@ -197,7 +197,7 @@ class StubEngine:
     health_probes: int = field(default=0, init=False)
     """``GET /health`` requests received."""
     tier_lookups: list[dict[str, Any]] = field(default_factory=list, init=False)
-    """The ``kind`` and body of each ``POST /v1/pdserve/tier_held``."""
+    """The body of each ``POST /v1/pdserve/tier_held``."""
     _runner: web.AppRunner | None = field(default=None, init=False, repr=False)
     _released: asyncio.Event | None = field(default=None, init=False, repr=False)
     _ids: itertools.count = field(default_factory=itertools.count, init=False, repr=False)
@@ -318,7 +318,7 @@ class StubEngine:
 
     async def _tier_held(self, request: web.Request) -> web.Response:
         body = orjson.loads(await request.read())
-        self.tier_lookups.append({"kind": request.query.get("kind"), "body": body})
+        self.tier_lookups.append({"body": body})
         await asyncio.sleep(self.tier_delay_s)
         text = body.get("prompt") if "prompt" in body else " ".join(str(m.get("content")) for m in body["messages"])
         tokens = len(str(text).split())

@@ -1,7 +1,8 @@
 """How many of a request's prompt tokens an engine's filesystem KV tiers hold, for the proxy's routing.
 
-``POST /v1/pdserve/tier_held?kind=chat`` (or ``kind=completion``; ``wire.TIER_HELD_PATH``) with the body
-of an OpenAI request answers ``{"prompt_tokens": N, "tiers": {"shared": S, "node": M}}``:
+``POST /v1/pdserve/tier_held`` (``wire.TIER_HELD_PATH``) with the body of a chat request (its
+``messages``) or a completion request (its ``prompt``) answers
+``{"prompt_tokens": N, "tiers": {"shared": S, "node": M}}``:
 
 - ``prompt_tokens``: the prompt as this engine renders and tokenizes it, with vLLM's own chat template
   and tokenizer (its ``/tokenize`` handler);
@@ -139,12 +140,10 @@ def held_tokens(layout: TierLayout, hashes: Sequence[bytes]) -> int:
     return held or 0
 
 
-def _hashable(body: dict[str, Any], kind: str) -> bool:
+def _hashable(body: dict[str, Any]) -> bool:
     """Whether the engine core would hash this prompt from its tokens and ``cache_salt`` alone."""
     if "prompt_embeds" in body:
         return False
-    if kind == "completion":
-        return True
     for message in body.get("messages") or ():
         content = message.get("content") if isinstance(message, dict) else None
         if isinstance(content, list) and any(not (isinstance(p, dict) and p.get("type") == "text") for p in content):
@@ -152,11 +151,12 @@ def _hashable(body: dict[str, Any], kind: str) -> bool:
     return True
 
 
-async def _prompt_tokens(request: Any, body: dict[str, Any], kind: str) -> list[int] | Any:
-    """The prompt's token ids as vLLM renders and tokenizes it, or vLLM's ``ErrorResponse``."""
+async def _prompt_tokens(request: Any, body: dict[str, Any]) -> list[int] | Any:
+    """The prompt's token ids as vLLM renders and tokenizes it, or vLLM's ``ErrorResponse``: a completion's
+    ``prompt``, else a chat's ``messages`` (vLLM's ``/tokenize`` tells its two requests apart the same way)."""
     from vllm.entrypoints.serve.tokenize.protocol import TokenizeChatRequest, TokenizeCompletionRequest
 
-    if kind == "completion":
+    if "prompt" in body:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
             prompt = prompt[0]  # a batch: the proxy routes it by its first prompt
@@ -184,23 +184,20 @@ def add_route(app: Any, layouts_dir: Path | None, hash_algo: str) -> None:
         return JSONResponse(error.model_dump(), status_code=400)
 
     async def tier_held(request: Any) -> JSONResponse:  # a Starlette request: a plain route, no FastAPI parameters
-        kind = request.query_params.get("kind")
-        if kind not in wire.TIER_HELD_KINDS:
-            return bad_request(f"kind must be one of {', '.join(wire.TIER_HELD_KINDS)}, not {kind!r}")
         try:
             body = json.loads(await request.body())
         except ValueError as e:
             return bad_request(f"the body is not JSON: {e}")
-        if not isinstance(body, dict):
-            return bad_request("the body must be a JSON object (an OpenAI request)")
+        if not isinstance(body, dict) or ("prompt" not in body and "messages" not in body):
+            return bad_request("the body must be a JSON object: a chat request (messages) or a completion (prompt)")
         nothing = {wire.PROMPT_TOKENS: None, wire.TIERS: {}}
         models = request.app.state.serving_tokenization.models
-        if not _hashable(body, kind) or ("model" in body and not models.is_base_model(body["model"])):
+        if not _hashable(body) or ("model" in body and not models.is_base_model(body["model"])):
             return JSONResponse(nothing)
         try:
-            tokens = await _prompt_tokens(request, body, kind)
+            tokens = await _prompt_tokens(request, body)
         except (ValidationError, ValueError, TypeError) as e:
-            return bad_request(f"not a {kind} request: {e}")
+            return bad_request(f"not a chat or completion request: {e}")
         if not isinstance(tokens, list):  # vLLM's error
             return JSONResponse(tokens.model_dump(), status_code=tokens.error.code)
         if not layouts and layouts_dir is not None:

@@ -84,7 +84,7 @@ def chat(proxy_url: str, messages: list[dict], salt: str | None = None) -> str:
 def tier_held(engine_url: str, messages: list[dict], headers: dict[str, str], salt: str | None = None) -> dict:
     """What the engine says its tiers hold of this chat's prompt."""
     code, _, answer = http_json(
-        engine_url + wire.TIER_HELD_PATH + "?kind=chat", request(messages, salt), headers=headers
+        engine_url + wire.TIER_HELD_PATH, request(messages, salt), headers=headers
     )
     assert code == 200, answer
     return answer
@@ -168,7 +168,7 @@ def check_tiers(tmp_path: Path, name: str, tier: Path, node: Path) -> None:
         assert held[wire.TIERS][wire.SHARED_TIER] >= 4 * 128 and held[wire.TIERS][wire.SHARED_TIER] % 128 == 0
         assert held[wire.TIERS][wire.SHARED_TIER] < held[wire.PROMPT_TOKENS] and held[wire.TIERS]["node"] >= 4 * 128
         assert tier_held(decode, first, headers, salt="other")[wire.TIERS] == {wire.SHARED_TIER: 0, "node": 0}
-        assert http_json(decode + wire.TIER_HELD_PATH + "?kind=chat", {"messages": first})[0] == 401
+        assert http_json(decode + wire.TIER_HELD_PATH, {"messages": first})[0] == 401
 
         # 2. The next turn of a conversation this proxy never saw, whose history the tier holds: the proxy
         #    asks the tier and serves it on the decode engine alone, which loads the history from the node

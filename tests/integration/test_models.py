@@ -27,7 +27,8 @@ import pytest
 
 from orchestrator.launch import plan_engines
 from orchestrator.spec import ClusterSpec
-from proxy.bodies import decode_body, prefill_body
+from proxy.apis.completions import Completions
+from proxy.bodies import decode_body
 from tests.integration.conftest import (
     engine_headers,
     http_json,
@@ -152,7 +153,7 @@ def test_kv_of_one_model_is_never_loaded_by_the_others_engine(models_cluster: di
     body = completion(DEMO)
     status, _, prefilled = http_json(
         engine_url(models_cluster, f"{DEMO}-prefill-0") + "/v1/completions",
-        prefill_body(body, "tiny-decode-0", "completion"),
+        Completions().prefill_body(body, "tiny-decode-0"),
         headers=headers,
     )
     assert status == 200, prefilled

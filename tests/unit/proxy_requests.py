@@ -12,7 +12,7 @@ import httpx
 import orjson
 import pytest
 
-from proxy.bodies import PREFILL_KV_PARAMS
+from contract import wire
 from tests.unit.conftest import PROXY_MODEL
 
 CHAT_PATH, COMPLETION_PATH = "/v1/chat/completions", "/v1/completions"
@@ -23,7 +23,7 @@ both_routes = pytest.mark.parametrize("path", [CHAT_PATH, COMPLETION_PATH], ids=
 both_roles = pytest.mark.parametrize("role", ["prefill", "decode"])
 
 # What the prefill phase always sends, whatever the client asked for.
-PREFILL_FIELDS = {"max_tokens": 1, "stream": False, "n": 1, "kv_transfer_params": PREFILL_KV_PARAMS}
+PREFILL_FIELDS = {"max_tokens": 1, "stream": False, "n": 1, "kv_transfer_params": wire.PREFILL_REQUEST_PARAMS}
 
 
 def answer_of(path: str, payload: dict[str, Any]) -> str:

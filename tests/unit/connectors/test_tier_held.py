@@ -109,7 +109,7 @@ def test_a_layout_is_written_whole_and_read_back(tmp_path: Path, monkeypatch: py
 def test_only_prompts_the_engine_hashes_from_their_tokens_are_looked_up() -> None:
     text = {"role": "user", "content": [{"type": "text", "text": "hi"}]}
     image = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}
-    assert _hashable({"messages": [text, {"role": "user", "content": "plain"}]}, "chat")
-    assert not _hashable({"messages": [image]}, "chat")
-    assert _hashable({"prompt": "x"}, "completion")
-    assert not _hashable({"prompt": "x", "prompt_embeds": "..."}, "completion")
+    assert _hashable({"messages": [text, {"role": "user", "content": "plain"}]})
+    assert not _hashable({"messages": [image]})
+    assert _hashable({"prompt": "x"})
+    assert not _hashable({"prompt": "x", "prompt_embeds": "..."})

@@ -14,12 +14,13 @@ import pytest
 from contract import wire
 from orchestrator.launch import plan_engines
 from orchestrator.spec import ClusterSpec
-from proxy.bodies import parse_request
 from proxy.errors import ModelNotFound
 from proxy.pool import Endpoint, EnginePool
 from proxy.routing import Router, adapter_engines, prefix_hashes
 from tests.unit.conftest import PROXY_MODEL, spec_dict
-from tests.unit.proxy_factories import proxy_config
+from tests.unit.proxy_factories import APIS, parse_request, proxy_config
+
+COMPLETIONS, CHATS = APIS["completion"], APIS["chat"]
 
 pytestmark = pytest.mark.timeout(15)
 
@@ -54,8 +55,8 @@ def test_a_request_may_name_an_adapter_and_nothing_else():
 
 def test_an_adapters_prefixes_are_not_the_base_models():
     prompt = {"prompt": "x" * 400}
-    base = prefix_hashes({"model": PROXY_MODEL} | prompt, "completion", 64, 4)
-    adapted = prefix_hashes({"model": "pirate"} | prompt, "completion", 64, 4)
+    base = prefix_hashes({"model": PROXY_MODEL} | prompt, COMPLETIONS, 64, 4)
+    adapted = prefix_hashes({"model": "pirate"} | prompt, COMPLETIONS, 64, 4)
     assert len(base) == len(adapted) == 4 and not set(base) & set(adapted)
 
 
@@ -71,12 +72,12 @@ def test_each_adapter_keeps_its_share_of_the_pool_when_engines_hold_fewer_than_a
     router = Router(pool, proxy_config(PROXY_MODEL, adapters=tuple(names), max_loras=2))
     chosen = {}
     for name in names:
-        routes = [router.route({"model": name, "prompt": f"request {n}"}, "completion") for n in range(12)]
+        routes = [router.route({"model": name, "prompt": f"request {n}"}, COMPLETIONS) for n in range(12)]
         chosen[name] = {r.decode.engine_id for r in routes}, {r.prefill.engine_id for r in routes}
     for decode, prefill in chosen.values():  # 4 engines x 2 adapters each / 8 adapters: one engine per adapter
         assert len(decode) == len(prefill) == 1
     assert len({next(iter(d)) for d, _ in chosen.values()}) > 1  # spread over the pool
-    base = {router.route({"model": PROXY_MODEL, "prompt": f"r {n}"}, "completion").decode.engine_id for n in range(8)}
+    base = {router.route({"model": PROXY_MODEL, "prompt": f"r {n}"}, COMPLETIONS).decode.engine_id for n in range(8)}
     assert len(base) == 4  # the base model goes anywhere
 
 

@@ -1,13 +1,16 @@
-"""``proxy.bodies``: the prefill and decode request bodies, and request validation."""
+"""The request bodies (``proxy.bodies``, ``proxy.apis``): the legs' bodies, and request validation."""
 
 from __future__ import annotations
 
 import orjson
 import pytest
 
-from proxy.bodies import PREFILL_KV_PARAMS, decode_body, parse_request, prefill_body
+from contract import wire
+from proxy.apis.chat import Chat
+from proxy.bodies import decode_body
 from proxy.errors import InvalidRequest, ModelNotFound
 from tests.unit.conftest import PROXY_MODEL
+from tests.unit.proxy_factories import APIS, parse_request
 from tests.unit.proxy_requests import CHAT, CHAT_PATH, COMPLETION, INVALID_REQUESTS, PREFILL_FIELDS
 
 # --- proxy.bodies: the request bodies -----------------------------------------------------
@@ -24,29 +27,30 @@ def test_prefill_body_forces_one_token_no_stream_and_remote_decode():
     }
     original = orjson.loads(orjson.dumps(body))
 
-    request = prefill_body(body)
+    request = Chat().prefill_body(body)
 
     assert request == CHAT | {"temperature": 0.5} | PREFILL_FIELDS
     assert body == original  # the client's body is not touched
-    assert PREFILL_KV_PARAMS["do_remote_decode"] is True and PREFILL_KV_PARAMS["do_remote_prefill"] is False
+    params = wire.PREFILL_REQUEST_PARAMS
+    assert params["do_remote_decode"] is True and params["do_remote_prefill"] is False
 
 
 def test_prefill_body_gives_each_request_its_own_kv_transfer_params():
-    first, second = prefill_body(dict(CHAT)), prefill_body(dict(CHAT))
+    first, second = Chat().prefill_body(dict(CHAT)), Chat().prefill_body(dict(CHAT))
     first["kv_transfer_params"]["remote_engine_id"] = "mutated"
 
     assert second["kv_transfer_params"]["remote_engine_id"] is None
-    assert PREFILL_KV_PARAMS["remote_engine_id"] is None
+    assert wire.PREFILL_REQUEST_PARAMS["remote_engine_id"] is None
 
 
 @pytest.mark.parametrize(("sent", "expected"), [(50, 1), (None, 1)])
 def test_prefill_body_caps_max_completion_tokens_when_present(sent, expected):
-    assert prefill_body(CHAT | {"max_completion_tokens": sent})["max_completion_tokens"] == expected
-    assert "max_completion_tokens" not in prefill_body(dict(CHAT))
+    assert Chat().prefill_body(CHAT | {"max_completion_tokens": sent})["max_completion_tokens"] == expected
+    assert "max_completion_tokens" not in Chat().prefill_body(dict(CHAT))
 
 
 def test_prefill_body_drops_min_tokens():
-    assert prefill_body(CHAT | {"min_tokens": 5, "max_tokens": 10}).get("min_tokens", 0) <= 1
+    assert Chat().prefill_body(CHAT | {"min_tokens": 5, "max_tokens": 10}).get("min_tokens", 0) <= 1
 
 
 def test_decode_body_is_the_clients_request_with_the_kv_transfer_params():
@@ -154,14 +158,12 @@ PLAIN_CHECK_BODIES = [
 def test_the_quick_check_accepts_only_what_the_request_models_accept(kind, body):
     from pydantic import ValidationError
 
-    from proxy.bodies import REQUEST_MODELS, _plainly_valid
-
     try:
-        REQUEST_MODELS[kind].model_validate(body)
+        APIS[kind].request_model.model_validate(body)
         valid = True
     except ValidationError:
         valid = False
-    assert not _plainly_valid(body, kind) or valid
+    assert not APIS[kind].plainly_valid(body) or valid
     # and the result of parse_request never depends on which of the two decided
     try:
         parsed = parse_request(orjson.dumps(body), kind, body.get("model") or "x")
@@ -173,10 +175,8 @@ def test_the_quick_check_accepts_only_what_the_request_models_accept(kind, body)
 
 
 def test_the_quick_check_takes_the_usual_bodies():
-    from proxy.bodies import _plainly_valid
-
-    assert _plainly_valid(CHAT | {"stream": True, "max_tokens": 9, "temperature": 0.1}, "chat")
-    assert _plainly_valid(COMPLETION | {"prompt": [[1, 2], [3]]}, "completion")
+    assert APIS["chat"].plainly_valid(CHAT | {"stream": True, "max_tokens": 9, "temperature": 0.1})
+    assert APIS["completion"].plainly_valid(COMPLETION | {"prompt": [[1, 2], [3]]})
 
 
 @pytest.mark.parametrize("stream", [True, False, None])

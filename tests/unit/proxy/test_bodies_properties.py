@@ -1,4 +1,4 @@
-"""Property-based tests of the proxy's request validation (``proxy.bodies.parse_request``).
+"""Property-based tests of the proxy's request validation (``GenerationApi.check``, ``proxy.apis``).
 
 Hypothesis builds JSON objects around the fields the proxy relies on (every
 JSON value for each, often the right type, sometimes absent) and checks:
@@ -6,7 +6,7 @@ JSON value for each, often the right type, sometimes absent) and checks:
 - ``parse_request`` either accepts a body, and then the fields the proxy uses
   have the types it assumes, or raises ``InvalidRequest`` / ``ModelNotFound``
   with an OpenAI error body: never another exception;
-- ``_plainly_valid`` (the fast path) never accepts what the pydantic request
+- ``plainly_valid`` (the fast path) never accepts what the pydantic request
   models reject, and so the proxy accepts exactly what the models accept.
 """
 
@@ -21,8 +21,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from proxy.bodies import REQUEST_MODELS, _plainly_valid, parse_request
 from proxy.errors import InvalidRequest, ModelNotFound
+from tests.unit.proxy_factories import APIS, parse_request
 
 MODEL = "m"
 KINDS = ("chat", "completion")
@@ -64,7 +64,7 @@ def assert_openai_error_body(error: InvalidRequest | ModelNotFound) -> None:
 
 def models_accept(body: dict[str, Any], kind: str) -> bool:
     try:
-        REQUEST_MODELS[kind].model_validate(body)
+        APIS[kind].request_model.model_validate(body)
     except ValidationError:
         return False
     return True
@@ -95,7 +95,7 @@ def test_parse_request_accepts_well_typed_bodies_or_raises_an_openai_error(kind,
 @PROPERTY_SETTINGS
 @given(body=bodies())
 def test_the_fast_path_never_accepts_what_the_models_reject(kind, body):
-    if _plainly_valid(body, kind):
+    if APIS[kind].plainly_valid(body):
         assert models_accept(body, kind)
 
 

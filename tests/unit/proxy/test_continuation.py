@@ -1,4 +1,4 @@
-"""A stream whose decode engine dies goes on on another engine (``proxy.continuation``, ``TwoPhaseFlow``'s
+"""A stream whose decode engine dies goes on on another engine (``proxy.continuation``, ``ModelFlow``'s
 stream mover): the client's stream is unbroken, no token twice or missing, its usage the whole request's; a stream
 that cannot be continued faithfully ends with an error event that says why.
 
@@ -10,10 +10,11 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from proxy.continuation import StreamLedger, refusal
+from proxy.continuation import StreamLedger
 from tests.stub_engine import FIRST_ID, PROMPT_IDS, Behaviour
 from tests.unit.conftest import PROXY_MODEL, ProxyServer, endpoint
 from tests.unit.proxy.test_metrics import scrape
+from tests.unit.proxy_factories import APIS
 from tests.unit.proxy_requests import CHAT_PATH, COMPLETION_PATH, sse_events, streamed_text
 
 pytestmark = pytest.mark.timeout(20)
@@ -172,7 +173,7 @@ def events(*chunks: bytes) -> bytes:
 
 
 def test_the_ledger_reads_events_split_anywhere_and_sends_only_whole_ones():
-    ledger = StreamLedger(COMPLETION, "completion")
+    ledger = StreamLedger(COMPLETION, APIS["completion"])
     raw = events(
         b'{"id":"c","object":"text_completion","created":1,"model":"m","choices":[{"index":0,"text":"a",'
         b'"logprobs":null,"finish_reason":null,"stop_reason":null,"prompt_token_ids":[5,6],"token_ids":[7]}]}',
@@ -189,7 +190,7 @@ def test_the_ledger_reads_events_split_anywhere_and_sends_only_whole_ones():
 
 
 def test_a_chat_event_that_shows_nothing_is_dropped_and_a_parsed_delta_refuses():
-    ledger = StreamLedger(CHAT, "chat")
+    ledger = StreamLedger(CHAT, APIS["chat"])
     out = ledger.relay(
         events(
             b'{"id":"x","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,'
@@ -210,7 +211,7 @@ def test_a_chat_event_that_shows_nothing_is_dropped_and_a_parsed_delta_refuses()
 
 
 def test_refusal_passes_greedy_requests_of_the_known_fields():
-    assert refusal(CHAT | {"max_completion_tokens": 9, "seed": 1, "top_k": 1}, "chat") is None
-    assert refusal(COMPLETION | {"prompt": [1, 2, 3], "echo": True}, "completion") is None
-    assert refusal(COMPLETION | {"prompt": ["a", "b"]}, "completion") == "it has several prompts"
-    assert refusal({"model": PROXY_MODEL, "input": "hi", "temperature": 0}, "responses") is not None
+    assert APIS["chat"].continuation_refusal(CHAT | {"max_completion_tokens": 9, "seed": 1, "top_k": 1}) is None
+    assert APIS["completion"].continuation_refusal(COMPLETION | {"prompt": [1, 2, 3], "echo": True}) is None
+    assert APIS["completion"].continuation_refusal(COMPLETION | {"prompt": ["a", "b"]}) == "it has several prompts"
+    assert APIS["responses"].continuation_refusal({"model": PROXY_MODEL, "input": "hi", "temperature": 0}) is not None

@@ -1,4 +1,4 @@
-"""The proxy's limits as a client meets them (``proxy.limits``, ``proxy.bodies.check_context_length``).
+"""The proxy's limits as a client meets them (``proxy.limits``, ``GenerationApi.check_length``).
 
 Bodies over ``max_body_bytes`` are 413, whether announced by Content-Length
 or sent chunked; bodies that do not all come within ``body_timeout_s`` (or

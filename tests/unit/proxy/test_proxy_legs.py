@@ -279,7 +279,7 @@ async def test_a_drain_through_the_admin_api_waits_for_a_routed_decode_leg(
 ENGINE_ONLY = {wire.TOKENIZE_PATH: {"model": PROXY_MODEL, "prompt": "one two"}, wire.DETOKENIZE_PATH: {"tokens": [1]}}
 
 
-@pytest.mark.parametrize("path", wire.ENGINE_ONLY_PATHS)
+@pytest.mark.parametrize("path", [wire.TOKENIZE_PATH, wire.DETOKENIZE_PATH])
 async def test_a_drain_waits_for_a_tokenize_under_way(make_proxy, pool, prefill_engine, decode_engine, path):
     proxy = await make_proxy(request_timeout_s=30, health_interval_s=0)
     prefill_engine.behaviour = decode_engine.behaviour = Behaviour.HANG
@@ -301,7 +301,7 @@ async def test_a_drain_waits_for_a_tokenize_under_way(make_proxy, pool, prefill_
     assert in_flight(pool) == {"prefill-0": 0, "decode-0": 0}
 
 
-@pytest.mark.parametrize("path", wire.ENGINE_ONLY_PATHS)
+@pytest.mark.parametrize("path", [wire.TOKENIZE_PATH, wire.DETOKENIZE_PATH])
 async def test_a_tokenize_takes_an_admission_slot(make_proxy, prefill_engine, decode_engine, path):
     proxy = await make_proxy(request_timeout_s=30, max_concurrent_requests=1, max_queued_requests=0)
     prefill_engine.behaviour = decode_engine.behaviour = Behaviour.HANG

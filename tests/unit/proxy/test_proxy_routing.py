@@ -188,7 +188,7 @@ async def test_a_prompt_the_shared_tier_holds_goes_decode_only_though_this_proxy
     assert response.headers["x-pdserve-path"] == "decode-only; reason=cached"
     assert not prefill_engine.requests and len(decode_engine.requests) == 1
     lookups = prefill_engine.tier_lookups + decode_engine.tier_lookups
-    assert lookups == [{"kind": "completion", "body": LONG}]
+    assert lookups == [{"body": LONG}]
     assert await tier_lookups(proxy, "ok") == 1
 
 

@@ -11,12 +11,12 @@ import orjson
 import pytest
 
 from contract import headers, wire
-from proxy.bodies import chat_messages, check_context_length, parse_request, prefill_body
+from proxy.apis.responses import Responses, conversation
 from proxy.errors import ContextLengthExceeded, InvalidRequest
-from proxy.relay import responses_generated
-from proxy.routing import estimate_prompt_tokens, prefix_hashes
+from proxy.routing import prefix_hashes
 from tests.stub_engine import answer_text
 from tests.unit.conftest import PROXY_MODEL
+from tests.unit.proxy_factories import APIS, parse_request
 from tests.unit.proxy_requests import assert_openai_error
 
 pytestmark = pytest.mark.timeout(15)
@@ -73,11 +73,11 @@ async def test_a_streamed_response_relays_the_event_stream_and_reads_the_kv_past
 
 
 def test_the_preamble_of_a_responses_stream_is_not_generation():
-    assert not responses_generated(b'event: response.created\ndata: {"type":"response.created"}\n\n')
+    assert not Responses().generated(b'event: response.created\ndata: {"type":"response.created"}\n\n')
     both = b"event: response.created\ndata: {}\n\nevent: response.in_progress\ndata: {}\n\n"
-    assert not responses_generated(both)
-    assert responses_generated(both + b'event: response.output_item.added\ndata: {"type":"x"}\n\n')
-    assert not responses_generated(b'data: {"error": {}}\n\n')  # no event line: not the engine generating
+    assert not Responses().generated(both)
+    assert Responses().generated(both + b'event: response.output_item.added\ndata: {"type":"x"}\n\n')
+    assert not Responses().generated(b'data: {"error": {}}\n\n')  # no event line: not the engine generating
 
 
 @pytest.mark.parametrize(
@@ -110,7 +110,7 @@ def test_a_bad_responses_body_is_refused_with_the_field(body, param):
 
 def test_a_responses_prefill_keeps_its_own_fields_and_drops_the_stream():
     body = RESPONSE | {"stream": True, "stream_options": {"include_obfuscation": False}, "max_output_tokens": 9}
-    prefill = prefill_body(body, "decode-0", "responses")
+    prefill = Responses().prefill_body(body, "decode-0")
     assert (prefill["max_output_tokens"], prefill["stream"], prefill["store"]) == (1, False, False)
     assert "stream_options" not in prefill and prefill["kv_transfer_params"][wire.PDSERVE_READER] == "decode-0"
     assert body["max_output_tokens"] == 9  # the client's body is left as it came
@@ -126,26 +126,26 @@ def test_a_responses_conversation_is_routed_as_the_chat_it_is():
             {"role": "user", "content": "And of Italy?"},
         ],
     }
-    messages = chat_messages(body, "responses")
+    messages = conversation(body)
     assert [m["role"] for m in messages] == ["system", "user", "assistant", "user"]
     chat = {"model": PROXY_MODEL, "messages": messages}
-    assert estimate_prompt_tokens(body, "responses") == estimate_prompt_tokens(chat, "chat") > 0
-    assert prefix_hashes(body, "responses", 8, 4) == prefix_hashes(chat, "chat", 8, 4) != ()
+    assert APIS["responses"].estimate_tokens(body) == APIS["chat"].estimate_tokens(chat) > 0
+    assert prefix_hashes(body, APIS["responses"], 8, 4) == prefix_hashes(chat, APIS["chat"], 8, 4) != ()
     image = {"model": PROXY_MODEL, "input": [{"role": "user", "content": [{"type": "input_image", "url": "x"}]}]}
-    assert estimate_prompt_tokens(image, "responses") > 10**9  # not text: never decode-only
-    assert chat_messages(RESPONSE, "responses") == [{"role": "user", "content": "Say hello."}]
+    assert APIS["responses"].estimate_tokens(image) > 10**9  # not text: never decode-only
+    assert conversation(RESPONSE) == [{"role": "user", "content": "Say hello."}]
 
 
 def test_a_responses_request_that_cannot_fit_names_max_output_tokens():
     with pytest.raises(ContextLengthExceeded) as refused:
-        check_context_length(RESPONSE | {"max_output_tokens": 5000}, 4096)
+        Responses().check_length(RESPONSE | {"max_output_tokens": 5000}, 4096)
     assert refused.value.param == "max_output_tokens" and "in the input" in refused.value.message
 
 
 # --- /tokenize and /detokenize: one engine, no KV -----------------------------------------
 
 
-@pytest.mark.parametrize("path", wire.ENGINE_ONLY_PATHS)
+@pytest.mark.parametrize("path", [wire.TOKENIZE_PATH, wire.DETOKENIZE_PATH])
 async def test_tokenize_and_detokenize_are_answered_by_one_ready_engine_in_turn(
     client, prefill_engine, decode_engine, path
 ):
@@ -202,7 +202,10 @@ async def test_a_responses_kv_counts_as_read_only_past_the_preamble():
 
     reads: list[str] = []
     exchange = SimpleNamespace(
-        kv=SimpleNamespace(read=lambda: reads.append("read")), chunk_relayed=lambda: None, request_id="r-1"
+        kv=SimpleNamespace(read=lambda: reads.append("read")),
+        chunk_relayed=lambda: None,
+        request_id="r-1",
+        api=Responses(),
     )
     exchange.close = lambda status: None
     engine = SimpleNamespace(end_leg=lambda: None, engine_id="decode-0")
@@ -213,11 +216,11 @@ async def test_a_responses_kv_counts_as_read_only_past_the_preamble():
             yield item
 
     response = SimpleNamespace(release=lambda: None)
-    cut = DecodeStream(chunks(preamble), response, engine, exchange, responses_generated)
+    cut = DecodeStream(chunks(preamble), response, engine, exchange)
     assert await cut.first() is None and reads == []  # ended in its preamble: nothing read
     assert [chunk async for chunk in cut] == preamble  # what came is still relayed
 
     delta = b'event: response.output_text.delta\ndata: {"delta": "Hi"}\n\n'
-    whole = DecodeStream(chunks([*preamble, delta]), response, engine, exchange, responses_generated)
+    whole = DecodeStream(chunks([*preamble, delta]), response, engine, exchange)
     assert await whole.first() == delta and reads == ["read"]
     assert [chunk async for chunk in whole] == [*preamble, delta]

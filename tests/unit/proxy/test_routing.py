@@ -10,10 +10,11 @@ from proxy.pool import Endpoint, EnginePool, EngineState
 from proxy.routing import (
     Router,
     TierHeld,
-    estimate_prompt_tokens,
     prefix_hashes,
 )
-from tests.unit.proxy_factories import ROUTING_KEYS, proxy_config
+from tests.unit.proxy_factories import APIS, ROUTING_KEYS, proxy_config
+
+COMPLETIONS, CHATS = APIS["completion"], APIS["chat"]
 
 BLOCK = 8  # characters per prefix block in these tests
 
@@ -31,7 +32,7 @@ def chat(*contents: str) -> dict:
 
 
 def hashes(prompt: str | list, max_blocks: int = 16) -> tuple[int, ...]:
-    return prefix_hashes(completion(prompt), "completion", BLOCK, max_blocks)
+    return prefix_hashes(completion(prompt), COMPLETIONS, BLOCK, max_blocks)
 
 
 def make_router(prefill: int = 2, decode: int = 2, **settings) -> Router:
@@ -122,8 +123,8 @@ def test_a_batch_is_routed_by_its_first_prompt():
 
 def test_chats_sharing_a_system_prompt_share_a_prefix():
     system = "You are a helpful assistant. " * 4
-    first = prefix_hashes(chat(system, "What is 2+2?"), "chat", BLOCK, 64)
-    second = prefix_hashes(chat(system, "Name a colour."), "chat", BLOCK, 64)
+    first = prefix_hashes(chat(system, "What is 2+2?"), CHATS, BLOCK, 64)
+    second = prefix_hashes(chat(system, "Name a colour."), CHATS, BLOCK, 64)
 
     common = next(i for i, (a, b) in enumerate(zip(first, second, strict=False)) if a != b)
     assert common >= len(system) // BLOCK
@@ -146,14 +147,14 @@ def test_chats_sharing_a_system_prompt_share_a_prefix():
     ids=["text", "text-rounded-up", "token-ids", "token-batch", "text-batch", "chat", "chat-parts"],
 )
 def test_estimate_prompt_tokens(body, kind, tokens):
-    assert estimate_prompt_tokens(body, kind) == tokens
+    assert APIS[kind].estimate_tokens(body) == tokens
 
 
 def test_a_chat_with_an_image_counts_as_long():
     image = {"type": "image_url", "image_url": {"url": "data:..."}}
     body = {"model": "m", "messages": [{"role": "user", "content": [image]}]}
 
-    assert estimate_prompt_tokens(body, "chat") > 10**9
+    assert CHATS.estimate_tokens(body) > 10**9
 
 
 # --- prefix aware -----------------------------------------------------------------------
@@ -237,7 +238,7 @@ def test_prefix_index_forgets_the_least_recently_used_hashes():
 
 
 def test_router_disaggregates_by_default():
-    prefill, decode, _, _ = make_router().route(completion("hi"), "completion")
+    prefill, decode, _, _ = make_router().route(completion("hi"), COMPLETIONS)
 
     assert prefill is not None and prefill.role == "prefill"
     assert decode.role == "decode"
@@ -246,8 +247,8 @@ def test_router_disaggregates_by_default():
 def test_router_serves_short_prompts_decode_only():
     router = make_router(decode_only_below_tokens=10)
 
-    short = router.route(completion("x" * 36), "completion")  # 9 tokens
-    long = router.route(completion("x" * 40), "completion")  # 10 tokens
+    short = router.route(completion("x" * 36), COMPLETIONS)  # 9 tokens
+    long = router.route(completion("x" * 40), COMPLETIONS)  # 10 tokens
 
     assert short[0] is None and short[1].role == "decode"
     assert long[0] is not None
@@ -256,33 +257,33 @@ def test_router_serves_short_prompts_decode_only():
 def test_router_decode_only_needs_no_prefill_engine():
     router = make_router(prefill=0, decode_only_below_tokens=100, degrade=False)
 
-    assert router.route(completion("hi"), "completion")[0] is None
+    assert router.route(completion("hi"), COMPLETIONS)[0] is None
     with pytest.raises(NoHealthyEngine, match="prefill"):
-        router.route(completion("x" * 400), "completion")
+        router.route(completion("x" * 400), COMPLETIONS)
 
 
 def test_without_prefill_engines_the_router_degrades_to_decode_only():
-    route = make_router(prefill=0).route(completion("x" * 400), "completion")
+    route = make_router(prefill=0).route(completion("x" * 400), COMPLETIONS)
     assert route.prefill is None and route.decode.engine_id == "decode-0" and route.reason == "no-prefill-engine"
 
 
 def test_without_decode_engines_a_prefill_engine_serves_the_request_whole():
-    route = make_router(decode=0).route(completion("x" * 400), "completion")
+    route = make_router(decode=0).route(completion("x" * 400), COMPLETIONS)
     assert route.prefill is None and route.decode.engine_id == "prefill-0" and route.reason == "no-decode-engine"
 
 
 def test_with_no_engine_at_all_the_router_still_says_retry_later():
     with pytest.raises(NoHealthyEngine, match="prefill"):
-        make_router(prefill=0, decode=0).route(completion("hi"), "completion")
+        make_router(prefill=0, decode=0).route(completion("hi"), COMPLETIONS)
 
 
 def test_router_decode_only_if_the_decode_engine_was_sent_the_prefix():
     router = make_router(decode=1, decode_only_if_cached=True)
     prompt = completion("r" * (5 * BLOCK))
 
-    first = router.route(prompt, "completion")
-    second = router.route(prompt, "completion")
-    other = router.route(completion("o" * (5 * BLOCK)), "completion")
+    first = router.route(prompt, COMPLETIONS)
+    second = router.route(prompt, COMPLETIONS)
+    other = router.route(completion("o" * (5 * BLOCK)), COMPLETIONS)
 
     assert first[0] is not None  # nothing cached yet
     assert second[0] is None and second[1] is first[1]
@@ -293,8 +294,8 @@ def test_router_decode_only_if_cached_with_a_prefix_aware_decode_pool():
     router = make_router(decode=3, decode_policy="prefix_aware", decode_only_if_cached=True)
     prompt = completion("r" * (5 * BLOCK))
 
-    first = router.route(prompt, "completion")
-    second = router.route(prompt, "completion")
+    first = router.route(prompt, COMPLETIONS)
+    second = router.route(prompt, COMPLETIONS)
 
     assert first[0] is not None
     assert second[0] is None and second[1] is first[1]
@@ -303,7 +304,7 @@ def test_router_decode_only_if_cached_with_a_prefix_aware_decode_pool():
 @pytest.mark.parametrize("role", ["prefill", "decode"])
 def test_router_retries_on_an_engine_not_tried(role):
     router = make_router(**{role: 3})
-    prefill, decode, prefix, _ = router.route(completion("hi"), "completion")
+    prefill, decode, prefix, _ = router.route(completion("hi"), COMPLETIONS)
     first = prefill if role == "prefill" else decode
     tried = [first]
 
@@ -321,7 +322,7 @@ def test_router_with_an_empty_pool_says_retry_later(role):
     router = make_router(**{role: 0}, degrade=False)
 
     with pytest.raises(NoHealthyEngine) as caught:
-        router.route(completion("hi"), "completion")
+        router.route(completion("hi"), COMPLETIONS)
     assert role in caught.value.message and caught.value.headers == {"Retry-After": "5"}
 
 
@@ -330,7 +331,7 @@ def test_router_skips_draining_and_ejected_engines():
     router.pool.drain("prefill-0")
     router.pool.set_healthy(router.pool.engine("prefill-1"), False)
 
-    assert {router.route(completion("hi"), "completion")[0].engine_id for _ in range(4)} == {"prefill-2"}
+    assert {router.route(completion("hi"), COMPLETIONS)[0].engine_id for _ in range(4)} == {"prefill-2"}
 
 
 @pytest.mark.parametrize(
@@ -364,7 +365,7 @@ def test_router_accepts_plain_endpoints_in_its_pool():
     pool.set_endpoints("prefill", [Endpoint("p", "http://p")])
     pool.set_endpoints("decode", [Endpoint("d", "http://d")])
 
-    prefill, decode, _, _ = Router(pool, proxy_config()).route(chat("hi"), "chat")
+    prefill, decode, _, _ = Router(pool, proxy_config()).route(chat("hi"), CHATS)
     assert (prefill.url, decode.url) == ("http://p", "http://d")
 
 
@@ -375,9 +376,9 @@ def test_with_a_shared_tier_any_decode_engine_serves_a_prompt_the_tier_holds_dec
     router = make_router(decode=3, decode_policy="least_loaded", decode_only_if_cached=True, tier_pools=("decode",))
     prompt = completion("t" * (5 * BLOCK))  # never routed by this proxy
 
-    stored = router.route(prompt, "completion", TierHeld(320, 300))
-    partly = router.route(completion("v" * (5 * BLOCK)), "completion", TierHeld(320, 128))
-    unknown = router.route(completion("w" * (5 * BLOCK)), "completion", None)  # the tier engine did not answer
+    stored = router.route(prompt, COMPLETIONS, TierHeld(320, 300))
+    partly = router.route(completion("v" * (5 * BLOCK)), COMPLETIONS, TierHeld(320, 128))
+    unknown = router.route(completion("w" * (5 * BLOCK)), COMPLETIONS, None)  # the tier engine did not answer
 
     assert stored.prefill is None and stored.reason == "cached"
     assert partly.prefill is not None and unknown.prefill is not None  # below decode_only_cached_fraction
@@ -389,16 +390,16 @@ def test_what_the_tier_holds_counts_only_for_the_tier_pools():
     prompt = completion("t" * (5 * BLOCK))
 
     for router in (decode_not_in_tier, no_tier):
-        assert router.route(prompt, "completion", TierHeld(320, 320)).prefill is not None
+        assert router.route(prompt, COMPLETIONS, TierHeld(320, 320)).prefill is not None
 
 
 def test_without_a_tier_only_the_engine_sent_the_prefix_counts_it_cached():
     router = make_router(decode=3, decode_policy="least_loaded", decode_only_if_cached=True)
     prompt = completion("t" * (5 * BLOCK))
 
-    first = router.route(prompt, "completion")
+    first = router.route(prompt, COMPLETIONS)
     first.decode.in_flight += 5
-    second = router.route(prompt, "completion")
+    second = router.route(prompt, COMPLETIONS)
 
     assert second.prefill is not None and second.decode is not first.decode
 
@@ -406,27 +407,27 @@ def test_without_a_tier_only_the_engine_sent_the_prefix_counts_it_cached():
 def test_prefix_aware_leaves_a_holder_whose_prefix_the_tier_holds_for_the_least_loaded():
     prompt = completion("s" * (6 * BLOCK))
     router = make_router(prefill=3, prefill_policy="prefix_aware", tier_pools=("prefill", "decode"))
-    holder = router.route(prompt, "completion").prefill
+    holder = router.route(prompt, COMPLETIONS).prefill
     holder.in_flight += 1  # a little busier than the others: not overloaded
 
-    assert router.route(prompt, "completion").prefill is holder  # the tier holds none of it: its cache is the copy
-    assert router.route(prompt, "completion", TierHeld(384, 384)).prefill is not holder  # all load it from the tier
+    assert router.route(prompt, COMPLETIONS).prefill is holder  # the tier holds none of it: its cache is the copy
+    assert router.route(prompt, COMPLETIONS, TierHeld(384, 384)).prefill is not holder  # all load it from the tier
 
 
 def test_a_longer_prefix_on_one_engine_still_wins_over_the_tier():
     router = make_router(prefill=3, prefill_policy="prefix_aware", tier_pools=("prefill",))
     longer = completion("u" * (8 * BLOCK))
-    holder = router.route(longer, "completion").prefill  # one engine was sent 8 blocks
+    holder = router.route(longer, COMPLETIONS).prefill  # one engine was sent 8 blocks
     holder.in_flight += 1
 
-    assert router.route(longer, "completion", TierHeld(512, 192)).prefill is holder  # the tier holds 3 of them
+    assert router.route(longer, COMPLETIONS, TierHeld(512, 192)).prefill is holder  # the tier holds 3 of them
 
 
 def test_tier_held_depth_is_its_share_of_the_prompt_in_the_proxys_blocks():
     body = completion("x" * (10 * BLOCK))  # 10 blocks; the engine counts the same prompt in its own tokens
-    assert TierHeld(640, 320).depth(body, "completion", BLOCK, 8) == 5
-    assert TierHeld(640, 640).depth(body, "completion", BLOCK, 8) == 8  # no deeper than the proxy hashed
-    assert TierHeld(640, 0).depth(body, "completion", BLOCK, 8) == 0
+    assert TierHeld(640, 320).depth(body, COMPLETIONS, BLOCK, 8) == 5
+    assert TierHeld(640, 640).depth(body, COMPLETIONS, BLOCK, 8) == 8  # no deeper than the proxy hashed
+    assert TierHeld(640, 0).depth(body, COMPLETIONS, BLOCK, 8) == 0
     assert TierHeld(0, 0).fraction == 0.0 and TierHeld(10, 20).fraction == 1.0
 
 
@@ -434,12 +435,12 @@ def test_routing_asks_the_tier_only_where_its_answer_changes_a_choice():
     long, short = completion("y" * (3 * BLOCK)), completion("hi")
     asks = make_router(decode_only_if_cached=True, tier_pools=("prefill", "decode"))
 
-    assert asks.asks_tier(long, "completion") and not asks.asks_tier(short, "completion")
-    assert not make_router(tier_pools=("prefill", "decode")).asks_tier(long, "completion")  # round robin: no choice
-    assert not make_router(decode_only_if_cached=True).asks_tier(long, "completion")  # no tier
-    assert make_router(prefill_policy="prefix_aware", tier_pools=("prefill",)).asks_tier(long, "completion")
+    assert asks.asks_tier(long, COMPLETIONS) and not asks.asks_tier(short, COMPLETIONS)
+    assert not make_router(tier_pools=("prefill", "decode")).asks_tier(long, COMPLETIONS)  # round robin: no choice
+    assert not make_router(decode_only_if_cached=True).asks_tier(long, COMPLETIONS)  # no tier
+    assert make_router(prefill_policy="prefix_aware", tier_pools=("prefill",)).asks_tier(long, COMPLETIONS)
     below = make_router(decode_only_if_cached=True, tier_pools=("decode",), decode_only_below_tokens=10_000)
-    assert not below.asks_tier(long, "completion")  # decode-only anyway
+    assert not below.asks_tier(long, COMPLETIONS)  # decode-only anyway
 
 
 def test_the_tier_is_asked_of_its_pools_ready_engines_in_turn():

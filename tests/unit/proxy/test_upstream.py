@@ -64,7 +64,7 @@ async def test_the_tier_lookup_goes_through_the_upstream_client():
     assert held == TierHeld(320, 128)
     assert client.posts == [
         {
-            "url": f"{ENGINE.url}{wire.TIER_HELD_PATH}?kind=completion",
+            "url": f"{ENGINE.url}{wire.TIER_HELD_PATH}",
             "body": LONG,
             "headers": exchange.engine_headers,
             "timeout_s": 0.2,

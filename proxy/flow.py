@@ -1,93 +1,65 @@
-"""The two-phase flow of one completion request: admission, routing, the prefill leg (tried again on
-another engine if it fails), the decode leg, and the answer or the relayed stream.
+"""One model's flow: admission, routing, the prefill leg (tried again on another engine if it fails), the
+decode leg, and the answer or the relayed stream; and the relays one engine answers (``/tokenize``).
 
-``TwoPhaseFlow`` is the app's one instance (``proxy.app.create_app`` builds it
-and its routes call ``serve``); it owns the engine calls' ``Upstream``, the
-``KVReleaser`` and the ``KVReports`` between its ``open`` and ``close`` (the
-app's lifespan). Each request is one ``Exchange`` (``proxy.exchange``), made
-on arrival and passed whole to each step; it carries what both legs need, the
-prefill's KV (``KVHandle``) and, at its ``close``, the request's end: the KV
-nobody read released, the admission slot given back, the request counted.
-``serve`` closes it, or the ``RelayResponse`` of a stream when the stream ends
-(``proxy.relay``). Every leg counts in its engine's ``in_flight`` from the
-moment the router chose the engine (so a drain waits for a decode leg whose
-prefill still runs) until the leg ends, whatever ends it; a retry's engine
-counts from the retry on.
+``proxy.front.Front`` reads each request and hands it, as an ``Exchange`` (``proxy.exchange``) whose body its
+API (``proxy.apis``) has checked, to the ``ModelFlow`` of the model it names; ``proxy.app.create_app`` builds one
+flow per model, open: with the engine calls' ``Upstream``, the ``KVReleaser`` and the ``KVReports``, until its
+``close`` (the app's lifespan). The exchange carries what both legs need, the prefill's KV (``KVHandle``) and, at
+its ``close``, the request's end: the KV nobody read released, the admission slot given back, the request
+counted. The front closes it, or the ``RelayResponse`` of a stream when the stream ends (``proxy.relay``). Every
+leg counts in its engine's ``in_flight`` from the moment the router chose the engine (so a drain waits for a
+decode leg whose prefill still runs) until the leg ends, whatever ends it; a retry's engine counts from the
+retry on.
 
-Every request waits for a slot of the ``AdmissionGate`` (``proxy.limits``):
-``max_concurrent_requests`` when set, else one that follows the pools'
-ready engines (``pool_limit``; the flow watches the pool between ``open`` and
-``close``).
+Every request waits for a slot of its model's ``AdmissionGate`` (``proxy.limits``):
+``max_concurrent_requests`` when set, else one that follows the pools' ready engines (``pool_limit``; the flow
+watches the pool until ``close``).
 
-Engines are called with the cluster's engine key (``config.engine_auth``;
-``contract.auth``), or with the client's own ``Authorization`` only for
-engines someone else started with ``--api-key`` (``forward_authorization``).
-The prefill engine is told which decode engine will read its KV
-(``config.bind_reader``): it binds the transfer parameters it issues to that
-engine, so no other can use them. Whether bound or not, the parameters one
-decode engine was sent never go to another: a decode leg that moves after its
-engine failed has the prefill's KV released and the next engine computes the
-prompt (``_moved_decode``). A client that leaves during the prefill leg of an
-engine whose KV can be released (its side channel known: the ``pdserve``
-connector) lets that leg answer, and its KV is released at once
-(``_prefill_call``).
+Engines are called with the cluster's engine key (``config.engine_auth``; ``contract.auth``), or with the client's
+own ``Authorization`` only for engines someone else started with ``--api-key`` (``forward_authorization``). The
+prefill engine is told which decode engine will read its KV (``config.bind_reader``): it binds the transfer
+parameters it issues to that engine, so no other can use them. Whether bound or not, the parameters one decode
+engine was sent never go to another: a decode leg that moves after its engine failed has the prefill's KV
+released and the next engine computes the prompt (``_moved_decode``). A client that leaves during the prefill leg
+of an engine whose KV can be released (its side channel known: the ``pdserve`` connector) lets that leg answer,
+and its KV is released at once (``_prefill_call``).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 
 import orjson
-from fastapi import Request
 from fastapi.responses import Response
-from starlette.requests import ClientDisconnect
 
 from contract import headers, wire
-from proxy.auth import KeyCheck, bearer_token, load_engine_key
-from proxy.bodies import (
-    check_context_length,
-    check_model,
-    check_request,
-    decode_body,
-    parse_object,
-    prefill_body,
-)
+from proxy.auth import load_engine_key
+from proxy.bodies import decode_body
 from proxy.config import ProxyConfig
-from proxy.continuation import StreamLedger, refusal
+from proxy.continuation import StreamLedger
 from proxy.disconnect import cancel_on_disconnect
-from proxy.engine_client import EngineClient, EngineResponse
-from proxy.errors import (
-    ClientGone,
-    InvalidApiKey,
-    InvalidRequest,
-    ProxyError,
-    UpstreamFailed,
-    error_response,
-)
-from proxy.exchange import DECODE_ONLY, DISAGGREGATED, PREFILL_ONLY, Exchange
+from proxy.engine_client import EngineResponse
+from proxy.errors import ClientGone, UpstreamFailed
+from proxy.exchange import DECODE_ONLY, PREFILL_ONLY, Exchange
 from proxy.health import HealthTracker
 from proxy.kv_report import KVReports, kv_report
-from proxy.limits import DEFAULT_REQUESTS_PER_ENGINE, AdmissionGate, pool_limit, read_body
+from proxy.limits import DEFAULT_REQUESTS_PER_ENGINE, AdmissionGate, pool_limit
 from proxy.metrics import ModelMetrics
 from proxy.pool import EngineState
-from proxy.relay import DecodeStream, Moved, Mover, RelayResponse, error_event, responses_generated
+from proxy.relay import DecodeStream, Moved, Mover, RelayResponse
 from proxy.release import KVReleaser
 from proxy.routing import DECODE_FAILED, PREFILL_FAILED, Route, Router
 from proxy.upstream import EngineRejected, Upstream
 
-__all__ = ["DECODE_ONLY", "DISAGGREGATED", "PREFILL_ONLY", "TwoPhaseFlow"]
+__all__ = ["ModelFlow"]
 
 logger = logging.getLogger(__name__)
 
 
-class TwoPhaseFlow:
-    """Serves completion requests through one model's pools (``serve``); one per model the app serves.
-
-    ``models`` maps each name a request may send as its model (a model's, its adapters') to the flow of that
-    model; the app's routes call the first model's flow, which reads the body and hands the request on to the
-    flow of the model it names (404 for one nobody serves)."""
+class ModelFlow:
+    """Serves one model's requests (and its adapters') through its pools (see the module's docstring)."""
 
     def __init__(
         self,
@@ -95,17 +67,16 @@ class TwoPhaseFlow:
         router: Router,
         tracker: HealthTracker,
         metrics: ModelMetrics,
-        api_keys: KeyCheck,
         checks_health: bool,
-        arrivals: ModelMetrics | None = None,
+        upstream: Upstream,
     ) -> None:
-        """``metrics``: this model's; ``arrivals``: what a request counts in until its body names its model
-        (default: ``metrics``)."""
         self.config, self.router, self.tracker, self.metrics = config, router, tracker, metrics
-        self.arrivals = arrivals or metrics
-        self.models: dict[str, TwoPhaseFlow] = dict.fromkeys((config.model_name, *config.adapters), self)
-        self.api_keys = api_keys
+        self.names = (config.model_name, *config.adapters)
+        """What a request may send as its model to come here."""
         self.checks_health = checks_health
+        self.upstream = upstream
+        self.releaser = KVReleaser()
+        self.kv_reports = KVReports()
         self.retries = config.prefill_retries
         self.requests_per_engine = config.requests_per_engine or DEFAULT_REQUESTS_PER_ENGINE
         self.follows_pool = config.max_concurrent_requests is None  # else the user's limit stays
@@ -114,18 +85,8 @@ class TwoPhaseFlow:
             config.max_queued_requests,
         )
         self.engine_authorization = f"Bearer {load_engine_key()}" if config.engine_auth else None
-        self.upstream: Upstream | None = None
-        self.releaser: KVReleaser | None = None
-        self.kv_reports: KVReports | None = None
-
-    def open(self, client: EngineClient) -> None:
-        """Start serving on ``client`` (the app's lifespan)."""
-        self.upstream = Upstream(client, self.config.request_timeout_s, self.config.tier_lookup_timeout_s)
-        self.releaser = KVReleaser()
-        self.kv_reports = KVReports()
         if self.follows_pool:
-            self.router.pool.watch(self.fit_gate)
-            self.fit_gate()
+            router.pool.watch(self.fit_gate)
 
     def fit_gate(self) -> None:
         """Size the admission gate to the pools' ready engines (``pool_limit``)."""
@@ -137,14 +98,8 @@ class TwoPhaseFlow:
     async def close(self) -> None:
         if self.follows_pool:
             self.router.pool.unwatch(self.fit_gate)
-        if self.releaser is not None:
-            await self.releaser.close()
-        if self.kv_reports is not None:
-            self.kv_reports.close()
-
-    def require_api_key(self, request: Request) -> None:
-        if self.api_keys.keys and not self.api_keys.allows(bearer_token(request.headers.get("authorization"))):
-            raise InvalidApiKey("Incorrect or missing API key: send it as 'Authorization: Bearer <key>'")
+        await self.releaser.close()
+        self.kv_reports.close()
 
     def engine_headers(self, exchange: Exchange) -> dict[str, str]:
         """The headers of both legs' engine calls."""
@@ -160,106 +115,34 @@ class TwoPhaseFlow:
 
     # ---------------------------------------------------------------- a request
 
-    async def serve(self, request: Request, kind: str, route: str) -> Response:
-        exchange = Exchange(request, kind, route, self.arrivals)
-        response: Response | None = None
-        try:
-            response = await self._respond(exchange, self._answer)
-            return response
-        finally:
-            if not isinstance(response, RelayResponse):  # a stream closes its exchange when it ends
-                exchange.close(response.status_code if response is not None else None)
-
-    async def _respond(self, exchange: Exchange, answer: Callable[[Exchange], Awaitable[Response]]) -> Response:
-        """``answer``'s response, or the error it became."""
-        try:
-            return await answer(exchange)
-        except ProxyError as e:
-            e.headers = exchange.reply_headers | e.headers
-            return error_response(e)
-        except EngineRejected as e:
-            headers = exchange.reply_headers
-            return Response(orjson.dumps(e.body), status_code=e.status, media_type="application/json", headers=headers)
-        except ClientGone as e:
-            return Response(status_code=e.status)  # sent to nobody; counted
-
-    async def serve_engine_only(self, request: Request, route: str) -> Response:
-        """A request no KV moves for (``wire.ENGINE_ONLY_PATHS``: ``/tokenize``, ``/detokenize``): the client's
-        body, checked as any (key, size, JSON, model), to one ready engine of either pool once it has a slot of
-        its model's admission gate; its answer as it came. Its call counts in the engine's ``in_flight``, so a
-        drain waits for it."""
-        exchange = Exchange(request, "engine", route, self.arrivals)
-        response: Response | None = None
-        try:
-            response = await self._respond(exchange, self._engine_only)
-            return response
-        finally:
-            exchange.close(response.status_code if response is not None else None)
-
-    async def _engine_only(self, exchange: Exchange) -> Response:
-        raw = await self._body(exchange)
-        model = parse_object(raw).get("model")
-        flow = self if model is None else self.flow_of(model)  # no model: the first model's engines answer
-        assert flow.upstream is not None, "the flow is not open"
-        exchange.counts_for(flow.metrics)
-        exchange.engine_headers = flow.engine_headers(exchange)
+    async def relay(self, exchange: Exchange, raw: bytes) -> Response:
+        """A request no KV moves for (a relay API: ``/tokenize``, ``/detokenize``): the client's body to one ready
+        engine of either pool once it has a slot of the admission gate; its answer as it came. Its call counts in
+        the engine's ``in_flight``, so a drain waits for it."""
+        exchange.engine_headers = self.engine_headers(exchange)
         async with cancel_on_disconnect(exchange.request, exchange.request_id):
-            gate = flow.gate
-            if not gate.admit():
-                await gate.enter()
-            exchange.gate = gate  # given back when the exchange closes
-            engine = flow.router.any_engine()
+            if not self.gate.admit():
+                await self.gate.enter()
+            exchange.gate = self.gate  # given back when the exchange closes
+            engine = self.router.any_engine()
             exchange.reply_headers[headers.DECODE if engine.role == "decode" else headers.PREFILL] = engine.engine_id
             exchange.leg_starts(engine)
             try:
-                status, payload = await flow.upstream.call(engine, exchange, raw)
+                status, payload = await self.upstream.call(engine, exchange, raw)
             finally:
                 engine.end_leg()
         return Response(payload, status_code=status, media_type="application/json", headers=exchange.reply_headers)
 
-    async def _body(self, exchange: Exchange) -> bytes:
-        """The client's body, once its key and Content-Type are checked, within the size and time limits."""
-        request = exchange.request
-        self.require_api_key(request)
-        if "json" not in request.headers.get("content-type", "application/json"):
-            raise InvalidRequest("Content-Type must be application/json")
-        config = self.config
-        try:
-            return await read_body(request, config.max_body_bytes, config.body_timeout_s, config.body_idle_timeout_s)
-        except ClientDisconnect as e:
-            raise ClientGone(f"request {exchange.request_id}: the client went away while sending its body") from e
-
-    def flow_of(self, model: object, body: dict | None = None, kind: str = "") -> TwoPhaseFlow:
-        """The flow of the model (or adapter) a request names; else, when ``body`` (of ``kind``) is invalid,
-        its 400, and ``ModelNotFound`` (404) naming every model served."""
-        flow = self.models.get(model) if isinstance(model, str) else None
-        if flow is None:
-            names = tuple(self.models)
-            if body is not None:
-                check_request(body, kind, names[0], names[1:])
-            check_model(model, names[0], names[1:])
-        assert flow is not None
-        return flow
-
-    async def _answer(self, exchange: Exchange) -> Response:
-        raw = await self._body(exchange)
-        body = parse_object(raw)
-        flow = self.flow_of(body.get("model"), body, exchange.kind)
-        exchange.counts_for(flow.metrics)
-        exchange.body = check_request(body, exchange.kind, flow.config.model_name, flow.config.adapters)
-        return await flow._admitted(exchange)
-
-    async def _admitted(self, exchange: Exchange) -> Response:
-        """A request of this flow's model, its body checked: the context length, a slot, both legs."""
+    async def generate(self, exchange: Exchange) -> Response:
+        """A request of this flow's model, its body checked by its API: the context length, a slot, both legs."""
         request = exchange.request
         if self.config.max_model_len is not None:
-            check_context_length(exchange.body, self.config.max_model_len)
+            exchange.api.check_length(exchange.body, self.config.max_model_len)
         async with cancel_on_disconnect(request, exchange.request_id) as departure:
             exchange.departure = departure
-            gate = self.gate
-            if not gate.admit():  # a slot at once, or wait in the queue (no coroutine when there is room)
-                await gate.enter()
-            exchange.gate = gate  # given back when the exchange closes
+            if not self.gate.admit():  # a slot at once, or wait in the queue (no coroutine when there is room)
+                await self.gate.enter()
+            exchange.gate = self.gate  # given back when the exchange closes
             answer = await self._two_legs(exchange)
             if isinstance(answer, DecodeStream):
                 return await self._relay(exchange, answer)
@@ -267,12 +150,11 @@ class TwoPhaseFlow:
 
     async def _two_legs(self, exchange: Exchange) -> Response | DecodeStream:
         """Route, prefill, decode: the JSON answer, or the stream to relay."""
-        assert self.upstream is not None and self.releaser is not None, "the flow is not open"
         exchange.engine_headers = self.engine_headers(exchange)
         engines = await self._route(exchange)
         stream = bool(exchange.body.get("stream"))
         if stream and (why := self._not_continued(exchange)) is None:
-            exchange.ledger = StreamLedger(exchange.body, exchange.kind)
+            exchange.ledger = StreamLedger(exchange.body, exchange.api)
         prefill_started = time.perf_counter()
         if engines.prefill is not None:
             await self._prefill_or_degrade(exchange, engines)
@@ -285,10 +167,9 @@ class TwoPhaseFlow:
                 1000 * (decode_started - prefill_started), 1000 * (time.perf_counter() - decode_started),
             )  # fmt: skip
         if stream:
-            generated = responses_generated if exchange.kind == "responses" else None
             chunks, ledger = self.upstream.stream(response, engine, exchange), exchange.ledger
             rewrite, mover = ledger.relay if ledger else None, self._stream_mover(exchange, engines, why)
-            return DecodeStream(chunks, response, engine, exchange, generated, rewrite, mover)
+            return DecodeStream(chunks, response, engine, exchange, rewrite, mover)
         payload, engine = await self._read_answer(exchange, engines, response, engine)
         engine.failures = 0
         exchange.kv.read()
@@ -362,19 +243,18 @@ class TwoPhaseFlow:
     async def _route(self, exchange: Exchange) -> Route:
         """The request's engines, asking a tier engine first what the shared KV tier holds of the prompt when
         routing reads it (no answer within ``tier_lookup_timeout_s``: routed as without a tier)."""
-        assert self.upstream is not None
         held = None
-        engine = self.router.tier_engine() if self.router.asks_tier(exchange.body, exchange.kind) else None
+        engine = self.router.tier_engine() if self.router.asks_tier(exchange.body, exchange.api) else None
         if engine is not None:
             held = await self.upstream.tier_held(engine, exchange)
             self.metrics.tier_lookups.labels("failed" if held is None else "ok").inc()
-        engines = self.router.route(exchange.body, exchange.kind, held)
+        engines = self.router.route(exchange.body, exchange.api, held)
         exchange.routed(engines)
         return engines
 
     async def _prefill_or_degrade(self, exchange: Exchange, engines: Route) -> None:
         """The prefill leg; if it fails on every engine tried, the decode engine computes the prompt (``degrade``)."""
-        assert engines.prefill is not None and self.releaser is not None
+        assert engines.prefill is not None
         try:
             kv_params = await self._prefill(exchange, engines)
         except UpstreamFailed as failure:
@@ -397,9 +277,9 @@ class TwoPhaseFlow:
 
     async def _prefill(self, exchange: Exchange, engines: Route) -> dict | None:
         """The prefill leg, tried again on other engines if it fails (nothing has reached the client yet)."""
-        assert self.upstream is not None and engines.prefill is not None
+        assert engines.prefill is not None
         reader = engines.decode.engine_id if self.config.bind_reader else None
-        body = prefill_body(exchange.body, reader, exchange.kind)
+        body = exchange.api.prefill_body(exchange.body, reader)
         engine: EngineState = engines.prefill
         tried: list[EngineState] = []
         while True:
@@ -435,7 +315,6 @@ class TwoPhaseFlow:
         the request keeps its slot and its engine's count until the engine is done with it. Other engines' calls
         are cancelled with the request (``proxy.disconnect``): vLLM aborts a prefill not yet done, and their KV
         has no release message."""
-        assert self.upstream is not None and self.releaser is not None
         departure = exchange.departure
         if not engine.kv_endpoints or departure is None:
             return await self.upstream.prefill(engine, exchange, body)
@@ -460,7 +339,6 @@ class TwoPhaseFlow:
         """Open the decode leg: the response and its engine (its leg started). An engine that fails before it
         answers hands the request on (``_moved_decode``; ``exchange.decode_tried``: the engines it was on).
         ``leg``: the route and body of each try (default: the client's route, ``decode_body``)."""
-        assert self.upstream is not None
         engine = engines.decode
         tried = exchange.decode_tried
         if not tried:
@@ -468,7 +346,7 @@ class TwoPhaseFlow:
         while True:
             exchange.reply_headers[headers.DECODE] = engine.engine_id
             exchange.leg_starts(engine)  # counted since routing, through the prefill leg (a retry's: from now)
-            route, body = leg() if leg is not None else (exchange.route, self._decode_body(exchange))
+            route, body = leg() if leg is not None else (exchange.api.path, self._decode_body(exchange))
             try:
                 response = await self.upstream.decode(engine, exchange, body, route)
                 if len(tried) > 1:
@@ -496,7 +374,7 @@ class TwoPhaseFlow:
         """Why a stream of this exchange would not be continued on another engine; None if it would."""
         if not self.config.decode_retries:
             return "proxy.decode_retries is 0"
-        return refusal(exchange.body, exchange.kind)
+        return exchange.api.continuation_refusal(exchange.body)
 
     def _stream_mover(self, exchange: Exchange, engines: Route, why: str | None) -> Mover:
         """How the exchange's stream goes on when its decode engine fails (``DecodeStream``; ``why``: the reason
@@ -516,12 +394,12 @@ class TwoPhaseFlow:
             if relayed and reason is not None:
                 logger.warning("request %s: its stream is not continued: %s", exchange.request_id, reason)
                 failure.message += f"; the stream could not be continued: {reason}"
-                return error_event(exchange.kind, failure)
+                return exchange.api.error_event(failure)
             if relayed and ledger is not None and ledger.finished:
                 return ledger.ending()
             retry = self._moved_decode(exchange, engines, tried, failure)
             if retry is None:
-                return error_event(exchange.kind, failure)
+                return exchange.api.error_event(failure)
             leg, rewrite, note = None, ledger.relay if ledger else None, b""
             if ledger is not None:
                 ledger.drop_partial()
@@ -537,11 +415,10 @@ class TwoPhaseFlow:
             try:
                 response, engine = await self._open_decode(exchange, Route(None, retry, engines.prefix), leg)
             except UpstreamFailed as again:
-                return error_event(exchange.kind, again)
+                return exchange.api.error_event(again)
             except EngineRejected as rejected:  # the continuation refused (a 4xx): the stream ends with it
                 self.metrics.migrations.labels("failed").inc()
                 return b"data: " + orjson.dumps(rejected.body) + b"\n\n"
-            assert self.upstream is not None
             return Moved(self.upstream.stream(response, engine, exchange), response, engine, rewrite, note)
 
         return move
@@ -554,7 +431,7 @@ class TwoPhaseFlow:
         """The streamed answer. When the decode engine can say how the KV got to it (``pdserve`` connector),
         its headers wait for the first chunk (the KV is loaded by then) and carry ``X-PDServe-KV``."""
         engine, kv_params = stream.engine, exchange.kv.params
-        if engine.kv_endpoints and kv_params and wire.PDSERVE_REPORT in kv_params and self.kv_reports is not None:
+        if engine.kv_endpoints and kv_params and wire.PDSERVE_REPORT in kv_params:
             try:
                 if await stream.first() is not None:
                     asked = time.perf_counter()
