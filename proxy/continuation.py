@@ -79,7 +79,7 @@ class StreamLedger:
     its end went out (see the module's docstring)."""
 
     __slots__ = (
-        "api", "body", "wants_ids", "prompt_ids", "sent", "continued_tokens", "finished", "usage_sent", "done",
+        "api", "body", "wants_ids", "prompt_ids", "sent", "finished", "usage_sent", "done",
         "refused", "_head", "_buffer",
     )  # fmt: skip
 
@@ -90,8 +90,6 @@ class StreamLedger:
         self.prompt_ids: list[int] | None = None
         self.sent: list[int] = []
         """The token ids generated so far, on every engine, in order."""
-        self.continued_tokens = 0
-        """How many of ``sent`` a continuation generated (its prompt held the rest)."""
         self.finished = False  # a finish_reason went out
         self.usage_sent = False
         self.done = False  # "data: [DONE]" went out
@@ -228,7 +226,6 @@ class StreamLedger:
         for choice in chunk.get("choices") or ():
             ids = choice.get("token_ids") if isinstance(choice.get("token_ids"), list) else []
             self.sent += ids
-            self.continued_tokens += len(ids)
             reason = choice.get("finish_reason")
             if reason is not None:
                 self.finished = True

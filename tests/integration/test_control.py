@@ -21,9 +21,10 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.control import STATUS_SCHEMA, schema_problems
+from orchestrator.control import STATUS_SCHEMA
 from testlib.cpu_use import idle_use
 from tests.integration.conftest import Cluster, http_json, run_pdserve
+from tests.status_schema import schema_problems
 
 pytestmark = pytest.mark.integration
 ours = pytest.mark.parametrize("cluster", ["pdserve"], indirect=True)

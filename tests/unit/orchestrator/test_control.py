@@ -16,13 +16,13 @@ from orchestrator.control import (
     ControlClient,
     ControlError,
     new_token,
-    schema_problems,
     token_digest,
     token_matches,
 )
 from orchestrator.control_server import ControlServer
 from orchestrator.errors import ClusterNotRunning
 from orchestrator.state import ClusterState
+from tests.status_schema import schema_problems
 
 
 def status_document() -> dict[str, Any]:
