@@ -38,7 +38,7 @@ the line says how many it left out), so junk cannot flood the log.
 
 No peer can stop or starve the server, nor make it hold more than a bound:
 
-- A message is one frame (``connectors.framing``): an 8-byte header (magic and
+- A message is one frame (``contract.framing``): an 8-byte header (magic and
   version, body length) and the body. The server reads the header first and
   drops the connection, unanswered, if the magic is wrong or the length is 0
   or over ``MAX_REQUEST_BYTES`` (1 MiB): no byte of that body is read, nothing
@@ -87,7 +87,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from connectors.errors import HandshakeRejected, TransportError
-from connectors.framing import HEADER_BYTES, FrameReader, FramingError, frame
 from connectors.handshake import (
     decode_request,
 )
@@ -95,6 +94,7 @@ from connectors.log_limit import DEFAULT_INTERVAL_S, LogLimiter
 from connectors.side_messages import ERROR_PREFIX, MAX_REQUEST_BYTES, NO_REPORT
 from connectors.topology import KVTopology
 from contract.auth import KVAuth, Unauthenticated
+from contract.framing import HEADER_BYTES, FrameReader, FramingError, frame
 from contract.kv_report import KVReport
 from contract.wire import parse_tcp_endpoint, tcp_endpoint
 

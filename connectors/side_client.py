@@ -1,7 +1,7 @@
 """The side channel's clients: a decode rank's handshake and pins, releases and READ notifications (sent from a
 thread of their own, ``ReleaseSender``), and the engine actor's pings and probes.
 
-Each request takes a TCP connection of its own and reads the answer's header first (``connectors.framing``):
+Each request takes a TCP connection of its own and reads the answer's header first (``contract.framing``):
 answers up to ``MAX_REPLY_BYTES``, a handshake answer and its sealing. A refused connection is tried again every
 ``CONNECT_RETRY_S`` until the request's deadline (a channel being bound anew, or not yet listening).
 """
@@ -16,7 +16,6 @@ import threading
 import time
 
 from connectors.errors import HandshakeRejected, TransportError
-from connectors.framing import FramingError, frame, recv_frame
 from connectors.handshake import HandshakeRequest, HandshakeResponse, decode_response, encode_request
 from connectors.leases import PinAnswer
 from connectors.side_messages import (
@@ -29,6 +28,7 @@ from connectors.side_messages import (
 )
 from connectors.topology import KVTopology
 from contract.auth import KVAuth, Unauthenticated
+from contract.framing import FramingError, frame, recv_frame
 from contract.wire import parse_tcp_endpoint
 
 __all__ = [

@@ -1,15 +1,15 @@
 """The side channel's messages (``connectors.side_channel`` serves them, ``connectors.side_client`` sends them).
 
-Each is one frame (``connectors.framing``) holding a body sealed with the cluster's KV key (``contract.auth``)
+Each is one frame (``contract.framing``) holding a body sealed with the cluster's KV key (``contract.auth``)
 under a kind: ``handshake`` (a nonce and a ``HandshakeRequest``), ``release``, ``pin``, ``read`` (a READ
 notification), ``report`` and ``ping``. What each means and how it is answered: ``connectors.side_channel``.
 """
 
 from __future__ import annotations
 
-from connectors.framing import MAX_FRAME_BYTES
 from connectors.handshake import MAX_MESSAGE_BYTES
 from contract.auth import LIVE_TTL_S, KVAuth
+from contract.framing import MAX_FRAME_BYTES
 
 __all__ = [
     "ERROR_PREFIX",

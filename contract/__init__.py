@@ -6,6 +6,7 @@ Below the three others, importing none of them (nor vLLM, Ray or zmq):
 - ``headers``: the response headers the proxy adds;
 - ``kv_report``: ``KVReport``, how a request's prompt KV reached its decode engine, and its one ``merge``;
 - ``auth``: the cluster secret, the keys derived from it, sealed messages and signed parameters;
+- ``framing``: the side channel's frames, which the connectors serve and the proxy sends;
 - ``private_files``: files and directories only their owner may read;
 - ``errors``: what the package raises on purpose.
 

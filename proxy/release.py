@@ -11,7 +11,7 @@ nothing is sent.
 
 ``ask`` is the proxy's side-channel client (here and in ``proxy.kv_report``):
 one TCP connection per request, the message and the answer each one frame
-(``connectors.framing``), the whole exchange within a timeout.
+(``contract.framing``), the whole exchange within a timeout.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ import logging
 import socket
 from typing import Any
 
-from connectors.framing import MAX_FRAME_BYTES, frame, read_frame
 from contract import wire
+from contract.framing import MAX_FRAME_BYTES, frame, read_frame
 
 logger = logging.getLogger(__name__)
 

@@ -31,8 +31,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from connectors.framing import MAX_FRAME_BYTES, FramingError, frame, recv_frame  # noqa: E402
 from contract.auth import KVAuth, engine_key, read_secret_file  # noqa: E402
+from contract.framing import MAX_FRAME_BYTES, FramingError, frame, recv_frame  # noqa: E402
 from contract.headers import KV as KV_HEADER  # noqa: E402
 from contract.wire import parse_tcp_endpoint  # noqa: E402
 

@@ -35,12 +35,12 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from connectors.framing import HEADER_BYTES, MAGIC, frame, recv_frame  # noqa: E402
 from connectors.side_channel import MAX_CONNECTIONS, SideChannelServer  # noqa: E402
 from connectors.side_client import ping  # noqa: E402
 from connectors.side_messages import MAX_REQUEST_BYTES  # noqa: E402
 from connectors.topology import KVTopology  # noqa: E402
 from contract.auth import SECRET_ENV, KVAuth  # noqa: E402
+from contract.framing import HEADER_BYTES, MAGIC, frame, recv_frame  # noqa: E402
 
 
 def serve(port: int) -> None:

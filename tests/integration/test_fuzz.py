@@ -20,10 +20,10 @@ from pathlib import Path
 
 import pytest
 
-from connectors.framing import frame
 from connectors.side_client import ping
 from contract import wire
 from contract.auth import KVAuth, read_secret_file
+from contract.framing import frame
 from tests.integration.conftest import Cluster, http_json, kv_report, metric_values
 from tests.unit.connectors.side_channel_peers import dropped_unanswered, exchange, header
 

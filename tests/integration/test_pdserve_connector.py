@@ -31,7 +31,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from connectors.framing import MAGIC, frame
+from contract.framing import MAGIC, frame
 from contract.wire import parse_tcp_endpoint
 from tests.integration.conftest import (
     engine_headers,

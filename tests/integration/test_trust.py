@@ -24,11 +24,11 @@ from pathlib import Path
 
 import pytest
 
-from connectors.framing import FramingError, recv_frame
 from connectors.handshake import HandshakeRequest, encode_request
 from connectors.side_messages import MAX_REQUEST_BYTES
 from contract import wire
 from contract.auth import KVAuth, read_secret_file
+from contract.framing import FramingError, recv_frame
 from tests.integration.clients import CLIENT_MIX, answers_equal, kill_outcome, kill_under_load, mixed_send
 from tests.integration.conftest import Cluster, http_json, kv_report, metric_values
 from tests.unit.connectors.side_channel_peers import ask

@@ -24,8 +24,8 @@ import pytest
 import uvicorn
 import yaml
 
-from connectors.framing import MAX_FRAME_BYTES, FramingError, frame, read_frame
 from contract.auth import SECRET_ENV, SECRET_FILE_ENV, ClusterSecret
+from contract.framing import MAX_FRAME_BYTES, FramingError, frame, read_frame
 from orchestrator.models import DEMO_MODEL_NAME, KNOWN_MODELS
 from proxy.app import create_app
 from proxy.pool import Endpoint, EnginePool
@@ -291,7 +291,7 @@ async def make_client(make_proxy) -> AsyncIterator[Callable[..., Awaitable[httpx
 
 
 class SideChannel:
-    """An engine's KV side channel (a real TCP server speaking ``connectors.framing``): keeps every message
+    """An engine's KV side channel (a real TCP server speaking ``contract.framing``): keeps every message
     and answers ``answer`` (a prefill's release: OK); with ``answer=None`` it never answers."""
 
     def __init__(self, answer: bytes | None = b"OK") -> None:

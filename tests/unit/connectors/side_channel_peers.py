@@ -14,12 +14,12 @@ from typing import Any
 import pytest
 
 import connectors.side_channel as side_channel
-from connectors.framing import MAGIC, FramingError, frame, recv_frame
 from connectors.handshake import encode_response
 from connectors.side_channel import SideChannelServer
 from connectors.side_client import ping, request_handshake
 from connectors.side_messages import MAX_REPLY_BYTES
 from contract.auth import ClusterSecret, KVAuth
+from contract.framing import MAGIC, FramingError, frame, recv_frame
 from contract.kv_report import KVReport
 from contract.wire import parse_tcp_endpoint
 from tests.unit.conftest import TEST_SECRET

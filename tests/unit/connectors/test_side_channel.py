@@ -19,7 +19,6 @@ import pytest
 import connectors.side_channel as side_channel
 import connectors.side_client as side_client
 from connectors.errors import TransportError
-from connectors.framing import MAX_FRAME_BYTES, FramingError, frame, recv_frame
 from connectors.handshake import HandshakeRequest, encode_request, encode_response
 from connectors.leases import read_notification
 from connectors.side_channel import SideChannelServer
@@ -33,6 +32,7 @@ from connectors.side_messages import (
     report_message,
 )
 from contract.auth import Unauthenticated
+from contract.framing import MAX_FRAME_BYTES, FramingError, frame, recv_frame
 from testlib.cpu_use import context_switches
 from tests.unit.connectors.side_channel_peers import AUTH, REPORT, STRANGER, ask, eventually, free_port, header
 from tests.unit.connectors.test_handshake import response, topology

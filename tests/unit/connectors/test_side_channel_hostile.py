@@ -17,12 +17,12 @@ import pytest
 import connectors.side_channel as side_channel
 import connectors.side_client as side_client
 from connectors.errors import TransportError
-from connectors.framing import HEADER_BYTES, frame
 from connectors.handshake import HandshakeRequest, encode_request
 from connectors.side_channel import MAX_BUFFERED_BYTES, MAX_CONNECTIONS, SideChannelServer
 from connectors.side_client import ping, request_handshake, send_release
 from connectors.side_messages import MAX_REQUEST_BYTES, release_message
 from contract.auth import KINDS
+from contract.framing import HEADER_BYTES, frame
 from contract.wire import parse_tcp_endpoint
 from tests.unit.connectors.side_channel_peers import (
     AUTH,

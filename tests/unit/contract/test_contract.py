@@ -17,16 +17,32 @@ ROOT = Path(__file__).resolve().parents[3]
 PROJECT_PACKAGES = ("connectors", "orchestrator", "proxy", "lab", "scripts", "tests")
 
 
-def test_the_contract_imports_no_other_project_package_nor_vllm_ray_or_zmq():
-    imported = set()
-    for path in (ROOT / "contract").glob("*.py"):
+def imported_packages(package: str) -> dict[str, set[str]]:
+    """The project packages each module of ``package`` imports (its own left out), by module path."""
+    found: dict[str, set[str]] = {}
+    for path in (ROOT / package).rglob("*.py"):
+        imported = set()
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module:
+            if isinstance(node, ast.ImportFrom) and node.module and not node.level:
                 imported.add(node.module.split(".")[0])
             elif isinstance(node, ast.Import):
                 imported.update(alias.name.split(".")[0] for alias in node.names)
-    assert not imported & set(PROJECT_PACKAGES), imported & set(PROJECT_PACKAGES)
+        found[str(path.relative_to(ROOT))] = imported & set(PROJECT_PACKAGES) - {package}
+    return found
+
+
+@pytest.mark.parametrize(
+    ("package", "allowed"), [("contract", set()), ("connectors", {"contract"}), ("proxy", {"contract"})]
+)
+def test_imports_go_one_way(package: str, allowed: set[str]):
+    """The contract imports nothing of the project; the connectors and the proxy only the contract."""
+    offenders = {module: found - allowed for module, found in imported_packages(package).items() if found - allowed}
+    assert not offenders, offenders
+
+
+def test_the_contract_imports_no_other_project_package_nor_vllm_ray_or_zmq():
     code = "import sys, contract.wire, contract.auth, contract.kv_report, contract.headers, contract.private_files\n"
+    code += "import contract.framing\n"
     code += "bad = [m for m in ('vllm', 'ray', 'zmq', 'torch', 'connectors', 'proxy', 'orchestrator')"
     code += " if m in sys.modules]\n"
     subprocess.run([sys.executable, "-c", code + "assert not bad, bad"], check=True, cwd=ROOT)

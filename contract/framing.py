@@ -9,8 +9,8 @@ reader drops the connection. There are no multi-frame messages, so a message is 
 
 The server (``connectors.side_channel``) reads frames from non-blocking sockets a chunk at a time
 (``FrameReader``); its clients read a whole answer from a blocking socket (``recv_frame``: the decode
-workers' and the engine actor's) or an asyncio stream (``read_frame``: the proxy's). Plain stdlib, so the
-proxy imports it as it imports ``contract.wire``.
+workers' and the engine actor's) or an asyncio stream (``read_frame``: the proxy's). Plain stdlib: the
+connectors and the proxy both speak it, so it is the contract's.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import socket
 import struct
 import time
 
-from connectors.errors import ConnectorError
+from contract.errors import ContractError
 
 __all__ = [
     "HEADER_BYTES",
@@ -42,7 +42,7 @@ MAX_FRAME_BYTES = 1 << 20
 an ``ERR`` line) are far shorter, and it refuses a longer one too."""
 
 
-class FramingError(ConnectorError, ValueError):
+class FramingError(ContractError, ValueError):
     """A frame that is not ours (wrong magic), empty, too long for its reader, or cut short."""
 
 
