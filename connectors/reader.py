@@ -1,18 +1,13 @@
-"""Decode side of the pdserve connector's worker: handshakes with prefill ranks, posts READs, reports loads.
+"""Decode side of the pdserve connector's worker: pins prefill blocks, posts READs, reports loads.
 
 For each request the scheduler side asks to receive (``receive``):
 
 1. ``source_ranks`` says which prefill ranks this rank reads (from the prefill
    TP size in ``kv_transfer_params``): one when prefill TP <= decode TP, several
    when it is larger, one holder per head when heads are replicated.
-2. Each of those ranks must be a known peer: a handshake with
-   ``remote_port + rank`` runs on a background thread, once per remote rank
-   (``HandshakeCache``); the answer says which transports the rank offers and
-   on which node it is, and the first of ``connectors.transport.common_transports``
-   that can reach it takes it (CUDA IPC when this process sees the source's GPU,
-   NIXL otherwise); its ``add_peer`` prepares the runs this rank reads from it
-   (``block_ranges.plan_peer_ranges``: its head slice, several remote blocks per
-   local block when the remote block size is smaller). The request waits for
+2. Each of those ranks must be a known peer (``connectors.sources.SourceRanks``:
+   a handshake with each rank and start on a background thread, the transport
+   that reaches it, the runs this rank reads from it). The request waits for
    its ranks without holding up the engine's step.
 3. Each source rank is asked for a pin over its side channel (``ask_pin``):
    the holder keeps the blocks for this reader until its READ notification or
@@ -42,10 +37,11 @@ out of vLLM's pool for good), and the READ is kept here until it drains, so
 its transport can let go of it.
 
 A mapping of a source rank is dropped (after a failed READ from it, or once
-another start of it is known) only when no record that has not ended names it:
-a record waiting for its pins posts through the mapping it was checked with. Every
-load ends in a per-request report (``take_reports``), also kept for the
-proxy's report queries on the side channel (a stream's ``X-PDServe-KV``).
+another start of it is known) only when no record that has not ended names it
+(``_mapping_in_use``): a record waiting for its pins posts through the mapping
+it was checked with. Every load ends in a per-request report
+(``take_reports``), also kept for the proxy's report queries on the side
+channel (a stream's ``X-PDServe-KV``).
 """
 
 from __future__ import annotations
@@ -56,11 +52,8 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import FIRST_COMPLETED, Executor, Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_for_any
-from dataclasses import dataclass
 
-from connectors.block_ranges import KVRegions, PlaneRanges, plan_peer_ranges
-from connectors.errors import ConnectorError, HandshakeRejected, TopologyError, TransportError
-from connectors.handshake import HandshakeCache, HandshakeResponse
+from connectors.errors import ConnectorError, TopologyError
 from connectors.identity import mapping_name, peer_name
 from connectors.leases import PinAnswer, read_notification
 from connectors.metadata import KVTransferParams, ReceiveSpec
@@ -69,37 +62,17 @@ from connectors.reads import ReadPhase, ReadRecord, drained
 from connectors.side_channel import RecentReports
 from connectors.side_client import PeerClient
 from connectors.side_messages import report_key
+from connectors.sources import SourceRanks
 from connectors.stats import PdserveKVStats, PdserveWorkerMeta
 from connectors.topology import KVTopology, reader_ranks, source_ranks
-from connectors.transport import common_transports, node_identity, where
 from connectors.transport.base import Transfer
 from connectors.transport.group import WorkerTransports
-from contract.auth import KVAuth, Unauthenticated
+from contract.auth import KVAuth
 from contract.kv_report import KVReport
 
-__all__ = ["KVReader", "mapping_name", "peer_name"]
+__all__ = ["KVReader"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class _Handshake:
-    """A handshake with one remote rank for one start of it (``epoch``), running on the handshake pool."""
-
-    engine_id: str
-    tp_rank: int
-    tp_size: int
-    epoch: str
-    future: Future[HandshakeResponse]
-
-
-@dataclass(slots=True)
-class _SourceRank:
-    """A remote rank added to the transport: its topology, and how many local ranks read it."""
-
-    topology: KVTopology
-    expected_reads: int
-    transport: str
 
 
 def _rank_of(name: str) -> int:
@@ -138,16 +111,12 @@ class KVReader:
         self._reports: dict[str, KVReport] = {}
         self._side = peers or PeerClient(engine_id, auth)
         self._releases_out = self._side.releases
-        # remote ranks are keyed by mapping_name(engine_id, rank, epoch)
-        self._handshakes = HandshakeCache()
         self._handshake_pool = executor or ThreadPoolExecutor(max_workers=4, thread_name_prefix="pdserve-handshake")
-        self._handshaking: dict[str, _Handshake] = {}
-        self._peers: dict[str, _SourceRank] = {}
-        self._peer_failures: dict[str, tuple[str, str]] = {}  # failed handshakes: (kind, reason)
+        # remote ranks are keyed by mapping_name(engine_id, rank, epoch)
+        self._sources = SourceRanks(engine_id, self._side, self._handshake_pool, self._mapping_in_use)
         self._records: dict[str, ReadRecord] = {}
         self._quarantine: list[Transfer] = []  # READs never confirmed drained, kept until they drain
         self._quarantined: set[str] = set()  # requests quarantined since the last ``take_reports``
-        self._stale: set[str] = set()  # mappings to drop (and handshake again) once nothing uses them
         self._begun: set[str] = set()  # requests whose load began since the last poll (``_await_begun``)
         self._pins: dict[tuple[str, str], Future[PinAnswer]] = {}  # (request id, source) -> its pin, asked
         self._load_error_block_ids: set[int] = set()
@@ -158,6 +127,7 @@ class KVReader:
         """This rank's transports and topology, once its caches are registered."""
         self._transport, self._topology = transport, topology
         self._kernel_blocks_per_block = kernel_blocks_per_block
+        self._sources.attach(transport, topology)
 
     @property
     def name(self) -> str:
@@ -203,40 +173,15 @@ class KVReader:
             return
         timeout_s = self.settings.handshake_timeout_s
         for rank, key in zip(ranks, record.sources, strict=True):
-            if key in self._peers or key in self._handshaking:
-                continue
-            self._peer_failures.pop(key, None)
             endpoint = remote.side_channel(rank)
-            future = self._handshake_pool.submit(
-                self._handshake_with, remote.remote_engine_id, rank, epoch, endpoint, timeout_s
-            )
-            self._handshaking[key] = _Handshake(remote.remote_engine_id, rank, remote.tp_size, epoch, future)
+            self._sources.want(key, remote.remote_engine_id, rank, remote.tp_size, epoch, endpoint, timeout_s)
         self._advance()
-
-    def _handshake_with(
-        self, engine_id: str, rank: int, epoch: str, endpoint: str, timeout_s: float
-    ) -> HandshakeResponse:
-        """The handshake of ``engine_id``'s rank: the cached one if of start ``epoch``, else a fresh one."""
-        topology = self._require_topology()
-
-        def handshake() -> HandshakeResponse:
-            return self._side.handshake(topology, endpoint, timeout_s)
-
-        response = self._handshakes.get_or_handshake(engine_id, handshake, rank)
-        if epoch and response.epoch != epoch:  # the rank restarted since we cached it (or the params are old)
-            self._handshakes.invalidate(engine_id, rank)
-            response = self._handshakes.get_or_handshake(engine_id, handshake, rank)
-        return response
 
     def _advance(self) -> None:
         """Move every record as far as it can go now: handshakes, pins, posts, polls."""
-        for name in list(self._stale):
-            self._forget_peer(name)
+        self._sources.drop_stale()
         self._quarantine = [read for read in self._quarantine if not drained(read)]
-        for key, handshake in list(self._handshaking.items()):
-            if handshake.future.done():
-                del self._handshaking[key]
-                self._connect_peer(key, handshake)
+        self._sources.connect_answered()
         for (request_id, source), future in list(self._pins.items()):
             if not future.done():
                 continue
@@ -252,12 +197,11 @@ class KVReader:
         now = self._clock()
         for record in self._records.values():
             if record.phase is ReadPhase.CHECKED:
-                if any(key in self._handshaking for key in record.sources):
+                if any(self._sources.asking(key) for key in record.sources):
                     continue
-                missing = [key for key in record.sources if key not in self._peers]
+                missing = [key for key in record.sources if self._sources.get(key) is None]
                 if missing:
-                    failure = self._peer_failures.get(missing[0], ("unreachable", f"no handshake with {missing[0]}"))
-                    record.fail(*failure, now=now)
+                    record.fail(*self._sources.failure(missing[0]), now=now)
                     continue
                 record.sources_known()
             if record.phase is ReadPhase.PINNING:
@@ -275,80 +219,6 @@ class KVReader:
             self.settings.handshake_timeout_s,
         )  # fmt: skip
 
-    def _connect_peer(self, key: str, handshake: _Handshake) -> None:
-        future = handshake.future
-        try:
-            response = future.result()
-            remote = response.topology
-            if remote.tp_size != handshake.tp_size:
-                raise HandshakeRejected(
-                    "incompatible",
-                    [f"{key} has TP size {remote.tp_size}, its kv_transfer_params said {handshake.tp_size}"],
-                )
-            if handshake.epoch and response.epoch != handshake.epoch:
-                self._peer_failures[key] = (
-                    "gone",
-                    f"{key}: that start of the engine is over (it answers as start {response.epoch or '?'})",
-                )
-                return
-            local_topology = self._require_topology()
-            ranges = plan_peer_ranges(local_topology, remote)
-            chosen = self._add_peer(key, response, ranges)
-        except HandshakeRejected as e:
-            self._peer_failed(key, handshake, e.kind, f"handshake refused: {e}")
-            return
-        except Unauthenticated as e:
-            self._peer_failed(key, handshake, "unauthenticated", str(e))
-            return
-        except ConnectorError as e:
-            self._peer_failed(key, handshake, "unreachable" if future.exception() else "incompatible", str(e))
-            return
-        readers = len(reader_ranks(remote.tp_rank, local_topology, remote))
-        self._peers[key] = _SourceRank(remote, readers, chosen)
-        self._drop_other_starts(key)
-
-    def _drop_other_starts(self, key: str) -> None:
-        """Remove the mappings of other starts of ``key``'s rank that no READ uses any more: never read again."""
-        rank = key.partition("@")[0]
-        for other in [name for name in self._peers if name != key and name.partition("@")[0] == rank]:
-            self._remove_peer_if_unused(other)
-
-    def _add_peer(self, name: str, response: HandshakeResponse, ranges: PlaneRanges) -> str:
-        """Add the peer to the best transport both sides have that can reach it; returns that transport's name."""
-        transports = self._require_transport()
-        local = transports.kv_regions()
-        regions = KVRegions(
-            layer_names=local.layer_names,  # the handshake checked both sides have the same layers
-            region_addrs=response.kv_caches_base_addr,
-            num_blocks=response.num_blocks,
-            block_len_bytes=response.block_len,
-            mem_type=local.mem_type,
-            device_id=local.device_id,
-        )
-        place = where(node_identity(), response.node)
-        reasons = []
-        for chosen in common_transports(transports.names, response.transports, place):
-            transport, payload = transports.get(chosen), response.payload_for(chosen)
-            reason = transport.cannot_read(payload)
-            if reason is None:
-                try:
-                    transport.add_peer(name, payload, regions, ranges)
-                    return chosen
-                except TransportError as e:
-                    reason = str(e)
-            reasons.append(f"{chosen}: {reason}")
-            logger.info("engine %s: %s not over %s: %s", self.engine_id, name, chosen, reason)
-        raise TransportError(
-            f"no KV transport reaches {name} ({place}): we have {', '.join(transports.names)}, it offers "
-            f"{', '.join(response.transports)}" + (f" ({'; '.join(reasons)})" if reasons else "")
-        )
-
-    def _peer_failed(self, name: str, handshake: _Handshake, kind: str, reason: str) -> None:
-        self._handshakes.invalidate(handshake.engine_id, handshake.tp_rank)
-        self._peer_failures[name] = (kind, reason)
-        log = logger.error if kind in ("incompatible", "version") else logger.warning
-        log("engine %s: cannot exchange KV with %s (%s): %s", self.engine_id, name, kind, reason)
-
     def _post_read(self, record: ReadRecord) -> None:
         spec, names = record.spec, record.sources
         remote = spec.remote
@@ -356,8 +226,8 @@ class KVReader:
         reads: list[Transfer] = []
         try:
             for name in names:
-                source = self._peers.get(name)
-                if source is None:  # never so while the record names it (``_remove_peer_if_unused``)
+                source = self._sources.get(name)
+                if source is None:  # never so while the record names it (``_mapping_in_use``)
                     raise ConnectorError(f"no mapping of {name} to read through")
                 transport = transports.get(source.transport)
                 local_ids, remote_ids = self._kernel_block_ids(spec, source.topology)
@@ -376,7 +246,7 @@ class KVReader:
             ", ".join(names),
         )
         if self._require_topology().tp_rank == 0:
-            self._release_unread_ranks(spec, self._peers[names[0]].topology)
+            self._release_unread_ranks(spec, self._sources.get(names[0]).topology)
 
     def _release_unread_ranks(self, spec: ReceiveSpec, remote: KVTopology) -> None:
         """Free at once the blocks of prefill ranks no decode rank reads (replicas of heads read elsewhere)."""
@@ -469,7 +339,7 @@ class KVReader:
             if not loading or left <= 0:
                 return
             asked = [future for (request_id, _), future in self._pins.items() if request_id in begun]
-            asked += [handshake.future for handshake in self._handshaking.values()]
+            asked += self._sources.answers()
             if asked:  # an answer is what they wait for: sleep until one comes (the GIL is free meanwhile)
                 wait_for_any(asked, timeout=min(left, LOAD_POLL_S * 10), return_when=FIRST_COMPLETED)
             else:  # READs in flight
@@ -479,14 +349,14 @@ class KVReader:
     def _loaded(self, record: ReadRecord) -> None:
         spec = record.spec
         transports = self._require_transport()
-        for read in record.reads:
-            source = self._peers.get(read.peer)
+        sources = [self._sources.get(read.peer) for read in record.reads]
+        for source in sources:
             if source is not None and not transports.get(source.transport).notifies_source:
                 notify = read_notification(spec.remote.remote_request_id, source.expected_reads, self.name)
                 self._releases_out.read_done(spec.remote.side_channel(source.topology.tp_rank), self.name, notify)
         num_bytes = sum(read.num_bytes for read in record.reads)
         elapsed_s = max((read.elapsed_s for read in record.reads), default=0.0)
-        transport = next((self._peers[read.peer].transport for read in record.reads if read.peer in self._peers), "")
+        transport = next((source.transport for source in sources if source is not None), "")
         self._stats.record_transfer(num_bytes, elapsed_s)
         ranks = [_rank_of(read.peer) for read in record.reads]
         self._report(spec, KVReport.transfer(num_bytes, round(elapsed_s * 1e3, 3), transport,
@@ -531,36 +401,16 @@ class KVReader:
             reason,
         )
         if record.failed_peer is not None:
-            self._forget_peer(record.failed_peer)
+            self._sources.forget(record.failed_peer)
 
     def _release_rank(self, params: KVTransferParams, rank: int) -> None:
         """Release, in this reader's name, prefill rank ``rank``'s blocks of ``params`` (ends only our pin there)."""
         self._releases_out.release(params.side_channel(rank), params.remote_request_id, self.name)
 
-    def _forget_peer(self, name: str) -> None:
-        """A read from ``name`` failed: that rank may have restarted, so handshake again once nothing uses its
-        mapping (until then the records that name it go on through it)."""
-        source = self._peers.get(name)
-        if source is None:
-            self._stale.discard(name)
-        elif self._remove_peer_if_unused(name):
-            self._stale.discard(name)
-            self._handshakes.invalidate(name.rpartition("/rank")[0], source.topology.tp_rank)
-        else:
-            self._stale.add(name)
-
-    def _remove_peer_if_unused(self, name: str) -> bool:
-        """Drop ``name``'s mapping unless a record that has not ended names it, or a READ that can still land
-        uses it; True if dropped."""
-        in_use = any(name in record.sources and not record.ended for record in self._records.values()) or any(
-            read.peer == name for read in self._quarantine
-        )
-        source = self._peers.get(name)
-        if source is None or in_use:
-            return False
-        del self._peers[name]
-        self._require_transport().get(source.transport).remove_peer(name)
-        return True
+    def _mapping_in_use(self, name: str) -> bool:
+        """Whether a record that has not ended names ``name``'s mapping, or a READ that can still land uses it."""
+        in_use = any(name in record.sources and not record.ended for record in self._records.values())
+        return in_use or any(read.peer == name for read in self._quarantine)
 
     def take_load_errors(self) -> set[int]:
         block_ids, self._load_error_block_ids = self._load_error_block_ids, set()

@@ -306,7 +306,9 @@ class World:
         engine = self.decode
         reader = engine.workers[0]._reader
         waiting = any(r.phase in ("waiting", "loading") for r in engine.requests.values())
-        return bool(waiting or reader._records or reader._quarantine or reader._stale or engine.scheduler._to_receive)
+        return bool(
+            waiting or reader._records or reader._quarantine or reader._sources._stale or engine.scheduler._to_receive
+        )
 
     def run(self, event: str) -> None:
         """One event, on the production objects; an exception out of our code is a violation."""
