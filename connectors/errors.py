@@ -1,8 +1,7 @@
 """The connectors package's exception tree: every error it raises on purpose is a ConnectorError.
 
-``TopologyError``, ``BlockMappingError`` and ``TransferShapeError`` are also
-``ValueError``s: each means that what was handed in (a topology, a list of block
-ids, a received buffer) cannot be used as given.
+``TopologyError`` and ``BlockMappingError`` are also ``ValueError``s: each means
+that what was handed in (a topology, a list of block ids) cannot be used as given.
 """
 
 from __future__ import annotations
@@ -35,10 +34,6 @@ class TopologyMismatch(TopologyError):
 
 class BlockMappingError(ConnectorError, ValueError):
     """Local and remote block id lists do not describe the same tokens."""
-
-
-class TransferShapeError(ConnectorError, ValueError):
-    """A received buffer does not have the shape its read plan implies."""
 
 
 class TransportError(ConnectorError):

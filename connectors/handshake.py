@@ -395,15 +395,3 @@ class HandshakeCache:
             raise
         self.put(response)
         return response
-
-    def __contains__(self, key: object) -> bool:
-        """``engine_id`` (any of its ranks) or ``(engine_id, tp_rank)``."""
-        with self._lock:
-            if isinstance(key, tuple):
-                return key in self._responses
-            return any(engine_id == key for engine_id, _ in self._responses)
-
-    def __len__(self) -> int:
-        """Cached ranks, over every engine."""
-        with self._lock:
-            return len(self._responses)

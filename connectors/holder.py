@@ -68,10 +68,6 @@ class LeaseHolder:
         self.releases_in: queue.SimpleQueue[str] = queue.SimpleQueue()
         self.notifications_in: queue.SimpleQueue[tuple[str, bytes]] = queue.SimpleQueue()
 
-    @property
-    def leases(self) -> LeaseTable:
-        return self._leases
-
     def hold(self, request_id: str, block_ids: tuple[int, ...]) -> None:
         self._leases.hold(request_id, block_ids)
         self._holding.add(request_id)
@@ -105,7 +101,7 @@ class LeaseHolder:
         for request_id, events in list(self._early.items()):
             if now - events[0].seen_at > self.lease_ttl_s:
                 del self._early[request_id]
-        finished = self._leases.take_finished_with_state()
+        finished = self._leases.take_finished()
         for state in finished.values():
             self._stats.record_lease(_LEASE_OUTCOMES[state])
         counts = self._leases.stats()
@@ -114,10 +110,6 @@ class LeaseHolder:
         self._counted = counts
         self._holding.difference_update(finished)
         return set(finished)
-
-    def tracked(self) -> int:
-        """How many request ids this rank keeps anything of (leases, early events; ended leases it remembers)."""
-        return len(self._holding) + len(self._early)
 
     def _lease_event(self, request_id: str, event: _LeaseEvent) -> None:
         if request_id not in self._holding and not self._leases.has_ended(request_id):

@@ -4,7 +4,7 @@ When a prefill request finishes with ``do_remote_decode``, the scheduler-side
 connector does not let vLLM free the request's KV blocks: it ``hold``s them in a
 ``LeaseTable`` until the decode side has read them (step 5 of "A request's
 path" in DESIGN.md). A lease is one state machine (``docs/architecture.md``,
-"Who owns a KV block"); the reader's half is ``connectors.ownership.ReadRecord``::
+"Who owns a KV block"); the reader's half is ``connectors.reads.ReadRecord``::
 
                          hold()
                            |
@@ -59,7 +59,6 @@ from collections.abc import Callable, Hashable, Iterable
 from connectors.errors import LeaseError
 
 __all__ = [
-    "DEFAULT_LEASE_TTL_S",
     "READ_NOTIFICATION_PREFIX",
     "BlockLease",
     "LeaseState",
@@ -72,7 +71,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_LEASE_TTL_S = 120.0
 READ_NOTIFICATION_PREFIX = b"PDRD "
 ENDED_KEPT = 65536
 """How many ended leases the table remembers (for a lease's life at most): a late pin is answered GONE, not WAIT."""
@@ -150,14 +148,15 @@ class LeaseStats:
 class LeaseTable:
     """Leases on KV blocks, keyed by request id; thread-safe.
 
-    ``grace_s`` is how long past its end a lease under a pin waits for its reader (to drain an aborted READ);
+    ``default_ttl_s`` is how long a lease keeps its blocks unless ``hold`` says otherwise; ``grace_s``, how long
+    past its end a lease under a pin waits for its reader (to drain an aborted READ);
     ``epoch`` names this start of the engine (a pin from parameters of another start is answered GONE);
     ``engine_id`` only labels log messages.
     """
 
     def __init__(
         self,
-        default_ttl_s: float = DEFAULT_LEASE_TTL_S,
+        default_ttl_s: float,
         *,
         clock: Callable[[], float] = time.monotonic,
         engine_id: str = "",
@@ -185,8 +184,8 @@ class LeaseTable:
         block_ids: Iterable[int],
         expected_reads: int = 1,
         ttl_s: float | None = None,
-    ) -> BlockLease:
-        """Keep ``block_ids`` for ``request_id`` until read, released or expired; returns a copy of the new lease.
+    ) -> None:
+        """Keep ``block_ids`` for ``request_id`` until read, released or expired.
 
         Raises ``LeaseError`` if ``request_id`` is already held or finished but
         not yet reported by ``take_finished``, or if ``expected_reads < 1`` or
@@ -213,7 +212,6 @@ class LeaseTable:
             self._ended.pop(request_id, None)
             self._push_deadline(lease.expires_at, lease)
             self._counts["held"] += 1
-            snapshot = dataclasses.replace(lease, reads_done=set(), pins=set())
         logger.debug(
             "request %s on engine %s: holding %d blocks for %d reader(s), %.1f s",
             request_id,
@@ -222,7 +220,6 @@ class LeaseTable:
             expected_reads,
             ttl,
         )
-        return snapshot
 
     def pin(self, request_id: str, reader_id: Hashable, epoch: str | None = None) -> PinAnswer:
         """A reader is about to READ the request's blocks: OK (they stay until its READ or release), WAIT (not
@@ -305,12 +302,11 @@ class LeaseTable:
             )  # fmt: skip
         return ended
 
-    def expire(self, now: float | None = None) -> list[str]:
+    def expire(self) -> list[str]:
         """End every lease past its end (``expires_at``; under a pin, ``expires_at + grace_s``); returns their ids."""
         expired: list[BlockLease] = []
         with self._lock:
-            if now is None:
-                now = self._clock()
+            now = self._clock()
             while self._deadlines and self._deadlines[0][0] <= now:
                 deadline, _, lease = heapq.heappop(self._deadlines)
                 if self._leases.get(lease.request_id) is not lease:
@@ -334,51 +330,22 @@ class LeaseTable:
             )
         return [lease.request_id for lease in expired]
 
-    def take_finished(self) -> list[str]:
-        """Request ids whose blocks may now be freed, in finishing order; each id is returned once."""
-        return list(self.take_finished_with_state())
-
-    def take_finished_with_state(self) -> dict[str, LeaseState]:
-        """Like ``take_finished``, with how each lease ended (READ, RELEASED or EXPIRED)."""
+    def take_finished(self) -> dict[str, LeaseState]:
+        """The requests whose blocks may now be freed, in finishing order, with how each lease ended (READ,
+        RELEASED or EXPIRED); each is returned once."""
         with self._lock:
             finished, self._finished = self._finished, {}
         return finished
-
-    def state_of(self, request_id: str) -> LeaseState | None:
-        """The lease's state while it is in the table or waits to be reported; None otherwise."""
-        with self._lock:
-            lease = self._leases.get(request_id)
-            return lease.state if lease is not None else self._finished.get(request_id)
 
     def has_ended(self, request_id: str) -> bool:
         """Whether the table remembers the request's lease as ended (an event for it now is late)."""
         with self._lock:
             return request_id in self._ended
 
-    def held_block_ids(self) -> set[int]:
-        """Every block id still under a HELD or BEING_READ lease."""
-        with self._lock:
-            return {block_id for lease in self._leases.values() for block_id in lease.block_ids}
-
-    def pinned_block_ids(self) -> set[int]:
-        """Every block id a reader holds a pin on (a READ from it may be in flight)."""
-        with self._lock:
-            return {block_id for lease in self._leases.values() if lease.pins for block_id in lease.block_ids}
-
     def stats(self) -> LeaseStats:
         """A consistent snapshot of the counters."""
         with self._lock:
             return LeaseStats(**{field.name: self._counts[field.name] for field in dataclasses.fields(LeaseStats)})
-
-    def tracked(self) -> int:
-        """How many request ids the table still keeps anything of (held, unreported, or remembered as ended)."""
-        with self._lock:
-            return len(self._leases) + len(self._finished) + len(self._ended)
-
-    def __len__(self) -> int:
-        """How many leases keep their blocks (HELD or BEING_READ)."""
-        with self._lock:
-            return len(self._leases)
 
     def _push_deadline(self, deadline: float, lease: BlockLease) -> None:
         self._sequence += 1

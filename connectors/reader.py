@@ -134,10 +134,6 @@ class KVReader:
         """This rank's name in pins, releases and READ notifications."""
         return peer_name(self.engine_id, self._require_topology().tp_rank)
 
-    def tracked(self) -> int:
-        """How many requests this rank keeps anything of (records, pins asked, reports not yet taken)."""
-        return len(self._records) + len(self._pins) + len(self._reports) + len(self._quarantined)
-
     def receive(self, spec: ReceiveSpec) -> None:
         """Start loading ``spec``'s KV: handshakes as needed, then pins, then its READs (``poll`` follows them)."""
         self._require_transport()

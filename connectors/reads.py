@@ -21,13 +21,13 @@ vLLM's pool for good (``connectors.scheduler``), never reused. A READ is posted 
 blocks until this reader's notification or release), only before ``deadline``
 (the lease's end less the read margin), and its result is trusted only if it
 landed before that: a READ seen done later is DRAINED, not DONE. At DRAINED the
-reader owes each source a release that names it (``release_by``), which ends
-its pin there.
+reader owes each source a release that names it (``LeaseTable.release(request,
+by=reader)``), which ends its pin there.
 
 A record is pure bookkeeping: no I/O, time passed in, transfers given. The
-worker (``connectors.reader.KVReader``) does the handshakes, pins and posts;
-``tests/unit/connectors/test_ownership_model.py`` explores every interleaving of the
-events on both machines.
+reader (``connectors.reader.KVReader``, its source ranks in ``connectors.sources``)
+does the handshakes, pins and posts; ``tests/unit/connectors/test_ownership_model.py``
+explores every interleaving of the events on both machines.
 """
 
 from __future__ import annotations
@@ -192,7 +192,3 @@ class ReadRecord:
                 self.quarantined = True
                 self._move(ReadPhase.DRAINED)
         return self.phase
-
-    def release_owed(self) -> bool:
-        """Whether the sources are owed a release at the end (the load failed; a DONE load notifies instead)."""
-        return self.phase is ReadPhase.DRAINED

@@ -102,10 +102,6 @@ class PdserveScheduler:
         self.quarantined_blocks = 0
         """Blocks kept out of vLLM's pool for good since the engine started (``_quarantine``)."""
 
-    def tracked(self) -> int:
-        """How many request ids this side keeps anything of (records, and work not yet handed to the workers)."""
-        return len(self._decode) + len(self._to_receive) + len(self._to_hold)
-
     # ------------------------------------------------------------ decode side
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:

@@ -51,14 +51,14 @@ No peer can stop or starve the server, nor make it hold more than a bound:
   closed if every connection waits for its answer to be taken. A connection
   that takes over ``IO_TIMEOUT_S`` (5 s) to send a whole message (a slow
   loris, an idle one) or to take its answer is dropped. So the request bytes
-  the server holds (``buffered_bytes``) never pass ``MAX_BUFFERED_BYTES`` =
-  ``MAX_CONNECTIONS`` x (8 + ``MAX_REQUEST_BYTES``), about 64 MiB.
+  the server holds, all connections together, never pass ``MAX_CONNECTIONS``
+  x (8 + ``MAX_REQUEST_BYTES``), about 64 MiB (``buffered_high_water`` says the
+  most they were).
 - Fairness: one thread serves every connection, and each turn of its loop
   reads (at most 256 KiB, at most one message) or answers at most once per
   connection; a ping on a connection of its own is answered within a turn or
   two however fast another connection sends. The loop turns at least every
-  ``IDLE_TURN_S`` (1 s) and records when (``last_loop_at``), to tell a busy
-  thread from a dead one.
+  ``IDLE_TURN_S`` (1 s).
 - Any exception while answering (a bug, an ``on_release`` or ``on_report``
   callback that raises) is logged and answered ``ERR internal``; an error on
   one connection drops that connection only.
@@ -94,12 +94,11 @@ from connectors.log_limit import DEFAULT_INTERVAL_S, LogLimiter
 from connectors.side_messages import ERROR_PREFIX, MAX_REQUEST_BYTES, NO_REPORT
 from connectors.topology import KVTopology
 from contract.auth import KVAuth, Unauthenticated
-from contract.framing import HEADER_BYTES, FrameReader, FramingError, frame
+from contract.framing import FrameReader, FramingError, frame
 from contract.kv_report import KVReport
 from contract.wire import parse_tcp_endpoint, tcp_endpoint
 
 __all__ = [
-    "MAX_BUFFERED_BYTES",
     "MAX_CONNECTIONS",
     "RecentReports",
     "RefusedMessages",
@@ -111,12 +110,10 @@ logger = logging.getLogger(__name__)
 RECENT_REPORTS = 4096
 MAX_CONNECTIONS = 64
 """The most connections the server holds open (read when one is accepted)."""
-MAX_BUFFERED_BYTES = MAX_CONNECTIONS * (HEADER_BYTES + MAX_REQUEST_BYTES)
-"""The most request bytes the server holds, all connections together: each holds at most one message."""
 IO_TIMEOUT_S = 5.0
 """How long a connection may take to send a whole message, or to take its answer, before it is dropped."""
 IDLE_TURN_S = 1.0
-"""The longest the serving loop waits for something to happen: ``last_loop_at`` is never older on a live thread."""
+"""The longest the serving loop waits for something to happen."""
 LISTEN_BACKLOG = 128
 _CHUNK_BYTES = 256 * 1024
 """The most bytes read from one connection in one turn of the loop."""
@@ -181,7 +178,7 @@ class _Connection:
     reader: FrameReader | None
     answer: memoryview | None = None
     counted: int = 0
-    """Its bytes in the server's ``buffered_bytes``."""
+    """Its bytes in the request bytes the server holds (``_buffered``)."""
 
 
 class SideChannelServer:
@@ -216,8 +213,6 @@ class SideChannelServer:
         self._on_report = on_report
         self._answer_delay_s = answer_delay_s  # fault injection: a slow peer
         self._closing = threading.Event()
-        self.last_loop_at = time.monotonic()
-        """When the serving loop last turned (``time.monotonic()``); it turns at least every ``IDLE_TURN_S``."""
         self._connections: dict[socket.socket, _Connection] = {}
         self._buffered = 0
         self._buffered_high_water = 0
@@ -244,14 +239,9 @@ class SideChannelServer:
         return self._thread.is_alive()
 
     @property
-    def buffered_bytes(self) -> int:
-        """Bytes of requests read and not yet answered, all connections together: at most ``MAX_CONNECTIONS``
-        x (``HEADER_BYTES`` + ``MAX_REQUEST_BYTES``)."""
-        return self._buffered
-
-    @property
     def buffered_high_water(self) -> int:
-        """The most ``buffered_bytes`` ever were."""
+        """The most bytes of requests read and not yet answered the server ever held, all connections together:
+        at most ``MAX_CONNECTIONS`` x (``HEADER_BYTES`` + ``MAX_REQUEST_BYTES``)."""
         return self._buffered_high_water
 
     def _bound_socket(self) -> socket.socket:
@@ -296,7 +286,6 @@ class SideChannelServer:
         connections dropped, then new ones taken."""
         while True:
             events = self._selector.select(self._wait_s())
-            self.last_loop_at = time.monotonic()
             listener_ready = False
             for key, mask in events:
                 if key.data is _Wake:

@@ -41,7 +41,6 @@ __all__ = [
     "ping",
     "probe",
     "request_handshake",
-    "send_release",
 ]
 
 logger = logging.getLogger(__name__)
@@ -123,7 +122,7 @@ def ask_pin(endpoint: str, auth: KVAuth, reader: str, request_id: str, epoch: st
 
 def _connect(endpoint: str, deadline: float) -> socket.socket:
     """A connection to ``endpoint``; a refused one is tried again every ``CONNECT_RETRY_S`` until ``deadline``
-    (a channel being bound anew, or not yet listening, as ZMQ's reconnects did)."""
+    (a channel being bound anew, or not yet listening)."""
     host, port = parse_tcp_endpoint(endpoint)
     while True:
         try:
@@ -132,11 +131,6 @@ def _connect(endpoint: str, deadline: float) -> socket.socket:
             if time.monotonic() + CONNECT_RETRY_S >= deadline:
                 raise
             time.sleep(CONNECT_RETRY_S)
-
-
-def send_release(endpoint: str, message: bytes, timeout_s: float = 2.0) -> bool:
-    """Send a sealed release (``release_message``) to the worker at ``endpoint``; False if it did not take it."""
-    return _answered_ok(endpoint, message, timeout_s, "release", logging.WARNING)
 
 
 def _answered_ok(endpoint: str, message: bytes, timeout_s: float, what: str, log_level: int) -> bool:

@@ -154,11 +154,6 @@ class KVTopology:
         return max(1, self.total_num_kv_heads // self.tp_size)
 
     @property
-    def is_replicated(self) -> bool:
-        """Whether other ranks of this engine hold copies of this rank's heads."""
-        return self.tp_size > self.total_num_kv_heads
-
-    @property
     def element_size(self) -> int:
         return ELEMENT_SIZES[self.dtype]
 
@@ -211,10 +206,7 @@ class ReadPlan:
     rank's heads exactly once.
     """
 
-    local: KVTopology
-    remote: KVTopology
     slices: tuple[HeadSlice, ...]
-    block_size_ratio: int
 
     @property
     def remote_ranks(self) -> tuple[int, ...]:
@@ -347,7 +339,7 @@ def plan_reads(local: KVTopology, remote: KVTopology) -> ReadPlan:
         raise TopologyMismatch(
             [f"remote ranks {list(share)} do not hold heads [{covered}, {wanted_stop}) of local rank {local.tp_rank}"]
         )
-    return ReadPlan(local, remote, tuple(slices), local.block_size // remote.block_size)
+    return ReadPlan(tuple(slices))
 
 
 def reader_ranks(remote_rank: int, local: KVTopology, remote: KVTopology) -> tuple[int, ...]:

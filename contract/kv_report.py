@@ -17,9 +17,8 @@ import dataclasses
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-__all__ = ["HEADER_KEYS", "SOURCES", "KVReport"]
+__all__ = ["HEADER_KEYS", "KVReport"]
 
-SOURCES = ("transfer", "recomputed", "local_prefix_cache", "none")
 HEADER_KEYS = ("source", "bytes", "transfer_ms", "transport", "reason", "remote_engine_id")
 """The fields the header carries, in its order (``detail`` and ``remote_ranks`` stay in the JSON answer)."""
 

@@ -64,6 +64,7 @@ from contract import wire
 from contract.auth import SECRET_ENV, SECRET_FILE_ENV
 from contract.wire import parse_tcp_endpoint
 from tests.fake_nixl import Fabric
+from tests.kv_probes import held_leases, holder_tracked, reader_tracked, scheduler_tracked
 from tests.kv_sim_edges import (
     _CLOCKED,
     CLOCK,
@@ -295,7 +296,7 @@ class World:
             return True
         for worker in engine.workers:
             holder, agent = worker._holder, worker._transport.get("nixl")._agent
-            deadlines = holder.leases._deadlines
+            deadlines = holder._leases._deadlines
             if holder.releases_in.queue or holder.notifications_in.queue or agent.notifications or holder._early:
                 return True
             if deadlines and deadlines[0][0] <= self.t:
@@ -556,14 +557,14 @@ class World:
         for role in ("prefill", "decode"):
             engine: Engine = getattr(world, role)
             for worker in engine.workers:
-                if len(worker._holder.leases):
-                    problems.append(f"never-ends: {role} holds {len(worker._holder.leases)} lease(s)")
+                if held_leases(worker._holder._leases):
+                    problems.append(f"never-ends: {role} holds {held_leases(worker._holder._leases)} lease(s)")
                 if worker._reader._records:
                     problems.append(f"never-ends: {role} keeps read records {sorted(worker._reader._records)}")
-                if worker._holder.tracked() or worker._reader.tracked():
+                if holder_tracked(worker._holder) or reader_tracked(worker._reader):
                     problems.append(f"never-ends: {role} keeps request ids (holder, reader)")
-            if engine.scheduler.tracked():
-                problems.append(f"never-ends: {role}'s scheduler side keeps {engine.scheduler.tracked()} record(s)")
+            if kept := scheduler_tracked(engine.scheduler):
+                problems.append(f"never-ends: {role}'s scheduler side keeps {kept} record(s)")
             if engine.requests:
                 problems.append(f"never-ends: {role} requests never served: {sorted(engine.requests)}")
             lost = len(engine.pool.blocks) - len(engine.pool.free) - engine.scheduler.quarantined_blocks

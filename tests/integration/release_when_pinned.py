@@ -14,14 +14,27 @@ from __future__ import annotations
 
 import json
 import select
+import socket
 import sys
 import time
 
-from connectors.side_client import send_release
+from connectors.side_messages import MAX_REPLY_BYTES
+from contract.framing import frame, recv_frame
+from contract.wire import parse_tcp_endpoint
 from testlib.priority import run_ahead
 from tests.integration.conftest import metric_values
 
 LEASES = "pdserve:kv_leases_total"
+
+
+def send_release(endpoint: str, message: bytes, timeout_s: float = 2.0) -> bool:
+    """Whether the side channel at ``endpoint`` takes the sealed release ``message``: it answers ``OK``."""
+    try:
+        with socket.create_connection(parse_tcp_endpoint(endpoint), timeout=timeout_s) as sock:
+            sock.sendall(frame(message))
+            return recv_frame(sock, MAX_REPLY_BYTES, time.monotonic() + timeout_s) == b"OK"
+    except (OSError, ValueError):  # unreachable, or an answer that is not one of our frames
+        return False
 
 
 def main() -> None:

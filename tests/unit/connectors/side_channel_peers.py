@@ -44,16 +44,32 @@ def ask(endpoint: str, message: bytes, timeout_ms: int = 10_000) -> bytes:
     return answer
 
 
+def send_release(endpoint: str, message: bytes, timeout_s: float = 2.0) -> bool:
+    """Whether the side channel at ``endpoint`` takes ``message`` (a sealed release or READ notification): it
+    answers ``OK`` within ``timeout_s``."""
+    return exchange(endpoint, frame(message), int(timeout_s * 1000)) == b"OK"
+
+
+def buffered_bytes(channel: SideChannelServer) -> int:
+    """The request bytes ``channel`` holds now, read and not yet answered, all connections together."""
+    return channel._buffered
+
+
 class WatchedServer(SideChannelServer):
-    """A side channel that records the length of every message reaching ``_answer`` (the MAC), and that a
-    test can make fail: ``break_listener`` (its next ``accept`` fails: a listening socket in a bad state) or
-    ``fail_answers``."""
+    """A side channel that records the length of every message reaching ``_answer`` (the MAC) and when its loop
+    last turned (``turned_at``), and that a test can make fail: ``break_listener`` (its next ``accept`` fails: a
+    listening socket in a bad state) or ``fail_answers``."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self.answered: list[int] = []
         self.break_listener = False
         self.fail_answers = False
+        self.turned_at = time.monotonic()
         super().__init__(*args, **kwargs)
+
+    def _wait_s(self) -> float:
+        self.turned_at = time.monotonic()  # each turn of the loop asks how long to wait
+        return super()._wait_s()
 
     def _answer(self, message: bytes) -> bytes:
         self.answered.append(len(message))

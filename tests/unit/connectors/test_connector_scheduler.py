@@ -22,6 +22,7 @@ from connectors.stats import PdserveWorkerMeta  # noqa: E402
 from contract import wire  # noqa: E402
 from contract.auth import KVAuth  # noqa: E402
 from contract.kv_report import KVReport  # noqa: E402
+from tests.kv_probes import scheduler_tracked  # noqa: E402
 from tests.unit.conftest import TEST_SECRET  # noqa: E402
 
 
@@ -254,7 +255,7 @@ def test_the_samples_of_an_n_request_wait_for_one_read_and_report_it(scheduler, 
     finished = [scheduler.request_finished(r, [3, 4])[1] for r in (siblings[0], reader, siblings[1])]
     expected = {"pdserve_kv": report.as_dict()} if outcome == "finished_recving" else None
     assert finished == [expected] * 3
-    assert scheduler.tracked() == 0  # every record ended with its request
+    assert scheduler_tracked(scheduler) == 0  # every record ended with its request
 
 
 def test_the_same_parameters_in_a_request_of_another_parent_are_a_replay(scheduler):
@@ -435,4 +436,4 @@ def test_a_sample_first_seen_after_its_reader_ended_is_no_replay(scheduler):
     assert scheduler.get_num_new_matched_tokens(late, 0) == (0, False)
     assert refused_params(scheduler) == 0
     scheduler.request_finished(late, [3, 4])
-    assert scheduler.tracked() == 0
+    assert scheduler_tracked(scheduler) == 0

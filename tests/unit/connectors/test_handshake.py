@@ -27,6 +27,7 @@ from connectors.handshake import (
     encode_response,
 )
 from connectors.topology import KVTopology, compatibility_hash
+from tests.kv_probes import cached_ranks
 from tests.unit.kv_factories import topology_factory
 
 HEADER_SIZE = 4 + 2 + 32 + 1
@@ -346,7 +347,7 @@ def test_cache_handshakes_once_per_peer(cache: HandshakeCache) -> None:
     assert first is again
     assert other.engine_id == "prefill-1"
     assert calls == ["prefill-0", "prefill-1"]
-    assert len(cache) == 2 and "prefill-0" in cache
+    assert cached_ranks(cache) == {("prefill-0", 0), ("prefill-1", 0)}
 
 
 def test_cache_invalidation_forces_a_new_handshake(cache: HandshakeCache) -> None:
@@ -363,19 +364,19 @@ def test_cache_keeps_one_answer_per_tp_rank_of_an_engine(cache: HandshakeCache) 
     assert cache.get_or_handshake("prefill-0", lambda: ranks[1], tp_rank=1) is ranks[1]
     assert cache.get_or_handshake("prefill-0", lambda: ranks[0], tp_rank=0) is ranks[0]
     assert cache.get_or_handshake("prefill-0", lambda: pytest.fail("cached"), tp_rank=1) is ranks[1]
-    assert len(cache) == 2 and ("prefill-0", 1) in cache and ("prefill-0", 2) not in cache
+    assert cached_ranks(cache) == {("prefill-0", 0), ("prefill-0", 1)}
     assert cache.invalidate("prefill-0", 1) is True
     assert cache.get("prefill-0", 1) is None and cache.get("prefill-0", 0) is ranks[0]
     cache.put(ranks[1])
     assert cache.invalidate("prefill-0") is True  # every rank
-    assert len(cache) == 0
+    assert cached_ranks(cache) == set()
 
 
 def test_cache_refuses_an_answer_from_another_rank(cache: HandshakeCache) -> None:
     wrong = response(topology=topology(tp_size=2, tp_rank=0))
     with pytest.raises(HandshakeRejected, match="engine prefill-0 answered as TP rank 0, expected 1"):
         cache.get_or_handshake("prefill-0", lambda: wrong, tp_rank=1)
-    assert len(cache) == 0
+    assert cached_ranks(cache) == set()
 
 
 def test_cache_keeps_nothing_when_the_handshake_fails(cache: HandshakeCache) -> None:
@@ -384,10 +385,10 @@ def test_cache_keeps_nothing_when_the_handshake_fails(cache: HandshakeCache) -> 
 
     with pytest.raises(HandshakeRejected):
         cache.get_or_handshake("prefill-0", refused)
-    assert "prefill-0" not in cache
+    assert cached_ranks(cache) == set()
     with pytest.raises(HandshakeRejected, match="answered as engine 'prefill-9'"):
         cache.get_or_handshake("prefill-0", lambda: response(engine_id="prefill-9"))
-    assert len(cache) == 0
+    assert cached_ranks(cache) == set()
 
 
 def test_cache_is_consistent_under_threads(cache: HandshakeCache) -> None:
@@ -414,7 +415,7 @@ def test_cache_is_consistent_under_threads(cache: HandshakeCache) -> None:
     assert wrong_answers == []
     for engine_id in engine_ids:
         assert cache.get_or_handshake(engine_id, lambda e=engine_id: response(engine_id=e)).engine_id == engine_id
-    assert len(cache) == len(engine_ids)
+    assert cached_ranks(cache) == {(engine_id, 0) for engine_id in engine_ids}
 
 
 def test_a_response_carries_the_transports_and_node_of_its_rank() -> None:

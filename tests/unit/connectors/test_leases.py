@@ -12,7 +12,6 @@ import pytest
 
 from connectors.errors import ConnectorError, LeaseError
 from connectors.leases import (
-    DEFAULT_LEASE_TTL_S,
     LeaseState,
     LeaseStats,
     LeaseTable,
@@ -20,6 +19,7 @@ from connectors.leases import (
     parse_read_notification,
     read_notification,
 )
+from tests.kv_probes import held_block_ids, held_leases, lease_state, pinned_block_ids
 
 
 class FakeClock:
@@ -45,22 +45,17 @@ def table(clock: FakeClock) -> LeaseTable:
     return LeaseTable(default_ttl_s=120.0, clock=clock, engine_id="prefill-0")
 
 
-def test_hold_keeps_blocks_until_read(table: LeaseTable, clock: FakeClock):
-    lease = table.hold("req-1", [3, 4, 5])
+def test_hold_keeps_blocks_for_the_tables_ttl(table: LeaseTable, clock: FakeClock):
+    table.hold("req-1", [3, 4, 5])
 
-    assert lease.request_id == "req-1"
-    assert lease.block_ids == (3, 4, 5)
-    assert lease.state is LeaseState.HELD
-    assert (lease.created_at, lease.expires_at) == (clock.now, clock.now + 120.0)
-    assert len(table) == 1
-    assert table.held_block_ids() == {3, 4, 5}
-    assert table.take_finished() == []
-
-
-def test_default_ttl_is_two_minutes():
-    clock = FakeClock()
-    lease = LeaseTable(clock=clock).hold("req-1", [1])
-    assert lease.expires_at - lease.created_at == DEFAULT_LEASE_TTL_S == 120.0
+    assert lease_state(table, "req-1") is LeaseState.HELD
+    assert held_leases(table) == 1
+    assert held_block_ids(table) == {3, 4, 5}
+    assert list(table.take_finished()) == []
+    clock.advance(120.0 - 1e-6)
+    assert table.expire() == []
+    clock.advance(1e-6)
+    assert table.expire() == ["req-1"]
 
 
 def test_a_read_frees_the_blocks_once(table: LeaseTable):
@@ -69,22 +64,22 @@ def test_a_read_frees_the_blocks_once(table: LeaseTable):
 
     assert table.mark_read("req-1", reader_id=0) is True
 
-    assert table.take_finished() == ["req-1"]
-    assert table.take_finished() == []
-    assert table.held_block_ids() == {7}
-    assert len(table) == 1
+    assert list(table.take_finished()) == ["req-1"]
+    assert list(table.take_finished()) == []
+    assert held_block_ids(table) == {7}
+    assert held_leases(table) == 1
 
 
 def test_with_two_expected_readers_only_the_second_frees(table: LeaseTable):
     table.hold("req-1", [3, 4], expected_reads=2)
 
     assert table.mark_read("req-1", reader_id=0) is False
-    assert table.take_finished() == []
-    assert table.held_block_ids() == {3, 4}
+    assert list(table.take_finished()) == []
+    assert held_block_ids(table) == {3, 4}
 
     assert table.mark_read("req-1", reader_id=1) is True
-    assert table.take_finished() == ["req-1"]
-    assert len(table) == 0
+    assert list(table.take_finished()) == ["req-1"]
+    assert held_leases(table) == 0
 
 
 def test_readers_say_how_many_of_them_to_expect(table: LeaseTable):
@@ -92,9 +87,9 @@ def test_readers_say_how_many_of_them_to_expect(table: LeaseTable):
     table.hold("req-1", [3, 4])
 
     assert table.mark_read("req-1", reader_id="decode-rank-0", expected_reads=2) is False
-    assert table.take_finished() == []
+    assert list(table.take_finished()) == []
     assert table.mark_read("req-1", reader_id="decode-rank-1", expected_reads=2) is True
-    assert table.take_finished() == ["req-1"]
+    assert list(table.take_finished()) == ["req-1"]
     with pytest.raises(LeaseError, match="expected_reads must be at least 1, got 0"):
         table.mark_read("req-2", reader_id=0, expected_reads=0)
 
@@ -121,22 +116,22 @@ def test_a_duplicate_notification_from_one_reader_is_idempotent(table: LeaseTabl
     assert table.mark_read("req-1", reader_id=0) is False
     assert table.mark_read("req-1", reader_id=0) is False
 
-    assert table.take_finished() == []
-    assert table.held_block_ids() == {3}
+    assert list(table.take_finished()) == []
+    assert held_block_ids(table) == {3}
     assert table.stats().late_notifications == 0
     assert table.mark_read("req-1", reader_id=1) is True
-    assert table.take_finished() == ["req-1"]
+    assert list(table.take_finished()) == ["req-1"]
 
 
 def test_release_frees_at_once_and_a_later_read_is_a_late_notification(table: LeaseTable):
     table.hold("req-1", [3, 4])
 
     assert table.release("req-1") is True
-    assert table.take_finished() == ["req-1"]
-    assert table.held_block_ids() == set()
+    assert list(table.take_finished()) == ["req-1"]
+    assert held_block_ids(table) == set()
 
     assert table.mark_read("req-1", reader_id=0) is False
-    assert table.take_finished() == []
+    assert list(table.take_finished()) == []
     assert table.stats() == LeaseStats(held=1, released=1, late_notifications=1)
 
 
@@ -146,14 +141,14 @@ def test_release_of_an_unknown_or_finished_request_returns_false(table: LeaseTab
     table.mark_read("req-1", reader_id=0)
 
     assert table.release("req-1") is False
-    assert table.take_finished() == ["req-1"]
+    assert list(table.take_finished()) == ["req-1"]
     assert table.stats() == LeaseStats(held=1, read=1)
 
 
 def test_a_read_for_an_unknown_request_is_counted_and_ignored(table: LeaseTable):
     assert table.mark_read("never-held", reader_id=0) is False
     assert table.stats().late_notifications == 1
-    assert table.take_finished() == []
+    assert list(table.take_finished()) == []
 
 
 def test_expiry_frees_exactly_the_expired_leases_at_the_right_time(table: LeaseTable, clock: FakeClock):
@@ -165,17 +160,19 @@ def test_expiry_frees_exactly_the_expired_leases_at_the_right_time(table: LeaseT
 
     clock.now = start + 10.0 - 1e-6
     assert table.expire() == []
-    assert table.take_finished() == []
+    assert list(table.take_finished()) == []
 
     clock.now = start + 10.0
     assert table.expire() == ["short"]
-    assert table.held_block_ids() == {3, 4}
+    assert held_block_ids(table) == {3, 4}
 
-    assert table.expire(now=start + 14.9) == []
-    assert table.expire(now=start + 15.0) == ["later"]
-    assert table.take_finished() == ["short", "later"]
-    assert table.held_block_ids() == {4}
-    assert len(table) == 1
+    clock.now = start + 14.9
+    assert table.expire() == []
+    clock.now = start + 15.0
+    assert table.expire() == ["later"]
+    assert list(table.take_finished()) == ["short", "later"]
+    assert held_block_ids(table) == {4}
+    assert held_leases(table) == 1
     assert table.stats().expired == 2
 
 
@@ -188,7 +185,7 @@ def test_expiry_skips_leases_that_were_already_read_or_released(table: LeaseTabl
 
     clock.advance(10.0)
     assert table.expire() == ["abandoned"]
-    assert table.take_finished() == ["read", "released", "abandoned"]
+    assert list(table.take_finished()) == ["read", "released", "abandoned"]
     assert table.stats() == LeaseStats(held=3, read=1, released=1, expired=1)
 
 
@@ -198,7 +195,7 @@ def test_a_read_after_expiry_is_a_late_notification(table: LeaseTable, clock: Fa
     assert table.expire() == ["req-1"]
 
     assert table.mark_read("req-1", reader_id=0) is False
-    assert table.take_finished() == ["req-1"]
+    assert list(table.take_finished()) == ["req-1"]
     assert table.stats() == LeaseStats(held=1, expired=1, late_notifications=1)
 
 
@@ -208,12 +205,12 @@ def test_take_finished_returns_each_id_once_in_finishing_order(table: LeaseTable
     table.release("b")
     table.mark_read("a", reader_id=0)
 
-    assert table.take_finished() == ["b", "a"]
+    assert list(table.take_finished()) == ["b", "a"]
     clock.advance(10.0)
     table.expire()
     table.release("d")
-    assert table.take_finished() == ["c", "d"]
-    assert table.take_finished() == []
+    assert list(table.take_finished()) == ["c", "d"]
+    assert list(table.take_finished()) == []
 
 
 def test_holding_the_same_id_twice_raises_a_clear_error(table: LeaseTable):
@@ -222,7 +219,7 @@ def test_holding_the_same_id_twice_raises_a_clear_error(table: LeaseTable):
     with pytest.raises(LeaseError, match=r"request 'req-1' already holds a lease on 2 blocks") as raised:
         table.hold("req-1", [5])
     assert isinstance(raised.value, ConnectorError)
-    assert table.held_block_ids() == {3, 4}
+    assert held_block_ids(table) == {3, 4}
     assert table.stats().held == 1
 
 
@@ -233,9 +230,9 @@ def test_an_id_can_be_held_again_only_after_it_was_reported(table: LeaseTable):
     with pytest.raises(LeaseError, match=r"request 'req-1' finished its lease \(RELEASED\) but was not yet reported"):
         table.hold("req-1", [3])
 
-    assert table.take_finished() == ["req-1"]
+    assert list(table.take_finished()) == ["req-1"]
     table.hold("req-1", [9])
-    assert table.held_block_ids() == {9}
+    assert held_block_ids(table) == {9}
 
 
 @pytest.mark.parametrize(
@@ -251,7 +248,7 @@ def test_an_id_can_be_held_again_only_after_it_was_reported(table: LeaseTable):
 def test_hold_rejects_bad_counts_and_ttls(table: LeaseTable, kwargs: dict, message: str):
     with pytest.raises(LeaseError, match=message):
         table.hold("req-1", [1], **kwargs)
-    assert len(table) == 0
+    assert held_leases(table) == 0
     assert table.stats().held == 0
 
 
@@ -274,16 +271,7 @@ def test_stats_count_every_outcome(table: LeaseTable, clock: FakeClock):
     table.mark_read("expired", reader_id=0)  # late
 
     assert table.stats() == LeaseStats(held=4, read=1, released=1, expired=1, late_notifications=2)
-    assert len(table) == 1
-
-
-def test_hold_returns_a_copy_that_later_reads_do_not_change(table: LeaseTable):
-    lease = table.hold("req-1", [1], expected_reads=2)
-    table.mark_read("req-1", reader_id=0)
-    table.mark_read("req-1", reader_id=1)
-
-    assert lease.reads_done == set()
-    assert lease.state is LeaseState.HELD
+    assert held_leases(table) == 1
 
 
 def test_concurrent_reads_releases_and_expiry_free_every_lease_exactly_once(clock: FakeClock):
@@ -342,7 +330,8 @@ def test_concurrent_reads_releases_and_expiry_free_every_lease_exactly_once(cloc
         start.wait()
         for thread in workers:
             thread.join()
-        table.expire(now=math.inf)  # whatever no thread ended
+        clock.now = math.inf
+        table.expire()  # whatever no thread ended
         stop_taking.set()
         taker.join()
     finally:
@@ -352,8 +341,8 @@ def test_concurrent_reads_releases_and_expiry_free_every_lease_exactly_once(cloc
     counts = Counter(taken)
     assert set(counts) == set(request_ids)
     assert max(counts.values()) == 1
-    assert len(table) == 0
-    assert table.held_block_ids() == set()
+    assert held_leases(table) == 0
+    assert held_block_ids(table) == set()
     stats = table.stats()
     assert stats.read + stats.released + stats.expired == stats.held == len(request_ids)
     assert stats.expired >= 200
@@ -373,7 +362,7 @@ def test_a_pin_answers_ok_for_a_held_lease_wait_before_it_and_gone_after_it(cloc
     assert table.pin("r1", "decode/rank0", "e1") is PinAnswer.WAIT  # the hold comes with the next step
     table.hold("r1", (1, 2))
     assert table.pin("r1", "decode/rank0", "e1") is PinAnswer.OK
-    assert table.state_of("r1") is LeaseState.BEING_READ
+    assert lease_state(table, "r1") is LeaseState.BEING_READ
     assert table.mark_read("r1", "decode/rank0", 1) is True
     assert table.pin("r1", "decode/rank1", "e1") is PinAnswer.GONE  # ended: the reader recomputes
 
@@ -381,7 +370,7 @@ def test_a_pin_answers_ok_for_a_held_lease_wait_before_it_and_gone_after_it(cloc
 def test_a_pin_from_parameters_of_another_start_is_gone(clock: FakeClock):
     table = pinned_table(clock)
     assert table.pin("r1", "decode/rank0", "e0") is PinAnswer.GONE
-    assert table.state_of("r1") is LeaseState.HELD
+    assert lease_state(table, "r1") is LeaseState.HELD
 
 
 def test_a_release_that_names_no_reader_is_refused_under_a_pin(clock: FakeClock):
@@ -389,10 +378,10 @@ def test_a_release_that_names_no_reader_is_refused_under_a_pin(clock: FakeClock)
     table.pin("r1", "decode/rank0", "e1")
 
     assert table.release("r1") is False  # the proxy's: a READ may be in flight
-    assert table.held_block_ids() == table.pinned_block_ids() == {1, 2}
+    assert held_block_ids(table) == pinned_block_ids(table) == {1, 2}
     assert table.stats().releases_refused == 1
     assert table.mark_read("r1", "decode/rank0", 1) is True
-    assert table.take_finished_with_state() == {"r1": LeaseState.READ}
+    assert table.take_finished() == {"r1": LeaseState.READ}
 
 
 def test_a_readers_own_release_ends_its_pin_and_the_lease_once_no_pin_is_left(clock: FakeClock):
@@ -402,7 +391,7 @@ def test_a_readers_own_release_ends_its_pin_and_the_lease_once_no_pin_is_left(cl
 
     assert table.release("r1", by="decode/rank0") is False  # rank 1 still reads
     assert table.release("r1", by="decode/rank1") is True
-    assert table.take_finished_with_state() == {"r1": LeaseState.RELEASED}
+    assert table.take_finished() == {"r1": LeaseState.RELEASED}
 
 
 def test_a_read_of_one_reader_does_not_end_a_lease_another_still_reads(clock: FakeClock):
@@ -420,4 +409,4 @@ def test_a_pinned_lease_waits_the_grace_past_its_end_for_a_reader_never_heard_of
     assert table.expire() == []  # a READ aborted at the lease's end less the margin may still be draining
     clock.advance(2.0)
     assert table.expire() == ["r1"]
-    assert table.take_finished_with_state() == {"r1": LeaseState.EXPIRED}
+    assert table.take_finished() == {"r1": LeaseState.EXPIRED}

@@ -25,6 +25,7 @@ import connectors.reads
 from connectors.holder import LeaseHolder
 from connectors.leases import PinAnswer
 from tests.kv_ownership_sim import Scope, explore, sample
+from tests.kv_probes import held_leases, holder_tracked, scheduler_tracked
 from tests.unit.connectors.test_connector_scheduler import FakeRequest, fake_blocks, make_scheduler, signed
 
 FIRST = bool(os.environ.get("PDSERVE_EXPLORE_FIRST"))
@@ -109,7 +110,7 @@ def test_a_decode_request_aborted_before_allocation_releases_its_blocks_and_leav
     assert sent == ["req-on-prefill"]  # released, not taken for a replay of itself
     assert params == {"pdserve_kv": {"source": "none", "reason": "finished before loading"}}
     assert scheduler.take_stats() is None  # nothing refused
-    assert scheduler.tracked() == 0
+    assert scheduler_tracked(scheduler) == 0
 
 
 def test_ten_thousand_requests_with_random_aborts_preemptions_and_releases_leave_nothing_keyed_by_id() -> None:
@@ -148,7 +149,7 @@ def test_ten_thousand_requests_with_random_aborts_preemptions_and_releases_leave
     time.sleep(0.1)
     holder.poll(transports)  # the leases nobody read or released end by expiry
 
-    assert decode.tracked() == 0 and prefill.tracked() == 0
-    assert holder.tracked() == 0 and len(holder.leases) == 0
+    assert scheduler_tracked(decode) == 0 and scheduler_tracked(prefill) == 0
+    assert holder_tracked(holder) == 0 and held_leases(holder._leases) == 0
     stats = decode.take_stats()
     assert stats is None or not stats.data.get("refused")  # no request taken for a replay of itself

@@ -22,7 +22,7 @@ from connectors.errors import TransportError
 from connectors.handshake import HandshakeRequest, encode_request, encode_response
 from connectors.leases import read_notification
 from connectors.side_channel import SideChannelServer
-from connectors.side_client import ping, request_handshake, send_release
+from connectors.side_client import ping, request_handshake
 from connectors.side_messages import (
     MAX_REPLY_BYTES,
     MAX_REQUEST_BYTES,
@@ -34,7 +34,16 @@ from connectors.side_messages import (
 from contract.auth import Unauthenticated
 from contract.framing import MAX_FRAME_BYTES, FramingError, frame, recv_frame
 from testlib.cpu_use import context_switches
-from tests.unit.connectors.side_channel_peers import AUTH, REPORT, STRANGER, ask, eventually, free_port, header
+from tests.unit.connectors.side_channel_peers import (
+    AUTH,
+    REPORT,
+    STRANGER,
+    ask,
+    eventually,
+    free_port,
+    header,
+    send_release,
+)
 from tests.unit.connectors.test_handshake import response, topology
 
 pytestmark = pytest.mark.timeout(15)
@@ -238,15 +247,14 @@ async def test_an_ipv6_side_channel_is_bound_and_asked_at_its_bracketed_endpoint
         channel.close()
 
 
-def test_an_idle_side_channel_turns_once_a_second_and_closes_at_once(server) -> None:
-    """Idle, the loop wakes once a second (``IDLE_TURN_S``), so ``last_loop_at`` tells a live thread from a
-    stuck one; it polled ten times a second once (ten wake-ups)."""
-    channel, _, released = server
+def test_an_idle_side_channel_turns_once_a_second_and_closes_at_once(watched) -> None:
+    """Idle, the loop wakes once a second (``IDLE_TURN_S``): few wake-ups, and its last turn is never older."""
+    channel, released = watched
     task = Path(f"/proc/self/task/{channel._thread.native_id}")
     before = context_switches(task)
     time.sleep(3.0)
     assert context_switches(task) - before <= 5
-    assert time.monotonic() - channel.last_loop_at < side_channel.IDLE_TURN_S + 0.5
+    assert time.monotonic() - channel.turned_at < side_channel.IDLE_TURN_S + 0.5
     ask(channel.endpoint, release_message(AUTH, "req-7"))
     assert released == ["req-7"]
     started = time.monotonic()

@@ -18,8 +18,8 @@ import connectors.side_channel as side_channel
 import connectors.side_client as side_client
 from connectors.errors import TransportError
 from connectors.handshake import HandshakeRequest, encode_request
-from connectors.side_channel import MAX_BUFFERED_BYTES, MAX_CONNECTIONS, SideChannelServer
-from connectors.side_client import ping, request_handshake, send_release
+from connectors.side_channel import MAX_CONNECTIONS, SideChannelServer
+from connectors.side_client import ping, request_handshake
 from connectors.side_messages import MAX_REQUEST_BYTES, release_message
 from contract.auth import KINDS
 from contract.framing import HEADER_BYTES, frame
@@ -30,6 +30,7 @@ from tests.unit.connectors.side_channel_peers import (
     WatchedServer,
     answer_on,
     assert_serves,
+    buffered_bytes,
     closed_by_server,
     connect,
     dropped_unanswered,
@@ -39,6 +40,7 @@ from tests.unit.connectors.side_channel_peers import (
     free_port,
     header,
     records,
+    send_release,
     watched_server,
 )
 from tests.unit.connectors.test_handshake import topology
@@ -85,7 +87,7 @@ def test_no_message_stops_the_channel(watched) -> None:
     assert exchange(channel.endpoint, frame(AUTH.seal(b"ping", b"")), timeout_ms=500) is None  # lost with it
     assert_serves(channel, "a listening socket in a bad state")
     assert released == ["req-r"]
-    assert channel.buffered_bytes == 0
+    assert buffered_bytes(channel) == 0
 
 
 @pytest.mark.parametrize(
@@ -251,7 +253,7 @@ def test_a_fuzzed_stream_of_messages_leaves_the_channel_serving(watched) -> None
     assert released == []
     assert refusals > 200 and dropped > 20 and pings > 10  # the seed exercised every path
     assert_serves(channel, "the fuzz")
-    assert channel.buffered_bytes == 0
+    assert buffered_bytes(channel) == 0
 
 
 # ---------------------------------------------------------------- what a peer can make it hold, and wait
@@ -261,7 +263,7 @@ def test_what_hostile_clients_announcing_1_mib_and_trickling_make_it_hold_is_bou
     """20 clients each announce a 1 MiB message, send all of it but 1 KiB, then trickle: the server holds at
     most ``MAX_CONNECTIONS`` x (header + ``MAX_REQUEST_BYTES``) (8 connections here; 64 MiB at 64), each new
     client taking the place of the one that waited longest, and a ping is still answered."""
-    assert MAX_CONNECTIONS == 64 and MAX_BUFFERED_BYTES == 64 * (HEADER_BYTES + (1 << 20))
+    assert (MAX_CONNECTIONS, MAX_REQUEST_BYTES) == (64, 1 << 20)  # at most 64 x (8 B + 1 MiB) held: about 64 MiB
     monkeypatch.setattr(side_channel, "MAX_CONNECTIONS", 8)
     bound = 8 * (HEADER_BYTES + MAX_REQUEST_BYTES)
     channel, _ = watched_server()
@@ -273,7 +275,7 @@ def test_what_hostile_clients_announcing_1_mib_and_trickling_make_it_hold_is_bou
                 hostile[-1].sendall(header(MAX_REQUEST_BYTES) + bytes(MAX_REQUEST_BYTES - 1024))
             except ConnectionError:
                 pass  # its place was taken while it sent
-            assert channel.buffered_bytes <= bound
+            assert buffered_bytes(channel) <= bound
         trickle_until = time.monotonic() + 1.0
         while time.monotonic() < trickle_until:
             for sock in hostile:
@@ -281,7 +283,7 @@ def test_what_hostile_clients_announcing_1_mib_and_trickling_make_it_hold_is_bou
                     sock.send(b"\0")
                 except OSError:
                     pass
-            assert channel.buffered_bytes <= bound
+            assert buffered_bytes(channel) <= bound
             time.sleep(0.02)
         started = time.monotonic()
         assert ping(channel.endpoint, AUTH, timeout_s=2)
@@ -292,7 +294,7 @@ def test_what_hostile_clients_announcing_1_mib_and_trickling_make_it_hold_is_bou
         channel.close()
     assert 7 * MAX_REQUEST_BYTES < channel.buffered_high_water <= bound  # held, up to the bound, never past it
     assert channel.answered == [len(AUTH.seal(b"ping", b""))]  # no hostile message was ever whole
-    assert channel.buffered_bytes == 0
+    assert buffered_bytes(channel) == 0
 
 
 def test_one_connection_too_many_takes_the_place_of_the_one_waiting_longest(monkeypatch) -> None:
@@ -363,7 +365,7 @@ def test_a_slow_loris_and_an_idle_connection_are_dropped_after_the_read_timeout(
         assert closed_by_server(loris, 3) and closed_by_server(idle, 3)
         assert 0.4 < time.monotonic() - started < 0.5 + side_channel.IDLE_TURN_S + 0.5
         assert ping(channel.endpoint, AUTH, timeout_s=1)
-        assert channel.buffered_bytes == 0 and channel.refused.take() == {}
+        assert buffered_bytes(channel) == 0 and channel.refused.take() == {}
     finally:
         stop.set()
         sender.join(timeout=2)
@@ -415,4 +417,4 @@ def test_a_ping_is_answered_within_half_a_second_while_other_clients_flood(watch
             thread.join(timeout=10)
     assert max(took) < 0.5, took
     assert flooded[0] > 300 and flooded[1] > 100, flooded  # the floods were on
-    assert time.monotonic() - channel.last_loop_at < 1.0 + side_channel.IDLE_TURN_S
+    assert time.monotonic() - channel.turned_at < 1.0 + side_channel.IDLE_TURN_S

@@ -88,7 +88,7 @@ def test_reader_ranks_counts_who_reads_each_source(
 
 def test_topology_derived_sizes(make_topology: TopologyFactory) -> None:
     topology = make_topology(tp_size=8, tp_rank=5, total_num_kv_heads=2, dtype="torch.float32", layout="NH2D")
-    assert (topology.num_heads, topology.head_start(), topology.is_replicated) == (1, 1, True)
+    assert (topology.num_heads, topology.head_start()) == (1, 1)  # ranks 4-7 each hold a copy of head 1
     assert (topology.dtype, topology.element_size, topology.layout) == ("float32", 4, "NH2D")
     assert topology.block_plane_bytes == 2 * 16 * 1 * HEAD_DIM * 4  # K and V of 16 tokens of one head
 
