@@ -256,8 +256,7 @@ class KVReader:
         """The request's local and remote blocks as the cache tensors count them, local ones trimmed to the read.
 
         ``remote.block_size`` is the source's tensor block size; the prefill's
-        logical block size comes in the params (ours when absent, as before
-        prefill engines sent it).
+        logical block size comes in the params (ours when they do not say).
         """
         local = self._require_topology()
         remote_logical = spec.remote.block_size or local.block_size * self._kernel_blocks_per_block

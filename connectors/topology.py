@@ -54,11 +54,9 @@ __all__ = [
     "source_ranks",
 ]
 
-# Bump when the rules of what can exchange KV change: peers on different
-# schemas then fail the hash check instead of misreading each other's blocks.
-# 2: H2ND (vLLM's CPU cache) and reads across TP and block sizes in the data path.
-# 4: vLLM 0.32's GPU caches (HN2D, NH2D) and MLA.
-# 5: only vLLM 0.32's layouts (H2ND, HN2D, NH2D, MLA); those of older vLLM are gone.
+# The rules of what can exchange KV: vLLM 0.32's layouts (H2ND, HN2D, NH2D, MLA), read across TP and block
+# sizes. Bump it when they change: peers on different schemas then fail the hash check instead of misreading
+# each other's blocks.
 COMPATIBILITY_SCHEMA = 5
 
 # Bytes per element of the KV cache dtypes we know; names as torch spells them

@@ -1,8 +1,8 @@
-"""What older tiers left in a tier's directory, removed when an engine opens it.
+"""Namespaces of other entry formats and keys in a tier's directory, removed when an engine opens it.
 
 A tier's directory holds one namespace per entry format, key and engine layout
 (``pdserve-v<format>-<key id>-<device>-<bytes per chunk>``, ``fs_tier.namespace``;
-formats 1 and 2 had no key id: ``pdserve-v2-cpu-<bytes>``) and the key file
+formats 1 and 2 carry no key id: ``pdserve-v2-cpu-<bytes>``) and the key file
 (``connectors.tier.key``). An entry of another format or key is refused when read,
 so nothing ever loads it; it only takes disk space outside the tier's byte budget,
 which counts its own namespace. Each engine removes such namespaces when it opens

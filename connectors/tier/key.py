@@ -2,9 +2,9 @@
 
 A tier's entries (``connectors.tier.store``) are MAC'd under a key of the tier,
 not of the cluster. ``pdserve up`` makes a new cluster secret each time, so a
-key derived from it (as before) made a tier forget everything at a restart;
-the key file lives as long as the directory, so a cluster started again loads
-what the one before it stored, with no step of the user's.
+key derived from it would make a tier forget everything at a restart; the key
+file lives as long as the directory, so a cluster started again loads what the
+one before it stored, with no step of the user's.
 
 ``<root_dir>/pdserve-kv-tier.key``: ``pdserve kv tier key v1`` and 64 hex digits
 (32 random bytes), two lines.
@@ -22,7 +22,7 @@ what the one before it stored, with no step of the user's.
   loads: the directory's owner (and root), and no one else; any process of the
   owner's could write the directory anyway. An entry anyone else wrote, one
   altered or torn, one copied from another tier directory (another key) or
-  written under the cluster secret by an older pdserve is refused and its
+  of an older entry format (MAC'd under the cluster secret) is refused and its
   blocks are computed again.
 - **Not bound to a cluster.** Every cluster that uses the directory shares its
   entries, as every engine of one cluster does: the default directory is the

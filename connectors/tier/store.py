@@ -11,9 +11,9 @@ An entry is a 48-byte header and the chunk's bytes::
   the store's root, with the root's own name: a valid entry moved to another
   key's name is refused) and the payload. An entry written with another key
   (another tier directory's, a key file since replaced), altered, torn, or of an
-  older format (version 2 was MAC'd under a key of the cluster secret, new at
-  every ``pdserve up``; version 1 carried an unkeyed CRC-32, which anyone who can
-  write the directory could forge) is refused like a corrupt one. The namespaces
+  older format (version 2: MAC'd under a key of the cluster secret, new at every
+  ``pdserve up``; version 1: an unkeyed CRC-32, which anyone who can write the
+  directory could forge) is refused like a corrupt one. The namespaces
   of older formats and keys are removed when the tier opens
   (``connectors.tier.cleanup``). HMAC-SHA256 rather than keyed BLAKE2b: with SHA extensions it
   is twice as fast here (1.5 GiB/s against 0.77 GiB/s on 1-16 MiB; CRC-32:

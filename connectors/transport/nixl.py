@@ -31,7 +31,7 @@ a source that never calls into NIXL leaves the READ pending for ever, even
 with the bytes already copied). NIXL's progress thread provides the source's,
 but NIXL's Python API builds every agent with ``pthrDelay = 0``: the thread's
 ``poll()`` then has a 0 ms timeout and spins a core for as long as the agent
-lives (``nixlUcxSharedThread::run``; measured 98 % of a core for one idle
+lives (``nixlUcxSharedThread::run``: 98 % of a core for one idle
 agent). ``progress="thread"`` (the default) keeps NIXL's thread, woken by
 UCX's event fd, with a fallback wake-up every ``progress_wake_us`` instead of
 never sleeping (0.3 % of a core idle at 10 ms; READs as fast as with the
