@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 from connectors.cache_layout import describe_kv_cache
 from connectors.handshake import HandshakeResponse, encode_response
 from connectors.holder import LeaseHolder
-from connectors.identity import engine_epoch, model_identity, peer_name
+from connectors.identity import engine_epoch, model_identity
 from connectors.log_limit import LogLimiter
 from connectors.metadata import PdserveConnectorMetadata
 from connectors.options import ConnectorSettings
@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-__all__ = ["PdserveWorker", "check_servable", "engine_model_identity", "peer_name"]
+__all__ = ["PdserveWorker", "check_servable", "engine_model_identity"]
 
 logger = logging.getLogger(__name__)
 _limited = LogLimiter(logger)
