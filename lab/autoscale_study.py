@@ -77,14 +77,14 @@ from lab.study import (  # noqa: E402
     TARGETS,
     TUNING_SEEDS,
     best_static,
+    burst_windows,
     load,
     make_trace,
     meets,
     static_key,
     summary_of,
 )
-from orchestrator.autoscale import traces
-from orchestrator.autoscale.policy import ClusterObservation, ScalingDecision
+from orchestrator.autoscale.observation import ClusterObservation, ScalingDecision
 from orchestrator.autoscale.runner import load_spec_and_profile, simulate_spec
 from orchestrator.autoscale.traces import TraceRequest
 
@@ -132,7 +132,7 @@ def study_one(
 
 
 class BurstOracle:
-    """A policy that knows the bursty family's bursts (``traces.burst_windows``): the ``burst`` split from
+    """A policy that knows the bursty family's bursts (``lab.study.burst_windows``): the ``burst`` split from
     ``lead_s`` before each burst to its end, the ``quiet`` split otherwise. ``lead_s`` 0 is the best a policy
     that only reacts can do (it sees a burst at the first decision inside it, with no samples to wait
     for); ``lead_s`` of a startup plus an interval foresees every onset, which exponential gaps make
@@ -332,7 +332,7 @@ def bounds_one(
         row[name] = best
     if family != "bursty":
         return row
-    windows = traces.burst_windows(HOUR, seed=seed, **BURSTS)
+    windows = burst_windows(HOUR, seed=seed, **BURSTS)
 
     def oracle_run(burst: int, quiet: int, lead: float) -> dict[str, Any]:
         policy = BurstOracle(windows, scaled(burst), scaled(quiet), lead)

@@ -60,7 +60,7 @@ def make_trace(family: str, seed: int) -> list[TraceRequest]:
         hour = (t % DAY) / 3600
         return TENANT_SHARE * peak if any(a <= hour < b for a, b in TENANT_BURSTS) else 0.0
 
-    return traces.merge(base, traces.shaped(documents, TENANT_SHARE * peak, DAYS * DAY, study.DOCUMENTS, seed + 1000))
+    return study.merge(base, traces.shaped(documents, TENANT_SHARE * peak, DAYS * DAY, study.DOCUMENTS, seed + 1000))
 
 
 def schedule(family: str, shift_h: float = 0.0) -> list[dict[str, Any]]:

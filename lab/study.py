@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import random
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -63,6 +64,21 @@ LAB_MIXES = {"tail": TAIL}
 # The bursty family's bursts: ~5 min long, ~15 min apart, both exponential (so an onset cannot be foreseen).
 BURSTS = {"mean_burst_s": 300.0, "mean_gap_s": 900.0}
 
+
+def burst_windows(
+    duration_s: float, mean_burst_s: float = 180.0, mean_gap_s: float = 600.0, seed: int = 0
+) -> list[tuple[float, float]]:
+    """The (start, end) of every burst of ``traces.bursty`` with the same arguments and seed (not ``ramp_s``:
+    a ramped burst climbs from its start): what an oracle that knows the bursts would know."""
+    edges = traces.burst_edges(random.Random(seed), duration_s, mean_burst_s, mean_gap_s)
+    return [(start, min(end, duration_s)) for start, end in zip(edges[::2], edges[1::2], strict=False)]
+
+
+def merge(*tenants: Iterable[TraceRequest]) -> list[TraceRequest]:
+    """Several tenants' traces as one, in arrival order."""
+    return sorted((r for tenant in tenants for r in tenant), key=lambda r: r.t)
+
+
 # Each family: (mean-ish rate in req/s, length mix, seed) -> an hour of requests.
 FAMILIES: dict[str, Callable[[float, LengthMix, int], list[TraceRequest]]] = {
     # Poisson arrivals at one rate.
@@ -72,7 +88,7 @@ FAMILIES: dict[str, Callable[[float, LengthMix, int], list[TraceRequest]]] = {
     # A slow swing from 0.4x to 1.6x over 90 minutes (the hour sees trough, peak and the way down).
     "diurnal": lambda rps, mix, seed: traces.diurnal(0.4 * rps, 1.6 * rps, HOUR, period_s=5400.0, mix=mix, seed=seed),
     # A diurnal base of the mix, and a tenant of long documents bursting on top of it (15x for ~4 min).
-    "tenants": lambda rps, mix, seed: traces.merge(
+    "tenants": lambda rps, mix, seed: merge(
         traces.diurnal(0.35 * rps, 1.05 * rps, HOUR, period_s=5400.0, mix=mix, seed=seed),
         traces.bursty(
             0.02 * rps, HOUR, burst_factor=15.0, mean_burst_s=240.0, mean_gap_s=900.0, mix=DOCUMENTS, seed=seed + 1000
@@ -93,7 +109,7 @@ GENERALIZATION: dict[str, Callable[[float, LengthMix, int], list[TraceRequest]]]
         rps, HALF_HOUR, burst_factor=4.0, mean_burst_s=60.0, mean_gap_s=240.0, mix=mix, seed=seed
     ),
     # The fast swing with a tenant of long documents bursting 15x on top.
-    "swing-tenant": lambda rps, mix, seed: traces.merge(
+    "swing-tenant": lambda rps, mix, seed: merge(
         traces.diurnal(rps / 8, rps, HALF_HOUR, period_s=HALF_HOUR, mix=mix, seed=seed),
         traces.bursty(
             0.02 * rps,

@@ -53,7 +53,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repository's packages
 
-from lab.study import holds_from, minutes_holding  # noqa: E402
+from lab.study import holds_from, merge, minutes_holding  # noqa: E402
 from orchestrator.autoscale import traces  # noqa: E402
 from orchestrator.autoscale.policy import AutoscalePolicy, StaticPolicy  # noqa: E402
 from orchestrator.autoscale.profile import PerformanceProfile, load_profile  # noqa: E402
@@ -119,7 +119,7 @@ def load_trace(
         answers_rps = COLD_LOADS[1] * decode_capacity_rps(profile, COLD_ANSWERS, seed)
         answers = traces.poisson(answers_rps, half, COLD_ANSWERS, seed=seed + 1)
         shifted = [dataclasses.replace(r, t=r.t + half) for r in answers]
-        return COLD_LOADS[0] * one, traces.merge(prompts, shifted)
+        return COLD_LOADS[0] * one, merge(prompts, shifted)
     rate = LOADS[name] * capacity_rps
     return rate, traces.poisson(rate, duration_s, MIX, seed=seed)
 

@@ -30,7 +30,8 @@ from typing import TYPE_CHECKING, Any
 from contract.wire import ROLES
 
 if TYPE_CHECKING:  # the spec checks its resources with this module's planning
-    from orchestrator.spec import ClusterSpec, NodeSelectorSpec
+    from orchestrator.spec import ClusterSpec
+    from orchestrator.spec_sections import NodeSelectorSpec
 
 HEAD_RESOURCE = "node:__internal_head__"
 """The resource Ray gives its head node only."""

@@ -5,6 +5,12 @@ reported at load time as a ``SpecError`` that names the file, the field (as a
 dotted path, e.g. ``prefill.replicas``) and the reason; nothing half-valid
 reaches the orchestrator.
 
+``ClusterSpec`` is the document's top level: its fields, the checks that span
+them (ports apart, resources enough, a model that is there), and what the rest
+of the orchestrator derives from it (engine ids, the proxy's settings, the KV
+tier's directories, the pools' limits). Its sections are ``orchestrator.spec_sections``;
+a cluster of several models and the one-model view of each, ``orchestrator.spec_views``.
+
 Example (``configs/local-cpu.yaml``)::
 
     name: local-cpu
@@ -19,11 +25,10 @@ Example (``configs/local-cpu.yaml``)::
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
+from pydantic import Field, PrivateAttr, ValidationError, model_validator
 
 from connectors.options import ConnectorOptions
 from contract.wire import ROLES
@@ -32,296 +37,29 @@ from orchestrator.autoscale.config import AutoscalingConfig
 from orchestrator.errors import FieldError, PdserveError, SpecError, read_mapping
 from orchestrator.models import KNOWN_MODELS, model_cache_dir, resolve_model
 from orchestrator.paths import pdserve_dir
-from proxy.config import EnvName, ProxyConfig, ProxySettings, RoutingConfig
+from orchestrator.spec_sections import (
+    EngineSpec,
+    KvTierSpec,
+    NetworkSpec,
+    PoolSpec,
+    ProxySpec,
+    RaySpec,
+    ResourcesSpec,
+    SpecModel,
+)
+from orchestrator.spec_views import ModelSpec, build_views, check_entries, check_views
+from proxy.config import ProxyConfig
 
-# Connector names a spec may use, mapped to the vLLM kv_transfer_config they need.
+__all__ = ["CONNECTORS", "VLLM_CPU_MAX_NUM_SEQS", "ClusterSpec"]
+
 CONNECTORS = ("vllm-nixl", "pdserve")
+"""The KV connectors a spec may name (``connector``)."""
 
 VLLM_CPU_MAX_NUM_SEQS = 128
 """vLLM's --max-num-seqs default for its OpenAI server on CPU, per TP rank (``EngineArgs``' CPU defaults)."""
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class RaySpec(_Strict):
-    address: str | None = Field(
-        default=None,
-        description="Ray cluster to join (e.g. 'auto' or 'HOST:6379'). "
-        "RAY_ADDRESS overrides; when neither is set pdserve starts a local Ray head.",
-    )
-    namespace: str = Field(default="pdserve", description="Ray namespace of the cluster's actors.")
-
-
-_DNS = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
-LABEL_KEY = rf"^({_DNS}(\.{_DNS})*/)?[A-Za-z0-9]([-A-Za-z0-9_.]{{0,61}}[A-Za-z0-9])?$"
-"""A Kubernetes-style label key, as Ray node labels take them (``pdserve.io/pool``)."""
-LabelKey = Annotated[str, Field(pattern=LABEL_KEY)]
-LabelValue = Annotated[str, Field(pattern=r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$")]
-AdapterName = Annotated[str, Field(pattern=r"^[A-Za-z0-9][-A-Za-z0-9_.:/]{0,127}$")]
-"""A Kubernetes-style label value: at most 63 of [A-Za-z0-9_.-], alphanumeric at both ends, or empty."""
-PG_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
-
-
-class NodeSelectorSpec(_Strict):
-    """Which Ray nodes may run a part of the cluster: all labels and resources must match."""
-
-    node_labels: dict[LabelKey, LabelValue] = Field(
-        default_factory=dict,
-        description="Ray node labels the host must carry (`ray start --labels k=v`; KubeRay: the group's labels).",
-    )
-    resources: dict[str, float] = Field(
-        default_factory=dict,
-        description="Custom Ray resources asked for (per engine TP rank for pools; `ray start --resources`).",
-    )
-
-    @property
-    def key(self) -> tuple:
-        """Parts with the same key may land on the same hosts."""
-        return (tuple(sorted(self.node_labels.items())), tuple(sorted(self.resources.items())))
-
-    def describe(self) -> str:
-        parts = [f"{k}={v}" for k, v in sorted(self.node_labels.items())]
-        parts += [f"{k}:{v:g}" for k, v in sorted(self.resources.items())]
-        return ", ".join(parts) or "any node"
-
-
-class PlacementSpec(NodeSelectorSpec):
-    """Where a pool's engines run."""
-
-    strategy: Literal[PG_STRATEGIES] = Field(  # type: ignore[valid-type]
-        default="STRICT_PACK",
-        description="GPU engines: the Ray placement group strategy of an engine's TP-rank bundles.",
-    )
-    first_core: int = Field(
-        default=0,
-        ge=0,
-        description="CPU engines: the first core of this pool's core plan on its host (hosts that share a "
-        "machine, as the namespace test bed does, give each pool its own cores).",
-    )
-
-
-class NetworkSpec(_Strict):
-    interface: str | None = Field(
-        default=None,
-        description="Engines advertise this network interface's IPv4 address to their peers (default: their "
-        "Ray node IP).",
-    )
-    listen_all: bool = Field(
-        default=False,
-        description="Engines' HTTP servers bind 0.0.0.0 instead of the address they advertise.",
-    )
-
-
-class ProxySpec(ProxySettings):
-    """The cluster's proxy: its settings (``proxy.config``) and where it runs."""
-
-    placement: NodeSelectorSpec | None = Field(
-        default=None,
-        description="Where the proxy and the controller run (default: the Ray head node).",
-    )
-
-    @field_validator("port")
-    @classmethod
-    def _fixed_port(cls, value: int) -> int:
-        if value == 0:
-            raise ValueError("a cluster's proxy needs a fixed port (clients and `pdserve status` name it)")
-        return value
-
-    @field_validator("forward_authorization")
-    @classmethod
-    def _no_forwarding(cls, value: bool) -> bool:
-        if value:
-            raise ValueError(
-                "a pdserve cluster's engines accept only the cluster's engine key, which the proxy sends; "
-                "clients' keys stay at the proxy (remove this field)"
-            )
-        return value
-
-
-class PoolSpec(_Strict):
-    replicas: int = Field(default=1, ge=1, description="Number of engines in this pool.")
-    tensor_parallel_size: int = Field(default=1, ge=1, description="TP size of each engine.")
-    cpu_cores: int = Field(
-        default=1,
-        ge=1,
-        description="CPU cores pinned to each engine (per TP rank) on CPU, from the start of its start-up: a start "
-        "under load leaves the other engines' cores to them.",
-    )
-    port: int = Field(ge=1, le=65535, description="HTTP port of replica 0; replica i uses port+i.")
-    kv_port: int = Field(ge=1, le=65535, description="KV side-channel port of replica 0; replica i uses kv_port+i.")
-    placement: PlacementSpec = Field(default_factory=PlacementSpec, description="Where this pool's engines run.")
-
-    def ports(self, count: int | None = None) -> list[int]:
-        """HTTP ports of the first ``count`` replicas (default: ``replicas``)."""
-        return [self.port + i for i in range(self.replicas if count is None else count)]
-
-    def kv_ports(self, count: int | None = None) -> list[int]:
-        return [self.kv_port + i * self.tensor_parallel_size for i in range(self.replicas if count is None else count)]
-
-
-class EngineSpec(_Strict):
-    max_model_len: int = Field(default=4096, ge=16, description="Context length of each engine.")
-    kv_cache_gib: int = Field(
-        default=1, ge=1, description="KV cache size per engine in GiB on CPU (VLLM_CPU_KVCACHE_SPACE)."
-    )
-    gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1, description="GPU engines only.")
-    enforce_eager: bool = Field(default=True, description="Skip graph capture (faster start).")
-    dtype: str = Field(default="auto", description="vLLM --dtype.")
-    startup_timeout_s: float = Field(default=600.0, gt=0, description="Give up on an engine after this.")
-    drain_timeout_s: float = Field(
-        default=600.0,
-        gt=0,
-        description="An engine being scaled away gets this long to finish its requests (and, prefill, to have "
-        "its KV read) before it is stopped anyway.",
-    )
-    tool_call_parser: str | None = Field(
-        default=None,
-        min_length=1,
-        description="vLLM's tool-call parser for the model (e.g. hermes, llama3_json, mistral, qwen3_xml): both "
-        "pools get --enable-auto-tool-choice --tool-call-parser, which every tool_choice but none needs (auto, "
-        "required, a named function). Unset: requests with tools are refused by the engines (400).",
-    )
-    chat_template: str | None = Field(
-        default=None,
-        min_length=1,
-        description="A chat template for both pools where the model's own does not render tools (vLLM "
-        "--chat-template): a file on every engine host, or the template itself.",
-    )
-    lora_adapters: dict[AdapterName, str] = Field(
-        default_factory=dict,
-        description="LoRA adapters both pools load at start: name -> its directory (PEFT format) on every engine "
-        "host. A request whose model is an adapter's name is prefilled and decoded with it; /v1/models lists them. "
-        "An adapter's name is no model's served name and no other adapter's, in the whole spec.",
-    )
-    max_loras: int = Field(
-        default=1,
-        ge=1,
-        description="Adapters an engine applies at once (vLLM --max-loras); with fewer than lora_adapters, the proxy "
-        "keeps each adapter's requests on the same engines of a pool.",
-    )
-    max_lora_rank: int = Field(
-        default=16, ge=1, description="The largest rank of lora_adapters (vLLM --max-lora-rank)."
-    )
-    extra_args: dict[str, Any] = Field(
-        default_factory=dict,
-        description="Further vLLM server flags, e.g. {max_num_seqs: 64} -> --max-num-seqs 64, false -> --no-..., "
-        "null -> left out.",
-    )
-    env: dict[EnvName, str] = Field(
-        default_factory=dict,
-        description="Environment of every engine process, e.g. {UCX_TLS: tcp} or {UCX_NET_DEVICES: mlx5_0:1}; "
-        "pdserve's own settings (core binding, KV cache size) win. On CPU, PDSERVE_FORK_WORKERS: '0' makes "
-        "vLLM's engine core spawn its worker instead of forking it, and with connector vllm-nixl "
-        "PDSERVE_CALM_NIXL: '0' leaves vLLM's NIXL progress thread spinning (connectors.vllm_plugin). With "
-        "enforce_eager, TORCHDYNAMO_DISABLE: '0' lets vLLM torch.compile its sampler helpers (an engine's first "
-        "logprobs request then compiles for seconds).",
-    )
-
-
-class ResourcesSpec(_Strict):
-    cpus: int | None = Field(
-        default=None, ge=1, description="CPU cores pdserve may pin engines to (default: all of this machine's)."
-    )
-    gpus: int = Field(default=0, ge=0, description="GPUs available to engines (device: cuda).")
-    share_cores: bool = Field(
-        default=False,
-        description="CPU engines that need more cores than resources.cpus share them, assigned in turn, "
-        "instead of being refused. Slow (engines spin on their cores): for tests on small machines.",
-    )
-
-
-class KvTierSpec(_Strict):
-    """Prompt KV kept outside the engines' caches (``connectors.tier``): stored after prefill, looked up
-    before it, reused across requests, engines and restarts. Absent: no tier."""
-
-    pools: list[Literal["prefill", "decode"]] = Field(
-        default_factory=lambda: ["prefill", "decode"],
-        min_length=1,
-        description="Pools whose engines store to and load from the tier.",
-    )
-    host_gib: float = Field(
-        default=1.0, gt=0, description="Each engine's host-memory tier (the first looked up; LRU), in GiB."
-    )
-    node_gib: float = Field(
-        default=0.0,
-        ge=0,
-        description="A tier in the node's shared memory (/dev/shm/pdserve-kv/<name>), shared by the node's "
-        "engines, in GiB; 0: none.",
-    )
-    shared_gib: float = Field(
-        default=8.0, ge=0, description="The tier on shared_path, shared by all engines of the cluster, in GiB; 0: none."
-    )
-    shared_path: str | None = Field(
-        default=None,
-        description="Directory every engine of the cluster reaches (a shared volume on a cluster of hosts); "
-        "absolute or starting with ~. Default: ~/.cache/pdserve/kv-tier/<name> ($PDSERVE_KV_TIER_DIR/<name>).",
-    )
-    fsync: bool = Field(
-        default=True, description="Flush each entry (and its directory) to the disk before it becomes visible."
-    )
-    async_lookup: bool = Field(
-        default=False,
-        description="Look entries up on a thread (vLLM's batched lookup; the request waits an engine step) "
-        "instead of at once: for a shared_path on a network filesystem where a stat takes milliseconds.",
-    )
-
-    @field_validator("shared_path")
-    @classmethod
-    def _absolute(cls, value: str | None) -> str | None:
-        if value is not None and not value.startswith(("/", "~")):
-            raise ValueError(
-                f"{value!r} is relative: engines start in other directories (and on other hosts), so give an "
-                "absolute path or one starting with ~"
-            )
-        return value
-
-
-MODEL_KEY = r"^[a-z0-9]([-a-z0-9]{0,30}[a-z0-9])?$"
-MODEL_FIELDS = ("model", "served_model_name", "prefill", "decode", "engine", "autoscaling")
-"""What each entry of ``models`` sets for its model, and a one-model spec at its top level."""
-
-
-class ModelSpec(_Strict):
-    """One model of a cluster that serves several (``models``): its own pools, engine settings, routing and
-    autoscaling. The proxy sends a request to the pools of the model (or adapter) it names."""
-
-    key: str | None = Field(
-        default=None,
-        pattern=MODEL_KEY,
-        description="A short name for the model's engines: their ids (KEY-prefill-0), Ray actors and logs; "
-        "`pdserve scale --model` takes it or the served name. Default: from the served name "
-        "(lowercase letters, digits and '-').",
-    )
-    model: str = Field(description="Known model name, a model directory, or a Hugging Face id.")
-    served_model_name: str | None = Field(
-        default=None, description="Name clients use in 'model' (default: this entry's model)."
-    )
-    prefill: PoolSpec = Field(description="This model's prefill pool.")
-    decode: PoolSpec = Field(description="This model's decode pool.")
-    engine: EngineSpec = Field(default_factory=EngineSpec, description="Settings of this model's engines.")
-    autoscaling: AutoscalingConfig | None = Field(
-        default=None, description="Grow and shrink this model's pools from its load (its own budget)."
-    )
-    routing: RoutingConfig | None = Field(
-        default=None, description="The routing policy of this model's pools (default: proxy.routing)."
-    )
-
-    @property
-    def model_name(self) -> str:
-        return self.served_model_name or self.model
-
-    @property
-    def engine_key(self) -> str:
-        """``key``, else the served name made into one (``MODEL_KEY``)."""
-        if self.key is not None:
-            return self.key
-        made = re.sub(r"[^a-z0-9]+", "-", self.model_name.rsplit("/", 1)[-1].lower()).strip("-")[:32].strip("-")
-        return made or "model"
-
-
-class ClusterSpec(_Strict):
+class ClusterSpec(SpecModel):
     name: str = Field(
         default="pdserve",
         pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",
@@ -336,7 +74,7 @@ class ClusterSpec(_Strict):
         default=None, description="Name clients use in 'model' (default: the spec's model)."
     )
     device: Literal["cpu", "cuda"] = Field(default="cpu", description="Where the engines run: CPU cores or GPUs.")
-    connector: Literal["vllm-nixl", "pdserve"] = Field(
+    connector: Literal[CONNECTORS] = Field(  # type: ignore[valid-type]
         default="pdserve",
         description="KV connector between prefill and decode engines: our own pull-mode connector "
         "('pdserve', connectors.vllm_connector; the default) or vLLM's NixlConnector ('vllm-nixl').",
@@ -421,38 +159,6 @@ class ClusterSpec(_Strict):
             f"name the model (--model): one of {names}" if model is None else f"no model {model!r}: {names}"
         )
 
-    def _build_views(self) -> None:
-        shared = {f: getattr(self, f) for f in type(self).model_fields if f not in (*MODEL_FIELDS, "models")}
-        offsets: dict[tuple, int] = {}  # per placement: the first core not taken by the models before
-        views = []
-        for index, entry in enumerate(self.models or ()):
-            pools = {}
-            for role in ROLES:
-                pool: PoolSpec = getattr(entry, role)
-                if self.device == "cpu":
-                    first = pool.placement.first_core + offsets.get(pool.placement.key, 0)
-                    moved = pool.placement.model_copy(update={"first_core": first})
-                    pool = pool.model_copy(update={"placement": moved})
-                pools[role] = pool
-            proxy = self.proxy if entry.routing is None else self.proxy.model_copy(update={"routing": entry.routing})
-            data = {**shared, **{f: getattr(entry, f) for f in MODEL_FIELDS}, **pools, "proxy": proxy}
-            try:
-                view = ClusterSpec.model_validate(data)
-            except ValidationError as e:
-                problem = SpecError.of("", e)
-                field, reason = problem.field, problem.reason
-                if field.split(".")[0] in (*MODEL_FIELDS, "routing"):
-                    field = f"models.{index}.{field}"
-                elif field == "proxy.routing" or field.startswith("proxy.routing."):
-                    field = f"models.{index}.routing" + field[len("proxy.routing") :]
-                raise FieldError(field, reason) from None
-            view._key = entry.engine_key
-            if self.device == "cpu":
-                for key, needed in placement.domain_cores_needed(view).items():
-                    offsets[key] = needed
-            views.append(view)
-        self._views = views
-
     @model_validator(mode="after")
     def _check_models(self) -> ClusterSpec:
         if self.models is None:
@@ -464,45 +170,9 @@ class ClusterSpec(_Strict):
             if self.model_name in self.engine.lora_adapters:
                 raise FieldError("engine.lora_adapters", f"{self.model_name!r} names the model itself")
             return self
-        fields = type(self).model_fields
-        given = [f for f in MODEL_FIELDS if getattr(self, f) != fields[f].get_default(call_default_factory=True)]
-        if given:
-            raise FieldError(given[0], "a spec of several models sets it per model, in each entry of `models`")
-        keys: dict[str, int] = {}
-        names: dict[str, int] = {}
-        for index, entry in enumerate(self.models):
-            for seen, value, what in ((keys, entry.engine_key, "key"), (names, entry.model_name, "served name")):
-                if value in seen:
-                    raise FieldError(
-                        f"models.{index}",
-                        f"its {what} {value!r} is also models.{seen[value]}'s (set `key` or `served_model_name` apart)",
-                    )
-                seen[value] = index
-        # A request's model picks its pools by name (the proxy's one map of served names and adapters): a name
-        # taken twice, whichever entry lists it first, would send one model's requests to another's engines.
-        adapters: dict[str, int] = {}
-        for index, entry in enumerate(self.models):
-            for adapter in entry.engine.lora_adapters:
-                if adapter in names and names[adapter] == index:
-                    reason = f"{adapter!r} names the model itself"
-                elif adapter in names:
-                    reason = f"{adapter!r} names another model too: models.{names[adapter]}'s served name"
-                elif adapter in adapters:
-                    reason = f"{adapter!r} names another model too: an adapter of models.{adapters[adapter]}"
-                else:
-                    adapters[adapter] = index
-                    continue
-                raise FieldError(f"models.{index}.engine.lora_adapters", reason)
-        self._build_views()
-        owners: dict[int, str] = {self.proxy.port: "proxy.port"}
-        for index, view in enumerate(self._views):
-            for field, ports in view.ports_used():
-                for port in ports:
-                    if port in owners and owners[port] != "proxy.port":
-                        raise FieldError(f"models.{index}.{field}", f"port {port} is also used by {owners[port]}")
-                    owners[port] = f"models.{index}.{field}"
-        if problem := placement.cluster_resource_problem(self):
-            raise FieldError(*problem)
+        check_entries(self)
+        self._views = build_views(self)
+        check_views(self)
         return self
 
     def max_replicas(self, role: str) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 
-from orchestrator.autoscale.policy import ClusterObservation, ScalingDecision
+from orchestrator.autoscale.observation import ClusterObservation, ScalingDecision
 from orchestrator.autoscale.profile import EngineLimits, Grid1D, Grid2D, PerformanceProfile
 from orchestrator.autoscale.sim_model import SloTargets
 from orchestrator.autoscale.traces import TraceRequest

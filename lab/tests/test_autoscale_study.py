@@ -1,13 +1,16 @@
-"""lab/autoscale_study.py: its split search and its seeds (the simulations themselves:
-tests/unit/orchestrator/autoscale/test_simulator.py)."""
+"""lab/autoscale_study.py and lab/study.py: the split search, the seeds, the tenants' merge and the bursts'
+windows (the simulations themselves: tests/unit/orchestrator/autoscale/test_simulator.py)."""
 
 from __future__ import annotations
+
+import itertools
 
 import pytest
 
 from lab import autoscale_study as study
 from lab import study as definitions
-from orchestrator.autoscale.policy import ClusterObservation, PoolObservation
+from orchestrator.autoscale import traces
+from orchestrator.autoscale.observation import ClusterObservation, PoolObservation
 from orchestrator.autoscale.traces import TraceRequest
 
 
@@ -205,3 +208,22 @@ def test_the_screen_compares_the_autoscaler_with_the_fixed_split_and_reuses_its_
     # Given the fixed split's run (the cache), only the autoscaler runs, and the comparison is with it.
     again = screen.screen_one("steady", 1, (46, 18), {}, {**row["fixed"], "goodput_per_engine_hour": 1.0})
     assert again["ratio"] == pytest.approx(row["ratio"] * row["fixed"]["goodput_per_engine_hour"])
+
+
+def test_merged_tenants_keep_every_request_in_arrival_order() -> None:
+    base = traces.poisson(2.0, 100.0, seed=1)
+    tenant = traces.bursty(0.1, 100.0, burst_factor=10, mean_burst_s=20, mean_gap_s=40, seed=2)
+    merged = definitions.merge(base, tenant)
+    assert len(merged) == len(base) + len(tenant)
+    assert [r.t for r in merged] == sorted(r.t for r in merged)
+
+
+def test_burst_windows_are_where_the_bursty_trace_runs_at_the_burst_rate() -> None:
+    trace = traces.bursty(2.0, 3600.0, burst_factor=4.0, mean_burst_s=120, mean_gap_s=300, seed=7)
+    windows = definitions.burst_windows(3600.0, mean_burst_s=120, mean_gap_s=300, seed=7)
+    assert len(windows) >= 3 and all(0 < start < end <= 3600.0 for start, end in windows)
+    assert all(a[1] < b[0] for a, b in itertools.pairwise(windows))
+    inside = sum(end - start for start, end in windows)
+    in_bursts = sum(1 for r in trace if any(start <= r.t < end for start, end in windows))
+    assert in_bursts / inside == pytest.approx(8.0, rel=0.15)  # 4 x 2 req/s
+    assert (len(trace) - in_bursts) / (3600.0 - inside) == pytest.approx(2.0, rel=0.15)

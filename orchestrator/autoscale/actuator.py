@@ -53,14 +53,9 @@ from contract.errors import UnsafeDirectory
 from contract.private_files import make_private_dirs, read_private, write_private
 from contract.wire import ROLES
 from orchestrator.autoscale.config import AutoscalingConfig
-from orchestrator.autoscale.forecast import Season
-from orchestrator.autoscale.policy import (
-    AutoscalePolicy,
-    ClusterObservation,
-    PoolObservation,
-    ScalingDecision,
-    forecaster_of,
-)
+from orchestrator.autoscale.forecast import Season, forecaster_of
+from orchestrator.autoscale.observation import ClusterObservation, PoolObservation, ScalingDecision
+from orchestrator.autoscale.policy import AutoscalePolicy
 from orchestrator.autoscale.profile import PerformanceProfile
 from orchestrator.engine_metrics import MetricsReading, fetch_metrics
 

@@ -25,9 +25,12 @@ import statistics
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["DAYS", "Forecaster", "Schedule", "ScheduleRule", "Season"]
+if TYPE_CHECKING:
+    from orchestrator.autoscale.config import AutoscalingConfig
+
+__all__ = ["DAYS", "Forecaster", "Schedule", "ScheduleRule", "Season", "forecaster_of"]
 
 DAY_S = 86400.0
 WEEK_S = 7 * DAY_S
@@ -185,3 +188,13 @@ class Forecaster:
             f"forecast ({source}): {peak:.2f} req/s within {horizon_s:g}s, trusted {trust:.2f} "
             f"(median error {statistics.median(self._errors) if self._errors else 0.0:.2f}); sized for {rate:.2f}"
         )
+
+
+def forecaster_of(config: AutoscalingConfig, season: Season | None = None) -> Forecaster | None:
+    """The spec's schedule and, with ``learn_season``, a season (``season``: one kept from before), or None."""
+    schedule = Schedule.from_spec(config.schedule, config.schedule_utc_offset_h * 3600.0) if config.schedule else None
+    if config.learn_season and season is None:
+        season = Season()
+    if schedule is None and not config.learn_season:
+        return None
+    return Forecaster(schedule, season if config.learn_season else None)

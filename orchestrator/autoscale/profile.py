@@ -53,9 +53,9 @@ import yaml
 from orchestrator.errors import PdserveError
 
 FORMAT = "pdserve-profile/1"
-# A role move's switch time when the profile does not say (engine.move_s), measured on the CPU demo: an idle
-# engine serves in its new pool 0.04 s after the decision (median of 10, scripts/bench_moves.py), and the
-# controller sees a busy one's old work done within its 0.2-s check, 0.1 s later on average.
+# A role move's switch time when the profile does not say (engine.move_s): an idle engine of the CPU demo serves
+# in its new pool about 0.04 s after the decision (scripts/bench_moves.py measures it), and the controller sees a
+# busy one's old work done within its 0.2-s check, 0.1 s later on average.
 DEFAULT_MOVE_S = 0.1
 
 __all__ = [
@@ -153,10 +153,6 @@ class PerformanceProfile:
         """One decode step of ``batch`` sequences whose mean context is ``context`` tokens."""
         return self.decode(batch, context)
 
-    def transfer_seconds(self, nbytes: float) -> float:
-        """Moving ``nbytes`` of KV cache from a prefill engine to a decode engine."""
-        return self.transfer(nbytes)
-
     def kv_transfer_seconds(self, prompt_tokens: int) -> float:
         return self.transfer(prompt_tokens * self.engine.kv_bytes_per_token)
 
@@ -185,10 +181,6 @@ class PerformanceProfile:
     @classmethod
     def from_dict(cls, raw: Any, source: str = "<profile>") -> PerformanceProfile:
         return _Reader(source).profile(raw)
-
-    @classmethod
-    def from_file(cls, path: str | os.PathLike[str]) -> PerformanceProfile:
-        return load_profile(path)
 
 
 def load_profile(path: str | os.PathLike[str]) -> PerformanceProfile:

@@ -15,7 +15,7 @@ from orchestrator import placement
 from orchestrator.autoscale.policy import AutoscalePolicy, StaticPolicy
 from orchestrator.autoscale.profile import PerformanceProfile, load_profile
 from orchestrator.autoscale.sim_model import EVEN_SHARE, Policy, SharedCore, SimulationResult, SloTargets
-from orchestrator.autoscale.simulator import simulate
+from orchestrator.autoscale.simulator import SimOptions, simulate
 from orchestrator.autoscale.traces import TraceRequest
 from orchestrator.errors import PdserveError
 from orchestrator.spec import ClusterSpec
@@ -97,12 +97,7 @@ def simulate_spec(
         policy = policy or AutoscalePolicy(scaling, profile, moves=moves_allowed(spec, moves), cold_start=start is None)
         initial = start or (spec.prefill.replicas, spec.decode.replicas)
     routing = (spec.proxy.routing.prefill, spec.proxy.routing.decode)
-    return simulate(
-        profile,
-        policy,
-        trace,
-        targets,
-        initial,
+    options = SimOptions(
         interval_s=scaling.interval_s,
         cores=cores or shared_cores(spec),
         routing=routing,
@@ -113,6 +108,7 @@ def simulate_spec(
         moves=moves_allowed(spec, moves),
         start_clock_s=start_clock_s,
     )
+    return simulate(profile, policy, trace, targets, initial, options)
 
 
 def moves_allowed(spec: ClusterSpec, moves: bool = True) -> bool:

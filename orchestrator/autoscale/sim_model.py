@@ -15,7 +15,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from orchestrator.autoscale.policy import ClusterObservation, ScalingDecision
+from orchestrator.autoscale.observation import ClusterObservation, ScalingDecision
 
 __all__ = [
     "EVEN_SHARE",

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from orchestrator.autoscale.policy import ClusterObservation, PoolObservation, ScalingDecision
+from orchestrator.autoscale.observation import ClusterObservation, PoolObservation, ScalingDecision
 from orchestrator.autoscale.rules import (
     move_order,
     moves_for,

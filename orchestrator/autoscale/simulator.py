@@ -82,6 +82,7 @@ import logging
 import math
 from collections import deque
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from orchestrator.autoscale.profile import PerformanceProfile
@@ -116,13 +117,37 @@ from proxy.policies import simulated_as
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Simulator", "simulate"]
+__all__ = ["SimOptions", "Simulator", "simulate"]
 
 PASS_BIN_S = 10  # SimulationResult.prefill_passes' bins
 # The events that never change which engines serve in a pool (the per-request ones): ``_pick`` keeps each
 # pool's serving engines (``_serving``) across them, and drops them after any other event (an event kind added
 # later is then safe by default) and in ``serve_pending``, which routes as soon as an engine serves.
 _KEEP_SERVING = frozenset({ARRIVAL, PREFILL_DONE, TRANSFER_DONE, DECODE_DONE, SPIN_END})
+
+
+@dataclass(slots=True, frozen=True)
+class SimOptions:
+    """How a simulated cluster runs, beside its profile, policy, targets and starting pools; the module's
+    docstring says what each one models. ``Simulator`` and ``simulate`` take one."""
+
+    interval_s: float = 30.0  # between two decisions of the policy
+    startup_s: float | None = None  # from "start an engine" to "it serves"; None: the profile's
+    cores: dict[str, frozenset[Any]] | None = None  # engines that share CPU cores: each one's cores, by engine id
+    spin_s: float = SPIN_S  # how long an engine keeps its core busy polling after its last pass or step
+    routing: tuple[str, str] = ("least_loaded", "least_loaded")  # the proxy's (prefill, decode) policies
+    shared: SharedCore = EVEN_SHARE  # how much a busy neighbour on a core slows an engine
+    first_decision_s: float | None = None  # when the policy first decides, in (0, interval_s]; None: interval_s
+    keep_warm_s: float = 0.0  # how long a drained engine stays up while the targets and warm engines fit
+    max_engines: int | None = None  # the budget kept-warm engines must fit in with the targets
+    moves: bool = False  # engines move between the pools (the spec's role_moves)
+    start_clock_s: float = 0.0  # the trace's start as epoch seconds, the clock a schedule reads
+
+    def __post_init__(self) -> None:
+        if self.interval_s <= 0:
+            raise ValueError(f"interval_s must be > 0 (got {self.interval_s})")
+        if self.first_decision_s is not None and not 0 < self.first_decision_s <= self.interval_s:
+            raise ValueError(f"first_decision_s must be in (0, interval_s] (got {self.first_decision_s})")
 
 
 class Simulator:
@@ -138,24 +163,12 @@ class Simulator:
         policy: Policy,
         targets: SloTargets,
         initial: tuple[int, int],
-        interval_s: float = 30.0,
-        startup_s: float | None = None,
-        cores: dict[str, frozenset[Any]] | None = None,
-        spin_s: float = SPIN_S,
-        routing: tuple[str, str] = ("least_loaded", "least_loaded"),
-        shared: SharedCore = EVEN_SHARE,
-        first_decision_s: float | None = None,
-        keep_warm_s: float = 0.0,
-        max_engines: int | None = None,
-        moves: bool = False,
-        start_clock_s: float = 0.0,
+        options: SimOptions | None = None,
     ) -> None:
-        if interval_s <= 0:
-            raise ValueError(f"interval_s must be > 0 (got {interval_s})")
-        if first_decision_s is not None and not 0 < first_decision_s <= interval_s:
-            raise ValueError(f"first_decision_s must be in (0, interval_s] (got {first_decision_s})")
-        self.first_decision_s = interval_s if first_decision_s is None else first_decision_s
-        self.start_clock_s = start_clock_s  # the trace's start as epoch seconds (a schedule's clock)
+        options = SimOptions() if options is None else options
+        interval_s, routing = options.interval_s, options.routing
+        self.first_decision_s = interval_s if options.first_decision_s is None else options.first_decision_s
+        self.start_clock_s = options.start_clock_s  # the trace's start as epoch seconds (a schedule's clock)
         # The proxy's policy per pool, as its registry says the simulator models it (proxy.policies): in turn,
         # or the least loaded; a policy it cannot model is refused by name.
         self._in_turn = tuple(simulated_as(policy) == "in_turn" for policy in routing)
@@ -163,10 +176,10 @@ class Simulator:
         self._serving: list[list | None] = [None, None]  # each pool's serving engines, kept by _pick
         self.profile, self.targets = profile, targets
         self.interval_s = interval_s
-        self.shared = shared
-        self.sharing = CoreSharing(self, cores or {}, spin_s, shared)
-        self.scaling = Scaling(self, policy, initial, keep_warm_s, max_engines, moves)
-        self.startup_s = profile.engine.startup_s if startup_s is None else startup_s
+        self.shared = options.shared
+        self.sharing = CoreSharing(self, options.cores or {}, options.spin_s, options.shared)
+        self.scaling = Scaling(self, policy, initial, options.keep_warm_s, options.max_engines, options.moves)
+        self.startup_s = profile.engine.startup_s if options.startup_s is None else options.startup_s
         self.now = 0.0
         self.events: list[tuple[float, int, int, Any]] = []
         self._seq = itertools.count()
@@ -456,40 +469,8 @@ def simulate(
     trace: Iterable[TraceRequest],
     targets: SloTargets,
     initial: tuple[int, int],
-    interval_s: float = 30.0,
-    startup_s: float | None = None,
-    cores: dict[str, frozenset[Any]] | None = None,
-    spin_s: float = SPIN_S,
-    routing: tuple[str, str] = ("least_loaded", "least_loaded"),
-    shared: SharedCore = EVEN_SHARE,
-    first_decision_s: float | None = None,
-    keep_warm_s: float = 0.0,
-    max_engines: int | None = None,
-    moves: bool = False,
-    start_clock_s: float = 0.0,
+    options: SimOptions | None = None,
 ) -> SimulationResult:
-    """Run ``trace`` through a cluster that starts with ``initial`` = (prefill, decode) serving engines
-    (``cores``: engines that share CPU cores, and ``spin_s`` how long one keeps polling after its work;
-    ``routing``: the proxy's (prefill, decode) policies; ``shared``: how much a busy neighbour on a core
-    slows an engine; ``first_decision_s``: when the policy first decides; ``keep_warm_s``: how long a drained
-    engine stays up while the targets and the engines kept warm fit ``max_engines``; ``moves``: whether
-    engines move between the pools; ``start_clock_s``: the trace's start as epoch seconds, the clock a schedule
-    reads; see the module's docstring)."""
-    sim = Simulator(
-        profile,
-        policy,
-        targets,
-        initial,
-        interval_s=interval_s,
-        startup_s=startup_s,
-        cores=cores,
-        spin_s=spin_s,
-        routing=routing,
-        shared=shared,
-        first_decision_s=first_decision_s,
-        keep_warm_s=keep_warm_s,
-        max_engines=max_engines,
-        moves=moves,
-        start_clock_s=start_clock_s,
-    )
-    return sim.run(trace)
+    """Run ``trace`` through a cluster that starts with ``initial`` = (prefill, decode) serving engines, run
+    as ``options`` say (default: ``SimOptions()``)."""
+    return Simulator(profile, policy, targets, initial, options).run(trace)

@@ -11,11 +11,13 @@ deterministic: the same arguments and seed give the same trace, byte for byte.
 - ``bursty``: Poisson arrivals whose rate jumps to ``burst_factor`` times the base
   for exponentially distributed bursts (a two-state Markov-modulated Poisson process).
 - ``diurnal``: a rate that follows a day's shape (trough to peak and back) over
-  ``period_s``, repeated; a non-homogeneous Poisson process drawn by thinning.
+  ``period_s``, repeated.
+- ``shaped``: any rate over time, of which ``poisson`` and ``diurnal`` are two.
 
-Each takes a ``LengthMix`` for prompt and output lengths: ``MIXES`` holds the
+Each draws a non-homogeneous Poisson process by thinning, and takes a ``LengthMix``
+for prompt and output lengths: ``MIXES`` holds the
 chat mix, the long-prompt and long-output mixes, a heavy-tailed mix, and a short
-mix for CPU engines. ``merge`` lays tenants' traces over each other.
+mix for CPU engines. ``burst_edges`` are the draws that place a bursty trace's bursts.
 """
 
 from __future__ import annotations
@@ -36,12 +38,12 @@ __all__ = [
     "LengthMix",
     "TraceError",
     "TraceRequest",
-    "burst_windows",
+    "burst_edges",
     "bursty",
     "diurnal",
-    "merge",
     "poisson",
     "read_trace",
+    "shaped",
     "write_trace",
 ]
 
@@ -127,9 +129,16 @@ def _with_lengths(times: Iterable[float], mix: LengthMix, rng: random.Random) ->
     return out
 
 
-def poisson(rate_rps: float, duration_s: float, mix: LengthMix = MIXES["chat"], seed: int = 0) -> list[TraceRequest]:
+def shaped(
+    rate_at: Callable[[float], float], peak_rps: float, duration_s: float, mix: LengthMix = MIXES["chat"], seed: int = 0
+) -> list[TraceRequest]:
+    """Poisson arrivals at ``rate_at(t)`` req/s (never above ``peak_rps``) for ``duration_s``."""
     rng = random.Random(seed)
-    return _with_lengths(_arrivals(lambda t: rate_rps, rate_rps, duration_s, rng), mix, rng)
+    return _with_lengths(_arrivals(rate_at, peak_rps, duration_s, rng), mix, rng)
+
+
+def poisson(rate_rps: float, duration_s: float, mix: LengthMix = MIXES["chat"], seed: int = 0) -> list[TraceRequest]:
+    return shaped(lambda t: rate_rps, rate_rps, duration_s, mix, seed)
 
 
 def bursty(
@@ -148,7 +157,7 @@ def bursty(
     likewise) instead of jumping.
     """
     rng = random.Random(seed)
-    edges = _burst_edges(rng, duration_s, mean_burst_s, mean_gap_s)
+    edges = burst_edges(rng, duration_s, mean_burst_s, mean_gap_s)
 
     def rate_at(t: float) -> float:
         # Odd number of edges passed: inside a burst.
@@ -163,23 +172,16 @@ def bursty(
     return _with_lengths(_arrivals(rate_at, base_rps * max(burst_factor, 1.0), duration_s, rng), mix, rng)
 
 
-def _burst_edges(rng: random.Random, duration_s: float, mean_burst_s: float, mean_gap_s: float) -> list[float]:
-    """Alternating gap and burst lengths, as the times they end: a burst runs from an odd edge to the next."""
+def burst_edges(rng: random.Random, duration_s: float, mean_burst_s: float, mean_gap_s: float) -> list[float]:
+    """Alternating gap and burst lengths, as the times they end: a burst runs from an odd edge to the next.
+    ``bursty`` draws them first from its seed's generator, so the same draws from ``random.Random(seed)`` say
+    where a trace's bursts are."""
     edges, t, in_burst = [], 0.0, False
     while t < duration_s:
         t += rng.expovariate(1 / (mean_burst_s if in_burst else mean_gap_s))
         edges.append(t)
         in_burst = not in_burst
     return edges
-
-
-def burst_windows(
-    duration_s: float, mean_burst_s: float = 180.0, mean_gap_s: float = 600.0, seed: int = 0
-) -> list[tuple[float, float]]:
-    """The (start, end) of every burst of ``bursty`` with the same arguments and seed (not ``ramp_s``:
-    a ramped burst climbs from its start): what an oracle that knows the bursts would know."""
-    edges = _burst_edges(random.Random(seed), duration_s, mean_burst_s, mean_gap_s)
-    return [(start, min(end, duration_s)) for start, end in zip(edges[::2], edges[1::2], strict=False)]
 
 
 def diurnal(
@@ -191,25 +193,11 @@ def diurnal(
     seed: int = 0,
 ) -> list[TraceRequest]:
     """Rate from ``trough_rps`` (at t=0) up to ``peak_rps`` (at period/2) and back, as a raised cosine."""
-    rng = random.Random(seed)
 
     def rate_at(t: float) -> float:
         return trough_rps + (peak_rps - trough_rps) * (1 - math.cos(2 * math.pi * t / period_s)) / 2
 
-    return _with_lengths(_arrivals(rate_at, max(peak_rps, trough_rps), duration_s, rng), mix, rng)
-
-
-def shaped(
-    rate_at: Callable[[float], float], peak_rps: float, duration_s: float, mix: LengthMix = MIXES["chat"], seed: int = 0
-) -> list[TraceRequest]:
-    """Poisson arrivals at ``rate_at(t)`` req/s (never above ``peak_rps``) for ``duration_s``."""
-    rng = random.Random(seed)
-    return _with_lengths(_arrivals(rate_at, peak_rps, duration_s, rng), mix, rng)
-
-
-def merge(*tenants: Iterable[TraceRequest]) -> list[TraceRequest]:
-    """Several tenants' traces as one, in arrival order."""
-    return sorted((r for tenant in tenants for r in tenant), key=lambda r: r.t)
+    return shaped(rate_at, max(peak_rps, trough_rps), duration_s, mix, seed)
 
 
 def write_trace(requests: Iterable[TraceRequest], path: str | os.PathLike[str]) -> int:

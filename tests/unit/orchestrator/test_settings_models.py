@@ -12,7 +12,8 @@ from orchestrator.cli import build_parser, main
 from orchestrator.cli.proxy import proxy_settings
 from orchestrator.errors import SpecError
 from orchestrator.model_flags import model_flags
-from orchestrator.spec import ClusterSpec, ProxySpec
+from orchestrator.spec import ClusterSpec
+from orchestrator.spec_sections import ProxySpec
 from proxy.config import ProxySettings
 
 ROOT = Path(__file__).resolve().parents[3]

@@ -7,7 +7,7 @@ from typing import ClassVar
 
 import pytest
 
-from orchestrator.autoscale.simulator import Simulator
+from orchestrator.autoscale.simulator import SimOptions, Simulator
 from proxy import policies
 from proxy.config import POLICIES
 from proxy.pool import EngineState
@@ -63,4 +63,4 @@ def test_a_policy_added_to_the_registry_routes_and_the_simulator_refuses_it_by_n
     engines = tuple(EngineState(f"prefill-{i}", f"http://127.0.0.1:{8100 + i}", "prefill") for i in range(3))
     assert policies.make_policy("newest", proxy_config().routing).pick(engines).engine_id == "prefill-2"
     with pytest.raises(ValueError, match="does not model routing policy 'newest'"):
-        Simulator(make_profile(), Script([(1, 1)]), TARGETS, (1, 1), routing=("newest", "least_loaded"))
+        Simulator(make_profile(), Script([(1, 1)]), TARGETS, (1, 1), SimOptions(routing=("newest", "least_loaded")))

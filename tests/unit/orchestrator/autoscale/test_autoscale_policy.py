@@ -12,15 +12,9 @@ from typing import Any
 import pytest
 
 from orchestrator.autoscale.config import AutoscalingConfig, LatencyTargets, PoolLimits
-from orchestrator.autoscale.policy import (
-    LENGTH_QUANTILES,
-    TTFT_TAIL,
-    AutoscalePolicy,
-    ClusterObservation,
-    PoolObservation,
-    StaticPolicy,
-    erlang_c_wait_tail,
-)
+from orchestrator.autoscale.demand import LENGTH_QUANTILES, TTFT_TAIL, wait_budgets, wait_tail
+from orchestrator.autoscale.observation import ClusterObservation, PoolObservation
+from orchestrator.autoscale.policy import AutoscalePolicy, StaticPolicy
 from orchestrator.autoscale.profile import EngineLimits, Grid1D, Grid2D, PerformanceProfile
 
 CONFIG = AutoscalingConfig(
@@ -82,6 +76,11 @@ def run(policy: AutoscalePolicy, rates: list[float], start: tuple[int, int] = (2
     return decisions
 
 
+def erlang_c_wait_tail(servers: int, rate: float, service_s: float, wait_s: float, cv2: float = 1.0) -> float:
+    """P(wait > ``wait_s``) in an M/G/c queue: ``wait_tail`` with one budget."""
+    return wait_tail(servers, rate, service_s, [wait_s], cv2)
+
+
 def test_erlang_c_matches_the_m_m_1_formula():
     # M/M/1: P(wait > t) = rho * exp(-(mu - lambda) t).
     assert erlang_c_wait_tail(1, 0.5, 1.0, 2.0) == pytest.approx(0.5 * 2.718281828 ** (-1.0))
@@ -100,9 +99,9 @@ def test_prefill_is_sized_for_the_wait_each_prompt_length_affords_not_the_mean_p
     # long prompts would be the late ones: each length's budget counts.
     p = policy()
     decision = p.decide(observe(0.0, rate=20.0, prefill=1, prompt=4000, prompt_tokens_cv2=1.0))
-    budgets = p._wait_budgets(4000, 1.0)
+    budgets = wait_budgets(p.config, p.profile, 4000, 1.0)
     assert len(budgets) == LENGTH_QUANTILES and budgets == sorted(budgets, reverse=True)
-    mean_budget = p._wait_budgets(4000, 0.0)[0]  # no spread: every length is the mean
+    mean_budget = wait_budgets(p.config, p.profile, 4000, 0.0)[0]  # no spread: every length is the mean
     assert budgets[-1] < 0.7 < 1.5 < mean_budget < budgets[0]
     by_mean = next(n for n in range(1, 64) if erlang_c_wait_tail(n, 20.0, 0.4, mean_budget) <= TTFT_TAIL)
     assert decision.prefill > by_mean
@@ -294,8 +293,7 @@ def test_the_budget_is_shared_in_proportion_to_demand(policy):
 
 def test_the_budget_is_shared_by_what_the_rate_needs_before_the_pools_max_clamps_it(policy):
     """Prefill needs 61 engines for the rate (its max is 40), decode 31, 48 fit: shared 61:31, not 40:31. By the
-    clamped wishes decode got 21 of the 48, though it serves only what prefill lets through (the simulator's
-    tuning seeds: 32:32 in bursts whose best split was near 42:22)."""
+    clamped wishes decode would get 21 of the 48, though it serves only what prefill lets through."""
     decision = policy(max_engines=48).decide(observe(0.0, 300.0, 30, 10, output=400))
 
     assert (decision.prefill, decision.decode) == (round(48 * 61 / 92), 48 - round(48 * 61 / 92)) == (32, 16)
@@ -306,9 +304,9 @@ def test_the_budget_is_shared_by_what_the_rate_needs_before_the_pools_max_clamps
 
 def test_a_queue_does_not_take_the_other_pools_share_of_the_budget(policy):
     """A prefill queue of 30,000 requests asks for hundreds of engines to clear it, requests waiting for decode
-    for more decode engines: shared by those wishes, prefill took 59 of 64 and left decode 5 for a rate that
-    needed 24, and every request prefilled then waited for decode (swing-tenant, tuning seed 4). What each pool
-    needs for the arrival rate shares the budget; the queues are served by it."""
+    for more decode engines: shared by those wishes, prefill would take nearly the whole budget and leave decode
+    too few engines for the rate, and every request prefilled would then wait for decode. What each pool needs
+    for the arrival rate shares the budget; the queues are served by it."""
     calm = policy(max_engines=48).decide(observe(0.0, 300.0, 30, 10, output=400))
     queued = PoolObservation(replicas=30, queue_depth=30_000, queued_tokens=60_000_000)
     waiting = PoolObservation(replicas=10, queue_depth=500, kv_cache_usage=0.95)
@@ -495,9 +493,9 @@ def test_with_moves_load_that_flaps_between_the_pools_does_not_move_engines_back
 
 def test_a_pool_that_just_changed_gives_no_engine_back_by_a_move_unless_a_breach_asks(policy):
     # The 3-engine CPU demo near a pool's edge: a breach gives prefill the shared engine, then a few requests
-    # waiting for a decode slot ask decode for one more. Moving it back at once (as the cluster did, 10 times in
-    # 7 minutes, some 15 s apart) would undo the breach's move; within prefill's scale-down cooldown it stays.
-    # A breach of decode is judged as before.
+    # waiting for a decode slot ask decode for one more. Moving it back at once would undo the breach's move
+    # (and, window after window, trade the engine back and forth); within prefill's scale-down cooldown it
+    # stays. A breach of decode still moves it.
     def after_a_breach(itl_p90_s: float | None):
         p = policy(moves=True, max_engines=3, prefill=PoolLimits(min=1, max=2), decode=PoolLimits(min=1, max=2))
         first = p.decide(observe(0.0, 0.5, 1, 2, prompt=2000, output=200, ttft_p90_s=30.0))
@@ -519,7 +517,7 @@ def test_a_pool_that_just_changed_gives_no_engine_back_by_a_move_unless_a_breach
 def test_a_scale_down_cooldown_of_zero_keeps_the_last_wish_for_moves(policy):
     p = policy(moves=True, scale_down_cooldown_s=0)
     run(p, [40.0] * 3, start=(10, 2))
-    turned = p.decide(observe(90.0, 40.0, 10, 2, prompt=200, output=2000))  # raised on an empty memory before
+    turned = p.decide(observe(90.0, 40.0, 10, 2, prompt=200, output=2000))  # the last wish stays: moves read it
     assert turned.decode > 2
 
 
@@ -538,8 +536,8 @@ def test_requests_waiting_for_decode_admission_size_the_decode_pool(policy):
 
 def test_requests_waiting_beside_free_decode_slots_are_loading_their_kv_and_add_no_engine(policy):
     # The CPU demo started under load: 2-5 requests in decode-0's waiting gauge, 0-3 running, its KV 3-6 % used:
-    # their KV was loading. Counted as waiting for a slot, they asked for a second decode engine at 5 s, whose
-    # start took the prefill engine's core for a minute (the cold run of 2026-12-04).
+    # their KV is loading. Counted as waiting for a slot, they would ask for a second decode engine, whose start
+    # takes the prefill engine's core for a minute.
     loading = PoolObservation(replicas=1, queue_depth=5, running=3, kv_cache_usage=0.06)
     calm = policy().decide(observe(0.0, 10.0, 4, 1))
     decided = policy().decide(observe(0.0, 10.0, 4, 1, decode_pool=loading))

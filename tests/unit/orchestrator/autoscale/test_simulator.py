@@ -9,7 +9,6 @@ settles where Little's law says it must.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 from pathlib import Path
 
@@ -22,7 +21,7 @@ from orchestrator.autoscale.profile import EngineLimits, Grid1D, Grid2D
 from orchestrator.autoscale.rules import new_replicas, retirement_order, take_back_order, warm_room, warm_to_stop
 from orchestrator.autoscale.sim_cores import SPIN_S
 from orchestrator.autoscale.sim_model import SharedCore, SimulationResult, SloTargets
-from orchestrator.autoscale.simulator import Simulator, simulate
+from orchestrator.autoscale.simulator import SimOptions, Simulator, simulate
 from orchestrator.autoscale.traces import TraceRequest
 from testlib.profiles import INSTANT, TARGETS, Script, make_profile, poisson_trace
 
@@ -144,7 +143,7 @@ def test_the_policy_sees_the_prefill_queue_as_vllms_waiting_gauge_shows_it():
     for seqs in (1, 100):
         policy = Script([(1, 1)])
         profile = make_profile(prefill_s_per_token=0.01, max_num_seqs=seqs)
-        Simulator(profile, policy, TARGETS, (1, 1), interval_s=5.0).run(trace)
+        Simulator(profile, policy, TARGETS, (1, 1), SimOptions(interval_s=5.0)).run(trace)
         seen[seqs] = [(round(o.t), o.prefill.queue_depth, o.prefill.queued_tokens) for o in policy.seen[:4]]
     # The first's pass began before the others arrived: vLLM's scheduler hears of them only when it ends.
     # Then, one sequence per pass: the second's pass leaves the third waiting.
@@ -157,7 +156,7 @@ def test_the_policy_sees_a_request_whose_kv_loads_as_waiting_for_decode_as_vllms
     base = make_profile(prefill_s_per_token=INSTANT, decode_step=(0.1, 0.0), max_num_seqs=100)
     profile = dataclasses.replace(base, engine=dataclasses.replace(base.engine, handoff_s=12.0))
     policy = Script([(1, 1)])
-    Simulator(profile, policy, TARGETS, (1, 1), interval_s=5.0).run([TraceRequest(1.0, 10, 100)])
+    Simulator(profile, policy, TARGETS, (1, 1), SimOptions(interval_s=5.0)).run([TraceRequest(1.0, 10, 100)])
     # vLLM's scheduler keeps a request in its waiting queue until its KV is in (at 13 s); it runs until 23 s.
     seen = [(round(o.t), o.decode.queue_depth, o.decode.running) for o in policy.seen[:4]]
     assert seen == [(5, 1, 0), (10, 1, 0), (15, 0, 1), (20, 0, 1)]
@@ -167,11 +166,15 @@ def test_the_first_decision_comes_where_the_controllers_clock_ticks_into_the_tra
     trace = poisson_trace(1.0, 30, prompt=lambda rng: 10)
     for first, times in ((None, [5, 10, 15]), (2.0, [2, 7, 12])):
         policy = Script([(1, 1)])
-        Simulator(make_profile(), policy, TARGETS, (1, 1), interval_s=5.0, first_decision_s=first).run(trace)
+        Simulator(make_profile(), policy, TARGETS, (1, 1), SimOptions(interval_s=5.0, first_decision_s=first)).run(
+            trace
+        )
         assert [round(obs.t, 6) for obs in policy.seen[:3]] == times
     for bad in (0.0, 5.5):
         with pytest.raises(ValueError, match="first_decision_s must be in"):
-            Simulator(make_profile(), Script([(1, 1)]), TARGETS, (1, 1), interval_s=5.0, first_decision_s=bad)
+            Simulator(
+                make_profile(), Script([(1, 1)]), TARGETS, (1, 1), SimOptions(interval_s=5.0, first_decision_s=bad)
+            )
 
 
 def test_the_policy_sees_the_mean_lengths_as_a_clusters_counters_give_them():
@@ -179,7 +182,7 @@ def test_the_policy_sees_the_mean_lengths_as_a_clusters_counters_give_them():
     # autoscaler its mean) when the prefill finishes, and its output tokens as they are generated (below).
     policy = Script([(1, 1)])
     profile = make_profile(prefill_s_per_token=0.01)
-    Simulator(profile, policy, TARGETS, (1, 1), interval_s=5.0).run([TraceRequest(1.0, 1000, 3)])
+    Simulator(profile, policy, TARGETS, (1, 1), SimOptions(interval_s=5.0)).run([TraceRequest(1.0, 1000, 3)])
     seen = [(round(o.t), o.arrival_rate_rps, o.mean_prompt_tokens, o.mean_output_tokens) for o in policy.seen[:3]]
     assert seen == [(5, 0.2, 1.0, 1.0), (10, 0.0, 1.0, 1.0), (15, 0.0, 1000.0, 3.0)]
 
@@ -191,7 +194,7 @@ def test_the_mean_output_counts_the_tokens_generated_in_the_window_as_vllms_coun
     profile = make_profile(prefill_s_per_token=INSTANT, decode_step=(0.1, 0.0), max_num_seqs=100)
     policy = Script([(1, 1)])
     trace = [TraceRequest(0.0, 10, 120), TraceRequest(0.0, 10, 20), TraceRequest(6.0, 10, 30)]
-    Simulator(profile, policy, TARGETS, (1, 1), interval_s=5.0).run(trace)
+    Simulator(profile, policy, TARGETS, (1, 1), SimOptions(interval_s=5.0)).run(trace)
     means = [o.mean_output_tokens for o in policy.seen[:3]]
     assert means == pytest.approx([20 + 50, 50 + 30, 20], abs=1.0)  # B and A's first 50; A's next 50 and C; A's last
     assert sum(means) == pytest.approx(120 + 20 + 30, abs=1e-6)  # over the windows, every token once
@@ -200,7 +203,7 @@ def test_the_mean_output_counts_the_tokens_generated_in_the_window_as_vllms_coun
 def test_new_engines_serve_only_after_their_startup_time():
     policy = Script([(3, 1)])
     trace = poisson_trace(0.5, 200, prompt=lambda rng: 1000)
-    result = simulate(make_profile(startup_s=45.0), policy, trace, TARGETS, (1, 1), interval_s=10.0)
+    result = simulate(make_profile(startup_s=45.0), policy, trace, TARGETS, (1, 1), SimOptions(interval_s=10.0))
 
     # Asked for at t=10; serving from t=55: the observations at 20..50 still count them as starting.
     by_t = {round(obs.t): obs.prefill for obs in policy.seen}
@@ -214,7 +217,7 @@ def test_removed_engines_finish_their_requests_before_stopping():
     profile = make_profile(prefill_s_per_token=INSTANT, decode_step=(0.1, 0.0), max_num_seqs=1000)
     trace = poisson_trace(2.0, 100, prompt=lambda rng: 10, output=lambda rng: 300)
     policy = Script([(1, 1)])
-    result = simulate(profile, policy, trace, TARGETS, (1, 2), interval_s=10.0)
+    result = simulate(profile, policy, trace, TARGETS, (1, 2), SimOptions(interval_s=10.0))
 
     assert len(result.records) == len(trace)
     assert max(r.itl_s for r in result.records) == pytest.approx(0.1)
@@ -231,7 +234,7 @@ def test_scaling_follows_the_controllers_rules():
     trace = poisson_trace(2.0, 100, prompt=lambda rng: 10, output=lambda rng: 300)
     # t=10: decode 2 -> 1 (decode-1 drains, busy for 30 s); t=20: 3 (decode-1 back, decode-2 starts)
     policy = Script([(1, 1), (1, 3)])
-    sim = Simulator(profile, policy, TARGETS, (1, 2), interval_s=10.0)
+    sim = Simulator(profile, policy, TARGETS, (1, 2), SimOptions(interval_s=10.0))
     sim.run(trace)
 
     by_t = {round(obs.t): obs.decode for obs in policy.seen}
@@ -246,7 +249,9 @@ def _kept_warm(sizes: list[tuple[int, int]], keep_warm_s: float, max_engines: in
     profile = make_profile(prefill_s_per_token=INSTANT, decode_step=(0.1, 0.0), max_num_seqs=1000, startup_s=30.0)
     trace = poisson_trace(2.0, 100, prompt=lambda rng: 10, output=lambda rng: 10)
     policy = Script(sizes)
-    sim = Simulator(profile, policy, TARGETS, (1, 2), interval_s=10.0, keep_warm_s=keep_warm_s, max_engines=max_engines)
+    sim = Simulator(
+        profile, policy, TARGETS, (1, 2), SimOptions(interval_s=10.0, keep_warm_s=keep_warm_s, max_engines=max_engines)
+    )
     result = sim.run(trace)
     return sim, policy, result.engine_hours
 
@@ -289,9 +294,11 @@ def test_an_engine_kept_warm_gives_its_room_to_a_scale_up_of_the_other_pool():
 def test_least_loaded_routes_as_the_proxy_scores_engines_and_rotates_ties():
     """The proxy's least_loaded (``proxy.policies.least_loaded``): the fewest of its legs on an engine plus the
     engine's waiting gauge (and, for decode, its KV use), ties going round. Two idle prefill engines share
-    the calm minutes' requests; the simulator used to give every tie to the first (the cluster's calm
-    minutes split ~55/45 while it sent ~75 % to prefill-0)."""
-    sim = Simulator(make_profile(), Script([(2, 2)]), TARGETS, (2, 2), routing=("least_loaded", "least_loaded"))
+    the calm minutes' requests, as a cluster's do (~55/45); every tie to the first would send ~75 % to
+    prefill-0."""
+    sim = Simulator(
+        make_profile(), Script([(2, 2)]), TARGETS, (2, 2), SimOptions(routing=("least_loaded", "least_loaded"))
+    )
     prefill_loads, decode_loads = simulator_module._prefill_loads, sim._decode_loads
     assert [sim._pick(sim.prefill, 0, prefill_loads).replica for _ in range(4)] == [0, 1, 0, 1]
     busy = sim.prefill[0]
@@ -341,14 +348,6 @@ def test_length_mixes_have_their_advertised_means():
     assert prompts[int(0.99 * len(prompts))] > 8 * prompts[len(prompts) // 2]  # a heavy tail
 
 
-def test_merged_tenants_keep_every_request_in_arrival_order():
-    base = traces.poisson(2.0, 100.0, seed=1)
-    tenant = traces.bursty(0.1, 100.0, burst_factor=10, mean_burst_s=20, mean_gap_s=40, seed=2)
-    merged = traces.merge(base, tenant)
-    assert len(merged) == len(base) + len(tenant)
-    assert [r.t for r in merged] == sorted(r.t for r in merged)
-
-
 def test_the_hand_off_adds_to_every_ttft_and_a_profile_without_it_reads_zero(tmp_path) -> None:
     import dataclasses
 
@@ -384,9 +383,11 @@ def test_engines_sharing_a_core_share_its_speed():
     alone = simulate(profile, StaticPolicy(1, 1), trace, TARGETS, (1, 1)).records
     one_core = {"prefill-0": frozenset({0}), "decode-0": frozenset({0})}
     # Without the polling after a pass (spin_s=0): only work shares the core.
-    shared = simulate(profile, StaticPolicy(1, 1), trace, TARGETS, (1, 1), cores=one_core, spin_s=0.0).records
+    shared = simulate(
+        profile, StaticPolicy(1, 1), trace, TARGETS, (1, 1), SimOptions(cores=one_core, spin_s=0.0)
+    ).records
     two_cores = {"prefill-0": frozenset({0}), "decode-0": frozenset({1})}
-    apart = simulate(profile, StaticPolicy(1, 1), trace, TARGETS, (1, 1), cores=two_cores).records
+    apart = simulate(profile, StaticPolicy(1, 1), trace, TARGETS, (1, 1), SimOptions(cores=two_cores)).records
 
     a, b = sorted(alone, key=lambda r: r.arrival)
     assert (a.done, b.ttft_s) == (pytest.approx(0.01 + 100 * 0.03), pytest.approx(5.0 + 0.03))
@@ -406,7 +407,7 @@ def test_measured_slowdowns_beside_a_busy_neighbour_replace_the_even_split():
     measured = SharedCore(prefill=1.5, decode=3.5)
     a, b = sorted(
         simulate(
-            profile, StaticPolicy(1, 1), trace, TARGETS, (1, 1), cores=one_core, spin_s=0.0, shared=measured
+            profile, StaticPolicy(1, 1), trace, TARGETS, (1, 1), SimOptions(cores=one_core, spin_s=0.0, shared=measured)
         ).records,
         key=lambda r: r.arrival,
     )
@@ -425,7 +426,9 @@ def test_an_engine_on_its_own_core_slows_by_the_host_factor_while_one_elsewhere_
     two_cores = {"prefill-0": frozenset({0}), "decode-0": frozenset({1})}
     host = SharedCore(host_prefill=1.2, host_decode=1.5)
     a, b = sorted(
-        simulate(profile, StaticPolicy(1, 1), trace, TARGETS, (1, 1), cores=two_cores, spin_s=0.0, shared=host).records,
+        simulate(
+            profile, StaticPolicy(1, 1), trace, TARGETS, (1, 1), SimOptions(cores=two_cores, spin_s=0.0, shared=host)
+        ).records,
         key=lambda r: r.arrival,
     )
     # B's pass begins beside A decoding on the other core: 1.2 x 5 s, to 6.5 s. A's steps take 1.5x from 0.5 s,
@@ -441,7 +444,7 @@ def start_beside_busy_decode(shared: SharedCore) -> tuple[Script, SimulationResu
     profile = make_profile(prefill_s_per_token=INSTANT, decode_step=(0.1, 0.0), max_num_seqs=100, startup_s=30.0)
     cores = {"prefill-0": frozenset({0}), "decode-0": frozenset({1}), "prefill-1": frozenset({1})}
     policy = Script([(2, 1)])
-    sim = Simulator(profile, policy, TARGETS, (1, 1), interval_s=10.0, cores=cores, shared=shared)
+    sim = Simulator(profile, policy, TARGETS, (1, 1), SimOptions(interval_s=10.0, cores=cores, shared=shared))
     return policy, sim.run([TraceRequest(0.0, 10, 1000)])
 
 
@@ -474,7 +477,11 @@ def test_a_start_up_slows_the_prefill_passes_beside_it_while_it_lasts():
     last = {}
     for name, shared in (("even", SharedCore()), ("measured", SharedCore(prefill_beside_start=1.5))):
         sim = Simulator(
-            profile, Script([(1, 2)]), TARGETS, (1, 1), interval_s=10.0, cores=cores, shared=shared, spin_s=0.0
+            profile,
+            Script([(1, 2)]),
+            TARGETS,
+            (1, 1),
+            SimOptions(interval_s=10.0, cores=cores, shared=shared, spin_s=0.0),
         )
         result = sim.run([TraceRequest(0.0, 1000, 1) for _ in range(60)])
         last[name] = max(r.ttft_s for r in result.records)
@@ -494,7 +501,9 @@ def test_a_decode_step_beside_a_decode_engine_takes_its_own_slowdown():
         ("beside any", SharedCore(decode=3.0)),
         ("beside decode", SharedCore(decode=3.0, decode_beside_decode=1.25)),
     ):
-        records = simulate(profile, StaticPolicy(1, 2), trace, TARGETS, (1, 2), cores=cores, spin_s=0.0, shared=shared)
+        records = simulate(
+            profile, StaticPolicy(1, 2), trace, TARGETS, (1, 2), SimOptions(cores=cores, spin_s=0.0, shared=shared)
+        )
         done[name] = sorted(round(r.done, 3) for r in records.records)
     assert done == {"even": [6.0, 6.0], "beside any": [9.0, 9.0], "beside decode": [3.75, 3.75]}
     with pytest.raises(ValueError, match="SharedCore.decode_beside_decode must be 1 or more"):
@@ -505,14 +514,16 @@ def test_an_engine_that_just_worked_keeps_its_share_of_the_core_while_it_polls()
     profile = make_profile(prefill_s_per_token=0.001, decode_step=(0.03, 0.0), max_num_seqs=100)
     trace = [TraceRequest(0.0, 10, 100)]  # a 0.01-s prefill pass, then 100 steps of 0.03 s alone
     one_core = {"prefill-0": frozenset({0}), "decode-0": frozenset({0})}
-    (still,) = simulate(profile, StaticPolicy(1, 1), trace, TARGETS, (1, 1), cores=one_core, spin_s=0.0).records
+    (still,) = simulate(
+        profile, StaticPolicy(1, 1), trace, TARGETS, (1, 1), SimOptions(cores=one_core, spin_s=0.0)
+    ).records
     assert still.done == pytest.approx(0.01 + 100 * 0.03)
     # vLLM's worker polls for SPIN_S after the pass: the decode steps take 2x until 1.01 s.
-    (polled,) = simulate(profile, StaticPolicy(1, 1), trace, TARGETS, (1, 1), cores=one_core).records
+    (polled,) = simulate(profile, StaticPolicy(1, 1), trace, TARGETS, (1, 1), SimOptions(cores=one_core)).records
     assert SPIN_S == 1.0
     assert polled.done == pytest.approx(1.01 + (100 - 1.0 / 0.06) * 0.03)
     two_cores = {"prefill-0": frozenset({0}), "decode-0": frozenset({1})}
-    (apart,) = simulate(profile, StaticPolicy(1, 1), trace, TARGETS, (1, 1), cores=two_cores).records
+    (apart,) = simulate(profile, StaticPolicy(1, 1), trace, TARGETS, (1, 1), SimOptions(cores=two_cores)).records
     assert apart.done == pytest.approx(still.done)
 
 
@@ -549,24 +560,13 @@ def test_profile_holds_a_falling_last_segment_flat_above_the_grid() -> None:
     assert grid(4096, 2) == pytest.approx(8.9 + (8.9 - 4.2) * 2)  # a rising segment still extends
 
 
-def test_burst_windows_are_where_the_bursty_trace_runs_at_the_burst_rate():
-    trace = traces.bursty(2.0, 3600.0, burst_factor=4.0, mean_burst_s=120, mean_gap_s=300, seed=7)
-    windows = traces.burst_windows(3600.0, mean_burst_s=120, mean_gap_s=300, seed=7)
-    assert len(windows) >= 3 and all(0 < start < end <= 3600.0 for start, end in windows)
-    assert all(a[1] < b[0] for a, b in itertools.pairwise(windows))
-    inside = sum(end - start for start, end in windows)
-    in_bursts = sum(1 for r in trace if any(start <= r.t < end for start, end in windows))
-    assert in_bursts / inside == pytest.approx(8.0, rel=0.15)  # 4 x 2 req/s
-    assert (len(trace) - in_bursts) / (3600.0 - inside) == pytest.approx(2.0, rel=0.15)
-
-
 def test_prefill_goes_in_turn_or_to_the_least_queued_as_the_proxys_routing_says():
     profile = make_profile(prefill_s_per_token=0.001, decode_step=(0.01, 0.0), max_num_seqs=100)
     # A 4-s prompt, then three 0.1-s ones while it computes.
     trace = [TraceRequest(0.0, 4000, 2), *(TraceRequest(0.1 * i, 100, 2) for i in (1, 2, 3))]
 
     def ttfts(routing: tuple[str, str]) -> list[float]:
-        result = simulate(profile, StaticPolicy(2, 1), trace, TARGETS, (2, 1), routing=routing)
+        result = simulate(profile, StaticPolicy(2, 1), trace, TARGETS, (2, 1), SimOptions(routing=routing))
         return [r.ttft_s for r in sorted(result.records, key=lambda r: r.arrival)]
 
     # Least queued: the short prompts all go to the idle engine (each waits for the one before it at most).

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from orchestrator.autoscale.profile import DEFAULT_MOVE_S, PerformanceProfile, ProfileError, load_profile
-from orchestrator.autoscale.simulator import Simulator
+from orchestrator.autoscale.simulator import SimOptions, Simulator
 from orchestrator.autoscale.traces import TraceRequest
 from testlib.profiles import INSTANT, TARGETS, Script, make_profile, poisson_trace
 
@@ -26,7 +26,9 @@ def moving_profile(startup_s: float = 30.0, handoff_s: float = 0.0) -> Performan
 
 def run(sizes, initial, trace, moves=True, **kwargs) -> tuple[Simulator, Script]:
     policy = Script(sizes)
-    sim = Simulator(kwargs.pop("profile", moving_profile()), policy, TARGETS, initial, interval_s=10.0, moves=moves)
+    sim = Simulator(
+        kwargs.pop("profile", moving_profile()), policy, TARGETS, initial, SimOptions(interval_s=10.0, moves=moves)
+    )
     sim.run(trace)
     return sim, policy
 
@@ -138,8 +140,13 @@ def test_a_growing_pool_moves_in_the_other_pools_kept_warm_engine_before_it_star
     # controller does (rules.resize_plan's others), the warm prefill-1 moves in instead of a 30-s start.
     for moves, decode_at_30 in ((True, (2, 0)), (False, (1, 1))):
         policy = Script([(1, 1), (1, 2)])
-        sim = Simulator(moving_profile(), policy, TARGETS, (2, 1), interval_s=10.0, moves=moves, keep_warm_s=60,
-                        max_engines=4)  # fmt: skip
+        sim = Simulator(
+            moving_profile(),
+            policy,
+            TARGETS,
+            (2, 1),
+            SimOptions(interval_s=10.0, moves=moves, keep_warm_s=60, max_engines=4),
+        )
         sim.run(short_requests())
         assert [t["moved"] for t in sim.timeline[:2]] == [None, None]  # no decision grows and shrinks at once
         assert by_t(policy, "decode")[30] == decode_at_30  # moved: serving 2 s after; else a start under way
