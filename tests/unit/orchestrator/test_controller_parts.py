@@ -13,13 +13,14 @@ from types import SimpleNamespace
 
 from orchestrator import event_log
 from orchestrator.autoscale.rules import resize_plan
-from orchestrator.control import cluster_status, schema_problems
+from orchestrator.control import cluster_status
 from orchestrator.engine_metrics import QUARANTINED_BLOCKS, SampleReader
 from orchestrator.engine_record import EngineRecord, replica
 from orchestrator.event_log import SNAPSHOT_NAME, EventLog
 from orchestrator.placement import HEAD_RESOURCE, Node
 from orchestrator.pools import Pools
 from orchestrator.spec import ClusterSpec
+from tests.status_schema import schema_problems
 from tests.unit.conftest import spec_dict
 from tests.unit.proxy_requests import wait_until
 
