@@ -83,9 +83,7 @@ def chat(proxy_url: str, messages: list[dict], salt: str | None = None) -> str:
 
 def tier_held(engine_url: str, messages: list[dict], headers: dict[str, str], salt: str | None = None) -> dict:
     """What the engine says its tiers hold of this chat's prompt."""
-    code, _, answer = http_json(
-        engine_url + wire.TIER_HELD_PATH, request(messages, salt), headers=headers
-    )
+    code, _, answer = http_json(engine_url + wire.TIER_HELD_PATH, request(messages, salt), headers=headers)
     assert code == 200, answer
     return answer
 
