@@ -237,11 +237,19 @@ PREFILL_REQUEST_PARAMS = {
 }
 """What the proxy sends a prefill engine: compute the prompt, keep its KV for a decode engine."""
 
+# --- what an engine's KV cache holds, for the proxy --------------------------------------------
+KV_EVENTS_PATH = "/v1/pdserve/kv_events"
+"""``GET`` with ``?after=N``: the engine's KV events from batch ``N + 1`` on, one JSON line each
+(``connectors.kv_events``). Under ``/v1``, so vLLM's key check (the cluster's engine key) guards it."""
+
 # --- an engine's KV tier, asked by the proxy -------------------------------------------------
 TIER_HELD_PATH = "/v1/pdserve/tier_held"
 """``POST`` a chat request's body (``messages``) or a completion request's (``prompt``) here: the engine answers how
 many of its prompt's tokens its KV tiers hold (``connectors.tier.held``). Under ``/v1``, so vLLM's key check
 (the cluster's engine key) guards it like the completions routes."""
+BLOCKS = "blocks"
+"""The answer: the prompt's full blocks at the engine's block size, each named as its KV events name it (the low 64
+bits of vLLM's block hash; ``connectors.kv_events``); empty where the engine cannot hash it as its scheduler does."""
 PROMPT_TOKENS = "prompt_tokens"
 """The answer: the prompt's length in tokens, as the engine renders and tokenizes it."""
 TIERS = "tiers"

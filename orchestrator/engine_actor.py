@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import secrets
@@ -233,10 +234,15 @@ class EngineActor:
         from vllm.entrypoints.launchers.launcher import NoSignalServer
         from vllm.utils.argparse_utils import FlexibleArgumentParser
 
+        from connectors.kv_events import add_route as add_events_route
+        from connectors.kv_events import events_config
         from connectors.tier.held import add_route as add_tier_route
 
         self._phase("vLLM imported")
-        args = make_arg_parser(FlexibleArgumentParser()).parse_args(self.launch.vllm_args)
+        # vLLM's KV events on ipc sockets in this engine's private directory, relayed to the proxy over HTTP
+        events = events_config(self._temp_dir)
+        vllm_args = [*self.launch.vllm_args, "--kv-events-config", json.dumps(events)]
+        args = make_arg_parser(FlexibleArgumentParser()).parse_args(vllm_args)
         validate_parsed_serve_args(args)
         shutil.rmtree(self._tier_layouts, ignore_errors=True)  # this start's tiers write theirs again
         fresh_temp_dir(self._temp_dir)
@@ -249,7 +255,9 @@ class EngineActor:
         supported_tasks = await engine_client.get_supported_tasks()
         app = build_app(args, supported_tasks, engine_client.model_config)
         await init_app_state(engine_client, app.state, args, supported_tasks)
-        add_tier_route(app, self._tier_layouts, engine_client.vllm_config.cache_config.prefix_caching_hash_algo)
+        cache_config = engine_client.vllm_config.cache_config
+        add_tier_route(app, self._tier_layouts, cache_config.prefix_caching_hash_algo, cache_config.block_size)
+        add_events_route(app, events, cache_config.block_size)
         config = uvicorn.Config(
             guard(app, os.environ[ENGINE_KEY_ENV], lambda: self._healthy(engine_client)),
             log_level="warning",

@@ -4,8 +4,9 @@
 connections to the engines) used for every upstream call, each model's ``ModelFlow``
 (``proxy.flow``) and the ``Front`` that hands them requests (``proxy.front``). Its
 lifespan runs the background tasks that use the client: ``/health`` probes
-(``proxy.health``) and, for the load-aware policies, ``/metrics`` polls
-(``proxy.load``); at its end the flows and the client close. Routes:
+(``proxy.health``), for the load-aware policies ``/metrics`` polls
+(``proxy.load``), and where routing reads prefixes the engines' KV events
+(``proxy.residency``); at its end the flows and the client close. Routes:
 
 - one per API of ``proxy.apis.REGISTRY``: ``POST /v1/chat/completions``, ``POST /v1/completions``,
   ``POST /v1/responses`` (streaming and not), served through prefill and decode (one
@@ -98,6 +99,7 @@ from proxy.health import HealthMonitor, HealthTracker
 from proxy.load import LoadPoller
 from proxy.metrics import CONTENT_TYPE_LATEST, ProxyMetrics
 from proxy.pool import EnginePool, PoolSet
+from proxy.residency import EventFeeds
 from proxy.routing import Router
 from proxy.upstream import Upstream
 
@@ -151,6 +153,9 @@ def create_app(
             if each.config.routing.needs_load and config.metrics_interval_s > 0:
                 poller = LoadPoller(each.router.pool, client, config.metrics_interval_s, config.health_timeout_s)
                 background.append(asyncio.create_task(poller.run(), name="pdserve-load"))
+            if each.router.residency is not None:
+                feeds = EventFeeds(each.router.pool, each.router.residency, client, each.engine_key_headers)
+                background.append(asyncio.create_task(feeds.run(), name="pdserve-kv-events"))
         try:
             yield
         finally:

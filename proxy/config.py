@@ -67,6 +67,12 @@ class RoutingConfig(_Settings):
         description="prefix_aware skips the engine holding the prefix when (its load + 1) exceeds this "
         "times (the least load + 1).",
     )
+    kv_events: bool = Field(
+        default=True,
+        description="Follow each engine's KV events (vLLM's, relayed by pdserve's engines): prefix_aware and "
+        "decode_only_if_cached then read which prompt blocks each engine's prefix cache holds, instead of the "
+        "prefixes the proxy sent it (still their fallback for engines whose events do not come).",
+    )
 
     @property
     def needs_load(self) -> bool:

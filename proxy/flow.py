@@ -101,6 +101,10 @@ class ModelFlow:
         await self.releaser.close()
         self.kv_reports.close()
 
+    def engine_key_headers(self) -> dict[str, str]:
+        """What an engine call of the proxy's own (not a client's request) sends: the cluster's engine key."""
+        return {"Authorization": self.engine_authorization} if self.engine_authorization is not None else {}
+
     def engine_headers(self, exchange: Exchange) -> dict[str, str]:
         """The headers of both legs' engine calls."""
         # identity: answers are relayed byte for byte, so they must not come compressed.

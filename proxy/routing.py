@@ -36,6 +36,7 @@ from proxy.apis.base import CHARS_PER_TOKEN
 from proxy.config import ProxyConfig
 from proxy.policies import PrefixIndex, make_policy
 from proxy.pool import EnginePool, EngineState, no_healthy_engine
+from proxy.residency import Residency
 
 # --- the router -----------------------------------------------------------------------------
 
@@ -52,10 +53,12 @@ DEGRADED_REASONS = (NO_PREFILL_ENGINE, NO_DECODE_ENGINE, PREFILL_FAILED, DECODE_
 
 
 class TierHeld(NamedTuple):
-    """What the shared KV tier holds of a prompt, as a tier engine answered (``wire.TIER_HELD_PATH``)."""
+    """A prompt as an engine answered (``wire.TIER_HELD_PATH``): its length, what the shared KV tier holds of it,
+    and its blocks as the engines' KV events name them (``proxy.residency``)."""
 
     prompt_tokens: int
     held_tokens: int
+    blocks: tuple[int, ...] = ()
 
     @property
     def fraction(self) -> float:
@@ -92,6 +95,8 @@ class Router:
         if self.decode_index is None and config.decode_only_if_cached:
             self.decode_index = PrefixIndex(routing.prefix_cache_size)
         self._uses_prefix = self.prefill_policy.needs_prefix or self.decode_index is not None
+        # What each engine's prefix cache holds, from its KV events (``proxy.residency``): read where the prefix is.
+        self.residency = Residency() if self._uses_prefix and routing.kv_events else None
         self._decode_only_below = config.decode_only_below_tokens
         self._cached_fraction = config.decode_only_cached_fraction
         tiers = config.tier_pools
@@ -101,23 +106,25 @@ class Router:
             or (self.prefill_policy.needs_prefix and "prefill" in tiers)
             or (self.decode_policy.needs_prefix and "decode" in tiers)
         )
+        self._asks_engine = self._asks_tier or self.residency is not None
         self._tier_turn = itertools.count()
         self._any_turn = itertools.count()
         # Engines hold fewer adapters than the cluster serves: an adapter's requests stay on engines of its own.
         self._keeps_adapters = config.max_loras < len(config.adapters)
 
     def asks_tier(self, body: dict[str, Any], api: GenerationApi) -> bool:
-        """Whether ``route`` would use what the shared tier holds of this prompt (``TierHeld``): routing reads
-        the tier, its API's prompt can be looked up there, and the prompt is long enough for one prefix block and
-        to be disaggregated."""
-        if not self._asks_tier or not api.tier_lookup:
+        """Whether ``route`` would use what an engine answers of this prompt (``TierHeld``): routing reads the shared
+        tier or the engines' KV events, its API's prompt can be looked up, and the prompt is long enough for one
+        prefix block and to be disaggregated."""
+        if not self._asks_engine or not api.tier_lookup:
             return False
         tokens = api.estimate_tokens(body)
         return tokens * CHARS_PER_TOKEN >= self.routing.prefix_block_chars and tokens >= self._decode_only_below
 
     def tier_engine(self) -> EngineState | None:
-        """The engine to ask what the shared tier holds: a ready engine of the tier's pools, in turn."""
-        return self._in_turn(self.config.tier_pools, self._tier_turn)
+        """The engine to ask about a prompt: a ready engine of the tier's pools (without a tier: of either pool), in
+        turn."""
+        return self._in_turn(self.config.tier_pools or ("decode", "prefill"), self._tier_turn)
 
     def route(self, body: dict[str, Any], api: GenerationApi, held: TierHeld | None = None) -> Route:
         """The request's engines (``Route``). With ``degrade``, a pool without a ready engine is skipped:
@@ -129,6 +136,7 @@ class Router:
             else ()
         )
         in_tier = held.depth(body, api, self.routing.prefix_block_chars, len(prefix)) if held and prefix else 0
+        resident = self._resident(held, len(prefix))
         tiers = self.config.tier_pools
         adapter = body["model"] if self._keeps_adapters and body["model"] in self.config.adapters else None
         engines = self._holding(self.pool.ready("decode"), adapter)
@@ -139,9 +147,12 @@ class Router:
         if self.decode_index is None:
             decode = self.decode_policy.pick(engines, prefix)
         else:
-            decode = self.decode_policy.choose(engines, prefix, in_tier if "decode" in tiers else 0)
+            decode = self.decode_policy.choose(engines, prefix, in_tier if "decode" in tiers else 0, resident)
             if prefix:
-                sent = self.decode_index.blocks_sent(prefix, decode.engine_id)
+                if resident is not None:
+                    sent = resident.get(decode.engine_id, 0)
+                else:
+                    sent = self.decode_index.blocks_sent(prefix, decode.engine_id)
                 self.decode_index.record(prefix, decode.engine_id)
                 stored = held.fraction if held is not None and "decode" in tiers else 0.0
                 cached = sent >= self._cached_fraction * len(prefix) or stored >= self._cached_fraction
@@ -152,10 +163,19 @@ class Router:
         engines = self._holding(self.pool.ready("prefill"), adapter)
         if engines:
             shared = in_tier if "prefill" in tiers else 0
-            return Route(self.prefill_policy.pick(engines, prefix, shared), decode, prefix)
+            return Route(self.prefill_policy.pick(engines, prefix, shared, resident), decode, prefix)
         if not self.config.degrade:
             raise no_healthy_engine("prefill")
         return Route(None, decode, prefix, NO_PREFILL_ENGINE)
+
+    def _resident(self, held: TierHeld | None, prefix_blocks: int) -> dict[str, int] | None:
+        """How many of the prompt's leading prefix blocks each engine's prefix cache holds, as its KV events say
+        (the engine's blocks in proportion: the proxy hashes characters, the engine tokens); None where the index
+        follows no engine, or the engine that was asked did not hash the prompt."""
+        if self.residency is None or held is None or not held.blocks or not self.residency.following():
+            return None
+        count = len(held.blocks)
+        return {e: depth * prefix_blocks // count for e, depth in self.residency.held(held.blocks).items()}
 
     def _holding(self, engines: tuple[EngineState, ...], adapter: str | None) -> tuple[EngineState, ...]:
         """The engines that serve ``adapter``'s requests (all, for the base model): ``adapter_engines``."""

@@ -135,7 +135,11 @@ class Upstream:
             if response.status != 200:
                 raise ValueError(f"HTTP {response.status}: {payload[:200]!r}")
             answer = orjson.loads(payload)
-            return TierHeld(int(answer[wire.PROMPT_TOKENS] or 0), int(answer[wire.TIERS].get(wire.SHARED_TIER, 0)))
+            blocks = answer.get(wire.BLOCKS) or ()
+            if not all(type(block) is int for block in blocks):
+                raise ValueError("blocks that are not integers")
+            shared = int(answer[wire.TIERS].get(wire.SHARED_TIER, 0))
+            return TierHeld(int(answer[wire.PROMPT_TOKENS] or 0), shared, tuple(blocks))
         except (EngineConnectionError, TimeoutError, ValueError, TypeError, KeyError, AttributeError) as e:
             logger.info("request %s: no answer from %s on the KV tier (%s); routed without it",
                         exchange.request_id, engine.engine_id, e or type(e).__name__)  # fmt: skip

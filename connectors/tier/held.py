@@ -1,11 +1,15 @@
-"""How many of a request's prompt tokens an engine's filesystem KV tiers hold, for the proxy's routing.
+"""A request's prompt as an engine's KV caches see it, for the proxy's routing: its blocks, and how many of its
+tokens the engine's filesystem KV tiers hold.
 
 ``POST /v1/pdserve/tier_held`` (``wire.TIER_HELD_PATH``) with the body of a chat request (its
 ``messages``) or a completion request (its ``prompt``) answers
-``{"prompt_tokens": N, "tiers": {"shared": S, "node": M}}``:
+``{"prompt_tokens": N, "blocks": [h, ...], "tiers": {"shared": S, "node": M}}``:
 
 - ``prompt_tokens``: the prompt as this engine renders and tokenizes it, with vLLM's own chat template
   and tokenizer (its ``/tokenize`` handler);
+- ``blocks``: its full blocks at the engine's block size, hashed as the engine's scheduler hashes them and
+  named as its KV events name them (``connectors.kv_events.external_hash``), which the proxy looks up in what
+  each engine's events say it holds;
 - per filesystem tier, the leading prompt tokens whose chunks are all stored: what the engine's
   scheduler would load from that tier, looked up the way it looks them up. The prompt's token blocks
   are hashed with vLLM's ``hash_block_tokens`` and the engine's hash algorithm (the chain starts from
@@ -33,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from connectors.kv_events import external_hash
 from connectors.tier import LAYOUT_ENV
 from contract import wire
 from contract.private_files import make_private_dirs, write_private
@@ -171,8 +176,9 @@ async def _prompt_tokens(request: Any, body: dict[str, Any]) -> list[int] | Any:
     return answer.tokens if hasattr(answer, "tokens") else answer
 
 
-def add_route(app: Any, layouts_dir: Path | None, hash_algo: str) -> None:
-    """Serve ``wire.TIER_HELD_PATH`` on vLLM's ``app``, from the layouts in ``layouts_dir``."""
+def add_route(app: Any, layouts_dir: Path | None, hash_algo: str, block_size: int) -> None:
+    """Serve ``wire.TIER_HELD_PATH`` on vLLM's ``app``, from the layouts in ``layouts_dir``, for an engine whose
+    blocks hold ``block_size`` tokens."""
     from fastapi.responses import JSONResponse
     from pydantic import ValidationError
     from vllm.entrypoints.serve.engine.protocol import ErrorInfo, ErrorResponse
@@ -190,7 +196,7 @@ def add_route(app: Any, layouts_dir: Path | None, hash_algo: str) -> None:
             return bad_request(f"the body is not JSON: {e}")
         if not isinstance(body, dict) or ("prompt" not in body and "messages" not in body):
             return bad_request("the body must be a JSON object: a chat request (messages) or a completion (prompt)")
-        nothing = {wire.PROMPT_TOKENS: None, wire.TIERS: {}}
+        nothing = {wire.PROMPT_TOKENS: None, wire.BLOCKS: [], wire.TIERS: {}}
         models = request.app.state.serving_tokenization.models
         if not _hashable(body) or ("model" in body and not models.is_base_model(body["model"])):
             return JSONResponse(nothing)
@@ -203,8 +209,9 @@ def add_route(app: Any, layouts_dir: Path | None, hash_algo: str) -> None:
         if not layouts and layouts_dir is not None:
             layouts.extend(await asyncio.to_thread(read_layouts, layouts_dir))
         held: dict[str, int] = {}
+        salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
+        own = block_hashes(tokens, block_size, hash_algo, salt) or []
         if layouts:
-            salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
 
             def look_up() -> dict[str, int]:
                 found: dict[str, int] = {}
@@ -217,6 +224,7 @@ def add_route(app: Any, layouts_dir: Path | None, hash_algo: str) -> None:
                 return found
 
             held = await asyncio.to_thread(look_up)  # stats: milliseconds each on a network filesystem
-        return JSONResponse({wire.PROMPT_TOKENS: len(tokens), wire.TIERS: held})
+        blocks = [external_hash(h) for h in own]
+        return JSONResponse({wire.PROMPT_TOKENS: len(tokens), wire.BLOCKS: blocks, wire.TIERS: held})
 
     app.add_route(wire.TIER_HELD_PATH, tier_held, methods=["POST"], include_in_schema=False)

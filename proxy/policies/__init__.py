@@ -14,7 +14,7 @@ to the policy's class; adding a policy is its module and one line here.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
 from proxy.policies.least_loaded import LeastLoaded, least_loaded
@@ -56,12 +56,24 @@ class RoutingPolicy(Protocol):
     @classmethod
     def from_config(cls, routing: RoutingConfig) -> RoutingPolicy: ...
 
-    def pick(self, engines: Sequence[EngineState], prefix: tuple[int, ...] = (), shared_depth: int = 0) -> EngineState:
-        """The engine for a request (``engines`` is never empty); a policy with an ``index`` records it."""
+    def pick(
+        self,
+        engines: Sequence[EngineState],
+        prefix: tuple[int, ...] = (),
+        shared_depth: int = 0,
+        resident: Mapping[str, int] | None = None,
+    ) -> EngineState:
+        """The engine for a request (``engines`` is never empty); a policy with an ``index`` records it.
+        ``resident``: how many leading blocks of ``prefix`` each engine's prefix cache holds, from its KV events
+        (``proxy.residency``; None: unknown), which a policy that reads prefixes prefers to its ``index``."""
         ...
 
     def choose(
-        self, engines: Sequence[EngineState], prefix: tuple[int, ...] = (), shared_depth: int = 0
+        self,
+        engines: Sequence[EngineState],
+        prefix: tuple[int, ...] = (),
+        shared_depth: int = 0,
+        resident: Mapping[str, int] | None = None,
     ) -> EngineState:
         """``pick`` without recording the choice in ``index`` (the router records it itself)."""
         ...

@@ -4,7 +4,7 @@ from ``/metrics``); ties go in turn."""
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, ClassVar
 
 if TYPE_CHECKING:
@@ -43,7 +43,13 @@ class LeastLoaded:
     def from_config(cls, routing: RoutingConfig) -> LeastLoaded:
         return cls()
 
-    def pick(self, engines: Sequence[EngineState], prefix: tuple[int, ...] = (), shared_depth: int = 0) -> EngineState:
+    def pick(
+        self,
+        engines: Sequence[EngineState],
+        prefix: tuple[int, ...] = (),
+        shared_depth: int = 0,
+        resident: Mapping[str, int] | None = None,
+    ) -> EngineState:
         return least_loaded(engines, next(self._counter))
 
     choose = pick

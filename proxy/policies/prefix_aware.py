@@ -1,5 +1,6 @@
-"""``prefix_aware``: the engine that was last sent the longest prefix of this prompt, which likely still holds its
-KV (vLLM's prefix cache), unless it is overloaded next to the least loaded engine; otherwise the least loaded.
+"""``prefix_aware``: the engine whose prefix cache holds the longest prefix of this prompt (its KV events say,
+``proxy.residency``; where they do not come, the engine last sent it, which likely still holds it), unless it is
+overloaded next to the least loaded engine; otherwise the least loaded.
 
 Prefixes are chained hashes of fixed-size blocks of the prompt (``proxy.routing.prefix_hashes``): hash *i*
 covers blocks 0..*i*, so one hash names the whole prefix up to that block. ``PrefixIndex`` keeps, for the most
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import collections
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, ClassVar
 
 from proxy.policies.least_loaded import least_loaded
@@ -81,20 +82,34 @@ class PrefixAware:
     def from_config(cls, routing: RoutingConfig) -> PrefixAware:
         return cls(routing.prefix_cache_size, routing.prefix_overload_factor)
 
-    def pick(self, engines: Sequence[EngineState], prefix: tuple[int, ...] = (), shared_depth: int = 0) -> EngineState:
-        chosen = self.choose(engines, prefix, shared_depth)
+    def pick(
+        self,
+        engines: Sequence[EngineState],
+        prefix: tuple[int, ...] = (),
+        shared_depth: int = 0,
+        resident: Mapping[str, int] | None = None,
+    ) -> EngineState:
+        chosen = self.choose(engines, prefix, shared_depth, resident)
         if prefix:
             self.index.record(prefix, chosen.engine_id)
         return chosen
 
     def choose(
-        self, engines: Sequence[EngineState], prefix: tuple[int, ...] = (), shared_depth: int = 0
+        self,
+        engines: Sequence[EngineState],
+        prefix: tuple[int, ...] = (),
+        shared_depth: int = 0,
+        resident: Mapping[str, int] | None = None,
     ) -> EngineState:
         """``pick`` without recording the choice. ``shared_depth``: leading blocks of ``prefix`` that every engine
         can load (a shared KV tier holds them); a holder of no more than that has nothing to offer over the least
-        loaded engine."""
+        loaded engine. ``resident``: what each engine's prefix cache holds of ``prefix`` (its KV events), read
+        instead of the index."""
         least = least_loaded(engines, next(self._counter))
-        holder, depth = self.index.longest(prefix, engines) if prefix else (None, 0)
+        if resident is not None:
+            holder, depth = max(((e, resident.get(e.engine_id, 0)) for e in engines), key=lambda held: held[1])
+        else:
+            holder, depth = self.index.longest(prefix, engines) if prefix else (None, 0)
         if holder is not None and depth > shared_depth and holder.load + 1 <= self.overload_factor * (least.load + 1):
             return holder
         return least

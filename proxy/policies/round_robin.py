@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, ClassVar
 
 if TYPE_CHECKING:
@@ -26,7 +26,13 @@ class RoundRobin:
     def from_config(cls, routing: RoutingConfig) -> RoundRobin:
         return cls()
 
-    def pick(self, engines: Sequence[EngineState], prefix: tuple[int, ...] = (), shared_depth: int = 0) -> EngineState:
+    def pick(
+        self,
+        engines: Sequence[EngineState],
+        prefix: tuple[int, ...] = (),
+        shared_depth: int = 0,
+        resident: Mapping[str, int] | None = None,
+    ) -> EngineState:
         return engines[next(self._counter) % len(engines)]
 
     choose = pick

@@ -16,7 +16,7 @@ from proxy.metrics import ProxyMetrics
 from proxy.pool import EnginePool
 
 ROUTING_KEYS = {"prefill_policy": "prefill", "decode_policy": "decode"} | {
-    name: name for name in RoutingConfig.model_fields if name.startswith("prefix_")
+    name: name for name in RoutingConfig.model_fields if name.startswith("prefix_") or name == "kv_events"
 }
 """Keywords that are ``RoutingConfig``'s fields (its policies named by pool)."""
 

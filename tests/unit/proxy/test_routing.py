@@ -437,7 +437,9 @@ def test_routing_asks_the_tier_only_where_its_answer_changes_a_choice():
 
     assert asks.asks_tier(long, COMPLETIONS) and not asks.asks_tier(short, COMPLETIONS)
     assert not make_router(tier_pools=("prefill", "decode")).asks_tier(long, COMPLETIONS)  # round robin: no choice
-    assert not make_router(decode_only_if_cached=True).asks_tier(long, COMPLETIONS)  # no tier
+    assert not make_router(decode_only_if_cached=True, kv_events=False).asks_tier(long, COMPLETIONS)  # no tier
+    assert make_router(decode_only_if_cached=True).asks_tier(long, COMPLETIONS)  # its blocks, for the KV events
+    assert not make_router().asks_tier(long, COMPLETIONS)  # round robin, no cache-aware choice: nothing to ask
     assert make_router(prefill_policy="prefix_aware", tier_pools=("prefill",)).asks_tier(long, COMPLETIONS)
     below = make_router(decode_only_if_cached=True, tier_pools=("decode",), decode_only_below_tokens=10_000)
     assert not below.asks_tier(long, COMPLETIONS)  # decode-only anyway
@@ -453,3 +455,46 @@ def test_the_tier_is_asked_of_its_pools_ready_engines_in_turn():
 def test_tier_pools_must_name_pools():
     with pytest.raises(ValueError, match="tier_pools"):
         proxy_config(tier_pools=("router",))
+
+
+# --- what each engine's prefix cache holds, from its KV events (proxy.residency) ---------------------------
+
+
+def follows(router: Router, holdings: dict[str, list[int]]) -> None:
+    """The router's index follows every engine of ``holdings``, each holding those blocks."""
+    for engine_id, blocks in holdings.items():
+        router.residency.begin(engine_id, "e1")
+        router.residency.apply(engine_id, {"seq": 0, "stored": blocks, "removed": [], "cleared": False})
+
+
+def test_prefix_aware_goes_where_the_prefix_cache_holds_the_prompt_not_where_it_was_sent():
+    router = make_router(prefill=3, prefill_policy="prefix_aware")
+    prompt = completion("p" * (8 * BLOCK))
+    sent_to = router.route(prompt, COMPLETIONS).prefill.engine_id  # the guess: the engine last sent it
+    holder = next(e for e in ("prefill-0", "prefill-1", "prefill-2") if e != sent_to)
+    follows(router, {sent_to: [], holder: [11, 12, 13, 14]})  # the engine it was sent evicted it; another holds it
+
+    assert router.route(prompt, COMPLETIONS, TierHeld(64, 0, (11, 12, 13, 14))).prefill.engine_id == holder
+    # without the prompt's blocks (the engine asked did not hash it), the guess stands: the engine last sent it
+    assert router.route(prompt, COMPLETIONS, TierHeld(64, 0)).prefill.engine_id == holder
+
+
+def test_without_kv_events_routing_keeps_the_sent_prefix_guess():
+    router = make_router(prefill=3, prefill_policy="prefix_aware")
+    prompt = completion("q" * (8 * BLOCK))
+    sent_to = router.route(prompt, COMPLETIONS).prefill.engine_id
+    assert not router.residency.following()  # no engine's stream is up
+    assert router.route(prompt, COMPLETIONS, TierHeld(64, 0, (11, 12))).prefill.engine_id == sent_to
+    assert make_router(prefill_policy="prefix_aware", kv_events=False).residency is None
+
+
+def test_decode_only_if_cached_reads_what_the_decode_engine_holds():
+    router = make_router(decode=1, decode_only_if_cached=True)
+    prompt = completion("r" * (8 * BLOCK))
+    follows(router, {"decode-0": [21, 22, 23, 24]})
+
+    whole = router.route(prompt, COMPLETIONS, TierHeld(64, 0, (21, 22, 23, 24)))
+    assert whole.prefill is None and whole.reason == "cached"
+    router.residency.apply("decode-0", {"seq": 1, "stored": [], "removed": [22], "cleared": False})  # evicted
+    partly = router.route(prompt, COMPLETIONS, TierHeld(64, 0, (21, 22, 23, 24)))
+    assert partly.prefill is not None  # a quarter held: the prefill engine computes it
