@@ -185,6 +185,11 @@ class StubEngine:
     """The share of a prompt's tokens ``POST /v1/pdserve/tier_held`` says the shared KV tier holds."""
     tier_delay_s: float = 0.0
     """How long ``POST /v1/pdserve/tier_held`` waits before it answers."""
+    held_blocks: list[int] | None = None
+    """When set, ``GET /v1/pdserve/kv_events`` streams one batch that stores these blocks (the engine's prefix cache
+    holds them), then a heartbeat every 0.2 s; unset, the route answers 404 (an engine that does not relay)."""
+    prompt_blocks: list[int] = field(default_factory=list)
+    """The blocks ``POST /v1/pdserve/tier_held`` answers for any prompt (``wire.BLOCKS``)."""
     extra_metrics: Callable[[], str] | None = None
     """More Prometheus text for ``GET /metrics``, e.g. a test's histograms of what the stub served."""
     metrics_delay_s: float = 0.0
@@ -226,6 +231,7 @@ class StubEngine:
         app.router.add_get("/metrics", self._metrics)
         app.router.add_post("/tokenize", self._tokenize)
         app.router.add_post(wire.TIER_HELD_PATH, self._tier_held)
+        app.router.add_get(wire.KV_EVENTS_PATH, self._kv_events)
         runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=0.5, access_log=None)
         await runner.setup()
         await web.SockSite(runner, sock).start()
@@ -323,7 +329,21 @@ class StubEngine:
         text = body.get("prompt") if "prompt" in body else " ".join(str(m.get("content")) for m in body["messages"])
         tokens = len(str(text).split())
         held = int(tokens * self.tier_fraction)
-        return _json({wire.PROMPT_TOKENS: tokens, wire.TIERS: {wire.SHARED_TIER: held, "node": 0}})
+        tiers = {wire.SHARED_TIER: held, "node": 0}
+        return _json({wire.PROMPT_TOKENS: tokens, wire.BLOCKS: self.prompt_blocks, wire.TIERS: tiers})
+
+    async def _kv_events(self, request: web.Request) -> web.StreamResponse:
+        if self.held_blocks is None:
+            return web.Response(status=404)
+        response = web.StreamResponse()
+        await response.prepare(request)
+        await response.write(orjson.dumps({"epoch": self.name, "block_size": 16}) + b"\n")
+        batch = {"seq": 0, "stored": self.held_blocks, "removed": [], "cleared": False}
+        await response.write(orjson.dumps(batch) + b"\n")
+        while self._runner is not None:
+            await asyncio.sleep(0.2)
+            await response.write(b"{}\n")
+        return response
 
     async def _models(self, request: web.Request) -> web.Response:
         if self.behaviour is Behaviour.ERROR_500:

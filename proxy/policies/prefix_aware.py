@@ -70,7 +70,8 @@ class PrefixAware:
     needs_prefix: ClassVar[bool] = True
     simulated_as: ClassVar[str | None] = "least_loaded"
     summary: ClassVar[str] = (
-        "the engine last sent the longest prefix of the prompt, unless overloaded; else the least loaded"
+        "the engine whose prefix cache holds the longest prefix of the prompt (its KV events say; without them, the "
+        "engine last sent it), unless overloaded; else the least loaded"
     )
 
     def __init__(self, capacity: int, overload_factor: float) -> None:

@@ -192,6 +192,22 @@ async def test_a_prompt_the_shared_tier_holds_goes_decode_only_though_this_proxy
     assert await tier_lookups(proxy, "ok") == 1
 
 
+async def test_prefix_aware_sends_prompts_where_the_engines_kv_events_say_they_are_held(
+    make_proxy, prefill_engine, two_prefill, decode_engine
+):
+    for engine in (prefill_engine, two_prefill, decode_engine):
+        engine.prompt_blocks = [11, 12, 13, 14]  # every prompt's blocks, as the engine asked hashes them
+    prefill_engine.held_blocks, two_prefill.held_blocks, decode_engine.held_blocks = [], [11, 12, 13, 14], []
+    proxy = await make_proxy(prefill_policy="prefix_aware", prefix_block_chars=16)
+    await wait_until(lambda: proxy.app.state.router.residency.live("prefill-1"), 10)
+
+    prompts = [{"model": PROXY_MODEL, "prompt": f"Story {n}: " + "a lighthouse keeper. " * 10} for n in range(4)]
+    responses = [await post(proxy, body) for body in prompts]
+
+    assert [r.headers["x-pdserve-prefill"] for r in responses] == ["prefill-1"] * 4  # not spread by load
+    assert len(prefill_engine.tier_lookups + two_prefill.tier_lookups + decode_engine.tier_lookups) == 4
+
+
 async def test_without_an_answer_from_the_tier_in_time_a_request_is_routed_as_without_it(
     make_proxy, prefill_engine, decode_engine
 ):
