@@ -7,10 +7,20 @@ that what was handed in (a topology, a list of block ids) cannot be used as give
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TypeVar
+
+_T = TypeVar("_T")
 
 
 class ConnectorError(Exception):
     """Base of every error the connectors package raises on purpose."""
+
+
+def registered(value: _T | None, engine_id: str) -> _T:
+    """``value``, set once the engine's KV caches are registered; ``ConnectorError`` before."""
+    if value is None:
+        raise ConnectorError(f"engine {engine_id}: register_kv_caches has not run")
+    return value
 
 
 class TopologyError(ConnectorError, ValueError):

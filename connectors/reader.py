@@ -53,7 +53,7 @@ from collections.abc import Sequence
 from concurrent.futures import FIRST_COMPLETED, Executor, Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_for_any
 
-from connectors.errors import ConnectorError, TopologyError
+from connectors.errors import ConnectorError, TopologyError, registered
 from connectors.identity import mapping_name, peer_name
 from connectors.leases import PinAnswer, read_notification
 from connectors.metadata import KVTransferParams, ReceiveSpec
@@ -436,14 +436,10 @@ class KVReader:
         self._side.close()
 
     def _require_transport(self) -> WorkerTransports:
-        if self._transport is None:
-            raise ConnectorError(f"engine {self.engine_id}: register_kv_caches has not run")
-        return self._transport
+        return registered(self._transport, self.engine_id)
 
     def _require_topology(self) -> KVTopology:
-        if self._topology is None:
-            raise ConnectorError(f"engine {self.engine_id}: register_kv_caches has not run")
-        return self._topology
+        return registered(self._topology, self.engine_id)
 
 
 def _expand(block_ids: Sequence[int], per_block: int) -> list[int]:

@@ -27,7 +27,7 @@ from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 
 from connectors.block_ranges import KVRegions, PlaneRanges, plan_peer_ranges
-from connectors.errors import ConnectorError, HandshakeRejected, TransportError
+from connectors.errors import ConnectorError, HandshakeRejected, TransportError, registered
 from connectors.handshake import HandshakeCache, HandshakeResponse
 from connectors.side_client import PeerClient
 from connectors.topology import KVTopology, reader_ranks
@@ -231,11 +231,7 @@ class SourceRanks:
         return True
 
     def _require_transport(self) -> WorkerTransports:
-        if self._transport is None:
-            raise ConnectorError(f"engine {self.engine_id}: register_kv_caches has not run")
-        return self._transport
+        return registered(self._transport, self.engine_id)
 
     def _require_topology(self) -> KVTopology:
-        if self._topology is None:
-            raise ConnectorError(f"engine {self.engine_id}: register_kv_caches has not run")
-        return self._topology
+        return registered(self._topology, self.engine_id)
