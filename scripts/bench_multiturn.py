@@ -17,8 +17,14 @@ conversations (it is on in every run). Three runs of the same conversations, eac
   every cluster of the run is given one cluster secret (the tier's entries are MAC'd
   under a key derived from it), so a restarted one loads what the one before stored.
 
+- ``no-tier-guess``: as ``no-tier``, with the proxy's ``routing.kv_events`` off: routing guesses what an
+  engine's prefix cache holds from what it sent the engine, where the other runs read the engines' KV events.
+
 Each turn is streamed through the proxy; TTFT is the time to the first content
-token. Reported per run: TTFT p50/p90 of turns >= 2 and its ratio to the pooled no-tier runs,
+token, and the engine that computed its prompt says how much of it its prefix cache held (its
+``vllm:prefix_cache_hits_total``, read before and after the turn: turns run one at a time). Reported per
+run: TTFT p50/p90 of turns >= 2 and its ratio to the pooled no-tier runs, the share of later turns' prompts
+(and of decode-only turns') the computing engine's prefix cache served,
 and whether every answer is the same as in ``no-tier`` (greedy, so it must be).
 Machine speed drifts: compare the ratios, measured in the same run. With
 ``--decode-only-if-cached`` every run's proxy serves a turn decode-only when the
@@ -38,13 +44,29 @@ import statistics
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from testlib.cluster_client import pdserve  # noqa: E402
 from testlib.multiturn import CPU_BLOCK_TOKENS, conversations, down, stream_chat, up  # noqa: E402
+
+REFERENCE_RUNS = ("no-tier", "no-tier-again")
+"""The runs every other is compared with, pooled."""
+
+
+def engine_urls() -> dict[str, str]:
+    return {e["engine_id"]: e["url"] for e in json.loads(pdserve("status", "--json").stdout)["engines"]}
+
+
+def cache_hits(url: str) -> float:
+    """The engine's ``vllm:prefix_cache_hits_total``: prompt tokens its prefix cache served so far."""
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as response:
+        lines = response.read().decode().splitlines()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("vllm:prefix_cache_hits_total"))
 
 
 def spec_file(
@@ -55,12 +77,16 @@ def spec_file(
     kv_blocks: int,
     block_size: int,
     decode_only_if_cached: bool = False,
+    kv_events: bool = True,
 ) -> str:
     raw = yaml.safe_load(Path(config).read_text())
     raw.pop("kv_tier", None)
     raw["name"] = f"multiturn-{run}"
-    if decode_only_if_cached:  # in every run: without the tier, what the decode engine was sent counts
+    if decode_only_if_cached:  # in every run: without the tier, what the decode engine holds (or was sent) counts
         raw["proxy"] = {**raw.get("proxy", {}), "decode_only_if_cached": True}
+    if not kv_events:
+        proxy = raw.setdefault("proxy", {})
+        proxy["routing"] = {**proxy.get("routing", {}), "kv_events": False}
     engine = raw.setdefault("engine", {})
     # the same KV cache in tokens whatever the block size
     blocks = kv_blocks * CPU_BLOCK_TOKENS // block_size
@@ -79,27 +105,38 @@ def run(spec: str, talks: list[list[str]], max_tokens: int, restart_after: set[i
     rows: list[dict] = []
     histories: list[list[dict]] = [[] for _ in talks]
     proxy_url = up(spec)
+    urls = engine_urls()
     try:
         for turn in range(max(len(t) for t in talks)):
             for c, talk in enumerate(talks):
                 if turn >= len(talk):
                     continue
                 histories[c].append({"role": "user", "content": talk[turn]})
-                ttft, answer, prompt_tokens, path = stream_chat(proxy_url, histories[c], max_tokens)
+                before = {engine: cache_hits(url) for engine, url in urls.items()}
+                ttft, answer, prompt_tokens, path, engine = stream_chat(proxy_url, histories[c], max_tokens)
+                cached = cache_hits(urls[engine]) - before[engine] if engine in urls else 0.0
                 histories[c].append({"role": "assistant", "content": answer})
                 row = {"conversation": c, "turn": turn + 1, "ttft_s": ttft, "prompt_tokens": prompt_tokens}
-                rows.append(row | {"answer": answer, "path": path})
+                rows.append(row | {"answer": answer, "path": path, "engine": engine, "cached_tokens": cached})
                 print(
-                    f"  conversation {c} turn {turn + 1}: {prompt_tokens} tokens, TTFT {ttft:.2f} s ({path})",
+                    f"  conversation {c} turn {turn + 1}: {prompt_tokens} tokens, {cached:.0f} cached on {engine}, "
+                    f"TTFT {ttft:.2f} s ({path})",
                     flush=True,
                 )
             if turn + 1 in restart_after:
                 print(f"  restarting the engines after round {turn + 1}", flush=True)
                 down()
                 proxy_url = up(spec)
+                urls = engine_urls()
     finally:
         down()
     return rows
+
+
+def _share(rows: list[dict]) -> float | None:
+    """The prompt tokens the computing engines' prefix caches served, over those of ``rows``."""
+    prompts = sum(r["prompt_tokens"] for r in rows)
+    return sum(r.get("cached_tokens", 0) for r in rows) / prompts if prompts else None
 
 
 def summary(rows: list[dict], baseline: list[dict] | None) -> dict:
@@ -112,6 +149,10 @@ def summary(rows: list[dict], baseline: list[dict] | None) -> dict:
         "ttft_later_p90_s": later[int(0.9 * (len(later) - 1))],
         "max_prompt_tokens": max(r["prompt_tokens"] for r in rows),
         "decode_only_turns": sum(r.get("path", "").startswith("decode-only") for r in rows),
+        # how much of its prompt the engine that computed a turn held: all turns >= 2, and those served decode-only
+        # (routing believed the decode engine held most of it)
+        "cached_share_later": _share([r for r in rows if r["turn"] >= 2]),
+        "cached_share_decode_only": _share([r for r in rows if r.get("path", "").startswith("decode-only")]),
     }
     if baseline is not None:
         answers = {(r["conversation"], r["turn"]): r["answer"] for r in baseline}
@@ -164,18 +205,19 @@ def main() -> None:
     for name in args.runs.split(","):
         tier_dir = None if name.startswith("no-tier") else workdir / f"tier-{name}"
         spec = spec_file(
-            args.config, workdir, name, tier_dir, args.kv_blocks, args.block_size, args.decode_only_if_cached
-        )
+            args.config, workdir, name, tier_dir, args.kv_blocks, args.block_size, args.decode_only_if_cached,
+            kv_events=not name.endswith("-guess"),
+        )  # fmt: skip
         print(f"{name}:", flush=True)
         started, began = time.perf_counter(), time.strftime("%H:%M:%S")
         rows_by_run[name] = run(spec, talks, args.max_tokens, restart_after if name == "tier-restart" else set())
         results[name] = summary(rows_by_run[name], rows_by_run.get("no-tier") if name != "no-tier" else None)
         results[name]["began"] = began
         results[name]["wall_s"] = time.perf_counter() - started
-    references = [rows for name, rows in rows_by_run.items() if name.startswith("no-tier")]
+    references = [rows for name, rows in rows_by_run.items() if name in REFERENCE_RUNS]
     base = summary([row for rows in references for row in rows], None) if references else None
     for name, result in results.items():
-        if base is not None and not name.startswith("no-tier"):
+        if base is not None and name not in REFERENCE_RUNS:
             result["ttft_later_p50_ratio"] = result["ttft_later_p50_s"] / base["ttft_later_p50_s"]
             result["ttft_later_p90_ratio"] = result["ttft_later_p90_s"] / base["ttft_later_p90_s"]
     report = {

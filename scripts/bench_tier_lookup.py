@@ -66,7 +66,7 @@ def main() -> None:
         headers = {"Authorization": f"Bearer {engine_key(load_cluster_secret())}"}
         talk = conversations(1, 5, 8, args.first_sentences)[0]
         history = [{"role": "user", "content": talk[0]}]
-        _, answer, prompt_tokens, _ = stream_chat(proxy, history, 32)  # computed and stored
+        _, answer, prompt_tokens, _, _ = stream_chat(proxy, history, 32)  # computed and stored
         history += [{"role": "assistant", "content": answer}, {"role": "user", "content": talk[1]}]
         body = {"model": MODEL, "messages": history}
         tokenize, lookup = [], []
@@ -78,7 +78,7 @@ def main() -> None:
                 times.append(seconds)
                 if times is lookup:
                     held = answer_body
-        ttft, _, next_tokens, path = stream_chat(proxy, history, 8)
+        ttft, _, next_tokens, path, _ = stream_chat(proxy, history, 8)
     finally:
         down()
     result = {

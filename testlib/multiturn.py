@@ -8,8 +8,11 @@ import random
 import sys
 import time
 import urllib.request
+from typing import NamedTuple
 
+from contract.headers import DECODE as DECODE_HEADER
 from contract.headers import PATH as PATH_HEADER
+from contract.headers import PREFILL as PREFILL_HEADER
 from testlib.cluster_client import pdserve
 
 MODEL = "smollm2-135m-instruct"
@@ -55,8 +58,19 @@ def conversations(count: int, seed: int, sentences: int = 22, first: int | None 
     return talks
 
 
-def stream_chat(proxy_url: str, messages: list[dict], max_tokens: int) -> tuple[float, str, int, str]:
-    """(TTFT, answer, prompt tokens, the proxy's serving path) of one streamed greedy turn."""
+class Turn(NamedTuple):
+    """One streamed greedy turn: its TTFT, answer, prompt tokens, the proxy's serving path, and the engine that
+    computed its prompt (the prefill engine, or the one that served it alone)."""
+
+    ttft_s: float
+    answer: str
+    prompt_tokens: int
+    path: str
+    engine: str
+
+
+def stream_chat(proxy_url: str, messages: list[dict], max_tokens: int) -> Turn:
+    """One streamed greedy turn (``Turn``)."""
     body = {
         "model": MODEL,
         "messages": messages,
@@ -71,6 +85,7 @@ def stream_chat(proxy_url: str, messages: list[dict], max_tokens: int) -> tuple[
     start, ttft, parts, prompt_tokens = time.perf_counter(), None, [], 0
     with urllib.request.urlopen(request, timeout=900) as response:
         path = response.headers.get(PATH_HEADER, "")
+        engine = response.headers.get(PREFILL_HEADER) or response.headers.get(DECODE_HEADER, "")
         for raw in response:
             line = raw.decode().strip()
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -85,7 +100,7 @@ def stream_chat(proxy_url: str, messages: list[dict], max_tokens: int) -> tuple[
                 prompt_tokens = event["usage"]["prompt_tokens"]
     if ttft is None:
         raise RuntimeError("the stream carried no content")
-    return ttft, "".join(parts), prompt_tokens, path
+    return Turn(ttft, "".join(parts), prompt_tokens, path, engine)
 
 
 def up(spec: str) -> str:
