@@ -12,6 +12,7 @@ The instances are stateless; ``proxy.apis.REGISTRY`` lists them.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import Any, ClassVar
 
 import orjson
@@ -57,7 +58,7 @@ class RelayApi(Api):
     relay = True
 
 
-class GenerationApi(Api):
+class GenerationApi(Api, ABC):
     """An API served through prefill and decode (see the module's docstring); its module overrides what differs."""
 
     relay = False
@@ -129,14 +130,14 @@ class GenerationApi(Api):
 
     # ---------------------------------------------------------------- the prompt, for routing
 
+    @abstractmethod
     def prefix_text(self, body: dict[str, Any], limit: int) -> str | list[int]:
         """The prompt's first ``limit`` characters (or token ids), as ``proxy.routing.prefix_hashes`` cuts it
         into blocks: only equality of prefixes matters."""
-        raise NotImplementedError
 
+    @abstractmethod
     def estimate_tokens(self, body: dict[str, Any]) -> int:
         """The prompt's length in tokens, without a tokenizer (``CHARS_PER_TOKEN``)."""
-        raise NotImplementedError
 
     # ---------------------------------------------------------------- the prefill leg
 
